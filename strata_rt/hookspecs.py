@@ -1,0 +1,28 @@
+"""The hooks a quant plugin implements, declared by marker as pytest declares its own.
+
+A plugin is a module (listed in plugins.yaml or published under the entry point group
+`strata_rt.quants`) with functions decorated by `strata_rt.hookimpl`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import pluggy
+
+if TYPE_CHECKING:
+    from .formats import QuantFormat
+
+PROJECT = "strata_rt"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+@hookspec
+def strata_rt_formats() -> list[QuantFormat]:
+    """Return the format objects this plugin provides (instances of QuantFormat subclasses).
+
+    Called once when the registry loads. Every plugin must implement it: a module that
+    provides no format is a configuration mistake, and the registry says so by name.
+    Two formats with one name, across all plugins, are an error.
+    """
