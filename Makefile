@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: setup.cfg pyproject.toml tests/plugins/strata_testfmt/setup.cfg
+$(VENV)/.installed: setup.cfg pyproject.toml tests/plugins/strata_testfmt/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[test]' ./tests/plugins/strata_testfmt

@@ -41,6 +41,9 @@ SWITCHES: dict[str, Switch] = {
         Switch("STRATA_KERNEL_CACHE", "path",
                "directory of compiled cubins (default: ~/.cache/strata_rt/kernels)."),
         Switch("STRATA_NVCC", "path", "the nvcc to use (default: nvcc on PATH)."),
+        Switch("STRATA_PLUGINS", "path",
+               "the plugins.yaml to load instead of the one next to the package "
+               "(`strata --plugins PATH` sets it)."),
     )
 }
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pluggy
 import yaml
 
-from . import hookspecs
+from . import env, hookspecs
 from .errors import PluginError
 from .formats import QuantFormat
 
@@ -126,8 +126,10 @@ _DEFAULT: QuantRegistry | None = None
 
 
 def registry(reload: bool = False) -> QuantRegistry:
-    """The process-wide registry (plugins.yaml next to the package + entry points)."""
+    """The process-wide registry (plugins.yaml next to the package, or STRATA_PLUGINS, plus
+    entry points)."""
     global _DEFAULT
     if _DEFAULT is None or reload:
-        _DEFAULT = QuantRegistry()
+        plugins_yaml = env.text("STRATA_PLUGINS")
+        _DEFAULT = QuantRegistry(Path(plugins_yaml) if plugins_yaml else None)
     return _DEFAULT

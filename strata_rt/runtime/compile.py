@@ -1,0 +1,180 @@
+"""nvcc -> cubin with a disk cache; no pycuda here, so CPU machines and CI compile for real.
+
+The cache key covers everything that can change the cubin: the source, every header a kernel
+could include (kernels/common and the source's own folder), the arch, the defines, the flags and
+the compiler's version. A stale cubin is therefore never loaded, and a second run compiles
+nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .. import env
+from ..errors import KernelBuildError
+from ..formats import KERNELS_ROOT
+
+if TYPE_CHECKING:
+    from ..registry import QuantRegistry
+
+#: Flags every kernel is built with. No --use_fast_math: kernels promise exact, IEEE-rounded
+#: arithmetic that numpy mirrors bit for bit.
+BASE_FLAGS = ("-cubin", "-O3", "-std=c++17")
+#: Files that can be #included and therefore take part in the cache key.
+_INCLUDE_SUFFIXES = {".cu", ".cuh", ".h", ".hpp", ".inc"}
+Defines = Mapping[str, "int | float | str | None"]
+
+
+def nvcc_path() -> str | None:
+    """The nvcc to run: STRATA_NVCC, else nvcc on PATH, else None."""
+    return env.text("STRATA_NVCC") or shutil.which("nvcc")
+
+
+def nvcc_available() -> bool:
+    return nvcc_path() is not None
+
+
+def cache_dir() -> Path:
+    configured = env.text("STRATA_KERNEL_CACHE")
+    return Path(configured) if configured else Path.home() / ".cache" / "strata_rt" / "kernels"
+
+
+@functools.lru_cache(maxsize=8)
+def nvcc_version(nvcc: str) -> str:
+    try:
+        done = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60)
+    except OSError as e:
+        raise KernelBuildError(f"cannot run nvcc at {nvcc!r}: {e}") from None
+    if done.returncode != 0:
+        raise KernelBuildError(f"`{nvcc} --version` failed:\n{done.stdout}{done.stderr}")
+    return done.stdout.strip()
+
+
+def _require_nvcc() -> str:
+    nvcc = nvcc_path()
+    if nvcc is None:
+        raise KernelBuildError(
+            "nvcc not found: put the CUDA toolkit's nvcc on PATH or set STRATA_NVCC to it")
+    return nvcc
+
+
+def _include_files(folder: Path) -> list[Path]:
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix in _INCLUDE_SUFFIXES)
+
+
+def _define_flags(defines: Defines | None) -> list[str]:
+    flags = []
+    for key in sorted(defines or {}):
+        value = defines[key]
+        flags.append(f"-D{key}" if value is None else f"-D{key}={value}")
+    return flags
+
+
+def _cache_key(source: Path, text: bytes, arch: str, flags: list[str], version: str) -> str:
+    h = hashlib.sha256()
+    for part in (str(source.name).encode(), text, arch.encode(), "\0".join(flags).encode(),
+                 version.encode()):
+        h.update(len(part).to_bytes(8, "little"))
+        h.update(part)
+    seen = set()
+    for folder in (KERNELS_ROOT / "common", source.parent):
+        for path in _include_files(folder):
+            if path in seen:
+                continue
+            seen.add(path)
+            h.update(str(path.relative_to(folder)).encode() + b"\0")
+            h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def compile_cubin(source: Path, arch: str, defines: Defines | None = None,
+                  extra_flags: Iterable[str] = ()) -> Path:
+    """Compiles `source` for `arch` (e.g. "sm_90") and returns the cached cubin's path.
+
+    Raises KernelBuildError with nvcc's output when the source does not compile."""
+    source = Path(source).resolve()
+    try:
+        text = source.read_bytes()
+    except OSError as e:
+        raise KernelBuildError(f"kernel source {source}: cannot read it ({e})") from None
+    if not arch.startswith("sm_"):
+        raise KernelBuildError(f"arch {arch!r} for {source.name}: expected sm_XY, e.g. sm_90")
+    nvcc = _require_nvcc()
+    flags = [*BASE_FLAGS, f"-arch={arch}", "-I", str(KERNELS_ROOT), *_define_flags(defines),
+             *extra_flags]
+    key = _cache_key(source, text, arch, flags, nvcc_version(nvcc))
+    target = cache_dir() / f"{source.stem}-{arch}-{key[:24]}.cubin"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=target.stem, suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    try:
+        cmd = [nvcc, *flags, "-o", tmp, str(source)]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise KernelBuildError(
+                f"nvcc could not compile {source} for {arch}"
+                f"{' with ' + ' '.join(_define_flags(defines)) if defines else ''}:\n"
+                f"{(done.stdout + done.stderr).strip()}\ncommand: {' '.join(cmd)}")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, target)  # atomic: a reader sees no cubin or a whole one
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+@dataclass(frozen=True)
+class KernelCheck:
+    """One source compiled for one arch by `check_kernels`."""
+
+    owner: str  # format name, or "common"
+    source: Path
+    arch: str
+    ok: bool
+    seconds: float
+    message: str = ""  # the compiler's output on failure
+
+
+def kernel_jobs(registry: QuantRegistry) -> list[tuple[str, Path]]:
+    """(owner, source) for every .cu under kernels/common and every loaded format's sources,
+    each source once (the first owner that lists it)."""
+    jobs = {p.resolve(): "common" for p in sorted((KERNELS_ROOT / "common").glob("*.cu"))}
+    for loaded in registry.formats.values():
+        for p in loaded.format.kernel_sources():
+            jobs.setdefault(Path(p).resolve(), loaded.format.name)
+    return [(owner, path) for path, owner in jobs.items()]
+
+
+def check_kernels(registry: QuantRegistry, arches: Iterable[str] = ("sm_80", "sm_90"),
+                  workers: int | None = None) -> list[KernelCheck]:
+    """Compiles every kernel source for every arch (in parallel; nvcc runs in its own process)
+    and reports each one instead of stopping at the first failure."""
+    _require_nvcc()
+    tasks = [(owner, src, arch) for owner, src in kernel_jobs(registry) for arch in arches]
+
+    def one(task: tuple[str, Path, str]) -> KernelCheck:
+        owner, src, arch = task
+        start = time.perf_counter()
+        try:
+            compile_cubin(src, arch)
+        except KernelBuildError as e:
+            return KernelCheck(owner, src, arch, False, time.perf_counter() - start, str(e))
+        return KernelCheck(owner, src, arch, True, time.perf_counter() - start)
+
+    with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 2) as pool:
+        return list(pool.map(one, tasks))

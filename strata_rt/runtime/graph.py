@@ -1,0 +1,109 @@
+"""CUDA graph capture and replay through the driver API (pycuda has no graph API).
+
+Work enqueued on a stream between begin and end capture is recorded instead of run; the
+instantiated graph then replays all of it with one launch, which removes the per-launch host
+cost of a fixed schedule such as the streamed walk.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+from ..errors import StrataError
+
+if TYPE_CHECKING:
+    from .device import Runtime
+    from .streams import Stream
+
+#: CUstreamCaptureMode values: "thread_local" refuses unsafe calls (allocation, sync) made by
+#: this thread during capture; "global" by any thread; "relaxed" refuses none.
+CAPTURE_MODES = {"global": 0, "thread_local": 1, "relaxed": 2}
+
+
+@functools.lru_cache(maxsize=1)
+def _libcuda() -> ctypes.CDLL:
+    lib = ctypes.CDLL("libcuda.so.1")
+    vp, u64 = ctypes.c_void_p, ctypes.c_ulonglong
+    for name, argtypes in (
+        ("cuStreamBeginCapture_v2", [vp, ctypes.c_int]),
+        ("cuStreamEndCapture", [vp, ctypes.POINTER(vp)]),
+        ("cuGraphInstantiateWithFlags", [ctypes.POINTER(vp), vp, u64]),
+        ("cuGraphLaunch", [vp, vp]),
+        ("cuGraphExecDestroy", [vp]),
+        ("cuGraphDestroy", [vp]),
+        ("cuGetErrorString", [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]),
+    ):
+        fn = getattr(lib, name)
+        fn.argtypes = argtypes
+        fn.restype = ctypes.c_int
+    return lib
+
+
+def _check(code: int, call: str) -> None:
+    if code != 0:
+        text = ctypes.c_char_p()
+        _libcuda().cuGetErrorString(code, ctypes.byref(text))
+        msg = text.value.decode() if text.value else "unknown error"
+        raise StrataError(f"{call} failed: CUDA error {code} ({msg})")
+
+
+class Graph:
+    """A captured, instantiated graph; `launch` replays the captured work on any stream.
+
+    Created empty by `capture` and filled when the capture block exits."""
+
+    def __init__(self, runtime: Runtime, name: str):
+        self.name = name
+        self._graph: ctypes.c_void_p | None = None
+        self._exec: ctypes.c_void_p | None = None
+        runtime._own(self)
+
+    def _instantiate(self, graph: ctypes.c_void_p) -> None:
+        exec_ = ctypes.c_void_p()
+        code = _libcuda().cuGraphInstantiateWithFlags(ctypes.byref(exec_), graph, 0)
+        if code != 0:
+            _libcuda().cuGraphDestroy(graph)
+            _check(code, f"cuGraphInstantiateWithFlags for graph {self.name!r}")
+        self._graph, self._exec = graph, exec_
+
+    def launch(self, stream: Stream) -> None:
+        if self._exec is None:
+            raise StrataError(f"graph {self.name!r} is not ready: launch it after its capture "
+                              "block has exited (and before the runtime closes)")
+        _check(_libcuda().cuGraphLaunch(self._exec, stream.handle),
+               f"cuGraphLaunch of graph {self.name!r}")
+
+    def free(self) -> None:
+        if self._exec is not None:
+            lib = _libcuda()
+            lib.cuGraphExecDestroy(self._exec)
+            lib.cuGraphDestroy(self._graph)
+            self._exec = self._graph = None
+
+
+@contextmanager
+def capture(runtime: Runtime, stream: Stream, mode: str = "thread_local") -> Iterator[Graph]:
+    """Records what the body enqueues on `stream` (and on streams forked from it with events)
+    instead of running it. The yielded Graph can be launched once the block has exited; on an
+    error inside the block the capture is ended and discarded so the stream stays usable."""
+    if mode not in CAPTURE_MODES:
+        raise StrataError(f"capture mode {mode!r}; allowed: {', '.join(CAPTURE_MODES)}")
+    lib = _libcuda()
+    result = Graph(runtime, stream.name)
+    _check(lib.cuStreamBeginCapture_v2(stream.handle, CAPTURE_MODES[mode]),
+           f"cuStreamBeginCapture_v2 on stream {stream.name!r}")
+    graph = ctypes.c_void_p()
+    try:
+        yield result
+    except BaseException:
+        if lib.cuStreamEndCapture(stream.handle, ctypes.byref(graph)) == 0 and graph.value:
+            lib.cuGraphDestroy(graph)
+        raise
+    _check(lib.cuStreamEndCapture(stream.handle, ctypes.byref(graph)),
+           f"cuStreamEndCapture on stream {stream.name!r} (was the capture invalidated by a "
+           "synchronizing call or a wait on an event recorded outside it?)")
+    result._instantiate(graph)

@@ -1,0 +1,92 @@
+"""Compiled modules and prepared kernel launches.
+
+A prepared launch packs arguments with a fixed format string instead of inspecting every
+argument's type, which is most of pycuda's per-launch host cost.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..errors import StrataError
+
+if TYPE_CHECKING:
+    from .device import Runtime
+    from .streams import Stream
+
+#: Dynamic shared memory a kernel may use without opting in.
+DEFAULT_SHARED_LIMIT = 48 * 1024
+#: Argument codes of `Module.kernel` (struct codes pycuda's prepare understands).
+ARG_CODES = {"P": "pointer", "i": "int32", "I": "uint32", "f": "float32", "q": "int64"}
+
+
+class Kernel:
+    """One kernel function with a fixed argument signature."""
+
+    def __init__(self, runtime: Runtime, func, name: str, arg_types: str):
+        bad = sorted(set(arg_types) - set(ARG_CODES))
+        if bad:
+            allowed = ", ".join(f"{k} ({v})" for k, v in ARG_CODES.items())
+            raise StrataError(f"kernel {name}: argument codes {bad} in {arg_types!r}; "
+                              f"allowed: {allowed}")
+        self.runtime = runtime
+        self.name = name
+        self.arg_types = arg_types
+        self.func = func.prepare(arg_types)
+        self._shared_opted = DEFAULT_SHARED_LIMIT
+
+    def _opt_in_shared(self, shared: int) -> None:
+        limit = self.runtime.max_shared_optin
+        if shared > limit:
+            raise StrataError(f"kernel {self.name}: {shared} bytes of dynamic shared memory "
+                              f"asked, the device allows at most {limit}")
+        drv = self.runtime.drv
+        self.func.set_attribute(drv.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, shared)
+        self._shared_opted = shared
+
+    def launch(self, grid: Sequence[int], block: Sequence[int], stream: Stream,
+               args: Sequence, shared: int = 0) -> None:
+        """Enqueues one launch on `stream`; more than 48 KiB of dynamic shared memory is
+        opted into once per kernel (the attribute is sticky)."""
+        if shared > self._shared_opted:
+            self._opt_in_shared(shared)
+        block = tuple(block)
+        if len(block) != 3:  # pycuda sets the block shape from exactly three numbers
+            block = (*block, 1, 1)[:3]
+        self.func.prepared_async_call(tuple(grid), block, stream.raw, *args,
+                                      shared_size=shared)
+
+    def attribute(self, name: str) -> int:
+        """A function attribute by pycuda name, e.g. "NUM_REGS", "MAX_THREADS_PER_BLOCK"."""
+        return int(self.func.get_attribute(getattr(self.runtime.drv.function_attribute, name)))
+
+    def __repr__(self) -> str:
+        return f"<Kernel {self.name}({self.arg_types})>"
+
+
+class Module:
+    """A cubin loaded into the runtime's context."""
+
+    def __init__(self, runtime: Runtime, cubin: Path, source: Path):
+        self.runtime = runtime
+        self.cubin = cubin
+        self.source = source
+        self.raw = runtime.drv.module_from_buffer(cubin.read_bytes())
+        self._kernels: dict[tuple[str, str], Kernel] = {}
+
+    def kernel(self, name: str, arg_types: str) -> Kernel:
+        """The kernel `name` (an extern "C" symbol) prepared for `arg_types`."""
+        key = (name, arg_types)
+        if key not in self._kernels:
+            try:
+                func = self.raw.get_function(name)
+            except self.runtime.drv.LogicError as e:
+                raise StrataError(f"{self.source.name} has no kernel {name!r} ({e}); "
+                                  "kernels must be extern \"C\" __global__") from None
+            self._kernels[key] = Kernel(self.runtime, func, name, arg_types)
+        return self._kernels[key]
+
+    def __repr__(self) -> str:
+        return f"<Module {self.source.name} {self.cubin.name}>"
