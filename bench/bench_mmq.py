@@ -1,0 +1,308 @@
+"""IQ3_XXS MMQ and gather throughput on the Qwen3-30B-A3B expert shapes, with the peers and
+ceilings measured in the same process.
+
+    python bench/bench_mmq.py [--tokens 512,2048,8192] [--variants f16,int8] [--reps 10]
+                              [--no-torch] [--json PATH]
+
+For each prompt length: realistic random top-8 routing over 128 experts (expert popularity
+log-normal, so rows per expert vary), rows sorted by expert; our MMQ (each variant) over all 8
+groups of 16 experts for gate/up (1536 x 2048 fused) and down (2048 x 768), timed with CUDA
+events around the 8 launches (median of --reps after 2 warm-ups). Effective TFLOPS =
+2 * rows * m * k / time, rows = tokens * 8. Beside it: (a) torch.bmm in bf16 on weights
+dequantized from the same blocks (per-expert batches padded to the busiest expert), (b) dense
+bf16 torch.matmul and torch._int_mm int8 at 8192^3, (c) llama.cpp's figures from
+PERFORMANCE.md (constants, not measured here). Then gather_batch bandwidth against a
+device-to-device copy of the same bytes.
+
+torch runs first, in its own (primary) context, and is done before the strata_rt Runtime opens;
+the two never share memory, so their contexts cannot interfere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from quants.iq3_xxs import IQ3XXS  # noqa: E402
+from quants.iq3_xxs_device import MMQ_VARIANTS, IQ3XXSKernels  # noqa: E402
+from strata_rt.activations import ActivationKernels, activation_bytes  # noqa: E402
+from strata_rt.formats import MMQ_GROUP  # noqa: E402
+
+HIDDEN, FFN, EXPERTS, TOP_K = 2048, 768, 128, 8
+PARTS = {"gate_up": (2 * FFN, HIDDEN), "down": (HIDDEN, FFN)}  # (m, k)
+#: distinct expert blobs; the 128 experts cycle through them (content does not change speed)
+UNIQUE = 8
+#: llama.cpp's CUDA MMQ (MUL_MAT_ID, IQ3_XXS) on an H200, from shared design PERFORMANCE.md
+LLAMA_CPP_TFLOPS = {512: (34, 37), 2048: (70, 79), 8192: (74, 95)}
+LLAMA_CPP_SOURCE = "PERFORMANCE.md anchors: llama.cpp ggml CUDA MMQ, IQ3_XXS, same H200"
+#: PyTorch peer (bf16 weights resident, torch.bmm) from the same file, for comparison
+TORCH_BMM_DOC_TFLOPS = {512: 96, 2048: 330, 8192: 650}
+
+
+def routing(rng: np.random.Generator, tokens: int) -> np.ndarray:
+    """Rows per expert for top-8 routing with log-normal expert popularity (sigma 0.45, Gumbel
+    top-k): busy experts get about 2-3x the mean, quiet ones a third of it."""
+    logp = rng.normal(0.0, 0.45, EXPERTS)
+    scores = logp[None, :] + rng.gumbel(size=(tokens, EXPERTS))
+    top = np.argpartition(-scores, TOP_K, axis=1)[:, :TOP_K]
+    return np.bincount(top.reshape(-1), minlength=EXPERTS).astype(np.int64)
+
+
+def tflops(rows: int, m: int, k: int, ms: float) -> float:
+    return 2.0 * rows * m * k / (ms * 1e-3) / 1e12
+
+
+def median_ms(run, reps: int, timer) -> float:
+    for _ in range(2):
+        run()
+    return statistics.median(timer(run) for _ in range(reps))
+
+
+# ------------------------------------------------------------------------------ torch side
+def torch_phase(blobs: np.ndarray, counts_by_t: dict[int, np.ndarray], reps: int) -> dict:
+    import torch
+    from peers.torch_moe import _tables, dequantize_iq3_xxs
+
+    dev = torch.device("cuda")
+    res: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
+
+    def timer(fn) -> float:
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b)
+
+    def dense(dtype, op) -> float:
+        n = 8192
+        if dtype == torch.int8:
+            a = torch.randint(-128, 127, (n, n), device=dev, dtype=dtype)
+            b = torch.randint(-128, 127, (n, n), device=dev, dtype=dtype)
+        else:
+            a = torch.randn(n, n, device=dev, dtype=dtype)
+            b = torch.randn(n, n, device=dev, dtype=dtype)
+        return tflops(n, n, n, median_ms(lambda: op(a, b), reps, timer))
+
+    res["dense_bf16_tflops"] = dense(torch.bfloat16, torch.matmul)
+    res["dense_int8_tops"] = dense(torch.int8, torch._int_mm)
+
+    grid, signs = _tables(dev)
+    lay = IQ3XXS().layout(HIDDEN, FFN)
+    raw = torch.from_numpy(blobs).to(dev)
+    gu = dequantize_iq3_xxs(raw[:, : lay.gate_up_bytes].reshape(UNIQUE, 2 * FFN, -1), grid,
+                            signs).to(torch.bfloat16)
+    dn = dequantize_iq3_xxs(raw[:, lay.down_offset:].reshape(UNIQUE, HIDDEN, -1), grid,
+                            signs).to(torch.bfloat16)
+    w = {"gate_up": gu[torch.arange(EXPERTS) % UNIQUE].transpose(1, 2).contiguous(),
+         "down": dn[torch.arange(EXPERTS) % UNIQUE].transpose(1, 2).contiguous()}
+    del gu, dn, raw
+    res["bmm"] = {}
+    for t, counts in counts_by_t.items():
+        cap = int(counts.max())
+        row = {}
+        for part, (m, k) in PARTS.items():
+            xp = torch.randn(EXPERTS, cap, k, device=dev, dtype=torch.bfloat16)
+            ms = median_ms(lambda xp=xp, wp=w[part]: torch.bmm(xp, wp), reps, timer)
+            row[part] = {"ms": ms, "tflops": tflops(t * TOP_K, m, k, ms)}
+            del xp
+        res["bmm"][t] = row
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return res
+
+
+# ------------------------------------------------------------------------------ strata side
+def strata_phase(blobs: np.ndarray, counts_by_t: dict[int, np.ndarray], variants: list[str],
+                 reps: int, rng: np.random.Generator) -> dict:
+    from strata_rt.runtime import Runtime
+
+    fmt = IQ3XXS()
+    lay = fmt.layout(HIDDEN, FFN)
+    rt = Runtime.open()
+    res: dict = {"device": rt.name, "arch": rt.arch, "mmq": {}, "gather": {}}
+    s = rt.stream("bench")
+    ev = [rt.event("t0", timing=True), rt.event("t1", timing=True)]
+
+    def timer(fn) -> float:
+        ev[0].record(s)
+        fn()
+        ev[1].record(s)
+        return ev[0].elapsed_ms(ev[1])
+
+    # all 128 expert blobs resident, one slot each; group buffers for the 8 groups
+    slots = rt.alloc(EXPERTS * lay.slot_bytes)
+    for e in range(EXPERTS):
+        rt.memcpy_htod(slots.ptr + e * lay.slot_bytes, blobs[e % UNIQUE], s)
+    n_groups = EXPERTS // MMQ_GROUP
+    gu_buf = rt.alloc(n_groups * MMQ_GROUP * lay.gate_up_image_bytes)
+    dn_buf = rt.alloc(n_groups * MMQ_GROUP * lay.down_image_bytes)
+    kerns = {v: IQ3XXSKernels(fmt, rt, lay, variant=v) for v in variants}
+    any_k = kerns[variants[0]]
+
+    def gather_groups(batched: bool) -> None:
+        for g in range(n_groups):
+            gu = gu_buf.ptr + g * MMQ_GROUP * lay.gate_up_image_bytes
+            dn = dn_buf.ptr + g * MMQ_GROUP * lay.down_image_bytes
+            srcs = [slots.ptr + (g * MMQ_GROUP + p) * lay.slot_bytes for p in range(MMQ_GROUP)]
+            if batched:
+                any_k.gather_batch(s, srcs, 0, gu, dn)
+            else:
+                for p, src in enumerate(srcs):
+                    any_k.gather(s, src, p, gu, dn)
+
+    nbytes = EXPERTS * lay.blob_bytes
+    dtod_dst = rt.alloc(nbytes)
+    res["gather"] = {
+        "bytes": nbytes,
+        "batched_ms": median_ms(lambda: gather_groups(True), reps, timer),
+        "single_ms": median_ms(lambda: gather_groups(False), reps, timer),
+        "dtod_ms": median_ms(lambda: rt.memcpy_dtod(dtod_dst.ptr, slots.ptr, nbytes, s), reps,
+                             timer),
+        "fallbacks": any_k.fallbacks,
+    }
+    dtod_dst.free()
+    gather_groups(True)
+
+    # activations: a pool of random float rows, picked through the index list per layer row
+    pool_rows = 4096
+    acts_k = ActivationKernels(rt)
+    max_rows = max(int(c.sum()) for c in counts_by_t.values())
+    xbuf = rt.alloc(pool_rows * HIDDEN * 4)
+    rt.memcpy_htod(xbuf.ptr, rng.standard_normal((pool_rows, HIDDEN), dtype=np.float32), s)
+    idx = rt.alloc(max_rows * 4)
+    rt.memcpy_htod(idx.ptr, (np.arange(max_rows) % pool_rows).astype(np.int32), s)
+    abuf = {part: rt.alloc(activation_bytes("q8_1", max_rows, k)) for part, (m, k) in PARTS.items()}
+    out = rt.alloc(max_rows * max(m for m, _ in PARTS.values()) * 4)
+    bounds = rt.alloc((EXPERTS + 1) * 4)
+
+    for t, counts in counts_by_t.items():
+        rows = int(counts.sum())
+        b = np.zeros(EXPERTS + 1, np.int32)
+        b[1:] = np.cumsum(counts)
+        rt.memcpy_htod(bounds.ptr, b, s)
+        for part, (_, k) in PARTS.items():
+            acts_k.launch("q8_1", s, xbuf.ptr, HIDDEN, idx.ptr, abuf[part].ptr, rows, k)
+        res["mmq"][t] = {"rows": rows, "rows_min": int(counts.min()),
+                         "rows_max": int(counts.max())}
+        for v, kern in kerns.items():
+            row = {}
+            for part, (m, k) in PARTS.items():
+                img = lay.gate_up_image_bytes if part == "gate_up" else lay.down_image_bytes
+                base = gu_buf.ptr if part == "gate_up" else dn_buf.ptr
+
+                def launch_all(kern=kern, m=m, k=k, img=img, base=base, part=part,
+                               counts=counts) -> None:
+                    for g in range(n_groups):
+                        ids = tuple(range(g * MMQ_GROUP, (g + 1) * MMQ_GROUP))
+                        hint = int(counts[list(ids)].max())
+                        kern.mmq(s, base + g * MMQ_GROUP * img, ids, abuf[part].ptr, bounds.ptr,
+                                 out.ptr, m, k, hint)
+
+                ms = median_ms(launch_all, reps, timer)
+                row[part] = {"ms": ms, "tflops": tflops(rows, m, k, ms)}
+            tot = row["gate_up"]["ms"] + row["down"]["ms"]
+            row["layer"] = {"ms": tot, "tflops": tflops(rows, 1, 3 * HIDDEN * FFN, tot)}
+            res["mmq"][t][v] = row
+    s.synchronize()
+    rt.close()
+    return res
+
+
+def interop_check() -> str:
+    """Whether torch still runs after a strata_rt Runtime opened its context (same process)."""
+    import torch
+
+    from strata_rt.runtime import Runtime
+
+    rt = Runtime.open()
+    try:
+        v = (torch.ones(1024, device="cuda") * 2).sum().item()
+        return f"ok (torch op after Runtime.open gave {v})"
+    except Exception as e:  # noqa: BLE001 - reported, not raised: it is what we measure
+        return f"failed: {type(e).__name__}: {e}"
+    finally:
+        rt.close()
+
+
+def table(res: dict, variants: list[str]) -> str:
+    lines = [f"# {res['strata']['device']} ({res['strata']['arch']}), torch "
+             f"{res.get('torch', {}).get('torch', '-')}",
+             "tokens | rows/expert min-max | part | " + " | ".join(f"{v} ms / TFLOPS"
+                                                                  for v in variants)
+             + " | torch.bmm bf16 ms / TFLOPS | llama.cpp TFLOPS"]
+    for t, r in res["strata"]["mmq"].items():
+        for part in ("gate_up", "down", "layer"):
+            cells = [f"{r[v][part]['ms']:.3f} / {r[v][part]['tflops']:.0f}" for v in variants]
+            bmm = res.get("torch", {}).get("bmm", {}).get(t, {})
+            if part in bmm:
+                tb = f"{bmm[part]['ms']:.3f} / {bmm[part]['tflops']:.0f}"
+            elif bmm:
+                ms = bmm["gate_up"]["ms"] + bmm["down"]["ms"]
+                tb = f"{ms:.3f} / {tflops(r['rows'], 1, 3 * HIDDEN * FFN, ms):.0f}"
+            else:
+                tb = "-"
+            lo, hi = LLAMA_CPP_TFLOPS.get(int(t), ("-", "-"))
+            lines.append(f"{t} | {r['rows_min']}-{r['rows_max']} | {part} | "
+                         + " | ".join(cells) + f" | {tb} | {lo}-{hi}")
+    tq = res.get("torch", {})
+    if tq:
+        lines.append(f"dense bf16 torch.matmul 8192^3: {tq['dense_bf16_tflops']:.0f} TFLOPS; "
+                     f"dense int8 torch._int_mm: {tq['dense_int8_tops']:.0f} TOPS")
+    lines.append(f"llama.cpp anchors: {LLAMA_CPP_SOURCE}: "
+                 + ", ".join(f"{t}: {a}-{b}" for t, (a, b) in LLAMA_CPP_TFLOPS.items()))
+    g = res["strata"]["gather"]
+    gb = g["bytes"] / 1e9
+    lines.append(
+        f"gather {g['bytes'] / 1e6:.0f} MB (128 experts, 8 groups): batched "
+        f"{g['batched_ms']:.3f} ms = {gb / g['batched_ms'] * 1e3:.0f} GB/s, one per expert "
+        f"{g['single_ms']:.3f} ms = {gb / g['single_ms'] * 1e3:.0f} GB/s, cuMemcpyDtoD "
+        f"{g['dtod_ms']:.3f} ms = {gb / g['dtod_ms'] * 1e3:.0f} GB/s (bytes copied, not "
+        f"read+written); batched/DtoD = {g['dtod_ms'] / g['batched_ms']:.2f}; "
+        f"fallbacks {g['fallbacks']}")
+    lines.append(f"torch after Runtime.open: {res.get('interop', '-')}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", default="512,2048,8192")
+    ap.add_argument("--variants", default=",".join(MMQ_VARIANTS))
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args(argv)
+    variants = [v for v in a.variants.split(",") if v]
+    bad = [v for v in variants if v not in MMQ_VARIANTS]
+    if bad:
+        ap.error(f"unknown variants {bad}; valid: {', '.join(MMQ_VARIANTS)}")
+    rng = np.random.default_rng(a.seed)
+    fmt = IQ3XXS()
+    blobs = np.stack([fmt.random_expert(rng, HIDDEN, FFN) for _ in range(UNIQUE)])
+    counts = {int(t): routing(rng, int(t)) for t in a.tokens.split(",")}
+    res: dict = {"command": " ".join(sys.argv), "shapes": PARTS, "experts": EXPERTS,
+                 "top_k": TOP_K, "llama_cpp_tflops": LLAMA_CPP_TFLOPS,
+                 "llama_cpp_source": LLAMA_CPP_SOURCE}
+    if not a.no_torch:
+        res["torch"] = torch_phase(blobs, counts, a.reps)
+    res["strata"] = strata_phase(blobs, counts, variants, a.reps, rng)
+    if not a.no_torch:
+        res["interop"] = interop_check()
+    print(table(res, variants))
+    if a.json:
+        a.json.write_text(json.dumps(res, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

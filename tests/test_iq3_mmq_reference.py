@@ -1,0 +1,140 @@
+"""CPU tests of the IQ3_XXS MMQ contract: the numpy reference against float64 and against a
+literal per-element reading of the contract, the grid header, and the kernels' compilation."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+from _format_harness import nmse
+from _iq3_blocks import QWEN3_30B, SMALL, case, group_of
+
+from quants.iq3_xxs import IQ3XXS
+from quants.iq3_xxs_device import (
+    MMQ_SOURCE,
+    MMQ_TILES,
+    MMQ_VARIANTS,
+    mmq_reference,
+    mmq_smem_bytes,
+    pick_variant,
+    tile_rows_for,
+)
+from strata_rt.errors import FormatError
+from strata_rt.formats import KERNELS_ROOT
+
+ROW_CASES = {
+    "zero_one_odd": [0, 1, 37, 3],
+    "tile_edges": [31, 32, 33, 64, 65, 129],
+    "full_group": [5, 0, 17, 1, 40, 2, 0, 9, 33, 3, 7, 0, 11, 64, 1, 6],
+}
+
+
+@pytest.mark.parametrize("part", ["gate_up", "down"])
+@pytest.mark.parametrize("rows", list(ROW_CASES), ids=list(ROW_CASES))
+def test_reference_matches_float64(rng, part, rows):
+    counts, ids = group_of([3, 0, 8], ROW_CASES[rows], rng)
+    c = case(rng, SMALL, part, counts, ids)
+    got = mmq_reference(c.fmt, c.image, c.expert_ids, c.acts, c.bounds, c.m, c.k)
+    want = c.float64_product()
+    mask = c.group_rows()
+    assert got.dtype == np.float32 and got.shape == (c.x.shape[0], c.m)
+    assert not got[~mask].any(), "rows of experts outside the group must stay zero"
+    if mask.any():
+        err = nmse(got[mask], want[mask])
+        print(f"{part} {rows}: NMSE {err:.2e}")
+        assert err <= 5e-4
+
+
+def test_reference_matches_float64_qwen3_shape(rng):
+    counts, ids = group_of([0], [19, 70], rng, n_layer=8)
+    for part in ("gate_up", "down"):
+        c = case(rng, QWEN3_30B, part, counts, ids)
+        got = mmq_reference(c.fmt, c.image, c.expert_ids, c.acts, c.bounds, c.m, c.k)
+        mask = c.group_rows()
+        assert nmse(got[mask], c.float64_product()[mask]) <= 5e-4
+
+
+def literal_contract(fmt, image, m, k, q, d, r, i):
+    """One output element, read off the contract with Python scalars and np.float32 ops."""
+    dd, s, wq = fmt.decode(image, (m, k))
+    acc = np.float32(0)
+    for j in range(k // 32):
+        idot = int(np.dot(wq[i, 32 * j: 32 * j + 32].astype(np.int64),
+                          q[r, 32 * j: 32 * j + 32].astype(np.int64)))
+        rint = (2 * int(s[i, j // 8, j % 8]) + 1) * idot
+        assert abs(rint) < 2 ** 23
+        scale = np.float32(dd[i, j // 8] * np.float32(0.25)) * np.float32(d[r, j])
+        acc = np.float32(acc + np.float32(scale * np.float32(rint)))
+    return acc
+
+
+def test_reference_is_the_contract_bit_for_bit(rng):
+    counts, ids = [4, 3], (0, 1)
+    c = case(rng, SMALL, "down", counts, ids)
+    acts = c.acts
+    got = mmq_reference(c.fmt, c.image, ids, acts, c.bounds, c.m, c.k)
+    for _ in range(12):
+        p = int(rng.integers(2))
+        r = int(rng.integers(c.bounds[p], c.bounds[p + 1]))
+        i = int(rng.integers(c.m))
+        want = literal_contract(c.fmt, c.image[p], c.m, c.k, acts.q, acts.d, r, i)
+        assert got[r, i].tobytes() == want.tobytes(), (r, i, got[r, i], want)
+
+
+def gguf_grid_words() -> np.ndarray:
+    from gguf.quants import IQ3_XXS
+
+    IQ3_XXS.init_grid()
+    mags = np.asarray(IQ3_XXS.grid, dtype=np.float32).reshape(256, 4).astype(np.uint8)
+    return mags.view("<u4").reshape(256)
+
+
+def test_grid_header_equals_gguf_grid():
+    text = (KERNELS_ROOT / "iq3_xxs" / "grid.cuh").read_text()
+    words = [int(w, 16) for w in re.findall(r"0x([0-9a-f]{8})u", text)]
+    assert np.array_equal(np.array(words, dtype=np.uint32), gguf_grid_words())
+
+
+def test_grid_header_is_current_generator_output():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_grid",
+                                                  KERNELS_ROOT / "iq3_xxs" / "make_grid.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    assert gen.HEADER.read_text() == gen.render(gen.grid_words())
+
+
+def test_variant_selection(monkeypatch):
+    monkeypatch.delenv("STRATA_MMQ_KERNEL", raising=False)
+    assert pick_variant() == MMQ_VARIANTS[0]
+    monkeypatch.setenv("STRATA_MMQ_KERNEL", "int8")
+    assert pick_variant() == "int8"
+    monkeypatch.setenv("STRATA_MMQ_KERNEL", "bf16x")
+    with pytest.raises(FormatError, match="bf16x.*valid: f16, int8, f16_occ2, int8_occ2"):
+        pick_variant()
+    assert IQ3XXS().mmq_variants() == MMQ_VARIANTS
+
+
+def test_tiles_and_shared_memory_fit():
+    hints = (0, 1, 32, 33, 64, 65, 100000)
+    assert [tile_rows_for("f16", n) for n in hints] == [32, 32, 32, 64, 64, 128, 128]
+    assert [tile_rows_for("int8_occ2", n) for n in hints] == [32, 32, 32, 64, 64, 64, 64]
+    for v in MMQ_VARIANTS:
+        for tm in MMQ_TILES[v]:
+            assert mmq_smem_bytes(v, tm) <= 163 * 1024  # sm_80's opt-in limit
+            if v.endswith("_occ2"):  # two blocks (+1 KiB reserved each) in sm_90's 228 KiB
+                assert 2 * (mmq_smem_bytes(v, tm) + 1024) <= 228 * 1024
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("source", [MMQ_SOURCE, KERNELS_ROOT / "common" / "gather.cu",
+                                    KERNELS_ROOT / "common" / "activations.cu"],
+                         ids=lambda p: p.name)
+def test_kernels_compile(arch, source):
+    from strata_rt.runtime import compile_cubin, nvcc_available
+
+    if not nvcc_available():
+        pytest.skip("nvcc not on PATH")
+    assert compile_cubin(source, arch).stat().st_size > 0
