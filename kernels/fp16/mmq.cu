@@ -1,0 +1,113 @@
+// FP16 grouped GEMM ("MMQ" of the fp16 format): out[r, :] = W_e x_r for every activation row r
+// of every expert e of a group; W is the fp16 image (m x k row-major), x the fp16 activations
+// (row-major [rows, k], sorted by expert), accumulation in fp32 by mma.sync m16n8k16.
+//
+// grid = (m / TILE_M, row tiles, group position); block = 4 warps, each owning 32 activation
+// rows x 32 weight rows of the block's 64 x 64 tile; k advances 64 values per step through
+// shared memory. Tensor-core accumulation order is not IEEE-sequential, so the numpy reference
+// (float32 product of the fp16 values) agrees within a tolerance, not bit for bit.
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#define TILE_M 64     // weight rows per block
+#define TILE_N 64     // activation rows per block
+#define KSTEP 64      // values per step
+#define SROW 144      // shared row stride in bytes: 128 + 16 keeps fragment loads conflict-free
+#define NTHREADS 128
+
+struct Ids16 { int v[16]; };
+
+__device__ __forceinline__ void mma_f16(float c[4], const uint32_t a[4], const uint32_t b[2])
+{
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+extern "C" __global__ void __launch_bounds__(NTHREADS)
+fp16_mmq(const uint8_t* __restrict__ weights, Ids16 ids, const uint8_t* __restrict__ acts,
+         const int* __restrict__ bounds, float* __restrict__ out, int m, int k)
+{
+    const int e = ids.v[blockIdx.z];
+    if (e < 0) return;
+    const int r_end = bounds[e + 1];
+    const int row0 = bounds[e] + blockIdx.y * TILE_N;
+    if (row0 >= r_end) return;
+    const int nrows = min(TILE_N, r_end - row0);
+    const int m0 = blockIdx.x * TILE_M;
+    const uint8_t* w = weights + (size_t)blockIdx.z * m * k * 2;
+
+    __shared__ __align__(16) uint8_t s_act[TILE_N * SROW];
+    __shared__ __align__(16) uint8_t s_w[TILE_M * SROW];
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, t = lane & 3;
+    const int wa = (warp >> 1) * 32;  // warp's first activation row in the tile
+    const int ww = (warp & 1) * 32;   // warp's first weight row in the tile
+
+    float acc[2][4][4];
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.0f;
+
+    for (int k0 = 0; k0 < k; k0 += KSTEP) {
+        // 64 values = 128 bytes = 8 x 16 bytes per row
+        for (int i = tid; i < TILE_N * 8; i += NTHREADS) {
+            const int r = i >> 3, c = i & 7;
+            uint4 v = make_uint4(0, 0, 0, 0);
+            if (r < nrows) v = *(const uint4*)(acts + ((size_t)(row0 + r) * k + k0) * 2 + c * 16);
+            *(uint4*)(s_act + r * SROW + c * 16) = v;
+        }
+        for (int i = tid; i < TILE_M * 8; i += NTHREADS) {
+            const int r = i >> 3, c = i & 7;
+            *(uint4*)(s_w + r * SROW + c * 16) =
+                *(const uint4*)(w + ((size_t)(m0 + r) * k + k0) * 2 + c * 16);
+        }
+        __syncthreads();
+
+#pragma unroll
+        for (int kk = 0; kk < KSTEP; kk += 16) {
+            const int kofs = (kk + 2 * t) * 2;  // byte offset of this thread's first pair
+            uint32_t a[2][4], b[4][2];
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt) {
+                const uint8_t* p = s_act + (wa + mt * 16 + g) * SROW + kofs;
+                a[mt][0] = *(const uint32_t*)p;
+                a[mt][1] = *(const uint32_t*)(p + 8 * SROW);
+                a[mt][2] = *(const uint32_t*)(p + 16);
+                a[mt][3] = *(const uint32_t*)(p + 8 * SROW + 16);
+            }
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt) {
+                const uint8_t* p = s_w + (ww + nt * 8 + g) * SROW + kofs;
+                b[nt][0] = *(const uint32_t*)p;
+                b[nt][1] = *(const uint32_t*)(p + 16);
+            }
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < 4; ++nt) mma_f16(acc[mt][nt], a[mt], b[nt]);
+        }
+        __syncthreads();
+    }
+
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+        const int r = wa + mt * 16 + g;
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+            const int col = m0 + ww + nt * 8 + 2 * t;
+            if (r < nrows)
+                *(float2*)(out + (size_t)(row0 + r) * m + col) =
+                    make_float2(acc[mt][nt][0], acc[mt][nt][1]);
+            if (r + 8 < nrows)
+                *(float2*)(out + (size_t)(row0 + r + 8) * m + col) =
+                    make_float2(acc[mt][nt][2], acc[mt][nt][3]);
+        }
+    }
+}

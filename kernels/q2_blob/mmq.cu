@@ -1,0 +1,159 @@
+// Q2 blob grouped MMQ: out[r, :] = W_e x_r for every activation row r of every expert e of a
+// group, W from the de-interleaved image (codes m x k/4, then fp16 scales m x k/64), x as q8_1.
+//
+// grid = (m / TILE_M, row tiles, group position); block = 4 warps, each owning 32 activation
+// rows x 32 weight rows of the block's 64 x 64 tile. Per 128-value step the block stages the
+// activations' int8 q and the weights' levels (code - 1, unpacked to int8) in shared memory;
+// mma.sync m16n8k32 s8 gives the exact integer dot of each 32-value sub-block. The float part
+// runs in a fixed order mirrored by the numpy reference (quants/q2_blob.py):
+//   for each sub-block j ascending:
+//     acc = __fadd_rn(acc, __fmul_rn(__fmul_rn(ws, d_j), (float)idot_j))
+// with ws the fp16 scale of the 64-group holding j and d_j the activation's q8_1 scale.
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#define TILE_M 64     // weight rows per block
+#define TILE_N 64     // activation rows per block
+#define KSTEP 128     // values per step (one q8_1 block)
+#define SROW 144      // shared row stride in bytes: 128 + 16 keeps fragment loads conflict-free
+#define NTHREADS 128
+#define Q8_BLOCK 144  // bytes of one q8_1 block: 4 float scales + 128 int8
+
+struct Ids16 { int v[16]; };
+
+// Four 2-bit codes (one byte, low bits first) -> four int8 levels code - 1.
+__device__ __forceinline__ uint32_t levels4(uint32_t byte)
+{
+    const uint32_t spread = (byte & 0x03u) | ((byte & 0x0Cu) << 6) | ((byte & 0x30u) << 12) |
+                            ((byte & 0xC0u) << 18);
+    return __vsub4(spread, 0x01010101u);
+}
+
+__device__ __forceinline__ void mma_s8(int c[4], const uint32_t a[4], const uint32_t b[2])
+{
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+extern "C" __global__ void __launch_bounds__(NTHREADS)
+q2_mmq(const uint8_t* __restrict__ weights, Ids16 ids, const uint8_t* __restrict__ acts,
+       const int* __restrict__ bounds, float* __restrict__ out, int m, int k)
+{
+    const int e = ids.v[blockIdx.z];
+    if (e < 0) return;
+    const int r_end = bounds[e + 1];
+    const int row0 = bounds[e] + blockIdx.y * TILE_N;
+    if (row0 >= r_end) return;
+    const int nrows = min(TILE_N, r_end - row0);
+    const int m0 = blockIdx.x * TILE_M;
+    const int nkb = k / KSTEP;
+    const size_t code_bytes = (size_t)m * (k / 4);
+    const uint8_t* codes = weights + (size_t)blockIdx.z * (code_bytes + (size_t)m * (k / 64) * 2);
+    const __half* scales = (const __half*)(codes + code_bytes);
+
+    __shared__ __align__(16) int8_t s_act[TILE_N * SROW];
+    __shared__ __align__(16) int8_t s_w[TILE_M * SROW];
+    __shared__ float s_d[TILE_N][4];
+    __shared__ float s_ws[TILE_M][2];
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, t = lane & 3;
+    const int wa = (warp >> 1) * 32;  // warp's first activation row in the tile
+    const int ww = (warp & 1) * 32;   // warp's first weight row in the tile
+
+    float acc[2][4][4];
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.0f;
+
+    for (int kb = 0; kb < nkb; ++kb) {
+        // activations: 8 x 16 bytes of q per row, zeros past the expert's last row
+        for (int i = tid; i < TILE_N * 8; i += NTHREADS) {
+            const int r = i >> 3, c = i & 7;
+            uint4 v = make_uint4(0, 0, 0, 0);
+            if (r < nrows)
+                v = *(const uint4*)(acts + ((size_t)(row0 + r) * nkb + kb) * Q8_BLOCK + 16 + c * 16);
+            *(uint4*)(s_act + r * SROW + c * 16) = v;
+        }
+        for (int i = tid; i < TILE_N * 4; i += NTHREADS) {
+            const int r = i >> 2, j = i & 3;
+            s_d[r][j] = r < nrows
+                ? ((const float*)(acts + ((size_t)(row0 + r) * nkb + kb) * Q8_BLOCK))[j] : 0.0f;
+        }
+        // weights: 32 code bytes per row -> 128 int8 levels
+        for (int i = tid; i < TILE_M * 2; i += NTHREADS) {
+            const int r = i >> 1, c = i & 1;
+            const uint4 v = *(const uint4*)(codes + (size_t)(m0 + r) * (k / 4) + kb * 32 + c * 16);
+            const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+            uint4* dst = (uint4*)(s_w + r * SROW + c * 64);
+#pragma unroll
+            for (int q = 0; q < 4; ++q)
+                dst[q] = make_uint4(levels4(w[q] & 0xFF), levels4((w[q] >> 8) & 0xFF),
+                                    levels4((w[q] >> 16) & 0xFF), levels4(w[q] >> 24));
+        }
+        for (int i = tid; i < TILE_M * 2; i += NTHREADS) {
+            const int r = i >> 1, c = i & 1;
+            s_ws[r][c] = __half2float(scales[(size_t)(m0 + r) * (k / 64) + kb * 2 + c]);
+        }
+        __syncthreads();
+
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int kofs = j * 32 + 4 * t;
+            uint32_t a[2][4], b[4][2];
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt) {
+                const int8_t* p = s_act + (wa + mt * 16 + g) * SROW + kofs;
+                a[mt][0] = *(const uint32_t*)p;
+                a[mt][1] = *(const uint32_t*)(p + 8 * SROW);
+                a[mt][2] = *(const uint32_t*)(p + 16);
+                a[mt][3] = *(const uint32_t*)(p + 8 * SROW + 16);
+            }
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt) {
+                const int8_t* p = s_w + (ww + nt * 8 + g) * SROW + kofs;
+                b[nt][0] = *(const uint32_t*)p;
+                b[nt][1] = *(const uint32_t*)(p + 16);
+            }
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt) {
+                const float d_lo = s_d[wa + mt * 16 + g][j];
+                const float d_hi = s_d[wa + mt * 16 + g + 8][j];
+#pragma unroll
+                for (int nt = 0; nt < 4; ++nt) {
+                    int c[4] = {0, 0, 0, 0};
+                    mma_s8(c, a[mt], b[nt]);
+                    const float ws0 = s_ws[ww + nt * 8 + 2 * t][j >> 1];
+                    const float ws1 = s_ws[ww + nt * 8 + 2 * t + 1][j >> 1];
+                    float* x = acc[mt][nt];
+                    x[0] = __fadd_rn(x[0], __fmul_rn(__fmul_rn(ws0, d_lo), (float)c[0]));
+                    x[1] = __fadd_rn(x[1], __fmul_rn(__fmul_rn(ws1, d_lo), (float)c[1]));
+                    x[2] = __fadd_rn(x[2], __fmul_rn(__fmul_rn(ws0, d_hi), (float)c[2]));
+                    x[3] = __fadd_rn(x[3], __fmul_rn(__fmul_rn(ws1, d_hi), (float)c[3]));
+                }
+            }
+        }
+        __syncthreads();
+    }
+
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+        const int r = wa + mt * 16 + g;
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+            const int col = m0 + ww + nt * 8 + 2 * t;
+            if (r < nrows)
+                *(float2*)(out + (size_t)(row0 + r) * m + col) =
+                    make_float2(acc[mt][nt][0], acc[mt][nt][1]);
+            if (r + 8 < nrows)
+                *(float2*)(out + (size_t)(row0 + r + 8) * m + col) =
+                    make_float2(acc[mt][nt][2], acc[mt][nt][3]);
+        }
+    }
+}

@@ -1,0 +1,146 @@
+"""FP16 plugin: exact conversion, blob = images, GEMM reference, kernels (CPU and GPU)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from _format_harness import make_case, nmse, run_gathers, run_mmq, untouched
+
+from quants.fp16 import FP16, FP16Kernels
+from strata_rt.errors import FormatError, PluginError
+from strata_rt.formats import FormatKernels
+from strata_rt.runtime import compile_cubin, nvcc_available
+
+FMT = FP16()
+# tensor cores do not sum in IEEE sequential order: kernel vs float32 reference is a tolerance
+KERNEL_VS_REFERENCE_NMSE = 1e-6
+
+
+def test_representable_values_roundtrip_exactly(rng):
+    w = rng.standard_normal((64, 256)).astype(np.float16).astype(np.float32)
+    w[0, :4] = [65504.0, -65504.0, 2.0 ** -24, 0.0]   # extremes and the smallest subnormal
+    raw = FMT.quantize(w)
+    assert raw.dtype == np.uint8 and raw.shape == (64, 512)
+    assert np.array_equal(FMT.dequantize(raw, w.shape), w)
+
+
+def test_gaussian_roundtrip_within_fp16_rounding(rng):
+    w = rng.standard_normal((128, 512), dtype=np.float32)
+    err = nmse(FMT.dequantize(FMT.quantize(w), w.shape), w)
+    print(f"fp16 round trip NMSE on Gaussian weights: {err:.3g}")
+    assert 0 < err <= FMT.roundtrip_nmse
+
+
+def test_out_of_range_and_bad_values_are_refused():
+    with pytest.raises(FormatError, match="beyond fp16's range"):
+        FMT.quantize(np.full((1, 128), 70000.0, np.float32))
+    with pytest.raises(FormatError, match="NaN/Inf"):
+        FMT.quantize(np.full((1, 128), np.inf, np.float32))
+    with pytest.raises(FormatError, match="multiple of 128"):
+        FMT.layout(256, 64)
+
+
+def test_blob_is_the_images(rng):
+    h, f = 256, 128
+    gate, up = (rng.standard_normal((f, h), dtype=np.float32) for _ in range(2))
+    down = rng.standard_normal((h, f), dtype=np.float32)
+    blob = FMT.pack_expert(gate, up, down)
+    lay = FMT.layout(h, f)
+    assert blob.size == lay.blob_bytes == 3 * h * f * 2
+    want = np.concatenate([m.astype(np.float16).reshape(-1) for m in (gate, up, down)])
+    assert np.array_equal(blob.view(np.float16), want)
+    gu, dn = FMT.images(blob, h, f)
+    assert np.array_equal(FMT.image_matrix(gu, 2 * f, h),
+                          np.vstack([gate, up]).astype(np.float16).astype(np.float32))
+    assert np.array_equal(FMT.image_matrix(dn, h, f), down.astype(np.float16).astype(np.float32))
+    g2, u2, d2 = FMT.unpack_expert(blob, h, f)
+    assert np.array_equal(g2, gate.astype(np.float16).astype(np.float32))
+    assert np.array_equal(d2, down.astype(np.float16).astype(np.float32))
+
+
+def test_gguf_f16_and_f32_tensors(tmp_path, rng):
+    gguf = pytest.importorskip("gguf")
+    n, h, f = 2, 128, 256
+    gate = rng.standard_normal((n, f, h)).astype(np.float16)
+    up = rng.standard_normal((n, f, h), dtype=np.float32)
+    down = rng.standard_normal((n, h, f)).astype(np.float16)
+    path = tmp_path / "tiny.gguf"
+    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    for name, arr in (("gate", gate), ("up", up), ("down", down)):
+        w.add_tensor(f"blk.0.ffn_{name}_exps.weight", arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    t = {x.name.split(".")[2][4:-5]: x for x in gguf.GGUFReader(str(path)).tensors}
+    got = FMT.pack_gguf_experts(t["gate"], t["up"], t["down"])
+    assert got.shape == (n, FMT.layout(h, f).blob_bytes)
+    for e in range(n):
+        want = np.concatenate([gate[e].reshape(-1), up[e].astype(np.float16).reshape(-1),
+                               down[e].reshape(-1)])
+        assert np.array_equal(got[e].view(np.float16), want)
+
+
+CASES = [  # (hidden, ffn, part, counts of the layer's experts, group)
+    (256, 128, "gate_up", [5, 0, 1, 70, 3], (0, 1, 2, 3)),
+    (128, 256, "down", [0, 64, 17, 2, 1, 0], (1, 2, 5)),
+    (256, 128, "down", [3] * 20, tuple(range(2, 18))),
+    (384, 256, "gate_up", [130, 1], (0,)),
+]
+
+
+@pytest.mark.parametrize("hidden,ffn,part,counts,ids", CASES)
+def test_reference_against_float64(rng, hidden, ffn, part, counts, ids):
+    case = make_case(FMT, rng, hidden, ffn, part, counts, ids)
+    got = FMT.mmq_reference(case.image, case.expert_ids, case.acts, case.bounds, case.m, case.k)
+    mask = case.group_rows()
+    assert (got[~mask] == 0).all()
+    assert nmse(got[mask], case.float64_product()[mask]) <= 5e-4
+
+
+def test_not_native_and_gather_batch_refused():
+    assert not FMT.native and FMT.activation == "f16"
+    assert not FMT.offers_batched_gather()
+    with pytest.raises(PluginError, match="not native"):
+        FormatKernels(FMT, None, FMT.layout(256, 256)).gather_batch(None, [0], 0, 0, 0)
+    assert FP16Kernels.gather_batch is FormatKernels.gather_batch
+
+
+@pytest.mark.skipif(not nvcc_available(), reason="nvcc not found")
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_kernels_compile(arch):
+    sources = FMT.kernel_sources()
+    assert {s.name for s in sources} == {"gather.cu", "mmq.cu"}
+    for src in sources:
+        assert compile_cubin(src, arch).stat().st_size > 0
+
+
+# ------------------------------------------------------------------------------ GPU
+@pytest.mark.gpu
+def test_gpu_gather_matches_images(rt, rng):
+    h, f = 256, 384
+    blobs = [FMT.random_expert(rng, h, f) for _ in range(3)]
+    gu, dn, want_gu, want_dn = run_gathers(rt, FMT, blobs, [0, 7, 15], h, f, 16, rng)
+    assert np.array_equal(gu, want_gu)
+    assert np.array_equal(dn, want_dn)
+
+
+GPU_CASES = CASES + [
+    (256, 128, "gate_up", [0, 0, 0], (0, 1, 2)),
+    (256, 256, "gate_up", list(range(1, 17)) + [0], tuple(range(16))),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hidden,ffn,part,counts,ids", GPU_CASES)
+def test_gpu_mmq_matches_reference(rt, rng, hidden, ffn, part, counts, ids):
+    case = make_case(FMT, rng, hidden, ffn, part, counts, ids)
+    got = run_mmq(rt, case)
+    mask = case.group_rows()
+    want = FMT.mmq_reference(case.image, case.expert_ids, case.acts, case.bounds, case.m,
+                             case.k)
+    assert untouched(got, ~mask)
+    assert np.isfinite(got[mask]).all()
+    if mask.any():
+        assert nmse(got[mask], want[mask]) <= KERNEL_VS_REFERENCE_NMSE
+        assert nmse(got[mask], case.float64_product()[mask]) <= 5e-4
