@@ -19,22 +19,17 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from strata_rt.errors import FormatError
-from strata_rt.formats import KERNELS_ROOT, ExpertLayout, FormatKernels, QuantFormat
+from strata_rt.formats import FormatKernels, QuantFormat
 from strata_rt.hookspecs import hookimpl
 
-from ._grouped import check_aligned, expert_rows, grid_rows, ids16
+from ._grouped import PerExpertKernels, expert_rows
 
 if TYPE_CHECKING:
-    from strata_rt.runtime import Runtime
+    pass
 
 FP16_MAX = 65504.0
 GGML_TYPE_F16 = 1
 # MMQ tile geometry; must match kernels/fp16/mmq.cu
-MMQ_TILE_M = 64
-MMQ_TILE_N = 64
-MMQ_THREADS = 128
-GATHER_THREADS = 256
-GATHER_MAX_BLOCKS = 1024
 
 
 class FP16(QuantFormat):
@@ -79,45 +74,22 @@ class FP16(QuantFormat):
                 out[r0:r1] = x[r0:r1].astype(np.float32) @ w.T
         return out
 
-    def kernels(self, runtime: Runtime, layout: ExpertLayout) -> FormatKernels:
-        return FP16Kernels(self, runtime, layout)
-
     def kernels_class(self) -> type[FormatKernels]:
         return FP16Kernels
 
 
-class FP16Kernels(FormatKernels):
+class FP16Kernels(PerExpertKernels):
     """Launchers of kernels/fp16: the per-expert plain copy and the grouped fp16 GEMM."""
 
-    def __init__(self, fmt: QuantFormat, runtime: Runtime, layout: ExpertLayout):
-        super().__init__(fmt, runtime, layout)
-        src = KERNELS_ROOT / fmt.kernel_dir
-        self._gather = runtime.module(src / "gather.cu").kernel("fp16_gather", "PPPqq")
-        self._mmq = runtime.module(src / "mmq.cu").kernel("fp16_mmq", "P" + "i" * 16 + "PPPii")
-        units = layout.gate_up_bytes // 16
-        self._gather_blocks = min(-(-units // GATHER_THREADS), GATHER_MAX_BLOCKS)
+    gather_kernel = ("fp16_gather", "qq")
+    gather_planes = 2
+    mmq_kernel = "fp16_mmq"
 
-    def gather(self, stream, src: int, pos: int, gu_buf: int, down_buf: int) -> None:
-        lay = self.layout
-        gu = gu_buf + pos * lay.gate_up_image_bytes
-        dn = down_buf + pos * lay.down_image_bytes
-        check_aligned({"src": src, "gate/up image": gu, "down image": dn})
-        self._gather.launch(grid=(self._gather_blocks, 2, 1), block=(GATHER_THREADS, 1, 1),
-                            stream=stream,
-                            args=(src, gu, dn, lay.gate_up_bytes, lay.down_bytes))
+    def gather_units(self) -> int:
+        return self.layout.gate_up_bytes
 
-    def mmq(self, stream, weights: int, expert_ids: tuple[int, ...], acts: int, bounds: int,
-            out: int, m: int, k: int, rows_hint: int) -> None:
-        ids = ids16(expert_ids)
-        if m % MMQ_TILE_M or k % 64:
-            raise FormatError(f"fp16 MMQ: m={m} must divide by {MMQ_TILE_M}, k={k} by 64")
-        check_aligned({"weights": weights, "acts": acts, "out": out})
-        ny = grid_rows(rows_hint, MMQ_TILE_N)
-        if ny == 0:
-            return
-        self._mmq.launch(grid=(m // MMQ_TILE_M, ny, len(expert_ids)),
-                         block=(MMQ_THREADS, 1, 1), stream=stream,
-                         args=(weights, *ids, acts, bounds, out, m, k))
+    def gather_args(self) -> tuple[int, ...]:
+        return (self.layout.gate_up_bytes, self.layout.down_bytes)
 
 
 @hookimpl

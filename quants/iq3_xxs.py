@@ -21,13 +21,13 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 from strata_rt.errors import FormatError, GGUFError
-from strata_rt.formats import ExpertLayout, FormatKernels, QuantFormat
+from strata_rt.formats import FormatKernels, QuantFormat
 from strata_rt.hookspecs import hookimpl
 
 from .iq3_xxs_grid import GRID, LEVELS
 
 if TYPE_CHECKING:
-    from strata_rt.runtime import Runtime
+    pass
 
 F32 = np.float32
 QK = 256  # weights per block
@@ -396,11 +396,6 @@ class IQ3XXS(QuantFormat):
         from .iq3_xxs_device import mmq_reference
 
         return mmq_reference(self, image, expert_ids, acts, bounds, m, k)
-
-    def kernels(self, runtime: Runtime, layout: ExpertLayout) -> FormatKernels:
-        from .iq3_xxs_device import IQ3XXSKernels
-
-        return IQ3XXSKernels(self, runtime, layout)
 
     def kernels_class(self) -> type[FormatKernels]:
         from .iq3_xxs_device import IQ3XXSKernels

@@ -39,13 +39,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from strata_rt.errors import FormatError
-from strata_rt.formats import KERNELS_ROOT, ExpertLayout, FormatKernels, QuantFormat
+from strata_rt.formats import ExpertLayout, FormatKernels, QuantFormat
 from strata_rt.hookspecs import hookimpl
 
-from ._grouped import check_aligned, expert_rows, grid_rows, ids16
+from ._grouped import PerExpertKernels, expert_rows
 
 if TYPE_CHECKING:
-    from strata_rt.runtime import Runtime
+    pass
 
 GROUP = 64           # weights per scale
 NCAND = 32           # candidate scales per sign
@@ -55,11 +55,6 @@ REFINE = 4           # alternating refinement rounds per start
 CHUNK = 4096         # groups per vectorized step (bounds the temporary arrays)
 FP16_MAX = 65504.0
 # MMQ tile geometry; must match kernels/q2_blob/mmq.cu
-MMQ_TILE_M = 64      # weight rows per block
-MMQ_TILE_N = 64      # activation rows per block
-MMQ_THREADS = 128
-GATHER_THREADS = 256
-GATHER_MAX_BLOCKS = 1024
 
 
 @dataclass(frozen=True)
@@ -271,9 +266,6 @@ class Q2Blob(QuantFormat):
         return out
 
     # ---------------------------------------------------------------- device side
-    def kernels(self, runtime: Runtime, layout: ExpertLayout) -> FormatKernels:
-        return Q2Kernels(self, runtime, layout)
-
     def kernels_class(self) -> type[FormatKernels]:
         return Q2Kernels
 
@@ -295,37 +287,19 @@ def _split_image(image: np.ndarray, m: int, k: int) -> tuple[np.ndarray, np.ndar
             b[nc: image_bytes(m, k)].view(np.float16).reshape(m, k // GROUP))
 
 
-class Q2Kernels(FormatKernels):
+class Q2Kernels(PerExpertKernels):
     """Launchers of kernels/q2_blob: the per-expert image rebuild and the int8 MMQ."""
 
-    def __init__(self, fmt: QuantFormat, runtime: Runtime, layout: ExpertLayout):
-        super().__init__(fmt, runtime, layout)
-        src = KERNELS_ROOT / fmt.kernel_dir
-        self._gather = runtime.module(src / "gather.cu").kernel("q2_gather", "PPPii")
-        self._mmq = runtime.module(src / "mmq.cu").kernel("q2_mmq", "P" + "i" * 16 + "PPPii")
-        units = max(Planes.of(layout.hidden, layout.ffn).gu_codes_bytes // 16, 1)
-        self._gather_blocks = min(-(-units // GATHER_THREADS), GATHER_MAX_BLOCKS)
+    gather_kernel = ("q2_gather", "ii")
+    gather_planes = 4
+    mmq_kernel = "q2_mmq"
+    mmq_k_multiple = 128
 
-    def gather(self, stream, src: int, pos: int, gu_buf: int, down_buf: int) -> None:
-        lay = self.layout
-        gu = gu_buf + pos * lay.gate_up_image_bytes
-        dn = down_buf + pos * lay.down_image_bytes
-        check_aligned({"src": src, "gate/up image": gu, "down image": dn})
-        self._gather.launch(grid=(self._gather_blocks, 4, 1), block=(GATHER_THREADS, 1, 1),
-                            stream=stream, args=(src, gu, dn, lay.hidden, lay.ffn))
+    def gather_units(self) -> int:
+        return Planes.of(self.layout.hidden, self.layout.ffn).gu_codes_bytes
 
-    def mmq(self, stream, weights: int, expert_ids: tuple[int, ...], acts: int, bounds: int,
-            out: int, m: int, k: int, rows_hint: int) -> None:
-        ids = ids16(expert_ids)
-        if m % MMQ_TILE_M or k % 128:
-            raise FormatError(f"q2_blob MMQ: m={m} must divide by {MMQ_TILE_M}, k={k} by 128")
-        check_aligned({"weights": weights, "acts": acts, "out": out})
-        ny = grid_rows(rows_hint, MMQ_TILE_N)
-        if ny == 0:
-            return
-        self._mmq.launch(grid=(m // MMQ_TILE_M, ny, len(expert_ids)),
-                         block=(MMQ_THREADS, 1, 1), stream=stream,
-                         args=(weights, *ids, acts, bounds, out, m, k))
+    def gather_args(self) -> tuple[int, ...]:
+        return (self.layout.hidden, self.layout.ffn)
 
 
 @hookimpl

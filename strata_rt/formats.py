@@ -209,8 +209,14 @@ class QuantFormat:
 
     def kernels(self, runtime: Runtime, layout: ExpertLayout) -> FormatKernels:
         """Compile (cached) and load this format's kernels on `runtime` for one expert
-        geometry; returns its launchers."""
-        raise NotImplementedError
+        geometry; returns its launchers (an instance of kernels_class())."""
+        cls = self.kernels_class()
+        if cls is None:
+            from .errors import PluginError
+
+            raise PluginError(f"format {self.name} has no kernels: it runs only on the "
+                              "reference backend")
+        return cls(self, runtime, layout)
 
     def offers_batched_gather(self) -> bool:
         """Whether this format's launchers override gather_batch (the registry refuses a
@@ -219,7 +225,8 @@ class QuantFormat:
         return cls is not None and cls.gather_batch is not FormatKernels.gather_batch
 
     def kernels_class(self) -> type[FormatKernels] | None:
-        """The FormatKernels subclass `kernels` returns, for inspection without a GPU."""
+        """The FormatKernels subclass holding this format's launchers (None: no kernels).
+        Importable without CUDA, so the registry can inspect it on any machine."""
         return None
 
     def mmq_variants(self) -> tuple[str, ...]:
