@@ -1,0 +1,233 @@
+"""The library API: Engine.open(config) -> engine.prefill(hidden) -> (hidden_out, Stats).
+
+The engine owns what does not depend on the backend: the model, the host expert store, the
+choice of resident experts (when the config fixes their count), chunking and the residual dump.
+A backend turns one chunk of hidden states into the next ones:
+
+    class Backend(Protocol):
+        host_alloc(nbytes) -> np.uint8 array        # static: the store's host memory
+        __init__(model, store, residency | None, cfg)  # None: derive it (cuda: from free VRAM)
+        residency: Residency                         # what it keeps resident
+        run_chunk(h float32 [T, hidden], stats) -> float32 [T, hidden]
+        max_chunk_tokens() -> int                    # optional: what `prefill: auto` may use
+        close()
+
+Chunks are independent (MoE layers have no attention), so a prompt longer than a chunk runs
+chunk by chunk with nothing carried between chunks. On the reference backend a token's result
+does not depend on its chunk at all (same bytes for any chunking, staging or walk; tested).
+
+STRATA_PREFILL_DUMP_R: the file is emptied when an engine opens; every prefill then appends
+each chunk's every 64th position (see dump_residual), so two runs compare with `cmp`.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import env
+from .errors import ConfigError
+from .model import Model, MoESpec
+from .planner import AUTO_CHUNK_MAX
+from .residency import Residency, RoutingProfile
+from .stats import Stats
+from .store import ExpertStore
+
+#: every 64th position of each chunk's output goes to the STRATA_PREFILL_DUMP_R file
+DUMP_STRIDE = 64
+BACKENDS = ("auto", "cuda", "reference")
+
+
+@dataclass
+class EngineConfig:
+    """model: a Model, a MoESpec (synthetic, seed 0), {"spec": MoESpec, "seed": int} or
+    {"gguf": path, "format": name}. expert_cache fixes the number of resident experts;
+    otherwise the backend derives it (cuda: free VRAM minus vram_reserve_mib; reference: none
+    resident). gather_one / check_plan / timing / dump_r default to the environment switches."""
+
+    model: Any
+    backend: str = "auto"
+    vram_reserve_mib: float | None = None
+    expert_cache: int | None = None
+    prefill: str | int = "auto"
+    ring_bytes: int | None = None
+    profile: str | None = None
+    gather_one: bool | None = None
+    check_plan: bool | None = None
+    timing: bool | None = None
+    dump_r: str | None = None
+    #: called as progress(chunk, n_chunks, layer, n_layers) after each layer
+    progress: Any = None
+    _profile: RoutingProfile | None = field(default=None, repr=False)
+
+    def load_profile(self) -> RoutingProfile | None:
+        if self.profile is not None and self._profile is None:
+            self._profile = RoutingProfile.load(self.profile)
+        return self._profile
+
+    def resolve(self) -> EngineConfig:
+        """Validates, and fills switches left None from the environment."""
+        problems = []
+        if self.backend not in BACKENDS:
+            problems.append(f"backend: got {self.backend!r}; allowed: {', '.join(BACKENDS)}")
+        if not (self.prefill == "auto" or (isinstance(self.prefill, int)
+                                           and not isinstance(self.prefill, bool)
+                                           and self.prefill > 0)):
+            problems.append(f"prefill: got {self.prefill!r}; allowed: \"auto\" or a positive "
+                            "number of tokens")
+        if self.expert_cache is not None and (not isinstance(self.expert_cache, int)
+                                              or self.expert_cache < 0):
+            problems.append(f"expert_cache: got {self.expert_cache!r}; allowed: an integer "
+                            ">= 0")
+        if self.ring_bytes is not None and self.ring_bytes <= 0:
+            problems.append(f"ring_bytes: got {self.ring_bytes!r}; allowed: a positive size")
+        if problems:
+            raise ConfigError(problems, source="engine config")
+        if self.gather_one is None:
+            self.gather_one = env.flag("STRATA_PREFILL_GATHER_ONE")
+        if self.check_plan is None:
+            self.check_plan = env.flag("STRATA_CHECK_PLAN")
+        if self.timing is None:
+            self.timing = env.flag("STRATA_PREFILL_TIMING")
+        if self.dump_r is None:
+            self.dump_r = env.text("STRATA_PREFILL_DUMP_R")
+        return self
+
+
+def load_model(spec_or_model: Any) -> Model:
+    m = spec_or_model
+    if isinstance(m, Model):
+        return m
+    if isinstance(m, MoESpec):
+        return Model.synthetic(m, 0)
+    if isinstance(m, dict):
+        if "gguf" in m:
+            fmt = m.get("format")
+            if fmt is None:
+                raise ConfigError("model: a gguf model needs `format` (e.g. iq3_xxs)")
+            return Model.from_gguf(m["gguf"], fmt)
+        if "spec" in m:
+            return Model.synthetic(m["spec"], int(m.get("seed", 0)))
+    raise ConfigError(f"model: got {type(m).__name__}; allowed: a Model, a MoESpec, "
+                      "{'spec': MoESpec, 'seed': int} or {'gguf': path, 'format': name}")
+
+
+def backend_class(name: str) -> tuple[str, type]:
+    """-> (resolved name, class). `auto` takes cuda when a device answers, else reference and
+    says so in one line."""
+    if name == "auto":
+        from .runtime import cuda_available
+
+        ok, why = cuda_available()
+        if not ok:
+            print(f"strata: backend auto -> reference ({why})", file=sys.stderr)
+        name = "cuda" if ok else "reference"
+    if name == "cuda":
+        from .cuda_engine import CudaBackend
+
+        return name, CudaBackend
+    from .reference import ReferenceBackend
+
+    return "reference", ReferenceBackend
+
+
+def dump_residual(path: Path, h: np.ndarray, first_position: int) -> None:
+    """Appends every DUMP_STRIDE-th position of a chunk's output: int64 position (of the
+    prompt), then hidden float32 values, little-endian, per dumped position."""
+    positions = np.arange(h.shape[0]) + first_position
+    keep = positions % DUMP_STRIDE == 0
+    rec = np.dtype([("pos", "<i8"), ("h", "<f4", (h.shape[1],))])
+    out = np.empty(int(keep.sum()), dtype=rec)
+    out["pos"] = positions[keep]
+    out["h"] = h[keep]
+    with open(path, "ab") as f:
+        f.write(out.tobytes())
+
+
+def read_dump(path: str | Path, hidden: int) -> tuple[np.ndarray, np.ndarray]:
+    """-> (positions int64 [n], values float32 [n, hidden]) of a residual dump."""
+    rec = np.dtype([("pos", "<i8"), ("h", "<f4", (hidden,))])
+    raw = np.fromfile(path, dtype=rec)
+    return raw["pos"].astype(np.int64), raw["h"].astype(np.float32)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, model: Model, backend: Any, backend_name: str):
+        self.config = config
+        self.model = model
+        self.backend = backend
+        self.residency: Residency = backend.residency
+        self.config.backend = backend_name
+        self._dump = Path(config.dump_r) if config.dump_r else None
+        if self._dump is not None:
+            self._dump.parent.mkdir(parents=True, exist_ok=True)
+            self._dump.write_bytes(b"")  # each engine starts its dump afresh
+        self.chunk_tokens = self._chunk_tokens()
+
+    @classmethod
+    def open(cls, config: EngineConfig | dict) -> Engine:
+        cfg = config if isinstance(config, EngineConfig) else EngineConfig(**config)
+        cfg.resolve()
+        model = load_model(cfg.model)
+        name, cls_ = backend_class(cfg.backend)
+        store = ExpertStore(model, cls_.host_alloc)
+        residency = None
+        if cfg.expert_cache is not None:
+            residency = Residency.from_budget(model, cfg.expert_cache, cfg.load_profile())
+        backend = cls_(model, store, residency, cfg)
+        return cls(cfg, model, backend, name)
+
+    def _chunk_tokens(self) -> int:
+        if isinstance(self.config.prefill, int):
+            return self.config.prefill
+        limit = getattr(self.backend, "max_chunk_tokens", None)
+        return min(AUTO_CHUNK_MAX, limit()) if limit is not None else AUTO_CHUNK_MAX
+
+    def prefill(self, hidden: np.ndarray, record_routing: bool = False
+                ) -> tuple[np.ndarray, Stats]:
+        """hidden float32 [tokens, hidden] -> the final hidden states and the counters."""
+        t0 = time.perf_counter()
+        spec = self.model.spec
+        h = np.asarray(hidden)
+        if h.ndim != 2 or h.shape[1] != spec.hidden:
+            raise ConfigError(f"prefill input has shape {h.shape}; expected [tokens, "
+                              f"{spec.hidden}] hidden states", source="prefill")
+        if not np.isfinite(h).all():
+            raise ConfigError("prefill input holds NaN or Inf", source="prefill")
+        h = np.ascontiguousarray(h, dtype=np.float32)
+        T, C = h.shape[0], self.chunk_tokens
+        n_chunks = max(1, -(-T // C))
+        stats = Stats(tokens=T, n_chunks=n_chunks, n_layers=spec.n_layers,
+                      on_layer=self.config.progress)
+        if record_routing:
+            stats.routing_counts = np.zeros((spec.n_layers, spec.n_experts), np.int64)
+        out = np.empty_like(h)
+        for c in range(n_chunks):
+            lo, hi = c * C, min(T, (c + 1) * C)
+            if hi <= lo:
+                break
+            stats.chunk_index = c
+            out[lo:hi] = self.backend.run_chunk(h[lo:hi], stats)
+            stats.chunks += 1
+            if self._dump is not None:
+                dump_residual(self._dump, out[lo:hi], lo)
+        stats.wall_s = time.perf_counter() - t0
+        if stats.host_s == 0.0 and getattr(self.backend, "name", "") == "reference":
+            stats.host_s = stats.wall_s  # the reference backend does everything on the host
+        return out, stats
+
+    def close(self) -> None:
+        if self.backend is not None:
+            self.backend.close()
+            self.backend = None
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

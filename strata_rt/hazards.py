@@ -1,0 +1,260 @@
+"""The hazard checker: replays a Plan under CUDA's stream and event rules.
+
+Model: ops run in host issue order; the copy and compute streams each execute their ops in
+order; Record(event) snapshots its stream's progress and Wait(event) makes a stream wait for
+the latest Record of that event issued before the Wait (CUDA semantics: re-recording moves the
+event; waiting on an event never recorded does not wait at all, so it is an error here).
+Cross-stream order is tracked with vector clocks of two components (copy, compute): op a
+happens before op b iff b's clock has caught up with a's own-stream component.
+
+Rejected (each message names the ring slot, the entry/expert and the ops with their index in
+the chunk's op list):
+- a Copy refilling a slot while a gather of the previous occupant may still read it;
+- a gather reading a slot whose copy of the expected entry does not happen before it, was
+  never issued, or was already overwritten;
+- a Wait on an event never recorded;
+- a Consume passing an entry that a not-yet-launched gather (batch) still reads;
+- a Copy issued while its entry >= consumed + ring (the issuer over-running the consumer);
+- a wait cycle: the consumer needs entry k before Copy(k) is issued while the issuer needs
+  `consumed` to advance first;
+- Products reading a group-buffer position that does not hold the expert it names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .errors import PlanHazardError
+from .plan import (
+    RESIDENT,
+    RING,
+    ChunkPlan,
+    Consume,
+    Copy,
+    Gather,
+    GatherBatch,
+    LayerPlan,
+    Op,
+    Products,
+    Record,
+    Wait,
+)
+
+_COMPONENT = {"copy": 0, "compute": 1}
+
+
+def describe(op: Op) -> str:
+    if isinstance(op, Copy):
+        return f"Copy(entry {op.entry}, layer {op.layer}, expert {op.expert} -> slot {op.slot})"
+    if isinstance(op, Gather):
+        where = (f"ring slot {op.src[1]}, entry {op.entry}" if op.src[0] == RING
+                 else f"resident slot {op.src[1]}")
+        return f"Gather(layer {op.layer}, expert {op.expert}, group {op.group} pos {op.pos}, {where})"
+    if isinstance(op, GatherBatch):
+        return f"GatherBatch(group {op.group}, positions {op.first_pos}..{op.first_pos + len(op.gathers) - 1})"
+    if isinstance(op, Record | Wait):
+        return f"{type(op).__name__}({op.event[0]}[{op.event[1]}]) on {op.stream}"
+    return repr(op)
+
+
+@dataclass
+class _Occupant:
+    entry: int
+    layer: int
+    expert: int
+    clock: tuple[int, int]
+    op_index: int
+    readers: list[tuple[tuple[int, int], int, str]] = field(default_factory=list)
+
+    def describe(self) -> str:
+        return f"Copy(entry {self.entry}, layer {self.layer}, expert {self.expert})"
+
+
+class Checker:
+    """Incremental checker: feed the layer plans of one chunk in order (the staging ring plans
+    a layer at a time and is checked before each layer runs)."""
+
+    def __init__(self, ring_slots: int, residency=None):
+        self.ring = ring_slots
+        self.residency = residency
+        self.clock = {"copy": [0, 0], "compute": [0, 0]}
+        self.events: dict[tuple[str, int], tuple[tuple[int, int], int]] = {}
+        self.slots: dict[int, _Occupant] = {}
+        self.copies: dict[int, int] = {}          # entry -> op index of its Copy
+        self.consumed = 0                         # entries released (count)
+        self.consume_op = -1
+        self.buffer: dict[int, tuple[int, int, int, int]] = {}  # pos -> (layer, group, expert, op)
+        self.n = 0                                 # ops seen
+
+    # ------------------------------------------------------------------ helpers
+    def _fail(self, msg: str) -> None:
+        raise PlanHazardError(msg)
+
+    def _tick(self, stream: str) -> tuple[int, int]:
+        c = self.clock[stream]
+        c[_COMPONENT[stream]] += 1
+        return (c[0], c[1])
+
+    @staticmethod
+    def _before(clock_a: tuple[int, int], stream_a: str, clock_b: tuple[int, int]) -> bool:
+        i = _COMPONENT[stream_a]
+        return clock_a[i] <= clock_b[i]
+
+    # ------------------------------------------------------------------ feeding
+    def feed(self, ops: tuple[Op, ...] | list[Op]) -> None:
+        base = self.n
+        readers: dict[int, int] = {}   # ring entry -> op index of the launch reading it
+        for j, op in enumerate(ops):
+            for g in (op.gathers if isinstance(op, GatherBatch) else
+                      (op,) if isinstance(op, Gather) else ()):
+                if g.src[0] == RING and g.entry is not None:
+                    readers.setdefault(g.entry, base + j)
+        for j, op in enumerate(ops):
+            self._op(base + j, op, readers)
+        self.n = base + len(ops)
+
+    def _op(self, i: int, op: Op, readers: dict[int, int]) -> None:
+        if isinstance(op, Copy):
+            self._copy(i, op)
+        elif isinstance(op, Record):
+            self._stream_of(i, op)
+            self.events[op.event] = (self._tick(op.stream), i)
+        elif isinstance(op, Wait):
+            self._stream_of(i, op)
+            rec = self.events.get(op.event)
+            if rec is None:
+                self._fail(f"slot {op.event[1]}: op #{i} {describe(op)} waits on an event "
+                           f"that was never recorded (CUDA would not wait at all)")
+            c = self.clock[op.stream]
+            c[0], c[1] = max(c[0], rec[0][0]), max(c[1], rec[0][1])
+            self._tick(op.stream)
+        elif isinstance(op, Gather):
+            now = self._tick("compute")
+            self._gather(i, op, now, f"op #{i} {describe(op)}", describe(op))
+        elif isinstance(op, GatherBatch):
+            now = self._tick("compute")
+            for n, g in enumerate(op.gathers):
+                if g.group != op.group or g.pos != op.first_pos + n:
+                    self._fail(f"op #{i} {describe(op)}: member {n} is {describe(g)}, not "
+                               f"group {op.group} position {op.first_pos + n}")
+                self._gather(i, g, now, f"op #{i} {describe(op)} member {describe(g)}",
+                             f"{describe(g)} in {describe(op)}")
+        elif isinstance(op, Products):
+            self._tick("compute")
+            self._products(i, op)
+        elif isinstance(op, Consume):
+            self._consume(i, op, readers)
+        else:  # LayerBegin / LayerEnd: compute work that touches no ring slot
+            self._tick("compute")
+
+    def _stream_of(self, i: int, op: Record | Wait) -> None:
+        if op.stream not in _COMPONENT:
+            self._fail(f"op #{i} {describe(op)}: stream must be copy or compute")
+
+    def _copy(self, i: int, op: Copy) -> None:
+        k, s = op.entry, op.slot
+        if s != k % self.ring:
+            self._fail(f"slot {s}: op #{i} {describe(op)} puts entry {k} in slot {s}, but "
+                       f"entry k goes to slot k % {self.ring} = {k % self.ring}")
+        if k in self.copies:
+            self._fail(f"slot {s}: op #{i} {describe(op)} issues entry {k} a second time "
+                       f"(first at op #{self.copies[k]})")
+        if k >= self.consumed + self.ring:
+            self._fail(f"slot {s}: op #{i} {describe(op)} over-runs the consumer: entry {k} "
+                       f">= consumed {self.consumed} + ring {self.ring} (entry "
+                       f"{k - self.ring}, the slot's previous occupant, is not consumed yet)")
+        now = self._tick("copy")
+        prev = self.slots.get(s)
+        if prev is not None:
+            for rclock, rop, rdesc in prev.readers:
+                if not self._before(rclock, "compute", now):
+                    self._fail(
+                        f"slot {s}: op #{i} {describe(op)} refills the slot while op #{rop} "
+                        f"{rdesc} (entry {prev.entry}, layer {prev.layer} expert "
+                        f"{prev.expert}) may still read it: no Wait(used[{s}]) on the copy "
+                        f"stream joins a Record(used[{s}]) issued after op #{rop}")
+        self.copies[k] = i
+        self.slots[s] = _Occupant(k, op.layer, op.expert, now, i)
+
+    def _gather(self, i: int, g: Gather, now: tuple[int, int], desc: str, what: str) -> None:
+        """desc: the op as messages name it; what: the read, as a later refill names it."""
+        kind, idx = g.src
+        if kind == RESIDENT:
+            if self.residency is not None and self.residency.slot(g.layer, g.expert) != idx:
+                self._fail(f"resident slot {idx}: {desc} but layer {g.layer} expert "
+                           f"{g.expert} resides in slot "
+                           f"{self.residency.slot(g.layer, g.expert)}")
+            self._place(g, i)
+            return
+        if kind != RING:
+            self._fail(f"{desc}: unknown source {g.src!r}")
+        s, k = idx, g.entry
+        if k is None:
+            self._fail(f"slot {s}: {desc} reads the ring without naming its entry")
+        if k < self.consumed:
+            self._fail(f"slot {s}: Consume at op #{self.consume_op} passed entry {k} "
+                       f"(consumed = {self.consumed}) before {desc} read it: the issuer may "
+                       f"already refill the slot")
+        if k not in self.copies:
+            if k >= self.consumed + self.ring:
+                self._fail(
+                    f"slot {s}: wait cycle: {desc} needs entry {k} (layer {g.layer} expert "
+                    f"{g.expert}) before its Copy is issued, while the issuer needs consumed "
+                    f"to reach {k - self.ring + 1} first (consumed = {self.consumed}, last "
+                    f"Consume at op #{self.consume_op})")
+            self._fail(f"slot {s}: {desc} reads entry {k} (layer {g.layer} expert {g.expert}) "
+                       f"before its Copy was issued")
+        occ = self.slots.get(s)
+        if occ is None or occ.entry != k:
+            self._fail(f"slot {s}: {desc} expects entry {k} but Copy at op "
+                       f"#{occ.op_index if occ else '?'} already overwrote it with entry "
+                       f"{occ.entry if occ else '?'}")
+        if (occ.layer, occ.expert) != (g.layer, g.expert):
+            self._fail(f"slot {s}: {desc} expects layer {g.layer} expert {g.expert} but entry "
+                       f"{k} (Copy at op #{occ.op_index}) is layer {occ.layer} expert "
+                       f"{occ.expert}")
+        if not self._before(occ.clock, "copy", now):
+            self._fail(f"slot {s}: {desc} may read before op #{occ.op_index} {occ.describe()} "
+                       f"landed: no Wait(copied[{s}]) on the compute stream joins a "
+                       f"Record(copied[{s}]) issued after op #{occ.op_index}")
+        occ.readers.append((now, i, what))
+        self._place(g, i)
+
+    def _place(self, g: Gather, i: int) -> None:
+        self.buffer[g.pos] = (g.layer, g.group, g.expert, i)
+
+    def _products(self, i: int, op: Products) -> None:
+        for p, e in enumerate(op.expert_ids):
+            have = self.buffer.get(p)
+            if have is None or have[:3] != (op.layer, op.group, e):
+                what = ("was never gathered" if have is None else
+                        f"holds layer {have[0]} group {have[1]} expert {have[2]} "
+                        f"(op #{have[3]})")
+                self._fail(f"op #{i} Products(layer {op.layer}, group {op.group}) reads "
+                           f"position {p} as expert {e}, but that position {what}")
+
+    def _consume(self, i: int, op: Consume, readers: dict[int, int]) -> None:
+        if op.entry + 1 < self.consumed:
+            self._fail(f"op #{i} Consume({op.entry}) goes back: consumed is already "
+                       f"{self.consumed}")
+        for k in range(self.consumed, op.entry + 1):
+            r = readers.get(k)
+            if r is not None and r > i:
+                s = k % self.ring
+                self._fail(f"slot {s}: op #{i} Consume({op.entry}) passes entry {k} which the "
+                           f"not-yet-launched gather at op #{r} still reads")
+        self.consumed = max(self.consumed, op.entry + 1)
+        self.consume_op = i
+
+
+def check(plan: ChunkPlan | LayerPlan, residency=None, ring_slots: int | None = None) -> None:
+    """Raises PlanHazardError on the first hazard of `plan` (a chunk, or one layer checked on
+    its own, which then needs `ring_slots`)."""
+    if isinstance(plan, ChunkPlan):
+        checker = Checker(plan.ring_slots, residency)
+        for lp in plan.layers:
+            checker.feed(lp.ops)
+    else:
+        if ring_slots is None:
+            raise ValueError("checking a LayerPlan alone needs ring_slots")
+        Checker(ring_slots, residency).feed(plan.ops)

@@ -1,0 +1,155 @@
+"""The Plan: one chunk's schedule as plain data, in host issue order.
+
+Three readers share it (the CUDA executor, the numpy reference executor and the hazard checker),
+so it carries everything each needs and nothing about CUDA. Each op says which stream it is
+enqueued on: "copy" (host blob -> ring slot), "compute" (norm, routing, gathers, products,
+combine) or "host" (the issuer/consumer bookkeeping that has no GPU work).
+
+Ring bookkeeping (STREAMING.md): entry k of a chunk's stream of copies goes to ring slot
+k % ring_slots. Events are `("copied", slot)` (recorded on the copy stream after a copy lands)
+and `("used", slot)` (recorded on the compute stream after the last gather that reads the
+slot). `Consume(entry)` tells the issuer that the slots of entries <= entry may be refilled:
+entry k may be issued only while k < (last consumed entry + 1) + ring_slots.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Literal
+
+StreamName = Literal["copy", "compute", "host"]
+#: ("copied", slot) or ("used", slot)
+EventKey = tuple[str, int]
+#: ("resident", resident slot index) or ("ring", ring slot)
+Source = tuple[str, int]
+
+COPIED = "copied"
+USED = "used"
+RESIDENT = "resident"
+RING = "ring"
+
+
+def copied(slot: int) -> EventKey:
+    return (COPIED, slot)
+
+
+def used(slot: int) -> EventKey:
+    return (USED, slot)
+
+
+@dataclass(frozen=True)
+class Copy:
+    """Copy the blob of (layer, expert) from the host store into ring slot `slot`."""
+
+    entry: int
+    layer: int
+    expert: int
+    slot: int
+    stream: StreamName = field(default="copy", init=False)
+
+
+@dataclass(frozen=True)
+class Record:
+    event: EventKey
+    stream: StreamName
+
+
+@dataclass(frozen=True)
+class Wait:
+    """`stream` waits for the latest Record of `event` issued before this op."""
+
+    event: EventKey
+    stream: StreamName
+
+
+@dataclass(frozen=True)
+class Gather:
+    """Copy one expert's images into position `pos` of the group buffers.
+
+    `entry` is the ring entry the gather expects in a ring slot (None for a resident
+    source); it lets the checker name the copy the gather depends on."""
+
+    group: int
+    pos: int
+    layer: int
+    expert: int
+    src: Source
+    entry: int | None = None
+    stream: StreamName = field(default="compute", init=False)
+
+
+@dataclass(frozen=True)
+class GatherBatch:
+    """One launch doing `gathers` (consecutive positions from first_pos, same group)."""
+
+    group: int
+    first_pos: int
+    gathers: tuple[Gather, ...]
+    stream: StreamName = field(default="compute", init=False)
+
+
+@dataclass(frozen=True)
+class Products:
+    """MMQ gate/up, SwiGLU + quantize, MMQ down over the group buffers; position p holds
+    expert_ids[p]."""
+
+    layer: int
+    group: int
+    expert_ids: tuple[int, ...]
+    stream: StreamName = field(default="compute", init=False)
+
+
+@dataclass(frozen=True)
+class Consume:
+    """Host bookkeeping: the issuer may reuse the slots of entries <= entry."""
+
+    entry: int
+    stream: StreamName = field(default="host", init=False)
+
+
+@dataclass(frozen=True)
+class LayerBegin:
+    """RMSNorm, router logits, softmax top-k, counting sort, activation quantize."""
+
+    layer: int
+    stream: StreamName = field(default="compute", init=False)
+
+
+@dataclass(frozen=True)
+class LayerEnd:
+    """Combine the expert outputs with the router weights, residual add."""
+
+    layer: int
+    stream: StreamName = field(default="compute", init=False)
+
+
+Op = Copy | Record | Wait | Gather | GatherBatch | Products | Consume | LayerBegin | LayerEnd
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    layer: int
+    ops: tuple[Op, ...]
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """mode "staging": layers planned one by one from the routed sets (< 1,024 tokens);
+    mode "walk": the whole chunk planned up front, routing-independent."""
+
+    tokens: int
+    mode: Literal["staging", "walk"]
+    ring_slots: int
+    layers: list[LayerPlan]
+
+    def ops(self) -> Iterator[tuple[int, Op]]:
+        """Every op of the chunk in host order with its index in that order."""
+        i = 0
+        for lp in self.layers:
+            for op in lp.ops:
+                yield i, op
+                i += 1
+
+    def count(self, kind: type) -> int:
+        return sum(isinstance(op, kind) for lp in self.layers for op in lp.ops)

@@ -1,0 +1,212 @@
+"""Planners: residency + ring state (+ the routed set on the staging ring) -> Plan.
+
+Both planners share one builder, so the issuer/consumer rules of STREAMING.md live once:
+- the issuer issues entry k (copy-stream Wait(used[slot]) when the slot held an earlier entry,
+  Copy, Record(copied[slot])) only while k < consumed + ring_slots, and runs ahead as far as
+  that allows every time `consumed` advances;
+- the consumer waits `copied[slot]` on the compute stream before a gather reads the slot,
+  records `used[slot]` after the launch that reads it, then advances `consumed`;
+- batched gathers (native formats, gather_one False) collect the group's gathers and launch
+  them at the end of the group. A batch holds its ring slots until it is launched, so when
+  the consumer needs an entry the issuer cannot issue yet (the ring is full of slots the
+  waiting batch holds) the batch is launched first (a flush). That is STREAMING.md's "flush
+  first" alternative to refusing to batch on a ring smaller than two groups: it can neither
+  starve the issuer nor recycle a slot before the batch read it.
+
+A plan assumes both streams are idle at its start: executors synchronise at the end of every
+chunk (the output is read back), so a chunk's entries restart at 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .formats import MMQ_GROUP
+from .plan import (
+    RESIDENT,
+    RING,
+    ChunkPlan,
+    Consume,
+    Copy,
+    Gather,
+    GatherBatch,
+    LayerBegin,
+    LayerEnd,
+    LayerPlan,
+    Op,
+    Products,
+    Record,
+    Wait,
+    copied,
+    used,
+)
+
+#: slots of the staging ring used below WALK_MIN_TOKENS tokens per chunk
+STAGING_RING_SLOTS = 8
+#: chunks of at least this many tokens take the streamed walk
+WALK_MIN_TOKENS = 1024
+#: `prefill: auto` never picks a chunk longer than this
+AUTO_CHUNK_MAX = 8192
+#: the walk's ring when a config gives no ring size (hundreds of MiB keep PCIe busy)
+DEFAULT_RING_BYTES = 256 << 20
+
+
+def gathers_one_by_one(fmt, requested: bool | None) -> bool:
+    """The gather mode a chunk runs in: one launch per expert when asked
+    (STRATA_PREFILL_GATHER_ONE) and always for a non-native format, whose blobs are not plain
+    byte ranges; the engine therefore never asks such a format to batch. Read per chunk, so an
+    in-process A/B takes effect on the next prompt."""
+    return bool(requested) or not fmt.native
+
+
+def walk_ring_slots(ring_bytes: int | None, slot_bytes: int, n_entries: int) -> int:
+    """Ring slots of the streamed walk: ring_bytes // slot_bytes, no more than the chunk
+    streams (a larger ring would only hold unused memory), at least one."""
+    from .errors import BudgetError
+
+    nbytes = DEFAULT_RING_BYTES if ring_bytes is None else int(ring_bytes)
+    slots = nbytes // slot_bytes
+    if slots < 1:
+        raise BudgetError(f"ring of {nbytes} bytes holds no expert slot of {slot_bytes} bytes; "
+                          f"give the ring at least {slot_bytes} bytes")
+    return max(1, min(slots, n_entries))
+
+
+class _RingBuilder:
+    """Ring state and op emission shared by the walk and the staging planner."""
+
+    def __init__(self, residency, ring_slots: int, gather_one: bool):
+        if ring_slots < 1:
+            raise ValueError(f"ring_slots={ring_slots}: the ring needs at least one slot")
+        self.residency = residency
+        self.ring = ring_slots
+        self.batch = not gather_one
+        self.seq: list[tuple[int, int]] = []   # entry -> (layer, expert)
+        self.issued = 0                        # entries issued so far
+        self.consumed = 0                      # entries released so far (count)
+        self.next_entry = 0                    # the next entry the consumer reads
+        self.pending: list[Gather] = []        # gathers waiting for the batch launch
+        self.ops: list[Op] = []
+
+    # ------------------------------------------------------------------ issuer
+    def issue_available(self) -> None:
+        while self.issued < len(self.seq) and self.issued < self.consumed + self.ring:
+            k = self.issued
+            layer, expert = self.seq[k]
+            slot = k % self.ring
+            if k >= self.ring:
+                self.ops.append(Wait(used(slot), "copy"))
+            self.ops.append(Copy(k, layer, expert, slot))
+            self.ops.append(Record(copied(slot), "copy"))
+            self.issued += 1
+
+    # ------------------------------------------------------------------ consumer
+    def _release(self, gathers: Sequence[Gather]) -> None:
+        ring = [g for g in gathers if g.src[0] == RING]
+        for g in ring:
+            self.ops.append(Record(used(g.src[1]), "compute"))
+        if ring:
+            last = max(g.entry for g in ring)
+            self.ops.append(Consume(last))
+            self.consumed = last + 1
+            self.issue_available()
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        batch = tuple(self.pending)
+        self.pending = []
+        self.ops.append(GatherBatch(batch[0].group, batch[0].pos, batch))
+        self._release(batch)
+
+    def gather(self, group: int, pos: int, layer: int, expert: int) -> None:
+        slot = self.residency.slot(layer, expert)
+        if slot is not None:
+            g = Gather(group, pos, layer, expert, (RESIDENT, slot))
+        else:
+            k = self.next_entry
+            if k >= len(self.seq) or self.seq[k] != (layer, expert):
+                raise AssertionError(f"planner: entry {k} is not layer {layer} expert {expert}")
+            self.next_entry += 1
+            if k >= self.issued:
+                self.issue_available()
+            if k >= self.issued:
+                self.flush()
+                self.issue_available()
+            assert k < self.issued, "issuer cannot reach the entry the consumer needs"
+            self.ops.append(Wait(copied(k % self.ring), "compute"))
+            g = Gather(group, pos, layer, expert, (RING, k % self.ring), k)
+        if self.batch:
+            self.pending.append(g)
+        else:
+            self.ops.append(g)
+            self._release([g])
+
+    def group(self, layer: int, group: int, experts: Sequence[int]) -> None:
+        for pos, e in enumerate(experts):
+            self.gather(group, pos, layer, e)
+        self.flush()
+        self.ops.append(Products(layer, group, tuple(int(e) for e in experts)))
+
+    def take_ops(self) -> tuple[Op, ...]:
+        ops, self.ops = tuple(self.ops), []
+        return ops
+
+
+def _groups(experts: Sequence[int]) -> list[list[int]]:
+    return [list(experts[i:i + MMQ_GROUP]) for i in range(0, len(experts), MMQ_GROUP)]
+
+
+def plan_walk(spec, residency, ring_slots: int, gather_one: bool, tokens: int = 0) -> ChunkPlan:
+    """The streamed walk: every non-resident expert of every layer, layer-major ascending,
+    streamed through the ring; every expert of a layer is gathered (groups are ids
+    [16g, 16g+16)) so the schedule does not depend on routing and experts without rows cost an
+    early exit in the products."""
+    b = _RingBuilder(residency, ring_slots, gather_one)
+    b.seq = [(layer, e) for layer in range(spec.n_layers) for e in range(spec.n_experts)
+             if residency.slot(layer, e) is None]
+    b.issue_available()
+    layers = []
+    all_experts = list(range(spec.n_experts))
+    for layer in range(spec.n_layers):
+        b.ops.append(LayerBegin(layer))
+        for g, experts in enumerate(_groups(all_experts)):
+            b.group(layer, g, experts)
+        b.ops.append(LayerEnd(layer))
+        layers.append(LayerPlan(layer, b.take_ops()))
+    return ChunkPlan(tokens, "walk", ring_slots, layers)
+
+
+class StagingPlanner:
+    """The staging ring for small chunks: after a layer's routing is known, its routed
+    non-resident experts stream through an 8-slot ring; ring state carries across layers.
+    One planner per chunk."""
+
+    def __init__(self, spec, residency, gather_one: bool, ring_slots: int = STAGING_RING_SLOTS,
+                 tokens: int = 0):
+        self.spec = spec
+        self.tokens = tokens
+        self._b = _RingBuilder(residency, ring_slots, gather_one)
+        self.layers: list[LayerPlan] = []
+
+    def plan_layer(self, layer: int, routed_experts: Sequence[int]) -> LayerPlan:
+        """routed_experts: the experts with at least one row in this layer (any order)."""
+        experts = sorted({int(e) for e in routed_experts})
+        bad = [e for e in experts if not 0 <= e < self.spec.n_experts]
+        if bad:
+            raise ValueError(f"layer {layer}: routed expert ids {bad} outside "
+                             f"0..{self.spec.n_experts - 1}")
+        b = self._b
+        b.seq.extend((layer, e) for e in experts if b.residency.slot(layer, e) is None)
+        b.ops.append(LayerBegin(layer))
+        b.issue_available()
+        for g, group in enumerate(_groups(experts)):
+            b.group(layer, g, group)
+        b.ops.append(LayerEnd(layer))
+        lp = LayerPlan(layer, b.take_ops())
+        self.layers.append(lp)
+        return lp
+
+    def chunk_plan(self) -> ChunkPlan:
+        """The layers planned so far as one chunk plan (for the checker and the counters)."""
+        return ChunkPlan(self.tokens, "staging", self._b.ring, list(self.layers))
