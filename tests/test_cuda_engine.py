@@ -1,0 +1,628 @@
+"""The CUDA backend: its memory plan and control flow on the CPU (a recording fake runtime),
+its kernels against numpy, and whole prompts against the reference backend and against itself
+(gather modes, repeats, residency, CUDA-graph replay) on a GPU."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from strata_rt import hazards
+from strata_rt.activations import quantize_q8_1
+from strata_rt.cuda_engine import (
+    AUTO_CHUNK_MAX,
+    ENGINE_SOURCE,
+    CudaBackend,
+    chunk_regions,
+    fixed_regions,
+    plan_memory,
+)
+from strata_rt.engine import Engine, EngineConfig, read_dump
+from strata_rt.errors import BudgetError, PlanHazardError
+from strata_rt.formats import MMQ_GROUP
+from strata_rt.model import QWEN3_30B_SPEC, SMALL_SPEC, Model, nmse
+from strata_rt.planner import StagingPlanner, plan_walk, walk_ring_slots
+from strata_rt.residency import Residency
+from strata_rt.runtime.memory import plan_regions, regions_total
+from strata_rt.timing import NOTE, PHASES, format_table
+
+MIB = 1 << 20
+GIB = 1 << 30
+
+
+# ============================================================================ CPU: memory plan
+def _total(spec, lay, act, ring, tokens, resident):
+    regions = {**fixed_regions(spec, lay, ring), "resident": resident * lay.slot_bytes,
+               **chunk_regions(spec, act, tokens)}
+    return regions_total(plan_regions(regions))
+
+
+@pytest.mark.parametrize("spec", [SMALL_SPEC, QWEN3_30B_SPEC], ids=["small", "qwen3-30b"])
+def test_auto_chunk_is_largest_that_fits_beside_fixed_residency(spec):
+    from strata_rt.registry import registry
+
+    fmt = registry()["iq3_xxs"]
+    lay = fmt.layout(spec.hidden, spec.ffn)
+    n_res = spec.total_experts // 4
+    big = plan_memory(spec, lay, "q8_1", 1 << 40, 8, "auto", n_res)
+    assert big.tokens == AUTO_CHUNK_MAX and big.n_resident == n_res
+    # a budget that holds 3,000 tokens but not 3,072
+    avail = _total(spec, lay, "q8_1", 8, 3000, n_res)
+    mp = plan_memory(spec, lay, "q8_1", avail, 8, "auto", n_res)
+    assert mp.tokens == 2944 and mp.total <= avail
+    assert _total(spec, lay, "q8_1", 8, mp.tokens + 64, n_res) > avail
+
+
+def test_reserve_policy_fills_the_rest_with_residents():
+    from strata_rt.registry import registry
+
+    spec = QWEN3_30B_SPEC
+    lay = registry()["iq3_xxs"].layout(spec.hidden, spec.ffn)
+    chunk_only = _total(spec, lay, "q8_1", 64, 8192, 0)
+    avail = chunk_only + 1000 * lay.slot_bytes + 100
+    mp = plan_memory(spec, lay, "q8_1", avail, 64, "auto", None)
+    assert mp.tokens == 8192
+    assert mp.n_resident in (999, 1000) and mp.total <= avail
+    everything = plan_memory(spec, lay, "q8_1", 1 << 45, 64, "auto", None)
+    assert everything.n_resident == spec.total_experts
+
+
+def test_budget_error_names_the_sizes():
+    from strata_rt.registry import registry
+
+    spec = QWEN3_30B_SPEC
+    lay = registry()["iq3_xxs"].layout(spec.hidden, spec.ffn)
+    with pytest.raises(BudgetError, match=r"8192-token chunk .* MiB .*gate_up_out"):
+        plan_memory(spec, lay, "q8_1", 512 * MIB, 8, 8192, 0)
+    with pytest.raises(BudgetError, match="resident experts"):
+        plan_memory(spec, lay, "q8_1", 2 * GIB, 8, "auto", spec.total_experts)
+
+
+def test_timing_table_lists_phases_in_order_with_the_note():
+    text = format_table({"combine": 1.0, "route": 3.0, "wait copy": 6.0, "extra": 0.5},
+                        {"route": 2}, wall_s=0.02, host_s=0.001)
+    lines = text.splitlines()
+    names = [ln.split("  ")[0].strip() for ln in lines[1:5]]
+    assert names == ["route", "wait copy", "combine", "extra"]
+    assert NOTE in text and "slower" in NOTE
+    assert "57.1%" in text  # 6 of 10.5 ms
+    assert set(PHASES) >= {"route", "wait copy", "gather", "gemm gate/up", "swiglu+quantize",
+                           "gemm down", "combine"}
+
+
+def test_check_plan_clean_on_qwen3_30b_shape(rng):
+    """STRATA_CHECK_PLAN on the Qwen3-30B-A3B shape: the walk (both gather modes, quarter
+    residency, the default ring) and the staging ring over 48 layers of random routing."""
+    spec = QWEN3_30B_SPEC
+    model = Model.synthetic(replace(spec, n_layers=1), 0)  # only the layout matters
+    slot = model.layout.slot_bytes
+    pairs = [(layer, e) for layer in range(spec.n_layers) for e in range(spec.n_experts)]
+    picks = rng.choice(len(pairs), spec.total_experts // 4, replace=False)
+    res = Residency(spec.n_layers, spec.n_experts, [pairs[i] for i in picks], slot)
+    ring = walk_ring_slots(None, slot, spec.total_experts - res.n_slots)
+    for gather_one in (False, True):
+        plan = plan_walk(spec, res, ring, gather_one, tokens=8192)
+        hazards.check(plan, res)
+        planner = StagingPlanner(spec, res, gather_one, tokens=512)
+        checker = hazards.Checker(8, res)
+        for layer in range(spec.n_layers):
+            routed = rng.choice(spec.n_experts, int(rng.integers(8, 120)), replace=False)
+            checker.feed(planner.plan_layer(layer, routed).ops)
+
+
+# ============================================================================ CPU: fake runtime
+class _FakeEvent:
+    def __init__(self, name):
+        self.name, self.recorded, self.timing = name, False, False
+
+    def record(self, stream):
+        self.recorded = True
+        stream.log.append(("record", self.name))
+
+    def synchronize(self):
+        assert self.recorded
+
+    def elapsed_ms(self, later):
+        return 0.25
+
+
+class _FakeStream:
+    def __init__(self, name):
+        self.name, self.handle, self.log = name, id(self), []
+
+    def wait(self, ev):
+        if not ev.recorded:
+            raise PlanHazardError(f"{self.name} waits on never-recorded {ev.name}")
+        self.log.append(("wait", ev.name))
+
+    def synchronize(self):
+        pass
+
+
+class _FakeKernel:
+    def __init__(self, rt, name, types):
+        self.rt, self.name, self.types = rt, name, types
+
+    def launch(self, grid, block, stream, args, shared=0):
+        assert len(args) == len(self.types), (self.name, len(args), self.types)
+        assert all(isinstance(a, (int, float, np.integer)) for a in args), (self.name, args)
+        assert min(grid) >= 1 and min(block) >= 1, (self.name, grid, block)
+        self.rt.launches.append(self.name)
+
+
+class _FakeModule:
+    def __init__(self, rt, source):
+        self.rt, self.text = rt, Path(source).read_text()
+
+    def kernel(self, name, types):
+        return _FakeKernel(self.rt, name, types)
+
+
+class _FakeArena:
+    def __init__(self, sizes, budget=None, base=1 << 36):
+        self.regions = plan_regions(sizes, budget=budget)
+        self.total = regions_total(self.regions)
+        self.base_ptr = base
+        self._host = np.zeros(self.total, np.uint8)
+
+    def ptr(self, name):
+        return self.base_ptr + self.regions[name][0]
+
+    def view(self, name, dtype=np.uint8, shape=None):
+        off, size = self.regions[name]
+        arr = self._host[off: off + size].view(dtype)
+        return arr if shape is None else arr.reshape(shape)
+
+    def report(self):
+        return "fake arena"
+
+
+class _FakeGraph:
+    def __init__(self, rt):
+        self.rt = rt
+
+    def launch(self, stream):
+        self.rt.launches.append("graph")
+
+    def free(self):
+        pass
+
+
+class _FakeRuntime:
+    """Records what the backend enqueues; the bounds read-back returns a random routing."""
+
+    arch = "sm_90"
+
+    def __init__(self, rng, spec):
+        self.rng, self.spec = rng, spec
+        self.launches: list[str] = []
+        self.copies = 0
+        self.closed = False
+        self.arena = None
+
+    def free_bytes(self):
+        return 8 * GIB
+
+    def stream(self, name):
+        return _FakeStream(name)
+
+    def event(self, name, timing=False):
+        return _FakeEvent(name)
+
+    def pinned(self, sizes):
+        return _FakeArena(sizes)
+
+    def device_arena(self, sizes, budget=None):
+        self.arena = _FakeArena(sizes, budget)
+        return self.arena
+
+    def module(self, source, defines=None):
+        return _FakeModule(self, source)
+
+    def memcpy_htod(self, dst, host, stream):
+        self.copies += 1
+
+    def memcpy_dtoh(self, host, src, stream):
+        if host.dtype == np.int32:  # row bounds: a random routing of self.tokens tokens
+            E = self.spec.n_experts
+            for row in host.reshape(-1, E + 1):
+                counts = self.rng.multinomial(self.tokens * self.spec.top_k, np.ones(E) / E)
+                row[0] = 0
+                row[1:] = np.cumsum(counts)
+
+    def memset_d8(self, ptr, byte, nbytes, stream):
+        pass
+
+    @contextlib.contextmanager
+    def capture(self, stream):
+        before = len(self.launches)
+        yield _FakeGraph(self)
+        del self.launches[before:]  # captured work does not run
+
+    def close(self):
+        self.closed = True
+
+
+@pytest.fixture
+def fake(monkeypatch, rng):
+    import strata_rt.runtime as runtime_pkg
+
+    holder = {}
+
+    def open_fake(device=0):
+        holder["rt"] = _FakeRuntime(rng, SMALL_SPEC)
+        return holder["rt"]
+
+    monkeypatch.setattr(runtime_pkg.Runtime, "open", staticmethod(open_fake))
+    monkeypatch.delenv("STRATA_CUDA_GRAPH", raising=False)
+    return holder
+
+
+@pytest.mark.parametrize("gather_one", [False, True])
+def test_backend_control_flow_on_fake_runtime(fake, gather_one):
+    model = Model.synthetic(SMALL_SPEC, 3)
+    spec = model.spec
+    cfg = EngineConfig(model=model, backend="cuda", expert_cache=spec.total_experts // 2,
+                       gather_one=gather_one, check_plan=True, timing=False)
+    with Engine.open(cfg) as eng:
+        rt = fake["rt"]
+        assert eng.chunk_tokens == AUTO_CHUNK_MAX
+        h = np.ones((300, spec.hidden), np.float32)
+        rt.tokens = 300
+        _, st = eng.prefill(h)
+        assert st.host_syncs == spec.n_layers + 1  # one routed-set read-back per layer
+        assert st.mmq_launches == sum(n.startswith("iq3_mmq") for n in rt.launches)
+        assert rt.launches.count("expert_scatter") == spec.n_layers
+        assert st.gathers_launched == rt.launches.count("gather_one") + rt.launches.count(
+            "gather_batch")
+        assert st.experts_streamed > 0
+        # the walk: planned ahead, no read-back per layer; then graph capture and replay
+        rt.launches.clear()
+        h = np.ones((2048, spec.hidden), np.float32)
+        _, st1 = eng.prefill(h)
+        assert st1.host_syncs == 1
+        streamed = spec.total_experts - spec.total_experts // 2
+        assert st1.experts_streamed == streamed
+        assert st1.gathers_launched == (spec.total_experts if gather_one
+                                        else spec.n_layers * spec.n_experts // MMQ_GROUP)
+        assert st1.mmq_launches == 2 * spec.n_layers * spec.n_experts // MMQ_GROUP
+        rt.launches.clear()
+        _, st2 = eng.prefill(h)
+        assert rt.launches == ["graph"]
+        trial = eng.backend.graph_trials[(2048, gather_one)]
+        assert set(trial) == {"plain", "graph", "choice"}
+        assert st2.as_dict()["experts_streamed"] == st1.experts_streamed
+    assert fake["rt"].closed
+
+
+def test_backend_refuses_a_store_it_did_not_pin(fake):
+    from strata_rt.store import ExpertStore
+
+    model = Model.synthetic(SMALL_SPEC, 3)
+    with pytest.raises(Exception, match="host_alloc"):
+        CudaBackend(model, ExpertStore(model), None, EngineConfig(model=model).resolve())
+
+
+# ============================================================================ GPU
+gpu = pytest.mark.gpu
+
+
+def _seed() -> int:
+    return int.from_bytes(os.urandom(4), "little")
+
+
+@pytest.fixture(scope="module")
+def small_model():
+    seed = _seed()
+    print(f"small model seed {seed}")
+    return Model.synthetic(SMALL_SPEC, seed)
+
+
+def _prompt(rng, tokens: int, hidden: int) -> np.ndarray:
+    return rng.standard_normal((tokens, hidden), dtype=np.float32)
+
+
+def _run(model, prompts, **cfg):
+    """Runs prompts through one CUDA engine; -> (outputs, stats, backend facts)."""
+    conf = EngineConfig(model=model, backend="cuda", **cfg)
+    outs, stats = [], []
+    with Engine.open(conf) as eng:
+        for h in prompts:
+            o, st = eng.prefill(h)
+            assert np.isfinite(o).all()
+            outs.append(o)
+            stats.append(st)
+        facts = {"chunk": eng.chunk_tokens, "graph_trials": dict(eng.backend.graph_trials),
+                 "n_resident": eng.residency.n_slots}
+    return outs, stats, facts
+
+
+def _reference_rows(model, h, rows):
+    """The reference backend on some rows of a prompt (tokens are independent)."""
+    conf = EngineConfig(model=model, backend="reference", expert_cache=0)
+    with Engine.open(conf) as eng:
+        out, _ = eng.prefill(h[rows])
+    return out
+
+
+# ---------------------------------------------------------------------------- kernels
+def _launch_setup(rt):
+    return rt.module(ENGINE_SOURCE), rt.stream("test")
+
+
+def _up(rt, s, arr):
+    arr = np.ascontiguousarray(arr)
+    buf = rt.alloc(arr.nbytes)
+    rt.memcpy_htod(buf.ptr, arr, s)
+    return buf
+
+
+def _poisoned(rt, s, nbytes):
+    buf = rt.alloc(nbytes)
+    rt.memset_d8(buf.ptr, 0xFF, nbytes, s)
+    return buf
+
+
+def _down(rt, s, buf, dtype, shape):
+    host = np.empty(int(np.prod(shape)) * np.dtype(dtype).itemsize, np.uint8)
+    rt.memcpy_dtoh(host, buf.ptr, s)
+    s.synchronize()
+    return host.view(dtype).reshape(shape)
+
+
+@gpu
+@pytest.mark.parametrize("T,H,E,K", [(200, 512, 32, 4), (1500, 2048, 128, 8)])
+def test_routing_kernels_match_numpy(rt, rng, T, H, E, K):
+    mod, s = _launch_setup(rt)
+    x = rng.standard_normal((T, H), dtype=np.float32)
+    w = (1 + 0.1 * rng.standard_normal(H)).astype(np.float32)
+    router = (rng.standard_normal((E, H)) * 2 / np.sqrt(H)).astype(np.float32)
+    x[3] = 0.0  # an all-zero row must not divide by zero
+    dx, dw, dr = _up(rt, s, x), _up(rt, s, w), _up(rt, s, router)
+    xn, logits = _poisoned(rt, s, x.nbytes), _poisoned(rt, s, T * E * 4)
+    ids, wts = _poisoned(rt, s, T * K * 4), _poisoned(rt, s, T * K * 4)
+    bounds, st, ro = (_poisoned(rt, s, (E + 1) * 4), _poisoned(rt, s, T * K * 4),
+                      _poisoned(rt, s, T * K * 4))
+    mod.kernel("rmsnorm_rows", "PPPif").launch((T, 1, 1), (256, 1, 1), s,
+                                               (dx.ptr, dw.ptr, xn.ptr, H, 1e-6))
+    mod.kernel("router_logits", "PPPiii").launch((-(-T // 64), -(-E // 64), 1), (256, 1, 1), s,
+                                                 (xn.ptr, dr.ptr, logits.ptr, T, H, E))
+    mod.kernel("topk_softmax", "PiiiPP").launch((-(-T // 128), 1, 1), (128, 1, 1), s,
+                                                (logits.ptr, T, E, K, ids.ptr, wts.ptr))
+    mod.kernel("expert_bounds", "PiiP").launch((1, 1, 1), (1024, 1, 1), s,
+                                               (ids.ptr, T * K, E, bounds.ptr), shared=E * 4)
+    mod.kernel("expert_scatter", "PiiPPP").launch((E, 1, 1), (1024, 1, 1), s,
+                                                  (ids.ptr, T * K, K, bounds.ptr, st.ptr, ro.ptr))
+    g_xn = _down(rt, s, xn, np.float32, (T, H))
+    x64 = x.astype(np.float64)
+    want_xn = x64 / np.sqrt(np.mean(x64 ** 2, axis=1, keepdims=True) + 1e-6) * w
+    np.testing.assert_allclose(g_xn, want_xn, rtol=1e-5, atol=1e-6)
+    g_logits = _down(rt, s, logits, np.float32, (T, E))
+    np.testing.assert_allclose(g_logits, g_xn.astype(np.float64) @ router.T.astype(np.float64),
+                               rtol=1e-4, atol=1e-4)
+    # top-k from the GPU's own logits, in float64: the same ids (ties to the lower id) except
+    # where two probabilities lie within float32 rounding of each other
+    l64 = g_logits.astype(np.float64)
+    p = np.exp(l64 - l64.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    want_ids = np.argsort(-p, axis=1, kind="stable")[:, :K]
+    g_ids = _down(rt, s, ids, np.int32, (T, K))
+    pk = np.take_along_axis(p, g_ids, axis=1)
+    np.testing.assert_allclose(pk, np.take_along_axis(p, want_ids, axis=1), rtol=1e-6)
+    assert (g_ids != want_ids).any(axis=1).mean() <= 0.005
+    np.testing.assert_allclose(_down(rt, s, wts, np.float32, (T, K)),
+                               pk / pk.sum(axis=1, keepdims=True), rtol=1e-5)
+    # counting sort: exact
+    flat = g_ids.reshape(-1)
+    want_bounds = np.concatenate([[0], np.cumsum(np.bincount(flat, minlength=E))])
+    np.testing.assert_array_equal(_down(rt, s, bounds, np.int32, (E + 1,)), want_bounds)
+    order = np.argsort(flat, kind="stable")
+    np.testing.assert_array_equal(_down(rt, s, st, np.int32, (T * K,)), order // K)
+    want_ro = np.empty(T * K, np.int64)
+    want_ro[order] = np.arange(T * K)
+    np.testing.assert_array_equal(_down(rt, s, ro, np.int32, (T * K,)), want_ro)
+
+
+@gpu
+def test_topk_ties_go_to_the_lower_id(rt):
+    mod, s = _launch_setup(rt)
+    T, E, K = 3, 32, 4
+    logits = np.zeros((T, E), np.float32)  # row 0: all equal
+    logits[1, [5, 9, 20, 30]] = 1.0        # row 1: four equal winners
+    logits[2, [7, 3]] = 2.0
+    logits[2, [31, 1, 12]] = 1.0           # row 2: 3, 7 then 1, 12 (31 loses the tie)
+    dl = _up(rt, s, logits)
+    ids, wts = _poisoned(rt, s, T * K * 4), _poisoned(rt, s, T * K * 4)
+    mod.kernel("topk_softmax", "PiiiPP").launch((1, 1, 1), (128, 1, 1), s,
+                                                (dl.ptr, T, E, K, ids.ptr, wts.ptr))
+    got = _down(rt, s, ids, np.int32, (T, K))
+    np.testing.assert_array_equal(got, [[0, 1, 2, 3], [5, 9, 20, 30], [3, 7, 1, 12]])
+    np.testing.assert_allclose(_down(rt, s, wts, np.float32, (T, K))[0], 0.25, rtol=1e-6)
+
+
+@gpu
+@pytest.mark.parametrize("kind", ["q8_1", "f16"])
+def test_swiglu_kernels_cover_exactly_the_group_rows(rt, rng, kind):
+    mod, s = _launch_setup(rt)
+    F, E, rows = 768, 16, 700
+    cuts = np.sort(rng.integers(0, rows, E - 1))
+    bounds = np.concatenate([[0], cuts, [rows]]).astype(np.int32)
+    lo, hi = 3, 11
+    gu = rng.standard_normal((rows, 2 * F), dtype=np.float32) * 2
+    gu[int(bounds[lo]), :32] = 0.0  # an all-zero 32-group gives d = 0, q = 0
+    dgu, db = _up(rt, s, gu), _up(rt, s, bounds)
+    per_row = F // 128 * 144 if kind == "q8_1" else F * 2
+    out = _poisoned(rt, s, rows * per_row)
+    name = "swiglu_q8_1" if kind == "q8_1" else "swiglu_f16"
+    mod.kernel(name, "PPiiiP").launch((37, 1, 1), (128, 1, 1), s,
+                                      (dgu.ptr, db.ptr, lo, hi, F, out.ptr))
+    got = _down(rt, s, out, np.uint8, (rows, per_row))
+    r0, r1 = int(bounds[lo]), int(bounds[hi])
+    assert (got[:r0] == 0xFF).all() and (got[r1:] == 0xFF).all(), "wrote outside the group"
+    g, u = gu[r0:r1, :F], gu[r0:r1, F:]
+    v = (g / (np.float32(1) + np.exp(-g)) * u).astype(np.float32)
+    if kind == "f16":
+        gv = got[r0:r1].view(np.float16).astype(np.float32)
+        np.testing.assert_allclose(gv, v.astype(np.float16).astype(np.float32), rtol=1e-3,
+                                   atol=1e-6)
+        return
+    from strata_rt.activations import Q8_1Acts
+
+    acts = Q8_1Acts.from_device_bytes(got[r0:r1].reshape(-1), r1 - r0, F)
+    want = quantize_q8_1(v)
+    np.testing.assert_allclose(acts.d, want.d, rtol=1e-6)
+    diff = np.abs(acts.q.astype(np.int32) - want.q)
+    assert diff.max() <= 1 and (diff > 0).mean() < 1e-3  # expf vs np.exp: 1 ulp apart
+    assert (acts.q[0, :32] == 0).all() and acts.d[0, 0] == 0
+
+
+@gpu
+def test_combine_is_bit_exact(rt, rng):
+    mod, s = _launch_setup(rt)
+    T, H, K = 300, 512, 4
+    y = rng.standard_normal((T * K, H), dtype=np.float32)
+    row_of = rng.permutation(T * K).astype(np.int32)
+    w = rng.random((T, K), dtype=np.float32)
+    x = rng.standard_normal((T, H), dtype=np.float32)
+    dy, dro, dw, dx = _up(rt, s, y), _up(rt, s, row_of), _up(rt, s, w), _up(rt, s, x)
+    mod.kernel("combine_residual", "PPPiiP").launch((T, 1, 1), (256, 1, 1), s,
+                                                    (dy.ptr, dro.ptr, dw.ptr, K, H, dx.ptr))
+    acc = np.zeros((T, H), np.float32)
+    rows = row_of.reshape(T, K)
+    for k in range(K):
+        acc = acc + w[:, k, None] * y[rows[:, k]]  # float32 product, then float32 sum
+    want = x + acc
+    got = _down(rt, s, dx, np.float32, (T, H))
+    assert got.tobytes() == want.tobytes()
+
+
+# ---------------------------------------------------------------------------- engine
+@gpu
+@pytest.mark.parametrize("fmt", ["iq3_xxs", "q2_blob", "fp16"])
+def test_gpu_matches_reference_backend(rng, fmt):
+    """Small config, every loaded format: a staging prompt and a walk prompt; the reference
+    runs on a slice of rows (tokens are independent, so rows compare one to one)."""
+    from strata_rt.registry import registry
+
+    if fmt not in registry():
+        pytest.skip(f"format {fmt} not loaded")
+    spec = replace(SMALL_SPEC, format=fmt)
+    blob = registry()[fmt].layout(spec.hidden, spec.ffn).blob_bytes
+    # 24 distinct experts tiled over the layers: the q2 quantizer is slow in numpy
+    model = Model.synthetic(spec, _seed(), pool_bytes=24 * blob)
+    prompts = [_prompt(rng, 96, SMALL_SPEC.hidden), _prompt(rng, 1024, SMALL_SPEC.hidden)]
+    outs, stats, _ = _run(model, prompts, expert_cache=SMALL_SPEC.total_experts // 3)
+    for h, out, rows in zip(prompts, outs, (slice(0, 96), slice(900, 1024))):
+        ref = _reference_rows(model, h, rows)
+        err = nmse(out[rows], ref)
+        print(f"{fmt} {h.shape[0]} tokens: NMSE vs reference {err:.3e}")
+        assert err <= 5e-4
+    assert stats[0].host_syncs == SMALL_SPEC.n_layers + 1 and stats[1].host_syncs == 1
+
+
+PROMPTS = (128, 256, 512, 1024, 2048, 4096, 8192, 9200)
+
+
+@gpu
+def test_gather_modes_byte_identical_small(small_model, rng, tmp_path):
+    prompts = [_prompt(rng, n, SMALL_SPEC.hidden) for n in PROMPTS]
+    cache = SMALL_SPEC.total_experts // 2
+    res = {}
+    for one in (True, False):
+        dump = tmp_path / f"dump_{int(one)}.bin"
+        outs, stats, facts = _run(small_model, prompts, expert_cache=cache, gather_one=one,
+                                  dump_r=str(dump))
+        res[one] = (outs, stats, facts, dump)
+    (o1, s1, f1, d1), (ob, sb, fb, db) = res[True], res[False]
+    assert f1["chunk"] == fb["chunk"] == AUTO_CHUNK_MAX
+    for n, a, b, sa, sbb in zip(PROMPTS, o1, ob, s1, sb):
+        assert a.tobytes() == b.tobytes(), f"{n} tokens differ between gather modes"
+        assert sa.experts_streamed == sbb.experts_streamed
+        if 1024 <= n <= AUTO_CHUNK_MAX:  # one walk chunk: one launch per group of 16
+            assert sbb.gathers_launched * MMQ_GROUP == sa.gathers_launched
+        else:  # staging batches are cut short when the 8-slot ring fills
+            assert sbb.gathers_launched < sa.gathers_launched
+    assert sb[-1].chunks == 2
+    assert d1.read_bytes() == db.read_bytes()  # every prompt's dump, appended in order
+    pos, vals = read_dump(db, SMALL_SPEC.hidden)
+    last = len(range(0, 9200, 64))
+    np.testing.assert_array_equal(pos[-last:], np.arange(0, 9200, 64))
+    assert vals[-last:].tobytes() == ob[-1][::64].tobytes()
+
+
+@gpu
+def test_repeats_byte_identical_and_graph_replay(small_model, rng, monkeypatch):
+    prompts = [_prompt(rng, n, SMALL_SPEC.hidden) for n in (2048, 512)]
+    runs = [prompts[0]] * 3 + [prompts[1]] * 2
+    outs, _, facts = _run(small_model, runs, expert_cache=40)
+    for i in (1, 2):
+        assert outs[i].tobytes() == outs[0].tobytes(), f"run {i} of 2048 tokens differs"
+    assert outs[4].tobytes() == outs[3].tobytes()
+    trial = facts["graph_trials"][(2048, False)]
+    print(f"2048-token walk: plain {trial['plain'] * 1e3:.2f} ms, graph "
+          f"{trial['graph'] * 1e3:.2f} ms -> {trial['choice']}")
+    monkeypatch.setenv("STRATA_CUDA_GRAPH", "0")
+    plain, _, facts0 = _run(small_model, runs[:2], expert_cache=40)
+    assert plain[1].tobytes() == outs[0].tobytes()
+    assert facts0["graph_trials"] == {(2048, False): {}}
+
+
+@gpu
+def test_residency_does_not_change_a_bit(small_model, rng):
+    prompts = [_prompt(rng, n, SMALL_SPEC.hidden) for n in (256, 2048)]
+    total = SMALL_SPEC.total_experts
+    got = {}
+    for cache in (0, total // 2, total):
+        outs, stats, facts = _run(small_model, prompts, expert_cache=cache)
+        assert facts["n_resident"] == cache
+        got[cache] = outs
+        if cache == total:
+            assert all(st.experts_streamed == 0 for st in stats)
+        if cache == 0:
+            assert stats[1].experts_streamed == total
+    for cache in (total // 2, total):
+        for a, b in zip(got[0], got[cache]):
+            assert a.tobytes() == b.tobytes(), f"residency {cache} changed the output"
+
+
+@gpu
+def test_timing_table_and_untimed_output(small_model, rng, capsys):
+    h = _prompt(rng, 1100, SMALL_SPEC.hidden)
+    plain, _, _ = _run(small_model, [h], expert_cache=20)
+    timed, stats, _ = _run(small_model, [h], expert_cache=20, timing=True)
+    assert timed[0].tobytes() == plain[0].tobytes()
+    err = capsys.readouterr().err
+    assert NOTE in err and "gemm gate/up" in err
+    assert {"route", "gather", "gemm gate/up", "gemm down", "combine"} <= set(stats[0].phase_s)
+
+
+@gpu
+def test_budget_error_on_the_device(small_model):
+    with pytest.raises(BudgetError, match="MiB"):
+        _run(small_model, [], vram_reserve_mib=1 << 30, prefill=8192)
+
+
+@gpu
+def test_qwen3_30b_shape_gather_modes_and_check_plan(rng, tmp_path):
+    """The Qwen3-30B-A3B shape, a quarter resident, STRATA_CHECK_PLAN on: staging (512), the
+    walk (2048) and two chunks (9200) byte-identical between gather modes."""
+    spec = QWEN3_30B_SPEC
+    model = Model.synthetic(spec, _seed())
+    prompts = [_prompt(rng, n, spec.hidden) for n in (512, 2048, 9200)]
+    results = {}
+    for one in (False, True):
+        outs, stats, facts = _run(model, prompts, expert_cache=spec.total_experts // 4,
+                                  gather_one=one, check_plan=True)
+        results[one] = outs
+        for n, st in zip((512, 2048, 9200), stats):
+            print(f"qwen3-30b gather_one={int(one)} {n} tokens: {st.wall_s * 1e3:.1f} ms, "
+                  f"{st.bytes_streamed / st.wall_s / 1e9:.1f} GB/s streamed, host "
+                  f"{st.host_s * 1e3:.1f} ms, gathers {st.gathers_launched}")
+    for a, b in zip(results[False], results[True]):
+        assert a.tobytes() == b.tobytes()
+
