@@ -8,12 +8,18 @@ by `-ra`), never silently deselected.
 from __future__ import annotations
 
 import os
-import sys
-import tempfile
-from importlib import metadata
-from pathlib import Path
 
-import numpy as np
+# The reference backend does many small matrix products; on a 2-core machine a multi-threaded
+# BLAS fights the test process for the cores and runs them many times slower. Set before numpy
+# loads its BLAS.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+from importlib import metadata  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
 import pytest
 
 from strata_rt.runtime import Runtime, cuda_available

@@ -1,0 +1,256 @@
+"""Prefill benchmark on a GPU: strata_rt against its ceilings and the PyTorch peer, one process.
+
+For each regime (streaming: a quarter of the experts resident; resident: all of them) and each
+prompt length: our engine with batched gathers (A) and one gather per expert (B,
+STRATA_PREFILL_GATHER_ONE=1), interleaved A, B, A, B; then the PyTorch peer (bench/peers) on
+the same inputs, twice. Ceilings measured in the same run: pinned host-to-device GB/s (copies
+of 8 MiB and more), the int8 rate (torch._int_mm) and the bf16 rate (torch.mm) of large dense
+products. Ratios: PCIe achieved / ceiling, ours / peer, host time / wall, MoE TFLOPS / int8.
+
+Times are host clocks around each whole prefill call (numpy in, numpy out, synchronised), after
+a warm-up of every arm. Results: bench/results/prefill-<model>-<time>.{json,md}.
+
+    python bench/bench_prefill.py                               # Qwen3-30B-A3B shape, 48 layers
+    python bench/bench_prefill.py --model small --prompts 254,1030
+    python bench/bench_prefill.py --layers 8 --prompts 1030,8179  # fewer layers, a few minutes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "bench" / "peers")]
+
+from strata_rt.cli import hardware_line, markdown_table, set_switch  # noqa: E402
+from strata_rt.config import MiB, Prompt, validate  # noqa: E402
+from strata_rt.engine import Engine  # noqa: E402
+from strata_rt.model import Model, MoESpec  # noqa: E402
+
+MODELS = {
+    "small": MoESpec(n_layers=4, hidden=512, ffn=256, n_experts=32, top_k=4),
+    "qwen3-30b": MoESpec(n_layers=48, hidden=2048, ffn=768, n_experts=128, top_k=8),
+}
+SWITCH = "STRATA_PREFILL_GATHER_ONE"
+
+
+def ceilings(torch) -> dict[str, float]:
+    """Pinned H2D GB/s per copy size, and dense int8 / bf16 TFLOPS, timed with CUDA events."""
+    out: dict[str, float] = {}
+
+    def timed(fn, reps: int) -> float:
+        fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / reps
+
+    host = torch.empty(256 * MiB, dtype=torch.uint8).pin_memory()
+    dev = torch.empty_like(host, device="cuda")
+    for mib in (2, 8, 64, 256):
+        n = mib * MiB
+        s = timed(lambda n=n: dev[:n].copy_(host[:n], non_blocking=True), 20)
+        out[f"h2d_{mib}mib_gb_s"] = n / s / 1e9
+    out["h2d_gb_s"] = max(v for k, v in out.items() if not k.startswith("h2d_2mib"))
+    n = 8192
+    a = torch.randint(-127, 127, (n, n), dtype=torch.int8, device="cuda")
+    b = torch.randint(-127, 127, (n, n), dtype=torch.int8, device="cuda")
+    out["int8_tops"] = 2 * n ** 3 / timed(lambda: torch._int_mm(a, b.t()), 10) / 1e12
+    x = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    out["bf16_tflops"] = 2 * n ** 3 / timed(lambda: x @ x, 10) / 1e12
+    return out
+
+
+def nmse(a: np.ndarray, b: np.ndarray, h: np.ndarray) -> float:
+    """Of the MoE update (output minus input), so the residual does not hide differences."""
+    da, db = a.astype(np.float64) - h, b.astype(np.float64) - h
+    return float(((da - db) ** 2).sum() / max((db ** 2).sum(), 1e-30))
+
+
+def run_ours(model: Model, regime: str, prompts, inputs, args) -> tuple[dict, dict]:
+    spec = model.spec
+    doc = {"model": {"synthetic": {k: getattr(spec, k) for k in (
+               "n_layers", "hidden", "ffn", "n_experts", "top_k")}},
+           "format": spec.format, "backend": "cuda", "prefill": "auto",
+           "expert_cache": spec.total_experts // (4 if regime == "streaming" else 1),
+           "prompts": [p.tokens for p in prompts], "ring_mib": args.ring_mib}
+    ecfg = validate(doc, ROOT).engine_config(backend="cuda")
+    ecfg.model = model  # the peer reads the same Model object
+    rows: dict[int, dict] = {}
+    with Engine.open(ecfg) as engine:
+        mask = engine.residency.mask()
+
+        def once(h, value: str):
+            set_switch(engine, SWITCH, value)
+            t0 = time.perf_counter()
+            out, stats = engine.prefill(h)
+            return out, stats, time.perf_counter() - t0
+
+        for value in ("0", "1"):
+            once(inputs[0], value)  # module compile and first allocations
+        for p, h in zip(prompts, inputs):
+            r = rows[p.tokens] = {"A_s": [], "B_s": [], "A_stats": [], "B_stats": []}
+            for _ in range(args.pairs):
+                for arm, value in (("A", "0"), ("B", "1")):
+                    out, stats, wall = once(h, value)
+                    r[f"{arm}_s"].append(wall)
+                    r[f"{arm}_stats"].append(stats.as_dict())
+            r["out"] = out
+            if r["A_stats"][-1]["gathers_launched"] == r["B_stats"][-1]["gathers_launched"]:
+                print(f"WARNING: {regime} {p.tokens}: A and B launched the same number of "
+                      "gathers; the backend did not take the switch between prefills",
+                      file=sys.stderr)
+            print(f"ours {regime} {p.tokens}: A {[round(t * 1e3, 1) for t in r['A_s']]} ms, "
+                  f"B {[round(t * 1e3, 1) for t in r['B_s']]} ms", file=sys.stderr)
+    os.environ.pop(SWITCH, None)
+    return rows, {"resident_mask": mask, "resident": int(mask.sum())}
+
+
+def run_peer(model: Model, regime: str, prompts, inputs, mask, ours, torch) -> dict:
+    from torch_moe import TorchMoE
+
+    spec = model.spec
+    res: dict[int, dict] = {}
+    peer = TorchMoE(router=model.router, norm=model.norm,
+                    blobs=lambda layer: np.stack([model.expert_blob(layer, e)
+                                                  for e in range(spec.n_experts)]),
+                    hidden=spec.hidden, ffn=spec.ffn, top_k=spec.top_k, rms_eps=spec.rms_eps,
+                    regime="resident" if regime == "resident" else "streamed",
+                    resident=mask)
+
+    def once(h):
+        t0 = time.perf_counter()
+        out = peer.prefill(h).cpu().numpy()
+        torch.cuda.synchronize()
+        return out, time.perf_counter() - t0
+
+    once(inputs[0])
+    for p, h in zip(prompts, inputs):
+        times = []
+        for _ in range(2):
+            out, wall = once(h)
+            times.append(wall)
+        res[p.tokens] = {"peer_s": times, "nmse_vs_ours": nmse(out, ours[p.tokens]["out"], h)}
+        print(f"peer {regime} {p.tokens}: {[round(t * 1e3, 1) for t in times]} ms",
+              file=sys.stderr)
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=sorted(MODELS), default="qwen3-30b")
+    ap.add_argument("--layers", type=int, help="cut the model to this many layers")
+    ap.add_argument("--prompts", default="254,1030,3866,8179,30118")
+    ap.add_argument("--regimes", default="streaming,resident")
+    ap.add_argument("--pairs", type=int, default=2, help="A, B pairs per prompt")
+    ap.add_argument("--ring-mib", type=float, default=512)
+    ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    args = ap.parse_args()
+
+    import torch
+
+    spec = MODELS[args.model]
+    if args.layers:
+        spec = replace(spec, n_layers=args.layers)
+    lengths = [int(x) for x in args.prompts.split(",")]
+    prompts = [Prompt(i, n) for i, n in enumerate(lengths)]
+    inputs = [p.hidden_states(spec.hidden, args.seed) for p in prompts]  # distinct per prompt
+    t0 = time.perf_counter()
+    model = Model.synthetic(spec, seed=1)
+    print(f"model {spec} built in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    hw = (f"{hardware_line()}; torch {torch.__version__} (CUDA {torch.version.cuda}); "
+          f"{torch.cuda.get_device_name()}")
+    ceil = ceilings(torch)
+    torch.cuda.empty_cache()  # the ceiling buffers are gone with the call
+    print(f"ceilings: {json.dumps({k: round(v, 1) for k, v in ceil.items()})}", file=sys.stderr)
+
+    flops_per_token = spec.top_k * spec.n_layers * 6 * spec.hidden * spec.ffn
+    table, records = [], []
+    for regime in args.regimes.split(","):
+        ours, info = run_ours(model, regime, prompts, inputs, args)
+        peer = {} if args.no_peer else run_peer(model, regime, prompts, inputs,
+                                                info["resident_mask"], ours, torch)
+        torch.cuda.empty_cache()  # the peer's weights are gone with the call
+        for p in prompts:
+            r = ours[p.tokens]
+            a, b = statistics.median(r["A_s"]), statistics.median(r["B_s"])
+            st = r["A_stats"][-1]
+            gbps = st["bytes_streamed"] / a / 1e9
+            host = statistics.median(s["host_s"] / s["wall_s"] for s in r["A_stats"])
+            tflops = flops_per_token * p.tokens / a / 1e12
+            pr = peer.get(p.tokens)
+            peer_s = statistics.median(pr["peer_s"]) if pr else None
+            rec = {"regime": regime, "tokens": p.tokens, "a_s": r["A_s"], "b_s": r["B_s"],
+                   "a_median_s": a, "b_median_s": b, "change_pct": (b - a) / a * 100,
+                   "tokens_per_s": p.tokens / a, "bytes_streamed": st["bytes_streamed"],
+                   "experts_streamed": st["experts_streamed"],
+                   "gathers_launched": {"A": st["gathers_launched"],
+                                        "B": r["B_stats"][-1]["gathers_launched"]},
+                   "pcie_gb_s": gbps, "pcie_over_ceiling": gbps / ceil["h2d_gb_s"],
+                   "host_over_wall": host, "moe_tflops": tflops,
+                   "tflops_over_int8": tflops / ceil["int8_tops"],
+                   "peer_s": pr["peer_s"] if pr else None,
+                   "ours_speedup_over_peer": peer_s / a if pr else None,
+                   "nmse_vs_peer": pr["nmse_vs_ours"] if pr else None,
+                   "resident_experts": info["resident"]}
+            records.append(rec)
+            table.append([
+                regime, p.tokens, ", ".join(f"{t * 1e3:.1f}" for t in r["A_s"]),
+                ", ".join(f"{t * 1e3:.1f}" for t in r["B_s"]), f"{rec['change_pct']:+.1f}",
+                f"{p.tokens / a:,.0f}",
+                ", ".join(f"{t * 1e3:.1f}" for t in pr["peer_s"]) if pr else "-",
+                f"{rec['ours_speedup_over_peer']:.2f}x" if pr else "-",
+                f"{gbps:.1f} ({rec['pcie_over_ceiling']:.0%})" if st["bytes_streamed"] else "-",
+                f"{host:.0%}", f"{tflops:.0f} ({rec['tflops_over_int8']:.0%})"])
+
+    headers = ["regime", "prompt tokens", "A ms (batched)", "B ms (gather one)", "B vs A %",
+               "tokens/s (A)", "peer ms", "ours / peer", "PCIe GB/s (of ceiling)",
+               "host / wall", "MoE TFLOPS (of int8)"]
+    md_table = markdown_table(headers, table)
+    command = "python " + " ".join([os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]])
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    md = "\n".join([
+        f"# Prefill benchmark: {args.model}" + (f", {spec.n_layers} layers" if args.layers
+                                               else ""),
+        "", f"command: `{command}`", f"hardware: {hw}",
+        f"model: {spec}; streaming regime = a quarter of the experts resident, ring "
+        f"{args.ring_mib:g} MiB; resident = all", "",
+        "ceilings (same run): " + ", ".join(
+            f"{k} {v:.1f}" for k, v in ceil.items()), "",
+        md_table, "",
+        "Times: host clock around each whole prefill call (numpy in and out), after a warm-up; "
+        "A = batched gathers, B = STRATA_PREFILL_GATHER_ONE=1, run A, B, A, B. ours / peer = "
+        "peer median over our median A. PCIe GB/s = bytes streamed / our median A time. "
+        "host / wall = engine host time over wall time. MoE TFLOPS counts "
+        "top_k x 3 matrices x 2 x hidden x ffn per token per layer, against torch._int_mm.",
+    ])
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    base = out_dir / f"prefill-{args.model}-{stamp}"
+    base.with_suffix(".md").write_text(md + "\n")
+    base.with_suffix(".json").write_text(json.dumps(
+        {"command": command, "hardware": hw, "model": asdict(spec), "ceilings": ceil,
+         "rows": records}, indent=2, default=str) + "\n")
+    print(md)
+    print(f"wrote {base}.md and .json", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,254 @@
+"""Run-config validation: every error class names its key path, the value and what is allowed;
+all problems come at once; the CLI turns them into exit code 2 without a traceback."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from strata_rt.cli import main
+from strata_rt.config import MiB, estimate_device_bytes, load_config
+from strata_rt.errors import ConfigError
+from strata_rt.registry import registry
+
+CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
+
+GOOD = {
+    "model": {"synthetic": {"n_layers": 4, "hidden": 512, "ffn": 256, "n_experts": 32,
+                            "top_k": 4, "seed": 1}},
+    "format": "iq3_xxs",
+    "backend": "reference",
+    "expert_cache": 32,
+    "prompts": [200, 1100],
+}
+
+
+def write(tmp_path: Path, doc: dict, name: str = "run.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def with_(**changes) -> dict:
+    doc = yaml.safe_load(yaml.safe_dump(GOOD))  # deep copy
+    for dotted, value in changes.items():
+        *parents, key = dotted.split("__")
+        node = doc
+        for p in parents:
+            node = node[p]
+        if value is DROP:
+            node.pop(key)
+        else:
+            node[key] = value
+    return doc
+
+
+DROP = object()
+
+
+def problems(tmp_path: Path, doc: dict) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, doc))
+    return info.value.problems
+
+
+def only(tmp_path: Path, doc: dict) -> str:
+    found = problems(tmp_path, doc)
+    assert len(found) == 1, found
+    return found[0]
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_bundled_configs_validate(path: Path) -> None:
+    cfg = load_config(path)
+    assert cfg.prompts and cfg.spec.format in registry()
+    if path.name.startswith("qwen3-30b"):
+        assert (cfg.spec.n_layers, cfg.spec.n_experts, cfg.spec.top_k, cfg.spec.hidden,
+                cfg.spec.ffn) == (48, 128, 8, 2048, 768)
+        assert [p.tokens for p in cfg.prompts] == [254, 1030, 3866, 8179, 30118]
+        want = cfg.spec.total_experts // (1 if "resident" in path.name else 4)
+        assert cfg.resident_experts(registry()[cfg.spec.format]) == want
+
+
+def test_good_config_fields(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, with_(prefill=512, ring_mib=8, seed=3,
+                                            output={"dir": "out", "json": "r.json"})))
+    assert cfg.prefill == 512 and cfg.ring_bytes == 8 * MiB and cfg.seed == 3
+    assert cfg.output.json == (tmp_path / "out" / "r.json").resolve()
+    assert cfg.spec.hidden == 512 and cfg.expert_cache == 32 and cfg.backend == "reference"
+
+
+def test_unknown_keys_suggest_the_closest(tmp_path: Path) -> None:
+    doc = with_(promts=[1])
+    doc["model"]["synthetic"]["hiden"] = 512
+    found = problems(tmp_path, doc)
+    top = next(p for p in found if p.startswith("promts:"))
+    assert "unknown key" in top and "did you mean `prompts`" in top
+    nested = next(p for p in found if p.startswith("model.synthetic.hiden:"))
+    assert "did you mean `hidden`" in nested
+
+
+@pytest.mark.parametrize("change, path, words", [
+    ({"model__synthetic__hidden": "512"}, "model.synthetic.hidden", "integer"),
+    ({"model__synthetic__top_k": 4.0}, "model.synthetic.top_k", "integer"),
+    ({"repeats": "two"}, "repeats", "integer"),
+    ({"backend": "gpu"}, "backend", "auto, cuda, reference"),
+    ({"prefill": "fast"}, "prefill", "`auto` or a chunk size"),
+    ({"prompts": "200"}, "prompts", "a list of prompt lengths"),
+    ({"prompts": [200, [1]]}, "prompts[1]", "expected one of"),
+    ({"output": "out/"}, "output", "mapping"),
+    ({"model__synthetic": [4, 512]}, "model.synthetic", "mapping"),
+])
+def test_wrong_types(tmp_path: Path, change: dict, path: str, words: str) -> None:
+    msg = only(tmp_path, with_(**change))
+    assert msg.startswith(f"{path}: got ") and words in msg, msg
+
+
+@pytest.mark.parametrize("change, path", [
+    ({"model__synthetic__n_layers": 0}, "model.synthetic.n_layers"),
+    ({"model__synthetic__n_experts": -32}, "model.synthetic.n_experts"),
+    ({"ring_mib": -1}, "ring_mib"),
+    ({"ring_mib": 0}, "ring_mib"),
+    ({"prompts": [200, 0]}, "prompts[1]"),
+    ({"repeats": 0}, "repeats"),
+    ({"prefill": 0}, "prefill"),
+    ({"expert_cache": -1}, "expert_cache"),
+])
+def test_non_positive_sizes(tmp_path: Path, change: dict, path: str) -> None:
+    value = next(iter(change.values()))
+    msg = only(tmp_path, with_(**change))
+    assert msg.startswith(f"{path}: got {value[-1] if isinstance(value, list) else value!r}")
+
+
+def test_unknown_format_lists_the_loaded_ones(tmp_path: Path) -> None:
+    msg = only(tmp_path, with_(format="iq4_nl"))
+    assert msg.startswith("format: got 'iq4_nl'")
+    for name in registry().names():
+        assert name in msg
+
+
+def test_format_dims(tmp_path: Path) -> None:
+    msg = only(tmp_path, with_(model__synthetic__hidden=320))
+    assert msg.startswith("model.synthetic:") and "320" in msg and "multiple" in msg
+
+
+def test_top_k_above_n_experts(tmp_path: Path) -> None:
+    msg = only(tmp_path, with_(model__synthetic__top_k=40))
+    assert msg.startswith("model.synthetic.top_k: got 40") and "n_experts (32)" in msg
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"vram_reserve_mib": 1024}, "got {'expert_cache': 32, 'vram_reserve_mib': 1024}"),
+    ({"expert_cache": DROP}, "(missing)"),
+])
+def test_budget_keys_exactly_one(tmp_path: Path, change: dict, words: str) -> None:
+    msg = only(tmp_path, with_(**change))
+    assert msg.startswith("expert_cache / vram_reserve_mib / vram_budget_mib:")
+    assert words in msg and "exactly one" in msg
+
+
+def test_expert_cache_bounds_and_all(tmp_path: Path) -> None:
+    msg = only(tmp_path, with_(expert_cache=129))
+    assert msg.startswith("expert_cache: got 129") and "0..128" in msg
+    assert load_config(write(tmp_path, with_(expert_cache="all"))).expert_cache == 128
+
+
+def test_budget_that_cannot_hold_one_chunk(tmp_path: Path) -> None:
+    doc = with_(expert_cache=DROP, vram_budget_mib=16, prefill=1100, ring_mib=8)
+    msg = only(tmp_path, doc)
+    assert msg.startswith("vram_budget_mib: got 16") and "1100-token chunk" in msg
+    fmt = registry()["iq3_xxs"]
+    need = estimate_device_bytes(load_config(write(tmp_path, with_(prefill=1100, ring_mib=8)))
+                                 .spec, fmt, 1100, 8 * MiB)["total"]
+    assert f"{need / MiB:.1f} MiB" in msg
+    # just enough: the chunk fits and resident experts fill the rest
+    ok = load_config(write(tmp_path, with_(expert_cache=DROP, prefill=1100, ring_mib=8,
+                                           vram_budget_mib=need / MiB + 1)))
+    slot = fmt.layout(512, 256).slot_bytes
+    assert ok.resident_experts(fmt) == (int((need / MiB + 1) * MiB) - need) // slot
+
+
+def test_ring_smaller_than_one_slot(tmp_path: Path) -> None:
+    msg = only(tmp_path, with_(ring_mib=0.1))
+    assert msg.startswith("ring_mib: got 0.1") and "one expert slot" in msg
+
+
+def test_model_needs_exactly_one_source(tmp_path: Path) -> None:
+    both = with_(model__gguf="x.gguf")
+    assert "exactly one of `gguf: PATH` or `synthetic:" in only(tmp_path, both)
+    assert only(tmp_path, with_(model=DROP)).startswith("model: (missing)")
+
+
+def test_missing_files_resolve_against_the_config_dir(tmp_path: Path) -> None:
+    doc = with_(profile="nope.json", prompts=[{"file": "toks.txt"}, {"hidden_file": "h.npy"}])
+    found = problems(tmp_path, doc)
+    assert {p.split(":")[0] for p in found} == {"profile", "prompts[0].file",
+                                                "prompts[1].hidden_file"}
+    assert all(str(tmp_path) in p for p in found)
+
+
+def test_prompt_files(tmp_path: Path) -> None:
+    (tmp_path / "toks.txt").write_text("1, 2, 3\n3 2 1\n")
+    np.save(tmp_path / "h.npy", np.ones((5, 512), np.float32))
+    np.save(tmp_path / "bad.npy", np.ones((5, 100), np.float32))
+    cfg = load_config(write(tmp_path, with_(prompts=[7, {"file": "toks.txt"},
+                                                     {"hidden_file": "h.npy"}])))
+    assert [p.tokens for p in cfg.prompts] == [7, 6, 5]
+    h = cfg.prompts[1].hidden_states(512, cfg.seed)
+    assert h.shape == (6, 512) and h.dtype == np.float32
+    np.testing.assert_array_equal(h[0], h[5])  # token 1 twice, one embedding
+    assert not np.array_equal(h[0], h[1])
+    a = cfg.prompts[0].hidden_states(512, 0)
+    np.testing.assert_array_equal(a, cfg.prompts[0].hidden_states(512, 0))
+    msg = only(tmp_path, with_(prompts=[{"hidden_file": "bad.npy"}]))
+    assert msg.startswith("prompts[0].hidden_file: got 'bad.npy'") and "[tokens, 512]" in msg
+
+
+def test_every_problem_at_once(tmp_path: Path) -> None:
+    doc = with_(format="nope", backend="gpu", repeats=-1, prompts=[0], colour="blue")
+    doc["model"]["synthetic"]["ffn"] = "wide"
+    found = problems(tmp_path, doc)
+    keys = {p.split(":")[0] for p in found}
+    assert keys >= {"format", "backend", "repeats", "prompts[0]", "colour",
+                    "model.synthetic.ffn"}, found
+
+
+def test_gguf_model(tmp_path: Path) -> None:
+    from strata_rt.gguf_io import write_moe_gguf
+    from strata_rt.model import Model, MoESpec
+
+    write_moe_gguf(tmp_path / "tiny.gguf", Model.synthetic(MoESpec(2, 256, 256, 4, 2), 0))
+    doc = with_(model={"gguf": "tiny.gguf"}, expert_cache="all", prompts=[3])
+    cfg = load_config(write(tmp_path, doc))
+    assert cfg.gguf == tmp_path / "tiny.gguf" and cfg.spec.n_experts == 4
+    assert cfg.expert_cache == 8
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf")
+    msg = only(tmp_path, with_(model={"gguf": "junk.gguf"}))
+    assert msg.startswith("model.gguf: got 'junk.gguf'") and "GGUF" in msg
+
+
+@pytest.mark.parametrize("text, words", [
+    ("model: [unclosed", "not valid YAML"),
+    ("- 1\n- 2\n", "expected a mapping"),
+])
+def test_unreadable_files(tmp_path: Path, text: str, words: str) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=words):
+        load_config(path)
+
+
+def test_cli_prints_every_problem_and_exits_2(tmp_path: Path, capsys) -> None:
+    doc = with_(format="nope", model__synthetic__hiden=3)
+    code = main(["run", str(write(tmp_path, doc))])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "format: got 'nope'" in err and "model.synthetic.hiden: unknown key" in err
+    assert "2 problem(s)" in err and "Traceback" not in err
+    assert main(["run", str(tmp_path / "missing.yaml")]) == 2
+    assert "no such config file" in capsys.readouterr().err
+    assert main(["run", str(write(tmp_path, GOOD)), "--prompts", "1,x"]) == 2
+    assert "--prompts: got '1,x'" in capsys.readouterr().err
