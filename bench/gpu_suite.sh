@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# One GPU session in one command: every GPU test, then the benchmarks. Logs, JSON and tables go
+# under $OUT (default ./out). Stages run in order; pick them with arguments:
+#   bash bench/gpu_suite.sh tests formats mmq prefill-quick prefill
+# A failing stage is reported and the next one still runs; the exit code counts failures.
+set -uo pipefail
+out=${OUT:-out}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+failures=0
+summary=()
+
+stage() {  # name, command...
+    local name=$1; shift
+    local t0=$SECONDS
+    echo "=== $name: $*"
+    if "$@" > "$out/$name.log" 2>&1; then
+        summary+=("$name: ok ($((SECONDS - t0)) s)")
+    else
+        failures=$((failures + 1))
+        summary+=("$name: FAILED ($((SECONDS - t0)) s), see $name.log")
+    fi
+    tail -n 25 "$out/$name.log"
+}
+
+for what in "${@:-tests}"; do
+    case $what in
+        tests) stage gpu-tests python3 -m pytest -m gpu -q -ra -p no:cacheprovider \
+                   --junitxml="$out/gpu-tests.xml" ;;
+        formats) stage bench-formats python3 bench/bench_formats.py --json "$out/formats.json" ;;
+        mmq) stage bench-mmq python3 bench/bench_mmq.py --reps 7 --json "$out/mmq.json" ;;
+        prefill-quick) stage bench-prefill-quick python3 bench/bench_prefill.py --layers 8 \
+                   --prompts 1030,8179 --pairs 1 --out "$out" ;;
+        prefill) stage bench-prefill python3 bench/bench_prefill.py --out "$out" ;;
+        *) echo "unknown stage $what"; failures=$((failures + 1)) ;;
+    esac
+done
+echo
+printf '%s\n' "${summary[@]}"
+exit "$failures"
