@@ -528,8 +528,8 @@ class CudaBackend:
             group_rows = int(self._counts[lo:hi].sum())
             if group_rows == 0:
                 return
-        else:  # walk: a token picks an expert at most once, so no expert holds more than T
-            rows_hint = self._T
+        else:  # walk: counts stay on the device; kernels loop over row tiles past the hint
+            rows_hint = walk_rows_hint(self._T, spec)
             group_rows = min(self._T * spec.top_k, len(ids) * self._T)
         bounds = self._bounds_ptr(op.layer)
         self._mark("gemm gate/up")
@@ -577,6 +577,14 @@ _DEVICE_ATTRS = (
 
 def _no_op(op: Op) -> None:
     """Consume is host bookkeeping: the plan's op order already encodes it."""
+
+
+def walk_rows_hint(tokens: int, spec) -> int:
+    """Row tiles to launch per expert on the walk, where the counts never reach the host:
+    twice the mean rows per expert (a token picks an expert at most once, so never more than
+    tokens). A busier expert is still covered, by fewer blocks looping over its tiles; sizing
+    for the worst case (all tokens) launched 8x more blocks, nearly all of them exiting."""
+    return max(1, min(tokens, -(-2 * tokens * spec.top_k // spec.n_experts)))
 
 
 def op_counts(ops) -> dict[type, int]:

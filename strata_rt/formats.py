@@ -254,8 +254,9 @@ class FormatKernels:
         [n_experts_of_layer + 1] row offsets from the counting sort (expert e owns activation
         rows bounds[e]..bounds[e+1]-1; zero rows = early exit), acts = the activation buffer in
         the format's encoding (all rows of the layer, sorted by expert), out = float32 [rows, m]
-        written at the same row indices. rows_hint = the most rows any expert of the group may
-        hold (sizes the grid; the kernel reads exact counts from bounds).
+        written at the same row indices. rows_hint sizes the grid (row tiles per expert); the
+        kernel reads exact counts from bounds and loops over row tiles, so every rows_hint >= 1
+        is correct (the streamed walk passes an estimate: its counts never reach the host).
     """
 
     def __init__(self, fmt: QuantFormat, runtime: Runtime, layout: ExpertLayout):

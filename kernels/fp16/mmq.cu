@@ -26,18 +26,13 @@ __device__ __forceinline__ void mma_f16(float c[4], const uint32_t a[4], const u
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-extern "C" __global__ void __launch_bounds__(NTHREADS)
-fp16_mmq(const uint8_t* __restrict__ weights, Ids16 ids, const uint8_t* __restrict__ acts,
-         const int* __restrict__ bounds, float* __restrict__ out, int m, int k)
+// One TILE_N x TILE_M output tile: activation rows row0 .. row0+nrows-1 against weight rows
+// m0 .. m0+TILE_M-1 of one expert's image w.
+__device__ __forceinline__ void fp16_tile(const uint8_t* __restrict__ w,
+                                          const uint8_t* __restrict__ acts,
+                                          float* __restrict__ out, int m, int k, int m0,
+                                          int row0, int nrows)
 {
-    const int e = ids.v[blockIdx.z];
-    if (e < 0) return;
-    const int r_end = bounds[e + 1];
-    const int row0 = bounds[e] + blockIdx.y * TILE_N;
-    if (row0 >= r_end) return;
-    const int nrows = min(TILE_N, r_end - row0);
-    const int m0 = blockIdx.x * TILE_M;
-    const uint8_t* w = weights + (size_t)blockIdx.z * m * k * 2;
 
     __shared__ __align__(16) uint8_t s_act[TILE_N * SROW];
     __shared__ __align__(16) uint8_t s_w[TILE_M * SROW];
@@ -110,4 +105,18 @@ fp16_mmq(const uint8_t* __restrict__ weights, Ids16 ids, const uint8_t* __restri
                     make_float2(acc[mt][nt][2], acc[mt][nt][3]);
         }
     }
+}
+
+extern "C" __global__ void __launch_bounds__(NTHREADS)
+fp16_mmq(const uint8_t* __restrict__ weights, Ids16 ids, const uint8_t* __restrict__ acts,
+         const int* __restrict__ bounds, float* __restrict__ out, int m, int k)
+{
+    const int e = ids.v[blockIdx.z];
+    if (e < 0) return;
+    const int r_end = bounds[e + 1];
+    const uint8_t* w = weights + (size_t)blockIdx.z * m * k * 2;
+    // Row tiles blockIdx.y, blockIdx.y + gridDim.y, ...: any grid height is correct, so the
+    // launcher may size it from an estimate when the row counts live only on the device.
+    for (int row0 = bounds[e] + blockIdx.y * TILE_N; row0 < r_end; row0 += gridDim.y * TILE_N)
+        fp16_tile(w, acts, out, m, k, blockIdx.x * TILE_M, row0, min(TILE_N, r_end - row0));
 }

@@ -38,21 +38,14 @@ __device__ __forceinline__ void mma_s8(int c[4], const uint32_t a[4], const uint
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-extern "C" __global__ void __launch_bounds__(NTHREADS)
-q2_mmq(const uint8_t* __restrict__ weights, Ids16 ids, const uint8_t* __restrict__ acts,
-       const int* __restrict__ bounds, float* __restrict__ out, int m, int k)
+// One TILE_N x TILE_M output tile: activation rows row0 .. row0+nrows-1 against weight rows
+// m0 .. m0+TILE_M-1 of one expert's image (codes, then scales).
+__device__ __forceinline__ void q2_tile(const uint8_t* __restrict__ codes,
+                                        const __half* __restrict__ scales,
+                                        const uint8_t* __restrict__ acts, float* __restrict__ out,
+                                        int m, int k, int m0, int row0, int nrows)
 {
-    const int e = ids.v[blockIdx.z];
-    if (e < 0) return;
-    const int r_end = bounds[e + 1];
-    const int row0 = bounds[e] + blockIdx.y * TILE_N;
-    if (row0 >= r_end) return;
-    const int nrows = min(TILE_N, r_end - row0);
-    const int m0 = blockIdx.x * TILE_M;
     const int nkb = k / KSTEP;
-    const size_t code_bytes = (size_t)m * (k / 4);
-    const uint8_t* codes = weights + (size_t)blockIdx.z * (code_bytes + (size_t)m * (k / 64) * 2);
-    const __half* scales = (const __half*)(codes + code_bytes);
 
     __shared__ __align__(16) int8_t s_act[TILE_N * SROW];
     __shared__ __align__(16) int8_t s_w[TILE_M * SROW];
@@ -156,4 +149,21 @@ q2_mmq(const uint8_t* __restrict__ weights, Ids16 ids, const uint8_t* __restrict
                     make_float2(acc[mt][nt][2], acc[mt][nt][3]);
         }
     }
+}
+
+extern "C" __global__ void __launch_bounds__(NTHREADS)
+q2_mmq(const uint8_t* __restrict__ weights, Ids16 ids, const uint8_t* __restrict__ acts,
+       const int* __restrict__ bounds, float* __restrict__ out, int m, int k)
+{
+    const int e = ids.v[blockIdx.z];
+    if (e < 0) return;
+    const int r_end = bounds[e + 1];
+    const size_t code_bytes = (size_t)m * (k / 4);
+    const uint8_t* codes = weights + (size_t)blockIdx.z * (code_bytes + (size_t)m * (k / 64) * 2);
+    const __half* scales = (const __half*)(codes + code_bytes);
+    // Row tiles blockIdx.y, blockIdx.y + gridDim.y, ...: any grid height is correct, so the
+    // launcher may size it from an estimate when the row counts live only on the device.
+    for (int row0 = bounds[e] + blockIdx.y * TILE_N; row0 < r_end; row0 += gridDim.y * TILE_N)
+        q2_tile(codes, scales, acts, out, m, k, blockIdx.x * TILE_M, row0,
+                min(TILE_N, r_end - row0));
 }
