@@ -10,7 +10,7 @@ import numpy as np
 from strata_rt.formats import QuantFormat
 from strata_rt.testing import nmse
 
-__all__ = ["GroupCase", "make_case", "nmse", "run_gathers", "run_mmq", "untouched"]
+__all__ = ["GroupCase", "make_case", "nmse", "run_mmq", "untouched"]
 
 NAN_BITS = np.uint32(0x7FC00000)
 
@@ -109,35 +109,3 @@ def run_mmq(rt, case: GroupCase) -> np.ndarray:
 def untouched(out: np.ndarray, rows: np.ndarray) -> bool:
     """Whether the given output rows still hold the NaN poison bit for bit."""
     return bool((out[rows].view(np.uint32) == NAN_BITS).all())
-
-
-def run_gathers(rt, fmt: QuantFormat, blobs: list[np.ndarray], positions: list[int],
-                hidden: int, ffn: int, n_pos: int, rng: np.random.Generator):
-    """Gathers blobs[i] into position positions[i] of group buffers pre-filled with random
-    bytes; returns (device gate/up buffer, device down buffer, expected gate/up, expected
-    down) as host arrays."""
-    lay = fmt.layout(hidden, ffn)
-    stream = rt.stream("test")
-    kern = fmt.kernels(rt, lay)
-    gu = rng.integers(0, 256, n_pos * lay.gate_up_image_bytes, dtype=np.uint8)
-    dn = rng.integers(0, 256, n_pos * lay.down_image_bytes, dtype=np.uint8)
-    want_gu, want_dn = gu.copy(), dn.copy()
-    for blob, pos in zip(blobs, positions):
-        a, b = fmt.images(blob, hidden, ffn)
-        want_gu[pos * lay.gate_up_image_bytes: (pos + 1) * lay.gate_up_image_bytes] = a
-        want_dn[pos * lay.down_image_bytes: (pos + 1) * lay.down_image_bytes] = b
-    # every source sits in a slot of its own, as in the VRAM cache and the ring
-    slots = np.zeros(len(blobs) * lay.slot_bytes, dtype=np.uint8)
-    for i, blob in enumerate(blobs):
-        slots[i * lay.slot_bytes: i * lay.slot_bytes + lay.blob_bytes] = blob
-    bufs = [upload(rt, stream, a) for a in (slots, gu, dn)]
-    try:
-        for i, pos in enumerate(positions):
-            kern.gather(stream, bufs[0].ptr + i * lay.slot_bytes, pos, bufs[1].ptr, bufs[2].ptr)
-        rt.memcpy_dtoh(gu, bufs[1].ptr, stream)
-        rt.memcpy_dtoh(dn, bufs[2].ptr, stream)
-        stream.synchronize()
-    finally:
-        for b in bufs:
-            b.free()
-    return gu, dn, want_gu, want_dn
