@@ -8,7 +8,7 @@ A backend turns one chunk of hidden states into the next ones:
         host_alloc(nbytes) -> np.uint8 array        # static: the store's host memory
         __init__(model, store, residency | None, cfg)  # None: derive it (cuda: from free VRAM)
         residency: Residency                         # what it keeps resident
-        run_chunk(h float32 [T, hidden], stats) -> float32 [T, hidden]
+        run_chunk(h float32 [T, hidden], stats) -> float32 [T, hidden]  # may be reused
         max_chunk_tokens() -> int                    # optional: what `prefill: auto` may use
         close()
 
