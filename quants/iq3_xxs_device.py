@@ -28,10 +28,12 @@ if TYPE_CHECKING:
     from strata_rt.runtime import Runtime
 
 #: MMQ kernels, fastest measured first (the default when STRATA_MMQ_KERNEL is unset), and the
-#: activation-row tile sizes (TM in mmq.cu) each is compiled for; *_occ2 = two blocks per SM.
-#: H200 (bench/notes.md): f16 wins at 8,192 tokens (121 TFLOPS per layer), int8_occ2 at 512
-#: and 2,048 (42 / 86); all four are bit-identical, so the choice changes speed only.
-MMQ_TILES = {"f16": (32, 64, 128), "int8": (32, 64, 128), "f16_occ2": (32, 64),
+#: activation-row tile sizes (TM in mmq.cu) each is compiled for. H200 (bench/notes.md, run 4):
+#: f16_pipe is the fastest or tied at every size (37 / 86 / 120 TFLOPS per layer at 512 / 2,048
+#: / 8,192 tokens); int8_occ2 (two blocks per SM) is faster at 512 tokens (41); f16 and int8
+#: are the unpipelined designs (int8: the llama.cpp-style integer reference path). All are
+#: bit-identical, so the choice changes speed only.
+MMQ_TILES = {"f16_pipe": (32, 64, 128), "f16": (32, 64, 128), "int8": (32, 64, 128),
              "int8_occ2": (32, 64)}
 MMQ_VARIANTS = tuple(MMQ_TILES)
 MMQ_SOURCE = KERNELS_ROOT / "iq3_xxs" / "mmq.cu"
@@ -55,8 +57,10 @@ def pick_variant(name: str | None = None) -> str:
 
 
 def mmq_smem_bytes(variant: str, tile_rows: int) -> int:
-    """Dynamic shared memory of one MMQ block; mirrors Smem<> in mmq.cu (which traps when
-    launched with less)."""
+    """Dynamic shared memory of one MMQ block; mirrors Smem<> and PipeSmem<> in mmq.cu (which
+    trap when launched with less)."""
+    if variant == "f16_pipe":  # tables, 2 weight steps (256 B/row), 2 dq, 3 activation steps
+        return 256 * 8 + 128 * 16 + 2 * MMQ_TILE_W * (256 + 4) + 3 * tile_rows * 144
     variant = variant.split("_")[0]
     w = MMQ_TILE_W * (8 * _SUB_BYTES[variant] + _PAD[variant])
     s21 = 8 * MMQ_TILE_W * 4 if variant == "int8" else 0

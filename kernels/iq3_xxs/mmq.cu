@@ -14,7 +14,8 @@
 //         accumulator: every partial sum is an integer below 2^23, so the result is rint exactly
 //         in any accumulation order.
 //
-// Variants *_occ2: the same kernels with TM <= 64 and registers capped for two blocks per SM.
+// Variant int8_occ2: the int8 kernel with TM <= 64 and registers capped for two blocks per SM.
+// Variant f16_pipe (further below): the f16 arithmetic in a software pipeline.
 //
 // Block: 128 weight rows x TM activation rows, 256 threads (8 warps of 32 rows x 128*WM/TM).
 // Grid: x = weight-row tiles (m % 128 == 0), y = group position, z = activation-row tiles
@@ -29,7 +30,6 @@
 #include "common/q8_1.cuh"
 #include "iq3_xxs/grid.cuh"
 
-struct Ids16 { int v[16]; };
 
 #define IQ3_BLOCK_BYTES 98
 #define TW 128
@@ -340,5 +340,351 @@ IQ3_MMQ(iq3_mmq_f16_m64, VARIANT_F16, 64, 1)
 IQ3_MMQ(iq3_mmq_f16_m128, VARIANT_F16, 128, 1)
 IQ3_MMQ(iq3_mmq_int8_occ2_m32, VARIANT_INT8, 32, 2)
 IQ3_MMQ(iq3_mmq_int8_occ2_m64, VARIANT_INT8, 64, 2)
-IQ3_MMQ(iq3_mmq_f16_occ2_m32, VARIANT_F16, 32, 2)
-IQ3_MMQ(iq3_mmq_f16_occ2_m64, VARIANT_F16, 64, 2)
+
+// ------------------------------------------------------------------------------ f16_pipe
+// The f16 arithmetic (w = (2s+1) * sign * magnitude in fp16, two m16n8k16 per 32 values from a
+// zero accumulator) in a software pipeline of half-block steps (128 values of K):
+//   - the dequantized weight tile is double buffered: while the warps multiply step h, each
+//     also unpacks step h+1 into the other buffer, one chunk per 32-value sub-block of the
+//     multiply loop, so the unpack's ALU and shared-memory work fills the tensor-core latency;
+//     one barrier per step;
+//   - activations arrive by cp.async three steps deep; raw IQ3 bytes for step h+2 are loaded
+//     into registers while step h+1's are unpacked;
+//   - the unpack reads fp16 magnitudes and fp16 sign masks from two small shared tables (grid
+//     entry -> 4 halves; 7 sign bits + parity -> 4 half2 masks), so one half2 costs one xor
+//     and one multiply;
+//   - the weight tile is unpadded (256 bytes per row) with an XOR swizzle of its 16-byte
+//     chunks, conflict-free for both the unpack stores and the B-fragment loads.
+//   - NW warps per block (8 in f16_pipe; 16 with a 128-register cap was measured on an H200
+//     and was slower, bench/notes.md run 4); warps are numbered along the weight rows first,
+//     so on an expert's last, partial tile the warps that still have rows spread over the
+//     four schedulers.
+#define PIPE_ROW 256       // bytes per weight row per step: 4 sub-blocks x 32 fp16
+#define PIPE_A_STAGES 3
+
+template <int TM>
+struct PipeSmem {
+    static constexpr int GRID16 = 256 * 8;
+    static constexpr int SIGNS = 128 * 16;
+    static constexpr int W = TW * PIPE_ROW;
+    static constexpr int DQ = TW * 4;
+    static constexpr int A = TM * Q8_1_BYTES;
+    static constexpr int TOTAL = GRID16 + SIGNS + 2 * W + 2 * DQ + PIPE_A_STAGES * A;
+};
+
+// Tile geometry of one pipe configuration: NW warps over TW weight rows x TM activation rows;
+// each thread unpacks NS of the 4 sub-blocks of one weight row per step.
+template <int TM, int NW>
+struct PipeCfg {
+    static constexpr int NTH = 32 * NW;
+    static constexpr int WARPS_M = TM / 32;
+    static constexpr int WARPS_N = NW / WARPS_M;
+    static constexpr int WN = TW / WARPS_N;
+    static constexpr int NT = WN / 8;
+    static constexpr int NS = 4 * TW / NTH;    // sub-blocks per thread per step (2 or 1)
+    static constexpr int PARTS = 4 / NS;       // threads per weight row
+};
+
+__device__ __forceinline__ unsigned half2_of(unsigned lo, unsigned hi) {
+    return (unsigned)__half_as_ushort(__uint2half_rn(lo)) |
+           ((unsigned)__half_as_ushort(__uint2half_rn(hi)) << 16);
+}
+
+// One thread's raw bytes for one step: NS sub-blocks of one row (16-bit loads: blocks are only
+// 2-byte aligned).
+template <int NS>
+struct PipeRaw {
+    unsigned idx[NS][4];  // 16-bit halves of the two grid-index words per sub-block
+    unsigned sgn[NS][2];  // 16-bit halves of the sign/scale word per sub-block
+    unsigned d;
+};
+
+// Sub-block jl (0..3) of step hs: IQ3 block hs/2, sub-block 4*(hs&1) + jl.
+template <int NS>
+__device__ __forceinline__ void pipe_load_sub(PipeRaw<NS>& r, const char* wrow, int hs, int jl,
+                                              int jj) {
+    const char* blk = wrow + (hs >> 1) * IQ3_BLOCK_BYTES;
+    const int sb = 4 * (hs & 1) + jl;
+    const unsigned short* p = reinterpret_cast<const unsigned short*>(blk + 2 + 8 * sb);
+    const unsigned short* s = reinterpret_cast<const unsigned short*>(blk + 66 + 4 * sb);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) r.idx[jj][i] = __ldg(p + i);
+    r.sgn[jj][0] = __ldg(s);
+    r.sgn[jj][1] = __ldg(s + 1);
+}
+
+template <int NS>
+__device__ __forceinline__ void pipe_load_d(PipeRaw<NS>& r, const char* wrow, int hs) {
+    r.d = __ldg(reinterpret_cast<const unsigned short*>(wrow + (hs >> 1) * IQ3_BLOCK_BYTES));
+}
+
+// Swizzle of a row's 16-byte chunks (chunk 4*jl + t holds sub-block jl's chunk t): spreads
+// the 8 lanes of an unpack store phase (NS=2: rows r..r+3 x two thread parts; NS=1: rows
+// r, r+1 x four parts) and of a B-fragment load phase (rows g, g+1 x four chunks) over all
+// 32 banks. Bit 2 = row parity (separates the load phase's two rows).
+template <int NS>
+__device__ __forceinline__ int pipe_swz(int row, int jl) {
+    const int mid = NS == 2 ? (row >> 1) & 1 : row & 1;
+    return ((row & 1) << 2) | (mid << 1) | (jl >> 1);
+}
+
+// Chunks 2c, 2c+1 of sub-block jl of raw slot jj -> fp16 weight tile `w`.
+// Chunk t of a sub-block holds values 4t..4t+3 and 16+4t..16+4t+3 (the B-fragment order).
+template <int NS>
+__device__ __forceinline__ void pipe_unpack(const PipeRaw<NS>& r, int jj, int jl, int c, int row,
+                                            char* w, float* dq, const uint2* grid16,
+                                            const uint4* signs) {
+    if (jl == 0 && c == 0) dq[row] = __half2float(__ushort_as_half((unsigned short)r.d)) * 0.25f;
+    const unsigned i0 = r.idx[jj][0] | (r.idx[jj][1] << 16);  // values 0..15
+    const unsigned i1 = r.idx[jj][2] | (r.idx[jj][3] << 16);  // values 16..31
+    const unsigned sw = r.sgn[jj][0] | (r.sgn[jj][1] << 16);
+    const unsigned s21 = 2 * (sw >> 28) + 1;
+    const unsigned h2s21 = half2_of(s21, s21);
+    const uint4 mlo = signs[(sw >> (7 * c)) & 127u];        // values 8c..8c+7
+    const uint4 mhi = signs[(sw >> (7 * (2 + c))) & 127u];  // values 16+8c..16+8c+7
+    const int swz = pipe_swz<NS>(row, jl);
+    char* dst = w + row * PIPE_ROW;
+#pragma unroll
+    for (int tt = 0; tt < 2; ++tt) {
+        const int t = 2 * c + tt;
+        const uint2 glo = grid16[(i0 >> (8 * t)) & 255u];
+        const uint2 ghi = grid16[(i1 >> (8 * t)) & 255u];
+        uint4 h;
+        h.x = hmul2_bits(glo.x, h2s21 ^ (tt ? mlo.z : mlo.x));
+        h.y = hmul2_bits(glo.y, h2s21 ^ (tt ? mlo.w : mlo.y));
+        h.z = hmul2_bits(ghi.x, h2s21 ^ (tt ? mhi.z : mhi.x));
+        h.w = hmul2_bits(ghi.y, h2s21 ^ (tt ? mhi.w : mhi.y));
+        reinterpret_cast<uint4*>(dst)[(4 * jl + t) ^ swz] = h;
+    }
+}
+
+// Starts the copy of one step's activations (one q8_1 block per row) of TM rows.
+template <int TM, int NTH>
+__device__ __forceinline__ void pipe_load_acts(char* a_s, const char* acts, long long row0,
+                                               int nrows, int kq, int hs) {
+    for (int c = threadIdx.x; c < TM * 9; c += NTH) {
+        const int r = c / 9, part = c % 9;
+        const bool ok = r < nrows;
+        const char* src = acts + ((row0 + (ok ? r : 0)) * kq + hs) * Q8_1_BYTES + 16 * part;
+        cp_async16(a_s + r * Q8_1_BYTES + 16 * part, src, ok ? 16 : 0);
+    }
+}
+
+// The thread's unpack work of one step is 2*NS chunk pairs, done after the multiply of j
+// when q = unpack_slot(j) >= 0; the raw bytes of a sub-block are reloaded (for the step after
+// next) as soon as its second pair is unpacked.
+template <int NS>
+__device__ __forceinline__ void pipe_unpack_at(int j, PipeRaw<NS>& raw, int urow, int upart,
+                                               char* w_next, float* dq_next, const uint2* grid16,
+                                               const uint4* signs, const char* wrow,
+                                               int hs_prefetch) {
+    constexpr int EVERY = 2 / NS;  // multiply sub-blocks per unpacked chunk pair
+    if ((j + 1) % EVERY) return;
+    const int q = j / EVERY, jj = q >> 1, c = q & 1, jl = upart * NS + jj;
+    pipe_unpack<NS>(raw, jj, jl, c, urow, w_next, dq_next, grid16, signs);
+    if (q == 0) pipe_load_d(raw, wrow, hs_prefetch);
+    if (c == 1) pipe_load_sub(raw, wrow, hs_prefetch, jl, jj);
+}
+
+// One step: multiply weight buffer w_cur by activation buffer a_s; when UNPACK, unpack the
+// next step's raw bytes into w_next (and start loading the step after next).
+template <int TM, int NW, bool UNPACK>
+__device__ __forceinline__ void pipe_step(float (&acc)[2][PipeCfg<TM, NW>::NT][4],
+                                          PipeRaw<PipeCfg<TM, NW>::NS>& raw, const char* w_cur,
+                                          const float* dq_cur, const char* a_s, char* w_next,
+                                          float* dq_next, const uint2* grid16,
+                                          const uint4* signs, const char* wrow,
+                                          int hs_prefetch) {
+    using C = PipeCfg<TM, NW>;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, tq = lane & 3;
+    const int wm = warp / C::WARPS_N, wn = warp % C::WARPS_N;
+    const int urow = tid / C::PARTS, upart = tid % C::PARTS;
+    const int gswz = pipe_swz<C::NS>(g, 0);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        unsigned af[2][4];
+        float da[2][2];
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+            const int r = wm * 32 + mt * 16;
+            ldmatrix_x4(af[mt], a_s + (r + (lane & 7) + 8 * ((lane >> 3) & 1)) * Q8_1_BYTES +
+                                    16 + 32 * j + 16 * (lane >> 4));
+            da[mt][0] = *reinterpret_cast<const float*>(a_s + (r + g) * Q8_1_BYTES + 4 * j);
+            da[mt][1] = *reinterpret_cast<const float*>(a_s + (r + g + 8) * Q8_1_BYTES + 4 * j);
+        }
+        unsigned ah[2][2][4];
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                ah[mt][h][0] = s8x2_to_half2(af[mt][2 * h], 0x4140);
+                ah[mt][h][1] = s8x2_to_half2(af[mt][2 * h + 1], 0x4140);
+                ah[mt][h][2] = s8x2_to_half2(af[mt][2 * h], 0x4342);
+                ah[mt][h][3] = s8x2_to_half2(af[mt][2 * h + 1], 0x4342);
+            }
+        const int chunk = (4 * j + tq) ^ gswz ^ (j >> 1);
+#pragma unroll
+        for (int nt = 0; nt < C::NT; ++nt) {
+            const int wr = wn * C::WN + nt * 8;
+            const uint4 b = lds128(w_cur + (wr + g) * PIPE_ROW + 16 * chunk);
+            const float2 dq = *reinterpret_cast<const float2*>(dq_cur + wr + 2 * tq);
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt) {
+                const float zero[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                float part[4], rint[4];
+                mma_f16_16x8x16(part, ah[mt][0], b.x, b.y, zero);
+                mma_f16_16x8x16(rint, ah[mt][1], b.z, b.w, part);
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float scale = __fmul_rn(e & 1 ? dq.y : dq.x, da[mt][e >> 1]);
+                    acc[mt][nt][e] = __fadd_rn(acc[mt][nt][e], __fmul_rn(scale, rint[e]));
+                }
+            }
+        }
+        if (UNPACK)
+            pipe_unpack_at<C::NS>(j, raw, urow, upart, w_next, dq_next, grid16, signs, wrow,
+                                  hs_prefetch);
+    }
+}
+
+template <int TM, int NW>
+__device__ __forceinline__ void mmq_pipe_body(const Ids16& ids, const char* __restrict__ weights,
+                                              const char* __restrict__ acts,
+                                              const int* __restrict__ bounds,
+                                              float* __restrict__ out, int m, int k) {
+    using S = PipeSmem<TM>;
+    using C = PipeCfg<TM, NW>;
+    constexpr int NS = C::NS;
+
+    const int expert = ids.v[blockIdx.y];
+    if (expert < 0) return;
+    const int row_begin = bounds[expert];
+    const int nrows_e = bounds[expert + 1] - row_begin;
+    if ((int)blockIdx.z * TM >= nrows_e) return;
+
+    unsigned dyn_smem;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
+    if (dyn_smem < (unsigned)S::TOTAL) __trap();
+
+    extern __shared__ __align__(16) char smem[];
+    uint2* grid16 = reinterpret_cast<uint2*>(smem);
+    uint4* signs = reinterpret_cast<uint4*>(smem + S::GRID16);
+    char* w_s = smem + S::GRID16 + S::SIGNS;
+    float* dq_s = reinterpret_cast<float*>(w_s + 2 * S::W);
+    char* a_s0 = w_s + 2 * S::W + 2 * S::DQ;
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, tq = lane & 3;
+    const int wm = warp / C::WARPS_N, wn = warp % C::WARPS_N;
+    const int urow = tid / C::PARTS, upart = tid % C::PARTS;
+    const int nhs = k / Q8_1_VALUES, kq = nhs;
+    const long long row_bytes = (long long)(k / 256) * IQ3_BLOCK_BYTES;
+    const int w0 = blockIdx.x * TW;
+    const char* wrow = weights + (long long)blockIdx.y * m * row_bytes +
+                       (long long)(w0 + urow) * row_bytes;
+
+    if (tid < 256) {
+        const unsigned gw = IQ3XXS_GRID[tid];
+        grid16[tid] = make_uint2(half2_of(gw & 255u, (gw >> 8) & 255u),
+                                 half2_of((gw >> 16) & 255u, gw >> 24));
+    }
+    if (tid < 128) {
+        const unsigned s8 = tid | ((__popc(tid) & 1u) << 7);
+        unsigned q[4];
+#pragma unroll
+        for (int p = 0; p < 4; ++p)
+            q[p] = (((s8 >> (2 * p)) & 1u) << 15) | (((s8 >> (2 * p + 1)) & 1u) << 31);
+        signs[tid] = make_uint4(q[0], q[1], q[2], q[3]);
+    }
+
+    for (int rt = blockIdx.z; rt * TM < nrows_e; rt += gridDim.z) {
+        const long long row0 = row_begin + (long long)rt * TM;
+        const int nrows = min(TM, nrows_e - rt * TM);
+        // warps whose 32 activation rows are all past the expert's end only unpack: on an
+        // expert's last, partial tile their issue slots go to the warps that multiply
+        const bool busy = wm * 32 < nrows;
+
+        PipeRaw<NS> raw;
+        pipe_load_d(raw, wrow, 0);
+#pragma unroll
+        for (int jj = 0; jj < NS; ++jj) pipe_load_sub(raw, wrow, 0, upart * NS + jj, jj);
+        pipe_load_acts<TM, C::NTH>(a_s0, acts, row0, nrows, kq, 0);
+        cp_async_commit();
+        pipe_load_acts<TM, C::NTH>(a_s0 + S::A, acts, row0, nrows, kq, 1);
+        cp_async_commit();
+        __syncthreads();  // tables written; the previous row tile is done with every buffer
+#pragma unroll
+        for (int q = 0; q < 2 * NS; ++q)
+            pipe_unpack<NS>(raw, q >> 1, upart * NS + (q >> 1), q & 1, urow, w_s, dq_s, grid16,
+                            signs);
+        pipe_load_d(raw, wrow, 1);
+#pragma unroll
+        for (int jj = 0; jj < NS; ++jj) pipe_load_sub(raw, wrow, 1, upart * NS + jj, jj);
+
+        float acc[2][C::NT][4];
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < C::NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.0f;
+        cp_async_wait<1>();
+        __syncthreads();
+
+        // nhs is even (k % 256 == 0), so the last step always exists and never unpacks
+        int hs = 0;
+        for (; hs < nhs - 1; ++hs) {
+            if (hs + 2 < nhs)
+                pipe_load_acts<TM, C::NTH>(a_s0 + ((hs + 2) % PIPE_A_STAGES) * S::A, acts, row0,
+                                           nrows, kq, hs + 2);
+            cp_async_commit();
+            const int cur = hs & 1;
+            char* w_next = w_s + (cur ^ 1) * S::W;
+            float* dq_next = dq_s + (cur ^ 1) * TW;
+            const int pre = min(hs + 2, nhs - 1);
+            if (busy) {
+                pipe_step<TM, NW, true>(acc, raw, w_s + cur * S::W, dq_s + cur * TW,
+                                        a_s0 + (hs % PIPE_A_STAGES) * S::A, w_next, dq_next,
+                                        grid16, signs, wrow, pre);
+            } else {
+#pragma unroll
+                for (int j = 0; j < 4; ++j)
+                    pipe_unpack_at<NS>(j, raw, urow, upart, w_next, dq_next, grid16, signs, wrow,
+                                       pre);
+            }
+            cp_async_wait<1>();
+            __syncthreads();
+        }
+        if (busy)
+            pipe_step<TM, NW, false>(acc, raw, w_s + (hs & 1) * S::W, dq_s + (hs & 1) * TW,
+                                     a_s0 + (hs % PIPE_A_STAGES) * S::A, nullptr, nullptr,
+                                     grid16, signs, wrow, hs);
+        cp_async_wait<0>();
+        __syncthreads();  // the next row tile's prologue overwrites every buffer
+
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                const int r = wm * 32 + mt * 16 + g + 8 * hh;
+                if (r >= nrows) continue;
+                float* orow = out + (row0 + r) * (long long)m + w0 + wn * C::WN + 2 * tq;
+#pragma unroll
+                for (int nt = 0; nt < C::NT; ++nt)
+                    *reinterpret_cast<float2*>(orow + nt * 8) =
+                        make_float2(acc[mt][nt][2 * hh], acc[mt][nt][2 * hh + 1]);
+            }
+    }
+}
+
+#define IQ3_MMQ_PIPE(NAME, TM, NW)                                                            \
+    extern "C" __global__ void __launch_bounds__(32 * NW, 1)                                  \
+    NAME(Ids16 ids, const char* weights, const char* acts, const int* bounds, float* out,     \
+         int m, int k) {                                                                      \
+        mmq_pipe_body<TM, NW>(ids, weights, acts, bounds, out, m, k);                         \
+    }
+
+IQ3_MMQ_PIPE(iq3_mmq_f16_pipe_m32, 32, 8)
+IQ3_MMQ_PIPE(iq3_mmq_f16_pipe_m64, 64, 8)
+IQ3_MMQ_PIPE(iq3_mmq_f16_pipe_m128, 128, 8)
