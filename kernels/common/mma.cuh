@@ -1,7 +1,13 @@
 // Thin wrappers over the PTX the MMQ kernels use (tensor-core mma.sync, ldmatrix, cp.async),
-// so the kernels read as tile logic. sm_80 and newer.
+// so the kernels read as tile logic. sm_80 and newer. The mma wrappers are plain (not
+// volatile) asm: they only read registers, and volatile would pin every mma in source order
+// against the shared-memory loads and keep the compiler from interleaving independent work.
 #pragma once
 #include <stdint.h>
+
+// The experts of one MMQ group, passed by value as 16 int32 kernel parameters (unused = -1),
+// so a launch needs no host-to-device copy and can be captured in a CUDA graph.
+struct Ids16 { int v[16]; };
 
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
     return (unsigned)__cvta_generic_to_shared(p);
@@ -15,10 +21,20 @@ __device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* row_pt
                  : "r"(smem_addr(row_ptr)));
 }
 
+// 16-byte shared-memory load kept in program order with ldmatrix (both volatile), so the
+// compiler does not hoist a whole unrolled K loop's fragments into registers ahead of use.
+__device__ __forceinline__ uint4 lds128(const void* p) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "r"(smem_addr(p)));
+    return v;
+}
+
 // D = A(16x32 s8, row) * B(32x8 s8, col), fresh int32 accumulator (C = 0).
 __device__ __forceinline__ void mma_s8_16x8x32(int (&d)[4], const unsigned (&a)[4], unsigned b0,
                                                unsigned b1) {
-    asm volatile(
+    asm(
         "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
         "{%8,%9}, {%10,%10,%10,%10};\n"
         : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
@@ -28,7 +44,7 @@ __device__ __forceinline__ void mma_s8_16x8x32(int (&d)[4], const unsigned (&a)[
 // D = A(16x16 f16, row) * B(16x8 f16, col) + C, float32 accumulation.
 __device__ __forceinline__ void mma_f16_16x8x16(float (&d)[4], const unsigned (&a)[4], unsigned b0,
                                                 unsigned b1, const float (&c)[4]) {
-    asm volatile(
+    asm(
         "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
         "{%8,%9}, {%10,%11,%12,%13};\n"
         : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])

@@ -9,22 +9,13 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
+#include "common/mma.cuh"
+
 #define TILE_M 64     // weight rows per block
 #define TILE_N 64     // activation rows per block
 #define KSTEP 64      // values per step
 #define SROW 144      // shared row stride in bytes: 128 + 16 keeps fragment loads conflict-free
 #define NTHREADS 128
-
-struct Ids16 { int v[16]; };
-
-__device__ __forceinline__ void mma_f16(float c[4], const uint32_t a[4], const uint32_t b[2])
-{
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
 
 // One TILE_N x TILE_M output tile: activation rows row0 .. row0+nrows-1 against weight rows
 // m0 .. m0+TILE_M-1 of one expert's image w.
@@ -68,7 +59,7 @@ __device__ __forceinline__ void fp16_tile(const uint8_t* __restrict__ w,
 #pragma unroll
         for (int kk = 0; kk < KSTEP; kk += 16) {
             const int kofs = (kk + 2 * t) * 2;  // byte offset of this thread's first pair
-            uint32_t a[2][4], b[4][2];
+            unsigned a[2][4], b[4][2];
 #pragma unroll
             for (int mt = 0; mt < 2; ++mt) {
                 const uint8_t* p = s_act + (wa + mt * 16 + g) * SROW + kofs;
@@ -86,7 +77,8 @@ __device__ __forceinline__ void fp16_tile(const uint8_t* __restrict__ w,
 #pragma unroll
             for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-                for (int nt = 0; nt < 4; ++nt) mma_f16(acc[mt][nt], a[mt], b[nt]);
+                for (int nt = 0; nt < 4; ++nt)
+                    mma_f16_16x8x16(acc[mt][nt], a[mt], b[nt][0], b[nt][1], acc[mt][nt]);
         }
         __syncthreads();
     }

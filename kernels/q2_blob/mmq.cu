@@ -12,6 +12,8 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
+#include "common/mma.cuh"
+
 #define TILE_M 64     // weight rows per block
 #define TILE_N 64     // activation rows per block
 #define KSTEP 128     // values per step (one q8_1 block)
@@ -19,23 +21,12 @@
 #define NTHREADS 128
 #define Q8_BLOCK 144  // bytes of one q8_1 block: 4 float scales + 128 int8
 
-struct Ids16 { int v[16]; };
-
 // Four 2-bit codes (one byte, low bits first) -> four int8 levels code - 1.
 __device__ __forceinline__ uint32_t levels4(uint32_t byte)
 {
     const uint32_t spread = (byte & 0x03u) | ((byte & 0x0Cu) << 6) | ((byte & 0x30u) << 12) |
                             ((byte & 0xC0u) << 18);
     return __vsub4(spread, 0x01010101u);
-}
-
-__device__ __forceinline__ void mma_s8(int c[4], const uint32_t a[4], const uint32_t b[2])
-{
-    asm volatile(
-        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 "
-        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
 // One TILE_N x TILE_M output tile: activation rows row0 .. row0+nrows-1 against weight rows
@@ -99,7 +90,7 @@ __device__ __forceinline__ void q2_tile(const uint8_t* __restrict__ codes,
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const int kofs = j * 32 + 4 * t;
-            uint32_t a[2][4], b[4][2];
+            unsigned a[2][4], b[4][2];
 #pragma unroll
             for (int mt = 0; mt < 2; ++mt) {
                 const int8_t* p = s_act + (wa + mt * 16 + g) * SROW + kofs;
@@ -120,8 +111,8 @@ __device__ __forceinline__ void q2_tile(const uint8_t* __restrict__ codes,
                 const float d_hi = s_d[wa + mt * 16 + g + 8][j];
 #pragma unroll
                 for (int nt = 0; nt < 4; ++nt) {
-                    int c[4] = {0, 0, 0, 0};
-                    mma_s8(c, a[mt], b[nt]);
+                    int c[4];
+                    mma_s8_16x8x32(c, a[mt], b[nt][0], b[nt][1]);
                     const float ws0 = s_ws[ww + nt * 8 + 2 * t][j >> 1];
                     const float ws1 = s_ws[ww + nt * 8 + 2 * t + 1][j >> 1];
                     float* x = acc[mt][nt];
