@@ -45,10 +45,10 @@ from .plan import (
 from .planner import (
     AUTO_CHUNK_MAX,
     STAGING_RING_SLOTS,
-    WALK_MIN_TOKENS,
     StagingPlanner,
     gathers_one_by_one,
     plan_walk,
+    takes_walk,
     walk_ring_slots,
 )
 from .residency import Residency
@@ -327,7 +327,7 @@ class CudaBackend:
         self.rt.memcpy_htod(self.ptr["x"], io, self.compute)
         self._T = T
         self.layer_host_s = []
-        if T < WALK_MIN_TOKENS:
+        if not takes_walk(T, spec, self.cfg.walk_min_tokens):
             self._run_staging(T, stats)
         else:
             self._run_walk(T, stats)

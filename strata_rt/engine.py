@@ -58,6 +58,8 @@ class EngineConfig:
     ring_bytes: int | None = None
     profile: str | None = None
     gather_one: bool | None = None
+    #: chunks of at least this many tokens take the walk; None: decided by the routed share
+    walk_min_tokens: int | None = None
     check_plan: bool | None = None
     timing: bool | None = None
     dump_r: str | None = None
@@ -90,6 +92,8 @@ class EngineConfig:
             raise ConfigError(problems, source="engine config")
         if self.gather_one is None:
             self.gather_one = env.flag("STRATA_PREFILL_GATHER_ONE")
+        if self.walk_min_tokens is None:
+            self.walk_min_tokens = env.integer("STRATA_WALK_MIN_TOKENS")
         if self.check_plan is None:
             self.check_plan = env.flag("STRATA_CHECK_PLAN")
         if self.timing is None:

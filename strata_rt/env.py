@@ -15,7 +15,7 @@ from .errors import ConfigError
 @dataclass(frozen=True)
 class Switch:
     name: str
-    kind: str  # "flag" (0/1) or "path" or "str"
+    kind: str  # "flag" (0/1), "int", "path" or "str"
     help: str
 
 
@@ -31,6 +31,10 @@ SWITCHES: dict[str, Switch] = {
         Switch("STRATA_PREFILL_DUMP_R", "path",
                "path: after each chunk append the final residual of every 64th position "
                "(int64 position + float32 values) so two runs compare with `cmp`."),
+        Switch("STRATA_WALK_MIN_TOKENS", "int",
+               "N: chunks of at least N tokens take the streamed walk, smaller ones the "
+               "staging ring (default: the walk once half of a layer's experts are expected "
+               "to be routed; STREAMING.md's fixed rule is 1024)."),
         Switch("STRATA_CHECK_PLAN", "flag",
                "1: run the hazard checker on every plan before it executes."),
         Switch("STRATA_MMQ_KERNEL", "str",
@@ -68,3 +72,14 @@ def flag(name: str, default: bool = False) -> bool:
 def text(name: str) -> str | None:
     """A path or string switch, or None when unset."""
     return _raw(name)
+
+
+def integer(name: str) -> int | None:
+    """A positive whole-number switch, or None when unset."""
+    value = _raw(name)
+    if value is None:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ConfigError(f"environment {name}={value!r}: expected a positive whole number",
+                          source="environment")
+    return int(value)

@@ -43,12 +43,29 @@ from .plan import (
 
 #: slots of the staging ring used below WALK_MIN_TOKENS tokens per chunk
 STAGING_RING_SLOTS = 8
-#: chunks of at least this many tokens take the streamed walk
+#: STREAMING.md's fixed rule: chunks of at least this many tokens take the streamed walk.
+#: The engine decides by the routed share instead (takes_walk) unless a threshold is given.
 WALK_MIN_TOKENS = 1024
+#: the walk is taken once this share of a layer's experts is expected to be routed
+WALK_ROUTED_SHARE = 0.5
 #: `prefill: auto` never picks a chunk longer than this
 AUTO_CHUNK_MAX = 8192
 #: the walk's ring when a config gives no ring size (hundreds of MiB keep PCIe busy)
 DEFAULT_RING_BYTES = 256 << 20
+
+
+def takes_walk(tokens: int, spec, walk_min_tokens: int | None = None) -> bool:
+    """Whether a chunk streams every non-resident expert (the walk) or only the routed ones
+    (the staging ring). The ring reads the routed set back every layer and copies experts one
+    slot at a time, so it only pays when few experts are routed. With uniform routing a layer
+    routes an expected share 1 - (1 - top_k/n_experts)**tokens of its experts: for top-8 of
+    128 that passes one half at 11 tokens and is ~100% at 254, where the ring would copy the
+    same bytes as the walk at half the PCIe rate (measured on an H200, bench/notes.md). A
+    fixed walk_min_tokens (STRATA_WALK_MIN_TOKENS) overrides the rule."""
+    if walk_min_tokens is not None:
+        return tokens >= walk_min_tokens
+    share = 1.0 - (1.0 - spec.top_k / spec.n_experts) ** tokens
+    return share >= WALK_ROUTED_SHARE
 
 
 def gathers_one_by_one(fmt, requested: bool | None) -> bool:

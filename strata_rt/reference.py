@@ -42,10 +42,10 @@ from .plan import (
 )
 from .planner import (
     STAGING_RING_SLOTS,
-    WALK_MIN_TOKENS,
     StagingPlanner,
     gathers_one_by_one,
     plan_walk,
+    takes_walk,
     walk_ring_slots,
 )
 from .residency import Residency
@@ -107,7 +107,7 @@ class ReferenceBackend:
         h = np.array(h, dtype=np.float32, copy=True)
         self._state: _LayerState | None = None
         self.routes = []
-        if h.shape[0] < WALK_MIN_TOKENS:
+        if not takes_walk(h.shape[0], spec, self.cfg.walk_min_tokens):
             planner = StagingPlanner(spec, self.residency, self.gather_one, tokens=h.shape[0])
             checker = (hazards.Checker(STAGING_RING_SLOTS, self.residency)
                        if self.check_plan else None)

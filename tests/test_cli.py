@@ -161,16 +161,20 @@ def test_bad_config_exit_2_subprocess(tmp_path: Path) -> None:
         assert f"  - {key}: " in done.stderr, done.stderr
 
 
-def test_demo_runs_on_the_reference_backend(tmp_path: Path) -> None:
+def test_demo_runs_on_the_reference_backend(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.delenv("STRATA_WALK_MIN_TOKENS", raising=False)  # as a user runs it
     out = tmp_path / "demo.json"
     done = strata("run", "configs/demo.yaml", "--backend", "reference", "--json", str(out))
     assert done.returncode == 0, done.stderr
     assert "backend reference" in done.stdout and "resident experts: 32 of 128" in done.stdout
     doc = json.loads(out.read_text())
     runs = doc["runs"]
-    assert [r["tokens"] for r in runs] == [200, 1100]
+    assert [r["tokens"] for r in runs] == [4, 200, 1100]
     assert all(r["stats"]["tokens"] == r["tokens"] and r["stats"]["experts_streamed"] > 0
                for r in runs)
+    # 4 tokens ride the staging ring (routed experts only), the others walk (all 96 streamed)
+    streamed = [r["stats"]["experts_streamed"] for r in runs]
+    assert streamed[0] < streamed[1] == streamed[2] == 96
     assert doc["hardware"] and doc["resident_experts"] == 32
 
 

@@ -626,3 +626,16 @@ def test_qwen3_30b_shape_gather_modes_and_check_plan(rng, tmp_path):
     for a, b in zip(results[False], results[True]):
         assert a.tobytes() == b.tobytes()
 
+
+
+@gpu
+def test_default_walk_rule_gives_the_staging_bytes(small_model, rng, monkeypatch):
+    """256 tokens route nearly every expert: by default the chunk walks (no host sync per
+    layer) and its bytes equal those of the staging ring the tests pin elsewhere."""
+    h = _prompt(rng, 256, SMALL_SPEC.hidden)
+    ring, ring_stats, _ = _run(small_model, [h], expert_cache=40)
+    monkeypatch.delenv("STRATA_WALK_MIN_TOKENS")
+    walk, walk_stats, _ = _run(small_model, [h], expert_cache=40)
+    assert ring_stats[0].host_syncs == SMALL_SPEC.n_layers + 1
+    assert walk_stats[0].host_syncs == 1
+    assert walk[0].tobytes() == ring[0].tobytes()

@@ -251,3 +251,28 @@ def test_timing_table_on_the_reference_backend(tiny, capsys):
     _run(tiny, np.ones((8, TINY.hidden), np.float32), timing=True)
     err = capsys.readouterr().err
     assert "host seconds per phase" in err and "products" in err
+
+
+def test_walk_rule_follows_the_routed_share():
+    """Top-8 of 128 routes half a layer's experts at ~11 tokens: the walk from there on; a
+    fixed threshold overrides the rule."""
+    spec = replace(SMALL_SPEC, n_experts=128, top_k=8)
+    share = [1 - (1 - 8 / 128) ** t for t in (10, 11)]
+    assert share[0] < planner_mod.WALK_ROUTED_SHARE <= share[1]
+    assert not planner_mod.takes_walk(10, spec) and planner_mod.takes_walk(11, spec)
+    assert planner_mod.takes_walk(254, spec)
+    assert not planner_mod.takes_walk(254, spec, walk_min_tokens=1024)
+    assert planner_mod.takes_walk(1024, spec, walk_min_tokens=1024)
+
+
+def test_default_rule_takes_the_walk_for_a_short_prompt_with_the_same_bytes(
+        small, rng, monkeypatch):
+    """200 tokens route nearly every expert of the small config: by default the chunk walks
+    (one host sync in all, not one per layer), and its bytes equal the staging ring's."""
+    h = _hidden(rng, 200)
+    ring, st_ring, _ = _run(small, h, expert_cache=10)  # conftest pins 1,024: the ring
+    monkeypatch.delenv("STRATA_WALK_MIN_TOKENS")
+    walk, st_walk, backend = _run(small, h, expert_cache=10)
+    assert backend.last_plan.mode == "walk" and st_walk.host_syncs == 1
+    assert st_ring.host_syncs == SMALL_SPEC.n_layers + 1
+    assert walk.tobytes() == ring.tobytes()
