@@ -8,7 +8,8 @@ of 8 MiB and more), the int8 rate (torch._int_mm) and the bf16 rate (torch.mm) o
 products. Ratios: PCIe achieved / ceiling, ours / peer, host time / wall, MoE TFLOPS / int8.
 
 Times are host clocks around each whole prefill call (numpy in, numpy out, synchronised), after
-a warm-up of every arm. Results: bench/results/prefill-<model>-<time>.{json,md}.
+a warm-up of every arm on every prompt (twice: the engine times plain launches against a
+captured graph on its first two chunks of a size). Results: bench/results/prefill-<model>-<time>.{json,md}.
 
     python bench/bench_prefill.py                               # Qwen3-30B-A3B shape, 48 layers
     python bench/bench_prefill.py --model small --prompts 254,1030
@@ -99,8 +100,12 @@ def run_ours(model: Model, regime: str, prompts, inputs, args) -> tuple[dict, di
             out, stats = engine.prefill(h)
             return out, stats, time.perf_counter() - t0
 
-        for value in ("0", "1"):
-            once(inputs[0], value)  # module compile and first allocations
+        # every prompt, both arms, twice: module compile, first allocations and the engine's
+        # two trials per chunk size (plain launches, then graph capture) stay out of the timing
+        for h in inputs:
+            for value in ("0", "1"):
+                for _ in range(2):
+                    once(h, value)
         for p, h in zip(prompts, inputs):
             r = rows[p.tokens] = {"A_s": [], "B_s": [], "A_stats": [], "B_stats": []}
             for _ in range(args.pairs):
@@ -234,7 +239,7 @@ def main() -> int:
         "ceilings (same run): " + ", ".join(
             f"{k} {v:.1f}" for k, v in ceil.items()), "",
         md_table, "",
-        "Times: host clock around each whole prefill call (numpy in and out), after a warm-up; "
+        "Times: host clock around each whole prefill call (numpy in and out), after two warm-up runs of each arm on each prompt; "
         "A = batched gathers, B = STRATA_PREFILL_GATHER_ONE=1, run A, B, A, B. ours / peer = "
         "peer median over our median A. PCIe GB/s = bytes streamed / our median A time. "
         "host / wall = engine host time over wall time. MoE TFLOPS counts "
