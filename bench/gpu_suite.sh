@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # One GPU session in one command: every GPU test, then the benchmarks. Logs, JSON and tables go
-# under $OUT (default ./out). Stages run in order; pick them with arguments:
+# under $BENCH_OUT (default ./out). Stages run in order; pick them with arguments:
 #   bash bench/gpu_suite.sh tests formats mmq prefill-quick prefill
 # A failing stage is reported and the next one still runs; the exit code counts failures.
 set -uo pipefail
-out=${OUT:-out}
+out=${BENCH_OUT:-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 failures=0
