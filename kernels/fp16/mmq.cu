@@ -10,11 +10,12 @@
 #include <stdint.h>
 
 #include "common/mma.cuh"
+#include "common/tile64.cuh"
 
 #define TILE_M 64     // weight rows per block
 #define TILE_N 64     // activation rows per block
 #define KSTEP 64      // values per step
-#define SROW 144      // shared row stride in bytes: 128 + 16 keeps fragment loads conflict-free
+#define SROW TILE64_SROW
 #define NTHREADS 128
 
 // One TILE_N x TILE_M output tile: activation rows row0 .. row0+nrows-1 against weight rows
@@ -24,14 +25,11 @@ __device__ __forceinline__ void fp16_tile(const uint8_t* __restrict__ w,
                                           float* __restrict__ out, int m, int k, int m0,
                                           int row0, int nrows)
 {
-
     __shared__ __align__(16) uint8_t s_act[TILE_N * SROW];
     __shared__ __align__(16) uint8_t s_w[TILE_M * SROW];
 
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const int g = lane >> 2, t = lane & 3;
-    const int wa = (warp >> 1) * 32;  // warp's first activation row in the tile
-    const int ww = (warp & 1) * 32;   // warp's first weight row in the tile
+    const int tid = threadIdx.x;
+    const Tile64Lane L(tid);
 
     float acc[2][4][4];
 #pragma unroll
@@ -58,22 +56,9 @@ __device__ __forceinline__ void fp16_tile(const uint8_t* __restrict__ w,
 
 #pragma unroll
         for (int kk = 0; kk < KSTEP; kk += 16) {
-            const int kofs = (kk + 2 * t) * 2;  // byte offset of this thread's first pair
+            const int kofs = (kk + 2 * L.t) * 2;  // byte offset of this thread's first pair
             unsigned a[2][4], b[4][2];
-#pragma unroll
-            for (int mt = 0; mt < 2; ++mt) {
-                const uint8_t* p = s_act + (wa + mt * 16 + g) * SROW + kofs;
-                a[mt][0] = *(const uint32_t*)p;
-                a[mt][1] = *(const uint32_t*)(p + 8 * SROW);
-                a[mt][2] = *(const uint32_t*)(p + 16);
-                a[mt][3] = *(const uint32_t*)(p + 8 * SROW + 16);
-            }
-#pragma unroll
-            for (int nt = 0; nt < 4; ++nt) {
-                const uint8_t* p = s_w + (ww + nt * 8 + g) * SROW + kofs;
-                b[nt][0] = *(const uint32_t*)p;
-                b[nt][1] = *(const uint32_t*)(p + 16);
-            }
+            tile64_fragments(a, b, s_act, s_w, L, kofs);
 #pragma unroll
             for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
@@ -83,20 +68,7 @@ __device__ __forceinline__ void fp16_tile(const uint8_t* __restrict__ w,
         __syncthreads();
     }
 
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt) {
-        const int r = wa + mt * 16 + g;
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt) {
-            const int col = m0 + ww + nt * 8 + 2 * t;
-            if (r < nrows)
-                *(float2*)(out + (size_t)(row0 + r) * m + col) =
-                    make_float2(acc[mt][nt][0], acc[mt][nt][1]);
-            if (r + 8 < nrows)
-                *(float2*)(out + (size_t)(row0 + r + 8) * m + col) =
-                    make_float2(acc[mt][nt][2], acc[mt][nt][3]);
-        }
-    }
+    tile64_store(acc, out, m, m0, row0, nrows, L);
 }
 
 extern "C" __global__ void __launch_bounds__(NTHREADS)

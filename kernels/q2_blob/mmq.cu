@@ -13,11 +13,12 @@
 #include <stdint.h>
 
 #include "common/mma.cuh"
+#include "common/tile64.cuh"
 
 #define TILE_M 64     // weight rows per block
 #define TILE_N 64     // activation rows per block
 #define KSTEP 128     // values per step (one q8_1 block)
-#define SROW 144      // shared row stride in bytes: 128 + 16 keeps fragment loads conflict-free
+#define SROW TILE64_SROW
 #define NTHREADS 128
 #define Q8_BLOCK 144  // bytes of one q8_1 block: 4 float scales + 128 int8
 
@@ -43,10 +44,8 @@ __device__ __forceinline__ void q2_tile(const uint8_t* __restrict__ codes,
     __shared__ float s_d[TILE_N][4];
     __shared__ float s_ws[TILE_M][2];
 
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const int g = lane >> 2, t = lane & 3;
-    const int wa = (warp >> 1) * 32;  // warp's first activation row in the tile
-    const int ww = (warp & 1) * 32;   // warp's first weight row in the tile
+    const int tid = threadIdx.x;
+    const Tile64Lane L(tid);
 
     float acc[2][4][4];
 #pragma unroll
@@ -89,32 +88,19 @@ __device__ __forceinline__ void q2_tile(const uint8_t* __restrict__ codes,
 
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-            const int kofs = j * 32 + 4 * t;
+            const int kofs = j * 32 + 4 * L.t;
             unsigned a[2][4], b[4][2];
+            tile64_fragments(a, b, s_act, s_w, L, kofs);
 #pragma unroll
             for (int mt = 0; mt < 2; ++mt) {
-                const int8_t* p = s_act + (wa + mt * 16 + g) * SROW + kofs;
-                a[mt][0] = *(const uint32_t*)p;
-                a[mt][1] = *(const uint32_t*)(p + 8 * SROW);
-                a[mt][2] = *(const uint32_t*)(p + 16);
-                a[mt][3] = *(const uint32_t*)(p + 8 * SROW + 16);
-            }
-#pragma unroll
-            for (int nt = 0; nt < 4; ++nt) {
-                const int8_t* p = s_w + (ww + nt * 8 + g) * SROW + kofs;
-                b[nt][0] = *(const uint32_t*)p;
-                b[nt][1] = *(const uint32_t*)(p + 16);
-            }
-#pragma unroll
-            for (int mt = 0; mt < 2; ++mt) {
-                const float d_lo = s_d[wa + mt * 16 + g][j];
-                const float d_hi = s_d[wa + mt * 16 + g + 8][j];
+                const float d_lo = s_d[L.wa + mt * 16 + L.g][j];
+                const float d_hi = s_d[L.wa + mt * 16 + L.g + 8][j];
 #pragma unroll
                 for (int nt = 0; nt < 4; ++nt) {
                     int c[4];
                     mma_s8_16x8x32(c, a[mt], b[nt][0], b[nt][1]);
-                    const float ws0 = s_ws[ww + nt * 8 + 2 * t][j >> 1];
-                    const float ws1 = s_ws[ww + nt * 8 + 2 * t + 1][j >> 1];
+                    const float ws0 = s_ws[L.ww + nt * 8 + 2 * L.t][j >> 1];
+                    const float ws1 = s_ws[L.ww + nt * 8 + 2 * L.t + 1][j >> 1];
                     float* x = acc[mt][nt];
                     x[0] = __fadd_rn(x[0], __fmul_rn(__fmul_rn(ws0, d_lo), (float)c[0]));
                     x[1] = __fadd_rn(x[1], __fmul_rn(__fmul_rn(ws1, d_lo), (float)c[1]));
@@ -126,20 +112,7 @@ __device__ __forceinline__ void q2_tile(const uint8_t* __restrict__ codes,
         __syncthreads();
     }
 
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt) {
-        const int r = wa + mt * 16 + g;
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt) {
-            const int col = m0 + ww + nt * 8 + 2 * t;
-            if (r < nrows)
-                *(float2*)(out + (size_t)(row0 + r) * m + col) =
-                    make_float2(acc[mt][nt][0], acc[mt][nt][1]);
-            if (r + 8 < nrows)
-                *(float2*)(out + (size_t)(row0 + r + 8) * m + col) =
-                    make_float2(acc[mt][nt][2], acc[mt][nt][3]);
-        }
-    }
+    tile64_store(acc, out, m, m0, row0, nrows, L);
 }
 
 extern "C" __global__ void __launch_bounds__(NTHREADS)
