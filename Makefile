@@ -3,23 +3,31 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test lint check-kernels gpu-test clean
+.PHONY: setup setup-test demo test lint check-kernels clean
 
+# strata_rt alone: what `make demo` needs
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: setup.cfg pyproject.toml tests/plugins/strata_testfmt/pyproject.toml
+$(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e .
+	touch $@
+
+# plus the test extras and the entry-point test plugin
+setup-test: $(VENV)/.installed-test
+
+$(VENV)/.installed-test: $(VENV)/.installed tests/plugins/strata_testfmt/pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[test]' ./tests/plugins/strata_testfmt
 	touch $@
 
 demo: setup
 	$(BIN)/strata run configs/demo.yaml
 
-lint: setup
+lint: setup-test
 	$(BIN)/ruff check .
 
-check-kernels: setup
+check-kernels: setup-test
 	$(BIN)/strata check-kernels
 
 test: lint check-kernels

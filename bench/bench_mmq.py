@@ -11,7 +11,7 @@ events around the 8 launches (median of --reps after 2 warm-ups). Effective TFLO
 2 * rows * m * k / time, rows = tokens * 8. Beside it: (a) torch.bmm in bf16 on weights
 dequantized from the same blocks (per-expert batches padded to the busiest expert), (b) dense
 bf16 torch.matmul and torch._int_mm int8 at 8192^3, (c) llama.cpp's figures from
-PERFORMANCE.md (constants, not measured here). Then gather_batch bandwidth against a
+the project's design notes (constants measured on the same kind of H200, not here). Then gather_batch bandwidth against a
 device-to-device copy of the same bytes.
 
 torch runs first, in its own (primary) context, and is done before the strata_rt Runtime opens;
@@ -41,11 +41,9 @@ HIDDEN, FFN, EXPERTS, TOP_K = 2048, 768, 128, 8
 PARTS = {"gate_up": (2 * FFN, HIDDEN), "down": (HIDDEN, FFN)}  # (m, k)
 #: distinct expert blobs; the 128 experts cycle through them (content does not change speed)
 UNIQUE = 8
-#: llama.cpp's CUDA MMQ (MUL_MAT_ID, IQ3_XXS) on an H200, from shared design PERFORMANCE.md
+#: llama.cpp's CUDA MMQ (MUL_MAT_ID, IQ3_XXS) on an H200, as measured on the same kind of H200 (project design notes)
 LLAMA_CPP_TFLOPS = {512: (34, 37), 2048: (70, 79), 8192: (74, 95)}
-LLAMA_CPP_SOURCE = "PERFORMANCE.md anchors: llama.cpp ggml CUDA MMQ, IQ3_XXS, same H200"
-#: PyTorch peer (bf16 weights resident, torch.bmm) from the same file, for comparison
-TORCH_BMM_DOC_TFLOPS = {512: 96, 2048: 330, 8192: 650}
+LLAMA_CPP_SOURCE = "llama.cpp ggml CUDA MMQ, IQ3_XXS, measured on the same kind of H200 (design notes)"
 
 
 def routing(rng: np.random.Generator, tokens: int) -> np.ndarray:

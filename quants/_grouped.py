@@ -12,7 +12,14 @@ from typing import TYPE_CHECKING, ClassVar
 import numpy as np
 
 from strata_rt.errors import FormatError
-from strata_rt.formats import KERNELS_ROOT, MMQ_GROUP, ExpertLayout, FormatKernels, QuantFormat
+from strata_rt.formats import (
+    KERNELS_ROOT,
+    MMQ_GROUP,
+    ExpertLayout,
+    FormatKernels,
+    QuantFormat,
+    first_misaligned,
+)
 
 if TYPE_CHECKING:
     from strata_rt.runtime import Runtime
@@ -39,13 +46,12 @@ def grid_rows(rows_hint: int, tile_rows: int) -> int:
     return (rows_hint + tile_rows - 1) // tile_rows
 
 
-def check_aligned(names_and_values: dict[str, int], align: int = 16) -> None:
+def check_aligned(names_and_values: dict[str, int]) -> None:
     """Vectorized kernels load and store 16 bytes at a time; a misaligned address would fault
     on the device, so it is refused on the host with the offending value."""
-    bad = {k: v for k, v in names_and_values.items() if v % align}
-    if bad:
-        detail = ", ".join(f"{k}={v:#x}" for k, v in bad.items())
-        raise FormatError(f"device address(es) not {align}-byte aligned: {detail}")
+    why = first_misaligned(names_and_values)
+    if why is not None:
+        raise FormatError(f"device address not aligned: {why}")
 
 
 def expert_rows(expert_ids: tuple[int, ...], bounds: np.ndarray) -> Iterator[tuple[int, int, int]]:

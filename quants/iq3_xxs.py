@@ -13,7 +13,6 @@ weights) and the sub-block scale s in bits 28-31. weight = d * (0.5 + s) * 0.5 *
 
 from __future__ import annotations
 
-import sys
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
@@ -368,7 +367,7 @@ class IQ3XXS(QuantFormat):
                     f"{self.name}: tensor {t.name} has shape {list(dm)} [n_experts, rows, cols]; "
                     f"with {gate.name} {list(dims[0])} it must be {list(w)}")
         self.check_dims(hidden, ffn)
-        parts, requantized = [], []
+        parts = []
         for t, (_, rows, cols) in zip((gate, up, down), want):
             if int(t.tensor_type) == self.ggml_type:
                 parts.append(np.asarray(t.data, dtype=np.uint8).reshape(n, -1))
@@ -384,10 +383,6 @@ class IQ3XXS(QuantFormat):
                         f"IQ3_XXS and which the gguf package cannot dequantize ({err})") from None
                 per_expert.append(self.quantize(m.reshape(rows, cols)).reshape(-1))
             parts.append(np.stack(per_expert))
-            requantized.append(f"{t.name} ({type_name})")
-        if requantized:
-            print(f"{self.name}: not IQ3_XXS in the GGUF, quantized from dequantized weights: "
-                  f"{', '.join(requantized)}", file=sys.stderr)
         return np.concatenate(parts, axis=1)
 
     # ------------------------------------------------------------------ device side

@@ -28,9 +28,9 @@ if TYPE_CHECKING:
     from strata_rt.runtime import Runtime
 
 #: MMQ kernels, fastest measured first (the default when STRATA_MMQ_KERNEL is unset), and the
-#: activation-row tile sizes (TM in mmq.cu) each is compiled for. H200 (bench/notes.md, run 4):
-#: f16_pipe is the fastest or tied at every size (37 / 86 / 120 TFLOPS per layer at 512 / 2,048
-#: / 8,192 tokens); int8_occ2 (two blocks per SM) is faster at 512 tokens (41); f16 and int8
+#: activation-row tile sizes (TM in mmq.cu) each is compiled for. H200 (bench/notes.md, run 5):
+#: f16_pipe is the fastest or tied from 2,048 tokens (37 / 85 / 119 TFLOPS per layer at 512 /
+#: 2,048 / 8,192 tokens); int8_occ2 (two blocks per SM) is faster at 512 tokens (41); f16 and int8
 #: are the unpipelined designs (int8: the llama.cpp-style integer reference path). All are
 #: bit-identical, so the choice changes speed only.
 MMQ_TILES = {"f16_pipe": (32, 64, 128), "f16": (32, 64, 128), "int8": (32, 64, 128),

@@ -32,7 +32,6 @@ the best codes for the scale it actually carries. On Gaussian weights the error 
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -231,13 +230,6 @@ class Q2Blob(QuantFormat):
 
     def image_matrix(self, image: np.ndarray, rows: int, cols: int) -> np.ndarray:
         return decode(*_split_image(image, rows, cols))
-
-    def pack_gguf_experts(self, gate: Any, up: Any, down: Any) -> np.ndarray:
-        kinds = ", ".join(sorted({t.tensor_type.name for t in (gate, up, down)}))
-        print(f"q2_blob: GGUF has no Q2 blob type; packing from float weights (tensors of type "
-              f"{kinds}; quantized types are dequantized by the gguf package first)",
-              file=sys.stderr)
-        return super().pack_gguf_experts(gate, up, down)
 
     # ---------------------------------------------------------------- matmul reference
     def mmq_reference(self, image: np.ndarray, expert_ids: tuple[int, ...], acts: Any,

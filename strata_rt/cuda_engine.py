@@ -6,11 +6,11 @@ buffers of MMQ_GROUP experts and one chunk's activations. Its size is fixed at o
 chunk's buffers first (the largest chunk up to 8,192 tokens for `prefill: auto`), then as many
 resident experts as the rest of the budget holds (or the count the config fixes).
 
-Execution. Each plan op becomes one driver call. Below 1,024 tokens a chunk takes the staging
-ring: after a layer's routing runs on the GPU its per-expert row bounds come back to the host
-on a stream of their own (so the read-back never queues behind expert copies), and the staging
-planner turns the routed set into the layer's ops. From 1,024 tokens the streamed walk's whole
-schedule is known before the chunk starts, every kernel reads row bounds from device memory,
+Execution. Each plan op becomes one driver call. A chunk that routes few of a layer's experts
+(planner.takes_walk) takes the staging ring: after a layer's routing runs on the GPU its
+per-expert row bounds come back to the host on a stream of their own (so the read-back never
+queues behind expert copies), and the staging planner turns the routed set into the layer's
+ops. Otherwise the streamed walk's whole schedule is known before the chunk starts, every kernel reads row bounds from device memory,
 and the chunk is launched without a host sync; that launch sequence is captured once per chunk
 size as a CUDA graph, and replay is kept only if it measured faster than plain launches.
 """
@@ -52,16 +52,14 @@ from .planner import (
     walk_ring_slots,
 )
 from .residency import Residency
-from .runtime.memory import mib, plan_regions, regions_total
+from .runtime.memory import MIB, mib, plan_regions, regions_total
 from .timing import PhaseTimer
 
 ENGINE_SOURCE = KERNELS_ROOT / "common" / "engine.cu"
-#: the largest chunk `prefill: auto` takes (STREAMING.md)
 #: `prefill: auto` tries chunk sizes in steps of this many tokens below the maximum
 AUTO_CHUNK_STEP = 64
 #: VRAM left free when the config names no reserve (driver, modules, other processes)
 DEFAULT_RESERVE_MIB = 512
-MiB = 1 << 20
 #: launch shapes of the engine kernels (must match engine.cu where it assumes them)
 ROUTER_TILE = 64
 TOPK_THREADS = 128
@@ -242,7 +240,7 @@ class CudaBackend:
         # memory: the budget, then the residency, then one arena
         reserve = cfg.vram_reserve_mib if cfg.vram_reserve_mib is not None else DEFAULT_RESERVE_MIB
         free = rt.free_bytes()
-        available = free - int(reserve * MiB)
+        available = free - int(reserve * MIB)
         slot = lay.slot_bytes
         fixed_res = residency.n_slots if residency is not None else None
         n_streamed_max = spec.total_experts - (fixed_res or 0)
@@ -303,10 +301,6 @@ class CudaBackend:
 
     def max_chunk_tokens(self) -> int:
         return self.tokens
-
-    def report(self) -> str:
-        """Where the device memory went (for logs and `strata run -v`)."""
-        return f"{self.arena.report()}\n{self.residency.report()}"
 
     @property
     def gather_one(self) -> bool:
@@ -579,7 +573,7 @@ def _no_op(op: Op) -> None:
 
 
 def walk_rows_hint(tokens: int, spec) -> int:
-    """Row tiles to launch per expert on the walk, where the counts never reach the host:
+    """Rows per expert the walk sizes its MMQ grids for, where the counts never reach the host:
     twice the mean rows per expert (a token picks an expert at most once, so never more than
     tokens). A busier expert is still covered, by fewer blocks looping over its tiles; sizing
     for the worst case (all tokens) launched 8x more blocks, nearly all of them exiting."""

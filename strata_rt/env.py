@@ -34,7 +34,7 @@ SWITCHES: dict[str, Switch] = {
         Switch("STRATA_WALK_MIN_TOKENS", "int",
                "N: chunks of at least N tokens take the streamed walk, smaller ones the "
                "staging ring (default: the walk once half of a layer's experts are expected "
-               "to be routed; STREAMING.md's fixed rule is 1024)."),
+               "to be routed; the original fixed rule was 1024)."),
         Switch("STRATA_CHECK_PLAN", "flag",
                "1: run the hazard checker on every plan before it executes."),
         Switch("STRATA_MMQ_KERNEL", "str",

@@ -36,6 +36,15 @@ def align_up(n: int, a: int = SLOT_ALIGN) -> int:
     return (n + a - 1) // a * a
 
 
+def first_misaligned(named: dict[str, int], align: int = 16) -> str | None:
+    """Why a vectorized kernel (16-byte loads and stores) cannot take these addresses and
+    sizes, naming the first offending one; None when all are multiples of `align`."""
+    for label, value in named.items():
+        if value % align:
+            return f"{label} = {value} (0x{value:x}) is not a multiple of {align}"
+    return None
+
+
 @dataclass(frozen=True)
 class ExpertLayout:
     """Where an expert's parts sit in its blob and how big its images are in a group buffer."""

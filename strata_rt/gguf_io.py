@@ -1,4 +1,4 @@
-"""GGUF files of MoE models (qwen3moe names, FORMATS.md): reading them into model arrays and
+"""GGUF files of MoE models (qwen3moe tensor names and keys): reading them into model arrays and
 writing small ones (tests, `strata inspect` examples).
 
 Every problem with a file is a GGUFError naming the file, the tensor or key, what it holds and
@@ -7,6 +7,7 @@ what was expected: a model loaded from the wrong file must fail at load, not pro
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -126,6 +127,7 @@ def read_moe_gguf(path: Path, fmt: QuantFormat):
     router = np.empty((L, E, H), np.float32)
     norm = np.empty((L, H), np.float32)
     blobs = np.empty((L, E, lay.blob_bytes), np.uint8)
+    converted: set[str] = set()  # GGUF types that go through float weights
     for layer in range(L):
         names = tensor_names(layer)
         got = {}
@@ -149,6 +151,7 @@ def read_moe_gguf(path: Path, fmt: QuantFormat):
         for part in ("gate", "up", "down"):
             t = got[part]
             if fmt.ggml_type is None or int(t.tensor_type) != fmt.ggml_type:
+                converted.add(_type_name(t.tensor_type))
                 if not _dequantizable(t):
                     raise GGUFError(
                         f"{path}: tensor {t.name} has type {_type_name(t.tensor_type)}: format "
@@ -159,6 +162,10 @@ def read_moe_gguf(path: Path, fmt: QuantFormat):
         except FormatError as e:
             raise GGUFError(f"{path}: layer {layer} experts ({names['gate']}, {names['up']}, "
                             f"{names['down']}) do not convert to {fmt.name}: {e}") from None
+    if converted:  # nothing falls back silently: one line per file, not one per layer
+        print(f"strata: {path}: expert tensors of type {', '.join(sorted(converted))} are not "
+              f"{fmt.name}; converted through float weights (dequantized by the gguf package, "
+              f"then quantized)", file=sys.stderr)
     return spec, router, norm, blobs
 
 

@@ -151,7 +151,7 @@ class Model:
 
     @classmethod
     def from_gguf(cls, path: str | Path, fmt: QuantFormat | str) -> Model:
-        """Loads a qwen3moe-style GGUF (tensor names and keys in FORMATS.md); experts are
+        """Loads a qwen3moe-style GGUF (blk.N.ffn_*_exps, ffn_gate_inp, ffn_norm; <arch>.* keys); experts are
         converted to `fmt` (raw copy when the GGUF type is the format's own)."""
         from .gguf_io import read_moe_gguf
 

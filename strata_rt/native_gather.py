@@ -10,7 +10,14 @@ import warnings
 from typing import TYPE_CHECKING
 
 from .errors import PluginError
-from .formats import KERNELS_ROOT, MMQ_GROUP, ExpertLayout, FormatKernels, QuantFormat
+from .formats import (
+    KERNELS_ROOT,
+    MMQ_GROUP,
+    ExpertLayout,
+    FormatKernels,
+    QuantFormat,
+    first_misaligned,
+)
 
 if TYPE_CHECKING:
     from .runtime import Runtime
@@ -63,17 +70,14 @@ class NativeKernels(FormatKernels):
                    down_buf: int) -> str | None:
         """Why the batched kernel cannot copy this batch (None when it can)."""
         lay = self.layout
-        named = [("gate/up bytes", lay.gate_up_bytes), ("down bytes", lay.down_bytes),
-                 ("gate/up offset", lay.gate_up_offset), ("down offset", lay.down_offset),
-                 ("gate/up image bytes", lay.gate_up_image_bytes),
-                 ("down image bytes", lay.down_image_bytes),
-                 ("gate/up buffer", gu_buf + first_pos * lay.gate_up_image_bytes),
-                 ("down buffer", down_buf + first_pos * lay.down_image_bytes)]
-        named += [(f"source {i}", s) for i, s in enumerate(srcs)]
-        for label, value in named:
-            if value % 16:
-                return f"{label} = {value} (0x{value:x}) is not a multiple of 16"
-        return None
+        named = {"gate/up bytes": lay.gate_up_bytes, "down bytes": lay.down_bytes,
+                 "gate/up offset": lay.gate_up_offset, "down offset": lay.down_offset,
+                 "gate/up image bytes": lay.gate_up_image_bytes,
+                 "down image bytes": lay.down_image_bytes,
+                 "gate/up buffer": gu_buf + first_pos * lay.gate_up_image_bytes,
+                 "down buffer": down_buf + first_pos * lay.down_image_bytes}
+        named.update({f"source {i}": src for i, src in enumerate(srcs)})
+        return first_misaligned(named)
 
     def gather_batch(self, stream, srcs: list[int], first_pos: int, gu_buf: int,
                      down_buf: int) -> None:

@@ -5,7 +5,7 @@ so it carries everything each needs and nothing about CUDA. Each op says which s
 enqueued on: "copy" (host blob -> ring slot), "compute" (norm, routing, gathers, products,
 combine) or "host" (the issuer/consumer bookkeeping that has no GPU work).
 
-Ring bookkeeping (STREAMING.md): entry k of a chunk's stream of copies goes to ring slot
+Ring bookkeeping: entry k of a chunk's stream of copies goes to ring slot
 k % ring_slots. Events are `("copied", slot)` (recorded on the copy stream after a copy lands)
 and `("used", slot)` (recorded on the compute stream after the last gather that reads the
 slot). `Consume(entry)` tells the issuer that the slots of entries <= entry may be refilled:
@@ -135,8 +135,9 @@ class LayerPlan:
 
 @dataclass(frozen=True)
 class ChunkPlan:
-    """mode "staging": layers planned one by one from the routed sets (< 1,024 tokens);
-    mode "walk": the whole chunk planned up front, routing-independent."""
+    """mode "staging": layers planned one by one from the routed sets (chunks that route few
+    experts, planner.takes_walk); mode "walk": the whole chunk planned up front,
+    routing-independent."""
 
     tokens: int
     mode: Literal["staging", "walk"]

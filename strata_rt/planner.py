@@ -1,6 +1,6 @@
 """Planners: residency + ring state (+ the routed set on the staging ring) -> Plan.
 
-Both planners share one builder, so the issuer/consumer rules of STREAMING.md live once:
+Both planners share one builder, so the issuer/consumer rules of the streaming design live once:
 - the issuer issues entry k (copy-stream Wait(used[slot]) when the slot held an earlier entry,
   Copy, Record(copied[slot])) only while k < consumed + ring_slots, and runs ahead as far as
   that allows every time `consumed` advances;
@@ -9,7 +9,7 @@ Both planners share one builder, so the issuer/consumer rules of STREAMING.md li
 - batched gathers (native formats, gather_one False) collect the group's gathers and launch
   them at the end of the group. A batch holds its ring slots until it is launched, so when
   the consumer needs an entry the issuer cannot issue yet (the ring is full of slots the
-  waiting batch holds) the batch is launched first (a flush). That is STREAMING.md's "flush
+  waiting batch holds) the batch is launched first (a flush). That is the design's "flush
   first" alternative to refusing to batch on a ring smaller than two groups: it can neither
   starve the issuer nor recycle a slot before the batch read it.
 
@@ -41,11 +41,8 @@ from .plan import (
     used,
 )
 
-#: slots of the staging ring used below WALK_MIN_TOKENS tokens per chunk
+#: slots of the staging ring (chunks for which takes_walk is false)
 STAGING_RING_SLOTS = 8
-#: STREAMING.md's fixed rule: chunks of at least this many tokens take the streamed walk.
-#: The engine decides by the routed share instead (takes_walk) unless a threshold is given.
-WALK_MIN_TOKENS = 1024
 #: the walk is taken once this share of a layer's experts is expected to be routed
 WALK_ROUTED_SHARE = 0.5
 #: `prefill: auto` never picks a chunk longer than this

@@ -60,7 +60,7 @@ class _LayerState:
     (token, k) pair order[r]; expert e owns rows bounds[e]..bounds[e+1]-1)."""
 
     def __init__(self, layer: int, xn: np.ndarray, ids: np.ndarray, w: np.ndarray,
-                 n_experts: int, ffn: int, hidden: int):
+                 n_experts: int, hidden: int):
         self.layer = layer
         self.ids, self.w = ids, w
         top_k = ids.shape[1]
@@ -164,7 +164,7 @@ class ReferenceBackend:
                     self._begin(op.layer, h, stats)
                 continue
             elif isinstance(op, LayerEnd):
-                self._combine(op.layer, h)
+                self._combine(h)
                 phase = "combine"
             elif isinstance(op, Record | Wait | Consume):
                 # one thread runs every op in host order: a valid linearisation of any
@@ -181,7 +181,7 @@ class ReferenceBackend:
         ids, w = route(xn, self.model.router[layer], spec.top_k)
         stats.add_routing(layer, ids, spec.n_experts)
         self.routes.append(ids)
-        self._state = _LayerState(layer, xn, ids, w, spec.n_experts, spec.ffn, spec.hidden)
+        self._state = _LayerState(layer, xn, ids, w, spec.n_experts, spec.hidden)
         stats.phase_s["route"] += time.perf_counter() - t0
 
     def _gather(self, g: Gather) -> None:
@@ -217,7 +217,7 @@ class ReferenceBackend:
             r0, r1 = int(b[e]), int(b[e + 1])
             st.out_sorted[lo + r0: lo + r1] = dn[r0:r1]
 
-    def _combine(self, layer: int, h: np.ndarray) -> None:
+    def _combine(self, h: np.ndarray) -> None:
         st = self._state
         top_k = st.ids.shape[1]
         out = np.empty_like(st.out_sorted)

@@ -18,8 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import ConfigError
-
-MiB = 1 << 20
+from .runtime.memory import mib
 
 
 @dataclass
@@ -56,10 +55,6 @@ class RoutingProfile:
             raise ConfigError(f"{p}: counts have shape {counts.shape}, header says {shape}",
                               source="profile")
         return cls(counts)
-
-
-def profile_from_routing(counts: np.ndarray) -> RoutingProfile:
-    return RoutingProfile(np.asarray(counts))
 
 
 class Residency:
@@ -110,17 +105,13 @@ class Residency:
             pairs = [(layer, e) for layer in range(L) for e in range(per[layer])]
         return cls(L, E, pairs, model.layout.slot_bytes)
 
-    @classmethod
-    def for_bytes(cls, model, nbytes: int, profile: RoutingProfile | None = None) -> Residency:
-        return cls.from_budget(model, max(0, int(nbytes)) // model.layout.slot_bytes, profile)
-
     # ------------------------------------------------------------------ reporting
     def report(self) -> str:
         m = self.mask()
         per = m.sum(axis=1)
         lines = [f"resident experts: {self.n_slots} of {self.n_layers * self.n_experts} "
-                 f"({self.nbytes / MiB:.1f} MiB, {self.slot_bytes} bytes per slot)",
+                 f"({mib(self.nbytes)} MiB, {self.slot_bytes} bytes per slot)",
                  "layer  resident  MiB"]
-        lines += [f"{layer:5d}  {int(c):8d}  {c * self.slot_bytes / MiB:.1f}"
+        lines += [f"{layer:5d}  {int(c):8d}  {mib(c * self.slot_bytes)}"
                   for layer, c in enumerate(per)]
         return "\n".join(lines)

@@ -13,7 +13,7 @@ import os
 # BLAS fights the test process for the cores and runs them many times slower. Set before numpy
 # loads its BLAS.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-# The tests name prompt sizes for each streaming path by STREAMING.md's fixed rule (the staging
+# The tests name prompt sizes for each streaming path by the original fixed rule (the staging
 # ring below 1,024 tokens); the engine's default decides by the routed share, and the tests of
 # that rule clear this.
 os.environ.setdefault("STRATA_WALK_MIN_TOKENS", "1024")

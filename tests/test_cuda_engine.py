@@ -178,9 +178,6 @@ class _FakeArena:
         arr = self._host[off: off + size].view(dtype)
         return arr if shape is None else arr.reshape(shape)
 
-    def report(self):
-        return "fake arena"
-
 
 class _FakeGraph:
     def __init__(self, rt):

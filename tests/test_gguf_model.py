@@ -39,9 +39,14 @@ def test_round_trip_fp16_raw(tmp_path):
     assert np.array_equal(back.blobs, m.blobs)
 
 
-def test_load_into_another_format_converts(good, model):
-    """IQ3_XXS tensors loaded as fp16 are dequantized (exactly representable in fp16)."""
+def test_load_into_another_format_converts(good, model, capsys):
+    """IQ3_XXS tensors loaded as fp16 are dequantized (exactly representable in fp16), and the
+    conversion is said once for the file, not once per layer."""
     back = Model.from_gguf(good, "fp16")
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "IQ3_XXS" in err and "converted through float" in err
+    Model.from_gguf(good, "iq3_xxs")
+    assert capsys.readouterr().err == ""  # raw bytes copied: nothing to say
     for e in (0, 3):
         want = model.dequantized(1, e)
         got = back.dequantized(1, e)

@@ -58,10 +58,6 @@ class Kernel:
         self.func.prepared_async_call(tuple(grid), block, stream.raw, *args,
                                       shared_size=shared)
 
-    def attribute(self, name: str) -> int:
-        """A function attribute by pycuda name, e.g. "NUM_REGS", "MAX_THREADS_PER_BLOCK"."""
-        return int(self.func.get_attribute(getattr(self.runtime.drv.function_attribute, name)))
-
     def __repr__(self) -> str:
         return f"<Kernel {self.name}({self.arg_types})>"
 
