@@ -33,9 +33,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "bench" / "peers")]
 
 from strata_rt.cli import hardware_line, markdown_table, set_switch  # noqa: E402
-from strata_rt.config import MiB, Prompt, validate  # noqa: E402
+from strata_rt.config import Prompt, validate  # noqa: E402
 from strata_rt.engine import Engine  # noqa: E402
 from strata_rt.model import Model, MoESpec  # noqa: E402
+from strata_rt.runtime.memory import MIB  # noqa: E402
 
 MODELS = {
     "small": MoESpec(n_layers=4, hidden=512, ffn=256, n_experts=32, top_k=4),
@@ -59,10 +60,10 @@ def ceilings(torch) -> dict[str, float]:
         end.synchronize()
         return start.elapsed_time(end) / 1e3 / reps
 
-    host = torch.empty(256 * MiB, dtype=torch.uint8).pin_memory()
+    host = torch.empty(256 * MIB, dtype=torch.uint8).pin_memory()
     dev = torch.empty_like(host, device="cuda")
     for mib in (2, 8, 64, 256):
-        n = mib * MiB
+        n = mib * MIB
         s = timed(lambda n=n: dev[:n].copy_(host[:n], non_blocking=True), 20)
         out[f"h2d_{mib}mib_gb_s"] = n / s / 1e9
     out["h2d_gb_s"] = max(v for k, v in out.items() if not k.startswith("h2d_2mib"))

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
+import re
 import shutil
 import statistics
 import subprocess
@@ -19,16 +21,24 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import __version__, env
-from .config import Config, MiB, load_config
+from . import __version__
+from .config import Config, load_config
 from .errors import ConfigError, StrataError
 from .progress import Progress
+from .runtime.memory import MIB
 
 GiB = 1 << 30
 DEFAULT_ARCHS = ("sm_80", "sm_90")
 
 
 # ------------------------------------------------------------------------------ helpers
+def cuda_version(banner: str) -> str | None:
+    """The CUDA version in nvidia-smi's header. Its line also carries the driver version
+    (`Driver Version: 550.54.15   CUDA Version: 12.4`), so the field is found by its label."""
+    found = re.search(r"CUDA Version:\s*([0-9][0-9.]*)", banner)
+    return found.group(1) if found else None
+
+
 def hardware_line() -> str:
     """GPU, driver, CUDA and PCIe link from nvidia-smi (or the CPU when there is no GPU):
     the line every recorded figure carries."""
@@ -44,8 +54,7 @@ def hardware_line() -> str:
         banner = subprocess.run([smi], capture_output=True, text=True, timeout=20).stdout
     except (subprocess.SubprocessError, OSError) as e:
         return f"nvidia-smi failed ({e}); {cpu}"
-    cuda = next((part.split(":")[1].strip().split()[0] for part in banner.split("|")
-                 if "CUDA Version" in part), "?")
+    cuda = cuda_version(banner) or "?"
     first = rows.strip().splitlines()[0] if rows.strip() else ""
     f = [x.strip() for x in first.split(",")]
     if len(f) < 7:
@@ -88,17 +97,18 @@ def markdown_table(headers: list[str], rows: list[list[Any]]) -> str:
     return "\n".join([line, rule, *body])
 
 
-#: switches the engine also reads into its config at open; A/B runs update both
-_CONFIG_FIELD = {"STRATA_PREFILL_GATHER_ONE": "gather_one", "STRATA_CHECK_PLAN": "check_plan",
-                 "STRATA_PREFILL_TIMING": "timing"}
+#: the 0/1 switches `bench --ab` may flip, with the engine config field each is resolved into
+#: at open: only these are read again per prompt. The others (STRATA_CUDA_GRAPH,
+#: STRATA_CHECK_PLAN, STRATA_PREFILL_TIMING) are taken once at open, so flipping them between
+#: prompts would time the same code twice.
+AB_SWITCHES = {"STRATA_PREFILL_GATHER_ONE": "gather_one"}
 
 
 def set_switch(engine: Any, name: str, value: str) -> None:
-    """Flips a 0/1 switch between prefills of one open engine: the environment (for code
+    """Flips an A/B switch between prefills of one open engine: the environment (for code
     that reads it per call) and the engine config field it was resolved into at open."""
     os.environ[name] = value
-    if name in _CONFIG_FIELD:
-        setattr(engine.config, _CONFIG_FIELD[name], value == "1")
+    setattr(engine.config, AB_SWITCHES[name], value == "1")
 
 
 def _write_json(path: Path, doc: dict) -> None:
@@ -161,7 +171,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                 gbps = s["bytes_streamed"] / wall / 1e9 if wall > 0 else 0.0
                 rows.append([prompt.index + 1, rep + 1, prompt.tokens, f"{wall * 1e3:.1f}",
                              f"{prompt.tokens / wall:,.0f}", s["experts_streamed"],
-                             f"{s['bytes_streamed'] / MiB:,.1f}",
+                             f"{s['bytes_streamed'] / MIB:,.1f}",
                              f"{gbps:.2f}" if backend == "cuda" else "-"])
                 records.append({"prompt": prompt.index, "repeat": rep, "tokens": prompt.tokens,
                                 "wall_s": wall, "tokens_per_s": prompt.tokens / wall,
@@ -180,10 +190,6 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     switch = args.ab
-    known = [s.name for s in env.SWITCHES.values() if s.kind == "flag"]
-    if switch not in known:
-        raise ConfigError(f"--ab: got {switch!r}; expected a 0/1 switch: {', '.join(known)}",
-                          source="command line")
     if args.pairs < 1:
         raise ConfigError(f"--pairs: got {args.pairs}; expected >= 1", source="command line")
     cfg = _load(args)
@@ -201,7 +207,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 set_switch(engine, switch, value)
                 _, stats = engine.prefill(warm.hidden_states(cfg.spec.hidden, cfg.seed))
                 launches[value] = (stats.gathers_launched, stats.mmq_launches)
-            same = switch in _CONFIG_FIELD and launches["0"] == launches["1"]
+            same = launches["0"] == launches["1"]
             if same:
                 print(f"WARNING: {switch}=0 and =1 launched the same kernels on the warm-up "
                       f"prompt {launches['0']} (gathers, MMQs): this backend did not take the "
@@ -243,12 +249,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from gguf import GGMLQuantizationType
-
-    from .gguf_io import read_header, tensor_names
+    # _type_name is gguf_io's private helper, imported so the GGML type names have one source
+    from .gguf_io import _type_name, read_header, tensor_names
     from .model import MoESpec
     from .registry import registry
 
+    if args.budget_gib is not None and not (math.isfinite(args.budget_gib)
+                                            and args.budget_gib > 0):
+        raise ConfigError(f"--budget-gib: got {args.budget_gib:g}; expected a VRAM size in "
+                          "GiB > 0, e.g. 24", source="command line")
     reader, dims = read_header(Path(args.file))
     arch = dims.pop("arch")
     g = MoESpec(**dims)
@@ -256,27 +265,22 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(f"MoE: {g.n_layers} layers x {g.n_experts} experts = {g.total_experts} experts, "
           f"top-{g.top_k}, hidden {g.hidden}, ffn {g.ffn}, rms_eps {g.rms_eps:g}")
 
-    def type_name(t) -> str:
-        try:
-            return GGMLQuantizationType(int(t.tensor_type)).name
-        except ValueError:
-            return f"type {int(t.tensor_type)}"
-
     types: dict[str, int] = {}
     for t in reader.tensors:
         if "_exps." in t.name:
-            types[type_name(t)] = types.get(type_name(t), 0) + 1
+            name = _type_name(t.tensor_type)
+            types[name] = types.get(name, 0) + 1
     print("expert tensor types: " + (", ".join(f"{k} x{v}" for k, v in sorted(types.items()))
                                      or "none (no blk.N.ffn_*_exps tensors)"))
     wanted = [tensor_names(0)[p] for p in ("gate", "up", "down")]
     first = [t for t in reader.tensors if t.name in wanted]
     if first:
         print(markdown_table(["layer 0 tensor", "type", "shape", "MiB"],
-                     [[t.name, type_name(t), "x".join(str(int(x)) for x in reversed(t.shape)),
-                       f"{int(t.n_bytes) / MiB:.2f}"] for t in first]))
+                     [[t.name, _type_name(t.tensor_type), "x".join(str(int(x)) for x in reversed(t.shape)),
+                       f"{int(t.n_bytes) / MIB:.2f}"] for t in first]))
         per_expert = sum(int(t.n_bytes) for t in first) // g.n_experts
         print(f"bytes per expert in the file (layer 0): {per_expert:,} "
-              f"({per_expert / MiB:.2f} MiB)")
+              f"({per_expert / MIB:.2f} MiB)")
     budget = None if args.budget_gib is None else int(args.budget_gib * GiB)
     headers = ["format", "blob bytes", "slot bytes", "all experts GiB"]
     if budget is not None:
@@ -297,7 +301,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(markdown_table(headers, rows))
     if budget is not None:
         print("a budget also holds one chunk's buffers and the ring: give it to a run as "
-              "`vram_budget_mib` and the config's estimate makes the split")
+              "`vram_budget_mib` and the config sizes the split as the CUDA backend allocates it")
     return 0
 
 
@@ -321,9 +325,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     profile.save(out)
     routed = int(counts.sum())
-    print(f"wrote {out}: routing counts of {sum(p.tokens for p in cfg.prompts)} tokens "
+    where = out.resolve()  # a config resolves `profile:` against its own folder, not the cwd
+    print(f"wrote {where}: routing counts of {sum(p.tokens for p in cfg.prompts)} tokens "
           f"({routed} expert choices) over {cfg.spec.n_layers} layers; use it with "
-          f"`profile: {out.name}` in a config")
+          f"`profile: {where}` in a config")
     return 0
 
 
@@ -334,9 +339,10 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     for name, loaded in registry().formats.items():
         fmt = loaded.format
         rows.append([name, "yes" if fmt.native else "no", fmt.block_values, fmt.block_bytes,
-                     len(fmt.kernel_sources()), f"{loaded.plugin} ({loaded.origin})"])
+                     len(fmt.kernel_sources()), ", ".join(fmt.mmq_variants()),
+                     f"{loaded.plugin} ({loaded.origin})", fmt.description])
     print(markdown_table(["name", "native", "block values", "bytes per block", "kernels (.cu)",
-                  "origin"], rows))
+                          "mmq variants", "origin", "description"], rows))
     return 0
 
 
@@ -392,7 +398,8 @@ profile; a config's `profile:` key then makes the most routed experts resident."
   strata --plugins my/plugins.yaml plugins
 
 lists every loaded quantization format: native (batched gathers), block geometry, kernel
-sources, and where it came from (plugins.yaml or an installed entry point).""",
+sources, MMQ variants (STRATA_MMQ_KERNEL picks one), where it came from (the plugins.yaml
+that listed it, or an installed entry point) and its description.""",
     "check-kernels": """examples:
   strata check-kernels
   strata check-kernels --arch sm_90
@@ -410,7 +417,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="start with:  strata run configs/demo.yaml\n"
                "each command explains itself:  strata run --help")
     parser.add_argument("--version", action="version", version=f"strata_rt {__version__}")
-    parser.add_argument("--plugins", metavar="PATH", help=argparse.SUPPRESS)
+    parser.add_argument("--plugins", metavar="PATH",
+                        help="the plugins.yaml to load instead of the one next to the package "
+                             "(sets STRATA_PLUGINS)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     def command(name: str, help_: str) -> argparse.ArgumentParser:
@@ -426,8 +435,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("bench", "A/B an environment switch in one process over the prompts")
     p.add_argument("config", help="YAML run config")
-    p.add_argument("--ab", default="STRATA_PREFILL_GATHER_ONE", metavar="SWITCH",
-                   help="the 0/1 switch to compare (default: %(default)s)")
+    p.add_argument("--ab", default="STRATA_PREFILL_GATHER_ONE", choices=tuple(AB_SWITCHES),
+                   metavar="SWITCH",
+                   help="the 0/1 switch to compare: %(choices)s (default: %(default)s); only "
+                        "switches the engine reads per prompt can change between A and B, "
+                        "those it reads once at open cannot")
     p.add_argument("--pairs", type=int, default=2, help="A, B pairs per prompt (default 2)")
     p.add_argument("--backend", choices=("cuda", "reference"), help="override `backend`")
     p.add_argument("--prompts", metavar="N,N", help="override `prompts` with these lengths")
@@ -471,6 +483,10 @@ def main(argv: list[str] | None = None) -> int:
     except StrataError as e:
         print(f"strata {args.command}: {e}", file=sys.stderr)
         return e.exit_code
+    except OSError as e:  # an output path that is a directory, a full disk, no permission
+        where = e.filename if e.filename is not None else args.command
+        print(f"strata: {where}: {e.strerror or e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"strata {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import difflib
 import math
+import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,19 +27,19 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import yaml
 
+from .cuda_engine import MemoryPlan, plan_memory
 from .engine import BACKENDS, EngineConfig
 from .errors import ConfigError, FormatError, GGUFError
-from .formats import MMQ_GROUP
 from .gguf_io import read_header
 from .model import MoESpec
-from .planner import AUTO_CHUNK_MAX, STAGING_RING_SLOTS
+from .planner import AUTO_CHUNK_MAX, STAGING_RING_SLOTS, walk_ring_slots
 from .residency import RoutingProfile
+from .runtime.memory import MIB
 
 if TYPE_CHECKING:
     from .formats import QuantFormat
     from .registry import QuantRegistry
 
-MiB = 1 << 20
 BUDGET_KEYS = ("expert_cache", "vram_reserve_mib", "vram_budget_mib")
 
 _TOP_KEYS = ("model", "format", "backend", *BUDGET_KEYS, "prefill", "ring_mib", "profile",
@@ -106,7 +108,7 @@ class Config:
 
     @property
     def ring_bytes(self) -> int | None:
-        return None if self.ring_mib is None else int(self.ring_mib * MiB)
+        return None if self.ring_mib is None else int(self.ring_mib * MIB)
 
     def with_prompt_lengths(self, lengths: list[int]) -> Config:
         return replace(self, prompts=tuple(Prompt(i, n) for i, n in enumerate(lengths)))
@@ -117,28 +119,31 @@ class Config:
         return replace(self, backend=backend)
 
     def chunk_tokens(self) -> int:
-        """The chunk the budget estimate assumes: `prefill` when fixed, else what auto would
-        take for the longest prompt."""
-        if isinstance(self.prefill, int):
-            return self.prefill
-        return min(AUTO_CHUNK_MAX, max((p.tokens for p in self.prompts), default=1))
+        """The chunk the memory plan assumes (see auto_chunk)."""
+        return auto_chunk(self.prefill, self.prompts)
+
+    def memory_plan(self, fmt: QuantFormat) -> MemoryPlan | None:
+        """The device arena `vram_budget_mib` buys (None without a budget): the chunk's
+        buffers and the ring first, resident experts in the rest."""
+        if self.vram_budget_mib is None:
+            return None
+        return device_memory_plan(self.spec, fmt, self.chunk_tokens(), self.ring_bytes,
+                                  int(self.vram_budget_mib * MIB))
 
     def resident_experts(self, fmt: QuantFormat) -> int | None:
         """The expert-cache size the config fixes, or None when the CUDA backend derives it
         from free VRAM minus `vram_reserve_mib`."""
         if self.expert_cache is not None:
             return self.expert_cache
-        if self.vram_budget_mib is None:
-            return None
-        need = estimate_device_bytes(self.spec, fmt, self.chunk_tokens(), self.ring_bytes)
-        slot = fmt.layout(self.spec.hidden, self.spec.ffn).slot_bytes
-        free = int(self.vram_budget_mib * MiB) - need["total"]
-        return min(self.spec.total_experts, max(0, free // slot))
+        plan = self.memory_plan(fmt)
+        return None if plan is None else plan.n_resident
 
     def engine_config(self, backend: str | None = None,
                       registry: QuantRegistry | None = None) -> EngineConfig:
         """The one mapping from a validated config to the engine's EngineConfig (`auto` is
-        resolved by Engine.open, which prints the one line when it falls back)."""
+        resolved by Engine.open, which prints the one line when it falls back). A VRAM budget
+        fixes the chunk as well as the cache: left `auto`, the CUDA backend would grow the
+        chunk into whatever VRAM is free beyond the budget."""
         from .registry import registry as default_registry
 
         fmt = (registry or default_registry())[self.spec.format]
@@ -146,43 +151,43 @@ class Config:
             model: dict[str, Any] = {"gguf": str(self.gguf), "format": self.spec.format}
         else:
             model = {"spec": self.spec, "seed": self.model_seed}
+        plan = self.memory_plan(fmt)
         return EngineConfig(
             model=model,
             backend=backend or self.backend,
             vram_reserve_mib=self.vram_reserve_mib,
             expert_cache=self.resident_experts(fmt),
-            prefill=self.prefill,
+            prefill=self.prefill if plan is None else plan.tokens,
             ring_bytes=self.ring_bytes,
             profile=None if self.profile is None else str(self.profile),
             dump_r=None if self.output.dump_r is None else str(self.output.dump_r),
         )
 
 
-# ------------------------------------------------------------------------------ estimator
-def estimate_device_bytes(geom: MoESpec, fmt: QuantFormat, chunk_tokens: int,
-                          ring_bytes: int | None) -> dict[str, int]:
-    """A lower bound of the device memory one chunk needs besides resident experts.
+def auto_chunk(prefill: str | int, prompts: Sequence[Prompt]) -> int:
+    """The chunk a run takes: `prefill` when fixed, else what `auto` takes for the longest
+    prompt (a longer chunk would only hold unused memory)."""
+    if isinstance(prefill, int):
+        return prefill
+    return min(AUTO_CHUNK_MAX, max((p.tokens for p in prompts), default=1))
 
-    The one estimate config validation uses (the CUDA backend's allocation remains the exact
-    check): residual and router buffers for `chunk_tokens`, the expert-sorted activations and
-    products for chunk_tokens * top_k rows, the group buffers of MMQ_GROUP experts, and the ring
-    (`ring_bytes`, or the 8-slot staging ring when unset). Parts are bytes; "total" sums them.
-    """
-    from .activations import activation_bytes
 
-    lay = fmt.layout(geom.hidden, geom.ffn)
-    rows = chunk_tokens * geom.top_k
-    parts = {
-        "residual": chunk_tokens * geom.hidden * 4,
-        "routing": chunk_tokens * (geom.n_experts * 4 + geom.top_k * 8),
-        "activations": activation_bytes(fmt.activation, rows, geom.hidden)
-        + activation_bytes(fmt.activation, rows, geom.ffn),
-        "products": rows * (2 * geom.ffn + geom.hidden) * 4,
-        "group_buffers": MMQ_GROUP * (lay.gate_up_image_bytes + lay.down_image_bytes),
-        "ring": ring_bytes if ring_bytes is not None else STAGING_RING_SLOTS * lay.slot_bytes,
-    }
-    parts["total"] = sum(parts.values())
-    return parts
+# ------------------------------------------------------------------------------ memory plan
+def device_memory_plan(spec: MoESpec, fmt: QuantFormat, chunk_tokens: int,
+                       ring_bytes: int | None, budget_bytes: int | None = None) -> MemoryPlan:
+    """The CUDA backend's device arena for `chunk_tokens`, sized by the backend's own
+    plan_memory so the config's budget check and the allocation cannot disagree.
+
+    With budget_bytes, resident experts fill what the chunk's buffers and the ring leave
+    (BudgetError when those alone do not fit); without, no expert is resident: the least any
+    budget must hold. The ring is sized as the backend sizes it before the residency is known
+    (every expert streaming), an upper bound of the ring it allocates once it is."""
+    lay = fmt.layout(spec.hidden, spec.ffn)
+    ring_slots = max(walk_ring_slots(ring_bytes, lay.slot_bytes, spec.total_experts),
+                     STAGING_RING_SLOTS)
+    if budget_bytes is None:
+        return plan_memory(spec, lay, fmt.activation, sys.maxsize, ring_slots, chunk_tokens, 0)
+    return plan_memory(spec, lay, fmt.activation, budget_bytes, ring_slots, chunk_tokens, None)
 
 
 def read_token_file(path: Path) -> np.ndarray:
@@ -387,7 +392,8 @@ def _prompts(p: _Problems, doc: dict, base: Path, hidden: int | None) -> list[Pr
                     continue
                 out.append(Prompt(i, int(arr.shape[0]), hidden_file=f))
         except (ConfigError, ValueError, OSError) as e:
-            p.add(f"{path}.{key}", value, f"unreadable: {e}")
+            reason = "; ".join(e.problems) if isinstance(e, ConfigError) else str(e)
+            p.add(f"{path}.{key}", value, f"unreadable: {reason}")
     return out
 
 
@@ -404,8 +410,8 @@ def _budget(p: _Problems, doc: dict, geom: MoESpec | None, fmt: QuantFormat | No
     if key == "expert_cache":
         v = doc[key]
         total = geom.total_experts if geom is not None else None
-        if v == "all" and total is not None:
-            return {key: total}
+        if v == "all":  # valid whatever the model; unknown dims are reported under `model`
+            return {} if total is None else {key: total}
         if not _is_int(v) or v < 0 or (total is not None and v > total):
             limit = f"0..{total} (n_layers x n_experts)" if total is not None else ">= 0"
             p.add(key, v, f"expected `all` or an integer {limit}")
@@ -414,13 +420,12 @@ def _budget(p: _Problems, doc: dict, geom: MoESpec | None, fmt: QuantFormat | No
     mib = _positive_number(p, doc, key, "MiB", zero_ok=key == "vram_reserve_mib")
     if mib is None or key == "vram_reserve_mib" or geom is None or fmt is None or chunk is None:
         return {key: mib}
-    need = estimate_device_bytes(geom, fmt, chunk, ring_bytes)
-    if need["total"] > mib * MiB:
-        detail = ", ".join(f"{k} {v / MiB:.1f}" for k, v in need.items() if k != "total")
+    need = device_memory_plan(geom, fmt, chunk, ring_bytes)
+    if need.total > mib * MIB:
         p.add(key, doc[key],
-              f"cannot hold one chunk's buffers: a {chunk}-token chunk needs at least "
-              f"{need['total'] / MiB:.1f} MiB ({detail} MiB); raise it, or lower "
-              "`prefill` or `ring_mib`")
+              f"cannot hold one chunk's buffers: a {chunk}-token chunk needs "
+              f"{need.total / MIB:.1f} MiB on the device ({need.describe()}); raise it, or "
+              "lower `prefill` or `ring_mib`")
         return {}
     return {key: mib}
 
@@ -432,8 +437,9 @@ def validate(doc: Any, base_dir: Path, source: Path | None = None,
 
     where = str(source) if source else "config"
     if not isinstance(doc, dict):
-        raise ConfigError(f"expected a mapping of keys ({', '.join(_TOP_KEYS)}), "
-                          f"got {type(doc).__name__}", source=where)
+        keys = f"a mapping of keys ({', '.join(_TOP_KEYS)})"
+        raise ConfigError(f"the file is empty; expected {keys}" if doc is None
+                          else f"expected {keys}, got {type(doc).__name__}", source=where)
     reg = registry or default_registry()
     p = _Problems()
     p.unknown_keys("", doc, _TOP_KEYS)
@@ -450,20 +456,17 @@ def validate(doc: Any, base_dir: Path, source: Path | None = None,
         prefill = None
 
     ring_mib = _positive_number(p, doc, "ring_mib", "MiB")
-    ring_bytes = None if ring_mib is None else int(ring_mib * MiB)
+    ring_bytes = None if ring_mib is None else int(ring_mib * MIB)
     if ring_bytes is not None and geom is not None and fmt is not None:
         slot = fmt.layout(geom.hidden, geom.ffn).slot_bytes
         if ring_bytes < slot:
             p.add("ring_mib", doc["ring_mib"],
-                  f"the ring must hold at least one expert slot ({slot / MiB:.2f} MiB for "
+                  f"the ring must hold at least one expert slot ({slot / MIB:.2f} MiB for "
                   f"{fmt.name} at hidden {geom.hidden}, ffn {geom.ffn})")
             ring_bytes = None
 
     prompts = _prompts(p, doc, base_dir, geom.hidden if geom else None)
-    chunk = None
-    if prefill is not None and prompts:
-        chunk = prefill if isinstance(prefill, int) else min(
-            AUTO_CHUNK_MAX, max(q.tokens for q in prompts))
+    chunk = auto_chunk(prefill, prompts) if prefill is not None and prompts else None
     budget = _budget(p, doc, geom, fmt, chunk, ring_bytes)
 
     profile = None
@@ -509,6 +512,9 @@ def load_config(path: str | Path, registry: QuantRegistry | None = None) -> Conf
         doc = yaml.safe_load(path.read_text())
     except FileNotFoundError:
         raise ConfigError(f"no such config file: {path}", source=str(path)) from None
+    except OSError as e:  # a directory, no permission, an I/O error
+        raise ConfigError(f"cannot read the config file: {e.strerror or e}",
+                          source=str(path)) from None
     except yaml.YAMLError as e:
         raise ConfigError(f"not valid YAML: {e}", source=str(path)) from None
     return validate(doc, path.resolve().parent, source=path, registry=registry)

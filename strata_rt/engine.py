@@ -32,6 +32,7 @@ import numpy as np
 
 from . import env
 from .errors import ConfigError
+from .formats import QuantFormat
 from .model import Model, MoESpec
 from .planner import AUTO_CHUNK_MAX
 from .residency import Residency, RoutingProfile
@@ -121,6 +122,17 @@ def load_model(spec_or_model: Any) -> Model:
                       "{'spec': MoESpec, 'seed': int} or {'gguf': path, 'format': name}")
 
 
+def check_mmq_kernel(fmt: QuantFormat) -> None:
+    """Refuses a STRATA_MMQ_KERNEL the format does not offer. Only the CUDA kernels of a
+    format with variants read the switch, so without this check a typo would be ignored
+    silently on the reference backend and for every other format."""
+    kernel = env.text("STRATA_MMQ_KERNEL")
+    variants = fmt.mmq_variants()
+    if kernel is not None and kernel not in variants:
+        raise ConfigError(f"STRATA_MMQ_KERNEL={kernel!r}: format {fmt.name} offers "
+                          f"{', '.join(variants)}", source="environment")
+
+
 def backend_class(name: str) -> tuple[str, type]:
     """-> (resolved name, class). `auto` takes cuda when a device answers, else reference and
     says so in one line."""
@@ -178,6 +190,7 @@ class Engine:
         cfg = config if isinstance(config, EngineConfig) else EngineConfig(**config)
         cfg.resolve()
         model = load_model(cfg.model)
+        check_mmq_kernel(model.fmt)
         name, cls_ = backend_class(cfg.backend)
         store = ExpertStore(model, cls_.host_alloc)
         residency = None

@@ -24,7 +24,7 @@ _IDENTITY = ("name", "block_values", "block_bytes", "kernel_dir")
 class LoadedFormat:
     format: QuantFormat
     plugin: str  # module name
-    origin: str  # "plugins.yaml" or "entry point <dist>"
+    origin: str  # the name of the plugins YAML that listed it, or "entry point <dist>"
 
 
 def _read_plugins_yaml(path: Path) -> list[str]:
@@ -76,8 +76,9 @@ class QuantRegistry:
         self.pm = pluggy.PluginManager(hookspecs.PROJECT)
         self.pm.add_hookspecs(hookspecs)
         self.formats: dict[str, LoadedFormat] = {}
-        for module in _read_plugins_yaml(Path(plugins_yaml or DEFAULT_PLUGINS_YAML)):
-            self._register_module(module, "plugins.yaml")
+        listing = Path(plugins_yaml or DEFAULT_PLUGINS_YAML)
+        for module in _read_plugins_yaml(listing):
+            self._register_module(module, listing.name)
         if entry_points:
             for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
                 dist = ep.dist.name if ep.dist else "?"
@@ -86,8 +87,9 @@ class QuantRegistry:
     def _register_module(self, name: str, origin: str, loader=None) -> None:
         try:
             module = loader() if loader else importlib.import_module(name)
-        except ImportError as e:
-            raise PluginError(f"plugin {name} ({origin}): cannot import it: {e}") from None
+        except Exception as e:  # a plugin's import runs its code: any error is the plugin's
+            raise PluginError(f"plugin {name} ({origin}): cannot import it: "
+                              f"{type(e).__name__}: {e}") from None
         if self.pm.is_registered(module):
             return
         impl = getattr(module, "strata_rt_formats", None)

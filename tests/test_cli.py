@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from strata_rt.cli import main
+from strata_rt.cli import cuda_version, main
 from strata_rt.registry import registry
 from strata_rt.runtime.compile import nvcc_available
 
@@ -51,9 +51,33 @@ def test_help_imports_no_cuda() -> None:
 def test_plugins_lists_the_loaded_formats(capsys) -> None:
     assert main(["plugins"]) == 0
     out = capsys.readouterr().out
+    header = [c.strip() for c in out.splitlines()[0].split("|")]
+    assert "mmq variants" in header and "description" in header
     for name, loaded in registry().formats.items():
         row = next(line for line in out.splitlines() if line.startswith(f"| {name} "))
         assert str(loaded.format.block_bytes) in row and loaded.plugin in row
+        assert f" {', '.join(loaded.format.mmq_variants())} " in row
+        assert loaded.format.description in row
+
+
+def test_plugins_option_has_help(capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "--plugins PATH" in out and "STRATA_PLUGINS" in out
+
+
+NVIDIA_SMI_HEADER = """\
+Tue Mar  4 10:12:01 2025
++-----------------------------------------------------------------------------------------+
+| NVIDIA-SMI 550.54.15              Driver Version: 550.54.15      CUDA Version: 12.4     |
+|-----------------------------------------+------------------------+----------------------+
+"""
+
+
+def test_cuda_version_is_not_the_driver_version() -> None:
+    assert cuda_version(NVIDIA_SMI_HEADER) == "12.4"
+    assert cuda_version("no GPU header here") is None
 
 
 def test_inspect_a_small_gguf(tmp_path: Path, capsys) -> None:
@@ -73,6 +97,25 @@ def test_inspect_a_small_gguf(tmp_path: Path, capsys) -> None:
     assert f" {held:,} " in row
 
 
+def test_inspect_names_types_with_gguf_io(tmp_path: Path, capsys, monkeypatch) -> None:
+    from strata_rt import gguf_io
+    from strata_rt.model import Model, MoESpec
+
+    path = gguf_io.write_moe_gguf(tmp_path / "tiny.gguf",
+                                  Model.synthetic(MoESpec(2, 256, 256, 4, 2), 0))
+    monkeypatch.setattr(gguf_io, "_type_name", lambda t: f"GGML{int(t)}")
+    assert main(["inspect", str(path)]) == 0
+    assert "expert tensor types: GGML" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("budget", ["-3", "0", "nan"])
+def test_inspect_rejects_a_budget_that_is_not_positive(tmp_path: Path, capsys,
+                                                       budget: str) -> None:
+    assert main(["inspect", str(tmp_path / "any.gguf"), "--budget-gib", budget]) == 2
+    err = capsys.readouterr().err
+    assert f"--budget-gib: got {float(budget):g}" in err and "> 0" in err
+
+
 def test_inspect_errors_exit_1(tmp_path: Path, capsys) -> None:
     bad = tmp_path / "x.gguf"
     bad.write_bytes(b"nope")
@@ -87,6 +130,17 @@ def test_usage_errors_exit_2() -> None:
     done = strata("bench", "configs/demo.yaml", "--ab", "STRATA_NOPE")
     assert done.returncode == 2 and "STRATA_PREFILL_GATHER_ONE" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_bench_ab_offers_only_switches_read_per_prompt(capsys) -> None:
+    with pytest.raises(SystemExit) as info:  # read once at open: A and B would be the same
+        main(["bench", "configs/demo.yaml", "--ab", "STRATA_CUDA_GRAPH"])
+    assert info.value.code == 2
+    assert "invalid choice: 'STRATA_CUDA_GRAPH'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "STRATA_PREFILL_GATHER_ONE" in help_text and "per prompt" in help_text
 
 
 def _broken_plugin(tmp_path: Path, source: str) -> dict:
@@ -209,6 +263,29 @@ def test_bench_ab_table_and_json(tmp_path: Path, capsys) -> None:
     row = doc["rows"][0]
     assert row["tokens"] == 20 and len(row["a_s"]) == len(row["b_s"]) == 2
     assert "STRATA_PREFILL_GATHER_ONE" not in os.environ  # restored
+
+
+def test_output_path_that_is_a_directory(tmp_path: Path, capsys) -> None:
+    cfg = str(_tiny_config(tmp_path))
+    for args in (["run", cfg, "--json", str(tmp_path)], ["profile", cfg, "--out", str(tmp_path)]):
+        assert main(args) == 1
+        assert capsys.readouterr().err.endswith(f"strata: {tmp_path}: Is a directory\n")
+
+
+def test_bad_mmq_kernel_is_refused_on_any_backend(tmp_path: Path, capsys, monkeypatch) -> None:
+    monkeypatch.setenv("STRATA_MMQ_KERNEL", "f17")
+    assert main(["run", str(_tiny_config(tmp_path))]) == 2  # reference backend, iq3_xxs
+    err = capsys.readouterr().err
+    variants = ", ".join(registry()["iq3_xxs"].mmq_variants())
+    assert f"STRATA_MMQ_KERNEL='f17': format iq3_xxs offers {variants}" in err
+
+
+def test_profile_prints_where_it_wrote(tmp_path: Path, capsys, monkeypatch) -> None:
+    cfg = _tiny_config(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    assert main(["profile", str(cfg), "--out", "profiles/p.json"]) == 0
+    where = (tmp_path / "profiles" / "p.json").resolve()
+    assert f"`profile: {where}`" in capsys.readouterr().out
 
 
 def test_profile_round_trip(tmp_path: Path, capsys) -> None:

@@ -10,9 +10,12 @@ import pytest
 import yaml
 
 from strata_rt.cli import main
-from strata_rt.config import MiB, estimate_device_bytes, load_config
+from strata_rt.config import Config, device_memory_plan, load_config
+from strata_rt.cuda_engine import MemoryPlan, plan_memory
 from strata_rt.errors import ConfigError
+from strata_rt.planner import STAGING_RING_SLOTS, walk_ring_slots
 from strata_rt.registry import registry
+from strata_rt.runtime.memory import MIB
 
 CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
 
@@ -76,7 +79,7 @@ def test_bundled_configs_validate(path: Path) -> None:
 def test_good_config_fields(tmp_path: Path) -> None:
     cfg = load_config(write(tmp_path, with_(prefill=512, ring_mib=8, seed=3,
                                             output={"dir": "out", "json": "r.json"})))
-    assert cfg.prefill == 512 and cfg.ring_bytes == 8 * MiB and cfg.seed == 3
+    assert cfg.prefill == 512 and cfg.ring_bytes == 8 * MIB and cfg.seed == 3
     assert cfg.output.json == (tmp_path / "out" / "r.json").resolve()
     assert cfg.spec.hidden == 512 and cfg.expert_cache == 32 and cfg.backend == "reference"
 
@@ -156,19 +159,48 @@ def test_expert_cache_bounds_and_all(tmp_path: Path) -> None:
     assert load_config(write(tmp_path, with_(expert_cache="all"))).expert_cache == 128
 
 
+def cuda_arena(cfg: Config) -> MemoryPlan:
+    """The device arena CudaBackend._open allocates for cfg's engine config, on a device
+    whose free memory is exactly the budget: BudgetError when it does not fit."""
+    ecfg = cfg.engine_config(backend="cuda")
+    fmt = registry()[cfg.spec.format]
+    lay = fmt.layout(cfg.spec.hidden, cfg.spec.ffn)
+    walk = walk_ring_slots(ecfg.ring_bytes, lay.slot_bytes,
+                           max(1, cfg.spec.total_experts - ecfg.expert_cache))
+    return plan_memory(cfg.spec, lay, fmt.activation, int(cfg.vram_budget_mib * MIB),
+                       max(walk, STAGING_RING_SLOTS), ecfg.prefill, ecfg.expert_cache)
+
+
 def test_budget_that_cannot_hold_one_chunk(tmp_path: Path) -> None:
     doc = with_(expert_cache=DROP, vram_budget_mib=16, prefill=1100, ring_mib=8)
     msg = only(tmp_path, doc)
     assert msg.startswith("vram_budget_mib: got 16") and "1100-token chunk" in msg
     fmt = registry()["iq3_xxs"]
-    need = estimate_device_bytes(load_config(write(tmp_path, with_(prefill=1100, ring_mib=8)))
-                                 .spec, fmt, 1100, 8 * MiB)["total"]
-    assert f"{need / MiB:.1f} MiB" in msg
-    # just enough: the chunk fits and resident experts fill the rest
-    ok = load_config(write(tmp_path, with_(expert_cache=DROP, prefill=1100, ring_mib=8,
-                                           vram_budget_mib=need / MiB + 1)))
-    slot = fmt.layout(512, 256).slot_bytes
-    assert ok.resident_experts(fmt) == (int((need / MiB + 1) * MiB) - need) // slot
+    need = device_memory_plan(load_config(write(tmp_path, with_(prefill=1100, ring_mib=8)))
+                              .spec, fmt, 1100, 8 * MIB).total
+    assert f"{need / MIB:.1f} MiB" in msg
+    # just enough: the chunk fits and resident experts fill the rest, as the backend places them
+    ok = load_config(write(tmp_path, with_(expert_cache=DROP, ring_mib=8,
+                                           vram_budget_mib=need / MIB + 1)))
+    arena = cuda_arena(ok)
+    assert arena.total <= (need / MIB + 1) * MIB and arena.n_resident > 0
+    # `prefill: auto` is resolved to the chunk the budget was checked for
+    assert arena.tokens == ok.chunk_tokens() == 1100
+
+
+def test_vram_budget_holds_what_the_cuda_backend_allocates() -> None:
+    cfg = load_config(next(p for p in CONFIGS if p.name == "qwen3-235b-a22b-stream.yaml"))
+    budget = int(cfg.vram_budget_mib * MIB)
+    arena = cuda_arena(cfg)  # router and norm weights, every chunk buffer, the 1 GiB ring
+    assert arena.tokens == 8192 and arena.total <= budget
+    slot = registry()[cfg.spec.format].layout(cfg.spec.hidden, cfg.spec.ffn).slot_bytes
+    assert arena.total + slot > budget  # and the resident experts use the rest
+
+
+def test_expert_cache_all_with_unknown_dims(tmp_path: Path) -> None:
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf")
+    msg = only(tmp_path, with_(model={"gguf": "junk.gguf"}, expert_cache="all"))
+    assert msg.startswith("model.gguf: got 'junk.gguf'")
 
 
 def test_ring_smaller_than_one_slot(tmp_path: Path) -> None:
@@ -207,6 +239,14 @@ def test_prompt_files(tmp_path: Path) -> None:
     assert msg.startswith("prompts[0].hidden_file: got 'bad.npy'") and "[tokens, 512]" in msg
 
 
+def test_bad_token_file_is_one_flat_problem(tmp_path: Path) -> None:
+    (tmp_path / "toks.txt").write_text("1 2 three\n")
+    msg = only(tmp_path, with_(prompts=[{"file": "toks.txt"}]))
+    assert msg.startswith("prompts[0].file: got 'toks.txt'; unreadable: ")
+    assert "token files hold integers" in msg
+    assert "problem(s)" not in msg and "\n" not in msg
+
+
 def test_every_problem_at_once(tmp_path: Path) -> None:
     doc = with_(format="nope", backend="gpu", repeats=-1, prompts=[0], colour="blue")
     doc["model"]["synthetic"]["ffn"] = "wide"
@@ -233,12 +273,20 @@ def test_gguf_model(tmp_path: Path) -> None:
 @pytest.mark.parametrize("text, words", [
     ("model: [unclosed", "not valid YAML"),
     ("- 1\n- 2\n", "expected a mapping"),
+    ("", "the file is empty"),
 ])
 def test_unreadable_files(tmp_path: Path, text: str, words: str) -> None:
     path = tmp_path / "bad.yaml"
     path.write_text(text)
-    with pytest.raises(ConfigError, match=words):
+    with pytest.raises(ConfigError, match=words) as info:
         load_config(path)
+    assert "NoneType" not in str(info.value)
+
+
+def test_config_path_that_is_a_directory(tmp_path: Path, capsys) -> None:
+    assert main(["run", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path}: 1 problem(s)" in err and "cannot read the config file" in err
 
 
 def test_cli_prints_every_problem_and_exits_2(tmp_path: Path, capsys) -> None:

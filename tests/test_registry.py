@@ -68,11 +68,12 @@ def listing(*modules: str, disabled: tuple[str, ...] = ()) -> str:
 
 def test_loads_listed_modules_in_order(plugins):
     a, b = plugins("fmt_a"), plugins("fmt_b")
-    reg = QuantRegistry(plugins.yaml(listing(b, a)), entry_points=False)
+    path = plugins.yaml(listing(b, a))
+    reg = QuantRegistry(path, entry_points=False)
     assert reg.names() == ["fmt_b", "fmt_a"]
     assert reg["fmt_a"].name == "fmt_a"
     assert reg.formats["fmt_a"].plugin == a
-    assert reg.formats["fmt_a"].origin == "plugins.yaml"
+    assert reg.formats["fmt_a"].origin == path.name != "plugins.yaml"  # the file it came from
     assert "fmt_b" in reg and "fmt_c" not in reg
 
 
@@ -84,9 +85,20 @@ def test_disabled_entry_is_not_imported(plugins):
 
 
 def test_unknown_module_is_named(plugins):
-    with pytest.raises(PluginError, match=r"plugin no_such_module_xyz \(plugins.yaml\): "
+    with pytest.raises(PluginError, match=r"plugin no_such_module_xyz \(plugins_\w+.yaml\): "
                                           r"cannot import it"):
         QuantRegistry(plugins.yaml(listing("no_such_module_xyz")), entry_points=False)
+
+
+@pytest.mark.parametrize("body, error", [
+    ("raise RuntimeError('no device table')\n", "RuntimeError: no device table"),
+    ("def broken(:\n", "SyntaxError: "),
+])
+def test_module_failing_on_import_is_named(plugins, body, error):
+    bad = plugins(body=body)
+    with pytest.raises(PluginError, match=rf"plugin {bad} \(plugins_\w+.yaml\): cannot import "
+                                          rf"it: {error}"):
+        QuantRegistry(plugins.yaml(listing(bad)), entry_points=False)
 
 
 def test_two_formats_with_one_name(plugins):
@@ -165,6 +177,7 @@ def test_entry_points_off_hides_it(plugins):
 
 
 def test_listed_and_published_plugin_loads_once(plugins):
-    reg = QuantRegistry(plugins.yaml(listing("strata_testfmt")), entry_points=True)
-    assert reg.formats["test_i8"].origin == "plugins.yaml"
+    path = plugins.yaml(listing("strata_testfmt"))
+    reg = QuantRegistry(path, entry_points=True)
+    assert reg.formats["test_i8"].origin == path.name
     assert reg.names().count("test_i8") == 1
