@@ -10,9 +10,10 @@ Execution. Each plan op becomes one driver call. A chunk that routes few of a la
 (planner.takes_walk) takes the staging ring: after a layer's routing runs on the GPU its
 per-expert row bounds come back to the host on a stream of their own (so the read-back never
 queues behind expert copies), and the staging planner turns the routed set into the layer's
-ops. Otherwise the streamed walk's whole schedule is known before the chunk starts, every kernel reads row bounds from device memory,
-and the chunk is launched without a host sync; that launch sequence is captured once per chunk
-size as a CUDA graph, and replay is kept only if it measured faster than plain launches.
+ops. Otherwise the streamed walk's whole schedule is known before the chunk starts, every
+kernel reads row bounds from device memory, and the chunk is launched without a host sync; that
+launch sequence is captured once per chunk size as a CUDA graph, and replay is kept only if it
+measured faster than plain launches.
 """
 
 from __future__ import annotations
