@@ -10,7 +10,7 @@ import numpy as np
 from strata_rt.formats import QuantFormat
 from strata_rt.testing import nmse
 
-__all__ = ["GroupCase", "make_case", "nmse", "run_mmq", "untouched"]
+__all__ = ["GPU_ROW_CASES", "ROW_CASES", "GroupCase", "make_case", "nmse", "run_mmq", "untouched"]
 
 NAN_BITS = np.uint32(0x7FC00000)
 
@@ -109,3 +109,19 @@ def run_mmq(rt, case: GroupCase) -> np.ndarray:
 def untouched(out: np.ndarray, rows: np.ndarray) -> bool:
     """Whether the given output rows still hold the NaN poison bit for bit."""
     return bool((out[rows].view(np.uint32) == NAN_BITS).all())
+
+
+#: (hidden, ffn, part, rows of each of the layer's experts, the group's expert ids): zero rows,
+#: one row, rows not a multiple of a tile, a group of 16 and experts outside the group
+ROW_CASES = [
+    (256, 128, "gate_up", [5, 0, 1, 70, 3], (0, 1, 2, 3)),
+    (128, 256, "down", [0, 64, 17, 2, 1, 0], (1, 2, 5)),
+    (256, 128, "down", [3] * 20, tuple(range(2, 18))),
+    (384, 256, "gate_up", [130, 1], (0,)),
+]
+#: plus a group with nothing to do (its output must stay untouched) and a full group of 16
+GPU_ROW_CASES = ROW_CASES + [
+    (256, 128, "gate_up", [0, 0, 0], (0, 1, 2)),
+    (256, 256, "gate_up", list(range(1, 17)) + [0], tuple(range(16))),
+]
+
