@@ -1,0 +1,64 @@
+"""The `strata` command line: one module per group of subcommands, each adding its parsers
+through `register(command)`; this module builds the top-level parser and turns errors into one
+message and an exit code."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from .. import __version__
+from ..errors import StrataError
+from . import inspect, plugins, run
+from .common import cuda_version, hardware_line
+
+COMMAND_MODULES = (run, inspect, plugins)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    fmt = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(
+        prog="strata", formatter_class=fmt,
+        description="MoE prefill with quantized experts streamed through a VRAM slot cache.",
+        epilog="start with:  strata run configs/demo.yaml\n"
+               "each command explains itself:  strata run --help")
+    parser.add_argument("--version", action="version", version=f"strata_rt {__version__}")
+    parser.add_argument("--plugins", metavar="PATH",
+                        help="the plugins.yaml to load instead of the one next to the package "
+                             "(sets STRATA_PLUGINS)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    def command(name: str, help_: str, epilog: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help_, description=help_, epilog=epilog,
+                              formatter_class=fmt)
+
+    for module in COMMAND_MODULES:
+        module.register(command)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.plugins:
+            os.environ["STRATA_PLUGINS"] = str(Path(args.plugins).resolve())
+            from ..registry import registry
+
+            registry(reload=True)
+        return args.func(args)
+    except StrataError as e:
+        print(f"strata {args.command}: {e}", file=sys.stderr)
+        return e.exit_code
+    except OSError as e:  # an output path that is a directory, a full disk, no permission
+        where = e.filename if e.filename is not None else args.command
+        print(f"strata: {where}: {e.strerror or e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"strata {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+__all__ = ["build_parser", "cuda_version", "hardware_line", "main"]
+

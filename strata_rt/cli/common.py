@@ -1,0 +1,127 @@
+"""Helpers every `strata` command shares: loading a config with command-line overrides,
+opening an engine, timing a prefill, tables, JSON output and the hardware line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ..config import Config, load_config
+from ..errors import ConfigError
+from ..progress import Progress
+
+GiB = 1 << 30
+
+
+def cuda_version(banner: str) -> str | None:
+    """The CUDA version in nvidia-smi's header. Its line also carries the driver version
+    (`Driver Version: 550.54.15   CUDA Version: 12.4`), so the field is found by its label."""
+    found = re.search(r"CUDA Version:\s*([0-9][0-9.]*)", banner)
+    return found.group(1) if found else None
+
+
+def hardware_line() -> str:
+    """GPU, driver, CUDA and PCIe link from nvidia-smi (or the CPU when there is no GPU):
+    the line every recorded figure carries."""
+    smi = shutil.which("nvidia-smi")
+    cpu = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores"
+    if smi is None:
+        return f"no GPU (nvidia-smi absent); {cpu}; Python {platform.python_version()}"
+    query = ("name,driver_version,pcie.link.gen.max,pcie.link.width.max,"
+             "pcie.link.gen.current,pcie.link.width.current,memory.total")
+    try:
+        rows = subprocess.run([smi, f"--query-gpu={query}", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=20, check=True).stdout
+        banner = subprocess.run([smi], capture_output=True, text=True, timeout=20).stdout
+    except (subprocess.SubprocessError, OSError) as e:
+        return f"nvidia-smi failed ({e}); {cpu}"
+    cuda = cuda_version(banner) or "?"
+    first = rows.strip().splitlines()[0] if rows.strip() else ""
+    f = [x.strip() for x in first.split(",")]
+    if len(f) < 7:
+        return f"{first}; CUDA {cuda}; {cpu}"
+    return (f"{f[0]}, driver {f[1]}, CUDA {cuda}, PCIe Gen{f[2]} x{f[3]} (now Gen{f[4]} "
+            f"x{f[5]}), {f[6]}; {cpu}")
+
+
+def parse_prompts(text: str) -> list[int]:
+    try:
+        lengths = [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        lengths = []
+    if not lengths or min(lengths) < 1:
+        raise ConfigError(f"--prompts: got {text!r}; expected comma-separated token counts "
+                          ">= 1, e.g. 254,1030", source="command line")
+    return lengths
+
+
+def load(args: argparse.Namespace) -> Config:
+    cfg = load_config(args.config)
+    if getattr(args, "prompts", None):
+        cfg = cfg.with_prompt_lengths(parse_prompts(args.prompts))
+    if getattr(args, "backend", None):
+        cfg = cfg.with_backend(args.backend)
+    return cfg
+
+
+def markdown_table(headers: list[str], rows: list[list[Any]]) -> str:
+    """A Markdown table (readable as text, pastes into the README)."""
+    cells = [[str(c) for c in r] for r in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h)
+              for i, h in enumerate(headers)]
+    line = "| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths)) + " |"
+    rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    def cell(c: str, w: int) -> str:  # numbers right, words left
+        return c.rjust(w) if c[:1].isdigit() or c[:1] in "+-" else c.ljust(w)
+
+    body = ["| " + " | ".join(cell(c, w) for c, w in zip(r, widths)) + " |" for r in cells]
+    return "\n".join([line, rule, *body])
+
+
+def write_json(path: Path, doc: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    print(f"wrote {path}", file=sys.stderr)
+
+
+def open_engine(cfg: Config, progress: Progress | None = None):
+    from ..engine import Engine
+
+    ecfg = cfg.engine_config()
+    if progress is not None:
+        ecfg.progress = progress
+    return Engine.open(ecfg)
+
+
+def resident_count(engine: Any) -> int:
+    return int(engine.residency.count)
+
+
+def measure(engine: Any, hidden, progress: Progress | None, label: str):
+    """One prefill timed with a host clock around the whole call (what a user waits for)."""
+    if progress is not None:
+        progress.start(label)
+    t0 = time.perf_counter()
+    try:
+        out, stats = engine.prefill(hidden)
+    finally:
+        if progress is not None:
+            progress.end()
+    return out, stats, time.perf_counter() - t0
+
+
+def describe(cfg: Config, backend: str) -> str:
+    g = cfg.spec
+    model = str(cfg.gguf) if cfg.gguf else f"synthetic (seed {cfg.model_seed})"
+    return (f"model {model}: {g.n_layers} layers, {g.n_experts} experts, top-{g.top_k}, "
+            f"hidden {g.hidden}, ffn {g.ffn}; format {g.format}; backend {backend}; "
+            f"prefill {cfg.prefill}")

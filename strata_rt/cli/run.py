@@ -1,0 +1,213 @@
+"""`strata run`, `strata bench` and `strata profile`: the commands that open an engine and
+prefill a config's prompts."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError
+from ..progress import Progress
+from ..runtime.memory import MIB
+from .common import (
+    describe,
+    hardware_line,
+    load,
+    markdown_table,
+    measure,
+    open_engine,
+    resident_count,
+    write_json,
+)
+
+#: the 0/1 switches `bench --ab` may flip, with the engine config field each is resolved into
+#: at open: only these are read again per prompt. The others (STRATA_CUDA_GRAPH,
+#: STRATA_CHECK_PLAN, STRATA_PREFILL_TIMING) are taken once at open, so flipping them between
+#: prompts would time the same code twice.
+AB_SWITCHES = {"STRATA_PREFILL_GATHER_ONE": "gather_one"}
+
+
+def set_switch(engine: Any, name: str, value: str) -> None:
+    """Flips an A/B switch between prefills of one open engine: the environment (for code
+    that reads it per call) and the engine config field it was resolved into at open."""
+    os.environ[name] = value
+    setattr(engine.config, AB_SWITCHES[name], value == "1")
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    cfg = load(args)
+    progress = Progress()
+    rows, records = [], []
+    with open_engine(cfg, progress) as engine:
+        backend = engine.config.backend
+        resident = resident_count(engine)
+        print(describe(cfg, backend))
+        print(f"resident experts: {resident} of {cfg.spec.total_experts}")
+        n = len(cfg.prompts)
+        for rep in range(cfg.repeats):
+            for prompt in cfg.prompts:
+                h = prompt.hidden_states(cfg.spec.hidden, cfg.seed)
+                label = f"prompt {prompt.index + 1}/{n} ({prompt.label})"
+                _, stats, wall = measure(engine, h, progress, label)
+                s = stats.as_dict()
+                gbps = s["bytes_streamed"] / wall / 1e9 if wall > 0 else 0.0
+                rows.append([prompt.index + 1, rep + 1, prompt.tokens, f"{wall * 1e3:.1f}",
+                             f"{prompt.tokens / wall:,.0f}", s["experts_streamed"],
+                             f"{s['bytes_streamed'] / MIB:,.1f}",
+                             f"{gbps:.2f}" if backend == "cuda" else "-"])
+                records.append({"prompt": prompt.index, "repeat": rep, "tokens": prompt.tokens,
+                                "wall_s": wall, "tokens_per_s": prompt.tokens / wall,
+                                "pcie_gb_s": gbps, "stats": s})
+    print(markdown_table(["prompt", "repeat", "tokens", "time ms", "tokens/s", "experts streamed",
+                  "streamed MiB", "PCIe GB/s"], rows))
+    print("time: host clock around each prefill call; PCIe GB/s = bytes streamed / that time"
+          + ("" if backend == "cuda" else " (cuda backend only)"))
+    target = Path(args.json) if args.json else cfg.output.json
+    if target is not None:
+        write_json(target, {"command": " ".join(sys.argv), "hardware": hardware_line(),
+                             "config": str(cfg.source), "backend": backend,
+                             "resident_experts": resident, "runs": records})
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    switch = args.ab
+    if args.pairs < 1:
+        raise ConfigError(f"--pairs: got {args.pairs}; expected >= 1", source="command line")
+    cfg = load(args)
+    saved = os.environ.get(switch)
+    runs: dict[int, dict[str, list[float]]] = {}
+    try:
+        with open_engine(cfg) as engine:
+            backend = engine.config.backend
+            print(describe(cfg, backend))
+            print(f"resident experts: {resident_count(engine)} of {cfg.spec.total_experts}; "
+                  f"A: {switch}=0, B: {switch}=1; order A, B per pair, {args.pairs} pair(s)")
+            warm = min(cfg.prompts, key=lambda p: p.tokens)
+            launches = {}
+            for value in ("0", "1"):  # compile and first allocations, outside the timing
+                set_switch(engine, switch, value)
+                _, stats = engine.prefill(warm.hidden_states(cfg.spec.hidden, cfg.seed))
+                launches[value] = (stats.gathers_launched, stats.mmq_launches)
+            same = launches["0"] == launches["1"]
+            if same:
+                print(f"WARNING: {switch}=0 and =1 launched the same kernels on the warm-up "
+                      f"prompt {launches['0']} (gathers, MMQs): this backend did not take the "
+                      "switch between prefills, so A and B ran the same code")
+            for prompt in cfg.prompts:
+                h = prompt.hidden_states(cfg.spec.hidden, cfg.seed)
+                times = runs.setdefault(prompt.index, {"A": [], "B": []})
+                for _ in range(args.pairs):
+                    for arm, value in (("A", "0"), ("B", "1")):
+                        set_switch(engine, switch, value)
+                        times[arm].append(measure(engine, h, None, "")[2])
+    finally:
+        if saved is None:
+            os.environ.pop(switch, None)
+        else:
+            os.environ[switch] = saved
+    rows, records = [], []
+    for prompt in cfg.prompts:
+        a, b = runs[prompt.index]["A"], runs[prompt.index]["B"]
+        ma, mb = statistics.median(a), statistics.median(b)
+        change = (mb - ma) / ma * 100
+        rows.append([prompt.tokens, ", ".join(f"{t * 1e3:.1f}" for t in a),
+                     ", ".join(f"{t * 1e3:.1f}" for t in b), f"{change:+.1f}",
+                     f"{prompt.tokens / ma:,.0f} / {prompt.tokens / mb:,.0f}"])
+        records.append({"tokens": prompt.tokens, "a_s": a, "b_s": b, "a_median_s": ma,
+                        "b_median_s": mb, "change_pct": change})
+    table = markdown_table(["prompt tokens", "A ms (each run)", "B ms (each run)", "change %",
+                    "tokens/s (A / B, median)"], rows)
+    print(table)
+    print("time: host clock around each prefill call; change % = (median B - median A) / A")
+    target = Path(args.json) if args.json else cfg.output.json or Path(
+        f"strata-bench-{Path(args.config).stem}.json")
+    write_json(target, {"command": " ".join(sys.argv), "hardware": hardware_line(),
+                         "config": str(cfg.source), "backend": backend, "switch": switch,
+                         "a": f"{switch}=0", "b": f"{switch}=1", "pairs": args.pairs,
+                         "arms_differ": not same,
+                         "rows": records, "table": table})
+    return 0
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from ..residency import RoutingProfile
+
+    cfg = load(args)
+    progress = Progress()
+    counts = None
+    with open_engine(cfg, progress) as engine:
+        for prompt in cfg.prompts:
+            h = prompt.hidden_states(cfg.spec.hidden, cfg.seed)
+            progress.start(f"profile prompt {prompt.index + 1} ({prompt.label})")
+            try:
+                _, stats = engine.prefill(h, record_routing=True)
+            finally:
+                progress.end()
+            counts = stats.routing_counts if counts is None else counts + stats.routing_counts
+    profile = RoutingProfile(counts=counts)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    profile.save(out)
+    routed = int(counts.sum())
+    where = out.resolve()  # a config resolves `profile:` against its own folder, not the cwd
+    print(f"wrote {where}: routing counts of {sum(p.tokens for p in cfg.prompts)} tokens "
+          f"({routed} expert choices) over {cfg.spec.n_layers} layers; use it with "
+          f"`profile: {where}` in a config")
+    return 0
+
+
+EPILOG_RUN = """examples:
+  strata run configs/demo.yaml                       # backend from the config (auto)
+  strata run configs/demo.yaml --backend reference   # numpy on the CPU, no GPU needed
+  strata run configs/qwen3-30b-a3b-stream.yaml --prompts 8179 --json run.json
+
+prints the model, the resident experts, then per prompt: tokens, time, tokens/s, experts and
+bytes streamed, achieved PCIe GB/s. Progress goes to stderr on long prompts."""
+
+EPILOG_BENCH = """examples:
+  strata bench configs/qwen3-30b-a3b-stream.yaml
+  strata bench configs/demo.yaml --ab STRATA_PREFILL_GATHER_ONE --pairs 3 --json ab.json
+
+A = the switch at 0, B = at 1, toggled in this process; each prompt runs A, B, A, B (one pair
+per --pairs) after a warm-up of both arms. The table gives every run and the change of the
+medians; the JSON carries the hardware line and the command."""
+
+EPILOG_PROFILE = """examples:
+  strata profile configs/qwen3-30b-a3b-stream.yaml --out qwen3-30b.profile.json
+
+runs the config's prompts, counts how often each (layer, expert) is routed and writes a routing
+profile; a config's `profile:` key then makes the most routed experts resident."""
+
+def register(command) -> None:
+    """Adds this module's subcommands; `command(name, help, epilog)` makes a parser."""
+    p = command("run", "prefill the prompts of a config and summarise the run", EPILOG_RUN)
+    p.add_argument("config", help="YAML run config (see configs/)")
+    p.add_argument("--backend", choices=("cuda", "reference"), help="override `backend`")
+    p.add_argument("--prompts", metavar="N,N", help="override `prompts` with these lengths")
+    p.add_argument("--json", metavar="PATH", help="write the runs as JSON here")
+    p.set_defaults(func=cmd_run)
+    p = command("bench", "A/B an environment switch in one process over the prompts", EPILOG_BENCH)
+    p.add_argument("config", help="YAML run config")
+    p.add_argument("--ab", default="STRATA_PREFILL_GATHER_ONE", choices=tuple(AB_SWITCHES),
+                   metavar="SWITCH",
+                   help="the 0/1 switch to compare: %(choices)s (default: %(default)s); only "
+                        "switches the engine reads per prompt can change between A and B, "
+                        "those it reads once at open cannot")
+    p.add_argument("--pairs", type=int, default=2, help="A, B pairs per prompt (default 2)")
+    p.add_argument("--backend", choices=("cuda", "reference"), help="override `backend`")
+    p.add_argument("--prompts", metavar="N,N", help="override `prompts` with these lengths")
+    p.add_argument("--json", metavar="PATH",
+                   help="JSON output (default: output.json of the config, else "
+                        "strata-bench-CONFIG.json)")
+    p.set_defaults(func=cmd_bench)
+    p = command("profile", "record routing counts into a residency profile", EPILOG_PROFILE)
+    p.add_argument("config", help="YAML run config whose prompts calibrate the routing")
+    p.add_argument("--out", required=True, metavar="PROFILE.json", help="profile to write")
+    p.add_argument("--backend", choices=("cuda", "reference"), help="override `backend`")
+    p.add_argument("--prompts", metavar="N,N", help="override `prompts` with these lengths")
+    p.set_defaults(func=cmd_profile)
