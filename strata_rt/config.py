@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import yaml
 
-from .cuda_engine import MemoryPlan, plan_memory
 from .engine import BACKENDS, EngineConfig
 from .errors import ConfigError, FormatError, GGUFError
 from .gguf_io import read_header
+from .memory_plan import MemoryPlan, plan_memory
 from .model import MoESpec
 from .planner import AUTO_CHUNK_MAX, STAGING_RING_SLOTS, walk_ring_slots
 from .residency import RoutingProfile

@@ -11,8 +11,8 @@ import yaml
 
 from strata_rt.cli import main
 from strata_rt.config import Config, device_memory_plan, load_config
-from strata_rt.cuda_engine import MemoryPlan, plan_memory
 from strata_rt.errors import ConfigError
+from strata_rt.memory_plan import MemoryPlan, plan_memory
 from strata_rt.planner import STAGING_RING_SLOTS, walk_ring_slots
 from strata_rt.registry import registry
 from strata_rt.runtime.memory import MIB

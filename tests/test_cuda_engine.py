@@ -14,19 +14,13 @@ import pytest
 
 from strata_rt import hazards
 from strata_rt.activations import quantize_q8_1
-from strata_rt.cuda_engine import (
-    AUTO_CHUNK_MAX,
-    ENGINE_SOURCE,
-    CudaBackend,
-    chunk_regions,
-    fixed_regions,
-    plan_memory,
-)
+from strata_rt.cuda_engine import ENGINE_SOURCE, CudaBackend
 from strata_rt.engine import Engine, EngineConfig, read_dump
 from strata_rt.errors import BudgetError, PlanHazardError
 from strata_rt.formats import MMQ_GROUP
+from strata_rt.memory_plan import chunk_regions, fixed_regions, plan_memory
 from strata_rt.model import QWEN3_30B_SPEC, SMALL_SPEC, Model, nmse
-from strata_rt.planner import StagingPlanner, plan_walk, walk_ring_slots
+from strata_rt.planner import AUTO_CHUNK_MAX, StagingPlanner, plan_walk, walk_ring_slots
 from strata_rt.residency import Residency
 from strata_rt.runtime.memory import plan_regions, regions_total
 from strata_rt.timing import NOTE, PHASES, format_table

@@ -1,0 +1,122 @@
+"""The CUDA backend's device memory plan, as pure Python: which regions one device arena
+holds for a model, a chunk size and a residency, and how a VRAM budget splits between the
+chunk's buffers and resident experts.
+
+Config validation and `strata inspect` size budgets with the same function the backend
+allocates with, without importing anything that needs CUDA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .activations import activation_bytes
+from .errors import BudgetError
+from .formats import MMQ_GROUP, ExpertLayout
+from .planner import AUTO_CHUNK_MAX
+from .runtime.memory import mib, plan_regions, regions_total
+
+#: `prefill: auto` tries chunk sizes in steps of this many tokens below the maximum
+AUTO_CHUNK_STEP = 64
+#: VRAM left free when the config names no reserve (driver, modules, other processes)
+DEFAULT_RESERVE_MIB = 512
+
+
+def chunk_regions(spec: Any, activation: str, tokens: int) -> dict[str, int]:
+    """Device bytes of one chunk's buffers (all sorted rows are tokens * top_k)."""
+    T, H, F, E, K = tokens, spec.hidden, spec.ffn, spec.n_experts, spec.top_k
+    rows = T * K
+    return {
+        "x": T * H * 4,
+        "xn": T * H * 4,
+        "logits": T * E * 4,
+        "topk_ids": rows * 4,
+        "topk_w": rows * 4,
+        "sorted_token": rows * 4,
+        "row_of": rows * 4,
+        "act_hidden": activation_bytes(activation, rows, H),
+        "act_ffn": activation_bytes(activation, rows, F),
+        "gate_up_out": rows * 2 * F * 4,
+        "down_out": rows * H * 4,
+    }
+
+
+def fixed_regions(spec: Any, layout: ExpertLayout, ring_slots: int) -> dict[str, int]:
+    """Device bytes that do not depend on the chunk or the residency."""
+    L, H, E = spec.n_layers, spec.hidden, spec.n_experts
+    return {
+        "router": L * E * H * 4,
+        "norm": L * H * 4,
+        "bounds": L * (E + 1) * 4,
+        "ring": ring_slots * layout.slot_bytes,
+        "gate_up_buf": MMQ_GROUP * layout.gate_up_image_bytes,
+        "down_buf": MMQ_GROUP * layout.down_image_bytes,
+    }
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    tokens: int
+    n_resident: int
+    regions: dict[str, int]
+
+    @property
+    def total(self) -> int:
+        return regions_total(plan_regions(self.regions))
+
+    def describe(self) -> str:
+        big = sorted(self.regions.items(), key=lambda kv: -kv[1])[:6]
+        return ", ".join(f"{name} {mib(size)} MiB" for name, size in big)
+
+
+def plan_memory(spec: Any, layout: ExpertLayout, activation: str, available: int,
+                ring_slots: int, prefill: str | int, n_resident: int | None) -> MemoryPlan:
+    """Sizes the device arena within `available` bytes.
+
+    n_resident fixed (expert_cache): the residency is placed first and `prefill: auto` takes
+    the largest chunk that fits beside it. n_resident None (vram_reserve_mib): the chunk comes
+    first and every byte left holds resident experts. Raises BudgetError naming the sizes when
+    even the chunk asked for (or, for auto, one step of AUTO_CHUNK_STEP tokens) cannot fit."""
+    fixed = fixed_regions(spec, layout, ring_slots)
+    slot = layout.slot_bytes
+
+    def plan(tokens: int, resident: int) -> MemoryPlan:
+        regions = {**fixed, "resident": resident * slot,
+                   **chunk_regions(spec, activation, tokens)}
+        return MemoryPlan(tokens, resident, regions)
+
+    need_res = 0 if n_resident is None else n_resident
+    if prefill == "auto":
+        candidates = [AUTO_CHUNK_MAX] + list(range(
+            AUTO_CHUNK_MAX // AUTO_CHUNK_STEP * AUTO_CHUNK_STEP - AUTO_CHUNK_STEP, 0,
+            -AUTO_CHUNK_STEP))
+        lo, hi = 0, len(candidates) - 1  # candidates descend; find the first that fits
+        if plan(candidates[hi], need_res).total > available:
+            tokens = candidates[hi]
+        else:
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if plan(candidates[mid], need_res).total <= available:
+                    hi = mid
+                else:
+                    lo = mid + 1
+            tokens = candidates[lo]
+    else:
+        tokens = int(prefill)
+    first = plan(tokens, need_res)
+    if first.total > available:
+        what = f"a {tokens}-token chunk"
+        if n_resident:
+            what += f" beside {n_resident} resident experts ({mib(n_resident * slot)} MiB)"
+        raise BudgetError(
+            f"device memory: {what} needs {mib(first.total)} MiB ({first.describe()}), "
+            f"{mib(max(available, 0))} MiB available after the reserve; lower `prefill`, "
+            "`ring_mib` or `expert_cache`, or lower `vram_reserve_mib`")
+    if n_resident is not None:
+        return first
+    spare = available - first.total
+    resident = min(spec.n_layers * spec.n_experts, spare // slot)
+    while resident > 0 and plan(tokens, resident).total > available:
+        resident -= 1  # alignment padding can cost the last slot
+    return plan(tokens, resident)
