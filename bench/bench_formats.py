@@ -38,10 +38,10 @@ from bench_mmq import (  # noqa: E402
     tflops,
 )
 
-from quants.fp16 import FP16  # noqa: E402
-from quants.q2_blob import Q2Blob  # noqa: E402
 from strata_rt.activations import ActivationKernels, activation_bytes  # noqa: E402
 from strata_rt.formats import MMQ_GROUP, QuantFormat  # noqa: E402
+from strata_rt.quants.fp16 import FP16  # noqa: E402
+from strata_rt.quants.q2_blob import Q2Blob  # noqa: E402
 
 FORMATS: dict[str, type[QuantFormat]] = {"q2_blob": Q2Blob, "fp16": FP16}
 DENSE_KEY = {"q2_blob": "dense_int8_tops", "fp16": "dense_fp16_tflops"}

@@ -32,10 +32,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from quants.iq3_xxs import IQ3XXS  # noqa: E402
-from quants.iq3_xxs_device import MMQ_VARIANTS, IQ3XXSKernels  # noqa: E402
 from strata_rt.activations import ActivationKernels, activation_bytes  # noqa: E402
 from strata_rt.formats import MMQ_GROUP  # noqa: E402
+from strata_rt.quants.iq3_xxs import IQ3XXS  # noqa: E402
+from strata_rt.quants.iq3_xxs_device import MMQ_VARIANTS, IQ3XXSKernels  # noqa: E402
 
 HIDDEN, FFN, EXPERTS, TOP_K = 2048, 768, 128, 8
 PARTS = {"gate_up": (2 * FFN, HIDDEN), "down": (HIDDEN, FFN)}  # (m, k)

@@ -23,17 +23,13 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from .errors import FormatError
+from .resources import KERNELS_ROOT
+from .runtime.memory import align_up
 
 if TYPE_CHECKING:
     from .runtime import Runtime
 
-KERNELS_ROOT = Path(__file__).resolve().parent.parent / "kernels"
-SLOT_ALIGN = 256
 MMQ_GROUP = 16
-
-
-def align_up(n: int, a: int = SLOT_ALIGN) -> int:
-    return (n + a - 1) // a * a
 
 
 def first_misaligned(named: dict[str, int], align: int = 16) -> str | None:

@@ -14,9 +14,10 @@ import yaml
 from . import env, hookspecs
 from .errors import PluginError
 from .formats import QuantFormat
+from .resources import BUILTIN_PLUGINS_YAML
 
 ENTRY_POINT_GROUP = "strata_rt.quants"
-DEFAULT_PLUGINS_YAML = Path(__file__).resolve().parent.parent / "plugins.yaml"
+DEFAULT_PLUGINS_YAML = BUILTIN_PLUGINS_YAML
 _IDENTITY = ("name", "block_values", "block_bytes", "kernel_dir")
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 from _format_harness import GroupCase, make_case
 
-from quants.iq3_xxs import IQ3XXS
+from strata_rt.quants.iq3_xxs import IQ3XXS
 
 #: (hidden, ffn) of the small test geometry and of Qwen3-30B-A3B
 SMALL = (512, 256)

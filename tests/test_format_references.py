@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from _format_harness import ROW_CASES, make_case, nmse
 
-from quants.fp16 import FP16
-from quants.q2_blob import Q2Blob
+from strata_rt.quants.fp16 import FP16
+from strata_rt.quants.q2_blob import Q2Blob
 
 
 @pytest.mark.parametrize("fmt", [Q2Blob(), FP16()], ids=lambda f: f.name)

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from _format_harness import GPU_ROW_CASES, make_case, nmse, run_mmq, untouched
 
-from quants.fp16 import FP16, FP16Kernels
 from strata_rt.errors import FormatError, PluginError
 from strata_rt.formats import FormatKernels
+from strata_rt.quants.fp16 import FP16, FP16Kernels
 
 FMT = FP16()
 # tensor cores do not sum in IEEE sequential order: kernel vs float32 reference is a tolerance

@@ -10,8 +10,10 @@ import pytest
 from _format_harness import nmse
 from _iq3_blocks import QWEN3_30B, SMALL, case, group_of
 
-from quants.iq3_xxs import IQ3XXS
-from quants.iq3_xxs_device import (
+from strata_rt.errors import FormatError
+from strata_rt.formats import KERNELS_ROOT
+from strata_rt.quants.iq3_xxs import IQ3XXS
+from strata_rt.quants.iq3_xxs_device import (
     MMQ_SOURCE,
     MMQ_TILES,
     MMQ_VARIANTS,
@@ -20,8 +22,6 @@ from quants.iq3_xxs_device import (
     pick_variant,
     tile_rows_for,
 )
-from strata_rt.errors import FormatError
-from strata_rt.formats import KERNELS_ROOT
 
 ROW_CASES = {
     "zero_one_odd": [0, 1, 37, 3],

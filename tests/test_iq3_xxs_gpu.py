@@ -8,11 +8,11 @@ import pytest
 from _format_harness import nmse, run_mmq, untouched, upload
 from _iq3_blocks import QWEN3_30B, SMALL, case, group_of
 
-from quants.iq3_xxs import IQ3XXS
-from quants.iq3_xxs_device import MMQ_VARIANTS, IQ3XXSKernels, mmq_reference
 from strata_rt.errors import FormatError
 from strata_rt.formats import ExpertLayout
 from strata_rt.native_gather import NativeKernels
+from strata_rt.quants.iq3_xxs import IQ3XXS
+from strata_rt.quants.iq3_xxs_device import MMQ_VARIANTS, IQ3XXSKernels, mmq_reference
 
 pytestmark = pytest.mark.gpu
 FMT = IQ3XXS()

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as GT
 
-from quants.iq3_xxs import GRID_MAG, IQ3XXS, SIGN_MASK, strata_rt_formats
 from strata_rt.errors import FormatError, GGUFError
+from strata_rt.quants.iq3_xxs import GRID_MAG, IQ3XXS, SIGN_MASK, strata_rt_formats
 
 FMT = IQ3XXS()
 f32 = np.float32

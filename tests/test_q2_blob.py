@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 from _format_harness import GPU_ROW_CASES, make_case, nmse, run_mmq, untouched
 
-from quants import q2_blob
-from quants._grouped import check_aligned
-from quants.q2_blob import Planes, Q2Blob, Q2Kernels
 from strata_rt.errors import FormatError, PluginError
 from strata_rt.formats import FormatKernels, first_misaligned
+from strata_rt.quants import q2_blob
+from strata_rt.quants._grouped import check_aligned
+from strata_rt.quants.q2_blob import Planes, Q2Blob, Q2Kernels
 from strata_rt.registry import QuantRegistry
 
 FMT = Q2Blob()
@@ -179,7 +179,7 @@ def test_not_native_and_gather_batch_refused():
 
 def test_registry_refuses_a_batching_non_native_format(tmp_path, monkeypatch):
     (tmp_path / "q2_batching_plugin.py").write_text(textwrap.dedent("""
-        from quants.q2_blob import Q2Blob, Q2Kernels
+        from strata_rt.quants.q2_blob import Q2Blob, Q2Kernels
         from strata_rt.hookspecs import hookimpl
 
         class Batching(Q2Kernels):
@@ -205,7 +205,7 @@ def test_registry_refuses_a_batching_non_native_format(tmp_path, monkeypatch):
 
 def test_registry_loads_both_plugins(tmp_path):
     yaml_path = tmp_path / "plugins.yaml"
-    yaml_path.write_text("plugins:\n  - module: quants.q2_blob\n  - module: quants.fp16\n")
+    yaml_path.write_text("plugins:\n  - module: strata_rt.quants.q2_blob\n  - module: quants.fp16\n")
     reg = QuantRegistry(yaml_path, entry_points=False)
     assert sorted(reg.names()) == ["fp16", "q2_blob"]
     assert not reg["q2_blob"].native and not reg["fp16"].native

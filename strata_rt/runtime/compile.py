@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from .. import env
 from ..errors import KernelBuildError
-from ..formats import KERNELS_ROOT
+from ..resources import KERNELS_ROOT
 
 if TYPE_CHECKING:
     from ..registry import QuantRegistry

@@ -13,10 +13,17 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..errors import BudgetError, StrataError
-from ..formats import SLOT_ALIGN, align_up
 
 if TYPE_CHECKING:
     from .device import Runtime
+
+#: every region, slot and arena offset is a multiple of this (vectorized kernels need 16)
+SLOT_ALIGN = 256
+
+
+def align_up(n: int, a: int = SLOT_ALIGN) -> int:
+    return (n + a - 1) // a * a
+
 
 MIB = 1 << 20
 Regions = dict[str, tuple[int, int]]

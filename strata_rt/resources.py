@@ -1,0 +1,31 @@
+"""Where strata_rt's own data lives: the CUDA sources and the built-in plugin list.
+
+Both travel inside the package (a wheel carries them as package data; a source checkout links
+`strata_rt/kernels`, `strata_rt/quants` and `strata_rt/plugins.yaml` to the top-level folders),
+so they are found through importlib.resources wherever strata_rt is installed or run from.
+This module imports nothing of strata_rt's: every layer, the runtime included, may use it.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+
+def _package_path(*parts: str) -> Path:
+    return Path(str(resources.files("strata_rt").joinpath(*parts)))
+
+
+#: the kernels folder: kernels/common (shared) and kernels/<format> (one per built-in format)
+KERNELS_ROOT = _package_path("kernels")
+#: plugins.yaml of the built-in formats (STRATA_PLUGINS or `strata --plugins` replace it)
+BUILTIN_PLUGINS_YAML = _package_path("plugins.yaml")
+
+
+def common_include_dir() -> Path:
+    """The folder of strata_rt's shared CUDA headers (mma.cuh, q8_1.cuh, tile64.cuh, ...).
+
+    A third-party plugin's kernels `#include` them by name; strata_rt's compiler adds this
+    folder to nvcc's include path for every module, so a plugin needs it only for its own
+    tools (an IDE, a standalone nvcc check)."""
+    return KERNELS_ROOT / "common"
