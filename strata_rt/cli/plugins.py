@@ -4,6 +4,7 @@ kernels compile."""
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from ..errors import ConfigError
@@ -12,17 +13,40 @@ from .common import markdown_table
 DEFAULT_ARCHS = ("sm_80", "sm_90")
 
 
+def _plugin_rows(reg) -> list[dict]:
+    rows = []
+    for name, loaded in reg.formats.items():
+        fmt = loaded.format
+        rows.append({
+            "format": name, "native": bool(fmt.native), "block_values": fmt.block_values,
+            "block_bytes": fmt.block_bytes,
+            "activation": str(getattr(fmt.activation, "name", fmt.activation)),
+            "kernel_sources": [str(p) for p in fmt.kernel_sources()],
+            "mmq_variants": list(fmt.mmq_variants()), "plugin": loaded.plugin,
+            "module": loaded.module, "origin": loaded.origin,
+            "distribution": loaded.distribution, "version": loaded.version,
+            "description": fmt.description})
+    return rows
+
+
 def cmd_plugins(args: argparse.Namespace) -> int:
     from ..registry import registry
 
-    rows = []
-    for name, loaded in registry().formats.items():
-        fmt = loaded.format
-        rows.append([name, "yes" if fmt.native else "no", fmt.block_values, fmt.block_bytes,
-                     len(fmt.kernel_sources()), ", ".join(fmt.mmq_variants()),
-                     f"{loaded.plugin} ({loaded.origin})", fmt.description])
-    print(markdown_table(["name", "native", "block values", "bytes per block", "kernels (.cu)",
-                          "mmq variants", "origin", "description"], rows))
+    reg = registry()
+    rows = _plugin_rows(reg)
+    disabled = [{"plugin": name, "by": why} for name, why in reg.disabled.items()]
+    if args.json:
+        print(json.dumps({"formats": rows, "disabled": disabled}, indent=2))
+        return 0
+    print(markdown_table(
+        ["name", "native", "block values", "bytes per block", "kernels (.cu)", "mmq variants",
+         "plugin", "distribution", "origin", "description"],
+        [[r["format"], "yes" if r["native"] else "no", r["block_values"], r["block_bytes"],
+          len(r["kernel_sources"]), ", ".join(r["mmq_variants"]), r["plugin"],
+          f"{r['distribution']} {r['version']}" if r["distribution"] else "(not installed)",
+          r["origin"], r["description"]] for r in rows]))
+    for d in disabled:
+        print(f"disabled: {d['plugin']} (by {d['by']})")
     return 0
 
 
@@ -34,7 +58,7 @@ def cmd_check_kernels(args: argparse.Namespace) -> int:
     if not archs or any(not a.startswith("sm_") for a in archs):
         raise ConfigError(f"--arch: got {args.arch!r}; expected e.g. sm_80,sm_90",
                           source="command line")
-    results = check_kernels(registry(), archs)
+    results = check_kernels([loaded.format for loaded in registry().formats.values()], archs)
     for r in results:
         print(f"{'ok  ' if r.ok else 'FAIL'} {r.owner:10s} {r.arch}  {r.source.name}  "
               f"({r.seconds:.1f} s)")
@@ -48,22 +72,28 @@ def cmd_check_kernels(args: argparse.Namespace) -> int:
 
 EPILOG_PLUGINS = """examples:
   strata plugins
+  strata plugins --json
   strata --plugins my/plugins.yaml plugins
+  STRATA_DISABLE_PLUGINS=test_i8 strata plugins
 
 lists every loaded quantization format: native (batched gathers), block geometry, kernel
-sources, MMQ variants (STRATA_MMQ_KERNEL picks one), where it came from (the plugins.yaml
-that listed it, or an installed entry point) and its description."""
+sources, MMQ variants (STRATA_MMQ_KERNEL picks one), the plugin that provides it (the name
+STRATA_DISABLE_PLUGINS takes), the installed distribution and version it came from, where it
+was listed (a plugins.yaml, or an entry point) and its description; then the disabled plugins."""
 
 EPILOG_CHECK_KERNELS = """examples:
   strata check-kernels
   strata check-kernels --arch sm_90
 
 compiles the shared kernels and every loaded format's kernels with nvcc (cached); exits 1 with
-the compiler's message when one fails. No GPU needed."""
+the compiler's message when one fails, and when the shared kernels are missing (an install
+without its package data). No GPU needed."""
 
 def register(command) -> None:
     """Adds this module's subcommands; `command(name, help, epilog)` makes a parser."""
     p = command("plugins", "list the loaded quantization formats", EPILOG_PLUGINS)
+    p.add_argument("--json", action="store_true",
+                   help="print the formats and disabled plugins as JSON instead of a table")
     p.set_defaults(func=cmd_plugins)
     p = command("check-kernels", "compile every loaded kernel with nvcc", EPILOG_CHECK_KERNELS)
     p.add_argument("--arch", default=",".join(DEFAULT_ARCHS),

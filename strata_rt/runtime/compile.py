@@ -1,9 +1,17 @@
 """nvcc -> cubin with a disk cache; no pycuda here, so CPU machines and CI compile for real.
 
+Every source, strata_rt's own or a plugin's, compiles with two include roots: the kernels folder
+(`#include "common/mma.cuh"`) and the shared headers' folder, `common_include_dir()`
+(`#include "mma.cuh"`); a source's own folder is searched first, as nvcc always does.
+
 The cache key covers everything that can change the cubin: the source, every header a kernel
-could include (kernels/common and the source's own folder), the arch, the defines, the flags and
-the compiler's version. A stale cubin is therefore never loaded, and a second run compiles
-nothing.
+could include (the shared headers and the source's own folder), the arch, the defines, the
+flags and the compiler's version; include roots enter it by their contents, not their paths,
+so two installs of one version share cubins. A stale cubin is therefore never loaded, and a
+second run compiles nothing.
+
+This module knows nothing of formats or the registry: `check_kernels` takes anything with a
+name and a list of sources.
 """
 
 from __future__ import annotations
@@ -19,14 +27,11 @@ from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from .. import env
 from ..errors import KernelBuildError
-from ..resources import KERNELS_ROOT
-
-if TYPE_CHECKING:
-    from ..registry import QuantRegistry
+from ..resources import KERNELS_ROOT, common_include_dir
 
 #: Flags every kernel is built with. No --use_fast_math: kernels promise exact, IEEE-rounded
 #: arithmetic that numpy mirrors bit for bit.
@@ -83,14 +88,21 @@ def _define_flags(defines: Defines | None) -> list[str]:
     return flags
 
 
+def include_flags() -> list[str]:
+    """nvcc's include roots for every kernel source (strata_rt's or a plugin's)."""
+    return ["-I", str(KERNELS_ROOT), "-I", str(common_include_dir())]
+
+
 def _cache_key(source: Path, text: bytes, arch: str, flags: list[str], version: str) -> str:
     h = hashlib.sha256()
-    for part in (str(source.name).encode(), text, arch.encode(), "\0".join(flags).encode(),
+    roots = {str(KERNELS_ROOT): "<kernels>", str(common_include_dir()): "<common>"}
+    keyed = [roots.get(f, f) for f in flags]
+    for part in (str(source.name).encode(), text, arch.encode(), "\0".join(keyed).encode(),
                  version.encode()):
         h.update(len(part).to_bytes(8, "little"))
         h.update(part)
     seen = set()
-    for folder in (KERNELS_ROOT / "common", source.parent):
+    for folder in (common_include_dir(), source.parent):
         for path in _include_files(folder):
             if path in seen:
                 continue
@@ -113,7 +125,7 @@ def compile_cubin(source: Path, arch: str, defines: Defines | None = None,
     if not arch.startswith("sm_"):
         raise KernelBuildError(f"arch {arch!r} for {source.name}: expected sm_XY, e.g. sm_90")
     nvcc = _require_nvcc()
-    flags = [*BASE_FLAGS, f"-arch={arch}", "-I", str(KERNELS_ROOT), *_define_flags(defines),
+    flags = [*BASE_FLAGS, f"-arch={arch}", *include_flags(), *_define_flags(defines),
              *extra_flags]
     key = _cache_key(source, text, arch, flags, nvcc_version(nvcc))
     target = cache_dir() / f"{source.stem}-{arch}-{key[:24]}.cubin"
@@ -150,22 +162,36 @@ class KernelCheck:
     message: str = ""  # the compiler's output on failure
 
 
-def kernel_jobs(registry: QuantRegistry) -> list[tuple[str, Path]]:
-    """(owner, source) for every .cu under kernels/common and every loaded format's sources,
-    each source once (the first owner that lists it)."""
+class KernelOwner(Protocol):
+    """What check_kernels needs of a format: its name and its .cu files."""
+
+    name: str
+
+    def kernel_sources(self) -> list[Path]: ...
+
+
+def kernel_jobs(owners: Iterable[KernelOwner]) -> list[tuple[str, Path]]:
+    """(owner, source) for every .cu under kernels/common and every owner's sources, each
+    source once (the first owner that lists it)."""
     jobs = {p.resolve(): "common" for p in sorted((KERNELS_ROOT / "common").glob("*.cu"))}
-    for loaded in registry.formats.values():
-        for p in loaded.format.kernel_sources():
-            jobs.setdefault(Path(p).resolve(), loaded.format.name)
-    return [(owner, path) for path, owner in jobs.items()]
+    for owner in owners:
+        for p in owner.kernel_sources():
+            jobs.setdefault(Path(p).resolve(), owner.name)
+    return [(name, path) for path, name in jobs.items()]
 
 
-def check_kernels(registry: QuantRegistry, arches: Iterable[str] = ("sm_80", "sm_90"),
+def check_kernels(owners: Iterable[KernelOwner], arches: Iterable[str] = ("sm_80", "sm_90"),
                   workers: int | None = None) -> list[KernelCheck]:
-    """Compiles every kernel source for every arch (in parallel; nvcc runs in its own process)
-    and reports each one instead of stopping at the first failure."""
+    """Compiles the shared kernels and every owner's sources for every arch (in parallel;
+    nvcc runs in its own process) and reports each one instead of stopping at the first
+    failure. Finding no shared kernels is an error: strata_rt was installed without them."""
     _require_nvcc()
-    tasks = [(owner, src, arch) for owner, src in kernel_jobs(registry) for arch in arches]
+    jobs = kernel_jobs(owners)
+    if not any(owner == "common" for owner, _ in jobs):
+        raise KernelBuildError(
+            f"no kernel sources in {KERNELS_ROOT / 'common'}: this strata_rt install lacks "
+            "its CUDA sources; reinstall it from a wheel or sdist built from its source tree")
+    tasks = [(owner, src, arch) for owner, src in jobs for arch in arches]
 
     def one(task: tuple[str, Path, str]) -> KernelCheck:
         owner, src, arch = task
