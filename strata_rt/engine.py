@@ -2,27 +2,25 @@
 
 The engine owns what does not depend on the backend: the model, the host expert store, the
 choice of resident experts (when the config fixes their count), chunking and the residual dump.
-A backend turns one chunk of hidden states into the next ones:
-
-    class Backend(Protocol):
-        host_alloc(nbytes) -> np.uint8 array        # static: the store's host memory
-        __init__(model, store, residency | None, cfg)  # None: derive it (cuda: from free VRAM)
-        residency: Residency                         # what it keeps resident
-        run_chunk(h float32 [T, hidden], stats) -> float32 [T, hidden]  # may be reused
-        max_chunk_tokens() -> int                    # optional: what `prefill: auto` may use
-        close()
+It opens in a fixed order so that a failure at any step closes what the earlier steps opened:
+the backend's context first (cuda: the Runtime, whose pinned memory then holds the store), the
+store, the residency, the backend (an executor, see driver.Executor), then the ChunkDriver,
+which runs every chunk on the executor.
 
 Chunks are independent (MoE layers have no attention), so a prompt longer than a chunk runs
 chunk by chunk with nothing carried between chunks. On the reference backend a token's result
 does not depend on its chunk at all (same bytes for any chunking, staging or walk; tested).
 
 STRATA_PREFILL_DUMP_R: the file is emptied when an engine opens; every prefill then appends
-each chunk's every 64th position (see dump_residual), so two runs compare with `cmp`.
+each chunk's every 64th position (see dump_residual), so two runs compare with `cmp`. While a
+prefill runs the dump lives under `<path>.partial` and is renamed to `<path>` when the prefill
+completes, so an interrupted run never leaves a dump that looks whole.
 """
 
 from __future__ import annotations
 
-import sys
+import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from . import env
+from .driver import ChunkDriver
 from .errors import ConfigError
 from .formats import QuantFormat
 from .model import Model, MoESpec
@@ -38,6 +37,8 @@ from .planner import AUTO_CHUNK_MAX
 from .residency import Residency, RoutingProfile
 from .stats import Stats
 from .store import ExpertStore
+
+log = logging.getLogger(__name__)
 
 #: every 64th position of each chunk's output goes to the STRATA_PREFILL_DUMP_R file
 DUMP_STRIDE = 64
@@ -141,7 +142,7 @@ def backend_class(name: str) -> tuple[str, type]:
 
         ok, why = cuda_available()
         if not ok:
-            print(f"strata: backend auto -> reference ({why})", file=sys.stderr)
+            log.warning("backend auto -> reference (%s)", why)
         name = "cuda" if ok else "reference"
     if name == "cuda":
         from .cuda_engine import CudaBackend
@@ -173,10 +174,13 @@ def read_dump(path: str | Path, hidden: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, model: Model, backend: Any, backend_name: str):
+    def __init__(self, config: EngineConfig, model: Model, backend: Any, backend_name: str,
+                 context: Any = None):
         self.config = config
         self.model = model
         self.backend = backend
+        self.context = context
+        self.driver = ChunkDriver(model.spec, model.fmt, config, backend)
         self.residency: Residency = backend.residency
         self.config.backend = backend_name
         self._dump = Path(config.dump_r) if config.dump_r else None
@@ -191,13 +195,21 @@ class Engine:
         cfg.resolve()
         model = load_model(cfg.model)
         check_mmq_kernel(model.fmt)
-        name, cls_ = backend_class(cfg.backend)
-        store = ExpertStore(model, cls_.host_alloc)
-        residency = None
-        if cfg.expert_cache is not None:
-            residency = Residency.from_budget(model, cfg.expert_cache, cfg.load_profile())
-        backend = cls_(model, store, residency, cfg)
-        return cls(cfg, model, backend, name)
+        name, backend_cls = backend_class(cfg.backend)
+        context = backend_cls.context_class()
+        backend = None
+        try:
+            store = ExpertStore(model, context.host_alloc)
+            residency = None
+            if cfg.expert_cache is not None:
+                residency = Residency.from_budget(model, cfg.expert_cache, cfg.load_profile())
+            backend = backend_cls(model, store, residency, cfg, context)
+            return cls(cfg, model, backend, name, context)
+        except BaseException:
+            if backend is not None:
+                backend.close()
+            context.close()
+            raise
 
     def _chunk_tokens(self) -> int:
         if isinstance(self.config.prefill, int):
@@ -209,6 +221,8 @@ class Engine:
                 ) -> tuple[np.ndarray, Stats]:
         """hidden float32 [tokens, hidden] -> the final hidden states and the counters."""
         t0 = time.perf_counter()
+        if self.backend is None:
+            raise ConfigError("this engine is closed", source="prefill")
         spec = self.model.spec
         h = np.asarray(hidden)
         if h.ndim != 2 or h.shape[1] != spec.hidden:
@@ -223,28 +237,51 @@ class Engine:
                       on_layer=self.config.progress)
         if record_routing:
             stats.routing_counts = np.zeros((spec.n_layers, spec.n_experts), np.int64)
+        partial = self._open_dump()
         out = np.empty_like(h)
         for c in range(n_chunks):
             lo, hi = c * C, min(T, (c + 1) * C)
             if hi <= lo:
                 break
             stats.chunk_index = c
-            out[lo:hi] = self.backend.run_chunk(h[lo:hi], stats)
+            out[lo:hi] = self.driver.run_chunk(h[lo:hi], stats)
             stats.chunks += 1
-            if self._dump is not None:
-                dump_residual(self._dump, out[lo:hi], lo)
+            if partial is not None:
+                dump_residual(partial, out[lo:hi], lo)
+        if partial is not None and self._dump is not None:
+            os.replace(partial, self._dump)
         stats.wall_s = time.perf_counter() - t0
-        if stats.host_s == 0.0 and getattr(self.backend, "name", "") == "reference":
+        if self.backend.host_is_wall:
             stats.host_s = stats.wall_s  # the reference backend does everything on the host
         return out, stats
 
+    def _open_dump(self) -> Path | None:
+        """The dump file under its in-progress name (what earlier prefills wrote, moved)."""
+        if self._dump is None:
+            return None
+        partial = self._dump.with_name(self._dump.name + ".partial")
+        if self._dump.exists():
+            os.replace(self._dump, partial)
+        else:
+            partial.write_bytes(b"")
+        return partial
+
     def close(self) -> None:
-        if self.backend is not None:
+        """Frees everything, in the reverse order of open: captured graphs, the backend's
+        device state, then the context (cuda: the runtime and the pinned store)."""
+        if self.backend is None:
+            return
+        try:
+            self.driver.close()
             self.backend.close()
+        finally:
             self.backend = None
+            if self.context is not None:
+                self.context.close()
+                self.context = None
 
     def __enter__(self) -> Engine:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: Any) -> None:
         self.close()

@@ -20,6 +20,7 @@ chunk (the output is read back), so a chunk's entries restart at 0.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from .formats import MMQ_GROUP
 from .plan import (
@@ -84,6 +85,23 @@ def walk_ring_slots(ring_bytes: int | None, slot_bytes: int, n_entries: int) -> 
         raise BudgetError(f"ring of {nbytes} bytes holds no expert slot of {slot_bytes} bytes; "
                           f"give the ring at least {slot_bytes} bytes")
     return max(1, min(slots, n_entries))
+
+
+@dataclass(frozen=True)
+class RingSizes:
+    """Slots of the ring one device arena holds: the streamed walk cycles through `walk`,
+    the staging ring through STAGING_RING_SLOTS; one region of `total` slots serves both."""
+
+    walk: int
+    total: int
+
+
+def ring_sizes(ring_bytes: int | None, slot_bytes: int, n_streamed: int) -> RingSizes:
+    """The one ring-size rule every backend and the config's budget check use: the walk's
+    ring from `ring_bytes` (walk_ring_slots) for `n_streamed` non-resident experts, and room
+    for the staging ring."""
+    walk = walk_ring_slots(ring_bytes, slot_bytes, max(1, n_streamed))
+    return RingSizes(walk, max(walk, STAGING_RING_SLOTS))
 
 
 class _RingBuilder:

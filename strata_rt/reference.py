@@ -17,18 +17,16 @@ to measure), so every expert streams.
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 
-from . import hazards
 from .formats import MMQ_GROUP
 from .model import rms_norm, route, silu
 from .plan import (
     RESIDENT,
-    ChunkPlan,
     Consume,
     Copy,
     Gather,
@@ -40,15 +38,9 @@ from .plan import (
     Record,
     Wait,
 )
-from .planner import (
-    STAGING_RING_SLOTS,
-    StagingPlanner,
-    gathers_one_by_one,
-    plan_walk,
-    takes_walk,
-    walk_ring_slots,
-)
+from .planner import ring_sizes
 from .residency import Residency
+from .stats import Stats
 from .store import numpy_alloc
 from .timing import format_table
 
@@ -73,68 +65,78 @@ class _LayerState:
         self.routed = np.nonzero(np.diff(self.bounds))[0].tolist()
 
 
-class ReferenceBackend:
-    name = "reference"
+class NumpyContext:
+    """The reference backend needs no device: its store is plain pageable numpy memory."""
+
     host_alloc = staticmethod(numpy_alloc)
 
-    def __init__(self, model, store, residency: Residency | None, cfg):
+    def close(self) -> None:
+        pass
+
+
+class ReferenceBackend:
+    name = "reference"
+    context_class = NumpyContext
+    #: everything runs on the host, so host time is the wall time
+    host_is_wall = True
+    can_capture = False
+
+    def __init__(self, model: Any, store: Any, residency: Residency | None, cfg: Any,
+                 context: NumpyContext | None = None):
         self.model, self.store, self.cfg = model, store, cfg
         self.spec, self.fmt, self.lay = model.spec, model.fmt, model.layout
+        self.blob_bytes = self.lay.blob_bytes
         self.residency = residency if residency is not None else Residency.from_budget(
             model, 0)
-        self.check_plan = bool(cfg.check_plan)
         self.timing = bool(cfg.timing)
         slot = store.slot_bytes
         self.resident = np.empty((self.residency.n_slots, slot), dtype=np.uint8)
         for i, (layer, e) in enumerate(self.residency.pairs):
             self.resident[i] = store.arena[store.offset(layer, e): store.offset(layer, e) + slot]
-        self.n_streamed = self.spec.total_experts - self.residency.n_slots
-        self.walk_slots = walk_ring_slots(cfg.ring_bytes, slot, max(1, self.n_streamed))
-        self.ring = np.full((max(self.walk_slots, STAGING_RING_SLOTS), slot), _POISON, np.uint8)
+        rings = ring_sizes(cfg.ring_bytes, slot, self.spec.total_experts - self.residency.n_slots)
+        self.walk_slots = rings.walk
+        self.ring = np.full((rings.total, slot), _POISON, np.uint8)
         self.gu_buf = np.full((MMQ_GROUP, self.lay.gate_up_image_bytes), _POISON, np.uint8)
         self.dn_buf = np.full((MMQ_GROUP, self.lay.down_image_bytes), _POISON, np.uint8)
-        self.last_plan: ChunkPlan | None = None
+        self._state: _LayerState | None = None
+        self._h = np.empty((0, self.spec.hidden), np.float32)
         #: top-k ids per layer of the last chunk (comparisons against reference_moe_f64)
         self.routes: list[np.ndarray] = []
 
-    @property
-    def gather_one(self) -> bool:
-        return gathers_one_by_one(self.fmt, self.cfg.gather_one)
-
-    # ------------------------------------------------------------------ chunk
-    def run_chunk(self, h: np.ndarray, stats) -> np.ndarray:
-        spec = self.spec
-        h = np.array(h, dtype=np.float32, copy=True)
-        self._state: _LayerState | None = None
+    # ------------------------------------------------------------------ chunk (Executor)
+    def begin_chunk(self, h: np.ndarray, stats: Stats) -> None:
+        self._h = np.array(h, dtype=np.float32, copy=True)
+        self._state = None
+        self._stats = stats
         self.routes = []
-        if not takes_walk(h.shape[0], spec, self.cfg.walk_min_tokens):
-            planner = StagingPlanner(spec, self.residency, self.gather_one, tokens=h.shape[0])
-            checker = (hazards.Checker(STAGING_RING_SLOTS, self.residency)
-                       if self.check_plan else None)
-            for layer in range(spec.n_layers):
-                self._begin(layer, h, stats)
-                stats.host_syncs += 1  # the routed set comes back to the host
-                lp = planner.plan_layer(layer, self._state.routed)
-                if checker is not None:
-                    checker.feed(lp.ops)
-                self._execute(lp.ops, h, stats)
-                stats.layer_done(layer)
-            self.last_plan = planner.chunk_plan()
-        else:
-            plan = plan_walk(spec, self.residency, self.walk_slots, self.gather_one,
-                             tokens=h.shape[0])
-            if self.check_plan:
-                hazards.check(plan, self.residency)
-            for lp in plan.layers:
-                self._execute(lp.ops, h, stats)
-                stats.layer_done(lp.layer)
-            self.last_plan = plan
-        stats.host_syncs += 1  # the chunk's output comes back
+
+    def route_layer(self, layer: int) -> None:
+        self._begin(layer, self._h, self._stats)
+
+    def routed_counts(self, layer: int, stats: Stats) -> np.ndarray:
+        assert self._state is not None and self._state.layer == layer
+        return np.diff(self._state.bounds)
+
+    def execute(self, ops: Iterable[Op], stats: Stats, counts: np.ndarray | None) -> None:
+        self._execute(ops, self._h, stats)
+
+    def capture(self, ops: Iterable[Op]) -> Any:
+        raise NotImplementedError("the reference backend replays nothing")
+
+    def replay(self, replay: Any) -> None:
+        raise NotImplementedError("the reference backend replays nothing")
+
+    def synchronize(self) -> None:
+        pass
+
+    def collect_walk_routing(self, stats: Stats) -> None:
+        pass  # each layer's routing was added as it ran
+
+    def end_chunk(self, stats: Stats) -> np.ndarray:
         if self.timing and stats.chunk_index == stats.n_chunks - 1:
-            print("reference backend: host seconds per phase, not GPU time", file=sys.stderr)
-            print(format_table({p: s * 1e3 for p, s in stats.phase_s.items()}),
-                  file=sys.stderr)
-        return h
+            stats.phase_table = ("reference backend: host seconds per phase, not GPU time\n"
+                                 + format_table({p: s * 1e3 for p, s in stats.phase_s.items()}))
+        return self._h
 
     # ------------------------------------------------------------------ ops
     def _execute(self, ops: Iterable[Op], h: np.ndarray, stats) -> None:
@@ -143,21 +145,16 @@ class ReferenceBackend:
             if isinstance(op, Copy):
                 blob = self.store.view(op.layer, op.expert)
                 self.ring[op.slot, : blob.size] = blob
-                stats.experts_streamed += 1
-                stats.bytes_streamed += blob.size
                 phase = "copy"
             elif isinstance(op, Gather):
                 self._gather(op)
-                stats.gathers_launched += 1
                 phase = "gather"
             elif isinstance(op, GatherBatch):
                 for g in op.gathers:
                     self._gather(g)
-                stats.gathers_launched += 1
                 phase = "gather"
             elif isinstance(op, Products):
                 self._products(op)
-                stats.mmq_launches += 2
                 phase = "products"
             elif isinstance(op, LayerBegin):
                 if self._state is None or self._state.layer != op.layer:

@@ -32,6 +32,8 @@ class Stats:
     phase_s: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     #: int64 [n_layers, n_experts] top-k hits, when asked for
     routing_counts: np.ndarray | None = None
+    #: STRATA_PREFILL_TIMING: the phase table of the prompt (None when timing is off)
+    phase_table: str | None = None
     #: called as on_layer(chunk, n_chunks, layer, n_layers); set by the engine
     on_layer: Callable[[int, int, int, int], None] | None = field(default=None, repr=False)
     chunk_index: int = field(default=0, repr=False)

@@ -14,7 +14,7 @@ import pytest
 
 from strata_rt import hazards
 from strata_rt.activations import quantize_q8_1
-from strata_rt.cuda_engine import ENGINE_SOURCE, CudaBackend
+from strata_rt.cuda_engine import ENGINE_SOURCE
 from strata_rt.engine import Engine, EngineConfig, read_dump
 from strata_rt.errors import BudgetError, PlanHazardError
 from strata_rt.formats import MMQ_GROUP
@@ -285,18 +285,32 @@ def test_backend_control_flow_on_fake_runtime(fake, gather_one):
         rt.launches.clear()
         _, st2 = eng.prefill(h)
         assert rt.launches == ["graph"]
-        trial = eng.backend.graph_trials[(2048, gather_one)]
+        trial = eng.driver.graph_trials[(2048, gather_one)]
         assert set(trial) == {"plain", "graph", "choice"}
         assert st2.as_dict()["experts_streamed"] == st1.experts_streamed
     assert fake["rt"].closed
 
 
-def test_backend_refuses_a_store_it_did_not_pin(fake):
-    from strata_rt.store import ExpertStore
-
+def test_open_closes_the_runtime_when_a_later_step_fails(fake, tmp_path):
+    """The runtime opens first and holds the pinned store; a failure after it (here a missing
+    profile file, read once the store exists) closes it, leaking neither."""
     model = Model.synthetic(SMALL_SPEC, 3)
-    with pytest.raises(Exception, match="host_alloc"):
-        CudaBackend(model, ExpertStore(model), None, EngineConfig(model=model).resolve())
+    cfg = EngineConfig(model=model, backend="cuda", expert_cache=4,
+                       profile=str(tmp_path / "missing.json"))
+    with pytest.raises(Exception, match="missing.json"):
+        Engine.open(cfg)
+    assert fake["rt"].closed
+
+
+def test_engine_close_frees_in_reverse_order(fake):
+    model = Model.synthetic(SMALL_SPEC, 3)
+    eng = Engine.open(EngineConfig(model=model, backend="cuda", expert_cache=4))
+    backend = eng.backend
+    eng.close()
+    assert backend.dev is None and fake["rt"].closed
+    eng.close()  # twice is harmless
+    with pytest.raises(Exception, match="closed"):
+        eng.prefill(np.ones((4, SMALL_SPEC.hidden), np.float32))
 
 
 # ============================================================================ GPU
@@ -328,7 +342,7 @@ def _run(model, prompts, **cfg):
             assert np.isfinite(o).all()
             outs.append(o)
             stats.append(st)
-        facts = {"chunk": eng.chunk_tokens, "graph_trials": dict(eng.backend.graph_trials),
+        facts = {"chunk": eng.chunk_tokens, "graph_trials": dict(eng.driver.graph_trials),
                  "n_resident": eng.residency.n_slots}
     return outs, stats, facts
 

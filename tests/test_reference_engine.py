@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import os
 from dataclasses import replace
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from strata_rt import driver as driver_mod
 from strata_rt import planner as planner_mod
-from strata_rt import reference as reference_mod
 from strata_rt.engine import DUMP_STRIDE, Engine, EngineConfig, read_dump
 from strata_rt.errors import ConfigError, PlanHazardError
 from strata_rt.model import SMALL_SPEC, Model, nmse, reference_moe_f64, rms_norm, route
@@ -33,10 +34,14 @@ def _hidden(rng: np.random.Generator, tokens: int, hidden: int = SMALL_SPEC.hidd
 
 
 def _run(model, h, **cfg):
+    """-> (output, stats, what the run left to inspect: the executor's routes and the driver's
+    last plan)."""
     cfg.setdefault("backend", "reference")
     with Engine.open(EngineConfig(model=model, **cfg)) as eng:
         out, stats = eng.prefill(h)
-        return out, stats, eng.backend
+        return out, stats, SimpleNamespace(routes=eng.backend.routes,
+                                           last_plan=eng.driver.last_plan,
+                                           residency=eng.residency)
 
 
 def test_small_config_matches_float64(small, rng):
@@ -154,7 +159,7 @@ def test_check_plan_catches_a_broken_planner(small, monkeypatch):
         ops = [op for _, op in plan.ops() if op != Wait(("used", 0), "copy")]
         return ChunkPlan(plan.tokens, plan.mode, plan.ring_slots, [LayerPlan(0, tuple(ops))])
 
-    monkeypatch.setattr(reference_mod, "plan_walk", broken)
+    monkeypatch.setattr(driver_mod, "plan_walk", broken)
     model = small.slice_layers(0, 1)
     h = np.zeros((1024, SMALL_SPEC.hidden), np.float32)
     with pytest.raises(PlanHazardError, match="slot 0"):
@@ -178,13 +183,14 @@ def test_record_routing_and_profile(small, rng, tmp_path):
         assert eng.residency.pairs == sorted((int(i) // 32, int(i) % 32) for i in top)
 
 
-def test_backend_auto_falls_back_with_a_line(small, monkeypatch, capsys):
+def test_backend_auto_falls_back_with_a_line(small, monkeypatch, caplog):
     import strata_rt.runtime as runtime
 
     monkeypatch.setattr(runtime, "cuda_available", lambda: (False, "no device here"))
-    with Engine.open({"model": small.slice_layers(0, 1), "backend": "auto"}) as eng:
-        assert eng.config.backend == "reference"
-    assert "backend auto -> reference (no device here)" in capsys.readouterr().err
+    with caplog.at_level("WARNING", logger="strata_rt.engine"):
+        with Engine.open({"model": small.slice_layers(0, 1), "backend": "auto"}) as eng:
+            assert eng.config.backend == "reference"
+    assert "backend auto -> reference (no device here)" in caplog.text
 
 
 def test_engine_config_errors(small):
@@ -247,10 +253,11 @@ def test_output_does_not_depend_on_where_experts_come_from(tiny, tiny_input, tok
     assert out.tobytes() == want[tokens].tobytes()
 
 
-def test_timing_table_on_the_reference_backend(tiny, capsys):
-    _run(tiny, np.ones((8, TINY.hidden), np.float32), timing=True)
-    err = capsys.readouterr().err
-    assert "host seconds per phase" in err and "products" in err
+def test_timing_table_on_the_reference_backend(tiny):
+    _, stats, _ = _run(tiny, np.ones((8, TINY.hidden), np.float32), timing=True)
+    assert "host seconds per phase" in stats.phase_table and "products" in stats.phase_table
+    _, plain, _ = _run(tiny, np.ones((8, TINY.hidden), np.float32))
+    assert plain.phase_table is None
 
 
 def test_walk_rule_follows_the_routed_share():

@@ -1,0 +1,41 @@
+"""Every CUDA object one CUDA engine holds, in one place: streams, events, the device arena
+and its region addresses, the pinned staging buffers. `close` drops them all at once, while
+the runtime's context still lives (the runtime frees what it allocated when it closes), so no
+list of attribute names has to be kept in step with the code that creates them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+class DeviceState:
+    def __init__(self, rt: Any, regions: dict[str, int], budget: int, io_bytes: int,
+                 bounds_shape: tuple[int, int]):
+        self.compute = rt.stream("compute")
+        self.copy = rt.stream("copy")
+        #: routed-set read-backs go on their own stream, never behind the copies of blobs
+        self.readback = rt.stream("readback")
+        self.streams = {"compute": self.compute, "copy": self.copy}
+        self.arena = rt.device_arena(regions, budget=budget)
+        self.ptr: dict[str, int] = {name: self.arena.ptr(name) for name in regions}
+        n_bounds = bounds_shape[0] * bounds_shape[1]
+        self.host = rt.pinned({"io": io_bytes, "bounds": n_bounds * 4})
+        self.io = self.host.view("io", np.float32)
+        self.bounds_host = self.host.view("bounds", np.int32).reshape(bounds_shape)
+        self.routed = rt.event("routed")
+        self.fork = rt.event("walk fork")
+        self.join = rt.event("walk join")
+        self._rt = rt
+        self._events: dict[tuple[str, int], Any] = {}
+
+    def event(self, key: tuple[str, int]) -> Any:
+        """The plan event `key` (created on first use, then reused by every chunk)."""
+        ev = self._events.get(key)
+        if ev is None:
+            ev = self._events[key] = self._rt.event(f"{key[0]}[{key[1]}]")
+        return ev
+
+    def close(self) -> None:
+        self.__dict__.clear()

@@ -1,0 +1,228 @@
+"""The chunk driver: how one chunk of tokens goes through the MoE layers, for every backend.
+
+A backend is an executor: it routes a layer, runs plan ops, and (if it can) captures a
+sequence of ops for replay. Everything else about a chunk is decided here, once:
+
+- the streaming path: the staging ring (routed experts only, planned layer by layer after the
+  routed set comes back to the host) or the streamed walk (every non-resident expert, planned
+  before the chunk starts) - `planner.takes_walk`;
+- the planners, the walk-plan cache, STRATA_CHECK_PLAN (the hazard checker on every plan);
+- CUDA-graph trials on the walk: plain launches the first time a chunk size is seen (timed),
+  a captured replay the second time (timed), then whichever was faster;
+- the counters (experts and bytes streamed, gathers, matmul launches, host syncs, host time)
+  and progress (`stats.layer_done`).
+
+A new streaming policy or counter therefore touches this module only, and the CUDA executor,
+the numpy executor and the hazard checker keep reading the same Plan.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from typing import Any, Protocol
+
+import numpy as np
+
+from . import hazards
+from .plan import ChunkPlan, Copy, Gather, GatherBatch, LayerBegin, Op, Products
+from .planner import STAGING_RING_SLOTS, StagingPlanner, gathers_one_by_one, plan_walk, takes_walk
+from .residency import Residency
+from .stats import Stats
+
+log = logging.getLogger(__name__)
+
+
+class Replay(Protocol):
+    """A captured op sequence (a CUDA graph)."""
+
+    def launch(self, stream: Any) -> None: ...
+
+    def free(self) -> None: ...
+
+
+class Executor(Protocol):
+    """What a backend does for the driver. Ops come in host issue order; each executor maps
+    them onto its own streams (the CUDA executor) or runs them in that order (numpy)."""
+
+    name: str
+    residency: Residency
+    #: ring slots the streamed walk cycles through (the staging ring uses STAGING_RING_SLOTS)
+    walk_slots: int
+    #: bytes one Copy moves (an expert blob)
+    blob_bytes: int
+    #: whether `capture` may be used (CUDA graphs on, no timing events)
+    can_capture: bool
+
+    def begin_chunk(self, h: np.ndarray, stats: Stats) -> None:
+        """Takes the chunk's hidden states float32 [T, hidden]."""
+
+    def route_layer(self, layer: int) -> None:
+        """Enqueues (or runs) one layer's routing ahead of a staging-ring layer."""
+
+    def routed_counts(self, layer: int, stats: Stats) -> np.ndarray:
+        """Waits for that routing; rows per expert of the layer (host int array), also added
+        to stats.routing_counts when it is not None."""
+
+    def execute(self, ops: Iterable[Op], stats: Stats, counts: np.ndarray | None) -> None:
+        """Runs ops; counts: the layer's rows per expert when the host knows them (staging),
+        None on the walk (routing stays on the device)."""
+
+    def capture(self, ops: Iterable[Op]) -> Replay:
+        """The ops captured for replay; raises when the driver refuses the capture."""
+
+    def replay(self, replay: Replay) -> None: ...
+
+    def synchronize(self) -> None: ...
+
+    def collect_walk_routing(self, stats: Stats) -> None:
+        """Adds the last walk's routing to stats.routing_counts (which is not None)."""
+
+    def end_chunk(self, stats: Stats) -> np.ndarray:
+        """The chunk's output hidden states (the driver's caller copies them)."""
+
+
+def op_counts(ops: Iterable[Op]) -> dict[type, int]:
+    """How many ops of each kind a plan (or a layer of it) holds."""
+    counts: dict[type, int] = {}
+    for op in ops:
+        counts[type(op)] = counts.get(type(op), 0) + 1
+    return counts
+
+
+def add_counts(stats: Stats, counts: dict[type, int], blob_bytes: int) -> None:
+    """The counters a plan's ops add: every Copy streams one blob, every gather op is one
+    launch, every Products is two matmul launches (gate/up and down)."""
+    copies = counts.get(Copy, 0)
+    stats.experts_streamed += copies
+    stats.bytes_streamed += copies * blob_bytes
+    stats.gathers_launched += counts.get(Gather, 0) + counts.get(GatherBatch, 0)
+    stats.mmq_launches += 2 * counts.get(Products, 0)
+
+
+class ChunkDriver:
+    """Runs chunks on one executor. `gather_one` and `walk_min_tokens` are read from the
+    engine config on every chunk, so an in-process A/B takes effect on the next prompt."""
+
+    def __init__(self, spec: Any, fmt: Any, cfg: Any, executor: Executor):
+        self.spec, self.fmt, self.cfg = spec, fmt, cfg
+        self.executor = executor
+        self.check_plan = bool(cfg.check_plan)
+        #: the plan of the last chunk (staging: the layers planned so far)
+        self.last_plan: ChunkPlan | None = None
+        #: host seconds spent issuing each layer of the last chunk
+        self.layer_host_s: list[float] = []
+        #: per (walk chunk size, gather_one): {"plain": s, "graph": s, "choice": ...}
+        self.graph_trials: dict[tuple[int, bool], dict[str, Any]] = {}
+        self._walk_plans: dict[tuple[int, bool], tuple[ChunkPlan, dict[type, int]]] = {}
+        self._replays: dict[tuple[int, bool], Replay] = {}
+
+    @property
+    def gather_one(self) -> bool:
+        return gathers_one_by_one(self.fmt, self.cfg.gather_one)
+
+    @property
+    def residency(self) -> Residency:
+        return self.executor.residency
+
+    # ------------------------------------------------------------------ a chunk
+    def run_chunk(self, h: np.ndarray, stats: Stats) -> np.ndarray:
+        T = int(h.shape[0])
+        self.layer_host_s = []
+        self.executor.begin_chunk(h, stats)
+        if takes_walk(T, self.spec, self.cfg.walk_min_tokens):
+            self._run_walk(T, stats)
+        else:
+            self._run_staging(T, stats)
+        out = self.executor.end_chunk(stats)
+        stats.host_syncs += 1  # the chunk's output comes back
+        return out
+
+    def _run_staging(self, T: int, stats: Stats) -> None:
+        ex = self.executor
+        planner = StagingPlanner(self.spec, self.residency, self.gather_one, tokens=T)
+        checker = (hazards.Checker(STAGING_RING_SLOTS, self.residency)
+                   if self.check_plan else None)
+        for layer in range(self.spec.n_layers):
+            t0 = time.perf_counter()
+            ex.route_layer(layer)
+            host = time.perf_counter() - t0
+            counts = ex.routed_counts(layer, stats)  # the wait is not host work
+            stats.host_syncs += 1
+            t0 = time.perf_counter()
+            lp = planner.plan_layer(layer, np.flatnonzero(counts).tolist())
+            if checker is not None:
+                checker.feed(lp.ops)
+            ex.execute((op for op in lp.ops if not isinstance(op, LayerBegin)), stats, counts)
+            add_counts(stats, op_counts(lp.ops), ex.blob_bytes)
+            host += time.perf_counter() - t0
+            self.layer_host_s.append(host)
+            stats.host_s += host
+            stats.layer_done(layer)
+        self.last_plan = planner.chunk_plan()
+
+    def walk_plan(self, T: int) -> tuple[ChunkPlan, dict[type, int]]:
+        """The walk of a T-token chunk and its op counts (planned and checked once per chunk
+        size and gather mode)."""
+        key = (T, self.gather_one)
+        if key not in self._walk_plans:
+            plan = plan_walk(self.spec, self.residency, self.executor.walk_slots,
+                             self.gather_one, tokens=T)
+            if self.check_plan:
+                hazards.check(plan, self.residency)
+            self._walk_plans[key] = (plan, op_counts(op for _, op in plan.ops()))
+        return self._walk_plans[key]
+
+    def _run_walk(self, T: int, stats: Stats) -> None:
+        ex = self.executor
+        key = (T, self.gather_one)
+        plan, counts = self.walk_plan(T)
+        trial = self.graph_trials.setdefault(key, {})
+        replay = None
+        if ex.can_capture and "plain" in trial and trial.get("choice") != "plain":
+            replay = self._replay_for(key, plan, trial)
+        t0 = time.perf_counter()
+        if replay is None:
+            for lp in plan.layers:
+                tl = time.perf_counter()
+                ex.execute(lp.ops, stats, None)
+                self.layer_host_s.append(time.perf_counter() - tl)
+                stats.layer_done(lp.layer)
+            stats.host_s += time.perf_counter() - t0
+            if ex.can_capture and "plain" not in trial:
+                ex.synchronize()
+                trial["plain"] = time.perf_counter() - t0
+        else:
+            ex.replay(replay)
+            stats.host_s += time.perf_counter() - t0
+            for lp in plan.layers:
+                stats.layer_done(lp.layer)
+            if "graph" not in trial:
+                ex.synchronize()
+                trial["graph"] = time.perf_counter() - t0
+                trial["choice"] = "graph" if trial["graph"] < trial["plain"] else "plain"
+        add_counts(stats, counts, ex.blob_bytes)  # the walk reads nothing back
+        if stats.routing_counts is not None:
+            ex.collect_walk_routing(stats)
+        self.last_plan = plan
+
+    def _replay_for(self, key: tuple[int, bool], plan: ChunkPlan,
+                    trial: dict[str, Any]) -> Replay | None:
+        if key not in self._replays:
+            try:
+                self._replays[key] = self.executor.capture(
+                    op for lp in plan.layers for op in lp.ops)
+            except Exception as e:  # a refused capture must not lose the prompt
+                log.warning("capture of the %d-token walk failed (%s); launching it op by op",
+                            key[0], e)
+                trial["choice"] = "plain"
+                trial["error"] = str(e)
+                return None
+        return self._replays[key]
+
+    def close(self) -> None:
+        """Frees the captured replays (before the executor's device memory goes)."""
+        for replay in self._replays.values():
+            replay.free()
+        self._replays.clear()
