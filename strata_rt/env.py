@@ -1,21 +1,36 @@
 """The one list of environment switches strata_rt reads (the README mirrors it).
 
 Reading switches in one place keeps them discoverable and makes a typo in a value an error
-instead of a silent default.
+instead of a silent default. A switch is read where it is used, which may be only on one
+backend or only for one format, so `validate_all` (the CLI calls it at startup) parses every
+switch that is set, on every backend, and warns about a `STRATA_*` name that is no switch at
+all, naming the closest one.
 """
 
 from __future__ import annotations
 
+import difflib
+import logging
 import os
+import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 from .errors import ConfigError
+from .paths import output_dir_problem, output_file_problem
+
+log = logging.getLogger(__name__)
+
+PREFIX = "STRATA_"
 
 
 @dataclass(frozen=True)
 class Switch:
     name: str
-    kind: str  # "flag" (0/1), "int", "path" or "str"
+    #: "flag" (0/1), "int" (>= 1), "str", "path" (read), "program" (an executable),
+    #: "outfile" (a file written) or "outdir" (a folder written)
+    kind: str
     help: str
 
 
@@ -28,7 +43,7 @@ SWITCHES: dict[str, Switch] = {
         Switch("STRATA_PREFILL_TIMING", "flag",
                "1: record events at phase boundaries and print a phase table per prompt "
                "(instrumented runs are slower)."),
-        Switch("STRATA_PREFILL_DUMP_R", "path",
+        Switch("STRATA_PREFILL_DUMP_R", "outfile",
                "path: after each chunk append the final residual of every 64th position "
                "(int64 position + float32 values) so two runs compare with `cmp`."),
         Switch("STRATA_WALK_MIN_TOKENS", "int",
@@ -42,21 +57,48 @@ SWITCHES: dict[str, Switch] = {
                "default: the format's fastest measured variant."),
         Switch("STRATA_CUDA_GRAPH", "flag",
                "0: launch the streamed walk kernel by kernel instead of replaying a CUDA graph."),
-        Switch("STRATA_KERNEL_CACHE", "path",
+        Switch("STRATA_KERNEL_CACHE", "outdir",
                "directory of compiled cubins (default: ~/.cache/strata_rt/kernels)."),
-        Switch("STRATA_NVCC", "path", "the nvcc to use (default: nvcc on PATH)."),
+        Switch("STRATA_NVCC", "program", "the nvcc to use (default: nvcc on PATH)."),
         Switch("STRATA_PLUGINS", "path",
                "the plugins.yaml to load instead of the one next to the package "
                "(`strata --plugins PATH` sets it)."),
+        Switch("STRATA_HOST_MEMORY_CHECK", "flag",
+               "0: skip the check that the host has the memory a run needs before it "
+               "allocates (for systems that overcommit or swap); sizes beyond a 64-bit "
+               "address space are refused regardless."),
     )
 }
 
 
-def _raw(name: str) -> str | None:
+def _raw(name: str, environ: Mapping[str, str] | None = None) -> str | None:
     if name not in SWITCHES:
         raise KeyError(f"{name} is not a strata_rt switch; known: {', '.join(SWITCHES)}")
-    value = os.environ.get(name)
+    value = (os.environ if environ is None else environ).get(name)
     return None if value is None or value == "" else value
+
+
+def problem(name: str, value: str) -> str | None:
+    """Why `value` is not valid for switch `name`, or None."""
+    kind = SWITCHES[name].kind
+    if kind == "flag" and value not in ("0", "1"):
+        return "expected 0 or 1"
+    if kind == "int" and not (value.isdigit() and int(value) >= 1):
+        return "expected a positive whole number"
+    if kind == "program":
+        found = shutil.which(value)
+        if found is None:
+            return ("not an executable file" if Path(value).exists()
+                    else "no such program (give a path to nvcc, or a name on PATH)")
+    if kind == "outfile":
+        return output_file_problem(Path(value).expanduser())
+    if kind == "outdir":
+        return output_dir_problem(Path(value).expanduser())
+    return None
+
+
+def _error(name: str, value: str, why: str) -> ConfigError:
+    return ConfigError(f"environment {name}={value!r}: {why}", source="environment")
 
 
 def flag(name: str, default: bool = False) -> bool:
@@ -65,7 +107,7 @@ def flag(name: str, default: bool = False) -> bool:
     if value is None:
         return default
     if value not in ("0", "1"):
-        raise ConfigError(f"environment {name}={value!r}: expected 0 or 1", source="environment")
+        raise _error(name, value, "expected 0 or 1")
     return value == "1"
 
 
@@ -79,7 +121,39 @@ def integer(name: str) -> int | None:
     value = _raw(name)
     if value is None:
         return None
-    if not value.isdigit() or int(value) < 1:
-        raise ConfigError(f"environment {name}={value!r}: expected a positive whole number",
-                          source="environment")
+    why = problem(name, value)
+    if why is not None:
+        raise _error(name, value, why)
     return int(value)
+
+
+def closest(name: str) -> str | None:
+    """The known switch a misspelt `STRATA_*` name most likely meant, or None."""
+    found = difflib.get_close_matches(name, SWITCHES, n=1, cutoff=0.6)
+    return found[0] if found else None
+
+
+def unknown(environ: Mapping[str, str] | None = None) -> list[str]:
+    """`STRATA_*` variables that are set but name no switch."""
+    environ = os.environ if environ is None else environ
+    return sorted(k for k in environ if k.startswith(PREFIX) and k not in SWITCHES)
+
+
+def validate_all(environ: Mapping[str, str] | None = None) -> None:
+    """Parses every switch that is set (ConfigError listing each bad value, exit 2) and logs
+    a warning for each `STRATA_*` variable that is no switch, naming the closest one. Which
+    switches a run reads depends on its backend and format; this checks all of them."""
+    environ = os.environ if environ is None else environ
+    for name in unknown(environ):
+        near = closest(name)
+        hint = f"did you mean {near}?" if near else f"known switches: {', '.join(SWITCHES)}"
+        log.warning("environment variable %s is not a strata_rt switch (ignored); %s",
+                    name, hint)
+    problems = []
+    for name in SWITCHES:
+        value = _raw(name, environ)
+        why = None if value is None else problem(name, value)
+        if why is not None:
+            problems.append(f"{name}={value!r}: {why}")
+    if problems:
+        raise ConfigError(problems, source="environment")

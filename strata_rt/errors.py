@@ -44,6 +44,12 @@ class BudgetError(StrataError):
     exit_code = 2
 
 
+class HostMemoryError(StrataError):
+    """The host cannot hold what a run would allocate (checked before allocating)."""
+
+    exit_code = 2
+
+
 class KernelBuildError(StrataError):
     """nvcc rejected a kernel source; the message carries the compiler's output."""
 

@@ -3,6 +3,9 @@
 On a terminal one line is redrawn (throttled) per layer; in a log file a line is written per
 finished chunk. Short prompts print nothing: progress appears only once a prompt has run for
 `delay_s`, so the demo's summary is not buried under redraws.
+
+Progress is not logging: it belongs to the terminal that watches a run, and `strata -q` turns
+it off. A log record written while a line is drawn calls `clear_line` first (see log.py).
 """
 
 from __future__ import annotations
@@ -10,6 +13,16 @@ from __future__ import annotations
 import sys
 import time
 from typing import TextIO
+
+#: the Progress whose line is drawn now, if any (one terminal line at a time)
+_drawn: Progress | None = None
+
+
+def clear_line(stream: TextIO | None = None) -> None:
+    """Clears the progress line drawn on `stream` (any stream when None), if there is one;
+    the next redraw puts it back."""
+    if _drawn is not None and (stream is None or _drawn.stream is stream):
+        _drawn.end()
 
 
 class Progress:
@@ -53,7 +66,7 @@ class Progress:
             self.stream.write(f"\r\x1b[K{self.label}: chunk {chunk + 1}/{n_chunks} "
                               f"layer {layer + 1}/{n_layers} [{bar:<20}] {elapsed:6.1f} s")
             self.stream.flush()
-            self._drawn = True
+            self._set_drawn(True)
         elif chunk_done:
             self.stream.write(f"{self.label}: chunk {chunk + 1}/{n_chunks} done "
                               f"({elapsed:.1f} s)\n")
@@ -64,4 +77,12 @@ class Progress:
         if self._drawn:
             self.stream.write("\r\x1b[K")
             self.stream.flush()
-            self._drawn = False
+            self._set_drawn(False)
+
+    def _set_drawn(self, drawn: bool) -> None:
+        global _drawn
+        self._drawn = drawn
+        if drawn:
+            _drawn = self
+        elif _drawn is self:
+            _drawn = None

@@ -267,9 +267,11 @@ def test_bench_ab_table_and_json(tmp_path: Path, capsys) -> None:
 
 def test_output_path_that_is_a_directory(tmp_path: Path, capsys) -> None:
     cfg = str(_tiny_config(tmp_path))
-    for args in (["run", cfg, "--json", str(tmp_path)], ["profile", cfg, "--out", str(tmp_path)]):
-        assert main(args) == 1
-        assert capsys.readouterr().err.endswith(f"strata: {tmp_path}: Is a directory\n")
+    for args, option in ((["run", cfg, "--json", str(tmp_path)], "--json"),
+                         (["profile", cfg, "--out", str(tmp_path)], "--out")):
+        assert main(args) == 2  # refused before the engine opens
+        err = capsys.readouterr().err
+        assert f"  - {option}: got '{tmp_path}'; is a directory; give a file path" in err
 
 
 def test_bad_mmq_kernel_is_refused_on_any_backend(tmp_path: Path, capsys, monkeypatch) -> None:
@@ -277,7 +279,7 @@ def test_bad_mmq_kernel_is_refused_on_any_backend(tmp_path: Path, capsys, monkey
     assert main(["run", str(_tiny_config(tmp_path))]) == 2  # reference backend, iq3_xxs
     err = capsys.readouterr().err
     variants = ", ".join(registry()["iq3_xxs"].mmq_variants())
-    assert f"STRATA_MMQ_KERNEL='f17': format iq3_xxs offers {variants}" in err
+    assert f"STRATA_MMQ_KERNEL (environment): got 'f17'; format iq3_xxs offers {variants}" in err
 
 
 def test_profile_prints_where_it_wrote(tmp_path: Path, capsys, monkeypatch) -> None:

@@ -1,6 +1,8 @@
 """The `strata` command line: one module per group of subcommands, each adding its parsers
-through `register(command)`; this module builds the top-level parser and turns errors into one
-message and an exit code."""
+through `register(command)`; this module builds the top-level parser, configures logging
+(`-v`, `-q`), checks the environment switches and turns errors into one message and an exit
+code: 2 for what the user gave (config, switches, paths, memory), 1 for what failed while
+running, 130 for Ctrl-C."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import os
 import sys
 from pathlib import Path
 
-from .. import __version__
+from .. import __version__, env, log
 from ..errors import StrataError
 from . import inspect, plugins, run
 from .common import cuda_version, hardware_line
@@ -28,6 +30,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--plugins", metavar="PATH",
                         help="the plugins.yaml to load instead of the one next to the package "
                              "(sets STRATA_PLUGINS)")
+    parser.add_argument("-v", "--verbose", action="count", default=0,
+                        help="also print debug messages, with the module that logged them")
+    parser.add_argument("-q", "--quiet", action="count", default=0,
+                        help="print warnings and errors only, and no progress (-qq: errors "
+                             "only)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     def command(name: str, help_: str, epilog: str) -> argparse.ArgumentParser:
@@ -41,17 +48,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    log.configure(args.verbose - args.quiet)
     try:
         if args.plugins:
             os.environ["STRATA_PLUGINS"] = str(Path(args.plugins).resolve())
             from ..registry import registry
 
             registry(reload=True)
+        env.validate_all()
         return args.func(args)
     except StrataError as e:
         print(f"strata {args.command}: {e}", file=sys.stderr)
         return e.exit_code
-    except OSError as e:  # an output path that is a directory, a full disk, no permission
+    except MemoryError as e:  # what a check before the allocation did not foresee
+        print(f"strata {args.command}: out of host memory: {e or 'allocation failed'}",
+              file=sys.stderr)
+        return 2
+    except OSError as e:  # a full disk, an I/O error (paths are checked before the run)
         where = e.filename if e.filename is not None else args.command
         print(f"strata: {where}: {e.strerror or e}", file=sys.stderr)
         return 1

@@ -1,25 +1,28 @@
 """Helpers every `strata` command shares: loading a config with command-line overrides,
-opening an engine, timing a prefill, tables, JSON output and the hardware line."""
+checking output paths, opening an engine, timing a prefill, tables, JSON output and the
+hardware line."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import platform
 import re
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from ..config import Config, load_config
 from ..errors import ConfigError
+from ..paths import output_file_problem, write_text_atomic
 from ..progress import Progress
 
 GiB = 1 << 30
+log = logging.getLogger(__name__)
 
 
 def cuda_version(banner: str) -> str | None:
@@ -87,10 +90,29 @@ def markdown_table(headers: list[str], rows: list[list[Any]]) -> str:
     return "\n".join([line, rule, *body])
 
 
-def write_json(path: Path, doc: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(doc, indent=2, default=str) + "\n")
-    print(f"wrote {path}", file=sys.stderr)
+def output_arg(option: str, value: str | Path) -> Path:
+    """A file path given on the command line for results, checked before the run."""
+    path = Path(value).expanduser()
+    why = output_file_problem(path)
+    if why is not None:
+        raise ConfigError(f"{option}: got {str(value)!r}; {why}", source="command line")
+    return path
+
+
+def write_json(path: Path, doc: dict, final: bool = True) -> None:
+    """Writes the JSON through a temporary file and a rename: a reader (or a run cut short)
+    finds the previous complete version or this one. Rewritten after each prompt with
+    final=False, so finished results are on disk whatever happens next."""
+    write_text_atomic(path, json.dumps(doc, indent=2, default=str) + "\n")
+    if final:
+        log.info("wrote %s", path)
+    else:
+        log.debug("updated %s", path)
+
+
+def progress_for(args: argparse.Namespace) -> Progress:
+    """The progress display: on stderr, off with -q."""
+    return Progress(enabled=getattr(args, "quiet", 0) == 0)
 
 
 def open_engine(cfg: Config, progress: Progress | None = None):

@@ -4,6 +4,7 @@ prefill a config's prompts."""
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import statistics
 import sys
@@ -11,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from ..progress import Progress
 from ..runtime.memory import MIB
 from .common import (
     describe,
@@ -20,9 +20,13 @@ from .common import (
     markdown_table,
     measure,
     open_engine,
+    output_arg,
+    progress_for,
     resident_count,
     write_json,
 )
+
+log = logging.getLogger(__name__)
 
 #: the 0/1 switches `bench --ab` may flip, with the engine config field each is resolved into
 #: at open: only these are read again per prompt. The others (STRATA_CUDA_GRAPH,
@@ -38,40 +42,85 @@ def set_switch(engine: Any, name: str, value: str) -> None:
     setattr(engine.config, AB_SWITCHES[name], value == "1")
 
 
+def run_row(prompt: Any, rep: int, wall: float, s: dict, backend: str) -> list[Any]:
+    gbps = s["bytes_streamed"] / wall / 1e9 if wall > 0 else 0.0
+    return [prompt.index + 1, rep + 1, prompt.tokens, f"{wall * 1e3:.1f}",
+            f"{prompt.tokens / wall:,.0f}", s["experts_streamed"],
+            f"{s['bytes_streamed'] / MIB:,.1f}", f"{gbps:.2f}" if backend == "cuda" else "-"]
+
+
+def interrupted_note(command: str, done: int, total: int, what: str) -> None:
+    print(f"strata {command}: interrupted after {done} of {total} {what}; the results above "
+          "are the finished ones", file=sys.stderr)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     cfg = load(args)
-    progress = Progress()
-    rows, records = [], []
-    with open_engine(cfg, progress) as engine:
-        backend = engine.config.backend
-        resident = resident_count(engine)
-        print(describe(cfg, backend))
-        print(f"resident experts: {resident} of {cfg.spec.total_experts}")
-        n = len(cfg.prompts)
-        for rep in range(cfg.repeats):
-            for prompt in cfg.prompts:
-                h = prompt.hidden_states(cfg.spec.hidden, cfg.seed)
-                label = f"prompt {prompt.index + 1}/{n} ({prompt.label})"
-                _, stats, wall = measure(engine, h, progress, label)
-                s = stats.as_dict()
-                gbps = s["bytes_streamed"] / wall / 1e9 if wall > 0 else 0.0
-                rows.append([prompt.index + 1, rep + 1, prompt.tokens, f"{wall * 1e3:.1f}",
-                             f"{prompt.tokens / wall:,.0f}", s["experts_streamed"],
-                             f"{s['bytes_streamed'] / MIB:,.1f}",
-                             f"{gbps:.2f}" if backend == "cuda" else "-"])
-                records.append({"prompt": prompt.index, "repeat": rep, "tokens": prompt.tokens,
-                                "wall_s": wall, "tokens_per_s": prompt.tokens / wall,
-                                "pcie_gb_s": gbps, "stats": s})
-    print(markdown_table(["prompt", "repeat", "tokens", "time ms", "tokens/s", "experts streamed",
-                  "streamed MiB", "PCIe GB/s"], rows))
-    print("time: host clock around each prefill call; PCIe GB/s = bytes streamed / that time"
-          + ("" if backend == "cuda" else " (cuda backend only)"))
-    target = Path(args.json) if args.json else cfg.output.json
+    target = output_arg("--json", args.json) if args.json else cfg.output.json
+    progress = progress_for(args)
+    rows: list[list[Any]] = []
+    records: list[dict] = []
+    total = cfg.repeats * len(cfg.prompts)
+    doc: dict[str, Any] = {"command": " ".join(sys.argv), "config": str(cfg.source)}
+    interrupted = False
+    try:
+        with open_engine(cfg, progress) as engine:
+            backend = engine.config.backend
+            resident = resident_count(engine)
+            print(describe(cfg, backend))
+            print(f"resident experts: {resident} of {cfg.spec.total_experts}", flush=True)
+            doc.update(hardware=hardware_line(), backend=backend, resident_experts=resident)
+            n = len(cfg.prompts)
+            for rep in range(cfg.repeats):
+                for prompt in cfg.prompts:
+                    h = prompt.hidden_states(cfg.spec.hidden, cfg.seed)
+                    label = f"prompt {prompt.index + 1}/{n} ({prompt.label})"
+                    _, stats, wall = measure(engine, h, progress, label)
+                    s = stats.as_dict()
+                    rows.append(run_row(prompt, rep, wall, s, backend))
+                    records.append({"prompt": prompt.index, "repeat": rep,
+                                    "tokens": prompt.tokens, "wall_s": wall,
+                                    "tokens_per_s": prompt.tokens / wall,
+                                    "pcie_gb_s": s["bytes_streamed"] / wall / 1e9 if wall > 0
+                                    else 0.0, "stats": s})
+                    if target is not None and len(records) < total:
+                        write_json(target, {**doc, "complete": False, "runs": records},
+                                   final=False)
+    except KeyboardInterrupt:
+        if "backend" not in doc:  # nothing ran yet: nothing to keep
+            raise
+        interrupted = True
+    if rows:
+        print(markdown_table(["prompt", "repeat", "tokens", "time ms", "tokens/s",
+                              "experts streamed", "streamed MiB", "PCIe GB/s"], rows))
+        print("time: host clock around each prefill call; PCIe GB/s = bytes streamed / that "
+              "time" + ("" if doc["backend"] == "cuda" else " (cuda backend only)"))
     if target is not None:
-        write_json(target, {"command": " ".join(sys.argv), "hardware": hardware_line(),
-                             "config": str(cfg.source), "backend": backend,
-                             "resident_experts": resident, "runs": records})
+        write_json(target, {**doc, "complete": not interrupted, "runs": records})
+    if interrupted:
+        interrupted_note("run", len(records), total, "prompt runs")
+        return 130
     return 0
+
+
+def bench_results(cfg: Any, runs: dict[int, dict[str, list[float]]]
+                  ) -> tuple[list[list[Any]], list[dict]]:
+    """Table rows and JSON records of the prompts with at least one finished A, B pair."""
+    rows, records = [], []
+    for prompt in cfg.prompts:
+        times = runs.get(prompt.index, {"A": [], "B": []})
+        pairs = min(len(times["A"]), len(times["B"]))
+        if pairs == 0:
+            continue
+        a, b = times["A"][:pairs], times["B"][:pairs]
+        ma, mb = statistics.median(a), statistics.median(b)
+        change = (mb - ma) / ma * 100
+        rows.append([prompt.tokens, ", ".join(f"{t * 1e3:.1f}" for t in a),
+                     ", ".join(f"{t * 1e3:.1f}" for t in b), f"{change:+.1f}",
+                     f"{prompt.tokens / ma:,.0f} / {prompt.tokens / mb:,.0f}"])
+        records.append({"tokens": prompt.tokens, "a_s": a, "b_s": b, "a_median_s": ma,
+                        "b_median_s": mb, "change_pct": change})
+    return rows, records
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -79,14 +128,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.pairs < 1:
         raise ConfigError(f"--pairs: got {args.pairs}; expected >= 1", source="command line")
     cfg = load(args)
+    target = output_arg("--json", args.json) if args.json else cfg.output.json or output_arg(
+        "--json (default)", f"strata-bench-{Path(args.config).stem}.json")
     saved = os.environ.get(switch)
     runs: dict[int, dict[str, list[float]]] = {}
+    doc: dict[str, Any] = {"command": " ".join(sys.argv), "config": str(cfg.source),
+                           "switch": switch, "a": f"{switch}=0", "b": f"{switch}=1",
+                           "pairs": args.pairs}
+    interrupted = False
     try:
         with open_engine(cfg) as engine:
             backend = engine.config.backend
             print(describe(cfg, backend))
             print(f"resident experts: {resident_count(engine)} of {cfg.spec.total_experts}; "
-                  f"A: {switch}=0, B: {switch}=1; order A, B per pair, {args.pairs} pair(s)")
+                  f"A: {switch}=0, B: {switch}=1; order A, B per pair, {args.pairs} pair(s)",
+                  flush=True)
             warm = min(cfg.prompts, key=lambda p: p.tokens)
             launches = {}
             for value in ("0", "1"):  # compile and first allocations, outside the timing
@@ -95,9 +151,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 launches[value] = (stats.gathers_launched, stats.mmq_launches)
             same = launches["0"] == launches["1"]
             if same:
-                print(f"WARNING: {switch}=0 and =1 launched the same kernels on the warm-up "
-                      f"prompt {launches['0']} (gathers, MMQs): this backend did not take the "
-                      "switch between prefills, so A and B ran the same code")
+                log.warning("%s=0 and =1 launched the same kernels on the warm-up prompt %s "
+                            "(gathers, MMQs): this backend did not take the switch between "
+                            "prefills, so A and B ran the same code", switch, launches["0"])
+            doc.update(hardware=hardware_line(), backend=backend, arms_differ=not same)
             for prompt in cfg.prompts:
                 h = prompt.hidden_states(cfg.spec.hidden, cfg.seed)
                 times = runs.setdefault(prompt.index, {"A": [], "B": []})
@@ -105,32 +162,28 @@ def cmd_bench(args: argparse.Namespace) -> int:
                     for arm, value in (("A", "0"), ("B", "1")):
                         set_switch(engine, switch, value)
                         times[arm].append(measure(engine, h, None, "")[2])
+                if prompt is not cfg.prompts[-1]:
+                    write_json(target, {**doc, "complete": False,
+                                        "rows": bench_results(cfg, runs)[1]}, final=False)
+    except KeyboardInterrupt:
+        if "backend" not in doc:
+            raise
+        interrupted = True
     finally:
         if saved is None:
             os.environ.pop(switch, None)
         else:
             os.environ[switch] = saved
-    rows, records = [], []
-    for prompt in cfg.prompts:
-        a, b = runs[prompt.index]["A"], runs[prompt.index]["B"]
-        ma, mb = statistics.median(a), statistics.median(b)
-        change = (mb - ma) / ma * 100
-        rows.append([prompt.tokens, ", ".join(f"{t * 1e3:.1f}" for t in a),
-                     ", ".join(f"{t * 1e3:.1f}" for t in b), f"{change:+.1f}",
-                     f"{prompt.tokens / ma:,.0f} / {prompt.tokens / mb:,.0f}"])
-        records.append({"tokens": prompt.tokens, "a_s": a, "b_s": b, "a_median_s": ma,
-                        "b_median_s": mb, "change_pct": change})
+    rows, records = bench_results(cfg, runs)
     table = markdown_table(["prompt tokens", "A ms (each run)", "B ms (each run)", "change %",
-                    "tokens/s (A / B, median)"], rows)
-    print(table)
-    print("time: host clock around each prefill call; change % = (median B - median A) / A")
-    target = Path(args.json) if args.json else cfg.output.json or Path(
-        f"strata-bench-{Path(args.config).stem}.json")
-    write_json(target, {"command": " ".join(sys.argv), "hardware": hardware_line(),
-                         "config": str(cfg.source), "backend": backend, "switch": switch,
-                         "a": f"{switch}=0", "b": f"{switch}=1", "pairs": args.pairs,
-                         "arms_differ": not same,
-                         "rows": records, "table": table})
+                            "tokens/s (A / B, median)"], rows)
+    if rows:
+        print(table)
+        print("time: host clock around each prefill call; change % = (median B - median A) / A")
+    write_json(target, {**doc, "complete": not interrupted, "rows": records, "table": table})
+    if interrupted:
+        interrupted_note("bench", len(records), len(cfg.prompts), "prompts")
+        return 130
     return 0
 
 
@@ -138,26 +191,33 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from ..residency import RoutingProfile
 
     cfg = load(args)
-    progress = Progress()
-    counts = None
-    with open_engine(cfg, progress) as engine:
-        for prompt in cfg.prompts:
-            h = prompt.hidden_states(cfg.spec.hidden, cfg.seed)
-            progress.start(f"profile prompt {prompt.index + 1} ({prompt.label})")
-            try:
-                _, stats = engine.prefill(h, record_routing=True)
-            finally:
-                progress.end()
-            counts = stats.routing_counts if counts is None else counts + stats.routing_counts
-    profile = RoutingProfile(counts=counts)
-    out = Path(args.out)
+    out = output_arg("--out", args.out)
+    progress = progress_for(args)
+    counts, done = None, []
+    try:
+        with open_engine(cfg, progress) as engine:
+            for prompt in cfg.prompts:
+                h = prompt.hidden_states(cfg.spec.hidden, cfg.seed)
+                progress.start(f"profile prompt {prompt.index + 1} ({prompt.label})")
+                try:
+                    _, stats = engine.prefill(h, record_routing=True)
+                finally:
+                    progress.end()
+                counts = stats.routing_counts if counts is None else counts + stats.routing_counts
+                done.append(prompt)
+    except KeyboardInterrupt:
+        if counts is None:
+            raise
     out.parent.mkdir(parents=True, exist_ok=True)
-    profile.save(out)
+    RoutingProfile(counts=counts).save(out)
     routed = int(counts.sum())
     where = out.resolve()  # a config resolves `profile:` against its own folder, not the cwd
-    print(f"wrote {where}: routing counts of {sum(p.tokens for p in cfg.prompts)} tokens "
+    print(f"wrote {where}: routing counts of {sum(p.tokens for p in done)} tokens "
           f"({routed} expert choices) over {cfg.spec.n_layers} layers; use it with "
           f"`profile: {where}` in a config")
+    if len(done) < len(cfg.prompts):
+        interrupted_note("profile", len(done), len(cfg.prompts), "prompts")
+        return 130
     return 0
 
 
@@ -167,7 +227,8 @@ EPILOG_RUN = """examples:
   strata run configs/qwen3-30b-a3b-stream.yaml --prompts 8179 --json run.json
 
 prints the model, the resident experts, then per prompt: tokens, time, tokens/s, experts and
-bytes streamed, achieved PCIe GB/s. Progress goes to stderr on long prompts."""
+bytes streamed, achieved PCIe GB/s. Progress goes to stderr on long prompts. The JSON is
+rewritten after each prompt; Ctrl-C prints and keeps the finished prompts (exit 130)."""
 
 EPILOG_BENCH = """examples:
   strata bench configs/qwen3-30b-a3b-stream.yaml

@@ -1,0 +1,132 @@
+"""Prompts of a run config, and the checks their files get before the run starts.
+
+MoE-only models have no embedding table, so a prompt becomes hidden states here: a length gives
+Gaussian rows from a generator seeded with `seed + prompt index`; a token file embeds each token
+id as a fixed Gaussian row seeded with `(seed, token id)` (equal tokens, equal rows); a
+`hidden_file` gives the rows directly.
+
+A bad prompt used to surface only when its turn came, after the earlier prompts had run (and
+their rows were lost with the traceback). So a token file is read and its ids range-checked
+when the config is validated, and a hidden-state file is scanned for NaN and Inf then too,
+naming the file, the row and the column.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .errors import ConfigError
+
+INT64_MAX = (1 << 63) - 1
+#: rows of a hidden-state file checked per step (bounded memory for any file size)
+SCAN_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt: a length, a token file, or a file of hidden states."""
+
+    index: int
+    tokens: int
+    token_file: Path | None = None
+    hidden_file: Path | None = None
+
+    @property
+    def label(self) -> str:
+        src = self.token_file or self.hidden_file
+        return f"{self.tokens} tokens" + (f" ({src.name})" if src else "")
+
+    def hidden_states(self, hidden: int, seed: int) -> np.ndarray:
+        """float32 [tokens, hidden], C-contiguous: what Engine.prefill takes."""
+        if self.hidden_file is not None:
+            return np.ascontiguousarray(np.load(self.hidden_file), dtype=np.float32)
+        if self.token_file is not None:
+            ids = read_token_file(self.token_file)
+            uniq, inverse = np.unique(ids, return_inverse=True)
+            table = np.stack([np.random.default_rng([seed, int(t)]).standard_normal(
+                hidden, dtype=np.float32) for t in uniq])
+            return np.ascontiguousarray(table[inverse.reshape(-1)])
+        rng = np.random.default_rng(seed + self.index)
+        return rng.standard_normal((self.tokens, hidden), dtype=np.float32)
+
+
+def token_id_problem(ids: np.ndarray, vocab_size: int | None = None) -> str | None:
+    """Why these token ids cannot be used (the first bad one, its position and how many are
+    bad), or None. ids: integers of any width, including Python ints (dtype object)."""
+    if ids.size == 0:
+        return None
+    high = INT64_MAX if vocab_size is None else vocab_size - 1
+    what = "int64's largest value" if vocab_size is None else \
+        f"the vocabulary of {vocab_size:,} tokens"
+    allowed = "0..2^63-1 (int64)" if vocab_size is None else f"0..{high:,}"
+    negative = ids < 0
+    if ids.dtype.kind in "iu" and np.iinfo(ids.dtype).max <= high:
+        beyond = np.zeros(ids.shape, dtype=bool)  # (numpy refuses to compare past the dtype)
+    else:
+        beyond = ids > high
+    for bad, why in ((negative, "is negative"), (beyond, f"is beyond {what}")):
+        if bad.any():
+            first = int(np.flatnonzero(bad)[0])
+            more = int(bad.sum()) - 1
+            extra = f" ({more:,} more like it)" if more else ""
+            return (f"token id {ids[first]} at position {first} {why}{extra}; token ids are "
+                    f"whole numbers {allowed}")
+    return None
+
+
+def read_token_file(path: Path, vocab_size: int | None = None) -> np.ndarray:
+    """Token ids (int64) from a .npy integer array or a text file of integers (spaces, commas
+    or newlines between them). ConfigError for anything else, for a negative id, one beyond
+    int64 and, given `vocab_size` (a model with an embedding table), one beyond it."""
+    if path.suffix == ".npy":
+        ids = np.load(path, mmap_mode="r")
+        if ids.dtype.kind not in "iu":
+            raise ConfigError(f"{path}: token ids must be integers, found dtype {ids.dtype}")
+        flat = np.asarray(ids).reshape(-1)
+    else:
+        try:
+            flat = np.array([int(t) for t in path.read_text().replace(",", " ").split()],
+                            dtype=object)
+        except ValueError as e:
+            raise ConfigError(f"{path}: token files hold integers: {e}") from None
+    why = token_id_problem(flat, vocab_size)
+    if why is not None:
+        raise ConfigError(f"{path}: {why}")
+    return flat.astype(np.int64)
+
+
+def first_nonfinite(arr: np.ndarray) -> tuple[int, int, int] | None:
+    """(row, column, rows holding NaN or Inf) of a 2-D float array, or None when all are
+    finite; reads the array (a memory map too) in slices of about SCAN_BYTES."""
+    step = max(1, SCAN_BYTES // max(1, arr.shape[1] * arr.dtype.itemsize))
+    found, bad_rows = None, 0
+    for lo in range(0, arr.shape[0], step):
+        bad = ~np.isfinite(np.asarray(arr[lo: lo + step]))
+        rows = bad.any(axis=1)
+        if rows.any():
+            bad_rows += int(rows.sum())
+            if found is None:
+                r, c = np.argwhere(bad)[0]
+                found = (lo + int(r), int(c))
+    return None if found is None else (found[0], found[1], bad_rows)
+
+
+def hidden_file_problem(path: Path, hidden: int | None) -> tuple[int | None, str | None]:
+    """(rows, None) for a usable hidden-state file, else (None, why): the shape and dtype
+    against [tokens, hidden] float, then the first row holding NaN or Inf."""
+    arr = np.load(path, mmap_mode="r")
+    if arr.ndim != 2 or (hidden is not None and arr.shape[1] != hidden) \
+            or arr.dtype.kind != "f" or arr.shape[0] == 0:
+        want = f"[tokens, {hidden if hidden is not None else 'hidden'}]"
+        return None, f"expected a float array {want}, found {arr.dtype} {arr.shape}"
+    bad = first_nonfinite(arr)
+    if bad is not None:
+        row, col, n = bad
+        value = arr[row, col]
+        more = f"; {n:,} of its {arr.shape[0]:,} rows hold NaN or Inf" if n > 1 else ""
+        return None, (f"row {row} (column {col}) holds {value}{more}; hidden states must be "
+                      "finite (rows count from 0)")
+    return int(arr.shape[0]), None
