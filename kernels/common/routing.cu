@@ -1,0 +1,352 @@
+// MoE routing in four launches with no host sync: router logits on tensor cores, softmax top-k
+// with one warp per token, and a counting sort by expert (per-tile scan, then scatter).
+//
+// Determinism. Every output is a fixed function of the inputs: each logit is one warp's chain
+// of m16n8k16 mma steps in ascending k (the tile shape the launcher picks changes which warp
+// owns an output, never the chain), the softmax sums run in a fixed lane order and xor tree,
+// and the sort is integer arithmetic on bit masks built with atomicOr (order-independent).
+// So a token's logits, ids, weights and row order do not depend on the chunk it sits in.
+//
+// Row conventions are the engine's: expert e owns rows bounds[e] .. bounds[e+1]-1, tokens
+// ascending inside; sorted_token[row] is a row's token, row_of[t*k + j] the row of pair (t, j).
+//
+// Sort tiles: tokens are grouped in tiles of 32 (ROUTE_TILE). The top-k kernel also writes,
+// per expert and tile, a 32-bit mask of the tile's tokens that chose the expert
+// (masks[e * n_tiles + tile]). The scan turns the masks into per-expert prefix counts over
+// tiles; the scatter gives pair (t, j) of expert e the row
+//   bounds[e] + tile_off[e, tile] + popcount(mask[e, tile] & bits below t's lane).
+
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#include "common/mma.cuh"
+
+#define ROUTE_TILE 32
+#define F16_LIMIT 65504.0f
+
+// ---------------------------------------------------------------------------- router logits
+// float32 -> fp16 (round to nearest even) with magnitudes beyond the fp16 range clamped to
+// +-65504 (NaN stays NaN), so an outlier cannot turn a logit into inf.
+__device__ __forceinline__ unsigned f16x2_clamped(float2 v) {
+    const float lo = fabsf(v.x) > F16_LIMIT ? copysignf(F16_LIMIT, v.x) : v.x;
+    const float hi = fabsf(v.y) > F16_LIMIT ? copysignf(F16_LIMIT, v.y) : v.y;
+    const __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const unsigned*>(&h);
+}
+
+// logits[t, e] = sum_c f16(xn[t, c]) * router16[e, c], float32 accumulation on tensor cores.
+// Block tile BM tokens x BN experts, warps WARPS_M x WARPS_N, K steps of BK through a
+// STAGES-deep cp.async ring. xn stays float32 in shared memory and is converted while the A
+// fragments are built. hidden % BK == 0 and n_experts even (the launcher checks).
+template <int BM, int BN, int WARPS_M, int WARPS_N, int BK, int STAGES>
+__device__ __forceinline__ void router_gemm(const float* __restrict__ xn,
+                                            const __half* __restrict__ router,
+                                            float* __restrict__ logits, int tokens, int hidden,
+                                            int n_experts) {
+    constexpr int THREADS = WARPS_M * WARPS_N * 32;
+    constexpr int WM = BM / WARPS_M, WN = BN / WARPS_N;
+    constexpr int MT = WM / 16, NT = WN / 8;
+    constexpr int AS = BK + 8;  // floats per A row: rows land 8 banks apart (float2 reads)
+    constexpr int BS = BK + 8;  // halves per B row: 80- or 144-byte rows (ldmatrix, no conflict)
+    static_assert(MT >= 1 && NT % 2 == 0 && BK % 16 == 0, "tile shape");
+    extern __shared__ __align__(16) unsigned char smem[];
+    float* As = reinterpret_cast<float*>(smem);
+    __half* Bs = reinterpret_cast<__half*>(As + STAGES * BM * AS);
+
+    const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int wm = warp / WARPS_N, wn = warp % WARPS_N;
+    const int g = lane >> 2, q = lane & 3;
+    const int steps = hidden / BK;
+
+    auto load = [&](int stage, int step) {
+        const int k0 = step * BK;
+        float* a = As + stage * BM * AS;
+        for (int i = threadIdx.x; i < BM * (BK / 4); i += THREADS) {
+            const int r = i / (BK / 4), c = (i % (BK / 4)) * 4;
+            const int t = m0 + r;
+            const float* src = t < tokens ? xn + (size_t)t * hidden + k0 + c : xn;
+            cp_async16(a + r * AS + c, src, t < tokens ? 16 : 0);
+        }
+        __half* b = Bs + stage * BN * BS;
+        for (int i = threadIdx.x; i < BN * (BK / 8); i += THREADS) {
+            const int r = i / (BK / 8), c = (i % (BK / 8)) * 8;
+            const int e = n0 + r;
+            const __half* src = e < n_experts ? router + (size_t)e * hidden + k0 + c : router;
+            cp_async16(b + r * BS + c, src, e < n_experts ? 16 : 0);
+        }
+    };
+
+    float acc[MT][NT][4];
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int v = 0; v < 4; ++v) acc[i][j][v] = 0.0f;
+
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < steps) load(s, s);
+        cp_async_commit();
+    }
+    for (int step = 0; step < steps; ++step) {
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();  // stage `step` landed for all; stage step-1 is free to refill
+        const int next = step + STAGES - 1;
+        if (next < steps) load(next % STAGES, next);
+        cp_async_commit();
+
+        const float* a = As + (step % STAGES) * BM * AS + (wm * WM) * AS;
+        const __half* b = Bs + (step % STAGES) * BN * BS + (wn * WN) * BS;
+#pragma unroll
+        for (int kk = 0; kk < BK; kk += 16) {
+            unsigned af[MT][4];
+#pragma unroll
+            for (int i = 0; i < MT; ++i) {
+                const float* r0 = a + (i * 16 + g) * AS + kk + 2 * q;
+                const float* r1 = r0 + 8 * AS;
+                af[i][0] = f16x2_clamped(*reinterpret_cast<const float2*>(r0));
+                af[i][1] = f16x2_clamped(*reinterpret_cast<const float2*>(r1));
+                af[i][2] = f16x2_clamped(*reinterpret_cast<const float2*>(r0 + 8));
+                af[i][3] = f16x2_clamped(*reinterpret_cast<const float2*>(r1 + 8));
+            }
+#pragma unroll
+            for (int j = 0; j < NT; j += 2) {
+                // matrices: (tile j, k 0-7), (tile j, k 8-15), (tile j+1, k 0-7), (tile j+1, k 8-15)
+                const int mat = lane >> 3;
+                const __half* row = b + ((j + (mat >> 1)) * 8 + (lane & 7)) * BS + kk + (mat & 1) * 8;
+                unsigned bf[4];
+                ldmatrix_x4(bf, row);
+#pragma unroll
+                for (int i = 0; i < MT; ++i) {
+                    mma_f16_16x8x16(acc[i][j], af[i], bf[0], bf[1], acc[i][j]);
+                    mma_f16_16x8x16(acc[i][j + 1], af[i], bf[2], bf[3], acc[i][j + 1]);
+                }
+            }
+        }
+    }
+    cp_async_wait<0>();
+
+#pragma unroll
+    for (int i = 0; i < MT; ++i) {
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+            const int e = n0 + wn * WN + j * 8 + 2 * q;
+            const int t = m0 + wm * WM + i * 16 + g;
+            if (e >= n_experts) continue;
+            if (t < tokens)
+                *reinterpret_cast<float2*>(logits + (size_t)t * n_experts + e) =
+                    make_float2(acc[i][j][0], acc[i][j][1]);
+            if (t + 8 < tokens)
+                *reinterpret_cast<float2*>(logits + (size_t)(t + 8) * n_experts + e) =
+                    make_float2(acc[i][j][2], acc[i][j][3]);
+        }
+    }
+}
+
+// Two tile shapes with the same per-output chain (so the same bytes): 64 tokens x 128 experts
+// for long chunks, 16 x 64 for short ones (more blocks, fewer idle SMs).
+// Dynamic shared memory: STAGES * (BM * (BK + 8) * 4 + BN * (BK + 8) * 2) bytes.
+extern "C" __global__ void __launch_bounds__(256)
+router_logits_f16_m64(const float* __restrict__ xn, const __half* __restrict__ router,
+                      float* __restrict__ logits, int tokens, int hidden, int n_experts) {
+    router_gemm<64, 128, 2, 4, 32, 4>(xn, router, logits, tokens, hidden, n_experts);
+}
+
+extern "C" __global__ void __launch_bounds__(128)
+router_logits_f16_m16(const float* __restrict__ xn, const __half* __restrict__ router,
+                      float* __restrict__ logits, int tokens, int hidden, int n_experts) {
+    router_gemm<16, 64, 1, 4, 64, 3>(xn, router, logits, tokens, hidden, n_experts);
+}
+
+// ---------------------------------------------------------------------------- top-k softmax
+// Order-preserving map of float32 onto uint32 (larger float -> larger key).
+__device__ __forceinline__ unsigned float_key(float v) {
+    const unsigned u = __float_as_uint(__fadd_rn(v, 0.0f));  // -0 -> +0: equal logits tie
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+__device__ __forceinline__ float key_float(unsigned k) {
+    return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+
+// One warp per token, 32 tokens (one sort tile) per block of 1024 threads. Lane L holds the
+// logits of experts L, L+32, ... (NPL of them). Pick j is the largest logit not yet picked,
+// ties to the lower expert id (two warp reductions: max key, then min id among the holders);
+// softmax is monotone, so this is top-k by probability with ties to the lower id, decided on
+// the exact logits rather than on rounded probabilities. Then, in float32:
+//   m = largest logit, s = sum_e expf(l_e - m) (each lane in ascending e, then an xor tree),
+//   p_j = expf(l_j - m) / s, w_j = p_j / (p_0 + ... + p_{k-1}) (summed in pick order).
+// Lane j < k writes ids[t*k + j] and weights[t*k + j], and sets bit t%32 of the expert's tile
+// mask. n_experts <= 32*NPL, top_k <= min(32, n_experts).
+template <int NPL>
+__device__ __forceinline__ void topk_softmax_warp(const float* __restrict__ logits, int tokens,
+                                                  int n_experts, int top_k, int* __restrict__ ids,
+                                                  float* __restrict__ weights,
+                                                  unsigned* __restrict__ masks, int n_tiles) {
+    __shared__ unsigned tile_mask[32 * NPL];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int e = threadIdx.x; e < n_experts; e += blockDim.x) tile_mask[e] = 0u;
+    __syncthreads();
+
+    const int t = blockIdx.x * ROUTE_TILE + warp;
+    if (t < tokens) {
+        const float* l = logits + (size_t)t * n_experts;
+        float v[NPL];
+        unsigned key[NPL];
+#pragma unroll
+        for (int i = 0; i < NPL; ++i) {
+            const int e = lane + 32 * i;
+            v[i] = e < n_experts ? l[e] : 0.0f;
+            key[i] = e < n_experts ? float_key(v[i]) : 0u;
+        }
+        unsigned taken = 0u;
+        int my_id = 0;
+        unsigned my_key = 0u, top_key = 0u;
+        for (int j = 0; j < top_k; ++j) {
+            int best = -1;
+            unsigned best_key = 0u;
+#pragma unroll
+            for (int i = 0; i < NPL; ++i) {
+                const bool free = lane + 32 * i < n_experts && !((taken >> i) & 1u);
+                if (free && (best < 0 || key[i] > best_key)) {
+                    best = i;
+                    best_key = key[i];
+                }
+            }
+            const unsigned kmax = __reduce_max_sync(0xffffffffu, best >= 0 ? best_key : 0u);
+            const unsigned cand =
+                best >= 0 && best_key == kmax ? (unsigned)(lane + 32 * best) : 0xffffffffu;
+            const unsigned win = __reduce_min_sync(0xffffffffu, cand);
+            if (cand == win) taken |= 1u << best;
+            if (j == 0) top_key = kmax;
+            if (lane == j) {
+                my_id = (int)win;
+                my_key = kmax;
+            }
+        }
+        const float m = key_float(top_key);
+        float s = 0.0f;
+#pragma unroll
+        for (int i = 0; i < NPL; ++i)
+            if (lane + 32 * i < n_experts) s = __fadd_rn(s, expf(v[i] - m));
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, o));
+        const float p = lane < top_k ? __fdiv_rn(expf(key_float(my_key) - m), s) : 0.0f;
+        float sum_top = 0.0f;
+        for (int j = 0; j < top_k; ++j)
+            sum_top = __fadd_rn(sum_top, __shfl_sync(0xffffffffu, p, j));
+        if (lane < top_k) {
+            ids[(size_t)t * top_k + lane] = my_id;
+            weights[(size_t)t * top_k + lane] = __fdiv_rn(p, sum_top);
+            atomicOr(&tile_mask[my_id], 1u << (t & (ROUTE_TILE - 1)));
+        }
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < n_experts; e += blockDim.x)
+        masks[(size_t)e * n_tiles + blockIdx.x] = tile_mask[e];
+}
+
+#define TOPK_KERNEL(NPL)                                                                    \
+    extern "C" __global__ void __launch_bounds__(1024) topk_softmax_w##NPL(                 \
+        const float* __restrict__ logits, int tokens, int n_experts, int top_k,             \
+        int* __restrict__ ids, float* __restrict__ weights, unsigned* __restrict__ masks,   \
+        int n_tiles) {                                                                      \
+        topk_softmax_warp<NPL>(logits, tokens, n_experts, top_k, ids, weights, masks,       \
+                               n_tiles);                                                    \
+    }
+TOPK_KERNEL(1)
+TOPK_KERNEL(2)
+TOPK_KERNEL(4)
+TOPK_KERNEL(8)
+TOPK_KERNEL(16)
+
+// ---------------------------------------------------------------------------- counting sort
+#define SCAN_THREADS 256
+
+// Exclusive scan over the block (SCAN_THREADS threads), fixed shuffle pattern; returns the
+// exclusive prefix of v and sets *total. Integer: any order gives the same result.
+__device__ __forceinline__ int block_exclusive_scan(int v, int* total) {
+    __shared__ int warp_sum[SCAN_THREADS / 32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int incl = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int u = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += u;
+    }
+    if (lane == 31) warp_sum[warp] = incl;
+    __syncthreads();
+    int before = 0, all = 0;
+#pragma unroll
+    for (int w = 0; w < SCAN_THREADS / 32; ++w) {
+        before += w < warp ? warp_sum[w] : 0;
+        all += warp_sum[w];
+    }
+    __syncthreads();  // warp_sum is reused by the next call
+    *total = all;
+    return before + incl - v;
+}
+
+// Block e: tile_off[e * n_tiles + tile] = tokens of expert e in tiles before `tile`, and
+// totals[e] = all of them. Grid: n_experts blocks of SCAN_THREADS.
+extern "C" __global__ void __launch_bounds__(SCAN_THREADS)
+route_tile_scan(const unsigned* __restrict__ masks, int n_tiles, int* __restrict__ tile_off,
+                int* __restrict__ totals) {
+    const unsigned* m = masks + (size_t)blockIdx.x * n_tiles;
+    int* off = tile_off + (size_t)blockIdx.x * n_tiles;
+    int carry = 0;
+    for (int base = 0; base < n_tiles; base += SCAN_THREADS) {
+        const int tile = base + threadIdx.x;
+        const int c = tile < n_tiles ? __popc(m[tile]) : 0;
+        int round_total;
+        const int before = block_exclusive_scan(c, &round_total);
+        if (tile < n_tiles) off[tile] = carry + before;
+        carry += round_total;
+    }
+    if (threadIdx.x == 0) totals[blockIdx.x] = carry;
+}
+
+// Block = one tile of 32 tokens, one thread per (token, k) pair (32 * top_k threads). Each block
+// turns totals into bounds in shared memory (warp 0; block 0 also writes bounds[0..E]), then
+// places its pairs. n_experts <= 512.
+extern "C" __global__ void __launch_bounds__(512)
+route_scatter(const int* __restrict__ ids, int tokens, int top_k, int n_experts,
+              const unsigned* __restrict__ masks, const int* __restrict__ tile_off,
+              const int* __restrict__ totals, int n_tiles, int* __restrict__ bounds,
+              int* __restrict__ sorted_token, int* __restrict__ row_of) {
+    __shared__ int start[512 + 1];
+    if (threadIdx.x < 32) {
+        const int lane = threadIdx.x;
+        const int per = (n_experts + 31) / 32;
+        const int e0 = min(lane * per, n_experts), e1 = min(e0 + per, n_experts);
+        int mine = 0;
+        for (int e = e0; e < e1; ++e) mine += totals[e];
+        int incl = mine;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int u = __shfl_up_sync(0xffffffffu, incl, o);
+            if (lane >= o) incl += u;
+        }
+        int run = incl - mine;
+        for (int e = e0; e < e1; ++e) {
+            start[e] = run;
+            run += totals[e];
+        }
+        if (lane == 31) start[n_experts] = incl;
+    }
+    __syncthreads();
+    if (blockIdx.x == 0)
+        for (int e = threadIdx.x; e <= n_experts; e += blockDim.x) bounds[e] = start[e];
+    const int tile = blockIdx.x;
+    const long long pair = (long long)tile * ROUTE_TILE * top_k + threadIdx.x;
+    if (pair >= (long long)tokens * top_k) return;
+    const int e = ids[pair];
+    const int t = (int)(pair / top_k);
+    const size_t at = (size_t)e * n_tiles + tile;
+    const unsigned below = (1u << (t & (ROUTE_TILE - 1))) - 1u;
+    const int row = start[e] + tile_off[at] + __popc(masks[at] & below);
+    sorted_token[row] = t;
+    row_of[pair] = row;
+}
