@@ -1,0 +1,245 @@
+"""Grouped fp16 GEMM for every format whose group buffers hold fp16 images, and the IQ3_XXS
+dequantizing gather that produces such images from native blocks.
+
+Why two phases: the exact q8_1 MMQ kernels spend most of their instructions on a per-32-value
+float epilogue. Dequantizing a group's experts once into fp16 images (one launch per group,
+read 98 bytes, write 512 per block of 256 weights) leaves a plain fp16 x fp16 -> fp32 GEMM over
+the whole K, which tensor cores run at several times the rate.
+
+`GroupedGemm.gemm` has the signature of `FormatKernels.mmq`, so a format's launcher can delegate
+to it; `gemm_reference` and `dequant_iq3_images` are the numpy twins the tests compare with.
+
+Numerics: the GEMM accumulates each output in fp32, one mma per 16 values of K in ascending
+order from a zero accumulator, so its bytes do not depend on the tile shape, on rows_hint or on
+the run. It agrees with a float64 product of the same fp16 inputs within a tolerance (tensor
+cores do not round like sequential IEEE adds). The dequantizing gather is exact: each weight is
+fp16(round to nearest even) of the float32 value IQ3XXS.dequantize gives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .errors import FormatError
+from .formats import MMQ_GROUP, ExpertLayout, expert_rows, first_misaligned
+from .launchers import MMQ_ARG_TYPES, MmqTile, check_aligned, launch_mmq
+from .resources import KERNELS_ROOT
+
+if TYPE_CHECKING:
+    from .runtime import Runtime
+
+GEMM_SOURCE = KERNELS_ROOT / "common" / "gemm_f16.cu"
+DEQUANT_SOURCE = KERNELS_ROOT / "iq3_xxs" / "dequant.cu"
+#: weight rows per block (BN in gemm_f16.cu); m must be a multiple
+TILE_N = 128
+#: k must be a multiple of every tile's K step
+K_MULTIPLE = 64
+IQ3_BLOCK_BYTES = 98
+IQ3_BLOCK_VALUES = 256
+DQ_THREADS = 256
+DQ_UNROLL = 4
+#: CUDA blocks one dequantizing launch aims for (spread over its experts)
+DQ_TARGET_BLOCKS = 2048
+
+
+@dataclass(frozen=True)
+class GemmTile:
+    """One compiled GEMM kernel: BM activation rows x 128 weight rows per block, warps owning
+    wm x wn sub-tiles, K stepped bk values per stage through `stages` shared-memory buffers.
+    Mirrors a GEMM_KERNEL line of gemm_f16.cu."""
+
+    name: str
+    bm: int
+    wm: int
+    wn: int
+    bk: int
+    stages: int
+    min_blocks: int
+
+    @property
+    def threads(self) -> int:
+        return 32 * (self.bm // self.wm) * (TILE_N // self.wn)
+
+    @property
+    def smem(self) -> int:
+        """Dynamic shared memory of one block (the kernel traps when given less)."""
+        return self.stages * (self.bm + TILE_N) * self.bk * 2
+
+    @property
+    def launch(self) -> MmqTile:
+        """The geometry the common MMQ launch takes (every tile accepts the same k)."""
+        return MmqTile(m=TILE_N, rows=self.bm, threads=self.threads, k_multiple=K_MULTIPLE,
+                       shared=self.smem)
+
+
+#: every kernel of gemm_f16.cu (tests/test_gemm_f16.py checks the two lists agree)
+TILES = (
+    GemmTile("gemm_f16_m128", 128, 64, 64, 32, 4, 2),
+    GemmTile("gemm_f16_m128_k64", 128, 64, 64, 64, 3, 2),
+    GemmTile("gemm_f16_m128_w8", 128, 64, 32, 32, 4, 1),
+    GemmTile("gemm_f16_m64", 64, 32, 64, 32, 4, 3),
+    GemmTile("gemm_f16_m64_k64", 64, 32, 64, 64, 3, 2),
+    GemmTile("gemm_f16_m32", 32, 32, 32, 64, 4, 2),
+)
+TILES_BY_NAME = {t.name: t for t in TILES}
+#: (largest rows_hint, tile) in order; beyond the last bound the last tile. First guesses, to be
+#: set from bench/bench_gemm.py's per-tile sweep: small tiles waste fewer zero rows on experts
+#: with few rows, large ones read each operand fewer times.
+TILE_RULE = ((48, "gemm_f16_m32"), (160, "gemm_f16_m64"), (None, "gemm_f16_m128"))
+
+
+def pick_tile(rows_hint: int) -> GemmTile:
+    """The tile `gemm` uses for a launch sized for rows_hint rows per expert."""
+    for bound, name in TILE_RULE:
+        if bound is None or rows_hint <= bound:
+            return TILES_BY_NAME[name]
+    raise AssertionError("TILE_RULE ends with an unbounded entry")
+
+
+def fp16_image_bytes(hidden: int, ffn: int) -> tuple[int, int]:
+    """Bytes of an expert's fp16 gate/up image [2*ffn, hidden] and down image [hidden, ffn]."""
+    return 2 * ffn * hidden * 2, hidden * ffn * 2
+
+
+def fp16_image_layout(layout: ExpertLayout) -> ExpertLayout:
+    """A format's blob layout with fp16 images in the group buffers: the same blob ranges, image
+    bytes 2 * rows * cols (what a format that gathers into fp16 images reports)."""
+    gu, dn = fp16_image_bytes(layout.hidden, layout.ffn)
+    return replace(layout, gate_up_image_bytes=gu, down_image_bytes=dn)
+
+
+class GroupedGemm:
+    """Prepared launches of gemm_f16.cu (every tile) and of the IQ3_XXS dequantizing gather on
+    one runtime."""
+
+    def __init__(self, runtime: Runtime):
+        self.runtime = runtime
+        mod = runtime.module(GEMM_SOURCE)
+        self._gemm = {t.name: mod.kernel(t.name, MMQ_ARG_TYPES) for t in TILES}
+        self._dequant = runtime.module(DEQUANT_SOURCE).kernel(
+            "iq3_dequant_gather", "P" * MMQ_GROUP + "PPqqqqqqi")
+
+    def gemm(self, stream, weights: int, expert_ids: tuple[int, ...], acts: int, bounds: int,
+             out: int, m: int, k: int, rows_hint: int, *, tile: str | None = None) -> None:
+        """out[r, :] = W_p @ acts[r, :] for every row r of every expert of the group (the
+        FormatKernels.mmq contract with fp16 images of exactly 2*m*k bytes at weights +
+        p*2*m*k, and fp16 activations [rows, k]). `tile` names a kernel of TILES instead of
+        the one pick_tile chooses (same bytes, other speed)."""
+        if tile is None:
+            chosen = pick_tile(rows_hint)
+        elif tile in TILES_BY_NAME:
+            chosen = TILES_BY_NAME[tile]
+        else:
+            raise FormatError(f"fp16 GEMM tile {tile!r} is unknown; valid: "
+                              f"{', '.join(TILES_BY_NAME)}")
+        launch_mmq(self._gemm[chosen.name], chosen.launch, "fp16 GEMM", stream, weights,
+                   expert_ids, acts, bounds, out, m, k, rows_hint)
+
+    def dequant_gather_iq3(self, stream, srcs: list[int], first_pos: int, gu_buf: int,
+                           down_buf: int, layout: ExpertLayout) -> None:
+        """One launch: the IQ3_XXS blobs at srcs (1..16 device addresses) become fp16 images at
+        positions first_pos.. of the group buffers. `layout` is the IQ3_XXS blob layout with
+        fp16 image bytes (fp16_image_layout); position p's images sit at gu_buf +
+        p*gate_up_image_bytes and down_buf + p*down_image_bytes. Bytes equal
+        dequant_iq3_images of each blob, whatever the batch size."""
+        n = len(srcs)
+        if not 1 <= n <= MMQ_GROUP or not 0 <= first_pos <= MMQ_GROUP - n:
+            raise FormatError(
+                f"dequantizing gather of {n} experts at position {first_pos}: a batch holds "
+                f"1..{MMQ_GROUP} experts and must end by position {MMQ_GROUP - 1}")
+        gu_blocks, dn_blocks = _iq3_blocks(layout)
+        gu_img, dn_img = fp16_image_bytes(layout.hidden, layout.ffn)
+        if (layout.gate_up_image_bytes, layout.down_image_bytes) != (gu_img, dn_img):
+            raise FormatError(
+                f"dequantizing gather: layout image bytes ({layout.gate_up_image_bytes}, "
+                f"{layout.down_image_bytes}) are not the fp16 images' ({gu_img}, {dn_img}); "
+                "pass fp16_image_layout(layout)")
+        check_aligned({"gate/up buffer": gu_buf + first_pos * gu_img,
+                       "down buffer": down_buf + first_pos * dn_img})
+        named = {"gate/up offset": layout.gate_up_offset, "down offset": layout.down_offset}
+        named.update({f"source {i}": s for i, s in enumerate(srcs)})
+        why = first_misaligned(named, align=2)
+        if why is not None:
+            raise FormatError(f"dequantizing gather reads 2-byte words: {why}")
+        total = gu_blocks + dn_blocks
+        per_block = DQ_THREADS // 32 * DQ_UNROLL
+        gx = max(1, min(-(-DQ_TARGET_BLOCKS // n), -(-total // per_block)))
+        ptrs = list(srcs) + [0] * (MMQ_GROUP - n)
+        self._dequant.launch(
+            grid=(gx, n, 1), block=(DQ_THREADS, 1, 1), stream=stream,
+            args=(*ptrs, gu_buf, down_buf, layout.gate_up_offset, gu_blocks, layout.down_offset,
+                  dn_blocks, gu_img, dn_img, first_pos))
+
+
+def _iq3_blocks(layout: ExpertLayout) -> tuple[int, int]:
+    """98-byte blocks of the gate/up and down ranges, checked against the geometry."""
+    h, f = layout.hidden, layout.ffn
+    want = (2 * f * h // IQ3_BLOCK_VALUES, h * f // IQ3_BLOCK_VALUES)
+    got = (layout.gate_up_bytes / IQ3_BLOCK_BYTES, layout.down_bytes / IQ3_BLOCK_BYTES)
+    if h % IQ3_BLOCK_VALUES or f % IQ3_BLOCK_VALUES or got != want:
+        raise FormatError(
+            f"layout (hidden {h}, ffn {f}, gate/up {layout.gate_up_bytes} bytes, down "
+            f"{layout.down_bytes} bytes) is not an IQ3_XXS blob: want hidden and ffn multiples "
+            f"of {IQ3_BLOCK_VALUES} and {want[0]} + {want[1]} blocks of {IQ3_BLOCK_BYTES} bytes")
+    return want
+
+
+# ---------------------------------------------------------------------------- numpy twins
+def gemm_reference(images: np.ndarray, expert_ids: tuple[int, ...], acts_f16: np.ndarray,
+                   bounds: np.ndarray, m: int, k: int) -> np.ndarray:
+    """float64 products of the fp16 images (uint8 [n, >= 2*m*k] or float16 [n, m, k]) and fp16
+    activations [rows, k], rounded to float32 [rows, m]; rows of experts outside the group are
+    zero."""
+    x = np.asarray(acts_f16)
+    if x.dtype != np.float16 or x.ndim != 2 or x.shape[1] != k:
+        raise FormatError(f"activations must be float16 [rows, {k}], got {x.dtype} {x.shape}")
+    img = np.ascontiguousarray(images).view(np.uint8).reshape(len(expert_ids), -1)
+    if img.shape[1] < 2 * m * k:
+        raise FormatError(f"images hold {img.shape[1]} bytes each; an {m} x {k} fp16 image "
+                          f"takes {2 * m * k}")
+    out = np.zeros((x.shape[0], m), dtype=np.float32)
+    for p, r0, r1 in expert_rows(expert_ids, bounds):
+        if r1 > r0:
+            w = img[p, : 2 * m * k].view(np.float16).reshape(m, k).astype(np.float64)
+            out[r0:r1] = x[r0:r1].astype(np.float64) @ w.T
+    return out
+
+
+def _iq3_range_to_f16(raw: np.ndarray) -> np.ndarray:
+    """98-byte IQ3_XXS blocks -> their 256 values each as fp16 bits (uint16), computed the way
+    dequant.cu does: per lane of 8 values, sign applied to the rounded fp16 value."""
+    from .quants.iq3_xxs_grid import GRID
+
+    blk = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1, IQ3_BLOCK_BYTES)
+    nb = blk.shape[0]
+    d = blk[:, :2].copy().view("<f2")[:, 0].astype(np.float32)                  # [nb]
+    words = blk[:, 66:].copy().view("<u4").astype(np.uint32)                    # [nb, 8]
+    db = (d[:, None] * (np.float32(0.5) + (words >> 28).astype(np.float32))) * np.float32(0.5)
+    sidx = (words[:, :, None] >> np.array([0, 7, 14, 21], np.uint32)) & 127     # [nb, 8, 4]
+    parity = np.unpackbits(sidx.astype(np.uint8)[..., None], axis=-1).sum(-1) & 1
+    neg_mask = sidx | (parity.astype(np.uint32) << 7)
+    neg = (neg_mask[..., None] >> np.arange(8, dtype=np.uint32)) & 1            # [nb, 8, 4, 8]
+    grid = np.array(GRID, dtype=np.uint32)[blk[:, 2:66]]                         # [nb, 64]
+    mag = (grid[..., None] >> np.array([0, 8, 16, 24], np.uint32)) & 0xFF       # [nb, 64, 4]
+    vals = db.repeat(32, axis=1) * mag.reshape(nb, 256).astype(np.float32)
+    with np.errstate(over="ignore"):
+        bits = vals.astype(np.float16).view(np.uint16)
+    return bits ^ (neg.reshape(nb, 256).astype(np.uint16) << 15)
+
+
+def dequant_iq3_images(blob: np.ndarray, hidden: int, ffn: int) -> tuple[np.ndarray, np.ndarray]:
+    """numpy twin of the dequantizing gather: an IQ3_XXS expert blob -> (gate/up image, down
+    image) as uint8, the exact bytes of fp16 [2*ffn, hidden] and fp16 [hidden, ffn]."""
+    from .quants.iq3_xxs import IQ3XXS
+
+    lay = IQ3XXS().layout(hidden, ffn)
+    b = np.asarray(blob, dtype=np.uint8).reshape(-1)
+    if b.size < lay.blob_bytes:
+        raise FormatError(f"IQ3_XXS blob of {b.size} bytes; hidden {hidden}, ffn {ffn} take "
+                          f"{lay.blob_bytes}")
+    gu = _iq3_range_to_f16(b[lay.gate_up_offset: lay.gate_up_offset + lay.gate_up_bytes])
+    dn = _iq3_range_to_f16(b[lay.down_offset: lay.down_offset + lay.down_bytes])
+    return gu.reshape(-1).view(np.uint8), dn.reshape(-1).view(np.uint8)
