@@ -209,8 +209,8 @@ __device__ __forceinline__ void topk_softmax_warp(const float* __restrict__ logi
             unsigned best_key = 0u;
 #pragma unroll
             for (int i = 0; i < NPL; ++i) {
-                const bool free = lane + 32 * i < n_experts && !((taken >> i) & 1u);
-                if (free && (best < 0 || key[i] > best_key)) {
+                const bool avail = lane + 32 * i < n_experts && !((taken >> i) & 1u);
+                if (avail && (best < 0 || key[i] > best_key)) {
                     best = i;
                     best_key = key[i];
                 }
@@ -219,7 +219,7 @@ __device__ __forceinline__ void topk_softmax_warp(const float* __restrict__ logi
             const unsigned cand =
                 best >= 0 && best_key == kmax ? (unsigned)(lane + 32 * best) : 0xffffffffu;
             const unsigned win = __reduce_min_sync(0xffffffffu, cand);
-            if (cand == win) taken |= 1u << best;
+            if (best >= 0 && cand == win) taken |= 1u << best;
             if (j == 0) top_key = kmax;
             if (lane == j) {
                 my_id = (int)win;
