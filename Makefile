@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup setup-test demo test lint check-kernels clean
+.PHONY: setup setup-test demo test lint check-kernels dist clean
 
 # strata_rt alone: what `make demo` needs
 setup: $(VENV)/.installed
@@ -14,11 +14,12 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 	$(BIN)/python -m pip install -q -e .
 	touch $@
 
-# plus the test extras and the entry-point test plugin
+# plus the test extras and the entry-point test plugin (editable: its module and kernels are
+# read from tests/plugins, while its entry point is published like any installed plugin's)
 setup-test: $(VENV)/.installed-test
 
 $(VENV)/.installed-test: $(VENV)/.installed tests/plugins/strata_testfmt/pyproject.toml
-	$(BIN)/python -m pip install -q -e '.[test]' ./tests/plugins/strata_testfmt
+	$(BIN)/python -m pip install -q -e '.[test]' -e ./tests/plugins/strata_testfmt
 	touch $@
 
 demo: setup
@@ -33,5 +34,9 @@ check-kernels: setup-test
 test: lint check-kernels
 	$(BIN)/python -m pytest -q
 
+# the sdist and wheel a user installs (`pip install dist/strata_rt-*.whl`)
+dist: setup-test
+	$(BIN)/python -m build --outdir dist .
+
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache dist

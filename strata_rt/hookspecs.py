@@ -1,7 +1,9 @@
 """The hooks a quant plugin implements, declared by marker as pytest declares its own.
 
 A plugin is a module (listed in plugins.yaml or published under the entry point group
-`strata_rt.quants`) with functions decorated by `strata_rt.hookimpl`.
+`strata_rt.quants`) with functions decorated by `strata_rt.hookimpl`. strata_rt's registry
+registers every plugin with one pluggy PluginManager and calls the hooks through it, so a
+plugin that is disabled (blocked by name) never runs.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ plugin and where it came from, with the file and line where it was raised.
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import sys
 import traceback
@@ -33,12 +34,15 @@ from .errors import PluginError
 from .formats import QuantFormat
 from .resources import BUILTIN_PLUGINS_YAML
 
+log = logging.getLogger(__name__)
+
 ENTRY_POINT_GROUP = "strata_rt.quants"
 DEFAULT_PLUGINS_YAML = BUILTIN_PLUGINS_YAML
 #: the environment switch naming plugins to skip (comma-separated plugin or module names)
 DISABLE_SWITCH = "STRATA_DISABLE_PLUGINS"
 _HOOK = "strata_rt_formats"
 _IDENTITY = ("name", "block_values", "block_bytes")
+_ACTIVATIONS = ("q8_1", "f16")  # the encodings kernels/common builds
 _RELATIVE_IMPORT_HINT = (
     "; a module that imports its own siblings relatively (`from .x import ...`) must live in a "
     "package (a folder with __init__.py): list it as `package.module`")
@@ -128,9 +132,10 @@ def _check_format(fmt: object, plugin: str, origin: str) -> QuantFormat:
     for attr in _IDENTITY:
         if not hasattr(fmt, attr):
             raise PluginError(f"{where}: format {type(fmt).__name__} lacks `{attr}`")
-    if fmt.activation not in ("q8_1", "f16"):
-        raise PluginError(f"{where}: format {fmt.name} has activation "
-                          f"{fmt.activation!r}; allowed: q8_1, f16")
+    activation = getattr(fmt.activation, "name", fmt.activation)  # an Activation or its name
+    if activation not in _ACTIVATIONS:
+        raise PluginError(f"{where}: format {fmt.name} has activation {fmt.activation!r}; "
+                          f"allowed: {', '.join(_ACTIVATIONS)}")
     try:  # plugin code: its launchers (may import its device module) and its sources
         batches = fmt.offers_batched_gather()
         sources = [Path(p) for p in fmt.kernel_sources()]
@@ -231,6 +236,7 @@ class QuantRegistry:
         for name, why in off.items():
             self.pm.set_blocked(name)
             self.disabled[name] = why
+            log.debug("plugin %s disabled by %s", name, why)
 
     def _register_listed(self, module_name: str, origin: str) -> None:
         if self.pm.is_blocked(module_name):
@@ -329,6 +335,7 @@ class QuantRegistry:
                             f"({other.origin}), one from plugin {name} ({origin})")
                     self.formats[fmt.name] = LoadedFormat(
                         fmt, name, origin, self._module[name], distribution, version)
+                    log.debug("format %s from plugin %s (%s)", fmt.name, name, origin)
 
     # ------------------------------------------------------------------ lookup
     def __getitem__(self, name: str) -> QuantFormat:

@@ -12,6 +12,8 @@ import pytest
 import strata_rt
 from strata_rt.errors import PluginError
 from strata_rt.registry import QuantRegistry
+from strata_rt.resources import common_include_dir
+from strata_rt.runtime.compile import compile_cubin, nvcc_available
 
 FORMAT_MODULE = """
 from strata_rt import hookimpl
@@ -376,3 +378,18 @@ def test_two_distributions_publishing_one_plugin_name(plugins, published):
     published("dist-two", {"same_ep": m2}, {})
     with pytest.raises(PluginError, match=r"two plugins named 'same_ep' publish entry points"):
         QuantRegistry(plugins.yaml("plugins: []\n"), disabled=())
+
+
+# ---------------------------------------------------------------- plugin kernels
+@pytest.mark.skipif(not nvcc_available(), reason="nvcc not on PATH")
+def test_plugin_kernel_includes_the_shared_headers_by_name(tmp_path, monkeypatch):
+    """A plugin's kernels live outside strata_rt; common_include_dir() is on nvcc's include
+    path, so they include the shared headers by name (or as common/<name>)."""
+    monkeypatch.setenv("STRATA_KERNEL_CACHE", str(tmp_path / "cache"))
+    assert (common_include_dir() / "mma.cuh").is_file()
+    src = tmp_path / "my_plugin" / "kernels" / "probe.cu"
+    src.parent.mkdir(parents=True)
+    src.write_text('#include <cuda_fp16.h>\n#include "mma.cuh"\n#include "common/q8_1.cuh"\n'
+                   'extern "C" __global__ void probe(Ids16 ids, int* out) '
+                   '{ out[0] = ids.v[0]; }\n')
+    assert compile_cubin(src, "sm_80").stat().st_size > 0
