@@ -191,6 +191,20 @@ def test_launcher_kernels_exist_in_the_source():
             assert f"{name}(" in src
 
 
+def test_gemm_tile_table_matches_the_kernel_templates():
+    """The launcher's grid and shared-memory sizes come from the template arguments."""
+    src = ROUTING_SOURCE.read_text()
+    for name, (bm, bn, threads, shared) in GEMM_TILES.items():
+        m = re.search(rf"router_logits_f16_{name}\(.*?router_gemm<(\d+), (\d+), (\d+), (\d+), "
+                      rf"(\d+), (\d+)>", src, re.S)
+        assert m, name
+        tbm, tbn, wm, wn, bk, stages = map(int, m.groups())
+        assert (tbm, tbn, wm * wn * 32) == (bm, bn, threads)
+        assert shared == stages * (tbm * (bk + 8) * 4 + tbn * (bk + 8) * 2)
+        assert 64 % bk == 0  # HIDDEN_MULTIPLE covers every K step
+        assert f"__launch_bounds__({threads})\nrouter_logits_f16_{name}(" in src
+
+
 class _Recorder:
     def __init__(self):
         self.calls = []
