@@ -21,16 +21,12 @@ reference keeps float copies of the weights it touches, so it is for small model
 
 from __future__ import annotations
 
-import logging
-
 import numpy as np
 
 from ..errors import BudgetError, ConfigError
 from ..model import Model, rms_norm, route, silu
 from .spec import Qwen3Spec
 from .weights import DenseTensor, Qwen3Model
-
-log = logging.getLogger(__name__)
 
 
 class KVCache:
@@ -71,7 +67,9 @@ class KVCache:
     def values(self, layer: int, end: int | None = None) -> np.ndarray:
         return self._v[layer, : self.length if end is None else end]
 
-    def _store(self, layer: int, start: int, k: np.ndarray, v: np.ndarray) -> None:
+    def write(self, layer: int, start: int, k: np.ndarray, v: np.ndarray) -> None:
+        """Stores keys and values of positions start.. (reserve first; `length` is the
+        caller's to advance once every layer holds them)."""
         self._k[layer, start: start + len(k)] = k
         self._v[layer, start: start + len(v)] = v
 
@@ -195,7 +193,7 @@ class Qwen3Reference:
         lw = self.model.dense.layers[layer]
         x = rms_norm(h, self._f(lw.attn_norm), self.spec.rms_eps)
         q, k, v = self.qkv(layer, x, cos, sin)
-        cache._store(layer, start, k, v)
+        cache.write(layer, start, k, v)
         end = start + len(h)
         out = self.attend(q, cache.keys(layer, end), cache.values(layer, end), start)
         return mm(out.reshape(len(h), self.spec.q_dim), self._f(lw.attn_output))
