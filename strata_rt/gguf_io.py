@@ -1,21 +1,29 @@
-"""GGUF files of MoE models (qwen3moe tensor names and keys): reading them into model arrays and
-writing small ones (tests, `strata inspect` examples).
+"""GGUF files of MoE models (qwen3moe tensor names and keys): opening and checking them, where
+their tensors lie in the file, and writing small ones (tests, `strata inspect` examples).
 
 Every problem with a file is a GGUFError naming the file, the tensor or key, what it holds and
 what was expected: a model loaded from the wrong file must fail at load, not produce numbers.
+`scan_moe` collects every problem of a file instead of stopping at the first, so `strata
+inspect` can list them all and `run` (through `open_moe`) rejects the same files.
+
+Expert tensors are not read here: `TensorRef` says where one lies and `FileMap` maps the file,
+so the loader copies bytes from the map straight into the expert store, a layer at a time.
+This module depends on nothing above it (not on the model): the model imports it.
 """
 
 from __future__ import annotations
 
-import sys
+import math
+import mmap
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .errors import FormatError, GGUFError
-from .formats import QuantFormat
+from . import gguf_checks
+from .errors import GGUFError
 
 ARCH = "qwen3moe"
 #: (name suffix, spec field) of the integer keys a MoE file must carry
@@ -24,6 +32,9 @@ DIM_KEYS = (("block_count", "n_layers"), ("embedding_length", "hidden"),
             ("expert_feed_forward_length", "ffn"))
 EPS_KEY = "attention.layer_norm_rms_epsilon"
 DEFAULT_RMS_EPS = 1e-6
+EXPERT_PARTS = ("gate", "up", "down")
+#: tensors of one truncated file listed one by one; the rest are counted
+MAX_LISTED = 10
 
 
 def tensor_names(layer: int) -> dict[str, str]:
@@ -31,12 +42,6 @@ def tensor_names(layer: int) -> dict[str, str]:
     return {"router": p + "ffn_gate_inp.weight", "norm": p + "ffn_norm.weight",
             "gate": p + "ffn_gate_exps.weight", "up": p + "ffn_up_exps.weight",
             "down": p + "ffn_down_exps.weight"}
-
-
-# ---------------------------------------------------------------------------- reading
-def _field(reader, name: str):
-    f = reader.fields.get(name)
-    return None if f is None else f.contents()
 
 
 def _type_name(t: int) -> str:
@@ -48,129 +53,277 @@ def _type_name(t: int) -> str:
         return f"type {int(t)}"
 
 
-def _shape(t) -> tuple[int, ...]:
-    """A tensor's logical shape, outermost first (GGUF stores it innermost first)."""
-    return tuple(int(x) for x in reversed(list(t.shape)))
+def problems_error(path: Path, problems: list[str]) -> GGUFError:
+    """One GGUFError for all of a file's problems (one line each)."""
+    if len(problems) == 1:
+        return GGUFError(f"{path}: {problems[0]}")
+    lines = "\n".join(f"  - {p}" for p in problems)
+    return GGUFError(f"{path}: {len(problems)} problems:\n{lines}")
 
 
-def _dequantizable(t) -> bool:
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
+# ---------------------------------------------------------------------------- the reader
+class _ShortRead(Exception):
+    def __init__(self, end: int):
+        self.end = end
 
-    if int(t.tensor_type) in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-        return True
+
+class _BadTensors(Exception):
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+
+
+def _reader_class() -> type:
+    """GGUFReader that checks every range against the file size before numpy sees it: the
+    plain reader turns a truncated file into "cannot reshape array of size ..." or "index 0 is
+    out of bounds"; this one names the tensor, the bytes it needs and the bytes there are."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+
+    class Reader(GGUFReader):
+        def _get(self, offset, dtype, count=1, override_order=None):
+            end = int(offset) + np.dtype(dtype).itemsize * int(count)
+            if int(count) < 0 or end > len(self.data):
+                raise _ShortRead(end)
+            return super()._get(offset, dtype, count, override_order)
+
+        def _build_tensors(self, start_offs, fields):
+            size, bad, short = len(self.data), [], []
+            for f in fields:
+                _, name_data, _, dims, raw_type, offset = f.parts
+                name = bytes(name_data).decode("utf-8", "replace")
+                try:
+                    qt = GGMLQuantizationType(int(raw_type[0]))
+                    block, type_bytes = GGML_QUANT_SIZES[qt]
+                except (ValueError, KeyError):
+                    bad.append(f"tensor {name} has type id {int(raw_type[0])}, which this gguf "
+                               "package does not know")
+                    continue
+                shape = [int(d) for d in dims]
+                if shape and shape[0] % block:
+                    bad.append(f"tensor {name}: rows of {shape[0]} values are not a multiple "
+                               f"of the {qt.name} block of {block}")
+                    continue
+                lo = int(start_offs) + int(offset[0])
+                hi = lo + math.prod(shape) // block * type_bytes
+                if hi > size:
+                    short.append((name, lo, hi))
+            for name, lo, hi in short[:MAX_LISTED]:
+                bad.append(f"the file is truncated: tensor {name} needs bytes {lo:,}..{hi:,} "
+                           f"({hi - lo:,} bytes); the file has {size:,} bytes")
+            if len(short) > MAX_LISTED:
+                bad.append(f"{len(short) - MAX_LISTED} more tensors end past the file's "
+                           f"{size:,} bytes")
+            if bad:
+                raise _BadTensors(bad)
+            super()._build_tensors(start_offs, fields)
+
+    return Reader
+
+
+def open_reader(path: Path) -> Any:
+    """The gguf package's reader (memory-mapped) with every failure as a GGUFError."""
+    if path.is_dir():
+        raise GGUFError(f"{path}: is a directory; expected a GGUF file")
+    if not path.exists():
+        raise GGUFError(f"{path}: no such GGUF file")
     try:
-        dequantize(t.data[:1], t.tensor_type)
-    except (NotImplementedError, ValueError, KeyError):
-        return False
-    return True
+        size = path.stat().st_size
+        if size == 0:
+            raise GGUFError(f"{path}: the file is empty (0 bytes); expected a GGUF file")
+        return _reader_class()(str(path))
+    except _ShortRead as e:
+        raise GGUFError(f"{path}: not a readable GGUF file: its header is cut short (reading "
+                        f"its keys and tensor list needs {e.end:,} bytes; the file has "
+                        f"{size:,} bytes)") from None
+    except _BadTensors as e:
+        raise problems_error(path, e.problems) from None
+    except OSError as e:
+        raise GGUFError(f"{path}: cannot read it: {e.strerror or e}") from None
+    except Exception as e:  # the gguf package raises bare ValueError/KeyError on bad headers
+        raise GGUFError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
 
 
-def _as_float(path: Path, t) -> np.ndarray:
-    from gguf.quants import dequantize
-
-    if not _dequantizable(t):
-        raise GGUFError(f"{path}: tensor {t.name} has type {_type_name(t.tensor_type)}, which "
-                        "strata_rt cannot read as float (use F32, F16, BF16 or a type the gguf "
-                        "package dequantizes)")
-    return np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(_shape(t))
+def _field(reader: Any, name: str) -> Any:
+    f = reader.fields.get(name)
+    return None if f is None else f.contents()
 
 
 def read_header(path: Path) -> tuple[Any, dict[str, Any]]:
     """Opens the file (memory-mapped) and reads the MoE dims; returns (reader, dims) with dims
-    keyed by MoESpec field names."""
-    from gguf import GGUFReader
-
-    if not path.is_file():
-        raise GGUFError(f"{path}: no such GGUF file")
-    try:
-        reader = GGUFReader(str(path))
-    except Exception as e:  # the gguf package raises bare ValueError/struct errors
-        raise GGUFError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+    keyed by MoESpec field names plus "arch"."""
+    path = Path(path)
+    reader = open_reader(path)
     arch = _field(reader, "general.architecture")
     if not isinstance(arch, str):
         raise GGUFError(f"{path}: key general.architecture is missing; expected e.g. {ARCH!r}")
     dims: dict[str, Any] = {"arch": arch}
-    for suffix, field in DIM_KEYS:
+    problems = []
+    for suffix, name in DIM_KEYS:
         key = f"{arch}.{suffix}"
         v = _field(reader, key)
         if v is None:
-            raise GGUFError(f"{path}: key {key} is missing (an MoE GGUF needs "
+            problems.append(f"key {key} is missing (an MoE GGUF needs "
                             f"{', '.join(arch + '.' + s for s, _ in DIM_KEYS)})")
-        if isinstance(v, list | str | bool) or int(v) != v or int(v) <= 0:
-            raise GGUFError(f"{path}: key {key} = {v!r}; expected a positive integer")
-        dims[field] = int(v)
+        elif isinstance(v, list | str | bool) or int(v) != v or int(v) <= 0:
+            problems.append(f"key {key} = {v!r}; expected a positive integer")
+        else:
+            dims[name] = int(v)
+    if problems:
+        raise problems_error(path, problems)
     eps = _field(reader, f"{arch}.{EPS_KEY}")
     # stored as float32: take its shortest decimal form so 1e-6 reads back as 1e-6
     dims["rms_eps"] = DEFAULT_RMS_EPS if eps is None else float(str(np.float32(eps)))
+    if not dims["rms_eps"] > 0 or not math.isfinite(dims["rms_eps"]):
+        raise GGUFError(f"{path}: key {arch}.{EPS_KEY} = {dims['rms_eps']}; expected a "
+                        "number > 0")
     if dims["top_k"] > dims["n_experts"]:
         raise GGUFError(f"{path}: key {arch}.expert_used_count = {dims['top_k']} exceeds "
                         f"{arch}.expert_count = {dims['n_experts']}")
     return reader, dims
 
 
-def read_moe_gguf(path: Path, fmt: QuantFormat):
-    """-> (MoESpec, router [L, E, H], norm [L, H], blobs uint8 [L, E, blob_bytes])."""
-    from .model import MoESpec
+# ---------------------------------------------------------------------------- tensors
+@dataclass(frozen=True)
+class TensorRef:
+    """Where a tensor lies in its file; small and picklable, so conversion workers map the
+    file themselves and read only their part."""
 
-    reader, d = read_header(path)
-    arch = d.pop("arch")
-    L, H, F, E = d["n_layers"], d["hidden"], d["ffn"], d["n_experts"]
-    try:
-        spec = MoESpec(format=fmt.name, **d)
-        lay = fmt.layout(H, F)
-    except Exception as e:
-        raise GGUFError(f"{path}: dims from the keys do not fit format {fmt.name}: {e}") from None
-    tensors = {t.name: t for t in reader.tensors}
+    name: str
+    ggml_type: int
+    shape: tuple[int, ...]  # logical, outermost first (GGUF lists it innermost first)
+    offset: int             # absolute byte offset in the file
+    nbytes: int
+
+    @classmethod
+    def of(cls, t: Any) -> TensorRef:
+        return cls(t.name, int(t.tensor_type), tuple(int(x) for x in reversed(list(t.shape))),
+                   int(t.data_offset), int(t.n_bytes))
+
+    @property
+    def type_name(self) -> str:
+        return _type_name(self.ggml_type)
+
+
+class FileMap:
+    """A read-only memory map of one file. `bytes(ref)` views a tensor without copying;
+    `release(ref)` drops its pages from this process (they stay in the page cache), so a
+    layer-by-layer copy holds about one layer of the file at a time."""
+
+    def __init__(self, path: Path):
+        with open(path, "rb") as f:
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self.path = path
+
+    def bytes(self, ref: TensorRef) -> np.ndarray:
+        return np.frombuffer(self._map, np.uint8, ref.nbytes, ref.offset)
+
+    def release(self, ref: TensorRef) -> None:
+        self.release_range(ref.offset, ref.nbytes)
+
+    def release_range(self, offset: int, nbytes: int) -> None:
+        advice = getattr(mmap, "MADV_DONTNEED", None)
+        if advice is None or nbytes <= 0:
+            return
+        lo = offset - offset % mmap.PAGESIZE
+        self._map.madvise(advice, lo, offset + nbytes - lo)
+
+
+# ---------------------------------------------------------------------------- MoE files
+@dataclass
+class MoEFile:
+    """What `scan_moe` found: the dims, the router and norm weights, the expert tensors of each
+    layer (None where a layer has a missing or misshapen one) and every problem."""
+
+    path: Path
+    arch: str
+    dims: dict[str, Any]
+    router: np.ndarray                      # float32 [L, E, H]
+    norm: np.ndarray                        # float32 [L, H]
+    experts: list[dict[str, TensorRef] | None]
+    types: dict[str, int] = field(default_factory=dict)  # expert tensor type -> count
+    problems: list[str] = field(default_factory=list)
+
+    def raise_problems(self) -> None:
+        if self.problems:
+            raise problems_error(self.path, self.problems)
+
+
+def _read_float(t: Any, out: np.ndarray, problems: list[str]) -> bool:
+    from gguf.quants import dequantize
+
+    if not gguf_checks.dequantizable(int(t.tensor_type)):
+        problems.append(f"tensor {t.name} has type {_type_name(t.tensor_type)}, which "
+                        "strata_rt cannot read as float (use F32, F16, BF16 or a type the gguf "
+                        "package dequantizes)")
+        return False
+    out[...] = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(out.shape)
+    return True
+
+
+def _shape_problem(name: str, part: str, shape: tuple[int, ...], want: tuple[int, ...],
+                   arch: str, dims: dict[str, Any]) -> str | None:
+    if shape == want:
+        return None
+    E = dims["n_experts"]
+    if len(shape) == len(want) and part != "norm" and shape[0] != E and shape[1:] == want[1:]:
+        return f"tensor {name} holds {shape[0]} experts but key {arch}.expert_count = {E}"
+    return (f"tensor {name} has shape {list(shape)}; expected {list(want)} from the keys "
+            f"(n_experts={E}, ffn={dims['ffn']}, hidden={dims['hidden']})")
+
+
+def scan_moe(path: Path) -> MoEFile:
+    """Reads the header and the router and norm weights and checks every tensor the engine
+    reads for presence, shape and type, and router and norm for NaN/Inf. A file that cannot
+    be read at all raises GGUFError; problems with tensors are collected in `.problems`.
+    Expert values are checked separately (`gguf_checks.check_experts`): that reads the whole
+    file."""
+    path = Path(path)
+    reader, dims = read_header(path)
+    arch = dims.pop("arch")
+    L, H, F, E = dims["n_layers"], dims["hidden"], dims["ffn"], dims["n_experts"]
     want = {"router": (E, H), "norm": (H,), "gate": (E, F, H), "up": (E, F, H),
             "down": (E, H, F)}
-    router = np.empty((L, E, H), np.float32)
-    norm = np.empty((L, H), np.float32)
-    blobs = np.empty((L, E, lay.blob_bytes), np.uint8)
-    converted: set[str] = set()  # GGUF types that go through float weights
+    tensors = {t.name: t for t in reader.tensors}
+    router = np.zeros((L, E, H), np.float32)
+    norm = np.zeros((L, H), np.float32)
+    moe = MoEFile(path, arch, dims, router, norm, [])
+    for t in reader.tensors:
+        if "_exps." in t.name:
+            k = _type_name(t.tensor_type)
+            moe.types[k] = moe.types.get(k, 0) + 1
     for layer in range(L):
         names = tensor_names(layer)
-        got = {}
+        refs: dict[str, TensorRef] = {}
         for part, name in names.items():
             t = tensors.get(name)
             if t is None:
-                raise GGUFError(f"{path}: tensor {name} is missing ({arch}.block_count = {L} "
-                                f"says layer {layer} exists)")
-            shape = _shape(t)
-            if shape != want[part]:
-                if len(shape) == len(want[part]) and part != "norm" and shape[0] != E \
-                        and shape[1:] == want[part][1:]:
-                    raise GGUFError(f"{path}: tensor {name} holds {shape[0]} experts but key "
-                                    f"{arch}.expert_count = {E}")
-                raise GGUFError(
-                    f"{path}: tensor {name} has shape {list(shape)}; expected {list(want[part])}"
-                    f" from the keys (n_experts={E}, ffn={F}, hidden={H})")
-            got[part] = t
-        router[layer] = _as_float(path, got["router"])
-        norm[layer] = _as_float(path, got["norm"])
-        for part in ("gate", "up", "down"):
-            t = got[part]
-            if fmt.ggml_type is None or int(t.tensor_type) != fmt.ggml_type:
-                converted.add(_type_name(t.tensor_type))
-                if not _dequantizable(t):
-                    raise GGUFError(
-                        f"{path}: tensor {t.name} has type {_type_name(t.tensor_type)}: format "
-                        f"{fmt.name} does not take it raw and the gguf package cannot "
-                        f"dequantize it")
-        try:
-            blobs[layer] = fmt.pack_gguf_experts(got["gate"], got["up"], got["down"])
-        except FormatError as e:
-            raise GGUFError(f"{path}: layer {layer} experts ({names['gate']}, {names['up']}, "
-                            f"{names['down']}) do not convert to {fmt.name}: {e}") from None
-    if converted:  # nothing falls back silently: one line per file, not one per layer
-        print(f"strata: {path}: expert tensors of type {', '.join(sorted(converted))} are not "
-              f"{fmt.name}; converted through float weights (dequantized by the gguf package, "
-              f"then quantized)", file=sys.stderr)
-    return spec, router, norm, blobs
+                moe.problems.append(f"tensor {name} is missing ({arch}.block_count = {L} says "
+                                    f"layer {layer} exists)")
+                continue
+            ref = TensorRef.of(t)
+            bad = _shape_problem(name, part, ref.shape, want[part], arch, dims)
+            if bad is not None:
+                moe.problems.append(bad)
+            elif part == "router":
+                if _read_float(t, router[layer], moe.problems):
+                    moe.problems += gguf_checks.check_router(name, layer, router[layer])
+            elif part == "norm":
+                if _read_float(t, norm[layer], moe.problems):
+                    moe.problems += gguf_checks.check_norm(name, layer, norm[layer])
+            else:
+                refs[part] = ref
+        moe.experts.append(refs if len(refs) == len(EXPERT_PARTS) else None)
+    return moe
+
+
+def open_moe(path: Path) -> MoEFile:
+    """scan_moe, raising one GGUFError that lists every problem found."""
+    moe = scan_moe(path)
+    moe.raise_problems()
+    return moe
 
 
 # ---------------------------------------------------------------------------- writing
-def _expert_tensors(model) -> dict[str, tuple[np.ndarray, Any]]:
+def _expert_tensors(model: Any) -> dict[str, tuple[np.ndarray, Any]]:
     """Per layer (gate, up, down) arrays and their GGUF type: the format's raw rows when it has
     a GGUF type (its blob is then gate rows, up rows, down rows in that encoding), else
     float32 dequantized weights."""
@@ -182,7 +335,7 @@ def _expert_tensors(model) -> dict[str, tuple[np.ndarray, Any]]:
         names = tensor_names(layer)
         if fmt.ggml_type is not None:
             qt = GGMLQuantizationType(fmt.ggml_type)
-            raw = model.blobs[layer]
+            raw = np.stack([model.expert_blob(layer, e) for e in range(spec.n_experts)])
             half = lay.gate_up_bytes // 2
             gu = raw[:, lay.gate_up_offset: lay.gate_up_offset + lay.gate_up_bytes]
             parts = {"gate": gu[:, :half].reshape(spec.n_experts, spec.ffn, -1),
@@ -193,22 +346,23 @@ def _expert_tensors(model) -> dict[str, tuple[np.ndarray, Any]]:
                 out[names[p]] = (np.ascontiguousarray(a), qt)
         else:
             mats = [model.dequantized(layer, e) for e in range(spec.n_experts)]
-            for i, p in enumerate(("gate", "up", "down")):
+            for i, p in enumerate(EXPERT_PARTS):
                 out[names[p]] = (np.stack([m[i] for m in mats]).astype(np.float32), None)
     return out
 
 
-def write_moe_gguf(path: str | Path, model, *, arch: str = ARCH, omit: Iterable[str] = (),
+def write_moe_gguf(path: str | Path, model: Any, *, arch: str = ARCH, omit: Iterable[str] = (),
                    keys: Mapping[str, Any] | None = None,
                    tensors: Mapping[str, tuple[np.ndarray, Any]] | None = None) -> Path:
-    """Writes `model` as a qwen3moe-style GGUF. For tests of bad files: `omit` leaves tensors
+    """Writes `model` (anything with .spec, .fmt, .layout, .router, .norm, .expert_blob and
+    .dequantized) as a qwen3moe-style GGUF. For tests of bad files: `omit` leaves tensors
     out, `keys` overrides keys by full name (None drops one; ints are written as uint32),
     `tensors` replaces tensors by name with (array, GGMLQuantizationType or None)."""
     from gguf import GGUFWriter
 
     path = Path(path)
     spec = model.spec
-    kv: dict[str, Any] = {f"{arch}.{suffix}": getattr(spec, field) for suffix, field in DIM_KEYS}
+    kv: dict[str, Any] = {f"{arch}.{suffix}": getattr(spec, name) for suffix, name in DIM_KEYS}
     kv[f"{arch}.{EPS_KEY}"] = float(spec.rms_eps)
     kv.update(keys or {})
     all_t: dict[str, tuple[np.ndarray, Any]] = {}
@@ -216,8 +370,11 @@ def write_moe_gguf(path: str | Path, model, *, arch: str = ARCH, omit: Iterable[
         names = tensor_names(layer)
         all_t[names["router"]] = (model.router[layer], None)
         all_t[names["norm"]] = (model.norm[layer], None)
-    all_t.update(_expert_tensors(model))
-    all_t.update(tensors or {})
+    replaced = dict(tensors or {})
+    if not all(n in replaced or n in set(omit) for layer in range(spec.n_layers)
+               for p, n in tensor_names(layer).items() if p in EXPERT_PARTS):
+        all_t.update(_expert_tensors(model))
+    all_t.update(replaced)
     w = GGUFWriter(str(path), arch)
     for k, v in kv.items():
         if v is None:

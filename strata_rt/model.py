@@ -13,10 +13,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
-from .errors import ConfigError
+from .errors import ConfigError, GGUFError, StrataError
 from .formats import ExpertLayout, QuantFormat
 
 #: bytes of distinct synthetic blobs generated at most; larger models tile them (see synthetic)
@@ -62,14 +63,65 @@ def _resolve_format(fmt: QuantFormat | str) -> QuantFormat:
     return registry()[fmt]
 
 
+class ExpertSource(Protocol):
+    """Where a model's expert blobs come from: arrays in memory (ArrayExperts) or a GGUF
+    file read through its memory map (convert.GGUFExperts)."""
+
+    def blob(self, layer: int, e: int) -> np.ndarray: ...
+
+    def write_layer(self, layer: int, out: np.ndarray) -> None: ...
+
+    def write_layers(self, grid: np.ndarray) -> None: ...
+
+    def layers(self, lo: int, hi: int) -> ExpertSource: ...
+
+
+class ArrayExperts:
+    """Blobs in memory: a full [n_layers, n_experts, blob_bytes] array, or (large synthetic
+    models) a pool of distinct blobs that each layer tiles, `index[layer, e]` naming the pool
+    entry."""
+
+    def __init__(self, blobs: np.ndarray, index: np.ndarray | None = None):
+        self.pool = blobs
+        self.index = index
+
+    def full(self) -> np.ndarray:
+        """The [n_layers, n_experts, blob_bytes] array (materialised once from a pool)."""
+        if self.index is not None:
+            self.pool = self.pool[self.index]
+            self.index = None
+        return self.pool
+
+    def blob(self, layer: int, e: int) -> np.ndarray:
+        if self.index is not None:
+            return self.pool[self.index[layer, e]]
+        return self.pool[layer, e]
+
+    def write_layer(self, layer: int, out: np.ndarray) -> None:
+        src = self.pool[self.index[layer]] if self.index is not None else self.pool[layer]
+        out[:, : src.shape[-1]] = src
+
+    def write_layers(self, grid: np.ndarray) -> None:
+        for layer in range(grid.shape[0]):
+            self.write_layer(layer, grid[layer])
+
+    def layers(self, lo: int, hi: int) -> ArrayExperts:
+        if self.index is not None:
+            return ArrayExperts(self.pool, self.index[lo:hi])
+        return ArrayExperts(self.pool[lo:hi])
+
+
 class Model:
-    """Weights of an MoE model. Blobs come either as a full [n_layers, n_experts, blob_bytes]
-    array or, for large synthetic models, as a pool of distinct blobs that each layer tiles
-    (`blob_index[layer, e]` names the pool entry); `.blobs` materialises the full array on
-    first use, `expert_blob` and `write_layer` never do."""
+    """Weights of an MoE model: dims, router and norm arrays, and the experts' blobs from an
+    ExpertSource. Blobs given as an array (`blobs`, optionally tiled by `blob_index`) are
+    kept in memory; a model loaded from a GGUF reads them from the file's memory map when the
+    store is built (`write_layers`), so the experts are never held twice. `.blobs`
+    materialises the full [n_layers, n_experts, blob_bytes] array on first use;
+    `expert_blob`, `write_layer` and `write_layers` never do."""
 
     def __init__(self, spec: MoESpec, fmt: QuantFormat, router: np.ndarray, norm: np.ndarray,
-                 blobs: np.ndarray, blob_index: np.ndarray | None = None):
+                 blobs: np.ndarray | None = None, blob_index: np.ndarray | None = None, *,
+                 experts: ExpertSource | None = None):
         self.spec = spec
         self.fmt = fmt
         self.layout: ExpertLayout = fmt.layout(spec.hidden, spec.ffn)
@@ -78,41 +130,46 @@ class Model:
         self.norm = np.ascontiguousarray(norm, dtype=np.float32)
         assert self.router.shape == (L, E, H), self.router.shape
         assert self.norm.shape == (L, H), self.norm.shape
-        assert blobs.dtype == np.uint8 and blobs.shape[-1] == self.layout.blob_bytes
-        if blob_index is None:
-            assert blobs.shape == (L, E, self.layout.blob_bytes), blobs.shape
-        else:
-            assert blob_index.shape == (L, E)
-        self._blobs = blobs
-        self._index = blob_index
+        if experts is None:
+            assert blobs is not None, "give blobs or experts"
+            assert blobs.dtype == np.uint8 and blobs.shape[-1] == self.layout.blob_bytes
+            if blob_index is None:
+                assert blobs.shape == (L, E, self.layout.blob_bytes), blobs.shape
+            else:
+                assert blob_index.shape == (L, E)
+            experts = ArrayExperts(blobs, blob_index)
+        self.experts: ExpertSource = experts
 
     # ------------------------------------------------------------------ access
     @property
     def blobs(self) -> np.ndarray:
-        if self._index is not None:
-            self._blobs = self._blobs[self._index]
-            self._index = None
-        return self._blobs
+        if isinstance(self.experts, ArrayExperts):
+            return self.experts.full()
+        spec = self.spec
+        full = np.empty((spec.n_layers, spec.n_experts, self.layout.blob_bytes), np.uint8)
+        self.experts.write_layers(full)
+        self.experts = ArrayExperts(full)
+        return full
 
     def expert_blob(self, layer: int, e: int) -> np.ndarray:
-        if self._index is not None:
-            return self._blobs[self._index[layer, e]]
-        return self._blobs[layer, e]
+        return self.experts.blob(layer, e)
 
     def write_layer(self, layer: int, out: np.ndarray) -> None:
         """Copies the layer's blobs into out[n_experts, >= blob_bytes] (the store's arena)."""
-        src = self._blobs[self._index[layer]] if self._index is not None else self._blobs[layer]
-        out[:, : self.layout.blob_bytes] = src
+        self.experts.write_layer(layer, out)
+
+    def write_layers(self, grid: np.ndarray) -> None:
+        """Copies every layer's blobs into grid[n_layers, n_experts, >= blob_bytes] (the
+        store's arena); a GGUF source converts the layers of another type on every core."""
+        self.experts.write_layers(grid)
 
     def slice_layers(self, lo: int, hi: int) -> Model:
         """The model made of layers lo..hi-1 (shares the weights): per-layer comparisons."""
         from dataclasses import replace
 
         spec = replace(self.spec, n_layers=hi - lo)
-        if self._index is not None:
-            return Model(spec, self.fmt, self.router[lo:hi], self.norm[lo:hi], self._blobs,
-                         self._index[lo:hi])
-        return Model(spec, self.fmt, self.router[lo:hi], self.norm[lo:hi], self._blobs[lo:hi])
+        return Model(spec, self.fmt, self.router[lo:hi], self.norm[lo:hi],
+                     experts=self.experts.layers(lo, hi))
 
     def dequantized(self, layer: int, e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(gate [ffn, hidden], up [ffn, hidden], down [hidden, ffn]) float32."""
@@ -150,14 +207,27 @@ class Model:
         return cls(spec, fmt, router, norm, pool, index)
 
     @classmethod
-    def from_gguf(cls, path: str | Path, fmt: QuantFormat | str) -> Model:
-        """Loads a qwen3moe-style GGUF (blk.N.ffn_*_exps, ffn_gate_inp, ffn_norm; <arch>.* keys); experts are
-        converted to `fmt` (raw copy when the GGUF type is the format's own)."""
-        from .gguf_io import read_moe_gguf
+    def from_gguf(cls, path: str | Path, fmt: QuantFormat | str, *,
+                  workers: int | None = None) -> Model:
+        """Opens a qwen3moe-style GGUF (blk.N.ffn_*_exps, ffn_gate_inp, ffn_norm; <arch>.*
+        keys) and checks it: every problem is a GGUFError, NaN/Inf in router and norm
+        included. Router and norm are read now; the experts stay in the file until the store
+        is built (`write_layers`): copied raw when the GGUF type is the format's own, else
+        converted on `workers` processes (default: every core for a large conversion) and
+        checked for NaN/Inf either way."""
+        from .convert import GGUFExperts
+        from .gguf_io import open_moe
 
         fmt = _resolve_format(fmt)
-        spec, router, norm, blobs = read_moe_gguf(Path(path), fmt)
-        return cls(spec, fmt, router, norm, blobs)
+        moe = open_moe(Path(path))
+        try:
+            spec = MoESpec(format=fmt.name, **moe.dims)
+            fmt.layout(spec.hidden, spec.ffn)
+        except StrataError as e:
+            raise GGUFError(f"{path}: dims from the keys do not fit format {fmt.name}: "
+                            f"{e}") from None
+        experts = GGUFExperts.open(moe, fmt, workers)
+        return cls(spec, fmt, moe.router, moe.norm, experts=experts)
 
 
 # ---------------------------------------------------------------------- layer math (numpy)

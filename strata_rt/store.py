@@ -32,8 +32,9 @@ class ExpertStore:
         self.arena = arena.reshape(-1)[: self.nbytes]
         grid = self.arena.reshape(spec.n_layers, spec.n_experts, self.slot_bytes)
         grid[:, :, self.layout.blob_bytes:] = 0  # padding: fixed bytes, runs compare with cmp
-        for layer in range(spec.n_layers):
-            model.write_layer(layer, grid[layer])
+        # layer by layer from wherever the model keeps its experts (a GGUF file's memory map:
+        # no second copy of the experts is ever held)
+        model.write_layers(grid)
 
     def offset(self, layer: int, e: int) -> int:
         if not (0 <= layer < self.n_layers and 0 <= e < self.n_experts):

@@ -65,7 +65,7 @@ def test_pooled_synthetic_tiles_and_agrees_everywhere():
     spec = replace(TINY, n_layers=3)
     lay_bytes = Model.synthetic(TINY, 0).layout.blob_bytes
     m = Model.synthetic(spec, 1, pool_bytes=5 * lay_bytes)   # 5 distinct blobs for 24 experts
-    assert m._index is not None
+    assert m.experts.index is not None
     blobs = [[m.expert_blob(layer, e).copy() for e in range(8)] for layer in range(3)]
     out = np.zeros((8, m.layout.blob_bytes + 7), np.uint8)
     m.write_layer(2, out)
@@ -84,7 +84,7 @@ def test_qwen3_30b_shape_is_cheap_to_create():
     assert time.perf_counter() - t0 < 20
     assert m.layout.blob_bytes == 1_806_336
     assert m.expert_blob(47, 127).shape == (1_806_336,)
-    assert m._index is not None  # 11 GB never materialised here
+    assert m.experts.index is not None  # 11 GB never materialised here
 
 
 def test_route_ties_go_to_the_lower_id():
