@@ -77,7 +77,7 @@ def main() -> None:
                   f"tok/s  streamed {row['streamed_gb']:.2f} GB at {gbps:5.1f} GB/s "
                   f"({100 * row['pcie_share']:.0f}% of pinned)  host {100 * row['host_share']:.0f}%"
                   f"  syncs {st.host_syncs}  gathers {st.gathers_launched}")
-    trials = {str(k): v for k, v in eng.backend.graph_trials.items()}
+    trials = {str(k): v for k, v in eng.driver.graph_trials.items()}
     result["graph_trials"] = trials
     for T, tr in trials.items():
         if "graph" in tr:

@@ -13,10 +13,6 @@ import os
 # BLAS fights the test process for the cores and runs them many times slower. Set before numpy
 # loads its BLAS.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-# The tests name prompt sizes for each streaming path by the original fixed rule (the staging
-# ring below 1,024 tokens); the engine's default decides by the routed share, and the tests of
-# that rule clear this.
-os.environ.setdefault("STRATA_WALK_MIN_TOKENS", "1024")
 
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -25,6 +21,13 @@ from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 import pytest
+from hypothesis import settings
+
+# Property tests draw this many examples unless they fix their own count: 2,000 per CI run;
+# `pytest --hypothesis-profile strata-long tests/test_plan_hazards.py` draws 20,000.
+settings.register_profile("strata", max_examples=2000)
+settings.register_profile("strata-long", max_examples=20000)
+settings.load_profile("strata")
 
 from strata_rt.runtime import Runtime, cuda_available
 
@@ -87,6 +90,18 @@ def rt():
     runtime = Runtime.open()
     yield runtime
     runtime.close()
+
+
+#: the original fixed streaming rule (staging ring below 1,024 tokens, the walk from there)
+FIXED_WALK_TOKENS = 1024
+
+
+@pytest.fixture
+def fixed_walk_rule(monkeypatch: pytest.MonkeyPatch) -> int:
+    """For tests that name prompt sizes by the fixed rule instead of the engine's default
+    (the routed share, planner.takes_walk): STRATA_WALK_MIN_TOKENS=1024 for this test only."""
+    monkeypatch.setenv("STRATA_WALK_MIN_TOKENS", str(FIXED_WALK_TOKENS))
+    return FIXED_WALK_TOKENS
 
 
 @pytest.fixture

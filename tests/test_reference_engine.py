@@ -44,7 +44,7 @@ def _run(model, h, **cfg):
                                            residency=eng.residency)
 
 
-def test_small_config_matches_float64(small, rng):
+def test_small_config_matches_float64(small, rng, fixed_walk_rule):
     """Whole model, 200 tokens (staging ring, mixed residency): the MoE output h_out - h
     against float64 on the dequantized weights with the same expert choice, and the expert
     choice itself against float64 routing on the first layer (same input there)."""
@@ -73,7 +73,7 @@ def test_each_layer_matches_float64_on_its_own_input(small, rng):
 
 
 @pytest.mark.parametrize("tokens,cache", [(200, 0), (200, 50), (1100, 0), (1100, 70)])
-def test_gather_modes_are_byte_identical(small, rng, tokens, cache):
+def test_gather_modes_are_byte_identical(small, rng, tokens, cache, fixed_walk_rule):
     """Staging ring (200) and streamed walk (1100), with and without resident experts."""
     model = small
     h = _hidden(rng, tokens)
@@ -277,7 +277,8 @@ def test_default_rule_takes_the_walk_for_a_short_prompt_with_the_same_bytes(
     """200 tokens route nearly every expert of the small config: by default the chunk walks
     (one host sync in all, not one per layer), and its bytes equal the staging ring's."""
     h = _hidden(rng, 200)
-    ring, st_ring, _ = _run(small, h, expert_cache=10)  # conftest pins 1,024: the ring
+    monkeypatch.setenv("STRATA_WALK_MIN_TOKENS", "1024")
+    ring, st_ring, _ = _run(small, h, expert_cache=10)  # the fixed rule: the ring
     monkeypatch.delenv("STRATA_WALK_MIN_TOKENS")
     walk, st_walk, backend = _run(small, h, expert_cache=10)
     assert backend.last_plan.mode == "walk" and st_walk.host_syncs == 1
