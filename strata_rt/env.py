@@ -63,6 +63,9 @@ SWITCHES: dict[str, Switch] = {
         Switch("STRATA_PLUGINS", "path",
                "the plugins.yaml to load instead of the one next to the package "
                "(`strata --plugins PATH` sets it)."),
+        Switch("STRATA_DISABLE_PLUGINS", "str",
+               "comma-separated plugin names to leave out (as `enabled: false` in "
+               "plugins.yaml does); `strata plugins` shows what is disabled."),
         Switch("STRATA_HOST_MEMORY_CHECK", "flag",
                "0: skip the check that the host has the memory a run needs before it "
                "allocates (for systems that overcommit or swap); sizes beyond a 64-bit "
