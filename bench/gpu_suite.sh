@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session in one command: every GPU test, then the benchmarks. Logs, JSON and tables go
 # under $BENCH_OUT (default ./out). Stages run in order; pick them with arguments:
-#   bash bench/gpu_suite.sh tests formats mmq prefill-quick prefill
+#   bash bench/gpu_suite.sh tests digests gemm routing formats mmq prefill-quick prefill
 # A failing stage is reported and the next one still runs; the exit code counts failures.
 set -uo pipefail
 out=${BENCH_OUT:-out}
@@ -27,6 +27,10 @@ for what in "${@:-tests}"; do
     case $what in
         tests) stage gpu-tests python3 -m pytest -m gpu -q -ra -p no:cacheprovider \
                    --junitxml="$out/gpu-tests.xml" ;;
+        digests) stage digests python3 bench/residual_digests.py --out "$out/digests.json" \
+                   --compare-to bench/results/digests-before-6674ce9.json ;;
+        gemm) stage bench-gemm python3 bench/bench_gemm.py --json "$out/gemm.json" ;;
+        routing) stage bench-routing python3 bench/bench_routing.py --json "$out/routing.json" ;;
         formats) stage bench-formats python3 bench/bench_formats.py --json "$out/formats.json" ;;
         mmq) stage bench-mmq python3 bench/bench_mmq.py --reps 7 --json "$out/mmq.json" ;;
         prefill-quick) stage bench-prefill-quick python3 bench/bench_prefill.py --layers 8 \

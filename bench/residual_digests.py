@@ -86,6 +86,8 @@ def main() -> None:
     ap.add_argument("--backend", default="cuda", choices=("cuda", "reference"))
     ap.add_argument("--prompts", default=",".join(map(str, PROMPTS)))
     ap.add_argument("--compare", nargs=2, metavar=("OLD", "NEW"))
+    ap.add_argument("--compare-to", metavar="OLD",
+                    help="after the run, compare its digests with OLD (exit 1 on a difference)")
     args = ap.parse_args()
     if args.compare:
         sys.exit(compare(*args.compare))
@@ -102,6 +104,8 @@ def main() -> None:
     same = all(result["runs"][f"{n}/gather_one=1"]["dump"] ==
                result["runs"][f"{n}/gather_one=0"]["dump"] for n in args.shapes.split(","))
     print(f"gather modes byte-identical: {same}")
+    if args.compare_to:
+        sys.exit(compare(args.compare_to, args.out))
 
 
 if __name__ == "__main__":
