@@ -114,7 +114,11 @@ def _raised_at(e: BaseException) -> str:
     frames = [f for f in traceback.extract_tb(e.__traceback__)
               if not f.filename.startswith("<") and "importlib" not in Path(f.filename).parts
               and not any(Path(f.filename).parent == Path(i).parent for i in internal)]
-    return f" (at {Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
+    if not frames:
+        return ""
+    path = Path(frames[-1].filename)
+    name = f"{path.parent.name}/{path.name}" if path.name == "__init__.py" else path.name
+    return f" (at {name}:{frames[-1].lineno})"
 
 
 def _failure(e: BaseException) -> str:

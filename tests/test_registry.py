@@ -393,3 +393,17 @@ def test_plugin_kernel_includes_the_shared_headers_by_name(tmp_path, monkeypatch
                    'extern "C" __global__ void probe(Ids16 ids, int* out) '
                    '{ out[0] = ids.v[0]; }\n')
     assert compile_cubin(src, "sm_80").stat().st_size > 0
+
+
+@pytest.mark.skipif(not nvcc_available(), reason="nvcc not on PATH")
+def test_check_kernels_without_the_shared_kernels_fails(tmp_path, monkeypatch, capsys):
+    """An install that lost its package data must not report "0 of 0 compiled" and succeed."""
+    from strata_rt.cli import main
+    from strata_rt.runtime import compile as compile_mod
+
+    (tmp_path / "kernels" / "common").mkdir(parents=True)
+    monkeypatch.setattr(compile_mod, "KERNELS_ROOT", tmp_path / "kernels")
+    assert main(["check-kernels"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("strata check-kernels: no kernel sources in ") and "Traceback" not in err
+    assert str(tmp_path / "kernels" / "common") in err
