@@ -15,6 +15,7 @@ by the scale fields every block carries (the fp16 `d` of IQ3_XXS's 98-byte block
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import cache
 from typing import Any
 
@@ -186,17 +187,19 @@ def check_expert_bytes(name: str, layer: int, raw: np.ndarray, ggml_type: int,
     return describe(name, layer, *found, first_expert=first_expert)
 
 
-def check_experts(moe: Any, file_map: Any) -> list[str]:
+def check_experts(moe: Any, file_map: Any, on_layer: Callable[[int], None] | None = None
+                  ) -> list[str]:
     """Every expert tensor of a scanned MoEFile, a tensor at a time, each released from the
-    map after its check. `strata inspect` runs this over the whole file."""
+    map after its check. `strata inspect` runs this over the whole file; `on_layer(layer)`
+    is called after each layer (progress)."""
     problems = []
     for layer, refs in enumerate(moe.experts):
-        if refs is None:
-            continue
-        for ref in refs.values():
+        for ref in (refs or {}).values():
             bad = check_expert_bytes(ref.name, layer, file_map.bytes(ref), ref.ggml_type,
                                      ref.shape)
             file_map.release(ref)
             if bad is not None:
                 problems.append(bad)
+        if on_layer is not None:
+            on_layer(layer)
     return problems

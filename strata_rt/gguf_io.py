@@ -156,17 +156,21 @@ def read_header(path: Path) -> tuple[Any, dict[str, Any]]:
     if not isinstance(arch, str):
         raise GGUFError(f"{path}: key general.architecture is missing; expected e.g. {ARCH!r}")
     dims: dict[str, Any] = {"arch": arch}
-    problems = []
+    problems, missing = [], []
     for suffix, name in DIM_KEYS:
         key = f"{arch}.{suffix}"
         v = _field(reader, key)
         if v is None:
-            problems.append(f"key {key} is missing (an MoE GGUF needs "
-                            f"{', '.join(arch + '.' + s for s, _ in DIM_KEYS)})")
+            missing.append(key)
         elif isinstance(v, list | str | bool) or int(v) != v or int(v) <= 0:
             problems.append(f"key {key} = {v!r}; expected a positive integer")
         else:
             dims[name] = int(v)
+    if missing:
+        problems.insert(0, f"key{'s' if len(missing) > 1 else ''} {', '.join(missing)} "
+                        f"{'are' if len(missing) > 1 else 'is'} missing (an MoE GGUF of "
+                        f"architecture {arch!r} needs "
+                        f"{', '.join(arch + '.' + s for s, _ in DIM_KEYS)})")
     if problems:
         raise problems_error(path, problems)
     eps = _field(reader, f"{arch}.{EPS_KEY}")
@@ -239,6 +243,7 @@ class MoEFile:
     router: np.ndarray                      # float32 [L, E, H]
     norm: np.ndarray                        # float32 [L, H]
     experts: list[dict[str, TensorRef] | None]
+    tensors: dict[str, TensorRef] = field(default_factory=dict)  # every tensor of the file
     types: dict[str, int] = field(default_factory=dict)  # expert tensor type -> count
     problems: list[str] = field(default_factory=list)
 
@@ -287,6 +292,7 @@ def scan_moe(path: Path) -> MoEFile:
     norm = np.zeros((L, H), np.float32)
     moe = MoEFile(path, arch, dims, router, norm, [])
     for t in reader.tensors:
+        moe.tensors[t.name] = TensorRef.of(t)
         if "_exps." in t.name:
             k = _type_name(t.tensor_type)
             moe.types[k] = moe.types.get(k, 0) + 1
@@ -299,7 +305,7 @@ def scan_moe(path: Path) -> MoEFile:
                 moe.problems.append(f"tensor {name} is missing ({arch}.block_count = {L} says "
                                     f"layer {layer} exists)")
                 continue
-            ref = TensorRef.of(t)
+            ref = moe.tensors[name]
             bad = _shape_problem(name, part, ref.shape, want[part], arch, dims)
             if bad is not None:
                 moe.problems.append(bad)

@@ -12,8 +12,9 @@ from .common import GiB, markdown_table
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    # _type_name is gguf_io's private helper, imported so the GGML type names have one source
-    from ..gguf_io import _type_name, read_header, tensor_names
+    from .. import gguf_io
+    from ..convert import Eta
+    from ..gguf_checks import check_experts
     from ..model import MoESpec
     from ..registry import registry
 
@@ -21,35 +22,48 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                                             and args.budget_gib > 0):
         raise ConfigError(f"--budget-gib: got {args.budget_gib:g}; expected a VRAM size in "
                           "GiB > 0, e.g. 24", source="command line")
-    reader, dims = read_header(Path(args.file))
-    arch = dims.pop("arch")
-    g = MoESpec(**dims)
-    print(f"{args.file}: architecture {arch}")
+    path = Path(args.file)
+    moe = gguf_io.scan_moe(path)  # a file it cannot read at all raises here
+    g = MoESpec(**moe.dims)
+    print(f"{args.file}: architecture {moe.arch}")
     print(f"MoE: {g.n_layers} layers x {g.n_experts} experts = {g.total_experts} experts, "
           f"top-{g.top_k}, hidden {g.hidden}, ffn {g.ffn}, rms_eps {g.rms_eps:g}")
-
-    types: dict[str, int] = {}
-    for t in reader.tensors:
-        if "_exps." in t.name:
-            name = _type_name(t.tensor_type)
-            types[name] = types.get(name, 0) + 1
-    print("expert tensor types: " + (", ".join(f"{k} x{v}" for k, v in sorted(types.items()))
+    print("expert tensor types: " + (", ".join(f"{k} x{v}" for k, v in sorted(moe.types.items()))
                                      or "none (no blk.N.ffn_*_exps tensors)"))
-    wanted = [tensor_names(0)[p] for p in ("gate", "up", "down")]
-    first = [t for t in reader.tensors if t.name in wanted]
+    names = gguf_io.tensor_names(0)
+    first = [moe.tensors[names[p]] for p in gguf_io.EXPERT_PARTS if names[p] in moe.tensors]
     if first:
         print(markdown_table(["layer 0 tensor", "type", "shape", "MiB"],
-                     [[t.name, _type_name(t.tensor_type), "x".join(str(int(x)) for x in reversed(t.shape)),
-                       f"{int(t.n_bytes) / MIB:.2f}"] for t in first]))
-        per_expert = sum(int(t.n_bytes) for t in first) // g.n_experts
+                             [[t.name, t.type_name, "x".join(str(x) for x in t.shape[::-1]),
+                               f"{t.nbytes / MIB:.2f}"] for t in first]))
+        per_expert = sum(t.nbytes for t in first) // g.n_experts
         print(f"bytes per expert in the file (layer 0): {per_expert:,} "
               f"({per_expert / MIB:.2f} MiB)")
-    budget = None if args.budget_gib is None else int(args.budget_gib * GiB)
+    print(_formats_table(g, registry(), args.budget_gib))
+    if args.budget_gib is not None:
+        print("a budget also holds one chunk's buffers and the ring: give it to a run as "
+              "`vram_budget_mib` and the config sizes the split as the CUDA backend allocates it")
+    # the same checks `run` makes at load, over every expert tensor, all problems listed
+    eta = Eta(f"{path.name}: checking expert tensors", g.n_layers, "layers")
+    try:
+        problems = moe.problems + check_experts(moe, gguf_io.FileMap(path),
+                                                on_layer=lambda _: eta.advance(1))
+    finally:
+        eta.close()
+    if problems:
+        raise gguf_io.problems_error(path, problems)
+    print("checked: every tensor the engine reads is present, has the keys' shape and holds "
+          "no NaN/Inf (router, norms, expert values or block scales)")
+    return 0
+
+
+def _formats_table(g, reg, budget_gib: float | None) -> str:
+    budget = None if budget_gib is None else int(budget_gib * GiB)
     headers = ["format", "blob bytes", "slot bytes", "all experts GiB"]
     if budget is not None:
-        headers += [f"experts in {args.budget_gib:g} GiB", "share"]
+        headers += [f"experts in {budget_gib:g} GiB", "share"]
     rows = []
-    for name, loaded in registry().formats.items():
+    for name, loaded in reg.formats.items():
         try:
             lay = loaded.format.layout(g.hidden, g.ffn)
         except StrataError as e:
@@ -61,11 +75,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             n = min(g.total_experts, budget // lay.slot_bytes)
             row += [f"{n:,}", f"{n / g.total_experts:.0%}"]
         rows.append(row)
-    print(markdown_table(headers, rows))
-    if budget is not None:
-        print("a budget also holds one chunk's buffers and the ring: give it to a run as "
-              "`vram_budget_mib` and the config sizes the split as the CUDA backend allocates it")
-    return 0
+    return markdown_table(headers, rows)
 
 
 EPILOG_INSPECT = """examples:
@@ -73,7 +83,9 @@ EPILOG_INSPECT = """examples:
   strata inspect Qwen3-30B-A3B-IQ3_XXS.gguf --budget-gib 24
 
 shows the MoE geometry, the tensor types, bytes per expert in the file and in every loaded
-format, and how many experts a VRAM budget holds."""
+format, and how many experts a VRAM budget holds; then runs the checks `strata run` makes at
+load (every tensor present and shaped to the keys; no NaN/Inf in router, norms or experts) and
+lists every problem, with the exit code `run` gives for a bad GGUF."""
 
 def register(command) -> None:
     """Adds this module's subcommands; `command(name, help, epilog)` makes a parser."""
