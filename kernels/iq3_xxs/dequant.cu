@@ -10,8 +10,8 @@
 // Value (as quants/iq3_xxs.py: IQ3XXS.dequantize, exact in float32):
 //     w = ((fp16 d * (0.5 + s)) * 0.5) * magnitude * sign
 // d * (0.5 + s) has at most 11 + 5 significant bits and times a magnitude (<= 62, 6 bits) at
-// most 22, so every product is exact; the image holds fp16(w), round to nearest even, and the
-// sign is applied to the fp16 value (negation commutes with that rounding).
+// most 22, so every product is exact; the image holds fp16(w), round to nearest even (the sign
+// is applied before the rounding, which commutes with negation).
 //
 // One warp decodes one block per step: lane l writes the 16 bytes of values 8l .. 8l+7
 // (sub-block l/4, sign group l%4), so each warp stores 512 contiguous bytes. Every warp loads
@@ -55,16 +55,22 @@ __device__ __forceinline__ uint4 iq3_lane_decode(const LaneBits& b, const unsign
     unsigned packed[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-        unsigned h2 = 0;
+        float f[2];
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-            const int v = 2 * i + half;  // value 8l + v
-            const unsigned mag = (g[v >> 2] >> (8 * (v & 3))) & 0xFFu;
-            unsigned short h = __half_as_ushort(__float2half_rn(__fmul_rn(db, (float)mag)));
-            h ^= (unsigned short)(((neg >> v) & 1u) << 15);
-            h2 |= (unsigned)h << (16 * half);
+            const int v = 2 * i + half;  // value 8l + v: byte v & 3 of grid word v >> 2
+            // the magnitude byte under the exponent of 2^23, minus 2^23: the byte as a float,
+            // exactly, without the slow integer-to-float conversion
+            const float mag = __fsub_rn(
+                __uint_as_float(__byte_perm(g[v >> 2], 0x4B000000u, 0x7540u | (v & 3))),
+                8388608.0f);
+            // negating before the rounding equals negating after it (round to nearest even
+            // is symmetric)
+            f[half] = __uint_as_float(__float_as_uint(__fmul_rn(db, mag)) ^
+                                      (((neg >> v) & 1u) << 31));
         }
-        packed[i] = h2;
+        const __half2 h2 = __floats2half2_rn(f[0], f[1]);  // one cvt.rn.f16x2.f32, f[0] low
+        packed[i] = *reinterpret_cast<const unsigned*>(&h2);
     }
     return make_uint4(packed[0], packed[1], packed[2], packed[3]);
 }
