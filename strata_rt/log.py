@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from . import progress
 
@@ -74,3 +76,16 @@ def configure(verbosity: int = 0) -> logging.Logger:
     logger.addHandler(handler)
     logger.setLevel(level_for(verbosity))
     return logger
+
+
+@contextmanager
+def configured(verbosity: int = 0) -> Iterator[logging.Logger]:
+    """`configure` for the length of one command, then the logger's handlers and level as
+    they were: `strata.cli.main` called in-process (tests, a host program) leaves no trace."""
+    logger = logging.getLogger(ROOT)
+    handlers, level = list(logger.handlers), logger.level
+    try:
+        yield configure(verbosity)
+    finally:
+        logger.handlers[:] = handlers
+        logger.setLevel(level)

@@ -4,6 +4,7 @@ exits, and one end-to-end run of the demo config on the reference backend."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -358,6 +359,8 @@ def test_verbosity_options(tmp_path: Path, capsys) -> None:
     assert f"strata: [strata_rt.cli.common] debug: updated {target}" in err  # after prompt 1
     assert f"strata: [strata_rt.cli.common] wrote {target}" in err
     assert main(["-q", "--verbose", "run", cfg]) == 0  # -v and -q add up: notices again
+    logger = logging.getLogger("strata_rt")
+    assert logger.level == logging.NOTSET and not logger.handlers  # main() left no trace
 
 
 def test_quiet_turns_progress_off() -> None:
@@ -369,19 +372,17 @@ def test_quiet_turns_progress_off() -> None:
 
 
 def test_a_log_record_clears_the_progress_line(monkeypatch) -> None:
-    import logging
-
     from strata_rt import log
     from strata_rt.progress import Progress
 
     stream = _Stream(tty=True)
     monkeypatch.setattr(sys, "stderr", stream)
-    log.configure(0)
-    bar = Progress(stream, delay_s=0.0, interval_s=0.0)
-    bar.start("prompt 1/1")
-    bar(0, 1, 0, 2)
-    logging.getLogger("strata_rt.test").warning("slow %s", "disk")
-    bar(0, 1, 1, 2)  # the bar comes back on the next layer
+    with log.configured(0):
+        bar = Progress(stream, delay_s=0.0, interval_s=0.0)
+        bar.start("prompt 1/1")
+        bar(0, 1, 0, 2)
+        logging.getLogger("strata_rt.test").warning("slow %s", "disk")
+        bar(0, 1, 1, 2)  # the bar comes back on the next layer
     assert stream.text.split("\r\x1b[K")[1:] == [
         "prompt 1/1: chunk 1/1 layer 1/2 [##########          ]    0.0 s",
         "strata: warning: slow disk\n",

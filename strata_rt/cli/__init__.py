@@ -48,7 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    log.configure(args.verbose - args.quiet)
+    with log.configured(args.verbose - args.quiet):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         if args.plugins:
             os.environ["STRATA_PLUGINS"] = str(Path(args.plugins).resolve())
