@@ -1,13 +1,15 @@
 """strata_rt: MoE prefill with quantized experts streamed through a VRAM slot cache.
 
-Importing strata_rt never imports pycuda; only strata_rt.runtime touches CUDA, lazily.
+Importing strata_rt never imports pycuda; only strata_rt.runtime touches CUDA, lazily. The
+plugin registry lives in strata_rt.registry and loads on first use, so importing a lower layer
+(strata_rt.runtime, strata_rt.formats) does not load every plugin.
 """
 
 from __future__ import annotations
 
 from .errors import StrataError
 from .hookspecs import hookimpl
-from .registry import QuantRegistry, registry
+from .resources import common_include_dir
 
 __version__ = "0.1.0"
-__all__ = ["QuantRegistry", "StrataError", "hookimpl", "registry", "__version__"]
+__all__ = ["StrataError", "common_include_dir", "hookimpl", "__version__"]

@@ -517,7 +517,6 @@ def test_fake_memcpy_requires_contiguous_host(fake):
 
 @needs_nvcc
 def test_check_kernels_reports_each_source_and_arch(counting_nvcc, tmp_path, monkeypatch):
-    from strata_rt.registry import QuantRegistry
     from strata_rt.runtime import check_kernels
     from strata_rt.runtime import compile as compile_mod
 
@@ -526,9 +525,7 @@ def test_check_kernels_reports_each_source_and_arch(counting_nvcc, tmp_path, mon
     (common / "good.cu").write_text('extern "C" __global__ void good(int* p) { *p = 1; }\n')
     (common / "bad.cu").write_text('extern "C" __global__ void bad(int* p) { *p = nope; }\n')
     monkeypatch.setattr(compile_mod, "KERNELS_ROOT", tmp_path / "kernels")
-    yaml = tmp_path / "plugins.yaml"
-    yaml.write_text("plugins: []\n")
-    results = check_kernels(QuantRegistry(yaml, entry_points=False), ("sm_80", "sm_90"))
+    results = check_kernels([], ("sm_80", "sm_90"))
     got = {(r.source.name, r.arch): r for r in results}
     assert set(got) == {(n, a) for n in ("good.cu", "bad.cu") for a in ("sm_80", "sm_90")}
     assert all(got[("good.cu", a)].ok for a in ("sm_80", "sm_90"))
