@@ -42,8 +42,8 @@ def set_switch(engine: Any, name: str, value: str) -> None:
     setattr(engine.config, AB_SWITCHES[name], value == "1")
 
 
-def run_row(prompt: Any, rep: int, wall: float, s: dict, backend: str) -> list[Any]:
-    gbps = s["bytes_streamed"] / wall / 1e9 if wall > 0 else 0.0
+def run_row(prompt: Any, rep: int, wall: float, s: dict, gbps: float, backend: str
+            ) -> list[Any]:
     return [prompt.index + 1, rep + 1, prompt.tokens, f"{wall * 1e3:.1f}",
             f"{prompt.tokens / wall:,.0f}", s["experts_streamed"],
             f"{s['bytes_streamed'] / MIB:,.1f}", f"{gbps:.2f}" if backend == "cuda" else "-"]
@@ -77,12 +77,12 @@ def cmd_run(args: argparse.Namespace) -> int:
                     label = f"prompt {prompt.index + 1}/{n} ({prompt.label})"
                     _, stats, wall = measure(engine, h, progress, label)
                     s = stats.as_dict()
-                    rows.append(run_row(prompt, rep, wall, s, backend))
+                    gbps = s["bytes_streamed"] / wall / 1e9 if wall > 0 else 0.0
+                    rows.append(run_row(prompt, rep, wall, s, gbps, backend))
                     records.append({"prompt": prompt.index, "repeat": rep,
                                     "tokens": prompt.tokens, "wall_s": wall,
-                                    "tokens_per_s": prompt.tokens / wall,
-                                    "pcie_gb_s": s["bytes_streamed"] / wall / 1e9 if wall > 0
-                                    else 0.0, "stats": s})
+                                    "tokens_per_s": prompt.tokens / wall, "pcie_gb_s": gbps,
+                                    "stats": s})
                     if target is not None and len(records) < total:
                         write_json(target, {**doc, "complete": False, "runs": records},
                                    final=False)
