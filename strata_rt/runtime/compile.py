@@ -31,7 +31,7 @@ from typing import Protocol
 
 from .. import env
 from ..errors import KernelBuildError
-from ..resources import KERNELS_ROOT, common_include_dir
+from ..resources import KERNELS_ROOT
 
 #: Flags every kernel is built with. No --use_fast_math: kernels promise exact, IEEE-rounded
 #: arithmetic that numpy mirrors bit for bit.
@@ -88,21 +88,27 @@ def _define_flags(defines: Defines | None) -> list[str]:
     return flags
 
 
+def _common_dir() -> Path:
+    """kernels/common under this module's KERNELS_ROOT (common_include_dir() in an install;
+    tests point KERNELS_ROOT at a temporary tree)."""
+    return KERNELS_ROOT / "common"
+
+
 def include_flags() -> list[str]:
     """nvcc's include roots for every kernel source (strata_rt's or a plugin's)."""
-    return ["-I", str(KERNELS_ROOT), "-I", str(common_include_dir())]
+    return ["-I", str(KERNELS_ROOT), "-I", str(_common_dir())]
 
 
 def _cache_key(source: Path, text: bytes, arch: str, flags: list[str], version: str) -> str:
     h = hashlib.sha256()
-    roots = {str(KERNELS_ROOT): "<kernels>", str(common_include_dir()): "<common>"}
+    roots = {str(KERNELS_ROOT): "<kernels>", str(_common_dir()): "<common>"}
     keyed = [roots.get(f, f) for f in flags]
     for part in (str(source.name).encode(), text, arch.encode(), "\0".join(keyed).encode(),
                  version.encode()):
         h.update(len(part).to_bytes(8, "little"))
         h.update(part)
     seen = set()
-    for folder in (common_include_dir(), source.parent):
+    for folder in (_common_dir(), source.parent):
         for path in _include_files(folder):
             if path in seen:
                 continue
