@@ -38,7 +38,7 @@ from bench_mmq import (  # noqa: E402
     tflops,
 )
 
-from strata_rt.activations import ActivationKernels, activation_bytes  # noqa: E402
+from strata_rt.activations import ActivationKernels  # noqa: E402
 from strata_rt.formats import MMQ_GROUP, QuantFormat  # noqa: E402
 from strata_rt.quants.fp16 import FP16  # noqa: E402
 from strata_rt.quants.q2_blob import Q2Blob  # noqa: E402
@@ -138,7 +138,7 @@ def strata_phase(name: str, blobs: np.ndarray, counts_by_t: dict[int, np.ndarray
     rt.memcpy_htod(xbuf.ptr, rng.standard_normal((pool_rows, HIDDEN), dtype=np.float32), s)
     idx = rt.alloc(max_rows * 4)
     rt.memcpy_htod(idx.ptr, (np.arange(max_rows) % pool_rows).astype(np.int32), s)
-    abuf = {part: rt.alloc(activation_bytes(fmt.activation, max_rows, k))
+    abuf = {part: rt.alloc(fmt.activation.nbytes(max_rows, k))
             for part, (_, k) in PARTS.items()}
     out = rt.alloc(max_rows * max(m for m, _ in PARTS.values()) * 4)
     bounds = rt.alloc((EXPERTS + 1) * 4)

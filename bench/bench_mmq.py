@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from strata_rt.activations import ActivationKernels, activation_bytes  # noqa: E402
+from strata_rt.activations import Q8_1, ActivationKernels  # noqa: E402
 from strata_rt.formats import MMQ_GROUP  # noqa: E402
 from strata_rt.quants.iq3_xxs import IQ3XXS  # noqa: E402
 from strata_rt.quants.iq3_xxs_device import MMQ_VARIANTS, IQ3XXSKernels  # noqa: E402
@@ -179,7 +179,7 @@ def strata_phase(blobs: np.ndarray, counts_by_t: dict[int, np.ndarray], variants
     rt.memcpy_htod(xbuf.ptr, rng.standard_normal((pool_rows, HIDDEN), dtype=np.float32), s)
     idx = rt.alloc(max_rows * 4)
     rt.memcpy_htod(idx.ptr, (np.arange(max_rows) % pool_rows).astype(np.int32), s)
-    abuf = {part: rt.alloc(activation_bytes("q8_1", max_rows, k)) for part, (m, k) in PARTS.items()}
+    abuf = {part: rt.alloc(Q8_1.nbytes(max_rows, k)) for part, (m, k) in PARTS.items()}
     out = rt.alloc(max_rows * max(m for m, _ in PARTS.values()) * 4)
     bounds = rt.alloc((EXPERTS + 1) * 4)
 
@@ -189,7 +189,7 @@ def strata_phase(blobs: np.ndarray, counts_by_t: dict[int, np.ndarray], variants
         b[1:] = np.cumsum(counts)
         rt.memcpy_htod(bounds.ptr, b, s)
         for part, (_, k) in PARTS.items():
-            acts_k.launch("q8_1", s, xbuf.ptr, HIDDEN, idx.ptr, abuf[part].ptr, rows, k)
+            acts_k.launch(Q8_1, s, xbuf.ptr, HIDDEN, idx.ptr, abuf[part].ptr, rows, k)
         res["mmq"][t] = {"rows": rows, "rows_min": int(counts.min()),
                          "rows_max": int(counts.max())}
         for v, kern in kerns.items():

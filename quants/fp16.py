@@ -14,22 +14,18 @@ NMSE <= 1e-6 between kernel and reference.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from strata_rt.activations import F16
 from strata_rt.errors import FormatError
-from strata_rt.formats import FormatKernels, QuantFormat
+from strata_rt.formats import FormatKernels, QuantFormat, expert_rows
 from strata_rt.hookspecs import hookimpl
-
-from ._grouped import PerExpertKernels, expert_rows
-
-if TYPE_CHECKING:
-    pass
+from strata_rt.launchers import MmqTile, PerExpertKernels
 
 FP16_MAX = 65504.0
 GGML_TYPE_F16 = 1
-# MMQ tile geometry; must match kernels/fp16/mmq.cu
 
 
 class FP16(QuantFormat):
@@ -38,7 +34,8 @@ class FP16(QuantFormat):
     block_values = 1
     block_bytes = 2
     native = False
-    activation = "f16"
+    activation = F16
+    exact = False
     kernel_dir = "fp16"
     roundtrip_nmse = 1e-6
     dim_multiple = 128
@@ -84,6 +81,8 @@ class FP16Kernels(PerExpertKernels):
     gather_kernel = ("fp16_gather", "qq")
     gather_planes = 2
     mmq_kernel = "fp16_mmq"
+    #: TILE_M, TILE_N, NTHREADS and KSTEP of kernels/fp16/mmq.cu
+    mmq_tile = MmqTile(m=64, rows=64, threads=128, k_multiple=64)
 
     def gather_units(self) -> int:
         return self.layout.gate_up_bytes

@@ -1,28 +1,17 @@
-"""IQ3_XXS on the GPU: the MMQ launchers (kernels/iq3_xxs/mmq.cu) and the numpy mirror of their
-arithmetic.
-
-The arithmetic contract, identical for every variant and for `mmq_reference`, per output
-(activation row r, weight row i), over the 32-value sub-blocks j of K in ascending order:
-
-    idot  = sum of q_w * q_a                 (int, exact)
-    rint  = (2*s_ij + 1) * idot              (int, exact, |rint| < 2^23)
-    scale = fl(dq_i * da_rj)                 (dq = fp16 d * 0.25, exact; da = q8_1 scale)
-    acc   = fl(acc + fl(scale * rint))       (float32, round to nearest, no FMA)
-
-so the kernels and the reference agree to the last bit (tests compare bytes).
+"""IQ3_XXS on the GPU: the MMQ launchers (kernels/iq3_xxs/mmq.cu); gathers come from
+NativeKernels. The arithmetic every variant shares is the contract `IQ3XXS.mmq_reference`
+mirrors bit for bit (its docstring states it).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from strata_rt import env
-from strata_rt.activations import Q8_1Acts
 from strata_rt.errors import FormatError
-from strata_rt.formats import KERNELS_ROOT, MMQ_GROUP, ExpertLayout, QuantFormat
-from strata_rt.native_gather import NativeKernels
+from strata_rt.formats import ExpertLayout, QuantFormat
+from strata_rt.launchers import MMQ_ARG_TYPES, MmqTile, NativeKernels, launch_mmq
+from strata_rt.resources import KERNELS_ROOT
 
 if TYPE_CHECKING:
     from strata_rt.runtime import Runtime
@@ -43,8 +32,6 @@ MMQ_THREADS = 256
 _A_STRIDE = 304
 _SUB_BYTES = {"f16": 64, "int8": 32}  # by weight encoding (the variant's name up to "_")
 _PAD = {"f16": 64, "int8": 32}
-#: rows of activations the reference multiplies at once (bounds its float64 scratch)
-_REF_CHUNK = 128
 
 
 def pick_variant(name: str | None = None) -> str:
@@ -84,57 +71,14 @@ class IQ3XXSKernels(NativeKernels):
         super().__init__(fmt, runtime, layout)
         self.variant = pick_variant(variant)
         mod = runtime.module(MMQ_SOURCE)
-        self._mmq = {tm: mod.kernel(f"iq3_mmq_{self.variant}_m{tm}", "i" * MMQ_GROUP + "PPPPii")
+        self._mmq = {tm: mod.kernel(f"iq3_mmq_{self.variant}_m{tm}", MMQ_ARG_TYPES)
                      for tm in MMQ_TILES[self.variant]}
+        self._tiles = {tm: MmqTile(m=MMQ_TILE_W, rows=tm, threads=MMQ_THREADS, k_multiple=256,
+                                   shared=mmq_smem_bytes(self.variant, tm))
+                       for tm in MMQ_TILES[self.variant]}
 
     def mmq(self, stream, weights: int, expert_ids: tuple[int, ...], acts: int, bounds: int,
             out: int, m: int, k: int, rows_hint: int) -> None:
-        n = len(expert_ids)
-        if not 1 <= n <= MMQ_GROUP:
-            raise FormatError(f"IQ3_XXS MMQ over {n} experts: a group holds 1..{MMQ_GROUP}")
-        if m % MMQ_TILE_W or k % 256 or m <= 0 or k <= 0:
-            raise FormatError(f"IQ3_XXS MMQ needs m % {MMQ_TILE_W} == 0 and k % 256 == 0; "
-                              f"got m={m}, k={k}")
         tm = tile_rows_for(self.variant, rows_hint)
-        ids = [int(e) for e in expert_ids] + [-1] * (MMQ_GROUP - n)
-        self._mmq[tm].launch(
-            grid=(m // MMQ_TILE_W, n, max(1, -(-rows_hint // tm))), block=(MMQ_THREADS, 1, 1),
-            stream=stream, args=(*ids, weights, acts, bounds, out, m, k),
-            shared=mmq_smem_bytes(self.variant, tm))
-
-
-def mmq_reference(fmt: QuantFormat, image: np.ndarray, expert_ids: tuple[int, ...],
-                  acts: Q8_1Acts, bounds: np.ndarray, m: int, k: int) -> np.ndarray:
-    """numpy mirror of the MMQ kernels, bit for bit (see the module docstring).
-
-    Integer dots are exact float64 products of small integers (BLAS-fast, |sum| < 2^53); the
-    float32 accumulation then runs over the sub-blocks in ascending order, as in the kernel.
-    `fmt.decode(raw, shape)` supplies d, the sub-block scales s and the signed magnitudes q."""
-    rows = acts.q.shape[0]
-    if acts.q.shape[1] != k:
-        raise FormatError(f"activations hold K={acts.q.shape[1]} values per row; the MMQ has k={k}")
-    out = np.zeros((rows, m), dtype=np.float32)
-    nsub = k // 32
-    img = np.asarray(image, dtype=np.uint8).reshape(len(expert_ids), -1)
-    for p, e in enumerate(expert_ids):
-        if e < 0:
-            continue
-        r0, r1 = int(bounds[e]), int(bounds[e + 1])
-        if r1 <= r0:
-            continue
-        d, s, q = fmt.decode(img[p], (m, k))
-        dq = (np.asarray(d, dtype=np.float32) * np.float32(0.25)).repeat(8, axis=1)  # [m, nsub]
-        s21 = (2.0 * np.asarray(s, dtype=np.float64) + 1.0).reshape(m, nsub)
-        wq = np.asarray(q, dtype=np.float64).reshape(m, nsub, 32).transpose(1, 2, 0)
-        for c0 in range(r0, r1, _REF_CHUNK):
-            c1 = min(r1, c0 + _REF_CHUNK)
-            aq = acts.q[c0:c1].astype(np.float64).reshape(c1 - c0, nsub, 32).transpose(1, 0, 2)
-            idot = np.matmul(aq, wq)                                   # [nsub, rows, m]
-            rint = (idot * s21.T[:, None, :]).astype(np.float32)       # exact integers
-            da = acts.d[c0:c1]
-            acc = np.zeros((c1 - c0, m), dtype=np.float32)
-            for j in range(nsub):
-                scale = dq[None, :, j] * da[:, j, None]
-                acc = acc + scale * rint[j]
-            out[c0:c1] = acc
-    return out
+        launch_mmq(self._mmq[tm], self._tiles[tm], "IQ3_XXS", stream, weights, expert_ids, acts, bounds,
+                   out, m, k, rows_hint)

@@ -33,18 +33,15 @@ the best codes for the scale it actually carries. On Gaussian weights the error 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from strata_rt.activations import Q8_1
 from strata_rt.errors import FormatError
-from strata_rt.formats import ExpertLayout, FormatKernels, QuantFormat
+from strata_rt.formats import ExpertLayout, FormatKernels, QuantFormat, expert_rows
 from strata_rt.hookspecs import hookimpl
-
-from ._grouped import PerExpertKernels, expert_rows
-
-if TYPE_CHECKING:
-    pass
+from strata_rt.launchers import MmqTile, PerExpertKernels
 
 GROUP = 64           # weights per scale
 NCAND = 32           # candidate scales per sign
@@ -53,7 +50,6 @@ NSTART = 4           # best candidates refined further
 REFINE = 4           # alternating refinement rounds per start
 CHUNK = 4096         # groups per vectorized step (bounds the temporary arrays)
 FP16_MAX = 65504.0
-# MMQ tile geometry; must match kernels/q2_blob/mmq.cu
 
 
 @dataclass(frozen=True)
@@ -157,7 +153,8 @@ class Q2Blob(QuantFormat):
     block_values = GROUP
     block_bytes = GROUP // 4 + 2       # plain row encoding: 16 code bytes + one fp16 scale
     native = False
-    activation = "q8_1"
+    activation = Q8_1
+    exact = True
     kernel_dir = "q2_blob"
     roundtrip_nmse = 0.15
     dim_multiple = 128
@@ -285,7 +282,8 @@ class Q2Kernels(PerExpertKernels):
     gather_kernel = ("q2_gather", "ii")
     gather_planes = 4
     mmq_kernel = "q2_mmq"
-    mmq_k_multiple = 128
+    #: TILE_M, TILE_N, NTHREADS and KSTEP of kernels/q2_blob/mmq.cu
+    mmq_tile = MmqTile(m=64, rows=64, threads=128, k_multiple=128)
 
     def gather_units(self) -> int:
         return Planes.of(self.layout.hidden, self.layout.ffn).gu_codes_bytes

@@ -1,21 +1,25 @@
-"""Activation encodings the matmul kernels consume, and their numpy twins (bit-exact).
+"""Activation encodings the matmul kernels consume, as objects: one per encoding, each knowing
+its device size, its numpy twin (bit-exact), the kernel of kernels/common/activations.cu that
+writes it and the SwiGLU kernel of kernels/common/engine.cu that re-encodes the expert width.
+
+A format names its encoding with `activation = Q8_1` or `F16` (the names "q8_1" and "f16" are
+accepted where a format class is declared), so no caller compares strings.
 
 q8_1 (for integer-weight formats): per 32 values d = amax/127 and q = round-half-away(x/d),
 stored on the device as blocks of 128 values (16 bytes of four float32 scales, then 128 int8),
 row-major: row r, block kb at byte (r*K/128 + kb)*144. f16: float16 [rows, K], round to
-nearest even. kernels/common/activations.cu produces the same bytes on the GPU; the numpy
-forms here are what the numpy matmul references take.
+nearest even. Both need K % 128 == 0.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .errors import FormatError
-from .formats import KERNELS_ROOT
+from .resources import KERNELS_ROOT
 
 if TYPE_CHECKING:
     from .runtime import Runtime
@@ -23,7 +27,9 @@ if TYPE_CHECKING:
 Q8_1_GROUP = 32
 Q8_1_BLOCK = 128
 Q8_1_BLOCK_BYTES = 144
-KINDS = ("q8_1", "f16")
+#: values one block row (grid.y) of either activation kernel encodes: 4 warps x 128 for q8_1,
+#: 128 threads x 4 for f16
+_VALUES_PER_GRID_Y = 512
 
 
 @dataclass
@@ -64,11 +70,14 @@ def _check_rows(x: np.ndarray) -> np.ndarray:
     x = np.asarray(x)
     if x.ndim != 2:
         raise FormatError(f"activations must be 2-D [rows, K], got shape {x.shape}")
-    if x.shape[1] % Q8_1_BLOCK:
-        raise FormatError(
-            f"activations have K={x.shape[1]} values per row; K must be a multiple of "
-            f"{Q8_1_BLOCK}")
+    _check_k(x.shape[1])
     return x.astype(np.float32, copy=False)
+
+
+def _check_k(k: int) -> None:
+    if k % Q8_1_BLOCK:
+        raise FormatError(f"activations have K={k} values per row; K must be a multiple of "
+                          f"{Q8_1_BLOCK}")
 
 
 def round_half_away(v: np.ndarray) -> np.ndarray:
@@ -96,24 +105,93 @@ def convert_f16(x: np.ndarray) -> np.ndarray:
         return _check_rows(x).astype(np.float16)
 
 
-def prepare(kind: str, x: np.ndarray) -> Q8_1Acts | np.ndarray:
-    """The activations a format of activation encoding `kind` consumes, from float32 rows."""
-    if kind == "q8_1":
+class Activation:
+    """One activation encoding. Instances are singletons (Q8_1, F16); compare with `is`."""
+
+    #: short name, as configs and `strata plugins` show it
+    name: str
+    #: the kernel of kernels/common/activations.cu that writes this encoding
+    kernel: str
+    #: the kernel of kernels/common/engine.cu that applies SwiGLU and writes this encoding
+    swiglu_kernel: str
+
+    def nbytes(self, rows: int, cols: int) -> int:
+        """Device bytes of `rows` rows of `cols` values (cols % 128 == 0)."""
+        raise NotImplementedError
+
+    def prepare(self, x: np.ndarray) -> Any:
+        """numpy twin of the kernel: float32 [rows, K] -> what the formats' references take."""
+        raise NotImplementedError
+
+    def device_bytes(self, prepared: Any) -> np.ndarray:
+        """What `prepare` gave, as the uint8 bytes the kernel writes on the device."""
+        raise NotImplementedError
+
+    def __str__(self) -> str:
+        return self.name
+
+    def __repr__(self) -> str:
+        return f"<activation {self.name}>"
+
+    # Transitional: lets code that still compares `fmt.activation == "q8_1"` keep working
+    # until every caller uses the object. Delete both methods once none does.
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, str):
+            return other == self.name
+        return self is other
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+
+class _Q8_1(Activation):
+    name, kernel, swiglu_kernel = "q8_1", "quantize_q8_1_rows", "swiglu_q8_1"
+
+    def nbytes(self, rows: int, cols: int) -> int:
+        _check_k(cols)
+        return rows * (cols // Q8_1_BLOCK) * Q8_1_BLOCK_BYTES
+
+    def prepare(self, x: np.ndarray) -> Q8_1Acts:
         return quantize_q8_1(x)
-    if kind == "f16":
+
+    def device_bytes(self, prepared: Q8_1Acts) -> np.ndarray:
+        return prepared.to_device_bytes()
+
+
+class _F16(Activation):
+    name, kernel, swiglu_kernel = "f16", "convert_f16_rows", "swiglu_f16"
+
+    def nbytes(self, rows: int, cols: int) -> int:
+        _check_k(cols)
+        return rows * cols * 2
+
+    def prepare(self, x: np.ndarray) -> np.ndarray:
         return convert_f16(x)
-    raise FormatError(f"activation encoding {kind!r} is unknown; valid: {', '.join(KINDS)}")
+
+    def device_bytes(self, prepared: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(prepared, dtype=np.float16).view(np.uint8).reshape(-1)
 
 
-def activation_bytes(kind: str, rows: int, k: int) -> int:
-    """Device bytes of `rows` activation rows of K values in encoding `kind`."""
-    if k % Q8_1_BLOCK:
-        raise FormatError(f"K={k} must be a multiple of {Q8_1_BLOCK}")
-    if kind == "q8_1":
-        return rows * (k // Q8_1_BLOCK) * Q8_1_BLOCK_BYTES
-    if kind == "f16":
-        return rows * k * 2
-    raise FormatError(f"activation encoding {kind!r} is unknown; valid: {', '.join(KINDS)}")
+Q8_1: Activation = _Q8_1()
+F16: Activation = _F16()
+#: every encoding, by name
+ACTIVATIONS: dict[str, Activation] = {a.name: a for a in (Q8_1, F16)}
+
+
+def activation_named(kind: str | Activation) -> Activation:
+    """The encoding called `kind` (an Activation is returned as it is)."""
+    if isinstance(kind, Activation):
+        return kind
+    try:
+        return ACTIVATIONS[kind]
+    except (KeyError, TypeError):
+        raise FormatError(f"activation encoding {kind!r} is unknown; valid: "
+                          f"{', '.join(ACTIVATIONS)}") from None
+
+
+def activation_bytes(kind: str | Activation, rows: int, k: int) -> int:
+    """Transitional spelling of `activation.nbytes(rows, k)` for callers not yet switched."""
+    return activation_named(kind).nbytes(rows, k)
 
 
 class ActivationKernels:
@@ -123,17 +201,13 @@ class ActivationKernels:
 
     def __init__(self, runtime: Runtime):
         mod = runtime.module(self.SOURCE)
-        self._kernels = {
-            "q8_1": mod.kernel("quantize_q8_1_rows", "PiPPii"),
-            "f16": mod.kernel("convert_f16_rows", "PiPPii"),
-        }
+        self._kernels = {a.name: mod.kernel(a.kernel, "PiPPii") for a in ACTIVATIONS.values()}
 
-    def launch(self, kind: str, stream, x: int, x_stride: int, index: int, out: int,
-               rows: int, k: int) -> None:
+    def launch(self, activation: Activation | str, stream, x: int, x_stride: int, index: int,
+               out: int, rows: int, k: int) -> None:
         """Encodes rows index[0..rows-1] of float32 x (row pitch x_stride floats; index=0
         means rows 0..rows-1) into `out`. x must be 16-byte aligned and x_stride % 4 == 0."""
-        if kind not in self._kernels:
-            raise FormatError(f"activation encoding {kind!r} is unknown; valid: {', '.join(KINDS)}")
+        act = activation_named(activation)
         if k % Q8_1_BLOCK or x_stride % 4 or x % 16 or x_stride < k:
             raise FormatError(
                 f"activation launch needs K % {Q8_1_BLOCK} == 0, x_stride % 4 == 0, "
@@ -141,7 +215,6 @@ class ActivationKernels:
                 f"x=0x{x:x}")
         if rows == 0:
             return
-        per_y = 4 if kind == "q8_1" else 128
-        grid_y = -(-(k // (Q8_1_BLOCK if kind == "q8_1" else 4)) // per_y)
-        self._kernels[kind].launch(grid=(rows, grid_y, 1), block=(128, 1, 1), stream=stream,
-                                   args=(x, x_stride, index, out, rows, k))
+        grid_y = -(-k // _VALUES_PER_GRID_Y)
+        self._kernels[act.name].launch(grid=(rows, grid_y, 1), block=(128, 1, 1), stream=stream,
+                                       args=(x, x_stride, index, out, rows, k))

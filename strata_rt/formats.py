@@ -16,12 +16,14 @@ Conventions every format honours (the engine relies on them and never names a fo
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
+from .activations import ACTIVATIONS, Q8_1, Activation
 from .errors import FormatError
 from .resources import KERNELS_ROOT
 from .runtime.memory import align_up
@@ -30,6 +32,27 @@ if TYPE_CHECKING:
     from .runtime import Runtime
 
 MMQ_GROUP = 16
+
+
+def ids16(expert_ids: tuple[int, ...]) -> tuple[int, ...]:
+    """The 16 int32 kernel parameters naming a group's experts (unused positions = -1): the
+    first parameters of every MMQ kernel."""
+    n = len(expert_ids)
+    if not 0 < n <= MMQ_GROUP:
+        raise FormatError(f"an MMQ group holds 1..{MMQ_GROUP} experts, got {n}")
+    if min(expert_ids) < 0:
+        raise FormatError(f"expert ids must be >= 0, got {tuple(expert_ids)}")
+    return tuple(int(e) for e in expert_ids) + (-1,) * (MMQ_GROUP - n)
+
+
+def expert_rows(expert_ids: tuple[int, ...],
+                bounds: np.ndarray) -> Iterator[tuple[int, int, int]]:
+    """(group position, first row, end row) of each expert of a group, as the MMQ kernels read
+    them from bounds: the loop every mmq_reference runs."""
+    ids16(expert_ids)
+    b = np.asarray(bounds, dtype=np.int64)
+    for p, e in enumerate(expert_ids):
+        yield p, int(b[e]), int(b[e + 1])
 
 
 def first_misaligned(named: dict[str, int], align: int = 16) -> str | None:
@@ -74,8 +97,12 @@ class QuantFormat:
     block_bytes: ClassVar[int]
     #: True when an expert blob is plain byte ranges that one batched launch may copy
     native: ClassVar[bool] = False
-    #: activation encoding the MMQ consumes: "q8_1" or "f16" (kernels/common builds both)
-    activation: ClassVar[str] = "q8_1"
+    #: activation encoding the MMQ consumes: strata_rt.activations.Q8_1 or F16 (a subclass may
+    #: write the name, "q8_1" or "f16"); kernels/common builds both
+    activation: ClassVar[Activation] = Q8_1
+    #: True when the GPU MMQ is bit-identical to mmq_reference (the conformance suite then
+    #: compares bytes); False: it agrees within the suite's KERNEL_NMSE
+    exact: ClassVar[bool] = False
     #: folder under kernels/ holding this format's CUDA sources
     kernel_dir: ClassVar[str]
     #: NMSE a quantize/dequantize round trip of Gaussian weights stays under (conformance)
@@ -84,6 +111,14 @@ class QuantFormat:
     dim_multiple: ClassVar[int] = 256
     #: one line for `strata plugins`
     description: ClassVar[str] = ""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Turns an activation given by name into its object; an unknown name is left for the
+        registry to refuse with the list of valid ones."""
+        super().__init_subclass__(**kwargs)
+        kind = cls.__dict__.get("activation")
+        if isinstance(kind, str) and kind in ACTIVATIONS:
+            cls.activation = ACTIVATIONS[kind]
 
     # ---------------------------------------------------------------- sizes and layout
     def row_bytes(self, cols: int) -> int:
@@ -191,20 +226,20 @@ class QuantFormat:
         return np.stack([self.pack_expert(mats[0][e], mats[1][e], mats[2][e]) for e in range(n)])
 
     # ---------------------------------------------------------------- matmul reference
-    def prepare_activations(self, x: np.ndarray):
+    def prepare_activations(self, x: np.ndarray) -> Any:
         """numpy twin of the activation kernel: float32 [rows, K] -> what mmq_reference takes."""
-        from . import activations
-
-        return activations.prepare(self.activation, x)
+        return self.activation.prepare(x)
 
     def mmq_reference(self, image: np.ndarray, expert_ids: tuple[int, ...], acts: Any,
                       bounds: np.ndarray, m: int, k: int) -> np.ndarray:
-        """The numpy mirror of this format's MMQ arithmetic, in the kernel's order.
+        """The numpy mirror of this format's MMQ arithmetic, in the kernel's order (bit for bit
+        when `exact`).
 
         image: uint8 [n, image_bytes], position p holding expert expert_ids[p] (gate/up:
         m = 2*ffn, k = hidden; down: m = hidden, k = ffn); acts: from prepare_activations over
         all rows of the layer; bounds: int [n_experts_of_layer + 1] row offsets. Returns float32
-        [rows, m] where rows = len(acts rows); rows of experts not in expert_ids are zero."""
+        [rows, m] where rows = len(acts rows); rows of experts not in expert_ids are zero.
+        `expert_rows(expert_ids, bounds)` gives the (position, first row, end row) to loop over."""
         raise NotImplementedError
 
     # ---------------------------------------------------------------- device side
@@ -262,6 +297,13 @@ class FormatKernels:
         written at the same row indices. rows_hint sizes the grid (row tiles per expert); the
         kernel reads exact counts from bounds and loops over row tiles, so every rows_hint >= 1
         is correct (the streamed walk passes an estimate: its counts never reach the host).
+
+    The MMQ kernel ABI every format follows (strata_rt.launchers.launch_mmq launches it; the
+    conformance suite checks it against the compiled kernel's parameters):
+        kernel(Ids16 ids, weights, acts, bounds, out, int m, int k)
+        grid = (m / weight rows per block, group position, row tiles), row tile t of expert e
+        covering rows bounds[e] + t*tile ... and then every gridDim.z-th tile after it.
+    Ids16 is `struct { int v[16]; }` from kernels/common/mma.cuh, filled by `ids16`.
     """
 
     def __init__(self, fmt: QuantFormat, runtime: Runtime, layout: ExpertLayout):

@@ -1,184 +1,54 @@
 """The conformance suite: the same checks against any quant format.
 
 A plugin author runs it on a new format (`run_conformance(fmt)` prints a report; pytest users
-parametrize over `conformance_cases(fmt)`). The CPU checks need numpy only (and nvcc for the
-compile check); given a Runtime, the GPU checks compare the format's gathers and MMQ with its own
-numpy twins, byte for byte where the contract promises exactness.
+parametrize over `conformance_cases(fmt)`). The CPU checks need numpy only (nvcc for the compile
+and kernel-parameter checks); given a Runtime, the GPU checks compare the format's gathers and
+MMQ with its own numpy twins: byte for byte where the format declares `exact`, within
+KERNEL_NMSE otherwise.
 
-Geometry: hidden = 2*m, ffn = m with m = lcm(dim_multiple, 128) (q8_1 needs K % 128 == 0);
-hidden != ffn so a transposed matrix cannot pass. Rows: a layer of six experts holding
-3, 0, 1, 17, 2 and 5 rows; the group under test is experts (1, 2, 3, 4), so it covers an expert
-with no rows, one row, 17 rows (not a multiple of any tile), and rows of experts outside the
-group that must stay untouched.
+Geometry: u = lcm(dim_multiple, 128) (q8_1 needs K % 128 == 0); "wide" groups have hidden = 2u,
+ffn = u, "tall" ones hidden = u, ffn = 2u, so a transposed matrix cannot pass. The packed group
+is experts (1, 2, 3, 4) of a layer of six holding 3, 0, 1, 17, 2 and 5 rows: an expert with no
+rows, one row, 17 rows (not a multiple of any tile) and rows of experts outside the group that
+must stay untouched. The matmul checks also run on the other ROW_CASES of testing_groups.
 """
 
 from __future__ import annotations
 
-import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import cached_property
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .errors import PluginError
-from .formats import MMQ_GROUP, FormatKernels, QuantFormat
+from .formats import MMQ_GROUP, QuantFormat
+from .numerics import nmse
+from .testing_abi import check_launch_abi
+from .testing_groups import (
+    GROUP,
+    ROW_CASES,
+    ConformanceSkip,
+    GroupCase,
+    RowCase,
+    Subject,
+    make_case,
+)
 
 if TYPE_CHECKING:
     from .runtime import Runtime
 
+__all__ = ["FLOAT64_NMSE", "KERNEL_NMSE", "Case", "CaseResult", "ConformanceSkip", "GroupCase",
+           "Report", "RowCase", "Subject", "conformance_cases", "make_case", "nmse",
+           "run_conformance"]
+
 #: NMSE every format's matmul reference must reach against float64 (issue contract).
 FLOAT64_NMSE = 5e-4
-#: NMSE a non-q8_1 kernel may differ from its own reference by (tensor cores sum differently).
+#: NMSE a kernel of a format that is not `exact` may differ from its own reference by.
 KERNEL_NMSE = 1e-6
-ROW_COUNTS = (3, 0, 1, 17, 2, 5)
-GROUP = (1, 2, 3, 4)
 POISON = 0xFF  # float32 0xFFFFFFFF is NaN
-
-
-class ConformanceSkip(Exception):
-    """A check that cannot run here (no nvcc, no runtime, no kernels); not a failure."""
-
-
-def nmse(got: np.ndarray, want: np.ndarray) -> float:
-    """Squared error over squared signal, in float64 (NaN if `got` holds NaN)."""
-    g, w = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    denom = float(np.sum(w * w))
-    return float(np.sum((g - w) ** 2)) / (denom if denom > 0 else 1.0)
-
-
-class Subject:
-    """One format under test with the inputs every check shares (built lazily, once)."""
-
-    def __init__(self, fmt: QuantFormat, runtime: Runtime | None = None,
-                 seed: int | None = None):
-        self.fmt = fmt
-        self.runtime = runtime
-        self.seed = int.from_bytes(os.urandom(8), "little") if seed is None else seed
-        self.rng = np.random.default_rng(self.seed)
-        m = math.lcm(fmt.dim_multiple, 128)
-        self.hidden, self.ffn = 2 * m, m
-        self.bounds = np.concatenate([[0], np.cumsum(ROW_COUNTS)]).astype(np.int32)
-        self.rows = int(self.bounds[-1])
-
-    @cached_property
-    def layout(self):
-        return self.fmt.layout(self.hidden, self.ffn)
-
-    def gaussian(self, rows: int, cols: int, scale: float = 1.0) -> np.ndarray:
-        return self.rng.standard_normal((rows, cols), dtype=np.float32) * np.float32(scale)
-
-    @cached_property
-    def weights(self) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        """Float gate, up, down of each expert of the group."""
-        h, f = self.hidden, self.ffn
-        return {e: (self.gaussian(f, h, h ** -0.5), self.gaussian(f, h, h ** -0.5),
-                    self.gaussian(h, f, f ** -0.5)) for e in GROUP}
-
-    @cached_property
-    def blobs(self) -> dict[int, np.ndarray]:
-        return {e: self.fmt.pack_expert(*w) for e, w in self.weights.items()}
-
-    @cached_property
-    def images(self) -> tuple[np.ndarray, np.ndarray]:
-        """uint8 [len(GROUP), image_bytes] gate/up and down images, position p = GROUP[p]."""
-        pairs = [self.fmt.images(self.blobs[e], self.hidden, self.ffn) for e in GROUP]
-        return (np.stack([np.asarray(a, np.uint8) for a, _ in pairs]),
-                np.stack([np.asarray(b, np.uint8) for _, b in pairs]))
-
-    def shapes(self, part: str) -> tuple[int, int]:
-        """(m, k) of the products of `part` ("gate_up" or "down")."""
-        return (2 * self.ffn, self.hidden) if part == "gate_up" else (self.hidden, self.ffn)
-
-    @cached_property
-    def inputs(self) -> dict[str, np.ndarray]:
-        """float32 activations [rows, k] per part."""
-        return {part: self.gaussian(self.rows, self.shapes(part)[1])
-                for part in ("gate_up", "down")}
-
-    def group_rows(self) -> np.ndarray:
-        """Boolean mask of activation rows owned by experts of the group."""
-        mask = np.zeros(self.rows, dtype=bool)
-        for e in GROUP:
-            mask[self.bounds[e]: self.bounds[e + 1]] = True
-        return mask
-
-    def float64_product(self, part: str) -> np.ndarray:
-        """The exact product of the dequantized image weights with the float32 inputs."""
-        m, k = self.shapes(part)
-        image = self.images[0 if part == "gate_up" else 1]
-        x = self.inputs[part].astype(np.float64)
-        out = np.zeros((self.rows, m))
-        for p, e in enumerate(GROUP):
-            lo, hi = self.bounds[e], self.bounds[e + 1]
-            w = self.fmt.image_matrix(image[p], m, k).astype(np.float64)
-            out[lo:hi] = x[lo:hi] @ w.T
-        return out
-
-    @cached_property
-    def references(self) -> dict[str, np.ndarray]:
-        out = {}
-        for part in ("gate_up", "down"):
-            m, k = self.shapes(part)
-            image = self.images[0 if part == "gate_up" else 1]
-            acts = self.fmt.prepare_activations(self.inputs[part])
-            out[part] = np.asarray(
-                self.fmt.mmq_reference(image, GROUP, acts, self.bounds, m, k))
-        return out
-
-    # ------------------------------------------------------------------ device helpers
-    def require_gpu(self) -> Runtime:
-        if self.runtime is None:
-            raise ConformanceSkip("no runtime given (GPU checks need a CUDA device)")
-        if not self.fmt.kernel_sources():
-            raise ConformanceSkip(f"{self.fmt.name} has no kernels")
-        return self.runtime
-
-    @cached_property
-    def kernels(self) -> FormatKernels:
-        return self.fmt.kernels(self.require_gpu(), self.layout)
-
-    @cached_property
-    def stream(self):
-        return self.require_gpu().stream("conformance")
-
-    def upload(self, host: np.ndarray):
-        rt = self.require_gpu()
-        host = np.ascontiguousarray(host)
-        buf = rt.alloc(host.nbytes)
-        rt.memcpy_htod(buf.ptr, host.reshape(-1).view(np.uint8), self.stream)
-        return buf
-
-    def download(self, ptr: int, nbytes: int) -> np.ndarray:
-        host = np.empty(nbytes, dtype=np.uint8)
-        self.runtime.memcpy_dtoh(host, ptr, self.stream)
-        self.stream.synchronize()
-        return host
-
-    @cached_property
-    def sources(self):
-        """The group's blobs in one device buffer at slot stride (like the ring or the cache),
-        each slot's tail filled with random bytes."""
-        slot = self.layout.slot_bytes
-        host = self.rng.integers(0, 256, (len(GROUP), slot), dtype=np.uint8)
-        for p, e in enumerate(GROUP):
-            host[p, : self.layout.blob_bytes] = self.blobs[e]
-        return self.upload(host)
-
-    def src_ptr(self, p: int) -> int:
-        return self.sources.ptr + p * self.layout.slot_bytes
-
-    def group_buffers(self, fill: np.ndarray | None = None):
-        """Device gate/up and down group buffers (MMQ_GROUP positions) filled with `fill`
-        (random bytes when None); returns (gu, down, gu_fill, down_fill)."""
-        lay = self.layout
-        sizes = (MMQ_GROUP * lay.gate_up_image_bytes, MMQ_GROUP * lay.down_image_bytes)
-        fills = fill if fill is not None else tuple(
-            self.rng.integers(0, 256, n, dtype=np.uint8) for n in sizes)
-        return self.upload(fills[0]), self.upload(fills[1]), fills[0], fills[1]
+ARCHES = ("sm_80", "sm_90")
 
 
 # ---------------------------------------------------------------------------- CPU checks
@@ -204,6 +74,9 @@ def check_sizes(s: Subject) -> str:
     blob = s.blobs[GROUP[0]]
     assert blob.dtype == np.uint8 and blob.size == lay.blob_bytes, \
         f"pack_expert gave {blob.size} bytes, layout says {lay.blob_bytes}"
+    assert isinstance(fmt.exact, bool), f"exact must be True or False, not {fmt.exact!r}"
+    assert fmt.native or not fmt.offers_batched_gather(), \
+        "a format that is not native must not offer a batched gather"
     return (f"hidden {s.hidden}, ffn {s.ffn}: blob {lay.blob_bytes} B, images "
             f"{lay.gate_up_image_bytes} + {lay.down_image_bytes} B")
 
@@ -244,17 +117,22 @@ def check_images(s: Subject) -> str:
     return "images dequantize to [gate; up] and down"
 
 
-def check_reference(part: str) -> Callable[[Subject], str]:
+def check_reference(row_case: RowCase) -> Callable[[Subject], str]:
     def check(s: Subject) -> str:
-        m, _ = s.shapes(part)
-        ref = s.references[part]
-        assert ref.dtype == np.float32 and ref.shape == (s.rows, m), \
-            f"mmq_reference gave {ref.dtype} {ref.shape}, want float32 {(s.rows, m)}"
-        inside = s.group_rows()
-        assert not ref[~inside].any(), "rows of experts outside the group must be zero"
-        err = nmse(ref[inside], s.float64_product(part)[inside])
-        assert err <= FLOAT64_NMSE, f"reference vs float64 NMSE {err:.3g} > {FLOAT64_NMSE}"
-        return f"{part}: reference vs float64 NMSE {err:.3g}"
+        done = []
+        for part in ("gate_up", "down"):
+            c = s.case(row_case, part)
+            ref = c.reference()
+            assert ref.dtype == np.float32 and ref.shape == (c.rows, c.m), \
+                f"{part}: mmq_reference gave {ref.dtype} {ref.shape}, want float32 {(c.rows, c.m)}"
+            inside = c.group_rows()
+            assert not ref[~inside].any(), f"{part}: rows of experts outside the group must be 0"
+            if inside.any():
+                err = nmse(ref[inside], c.float64_product()[inside])
+                assert err <= FLOAT64_NMSE, \
+                    f"{part}: reference vs float64 NMSE {err:.3g} > {FLOAT64_NMSE}"
+                done.append(f"{part} {err:.3g}")
+        return ("reference vs float64 NMSE " + ", ".join(done)) if done else "no rows: all zero"
 
     return check
 
@@ -268,8 +146,9 @@ def check_compile(s: Subject) -> str:
     if not nvcc_available():
         raise ConformanceSkip("nvcc not found")
     for src in sources:
-        compile_cubin(src, "sm_90")
-    return f"{len(sources)} source(s) compile for sm_90"
+        for arch in ARCHES:
+            compile_cubin(src, arch)
+    return f"{len(sources)} source(s) compile for {' and '.join(ARCHES)}"
 
 
 # ---------------------------------------------------------------------------- GPU checks
@@ -283,115 +162,132 @@ def _placed(fill: np.ndarray, images: list[tuple[int, np.ndarray]], stride: int)
     return want
 
 
+def _free(*bufs: Any) -> None:
+    for buf in bufs:
+        buf.free()
+
+
 def check_gpu_gather(s: Subject) -> str:
-    k, lay = s.kernels, s.layout
-    gu, dn, gu_fill, dn_fill = s.group_buffers()
+    lay = s.layout
+    k, src = s.kernels_for(lay), s.upload_slots([s.blobs[e] for e in GROUP], lay)
+    gu, dn, gu_fill, dn_fill = s.group_buffers(lay)
     positions = (15, 0, 7, 3)
     for p, pos in enumerate(positions):
-        k.gather(s.stream, s.src_ptr(p), pos, gu.ptr, dn.ptr)
+        k.gather(s.stream, src.ptr + p * lay.slot_bytes, pos, gu.ptr, dn.ptr)
     got_gu, got_dn = s.download(gu.ptr, gu.nbytes), s.download(dn.ptr, dn.nbytes)
+    _free(gu, dn, src)
     img_gu, img_dn = s.images
     want_gu = _placed(gu_fill, [(pos, img_gu[p]) for p, pos in enumerate(positions)],
                       lay.gate_up_image_bytes)
     want_dn = _placed(dn_fill, [(pos, img_dn[p]) for p, pos in enumerate(positions)],
                       lay.down_image_bytes)
     for name, got, want in (("gate/up", got_gu, want_gu), ("down", got_dn, want_dn)):
-        bad = np.flatnonzero(got != want)
+        bad = np.flatnonzero(got[: want.size] != want)
         assert bad.size == 0, (f"{name} group buffer differs from images() at {bad.size} "
                                f"byte(s), first at {bad[0]}")
-    for buf in (gu, dn):
-        buf.free()
     return f"gathers to positions {positions} equal images() byte for byte"
 
 
 def check_gpu_gather_batch(s: Subject) -> str:
-    k = s.kernels
+    lay = s.layout
+    k = s.kernels_for(lay)
     if not s.fmt.native:
         try:
-            k.gather_batch(s.stream, [s.src_ptr(0)], 0, 0, 0)
+            k.gather_batch(s.stream, [0], 0, 0, 0)
         except PluginError:
             return "not native: batched gather refused"
         raise AssertionError("a non-native format accepted gather_batch")
+    src = s.upload_slots([s.blobs[e] for e in GROUP], lay)
     cases = [(0, [p % len(GROUP) for p in range(MMQ_GROUP)]), (5, [0, 1, 2, 3]),
              (13, [3, 2, 1])]
     for first, picks in cases:
-        one_gu, one_dn, gu_fill, dn_fill = s.group_buffers()
-        bat_gu, bat_dn, _, _ = s.group_buffers((gu_fill, dn_fill))
-        for i, p in enumerate(picks):
-            k.gather(s.stream, s.src_ptr(p), first + i, one_gu.ptr, one_dn.ptr)
-        k.gather_batch(s.stream, [s.src_ptr(p) for p in picks], first, bat_gu.ptr, bat_dn.ptr)
+        one_gu, one_dn, gu_fill, dn_fill = s.group_buffers(lay)
+        bat_gu, bat_dn, _, _ = s.group_buffers(lay, (gu_fill, dn_fill))
+        ptrs = [src.ptr + p * lay.slot_bytes for p in picks]
+        for i, ptr in enumerate(ptrs):
+            k.gather(s.stream, ptr, first + i, one_gu.ptr, one_dn.ptr)
+        k.gather_batch(s.stream, ptrs, first, bat_gu.ptr, bat_dn.ptr)
         for name, a, b in (("gate/up", one_gu, bat_gu), ("down", one_dn, bat_dn)):
             one, bat = s.download(a.ptr, a.nbytes), s.download(b.ptr, b.nbytes)
             bad = np.flatnonzero(one != bat)
             assert bad.size == 0, (f"batch of {len(picks)} at {first}: {name} buffer differs "
                                    f"from per-expert gathers at {bad.size} byte(s)")
-        for buf in (one_gu, one_dn, bat_gu, bat_dn):
-            buf.free()
+        _free(one_gu, one_dn, bat_gu, bat_dn)
+    _free(src)
     return "batches of 16 at 0, 4 at 5, 3 at 13 equal per-expert gathers byte for byte"
 
 
-def _device_activations(s: Subject, x: np.ndarray):
+def _device_activations(s: Subject, x: np.ndarray) -> Any:
     """Encodes x on the device with the shared activation kernel; checks it against the numpy
     twin byte for byte, so an MMQ failure below is the MMQ's."""
-    from .activations import ActivationKernels, activation_bytes
+    from .activations import ActivationKernels
 
-    rt, kind = s.runtime, s.fmt.activation
+    rt, act = s.require_gpu(), s.fmt.activation
     rows, k = x.shape
     dx = s.upload(x)
-    acts = rt.alloc(activation_bytes(kind, rows, k))
+    acts = rt.alloc(max(act.nbytes(rows, k), 16))
     rt.memset_d8(acts.ptr, POISON, acts.nbytes, s.stream)
-    ActivationKernels(rt).launch(kind, s.stream, dx.ptr, k, 0, acts.ptr, rows, k)
-    got = s.download(acts.ptr, acts.nbytes)
-    twin = s.fmt.prepare_activations(x)
-    want = twin.to_device_bytes() if kind == "q8_1" else np.asarray(twin).view(np.uint8)
-    assert np.array_equal(got, want.reshape(-1)), \
-        f"device {kind} activations differ from the numpy twin"
-    dx.free()
+    ActivationKernels(rt).launch(act, s.stream, dx.ptr, k, 0, acts.ptr, rows, k)
+    got = s.download(acts.ptr, act.nbytes(rows, k))
+    _free(dx)
+    want = act.device_bytes(s.fmt.prepare_activations(x))
+    assert np.array_equal(got, want), f"device {act} activations differ from the numpy twin"
     return acts
 
 
-def check_gpu_mmq(part: str) -> Callable[[Subject], str]:
+def run_gpu_mmq(s: Subject, c: GroupCase, rows_hint: int) -> np.ndarray:
+    """Gathers the case's blobs to positions 0..n-1 with the format's gather, encodes the
+    activations on the device, runs the MMQ into a NaN-poisoned output; returns it raw
+    (uint8 [rows, m*4])."""
+    rt, lay = s.require_gpu(), c.fmt.layout(c.hidden, c.ffn)
+    k = s.kernels_for(lay)
+    src = s.upload_slots(c.blobs, lay)
+    gu, dn, _, _ = s.group_buffers(lay)
+    for p in range(len(c.blobs)):
+        k.gather(s.stream, src.ptr + p * lay.slot_bytes, p, gu.ptr, dn.ptr)
+    acts = _device_activations(s, c.x)
+    bounds = s.upload(c.bounds)
+    out = rt.alloc(max(c.rows * c.m * 4, 16))
+    rt.memset_d8(out.ptr, POISON, out.nbytes, s.stream)
+    k.mmq(s.stream, gu.ptr if c.part == "gate_up" else dn.ptr, c.expert_ids, acts.ptr,
+          bounds.ptr, out.ptr, c.m, c.k, rows_hint)
+    raw = s.download(out.ptr, c.rows * c.m * 4).reshape(c.rows, c.m * 4)
+    _free(src, gu, dn, acts, bounds, out)
+    return raw
+
+
+def check_gpu_mmq(row_case: RowCase) -> Callable[[Subject], str]:
     def check(s: Subject) -> str:
-        k, rt = s.kernels, s.require_gpu()
-        m, kk = s.shapes(part)
-        gu, dn, _, _ = s.group_buffers()
-        for p in range(len(GROUP)):
-            k.gather(s.stream, s.src_ptr(p), p, gu.ptr, dn.ptr)
-        acts = _device_activations(s, s.inputs[part])
-        bounds = s.upload(s.bounds)
-        out = rt.alloc(s.rows * m * 4)
-
-        def run(rows_hint: int) -> np.ndarray:
-            rt.memset_d8(out.ptr, POISON, out.nbytes, s.stream)
-            k.mmq(s.stream, gu.ptr if part == "gate_up" else dn.ptr, GROUP, acts.ptr,
-                  bounds.ptr, out.ptr, m, kk, rows_hint)
-            return s.download(out.ptr, out.nbytes).reshape(s.rows, m * 4)
-
-        raw = run(max(ROW_COUNTS[e] for e in GROUP))
-        # The streamed walk sizes grids from an estimate (row counts live on the device): a
-        # kernel must cover every row of bounds whatever rows_hint says.
-        low = run(1)
-        for buf in (gu, dn, acts, bounds, out):
-            buf.free()
-        assert np.array_equal(low, raw), "MMQ with rows_hint=1 differs from the exact hint"
-        inside = s.group_rows()
-        assert np.all(raw[~inside] == POISON), "MMQ wrote rows of experts outside its group"
-        got = raw.view(np.float32)[inside]
-        ref = s.references[part][inside]
-        assert not np.isnan(got).any(), "MMQ left rows of its experts unwritten (NaN poison)"
-        if s.fmt.activation == "q8_1":
-            diff = np.flatnonzero(got.view(np.uint32) != ref.view(np.uint32))
-            assert diff.size == 0, (f"{part}: {diff.size} value(s) differ from the reference "
-                                    f"(exact arithmetic promised), max |diff| "
-                                    f"{np.max(np.abs(got - ref)):.3g}")
-            vs_ref = "bit-exact vs reference"
-        else:
-            err = nmse(got, ref)
-            assert err <= KERNEL_NMSE, f"{part}: NMSE {err:.3g} vs reference > {KERNEL_NMSE}"
-            vs_ref = f"NMSE {err:.3g} vs reference"
-        err64 = nmse(got, s.float64_product(part)[inside])
-        assert err64 <= FLOAT64_NMSE, f"{part}: NMSE {err64:.3g} vs float64 > {FLOAT64_NMSE}"
-        return f"{part}: {vs_ref}, NMSE {err64:.3g} vs float64"
+        done = []
+        for part in ("gate_up", "down"):
+            c = s.case(row_case, part)
+            raw = run_gpu_mmq(s, c, c.rows_hint())
+            # the streamed walk sizes grids from an estimate (row counts live on the device):
+            # a kernel must cover every row of bounds whatever rows_hint says
+            low = run_gpu_mmq(s, c, 1)
+            assert np.array_equal(low, raw), f"{part}: MMQ with rows_hint=1 differs"
+            inside = c.group_rows()
+            assert np.all(raw[~inside] == POISON), f"{part}: MMQ wrote rows outside its group"
+            if not inside.any():
+                done.append(f"{part}: nothing written")
+                continue
+            got = raw.view(np.float32)[inside]
+            ref = c.reference()[inside]
+            assert not np.isnan(got).any(), f"{part}: MMQ left rows of its experts unwritten"
+            if s.fmt.exact:
+                diff = np.flatnonzero(got.view(np.uint32) != ref.view(np.uint32))
+                assert diff.size == 0, (f"{part}: {diff.size} value(s) differ from the reference "
+                                        f"(the format is exact), max |diff| "
+                                        f"{np.max(np.abs(got - ref)):.3g}")
+                vs_ref = "bit-exact"
+            else:
+                err = nmse(got, ref)
+                assert err <= KERNEL_NMSE, f"{part}: NMSE {err:.3g} vs reference > {KERNEL_NMSE}"
+                vs_ref = f"NMSE {err:.3g} vs reference"
+            err64 = nmse(got, c.float64_product()[inside])
+            assert err64 <= FLOAT64_NMSE, f"{part}: NMSE {err64:.3g} vs float64 > {FLOAT64_NMSE}"
+            done.append(f"{part}: {vs_ref}, {err64:.3g} vs float64")
+        return "; ".join(done)
 
     return check
 
@@ -419,13 +315,12 @@ _CASES = (
     Case("roundtrip", False, check_roundtrip),
     Case("pack_unpack", False, check_pack_unpack),
     Case("images", False, check_images),
-    Case("reference_gate_up", False, check_reference("gate_up")),
-    Case("reference_down", False, check_reference("down")),
+    *(Case(f"reference_{rc.name}", False, check_reference(rc)) for rc in ROW_CASES),
     Case("kernels_compile", False, check_compile),
+    Case("launch_abi", False, check_launch_abi),
     Case("gpu_gather", True, check_gpu_gather),
     Case("gpu_gather_batch", True, check_gpu_gather_batch),
-    Case("gpu_mmq_gate_up", True, check_gpu_mmq("gate_up")),
-    Case("gpu_mmq_down", True, check_gpu_mmq("down")),
+    *(Case(f"gpu_mmq_{rc.name}", True, check_gpu_mmq(rc)) for rc in ROW_CASES),
 )
 
 

@@ -7,15 +7,20 @@ import numpy as np
 import pytest
 
 from strata_rt.activations import (
+    ACTIVATIONS,
+    F16,
+    Q8_1,
+    Activation,
     ActivationKernels,
     Q8_1Acts,
     activation_bytes,
+    activation_named,
     convert_f16,
-    prepare,
     quantize_q8_1,
     round_half_away,
 )
 from strata_rt.errors import FormatError
+from strata_rt.formats import QuantFormat
 
 
 def awkward_rows(rng: np.random.Generator, rows: int, k: int) -> np.ndarray:
@@ -54,7 +59,8 @@ def test_round_half_away_is_c_roundf():
 def test_device_bytes_round_trip(rng):
     a = quantize_q8_1(awkward_rows(rng, 5, 384))
     raw = a.to_device_bytes()
-    assert raw.size == activation_bytes("q8_1", 5, 384) == 5 * 3 * 144
+    assert raw.size == Q8_1.nbytes(5, 384) == 5 * 3 * 144
+    assert np.array_equal(Q8_1.device_bytes(a), raw)
     first = raw[:144]
     assert np.array_equal(first[:16].view("<f4"), a.d[0, :4])
     assert np.array_equal(first[16:].view(np.int8), a.q[0, :128])
@@ -64,22 +70,57 @@ def test_device_bytes_round_trip(rng):
 
 def test_prepare_and_sizes(rng):
     x = awkward_rows(rng, 3, 256)
-    assert isinstance(prepare("q8_1", x), Q8_1Acts)
-    h = prepare("f16", x)
+    assert isinstance(Q8_1.prepare(x), Q8_1Acts)
+    h = F16.prepare(x)
     assert h.dtype == np.float16 and np.array_equal(h, x.astype(np.float16))
-    assert activation_bytes("f16", 3, 256) == 3 * 256 * 2
+    assert np.array_equal(F16.device_bytes(h), h.view(np.uint8).reshape(-1))
+    assert F16.nbytes(3, 256) == 3 * 256 * 2
     assert quantize_q8_1(np.zeros((0, 128), np.float32)).q.shape == (0, 128)
     with pytest.raises(FormatError, match="multiple of 128"):
         quantize_q8_1(np.zeros((2, 100), np.float32))
-    with pytest.raises(FormatError, match="valid: q8_1, f16"):
-        prepare("q4", x)
+    with pytest.raises(FormatError, match="multiple of 128"):
+        F16.nbytes(2, 100)
+
+
+def test_encodings_are_objects_naming_their_kernels():
+    assert list(ACTIVATIONS) == ["q8_1", "f16"] and ACTIVATIONS["f16"] is F16
+    assert (Q8_1.kernel, Q8_1.swiglu_kernel) == ("quantize_q8_1_rows", "swiglu_q8_1")
+    assert (F16.kernel, F16.swiglu_kernel) == ("convert_f16_rows", "swiglu_f16")
+    assert str(Q8_1) == "q8_1" and Q8_1 is not F16 and Q8_1 != F16
+    assert activation_named("f16") is F16 and activation_named(Q8_1) is Q8_1
+    with pytest.raises(FormatError, match="'q4' is unknown; valid: q8_1, f16"):
+        activation_named("q4")
+
+
+def test_format_classes_take_the_name_or_the_object():
+    class Named(QuantFormat):
+        name, block_values, block_bytes, activation = "named", 32, 34, "f16"
+
+    class Given(QuantFormat):
+        name, block_values, block_bytes, activation = "given", 32, 34, F16
+
+    class Unknown(QuantFormat):
+        name, block_values, block_bytes, activation = "unknown", 32, 34, "q4"
+
+    assert Named.activation is F16 and Given.activation is F16
+    assert QuantFormat.activation is Q8_1 and not QuantFormat.exact
+    assert Unknown.activation == "q4" and not isinstance(Unknown.activation, Activation)
+    assert Named().prepare_activations(np.ones((1, 128), np.float32)).dtype == np.float16
+
+
+def test_transitional_spellings_still_answer():
+    """Callers not yet switched to the objects: string compares and activation_bytes."""
+    assert Q8_1 == "q8_1" and F16 != "q8_1" and F16 in ("q8_1", "f16")
+    assert activation_bytes("q8_1", 2, 256) == Q8_1.nbytes(2, 256)
+    assert activation_bytes(F16, 2, 256) == F16.nbytes(2, 256)
 
 
 # ------------------------------------------------------------------------------------ GPU
-def run_kernel(rt, kind: str, x: np.ndarray, index: np.ndarray | None, k: int) -> np.ndarray:
+def run_kernel(rt, act: Activation, x: np.ndarray, index: np.ndarray | None,
+               k: int) -> np.ndarray:
     stream = rt.stream("test")
     rows = x.shape[0] if index is None else index.size
-    nbytes = activation_bytes(kind, rows, k)
+    nbytes = act.nbytes(rows, k)
     out = np.full(nbytes + 64, 0xFF, dtype=np.uint8)  # poison, plus a guard tail
     bufs = [rt.alloc(x.nbytes), rt.alloc(out.nbytes), rt.alloc(max(4, 4 * rows))]
     try:
@@ -87,7 +128,7 @@ def run_kernel(rt, kind: str, x: np.ndarray, index: np.ndarray | None, k: int) -
         rt.memcpy_htod(bufs[1].ptr, out, stream)
         if index is not None:
             rt.memcpy_htod(bufs[2].ptr, index.astype(np.int32), stream)
-        ActivationKernels(rt).launch(kind, stream, bufs[0].ptr, x.shape[1],
+        ActivationKernels(rt).launch(act, stream, bufs[0].ptr, x.shape[1],
                                      0 if index is None else bufs[2].ptr, bufs[1].ptr, rows, k)
         rt.memcpy_dtoh(out, bufs[1].ptr, stream)
         stream.synchronize()
@@ -102,7 +143,7 @@ def run_kernel(rt, kind: str, x: np.ndarray, index: np.ndarray | None, k: int) -
 @pytest.mark.parametrize("k", [128, 768, 2048])
 def test_q8_1_kernel_matches_twin(rt, rng, k):
     x = awkward_rows(rng, 37, k)
-    got = run_kernel(rt, "q8_1", x, None, k)
+    got = run_kernel(rt, Q8_1, x, None, k)
     assert np.array_equal(got, quantize_q8_1(x).to_device_bytes())
 
 
@@ -112,7 +153,7 @@ def test_q8_1_kernel_index_list_and_stride(rt, rng):
     wide = awkward_rows(rng, 50, stride)
     index = rng.permutation(50)[:41]
     index[3] = index[7]  # a repeated row is legal
-    got = run_kernel(rt, "q8_1", wide, index, k)
+    got = run_kernel(rt, Q8_1, wide, index, k)
     assert np.array_equal(got, quantize_q8_1(wide[index, :k]).to_device_bytes())
 
 
@@ -121,6 +162,6 @@ def test_f16_kernel_matches_twin(rt, rng):
     x = awkward_rows(rng, 23, 640)
     x[2, :8] = [65504.0, 65520.0, 1e-8, -6e-8, 3.0e-5, 1.0009766, 1.0004883, -1.0014648]
     index = rng.permutation(23)
-    got = run_kernel(rt, "f16", x, index, 640)
+    got = run_kernel(rt, F16, x, index, 640)
     assert np.array_equal(got.view(np.float16).reshape(23, 640).view(np.uint16),
                           convert_f16(x[index]).view(np.uint16))

@@ -1,13 +1,21 @@
 """Every loaded format (plugins.yaml and entry points, the test plugin included) against the
-conformance suite: CPU checks always, GPU checks with a device."""
+conformance suite: CPU checks always, GPU checks with a device; and the suite's own checks
+catching what they exist to catch."""
 
 from __future__ import annotations
+
+import textwrap
+from pathlib import Path
 
 import pytest
 
 from strata_rt.errors import PluginError
+from strata_rt.formats import ids16
+from strata_rt.launchers import MMQ_ARG_TYPES
 from strata_rt.registry import registry
+from strata_rt.runtime.compile import nvcc_available
 from strata_rt.testing import ConformanceSkip, Subject, conformance_cases, run_conformance
+from strata_rt.testing_abi import Prepared, check_launch_abi, check_params
 
 
 def _loaded():
@@ -60,6 +68,17 @@ def test_conformance_gpu(fmt, case, rt):
     _run(subject, case)
 
 
+def test_example_plugin_ships_its_kernels():
+    """The example plugin carries a gather and an MMQ kernel as package data; without them its
+    GPU conformance would skip as "no kernels"."""
+    test_i8 = next(f for f in FORMATS if f.name == "test_i8")
+    names = [p.name for p in test_i8.kernel_sources()]
+    assert names == ["test_i8.cu"], (
+        f"test_i8 kernel sources {names}: reinstall ./tests/plugins/strata_testfmt (its kernels "
+        "are package data) or run with it on PYTHONPATH")
+    assert test_i8.exact and test_i8.kernels_class().__name__ == "TestI8Kernels"
+
+
 def test_report_counts_failures_and_skips():
     """run_conformance keeps going past a failing check and says which one failed."""
     test_i8 = next(f for f in FORMATS if f.name == "test_i8")
@@ -74,3 +93,47 @@ def test_report_counts_failures_and_skips():
     assert status["gpu_gather"] == "skip"
     assert not report.ok
     assert "broken_i8 FAILS" in str(report) and "seed 7" in str(report)
+
+
+def _test_i8():
+    return next(f for f in FORMATS if f.name == "test_i8")
+
+
+def test_launch_abi_refuses_a_launcher_with_another_grid():
+    """A launcher that puts row tiles on y and the group position on z (the old Q2 and FP16
+    grid) fails the ABI check on the CPU, naming the grid."""
+    fmt = _test_i8()
+
+    class SwappedGrid(fmt.kernels_class()):
+        def mmq(self, stream, weights, expert_ids, acts, bounds, out, m, k, rows_hint):
+            self._mmq.launch(grid=(m // 64, -(-rows_hint // 8), len(expert_ids)),
+                             block=(64, 1, 1), stream=stream,
+                             args=(*ids16(expert_ids), weights, acts, bounds, out, m, k))
+
+    class Swapped(type(fmt)):
+        name = "swapped_i8"
+
+        def kernels_class(self):
+            return SwappedGrid
+
+    with pytest.raises(AssertionError, match=r"MMQ grid \(\d+, 3, 4\).*group position = 4"):
+        check_launch_abi(Subject(Swapped(), seed=3))
+
+
+@pytest.mark.skipif(not nvcc_available(), reason="nvcc not on PATH")
+def test_kernel_parameters_are_read_from_the_ptx(tmp_path: Path):
+    """An MMQ kernel whose weights pointer comes first (the old Q2/FP16 signature) does not
+    match the common argument types; the ABI order does."""
+    src = tmp_path / "k.cu"
+    src.write_text(textwrap.dedent("""
+        #include "common/mma.cuh"
+        extern "C" __global__ void old_order(const char* w, Ids16 ids, const char* a,
+                                             const int* b, float* o, int m, int k) {}
+        extern "C" __global__ void abi_order(Ids16 ids, const char* w, const char* a,
+                                             const int* b, float* o, int m, int k) {}
+    """))
+    check_params(Prepared(src, "abi_order", MMQ_ARG_TYPES))
+    with pytest.raises(AssertionError, match="old_order of k.cu: the launcher packs"):
+        check_params(Prepared(src, "old_order", MMQ_ARG_TYPES))
+    with pytest.raises(AssertionError, match="defines no extern"):
+        check_params(Prepared(src, "missing", MMQ_ARG_TYPES))

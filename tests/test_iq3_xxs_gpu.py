@@ -3,6 +3,8 @@ bit against the numpy reference, against float64, and against itself on a repeat
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 from _format_harness import nmse, run_mmq, untouched, upload
@@ -10,9 +12,9 @@ from _iq3_blocks import QWEN3_30B, SMALL, case, group_of
 
 from strata_rt.errors import FormatError
 from strata_rt.formats import ExpertLayout
-from strata_rt.native_gather import NativeKernels
+from strata_rt.launchers import NativeKernels
 from strata_rt.quants.iq3_xxs import IQ3XXS
-from strata_rt.quants.iq3_xxs_device import MMQ_VARIANTS, IQ3XXSKernels, mmq_reference
+from strata_rt.quants.iq3_xxs_device import MMQ_VARIANTS, IQ3XXSKernels
 
 pytestmark = pytest.mark.gpu
 FMT = IQ3XXS()
@@ -79,20 +81,22 @@ def test_gather_batch_equals_single_gathers(rt, rng, n, first, dims):
 
 
 @pytest.mark.parametrize("shift", [1, 2, 8])
-def test_gather_batch_misaligned_sources_fall_back(rt, rng, shift):
+def test_gather_batch_misaligned_sources_fall_back(rt, rng, caplog, shift):
     lay = FMT.layout(*SMALL)
-    with pytest.warns(RuntimeWarning, match="not a multiple of 16"):
+    with caplog.at_level(logging.WARNING, logger="strata_rt.launchers"):
         bgu, bdn, sgu, sdn, src, offs, kern, gu0, dn0 = gather_both(rt, rng, lay, 6, 4, shift)
+    assert "falls back" in caplog.text and "not a multiple of 16" in caplog.text
     assert kern.fallbacks == 1
     assert np.array_equal(bgu, sgu) and np.array_equal(bdn, sdn)
     wgu, wdn = expected(lay, src, offs, 4, gu0, dn0)
     assert np.array_equal(bgu, wgu) and np.array_equal(bdn, wdn)
 
 
-def test_gather_sizes_not_multiple_of_16(rt, rng):
+def test_gather_sizes_not_multiple_of_16(rt, rng, caplog):
     lay = odd_layout()
-    with pytest.warns(RuntimeWarning, match="gate/up bytes = 4099"):
+    with caplog.at_level(logging.WARNING, logger="strata_rt.launchers"):
         bgu, bdn, sgu, sdn, src, offs, kern, gu0, dn0 = gather_both(rt, rng, lay, 16, 0, 3)
+    assert "gate/up bytes = 4099" in caplog.text
     assert kern.fallbacks == 1
     wgu, wdn = expected(lay, src, offs, 0, gu0, dn0)
     assert np.array_equal(bgu, wgu) and np.array_equal(bdn, wdn)
@@ -109,7 +113,7 @@ MMQ_ROWS = {
 
 def check_mmq(rt, c, variant: str, monkeypatch) -> None:
     monkeypatch.setenv("STRATA_MMQ_KERNEL", variant)
-    want = mmq_reference(c.fmt, c.image, c.expert_ids, c.acts, c.bounds, c.m, c.k)
+    want = c.reference()
     got = run_mmq(rt, c)
     again = run_mmq(rt, c)
     mask = c.group_rows()

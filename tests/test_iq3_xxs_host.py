@@ -12,8 +12,10 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as GT
 
+from strata_rt.activations import Q8_1
 from strata_rt.errors import FormatError, GGUFError
-from strata_rt.quants.iq3_xxs import GRID_MAG, IQ3XXS, SIGN_MASK, strata_rt_formats
+from strata_rt.numerics import nmse
+from strata_rt.quants.iq3_xxs import GRID_MAG, IQ3XXS, MAX_WEIGHT, SIGN_MASK, strata_rt_formats
 
 FMT = IQ3XXS()
 f32 = np.float32
@@ -45,11 +47,6 @@ def random_blocks(rng: np.random.Generator, rows: int, cols: int) -> np.ndarray:
     return raw.reshape(-1)
 
 
-def nmse(approx: np.ndarray, ref: np.ndarray, weight: np.ndarray | float = 1.0) -> float:
-    ref64 = ref.astype(np.float64)
-    return float((weight * (approx - ref64) ** 2).sum() / (weight * ref64 ** 2).sum())
-
-
 # ---------------------------------------------------------------------- tables and identity
 def test_grid_and_sign_tables_match_gguf():
     assert np.array_equal(GRID_MAG.astype(np.float32), gguf_grid())
@@ -61,7 +58,7 @@ def test_identity_and_hook():
     assert isinstance(fmt, IQ3XXS)
     assert fmt.ggml_type == 18 == int(GT.IQ3_XXS)
     assert (fmt.block_values, fmt.block_bytes) == gguf.constants.GGML_QUANT_SIZES[GT.IQ3_XXS]
-    assert fmt.native and fmt.activation == "q8_1" and fmt.name == "iq3_xxs"
+    assert fmt.native and fmt.activation is Q8_1 and fmt.exact and fmt.name == "iq3_xxs"
 
 
 # ---------------------------------------------------------------------- dequantization
@@ -310,6 +307,48 @@ def test_quantizer_errors():
         FMT.quantize(np.ones((2, 256), f32), np.ones(255, f32))
     with pytest.raises(FormatError, match="finite and >= 0"):
         FMT.quantize(np.ones((2, 256), f32), -np.ones(256, f32))
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_quantizer_rejects_non_finite_weights_naming_row_and_column(rng, bad):
+    w = rng.standard_normal((3, 512)).astype(f32)
+    w[2, 300] = bad
+    w[2, 400] = bad
+    with pytest.raises(FormatError, match=r"2 NaN/Inf value\(s\), first at row 2, column 300"):
+        FMT.quantize(w)
+
+
+@pytest.mark.parametrize("big", [1.02 * MAX_WEIGHT, -1e8, 1e12, 3e19, -3.4e38])
+def test_quantizer_rejects_a_block_scale_beyond_fp16(rng, big):
+    """A weight beyond what a block can hold (fp16 d * 480.5 ~ 3.1e7) used to give an infinite
+    scale (from ~1e8) or a bare numpy ValueError (from ~3e19); now one message names it."""
+    w = rng.standard_normal((4, 768)).astype(f32)
+    w[3, 600] = big
+    w[3, 700] = big / 2  # same block, not the largest
+    with pytest.raises(FormatError, match=(r"block at row 3, columns 512-767 needs a scale beyond "
+                                           r"fp16's range: its largest weight, .* at row 3, "
+                                           r"column 600, is too large")) as info:
+        FMT.quantize(w)
+    assert f"{big:.4g}" in str(info.value)
+    with pytest.raises(FormatError, match="row 3, column 600"):
+        FMT.quantize(w, rng.uniform(0.1, 2.0, 768).astype(f32))
+
+
+def test_quantizer_keeps_large_weights_that_fit(rng):
+    """Below the limit (the search's largest scale, max/12 per sub-block, keeps d finite up to
+    ~2.4e7) the block is stored and dequantizes near its largest weight; of two offending
+    blocks the first is named."""
+    w = rng.standard_normal((2, 512)).astype(f32)
+    w[0, 10] = f32(0.7 * MAX_WEIGHT)
+    raw = FMT.quantize(w)
+    d = raw.reshape(2, 2, 98)[:, :, :2].copy().view("<f2")
+    assert np.isfinite(d).all()
+    back = FMT.dequantize(raw, w.shape)
+    assert abs(back[0, 10] - w[0, 10]) < 0.1 * abs(w[0, 10])
+    w[1, 300] = f32(1e9)
+    w[0, 200] = f32(5e7)
+    with pytest.raises(FormatError, match="row 0, column 200"):
+        FMT.quantize(w)
 
 
 # ---------------------------------------------------------------------- experts

@@ -2,7 +2,8 @@
 // of every expert e of a group; W is the fp16 image (m x k row-major), x the fp16 activations
 // (row-major [rows, k], sorted by expert), accumulation in fp32 by mma.sync m16n8k16.
 //
-// grid = (m / TILE_M, row tiles, group position); block = 4 warps, each owning 32 activation
+// grid = (m / TILE_M, group position, row tiles), the MMQ ABI every format shares (arguments
+// ids, weights, acts, bounds, out, m, k); block = 4 warps, each owning 32 activation
 // rows x 32 weight rows of the block's 64 x 64 tile; k advances 64 values per step through
 // shared memory. Tensor-core accumulation order is not IEEE-sequential, so the numpy reference
 // (float32 product of the fp16 values) agrees within a tolerance, not bit for bit.
@@ -72,15 +73,15 @@ __device__ __forceinline__ void fp16_tile(const uint8_t* __restrict__ w,
 }
 
 extern "C" __global__ void __launch_bounds__(NTHREADS)
-fp16_mmq(const uint8_t* __restrict__ weights, Ids16 ids, const uint8_t* __restrict__ acts,
+fp16_mmq(Ids16 ids, const uint8_t* __restrict__ weights, const uint8_t* __restrict__ acts,
          const int* __restrict__ bounds, float* __restrict__ out, int m, int k)
 {
-    const int e = ids.v[blockIdx.z];
+    const int e = ids.v[blockIdx.y];
     if (e < 0) return;
     const int r_end = bounds[e + 1];
-    const uint8_t* w = weights + (size_t)blockIdx.z * m * k * 2;
-    // Row tiles blockIdx.y, blockIdx.y + gridDim.y, ...: any grid height is correct, so the
+    const uint8_t* w = weights + (size_t)blockIdx.y * m * k * 2;
+    // Row tiles blockIdx.z, blockIdx.z + gridDim.z, ...: any grid depth is correct, so the
     // launcher may size it from an estimate when the row counts live only on the device.
-    for (int row0 = bounds[e] + blockIdx.y * TILE_N; row0 < r_end; row0 += gridDim.y * TILE_N)
+    for (int row0 = bounds[e] + blockIdx.z * TILE_N; row0 < r_end; row0 += gridDim.z * TILE_N)
         fp16_tile(w, acts, out, m, k, blockIdx.x * TILE_M, row0, min(TILE_N, r_end - row0));
 }

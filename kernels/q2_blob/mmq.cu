@@ -1,7 +1,8 @@
 // Q2 blob grouped MMQ: out[r, :] = W_e x_r for every activation row r of every expert e of a
 // group, W from the de-interleaved image (codes m x k/4, then fp16 scales m x k/64), x as q8_1.
 //
-// grid = (m / TILE_M, row tiles, group position); block = 4 warps, each owning 32 activation
+// grid = (m / TILE_M, group position, row tiles), the MMQ ABI every format shares (arguments
+// ids, weights, acts, bounds, out, m, k); block = 4 warps, each owning 32 activation
 // rows x 32 weight rows of the block's 64 x 64 tile. Per 128-value step the block stages the
 // activations' int8 q and the weights' levels (code - 1, unpacked to int8) in shared memory;
 // mma.sync m16n8k32 s8 gives the exact integer dot of each 32-value sub-block. The float part
@@ -116,18 +117,18 @@ __device__ __forceinline__ void q2_tile(const uint8_t* __restrict__ codes,
 }
 
 extern "C" __global__ void __launch_bounds__(NTHREADS)
-q2_mmq(const uint8_t* __restrict__ weights, Ids16 ids, const uint8_t* __restrict__ acts,
+q2_mmq(Ids16 ids, const uint8_t* __restrict__ weights, const uint8_t* __restrict__ acts,
        const int* __restrict__ bounds, float* __restrict__ out, int m, int k)
 {
-    const int e = ids.v[blockIdx.z];
+    const int e = ids.v[blockIdx.y];
     if (e < 0) return;
     const int r_end = bounds[e + 1];
     const size_t code_bytes = (size_t)m * (k / 4);
-    const uint8_t* codes = weights + (size_t)blockIdx.z * (code_bytes + (size_t)m * (k / 64) * 2);
+    const uint8_t* codes = weights + (size_t)blockIdx.y * (code_bytes + (size_t)m * (k / 64) * 2);
     const __half* scales = (const __half*)(codes + code_bytes);
-    // Row tiles blockIdx.y, blockIdx.y + gridDim.y, ...: any grid height is correct, so the
+    // Row tiles blockIdx.z, blockIdx.z + gridDim.z, ...: any grid depth is correct, so the
     // launcher may size it from an estimate when the row counts live only on the device.
-    for (int row0 = bounds[e] + blockIdx.y * TILE_N; row0 < r_end; row0 += gridDim.y * TILE_N)
+    for (int row0 = bounds[e] + blockIdx.z * TILE_N; row0 < r_end; row0 += gridDim.z * TILE_N)
         q2_tile(codes, scales, acts, out, m, k, blockIdx.x * TILE_M, row0,
                 min(TILE_N, r_end - row0));
 }

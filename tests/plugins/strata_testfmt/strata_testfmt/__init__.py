@@ -1,21 +1,27 @@
-"""test_i8: int8 weights with one float16 scale per 32 values, matmul in numpy only.
+"""test_i8: int8 weights with one float16 scale per 32 values, the example of a format plugin.
 
-It exists to prove that a format published by another package (entry point group
-`strata_rt.quants`) loads without plugins.yaml and passes the CPU conformance checks. It has
-no kernels, so the conformance suite's kernel and GPU steps report "no kernels".
+A format published by another package (entry point group `strata_rt.quants`), complete with
+both halves of the contract: the numpy half (quantize, dequantize, the matmul reference) and the
+GPU half, a gather and an MMQ kernel in its own folder (`kernels/test_i8.cu`, shipped as
+package data) launched through strata_rt's `PerExpertKernels`. The conformance suite runs on
+it like on the built-in formats, on the CPU and on a GPU.
 """
 
 from __future__ import annotations
 
+from importlib import resources
 from pathlib import Path
 
 import numpy as np
 
 from strata_rt import hookimpl
-from strata_rt.formats import QuantFormat
+from strata_rt.activations import F16
+from strata_rt.formats import FormatKernels, QuantFormat, expert_rows
+from strata_rt.launchers import MmqTile, PerExpertKernels
 
 BLOCK = 32
 _ROW = np.dtype([("d", "<f2"), ("q", "i1", (BLOCK,))])  # 34 bytes per block
+KERNELS = Path(str(resources.files(__name__).joinpath("kernels")))
 
 
 class TestI8(QuantFormat):
@@ -27,14 +33,15 @@ class TestI8(QuantFormat):
     block_values = BLOCK
     block_bytes = _ROW.itemsize
     native = False
-    activation = "f16"
+    activation = F16
+    exact = True  # the kernel's float32 order is mirrored by mmq_reference below
     kernel_dir = "strata_testfmt"
     roundtrip_nmse = 1e-3
-    dim_multiple = 32
-    description = "test plugin: int8 per 32 values, numpy only"
+    dim_multiple = 128  # the MMQ tile (64 rows) and fp16 activations (K % 128) need it
+    description = "test plugin: int8 per 32 values, fp16 activations, one small CUDA kernel file"
 
     def kernel_sources(self) -> list[Path]:
-        return []
+        return sorted(KERNELS.glob("*.cu"))
 
     def quantize(self, weights: np.ndarray, imatrix: np.ndarray | None = None) -> np.ndarray:
         w = self.check_weights(weights)
@@ -48,24 +55,62 @@ class TestI8(QuantFormat):
         out["d"], out["q"] = d, q
         return out.view(np.uint8).reshape(rows, self.row_bytes(cols))
 
+    def _blocks(self, raw: np.ndarray, rows: int, cols: int) -> np.ndarray:
+        b = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1)[: self.matrix_bytes(rows, cols)]
+        return b.view(_ROW).reshape(rows, cols // BLOCK)
+
     def dequantize(self, raw: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
         rows, cols = shape
-        blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1).view(_ROW)
-        blocks = blocks.reshape(rows, cols // BLOCK)
+        blocks = self._blocks(raw, rows, cols)
         vals = blocks["q"].astype(np.float32) * blocks["d"].astype(np.float32)[..., None]
         return vals.reshape(rows, cols)
 
-    def prepare_activations(self, x: np.ndarray) -> np.ndarray:
-        return np.asarray(x, dtype=np.float32).astype(np.float16)
-
     def mmq_reference(self, image, expert_ids, acts, bounds, m, k):
-        out = np.zeros((acts.shape[0], m), dtype=np.float32)
-        for pos, e in enumerate(expert_ids):
-            lo, hi = int(bounds[e]), int(bounds[e + 1])
-            if hi > lo:
-                w = self.dequantize(image[pos], (m, k))
-                out[lo:hi] = acts[lo:hi].astype(np.float32) @ w.T
+        """The kernel's arithmetic (kernels/test_i8.cu) in the same order: per block of 32, a
+        float32 dot summed left to right, then acc += d * dot, each step rounded."""
+        x_all = np.asarray(acts, dtype=np.float16)
+        out = np.zeros((x_all.shape[0], m), dtype=np.float32)
+        img = np.ascontiguousarray(image, dtype=np.uint8).reshape(len(expert_ids), -1)
+        nb = k // BLOCK
+        for pos, lo, hi in expert_rows(expert_ids, bounds):
+            if hi <= lo:
+                continue
+            blocks = self._blocks(img[pos], m, k)
+            q = blocks["q"].astype(np.float32)            # [m, nb, 32]
+            d = blocks["d"].astype(np.float32)            # [m, nb]
+            x = x_all[lo:hi].astype(np.float32).reshape(hi - lo, nb, BLOCK)
+            acc = np.zeros((hi - lo, m), dtype=np.float32)
+            for b in range(nb):
+                dot = np.zeros((hi - lo, m), dtype=np.float32)
+                for j in range(BLOCK):
+                    dot = dot + x[:, b, j, None] * q[None, :, b, j]
+                acc = acc + d[None, :, b] * dot
+            out[lo:hi] = acc
         return out
+
+    def kernels_class(self) -> type[FormatKernels]:
+        return TestI8Kernels
+
+
+class TestI8Kernels(PerExpertKernels):
+    """Launchers: strata_rt's PerExpertKernels does the launching; this names the kernels, the
+    file that defines them (found through kernel_sources()) and their geometry."""
+
+    __test__ = False
+
+    gather_kernel = ("test_i8_gather", "qq")  # after (blob, gate/up image, down image)
+    gather_source = "test_i8.cu"
+    gather_planes = 2
+    mmq_kernel = "test_i8_mmq"
+    mmq_source = "test_i8.cu"
+    #: TILE_M, TILE_ROWS and the threads of test_i8_mmq; k must hold whole blocks
+    mmq_tile = MmqTile(m=64, rows=8, threads=64, k_multiple=BLOCK)
+
+    def gather_units(self) -> int:
+        return max(self.layout.gate_up_bytes, self.layout.down_bytes)
+
+    def gather_args(self) -> tuple[int, ...]:
+        return (self.layout.gate_up_bytes, self.layout.down_bytes)
 
 
 @hookimpl
