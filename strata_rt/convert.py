@@ -237,15 +237,25 @@ class GGUFExperts:
                            self.sources[lo:hi], self.workers)
 
     # ------------------------------------------------------------------ reading
-    def _check(self, src: LayerSource, lo: int = 0, hi: int | None = None) -> None:
+    def _check(self, src: LayerSource, lo: int = 0, hi: int | None = None,
+               out: np.ndarray | None = None) -> None:
+        """Checks experts lo..hi-1 of the layer for NaN/Inf, a tensor at a time, copying each
+        tensor's bytes into `out` (raw layers) while its pages are mapped, then dropping them:
+        about one tensor of the file is mapped at any time. Raises after the layer, listing
+        each tensor with a problem."""
         hi = self.n_experts if hi is None else hi
-        problems = []
+        problems, col = [], 0
         for ref in src.parts:
-            raw, _ = _expert_range(self.fm, ref, lo, hi)
+            raw, start = _expert_range(self.fm, ref, lo, hi)
             bad = check_expert_bytes(ref.name, src.layer, raw, ref.ggml_type,
                                      (hi - lo, *ref.shape[1:]), first_expert=lo)
             if bad is not None:
                 problems.append(bad)
+            elif out is not None:
+                per = raw.size // (hi - lo)
+                out[:, col: col + per] = raw.reshape(hi - lo, per)
+                col += per
+            self.fm.release_range(ref.offset + start, raw.size)
         if problems:
             from .gguf_io import problems_error
 
@@ -253,15 +263,7 @@ class GGUFExperts:
 
     def _copy_raw(self, src: LayerSource, out: np.ndarray, lo: int = 0,
                   hi: int | None = None) -> None:
-        hi = self.n_experts if hi is None else hi
-        self._check(src, lo, hi)
-        col = 0
-        for ref in src.parts:
-            raw, start = _expert_range(self.fm, ref, lo, hi)
-            per = ref.nbytes // ref.shape[0]
-            out[:, col: col + per] = raw.reshape(hi - lo, per)
-            col += per
-            self.fm.release_range(ref.offset + start, raw.size)
+        self._check(src, lo, hi, out)
 
     def blob(self, layer: int, e: int) -> np.ndarray:
         out = np.empty((1, self.layout.blob_bytes), np.uint8)
@@ -295,8 +297,6 @@ class GGUFExperts:
             if conv:
                 for src, _ in conv:  # a NaN in the last layer is found before the long part
                     self._check(src)
-                    for ref in src.parts:
-                        self.fm.release_range(ref.offset, ref.nbytes)
                 self._say_converting()
                 self._convert(conv, eta)
         finally:
