@@ -121,16 +121,17 @@ def bad_counts(raw: np.ndarray, ggml_type: int, n_experts: int, block_bytes: int
 def dequantized_counts(data: np.ndarray, ggml_type: int) -> tuple[np.ndarray, int, str] | None:
     """The fallback: data as the gguf reader presents it [n_experts, ...]; None when the gguf
     package cannot dequantize the type."""
+    from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
+    if not dequantizable(ggml_type):
+        return None
+    qt = GGMLQuantizationType(int(ggml_type))
     n = data.shape[0]
     counts = np.zeros(n, np.int64)
     size = 0
     for e in range(n):  # one expert at a time bounds the float32 copy
-        try:
-            vals = np.asarray(dequantize(data[e], ggml_type))
-        except (NotImplementedError, ValueError, KeyError):
-            return None
+        vals = np.asarray(dequantize(data[e], qt))
         counts[e] = int(np.count_nonzero(~np.isfinite(vals)))
         size = vals.size
     return counts, size, "dequantized weights"

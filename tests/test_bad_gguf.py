@@ -153,6 +153,25 @@ def test_scale_table_points_at_the_scales_gguf_dequantizes_with(qt):
         assert np.isfinite(vals[:3]).all() and not np.isfinite(vals[3]).all()
 
 
+def test_types_without_a_scale_entry_are_dequantized_and_checked(tmp_path, model, capsys):
+    """IQ1_M keeps its fp16 d in the top nibbles of its four scale words: no F16_SCALES entry,
+    so the check dequantizes it."""
+    assert 29 not in F16_SCALES
+    blocks = np.random.default_rng(5).integers(0, 256, (4, 256, 256 // 256, 56), np.uint8)
+    blocks[..., 49:56:2] &= 0x0F               # d = 0: finite
+    blocks[1, 17, 0, 53] |= 0xE0                # d = 0x7E00 (NaN) in one block of expert 1
+    blocks[1, 17, 0, 55] |= 0x70
+    raw = blocks.reshape(4, 256, 56)
+    path = write_moe_gguf(tmp_path / "m1.gguf", model,
+                          tensors={"blk.0.ffn_down_exps.weight": (raw, Q.IQ1_M)})
+    code, err = cli(["inspect", str(path)], capsys)
+    assert code == GGUFError.exit_code
+    assert ("tensor blk.0.ffn_down_exps.weight (layer 0): NaN or Inf in the dequantized "
+            "weights of 1 expert(s): expert 1") in err
+    with pytest.raises(GGUFError, match=r"dequantized weights of 1 expert\(s\): expert 1"):
+        load(path)
+
+
 def test_run_and_inspect_reject_the_same_file_with_the_same_code(tmp_path, good, capsys):
     iq3_d(good, 0, "gate", expert=1, block=0)
     iq3_d(good, 1, "up", expert=0, block=5)
@@ -190,6 +209,15 @@ def test_inspect_lists_missing_and_misshapen_expert_tensors(tmp_path, model, cap
     assert "tensor blk.0.ffn_down_exps.weight has shape [4, 256, 128]" in err
     code_run, err = cli(["run", run_config(tmp_path, path)], capsys)
     assert code_run == code and "blk.1.ffn_up_exps.weight is missing" in err
+
+
+def test_a_type_nothing_reads_is_a_problem_for_inspect_and_run(tmp_path, model, capsys):
+    path = write_moe_gguf(tmp_path / "i.gguf", model, tensors={
+        "blk.1.ffn_gate_exps.weight": (np.zeros((4, 256, 256), np.int32), None)})
+    code, err = cli(["inspect", str(path)], capsys)
+    assert code == GGUFError.exit_code and "blk.1.ffn_gate_exps.weight has type I32" in err
+    code_run, err = cli(["run", run_config(tmp_path, path)], capsys)
+    assert code_run == code and "blk.1.ffn_gate_exps.weight has type I32" in err
 
 
 def test_truncated_file_names_tensor_and_bytes(tmp_path, good, capsys):

@@ -44,10 +44,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print("a budget also holds one chunk's buffers and the ring: give it to a run as "
               "`vram_budget_mib` and the config sizes the split as the CUDA backend allocates it")
     # the same checks `run` makes at load, over every expert tensor, all problems listed
+    problems = moe.problems + _unreadable_types(moe, registry())
     eta = Eta(f"{path.name}: checking expert tensors", g.n_layers, "layers")
     try:
-        problems = moe.problems + check_experts(moe, gguf_io.FileMap(path),
-                                                on_layer=lambda _: eta.advance(1))
+        problems += check_experts(moe, gguf_io.FileMap(path), on_layer=lambda _: eta.advance(1))
     finally:
         eta.close()
     if problems:
@@ -55,6 +55,18 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print("checked: every tensor the engine reads is present, has the keys' shape and holds "
           "no NaN/Inf (router, norms, expert values or block scales)")
     return 0
+
+
+def _unreadable_types(moe, reg) -> list[str]:
+    """Expert tensors no loaded format can use: not its own GGUF type, and not a type the
+    gguf package dequantizes (run refuses them at load, naming the format)."""
+    from ..gguf_checks import dequantizable
+
+    raw = {loaded.format.ggml_type for loaded in reg.formats.values()}
+    return [f"tensor {ref.name} has type {ref.type_name}: no loaded format takes it raw and "
+            "the gguf package cannot dequantize it"
+            for refs in moe.experts for ref in (refs or {}).values()
+            if ref.ggml_type not in raw and not dequantizable(ref.ggml_type)]
 
 
 def _formats_table(g, reg, budget_gib: float | None) -> str:
