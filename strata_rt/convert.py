@@ -287,8 +287,8 @@ class GGUFExperts:
     def _write(self, jobs: list[tuple[int, np.ndarray]]) -> None:
         blob = self.layout.blob_bytes
         conv = [(self.sources[i], out[:, :blob]) for i, out in jobs if not self.sources[i].raw]
-        eta = Eta(f"{self.fm.path.name}: loading experts", len(jobs) * self.n_experts,
-                  "experts")
+        doing = f"converting experts to {self.fmt.name}" if conv else "loading experts"
+        eta = Eta(f"{self.fm.path.name}: {doing}", len(jobs) * self.n_experts, "experts")
         try:
             for i, out in jobs:
                 if self.sources[i].raw:
