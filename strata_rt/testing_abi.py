@@ -23,7 +23,6 @@ from typing import Any
 from .errors import PluginError
 from .formats import ids16
 from .launchers import GRID_YZ_MAX, MMQ_ARG_TYPES
-from .resources import KERNELS_ROOT
 from .testing_groups import GROUP, PARTS, ConformanceSkip, Subject, part_shape
 
 #: device addresses the recorded launches receive (16-byte aligned, distinct)
@@ -114,12 +113,12 @@ def ptx_params(ptx: str, name: str) -> list[tuple[int, int]] | None:
 
 @functools.lru_cache(maxsize=32)
 def _ptx(source: Path, stamp: int, defines: tuple, flags: tuple, arch: str) -> str:
-    from .runtime.compile import nvcc_path
+    from .runtime.compile import include_flags, nvcc_path
 
     with tempfile.TemporaryDirectory() as tmp:
         target = Path(tmp) / "k.ptx"
-        cmd = [nvcc_path() or "nvcc", "-ptx", "-std=c++17", f"-arch={arch}", "-I",
-               str(KERNELS_ROOT), *(f"-D{k}" if v is None else f"-D{k}={v}" for k, v in defines),
+        cmd = [nvcc_path() or "nvcc", "-ptx", "-std=c++17", f"-arch={arch}", *include_flags(),
+               *(f"-D{k}" if v is None else f"-D{k}={v}" for k, v in defines),
                *flags, "-o", str(target), str(source)]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
