@@ -133,16 +133,6 @@ class Activation:
     def __repr__(self) -> str:
         return f"<activation {self.name}>"
 
-    # Transitional: lets code that still compares `fmt.activation == "q8_1"` keep working
-    # until every caller uses the object. Delete both methods once none does.
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, str):
-            return other == self.name
-        return self is other
-
-    def __hash__(self) -> int:
-        return hash(self.name)
-
 
 class _Q8_1(Activation):
     name, kernel, swiglu_kernel = "q8_1", "quantize_q8_1_rows", "swiglu_q8_1"
@@ -187,11 +177,6 @@ def activation_named(kind: str | Activation) -> Activation:
     except (KeyError, TypeError):
         raise FormatError(f"activation encoding {kind!r} is unknown; valid: "
                           f"{', '.join(ACTIVATIONS)}") from None
-
-
-def activation_bytes(kind: str | Activation, rows: int, k: int) -> int:
-    """Transitional spelling of `activation.nbytes(rows, k)` for callers not yet switched."""
-    return activation_named(kind).nbytes(rows, k)
 
 
 class ActivationKernels:

@@ -26,8 +26,9 @@ from .hostmem import format_bytes, shortfall
 from .memory_plan import MemoryPlan, plan_memory
 from .model import SYNTHETIC_POOL_BYTES, MoESpec
 from .paths import output_dir_problem, output_file_problem
-from .planner import AUTO_CHUNK_MAX, STAGING_RING_SLOTS, walk_ring_slots
+from .planner import AUTO_CHUNK_MAX, ring_sizes
 from .prompts import Prompt, hidden_file_problem, read_token_file
+from .routing_kernels import ROUTINGS
 from .runtime.memory import MIB
 
 if TYPE_CHECKING:
@@ -270,11 +271,13 @@ def device_memory_plan(spec: MoESpec, fmt: QuantFormat, chunk_tokens: int,
     budget must hold. The ring is sized as the backend sizes it before the residency is known
     (every expert streaming), an upper bound of the ring it allocates once it is."""
     lay = fmt.layout(spec.hidden, spec.ffn)
-    ring_slots = max(walk_ring_slots(ring_bytes, lay.slot_bytes, spec.total_experts),
-                     STAGING_RING_SLOTS)
+    ring_slots = ring_sizes(ring_bytes, lay.slot_bytes, spec.total_experts).total
+    routing = env.choice("STRATA_ROUTING", ROUTINGS[0])
     if budget_bytes is None:
-        return plan_memory(spec, lay, fmt.activation, sys.maxsize, ring_slots, chunk_tokens, 0)
-    return plan_memory(spec, lay, fmt.activation, budget_bytes, ring_slots, chunk_tokens, None)
+        return plan_memory(spec, lay, fmt.activation, sys.maxsize, ring_slots, chunk_tokens, 0,
+                           routing)
+    return plan_memory(spec, lay, fmt.activation, budget_bytes, ring_slots, chunk_tokens, None,
+                       routing)
 
 
 def check_budget(p: Problems, doc: dict, geom: MoESpec | None, fmt: QuantFormat | None,

@@ -103,7 +103,7 @@ class CudaBackend:
         fixed_res = residency.n_slots if residency is not None else None
         rings = ring_sizes(cfg.ring_bytes, slot, spec.total_experts - (fixed_res or 0))
         mp = plan_memory(spec, lay, self.fmt.activation, available, rings.total, cfg.prefill,
-                         fixed_res)
+                         fixed_res, cfg.routing)
         if residency is None:
             residency = Residency.from_budget(model, mp.n_resident, cfg.load_profile())
             # the ring was sized for everything streaming; plan with what actually streams
@@ -115,11 +115,12 @@ class CudaBackend:
         dev = self.dev = DeviceState(rt, mp.regions, max(available, 0),
                                      self.tokens * spec.hidden * 4,
                                      (spec.n_layers, spec.n_experts + 1))
-        self.kernels = LayerKernels(rt, spec, self.fmt.activation, dev.ptr)
+        self.kernels = LayerKernels(rt, spec, self.fmt.activation, dev.ptr, cfg.routing)
         # poison everything first: a read of bytes nobody wrote shows up as NaN, not as luck
         rt.memset_d8(dev.arena.base_ptr, 0xFF, dev.arena.total, dev.copy)
         # weights that stay on the device, and the resident experts (once, at open)
-        rt.memcpy_htod(dev.ptr["router"], model.router, dev.copy)
+        router = self.kernels.router_weights(model.router)  # alive until the sync below
+        rt.memcpy_htod(dev.ptr["router"], router, dev.copy)
         rt.memcpy_htod(dev.ptr["norm"], model.norm, dev.copy)
         for i, (layer, e) in enumerate(residency.pairs):
             off = self.store.offset(layer, e)

@@ -28,13 +28,14 @@ from typing import Any
 
 import numpy as np
 
-from . import env
+from . import env, hostmem
 from .driver import ChunkDriver
 from .errors import ConfigError
 from .formats import QuantFormat
 from .model import Model, MoESpec
 from .planner import AUTO_CHUNK_MAX
 from .residency import Residency, RoutingProfile
+from .routing_kernels import ROUTINGS
 from .stats import Stats
 from .store import ExpertStore
 
@@ -65,6 +66,8 @@ class EngineConfig:
     check_plan: bool | None = None
     timing: bool | None = None
     dump_r: str | None = None
+    #: CUDA routing kernels: "tensor" (tensor-core router GEMM, warp top-k) or "fp32"
+    routing: str | None = None
     #: called as progress(chunk, n_chunks, layer, n_layers) after each layer
     progress: Any = None
     _profile: RoutingProfile | None = field(default=None, repr=False)
@@ -88,6 +91,8 @@ class EngineConfig:
                                               or self.expert_cache < 0):
             problems.append(f"expert_cache: got {self.expert_cache!r}; allowed: an integer "
                             ">= 0")
+        if self.routing is not None and self.routing not in ROUTINGS:
+            problems.append(f"routing: got {self.routing!r}; allowed: {', '.join(ROUTINGS)}")
         if self.ring_bytes is not None and self.ring_bytes <= 0:
             problems.append(f"ring_bytes: got {self.ring_bytes!r}; allowed: a positive size")
         if problems:
@@ -102,6 +107,8 @@ class EngineConfig:
             self.timing = env.flag("STRATA_PREFILL_TIMING")
         if self.dump_r is None:
             self.dump_r = env.text("STRATA_PREFILL_DUMP_R")
+        if self.routing is None:
+            self.routing = env.choice("STRATA_ROUTING", ROUTINGS[0])
         return self
 
 
@@ -195,6 +202,10 @@ class Engine:
         cfg.resolve()
         model = load_model(cfg.model)
         check_mmq_kernel(model.fmt)
+        spec, slot = model.spec, model.layout.slot_bytes
+        hostmem.require(spec.n_layers * spec.n_experts * slot, "the expert store",
+                        f"{spec.n_layers} layers x {spec.n_experts} experts x "
+                        f"{hostmem.format_bytes(slot)}")
         name, backend_cls = backend_class(cfg.backend)
         context = backend_cls.context_class()
         backend = None

@@ -28,8 +28,8 @@ PREFIX = "STRATA_"
 @dataclass(frozen=True)
 class Switch:
     name: str
-    #: "flag" (0/1), "int" (>= 1), "str", "path" (read), "program" (an executable),
-    #: "outfile" (a file written) or "outdir" (a folder written)
+    #: "flag" (0/1), "int" (>= 1), "str", "choice:a,b" (one of the names), "path" (read),
+    #: "program" (an executable), "outfile" (a file written) or "outdir" (a folder written)
     kind: str
     help: str
 
@@ -66,6 +66,10 @@ SWITCHES: dict[str, Switch] = {
         Switch("STRATA_DISABLE_PLUGINS", "str",
                "comma-separated plugin names to leave out (as `enabled: false` in "
                "plugins.yaml does); `strata plugins` shows what is disabled."),
+        Switch("STRATA_ROUTING", "choice:tensor,fp32",
+               "router kernels of the CUDA backend: tensor (router GEMM on tensor cores with "
+               "fp16 operands, top-k one warp per token; the default) or fp32 (CUDA-core "
+               "float32 logits, one thread per token: the wave-1 kernels)."),
         Switch("STRATA_HOST_MEMORY_CHECK", "flag",
                "0: skip the check that the host has the memory a run needs before it "
                "allocates (for systems that overcommit or swap); sizes beyond a 64-bit "
@@ -88,6 +92,8 @@ def problem(name: str, value: str) -> str | None:
         return "expected 0 or 1"
     if kind == "int" and not (value.isdigit() and int(value) >= 1):
         return "expected a positive whole number"
+    if kind.startswith("choice:") and value not in kind[7:].split(","):
+        return f"expected one of {kind[7:].replace(',', ', ')}"
     if kind == "program":
         found = shutil.which(value)
         if found is None:
@@ -117,6 +123,17 @@ def flag(name: str, default: bool = False) -> bool:
 def text(name: str) -> str | None:
     """A path or string switch, or None when unset."""
     return _raw(name)
+
+
+def choice(name: str, default: str) -> str:
+    """A switch that names one of a fixed set (its kind "choice:a,b"); default when unset."""
+    value = _raw(name)
+    if value is None:
+        return default
+    why = problem(name, value)
+    if why is not None:
+        raise _error(name, value, why)
+    return value
 
 
 def integer(name: str) -> int | None:

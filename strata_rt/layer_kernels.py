@@ -1,6 +1,13 @@
-"""The engine's own kernels of an MoE layer (kernels/common/engine.cu) behind one launcher:
-routing (RMSNorm, router logits, softmax top-k, counting sort by expert) with the activation
-encoding of the sorted rows, SwiGLU with re-encoding, and the weighted combine into the residual.
+"""The engine's own kernels of an MoE layer behind one launcher: routing (RMSNorm, router
+logits, softmax top-k, counting sort by expert) with the activation encoding of the sorted rows,
+SwiGLU with re-encoding, and the weighted combine into the residual.
+
+Routing comes in two kernel sets (STRATA_ROUTING): "tensor" (kernels/common/routing.cu: the
+router GEMM on tensor cores with fp16 operands and float32 accumulation, softmax top-k one warp
+per token, a deterministic counting sort in two launches) and "fp32" (kernels/common/engine.cu:
+float32 logits on CUDA cores, one thread per token). Both sort rows the same way (tokens
+ascending inside an expert); their logits differ by fp16 rounding, so an expert choice can
+differ at near-ties (measured in tests/test_routing_kernels.py).
 
 Everything here is the part of a layer that is not a format's gather or matmul; the CUDA
 executor calls it with device addresses and never sees launch shapes.
@@ -10,8 +17,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from .activations import ActivationKernels
+import numpy as np
+
+from .activations import Activation, ActivationKernels
 from .resources import KERNELS_ROOT
+from .routing_kernels import RoutingKernels, check_routing_shape, router_f16
 
 ENGINE_SOURCE = KERNELS_ROOT / "common" / "engine.cu"
 #: launch shapes of the engine kernels (must match engine.cu where it assumes them)
@@ -28,43 +38,72 @@ class LayerKernels:
     """Prepared launches of engine.cu (and the activation kernels) for one model shape.
 
     `ptr` maps region names of the device arena to addresses: x, xn, norm, router, logits,
-    topk_ids, topk_w, sorted_token, row_of, act_hidden, act_ffn, gate_up_out, down_out."""
+    topk_ids, topk_w, sorted_token, row_of, act_hidden, act_ffn, gate_up_out, down_out, and
+    route_ws for the tensor routing."""
 
-    def __init__(self, rt: Any, spec: Any, activation: str, ptr: dict[str, int]):
-        self.spec, self.activation, self.ptr = spec, activation, ptr
+    def __init__(self, rt: Any, spec: Any, activation: Activation, ptr: dict[str, int],
+                 routing: str = "tensor"):
+        self.spec, self.activation, self.ptr, self.routing = spec, activation, ptr, routing
+        self._routing = None
+        if routing == "tensor":
+            check_routing_shape(spec.hidden, spec.n_experts, spec.top_k)
+            self._routing = RoutingKernels(rt)
         mod = rt.module(ENGINE_SOURCE)
         self._norm = mod.kernel("rmsnorm_rows", "PPPif")
         self._router = mod.kernel("router_logits", "PPPiii")
         self._topk = mod.kernel("topk_softmax", "PiiiPP")
         self._bounds = mod.kernel("expert_bounds", "PiiP")
         self._scatter = mod.kernel("expert_scatter", "PiiPPP")
-        self._swiglu = mod.kernel(
-            "swiglu_q8_1" if activation == "q8_1" else "swiglu_f16", "PPiiiP")
+        self._swiglu = mod.kernel(activation.swiglu_kernel, "PPiiiP")
         self._combine = mod.kernel("combine_residual", "PPPiiP")
         self._acts = ActivationKernels(rt)
 
+    def router_weights(self, router: np.ndarray) -> np.ndarray:
+        """The host array to upload into the `router` region (fp16 for the tensor routing)."""
+        return router_f16(router) if self._routing is not None else router
+
     def route(self, stream: Any, layer: int, tokens: int, bounds: int, mark: Any) -> None:
         """RMSNorm, router logits, top-k, counting sort and the hidden activations of one
-        layer; the row bounds land at `bounds` (device int32 [n_experts + 1])."""
+        layer; the row bounds land at `bounds` (device int32 [n_experts + 1]). `mark(phase)`
+        opens each phase of the timing table."""
         spec, p, T = self.spec, self.ptr, tokens
         H, E, K = spec.hidden, spec.n_experts, spec.top_k
-        mark("route")
+        mark("rmsnorm")
         self._norm.launch(grid=(T, 1, 1), block=(ROW_THREADS, 1, 1), stream=stream,
                           args=(p["x"], p["norm"] + layer * H * 4, p["xn"], H,
                                 float(spec.rms_eps)))
+        if self._routing is not None:
+            rk = self._routing
+            mark("router gemm")
+            rk.logits(stream, p["xn"], p["router"] + layer * E * H * 2, p["logits"], T, H, E)
+            mark("softmax top-k")
+            rk.topk(stream, p["logits"], T, E, K, p["topk_ids"], p["topk_w"], p["route_ws"])
+            mark("sort")
+            rk.sort(stream, p["topk_ids"], T, E, K, p["route_ws"], bounds, p["sorted_token"],
+                    p["row_of"])
+        else:
+            self._route_fp32(stream, layer, T, bounds, mark)
+        mark("quantize acts")
+        self._acts.launch(self.activation, stream, p["xn"], H, p["sorted_token"],
+                          p["act_hidden"], T * K, H)
+
+    def _route_fp32(self, stream: Any, layer: int, T: int, bounds: int, mark: Any) -> None:
+        spec, p = self.spec, self.ptr
+        H, E, K = spec.hidden, spec.n_experts, spec.top_k
+        mark("router gemm")
         self._router.launch(grid=(-(-T // ROUTER_TILE), -(-E // ROUTER_TILE), 1),
                             block=(256, 1, 1), stream=stream,
                             args=(p["xn"], p["router"] + layer * E * H * 4, p["logits"], T,
                                   H, E))
+        mark("softmax top-k")
         self._topk.launch(grid=(-(-T // TOPK_THREADS), 1, 1), block=(TOPK_THREADS, 1, 1),
                           stream=stream, args=(p["logits"], T, E, K, p["topk_ids"], p["topk_w"]))
+        mark("sort")
         self._bounds.launch(grid=(1, 1, 1), block=(SCATTER_THREADS, 1, 1), stream=stream,
                             args=(p["topk_ids"], T * K, E, bounds), shared=E * 4)
         self._scatter.launch(grid=(E, 1, 1), block=(SCATTER_THREADS, 1, 1), stream=stream,
                              args=(p["topk_ids"], T * K, K, bounds, p["sorted_token"],
                                    p["row_of"]))
-        self._acts.launch(self.activation, stream, p["xn"], H, p["sorted_token"],
-                          p["act_hidden"], T * K, H)
 
     def swiglu(self, stream: Any, bounds: int, lo: int, hi: int, group_rows: int) -> None:
         """silu(gate) * up of experts lo..hi-1, encoded as the down matmul's activations."""

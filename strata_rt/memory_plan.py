@@ -11,10 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .activations import activation_bytes
+from .activations import Activation
 from .errors import BudgetError
 from .formats import MMQ_GROUP, ExpertLayout
 from .planner import AUTO_CHUNK_MAX
+from .routing_kernels import workspace_bytes
 from .runtime.memory import mib, plan_regions, regions_total
 
 #: `prefill: auto` tries chunk sizes in steps of this many tokens below the maximum
@@ -23,11 +24,13 @@ AUTO_CHUNK_STEP = 64
 DEFAULT_RESERVE_MIB = 512
 
 
-def chunk_regions(spec: Any, activation: str, tokens: int) -> dict[str, int]:
+def chunk_regions(spec: Any, activation: Activation, tokens: int,
+                  routing: str = "tensor") -> dict[str, int]:
     """Device bytes of one chunk's buffers (all sorted rows are tokens * top_k)."""
     T, H, F, E, K = tokens, spec.hidden, spec.ffn, spec.n_experts, spec.top_k
     rows = T * K
-    return {
+    extra = {"route_ws": workspace_bytes(T, E)} if routing == "tensor" else {}
+    return {**extra,
         "x": T * H * 4,
         "xn": T * H * 4,
         "logits": T * E * 4,
@@ -35,18 +38,20 @@ def chunk_regions(spec: Any, activation: str, tokens: int) -> dict[str, int]:
         "topk_w": rows * 4,
         "sorted_token": rows * 4,
         "row_of": rows * 4,
-        "act_hidden": activation_bytes(activation, rows, H),
-        "act_ffn": activation_bytes(activation, rows, F),
+        "act_hidden": activation.nbytes(rows, H),
+        "act_ffn": activation.nbytes(rows, F),
         "gate_up_out": rows * 2 * F * 4,
         "down_out": rows * H * 4,
     }
 
 
-def fixed_regions(spec: Any, layout: ExpertLayout, ring_slots: int) -> dict[str, int]:
-    """Device bytes that do not depend on the chunk or the residency."""
+def fixed_regions(spec: Any, layout: ExpertLayout, ring_slots: int,
+                  routing: str = "tensor") -> dict[str, int]:
+    """Device bytes that do not depend on the chunk or the residency (the router weights are
+    fp16 for the tensor-core routing, float32 for the fp32 kernels)."""
     L, H, E = spec.n_layers, spec.hidden, spec.n_experts
     return {
-        "router": L * E * H * 4,
+        "router": L * E * H * (2 if routing == "tensor" else 4),
         "norm": L * H * 4,
         "bounds": L * (E + 1) * 4,
         "ring": ring_slots * layout.slot_bytes,
@@ -70,20 +75,21 @@ class MemoryPlan:
         return ", ".join(f"{name} {mib(size)} MiB" for name, size in big)
 
 
-def plan_memory(spec: Any, layout: ExpertLayout, activation: str, available: int,
-                ring_slots: int, prefill: str | int, n_resident: int | None) -> MemoryPlan:
+def plan_memory(spec: Any, layout: ExpertLayout, activation: Activation, available: int,
+                ring_slots: int, prefill: str | int, n_resident: int | None,
+                routing: str = "tensor") -> MemoryPlan:
     """Sizes the device arena within `available` bytes.
 
     n_resident fixed (expert_cache): the residency is placed first and `prefill: auto` takes
     the largest chunk that fits beside it. n_resident None (vram_reserve_mib): the chunk comes
     first and every byte left holds resident experts. Raises BudgetError naming the sizes when
     even the chunk asked for (or, for auto, one step of AUTO_CHUNK_STEP tokens) cannot fit."""
-    fixed = fixed_regions(spec, layout, ring_slots)
+    fixed = fixed_regions(spec, layout, ring_slots, routing)
     slot = layout.slot_bytes
 
     def plan(tokens: int, resident: int) -> MemoryPlan:
         regions = {**fixed, "resident": resident * slot,
-                   **chunk_regions(spec, activation, tokens)}
+                   **chunk_regions(spec, activation, tokens, routing)}
         return MemoryPlan(tokens, resident, regions)
 
     need_res = 0 if n_resident is None else n_resident

@@ -19,6 +19,7 @@ import numpy as np
 
 from .errors import ConfigError, GGUFError, StrataError
 from .formats import ExpertLayout, QuantFormat
+from .numerics import nmse  # noqa: F401  (re-exported: tests and benchmarks import it here)
 
 #: bytes of distinct synthetic blobs generated at most; larger models tile them (see synthetic)
 SYNTHETIC_POOL_BYTES = 64 << 20
@@ -291,8 +292,3 @@ def reference_moe_f64(model: Model, h: np.ndarray,
     return h
 
 
-def nmse(got: np.ndarray, want: np.ndarray) -> float:
-    """Normalised mean squared error sum((got-want)^2) / sum(want^2), in float64."""
-    g = np.asarray(got, dtype=np.float64)
-    w = np.asarray(want, dtype=np.float64)
-    return float(np.sum((g - w) ** 2) / max(np.sum(w ** 2), 1e-300))

@@ -35,6 +35,9 @@ if TYPE_CHECKING:
 
 
 ROUTING_SOURCE = KERNELS_ROOT / "common" / "routing.cu"
+#: routing kernels of the CUDA backend (STRATA_ROUTING), the default first: these ("tensor"),
+#: or engine.cu's float32 CUDA-core kernels ("fp32")
+ROUTINGS = ("tensor", "fp32")
 #: tokens per sort tile (one bit each of a 32-bit mask); the top-k block covers one tile
 ROUTE_TILE = 32
 MAX_EXPERTS = 512

@@ -15,8 +15,8 @@ from collections import defaultdict
 from typing import Any
 
 #: phases in the order the table lists them (others follow in order of first appearance)
-PHASES = ("route", "host grouping", "wait copy", "gather", "gemm gate/up", "swiglu+quantize",
-          "gemm down", "combine")
+PHASES = ("rmsnorm", "router gemm", "softmax top-k", "sort", "quantize acts", "host grouping",
+          "wait copy", "gather", "gemm gate/up", "swiglu+quantize", "gemm down", "combine")
 
 NOTE = ("note: STRATA_PREFILL_TIMING=1 records events between phases and launches plainly "
         "(no CUDA graph), so this run is slower than an uninstrumented one")

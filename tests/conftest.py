@@ -23,13 +23,13 @@ import numpy as np  # noqa: E402
 import pytest
 from hypothesis import settings
 
+from strata_rt.runtime import Runtime, cuda_available
+
 # Property tests draw this many examples unless they fix their own count: 2,000 per CI run;
 # `pytest --hypothesis-profile strata-long tests/test_plan_hazards.py` draws 20,000.
 settings.register_profile("strata", max_examples=2000)
 settings.register_profile("strata-long", max_examples=20000)
 settings.load_profile("strata")
-
-from strata_rt.runtime import Runtime, cuda_available
 
 TESTFMT_PROJECT = Path(__file__).resolve().parent / "plugins" / "strata_testfmt"
 TESTFMT_DIST = "strata-testfmt"

@@ -13,7 +13,6 @@ from strata_rt.activations import (
     Activation,
     ActivationKernels,
     Q8_1Acts,
-    activation_bytes,
     activation_named,
     convert_f16,
     quantize_q8_1,
@@ -106,13 +105,6 @@ def test_format_classes_take_the_name_or_the_object():
     assert QuantFormat.activation is Q8_1 and not QuantFormat.exact
     assert Unknown.activation == "q4" and not isinstance(Unknown.activation, Activation)
     assert Named().prepare_activations(np.ones((1, 128), np.float32)).dtype == np.float16
-
-
-def test_transitional_spellings_still_answer():
-    """Callers not yet switched to the objects: string compares and activation_bytes."""
-    assert Q8_1 == "q8_1" and F16 != "q8_1" and F16 in ("q8_1", "f16")
-    assert activation_bytes("q8_1", 2, 256) == Q8_1.nbytes(2, 256)
-    assert activation_bytes(F16, 2, 256) == F16.nbytes(2, 256)
 
 
 # ------------------------------------------------------------------------------------ GPU

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from strata_rt import hazards
-from strata_rt.activations import quantize_q8_1
+from strata_rt.activations import Q8_1, quantize_q8_1
 from strata_rt.cuda_engine import ENGINE_SOURCE
 from strata_rt.engine import Engine, EngineConfig, read_dump
 from strata_rt.errors import BudgetError, PlanHazardError
@@ -43,13 +43,13 @@ def test_auto_chunk_is_largest_that_fits_beside_fixed_residency(spec):
     fmt = registry()["iq3_xxs"]
     lay = fmt.layout(spec.hidden, spec.ffn)
     n_res = spec.total_experts // 4
-    big = plan_memory(spec, lay, "q8_1", 1 << 40, 8, "auto", n_res)
+    big = plan_memory(spec, lay, Q8_1, 1 << 40, 8, "auto", n_res)
     assert big.tokens == AUTO_CHUNK_MAX and big.n_resident == n_res
     # a budget that holds 3,000 tokens but not 3,072
-    avail = _total(spec, lay, "q8_1", 8, 3000, n_res)
-    mp = plan_memory(spec, lay, "q8_1", avail, 8, "auto", n_res)
+    avail = _total(spec, lay, Q8_1, 8, 3000, n_res)
+    mp = plan_memory(spec, lay, Q8_1, avail, 8, "auto", n_res)
     assert mp.tokens == 2944 and mp.total <= avail
-    assert _total(spec, lay, "q8_1", 8, mp.tokens + 64, n_res) > avail
+    assert _total(spec, lay, Q8_1, 8, mp.tokens + 64, n_res) > avail
 
 
 def test_reserve_policy_fills_the_rest_with_residents():
@@ -57,12 +57,12 @@ def test_reserve_policy_fills_the_rest_with_residents():
 
     spec = QWEN3_30B_SPEC
     lay = registry()["iq3_xxs"].layout(spec.hidden, spec.ffn)
-    chunk_only = _total(spec, lay, "q8_1", 64, 8192, 0)
+    chunk_only = _total(spec, lay, Q8_1, 64, 8192, 0)
     avail = chunk_only + 1000 * lay.slot_bytes + 100
-    mp = plan_memory(spec, lay, "q8_1", avail, 64, "auto", None)
+    mp = plan_memory(spec, lay, Q8_1, avail, 64, "auto", None)
     assert mp.tokens == 8192
     assert mp.n_resident in (999, 1000) and mp.total <= avail
-    everything = plan_memory(spec, lay, "q8_1", 1 << 45, 64, "auto", None)
+    everything = plan_memory(spec, lay, Q8_1, 1 << 45, 64, "auto", None)
     assert everything.n_resident == spec.total_experts
 
 
@@ -72,20 +72,21 @@ def test_budget_error_names_the_sizes():
     spec = QWEN3_30B_SPEC
     lay = registry()["iq3_xxs"].layout(spec.hidden, spec.ffn)
     with pytest.raises(BudgetError, match=r"8192-token chunk .* MiB .*gate_up_out"):
-        plan_memory(spec, lay, "q8_1", 512 * MIB, 8, 8192, 0)
+        plan_memory(spec, lay, Q8_1, 512 * MIB, 8, 8192, 0)
     with pytest.raises(BudgetError, match="resident experts"):
-        plan_memory(spec, lay, "q8_1", 2 * GIB, 8, "auto", spec.total_experts)
+        plan_memory(spec, lay, Q8_1, 2 * GIB, 8, "auto", spec.total_experts)
 
 
 def test_timing_table_lists_phases_in_order_with_the_note():
-    text = format_table({"combine": 1.0, "route": 3.0, "wait copy": 6.0, "extra": 0.5},
-                        {"route": 2}, wall_s=0.02, host_s=0.001)
+    text = format_table({"combine": 1.0, "rmsnorm": 3.0, "wait copy": 6.0, "extra": 0.5},
+                        {"rmsnorm": 2}, wall_s=0.02, host_s=0.001)
     lines = text.splitlines()
     names = [ln.split("  ")[0].strip() for ln in lines[1:5]]
-    assert names == ["route", "wait copy", "combine", "extra"]
+    assert names == ["rmsnorm", "wait copy", "combine", "extra"]
     assert NOTE in text and "slower" in NOTE
     assert "57.1%" in text  # 6 of 10.5 ms
-    assert set(PHASES) >= {"route", "wait copy", "gather", "gemm gate/up", "swiglu+quantize",
+    assert set(PHASES) >= {"rmsnorm", "router gemm", "softmax top-k", "sort", "quantize acts",
+                           "wait copy", "gather", "gemm gate/up", "swiglu+quantize",
                            "gemm down", "combine"}
 
 
@@ -268,7 +269,7 @@ def test_backend_control_flow_on_fake_runtime(fake, gather_one, fixed_walk_rule)
         _, st = eng.prefill(h)
         assert st.host_syncs == spec.n_layers + 1  # one routed-set read-back per layer
         assert st.mmq_launches == sum(n.startswith("iq3_mmq") for n in rt.launches)
-        assert rt.launches.count("expert_scatter") == spec.n_layers
+        assert rt.launches.count("route_scatter") == spec.n_layers
         assert st.gathers_launched == rt.launches.count("gather_one") + rt.launches.count(
             "gather_batch")
         assert st.experts_streamed > 0
@@ -603,7 +604,8 @@ def test_timing_table_and_untimed_output(small_model, rng):
     assert timed[0].tobytes() == plain[0].tobytes()
     table = stats[0].phase_table
     assert NOTE in table and "gemm gate/up" in table
-    assert {"route", "gather", "gemm gate/up", "gemm down", "combine"} <= set(stats[0].phase_s)
+    assert {"router gemm", "softmax top-k", "sort", "gather", "gemm gate/up", "gemm down",
+            "combine"} <= set(stats[0].phase_s)
 
 
 @gpu
