@@ -27,7 +27,8 @@ for what in "${@:-tests}"; do
     case $what in
         tests) stage gpu-tests python3 -m pytest -m gpu -q -ra -p no:cacheprovider \
                    --junitxml="$out/gpu-tests.xml" ;;
-        digests) stage digests python3 bench/residual_digests.py --out "$out/digests.json" \
+        digests) stage digests env STRATA_ROUTING=fp32 STRATA_MMQ_KERNEL=f16_pipe \
+                   python3 bench/residual_digests.py --out "$out/digests.json" \
                    --compare-to bench/results/digests-before-6674ce9.json ;;
         gemm) stage bench-gemm python3 bench/bench_gemm.py --json "$out/gemm.json" ;;
         routing) stage bench-routing python3 bench/bench_routing.py --json "$out/routing.json" ;;
