@@ -3,29 +3,40 @@
 The blob (gate rows, up rows, down rows) already is the two group-buffer images, so the gather
 is a plain copy; the format still counts as not native (the project batches gathers only for
 formats that declare it), so it copies one expert per launch. Its "MMQ" is a grouped fp16 GEMM
-(mma.sync m16n8k16, fp32 accumulation) over fp16 activations. With no quantization error in the
-weights beyond fp16 rounding, it is the accuracy reference for the quantized paths on the GPU.
+(fp32 accumulation) over fp16 activations, one of two variants (STRATA_MMQ_KERNEL):
+- gemm (default): strata_rt.grouped_gemm, the shared kernel of kernels/common/gemm_f16.cu
+  (cp.async pipeline, ldmatrix, mma.sync m16n8k16, 32/64/128-row tiles by rows_hint);
+- tile64: kernels/fp16/mmq.cu, the first fp16 kernel (64 x 64 tiles, no pipeline).
+Both read the same images and activations, so one format object serves both; `variant` picks
+the launcher. With no quantization error in the weights beyond fp16 rounding, it is the
+accuracy reference for the quantized paths on the GPU.
 
 Reference tolerance: the numpy reference is the float32 product of the fp16 values (numpy's
 float32 matmul). Tensor cores sum in an order (and with internal precision) that is not IEEE
-sequential, so the two agree within a tolerance, not bit for bit: the tests require
-NMSE <= 1e-6 between kernel and reference.
+sequential, so either kernel agrees with it within a tolerance, not bit for bit: the
+conformance suite requires NMSE <= 1e-6 (KERNEL_NMSE) between kernel and reference.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from strata_rt.activations import F16
 from strata_rt.errors import FormatError
-from strata_rt.formats import FormatKernels, QuantFormat, expert_rows
+from strata_rt.formats import ExpertLayout, FormatKernels, QuantFormat, expert_rows
+from strata_rt.grouped_gemm import GroupedGemm
 from strata_rt.hookspecs import hookimpl
 from strata_rt.launchers import MmqTile, PerExpertKernels
 
+if TYPE_CHECKING:
+    from strata_rt.runtime import Runtime
+
 FP16_MAX = 65504.0
 GGML_TYPE_F16 = 1
+#: STRATA_MMQ_KERNEL names for fp16, the default first
+VARIANTS = ("gemm", "tile64")
 
 
 class FP16(QuantFormat):
@@ -39,8 +50,16 @@ class FP16(QuantFormat):
     kernel_dir = "fp16"
     roundtrip_nmse = 1e-6
     dim_multiple = 128
-    description = ("fp16 row-major experts, 16 bits/weight; fp16 tensor-core GEMM, "
-                   "the GPU accuracy reference")
+    description = ("fp16 row-major experts, 16 bits/weight; grouped fp16 tensor-core GEMM "
+                   "(gemm: the shared pipelined kernel, default; tile64: the first one), the "
+                   "GPU accuracy reference")
+
+    def __init__(self, variant: str | None = None):
+        chosen = variant or VARIANTS[0]
+        if chosen not in VARIANTS:
+            raise FormatError(f"fp16: MMQ variant {chosen!r} is unknown; valid: "
+                              f"{', '.join(VARIANTS)}")
+        self.variant = chosen
 
     def quantize(self, weights: np.ndarray, imatrix: np.ndarray | None = None) -> np.ndarray:
         if imatrix is not None:
@@ -72,11 +91,25 @@ class FP16(QuantFormat):
         return out
 
     def kernels_class(self) -> type[FormatKernels]:
-        return FP16Kernels
+        return FP16GemmKernels if self.variant == "gemm" else FP16Kernels
+
+    def mmq_variants(self) -> tuple[str, ...]:
+        return VARIANTS
+
+    def for_variant(self, name: str | None) -> QuantFormat:
+        """An FP16 whose launchers run variant `name` (None: gemm); same images, activations
+        and reference."""
+        super().for_variant(name)
+        chosen = name or VARIANTS[0]
+        return self if chosen == self.variant else FP16(chosen)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name} ({self.variant})>"
 
 
 class FP16Kernels(PerExpertKernels):
-    """Launchers of kernels/fp16: the per-expert plain copy and the grouped fp16 GEMM."""
+    """Launchers of kernels/fp16 (variant tile64): the per-expert plain copy and the grouped
+    fp16 GEMM of kernels/fp16/mmq.cu."""
 
     gather_kernel = ("fp16_gather", "qq")
     gather_planes = 2
@@ -89,6 +122,19 @@ class FP16Kernels(PerExpertKernels):
 
     def gather_args(self) -> tuple[int, ...]:
         return (self.layout.gate_up_bytes, self.layout.down_bytes)
+
+
+class FP16GemmKernels(FP16Kernels):
+    """Variant gemm: FP16Kernels' per-expert copy, and the MMQ on the shared grouped fp16 GEMM
+    (strata_rt.grouped_gemm), whose fp16 image layout the blob already is."""
+
+    def __init__(self, fmt: QuantFormat, runtime: Runtime, layout: ExpertLayout):
+        super().__init__(fmt, runtime, layout)
+        self._gg = GroupedGemm(runtime, iq3_gather=False)
+
+    def mmq(self, stream, weights: int, expert_ids: tuple[int, ...], acts: int, bounds: int,
+            out: int, m: int, k: int, rows_hint: int) -> None:
+        self._gg.gemm(stream, weights, expert_ids, acts, bounds, out, m, k, rows_hint)
 
 
 @hookimpl

@@ -67,8 +67,22 @@ class IQ3XXS(QuantFormat):
     #: measured 0.0454-0.0455 on Gaussian 2048 x 768 without an importance vector (llama.cpp's
     #: x^2 weighting trades small weights for large ones); 0.033 with a uniform importance vector
     roundtrip_nmse = 0.05
-    description = ("GGUF IQ3_XXS, 3.06 bits/weight: experts keep the GGUF's bytes; MMQ on q8_1 "
+    description = ("GGUF IQ3_XXS, 3.06 bits/weight: experts keep the GGUF's bytes; default "
+                   "f16_gemm (dequantizing gather to fp16 images, grouped fp16 GEMM on fp16 "
+                   "activations); f16_pipe, f16, int8, int8_occ2: exact MMQ on q8_1 "
                    "activations; batched gathers")
+
+    def __init__(self, variant: str | None = None):
+        """`variant`: the exact MMQ kernel this object's launchers run (default f16_pipe, the
+        fastest measured). The default variant of the format, f16_gemm, is another object:
+        `for_variant`."""
+        from .iq3_xxs_device import MMQ_VARIANTS
+
+        chosen = variant or MMQ_VARIANTS[0]
+        if chosen not in MMQ_VARIANTS:
+            raise FormatError(f"{self.name}: exact MMQ variant {chosen!r} is unknown; valid: "
+                              f"{', '.join(MMQ_VARIANTS)} (for every variant, use for_variant)")
+        self.variant = chosen
 
     # ------------------------------------------------------------------ bytes -> values
     def _blocks(self, raw: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
@@ -228,7 +242,7 @@ class IQ3XXS(QuantFormat):
     # ------------------------------------------------------------------ device side
     def mmq_reference(self, image: np.ndarray, expert_ids: tuple[int, ...], acts: Q8_1Acts,
                       bounds: np.ndarray, m: int, k: int) -> np.ndarray:
-        """numpy mirror of every MMQ variant, bit for bit. Per output (activation row r,
+        """numpy mirror of every exact MMQ variant, bit for bit. Per output (activation row r,
         weight row i), over the 32-value sub-blocks j of K in ascending order:
 
             idot  = sum of q_w * q_a                 (int, exact)
@@ -269,9 +283,28 @@ class IQ3XXS(QuantFormat):
         return IQ3XXSKernels
 
     def mmq_variants(self) -> tuple[str, ...]:
-        from .iq3_xxs_device import MMQ_VARIANTS
+        from .iq3_xxs_device import VARIANTS
 
-        return tuple(MMQ_VARIANTS)
+        return VARIANTS
+
+    def for_variant(self, name: str | None) -> QuantFormat:
+        """f16_gemm (the default, also for None): an IQ3XXSDequantF16, whose images are fp16 and
+        whose activations are f16; any other name: an IQ3XXS running that exact MMQ kernel on
+        q8_1 activations (bit-identical to mmq_reference whichever it is)."""
+        super().for_variant(name)
+        chosen = name or self.mmq_variants()[0]
+        from .iq3_xxs_device import F16_GEMM
+
+        if chosen == F16_GEMM:
+            from .iq3_xxs_f16 import IQ3XXSDequantF16
+
+            return self if isinstance(self, IQ3XXSDequantF16) else IQ3XXSDequantF16()
+        if type(self) is IQ3XXS and self.variant == chosen:
+            return self
+        return IQ3XXS(chosen)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name} ({self.variant})>"
 
 
 @hookimpl

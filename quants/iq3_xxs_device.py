@@ -1,6 +1,8 @@
-"""IQ3_XXS on the GPU: the MMQ launchers (kernels/iq3_xxs/mmq.cu); gathers come from
-NativeKernels. The arithmetic every variant shares is the contract `IQ3XXS.mmq_reference`
-mirrors bit for bit (its docstring states it).
+"""IQ3_XXS on the GPU: the exact MMQ launchers (kernels/iq3_xxs/mmq.cu); gathers come from
+NativeKernels. The arithmetic every exact variant shares is the contract
+`IQ3XXS.mmq_reference` mirrors bit for bit (its docstring states it). The default variant,
+f16_gemm, is a format object of its own (quants/iq3_xxs_f16.py): it changes the images and
+the activations, not only the kernel.
 """
 
 from __future__ import annotations
@@ -16,15 +18,20 @@ from strata_rt.resources import KERNELS_ROOT
 if TYPE_CHECKING:
     from strata_rt.runtime import Runtime
 
-#: MMQ kernels, fastest measured first (the default when STRATA_MMQ_KERNEL is unset), and the
-#: activation-row tile sizes (TM in mmq.cu) each is compiled for. H200 (bench/notes.md, run 5):
-#: f16_pipe is the fastest or tied from 2,048 tokens (37 / 85 / 119 TFLOPS per layer at 512 /
-#: 2,048 / 8,192 tokens); int8_occ2 (two blocks per SM) is faster at 512 tokens (41); f16 and int8
-#: are the unpipelined designs (int8: the llama.cpp-style integer reference path). All are
-#: bit-identical, so the choice changes speed only.
+#: the two-phase variant (dequantizing gather into fp16 images, grouped fp16 GEMM with fp32
+#: accumulation over the whole K): the default, not bit-identical to the exact kernels
+F16_GEMM = "f16_gemm"
+#: exact MMQ kernels on q8_1 activations, fastest measured first, and the activation-row tile
+#: sizes (TM in mmq.cu) each is compiled for. H200 (bench/notes.md, run 5): f16_pipe is the
+#: fastest or tied from 2,048 tokens (37 / 85 / 119 TFLOPS per layer at 512 / 2,048 / 8,192
+#: tokens); int8_occ2 (two blocks per SM) is faster at 512 tokens (41); f16 and int8 are the
+#: unpipelined designs (int8: the llama.cpp-style integer reference path). All are
+#: bit-identical to IQ3XXS.mmq_reference, so the choice among them changes speed only.
 MMQ_TILES = {"f16_pipe": (32, 64, 128), "f16": (32, 64, 128), "int8": (32, 64, 128),
              "int8_occ2": (32, 64)}
 MMQ_VARIANTS = tuple(MMQ_TILES)
+#: every name STRATA_MMQ_KERNEL accepts for IQ3_XXS (IQ3XXS.mmq_variants()), the default first
+VARIANTS = (F16_GEMM, *MMQ_VARIANTS)
 MMQ_SOURCE = KERNELS_ROOT / "iq3_xxs" / "mmq.cu"
 #: weight rows per block (TW in mmq.cu); m must be a multiple
 MMQ_TILE_W = 128
@@ -35,7 +42,9 @@ _PAD = {"f16": 64, "int8": 32}
 
 
 def pick_variant(name: str | None = None) -> str:
-    """The MMQ variant to run: `name`, else STRATA_MMQ_KERNEL, else the fastest measured."""
+    """The exact MMQ kernel `name`, else STRATA_MMQ_KERNEL, else the fastest measured, checked:
+    for tools that run the exact kernels outside an engine. The launchers take their variant
+    from the format object (IQ3XXS.for_variant), not from the environment."""
     chosen = name or env.text("STRATA_MMQ_KERNEL") or MMQ_VARIANTS[0]
     if chosen not in MMQ_VARIANTS:
         raise FormatError(f"IQ3_XXS MMQ variant {chosen!r} (STRATA_MMQ_KERNEL) is unknown; "
@@ -64,12 +73,19 @@ def tile_rows_for(variant: str, rows_hint: int) -> int:
 
 
 class IQ3XXSKernels(NativeKernels):
-    """Gathers (from NativeKernels) plus the grouped MMQ of one variant."""
+    """Gathers (from NativeKernels) plus the grouped MMQ of one exact variant: `variant`, else
+    the format object's (IQ3XXS.variant), so the CUDA and reference backends opened on one
+    format object agree without reading the environment again."""
 
     def __init__(self, fmt: QuantFormat, runtime: Runtime, layout: ExpertLayout,
                  variant: str | None = None):
         super().__init__(fmt, runtime, layout)
-        self.variant = pick_variant(variant)
+        chosen = variant or getattr(fmt, "variant", None) or MMQ_VARIANTS[0]
+        if chosen not in MMQ_VARIANTS:
+            raise FormatError(f"IQ3_XXS exact MMQ variant {chosen!r} is unknown; valid: "
+                              f"{', '.join(MMQ_VARIANTS)} ({F16_GEMM} is a format object of "
+                              "its own: IQ3XXS().for_variant)")
+        self.variant = chosen
         mod = runtime.module(MMQ_SOURCE)
         self._mmq = {tm: mod.kernel(f"iq3_mmq_{self.variant}_m{tm}", MMQ_ARG_TYPES)
                      for tm in MMQ_TILES[self.variant]}
@@ -80,5 +96,5 @@ class IQ3XXSKernels(NativeKernels):
     def mmq(self, stream, weights: int, expert_ids: tuple[int, ...], acts: int, bounds: int,
             out: int, m: int, k: int, rows_hint: int) -> None:
         tm = tile_rows_for(self.variant, rows_hint)
-        launch_mmq(self._mmq[tm], self._tiles[tm], "IQ3_XXS", stream, weights, expert_ids, acts, bounds,
-                   out, m, k, rows_hint)
+        launch_mmq(self._mmq[tm], self._tiles[tm], "IQ3_XXS", stream, weights, expert_ids, acts,
+                   bounds, out, m, k, rows_hint)

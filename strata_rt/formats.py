@@ -273,6 +273,18 @@ class QuantFormat:
         """Names of the MMQ kernels this format can run (STRATA_MMQ_KERNEL picks one)."""
         return ("default",)
 
+    def for_variant(self, name: str | None) -> QuantFormat:
+        """The format object that runs MMQ variant `name` (None: the default, the first of
+        mmq_variants()). A variant may change more than the kernel (image layout, activation
+        encoding, gathers, the numpy reference), so the caller uses the returned object for
+        everything: sizes, images, activations, kernels and mmq_reference alike. The base
+        class has one arithmetic for all its variants and returns self once the name checks."""
+        variants = self.mmq_variants()
+        if name is not None and name not in variants:
+            raise FormatError(f"format {self.name}: MMQ variant {name!r} (STRATA_MMQ_KERNEL) is "
+                              f"unknown; valid: {', '.join(variants)}")
+        return self
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name}>"
 

@@ -112,15 +112,16 @@ def fp16_image_layout(layout: ExpertLayout) -> ExpertLayout:
 
 
 class GroupedGemm:
-    """Prepared launches of gemm_f16.cu (every tile) and of the IQ3_XXS dequantizing gather on
-    one runtime."""
+    """Prepared launches of gemm_f16.cu (every tile) and, unless `iq3_gather` is False (a
+    format whose blobs already are fp16 images), of the IQ3_XXS dequantizing gather on one
+    runtime."""
 
-    def __init__(self, runtime: Runtime):
+    def __init__(self, runtime: Runtime, *, iq3_gather: bool = True):
         self.runtime = runtime
         mod = runtime.module(GEMM_SOURCE)
         self._gemm = {t.name: mod.kernel(t.name, MMQ_ARG_TYPES) for t in TILES}
         self._dequant = runtime.module(DEQUANT_SOURCE).kernel(
-            "iq3_dequant_gather", "P" * MMQ_GROUP + "PPqqqqqqi")
+            "iq3_dequant_gather", "P" * MMQ_GROUP + "PPqqqqqqi") if iq3_gather else None
 
     def gemm(self, stream, weights: int, expert_ids: tuple[int, ...], acts: int, bounds: int,
              out: int, m: int, k: int, rows_hint: int, *, tile: str | None = None) -> None:
@@ -145,6 +146,9 @@ class GroupedGemm:
         fp16 image bytes (fp16_image_layout); position p's images sit at gu_buf +
         p*gate_up_image_bytes and down_buf + p*down_image_bytes. Bytes equal
         dequant_iq3_images of each blob, whatever the batch size."""
+        if self._dequant is None:
+            raise FormatError("this GroupedGemm was opened without the IQ3_XXS dequantizing "
+                              "gather (iq3_gather=False)")
         n = len(srcs)
         if not 1 <= n <= MMQ_GROUP or not 0 <= first_pos <= MMQ_GROUP - n:
             raise FormatError(

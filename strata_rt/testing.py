@@ -11,6 +11,11 @@ ffn = u, "tall" ones hidden = u, ffn = 2u, so a transposed matrix cannot pass. T
 is experts (1, 2, 3, 4) of a layer of six holding 3, 0, 1, 17, 2 and 5 rows: an expert with no
 rows, one row, 17 rows (not a multiple of any tile) and rows of experts outside the group that
 must stay untouched. The matmul checks also run on the other ROW_CASES of testing_groups.
+
+A format whose images hold its weights in a narrower type than dequantize gives (a variant that
+dequantizes into fp16 images) declares `image_dtype`; the image check then compares with the
+weights rounded to it. Such a format is not `exact`: its kernels are checked within KERNEL_NMSE
+of its reference, and every format's reference and kernels within FLOAT64_NMSE of float64.
 """
 
 from __future__ import annotations
@@ -104,17 +109,32 @@ def check_pack_unpack(s: Subject) -> str:
     return "pack/unpack agree with quantize/dequantize exactly"
 
 
+def image_values(fmt: QuantFormat, weights: np.ndarray) -> np.ndarray:
+    """What an image of these exact weights holds: the weights themselves, or the weights
+    rounded to the format's `image_dtype` where it declares one (a format whose gathers
+    dequantize into, say, fp16 images: numpy's cast rounds to nearest even, as the device
+    conversions do)."""
+    dtype = getattr(fmt, "image_dtype", None)
+    if dtype is None:
+        return weights
+    with np.errstate(over="ignore"):
+        return weights.astype(dtype).astype(np.float32)
+
+
 def check_images(s: Subject) -> str:
     gu, dn = s.images
     lay = s.layout
     assert gu.shape[1] == lay.gate_up_image_bytes and dn.shape[1] == lay.down_image_bytes
     for p, e in enumerate(GROUP):
         gate, up, down = s.fmt.unpack_expert(s.blobs[e], s.hidden, s.ffn)
-        assert np.array_equal(s.fmt.image_matrix(gu[p], 2 * s.ffn, s.hidden),
-                              np.concatenate([gate, up])), f"expert {e}: gate/up image != [gate; up]"
-        assert np.array_equal(s.fmt.image_matrix(dn[p], s.hidden, s.ffn), down), \
-            f"expert {e}: down image != down"
-    return "images dequantize to [gate; up] and down"
+        want_gu = image_values(s.fmt, np.concatenate([gate, up]))
+        assert np.array_equal(s.fmt.image_matrix(gu[p], 2 * s.ffn, s.hidden), want_gu), \
+            f"expert {e}: gate/up image != [gate; up]"
+        assert np.array_equal(s.fmt.image_matrix(dn[p], s.hidden, s.ffn),
+                              image_values(s.fmt, down)), f"expert {e}: down image != down"
+    rounded = getattr(s.fmt, "image_dtype", None)
+    return "images dequantize to [gate; up] and down" + (
+        f" rounded to {np.dtype(rounded).name}" if rounded is not None else "")
 
 
 def check_reference(row_case: RowCase) -> Callable[[Subject], str]:
