@@ -14,6 +14,11 @@ store makes). The rate counts the whole call: starting the workers, reading the 
 dequantizing (gguf package), quantizing (the format), copying the results. `--one-process`
 also times the same conversion in this process (the speed-up of the workers).
 
+CPU seconds (this process and the finished workers, from getrusage) per expert give the time
+on free cores, which a machine shared with other work does not show in its wall time; the
+16-core figure assumes the rate per core holds (each worker converts its own experts, so
+nothing is shared but the memory map).
+
 Load: a GGUF of `--load-layers` Qwen3-30B-shaped layers already in the format's GGUF type is
 loaded into an ExpertStore in a fresh process; VmHWM (peak resident memory) is read from
 /proc/self/status, reset just before the store is built, and compared with the store's size.
@@ -25,6 +30,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import subprocess
 import sys
 import tempfile
@@ -90,12 +96,20 @@ def source_file(path: Path, source: str, n_experts: int, seed: int = 0) -> Path:
     return write_moe_gguf(path, stub, tensors=tensors)
 
 
-def time_conversion(path: Path, fmt: str, workers: int) -> float:
+def cpu_seconds() -> float:
+    """CPU time of this process and of its finished children (the workers)."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def time_conversion(path: Path, fmt: str, workers: int) -> tuple[float, float]:
+    """-> (wall seconds, CPU seconds) of converting the file's experts."""
     model = Model.from_gguf(path, fmt, workers=workers)
     grid = np.empty((1, model.spec.n_experts, model.layout.blob_bytes), np.uint8)
-    t0 = time.perf_counter()
-    model.write_layers(grid)
-    return time.perf_counter() - t0
+    c0, t0 = cpu_seconds(), time.perf_counter()
+    model.write_layers(grid)  # returns after the pool has shut down: its CPU time is counted
+    return time.perf_counter() - t0, cpu_seconds() - c0
 
 
 def load_peak(tmp: Path, fmt: str, layers: int) -> dict:
@@ -137,25 +151,30 @@ def main() -> int:
     print(f"{doc['cpu']}, {doc['cores']} cores; {args.workers} workers; {n} experts of "
           f"{QWEN3_30B_SPEC.ffn}x{QWEN3_30B_SPEC.hidden} per sample; to {args.format}",
           flush=True)
-    rows = []
     with tempfile.TemporaryDirectory() as tmp_s:
         tmp = Path(tmp_s)
         for source in sources:
             path = source_file(tmp / f"{source}.gguf", source, n)
-            secs = time_conversion(path, args.format, args.workers)
+            secs, cpu = time_conversion(path, args.format, args.workers)
             rate = n / secs
-            rec = {"source": source, "seconds": secs, "experts_per_s": rate,
-                   "model_minutes": total / rate / 60}
+            per_core = cpu / n  # CPU seconds per expert: what a free core would take
+            rec = {"source": source, "seconds": secs, "cpu_seconds": cpu,
+                   "experts_per_s": rate, "model_minutes": total / rate / 60,
+                   "cpu_s_per_expert": per_core,
+                   "model_minutes_per_core_count": {c: total * per_core / c / 60
+                                                    for c in (args.workers, 16)}}
             if args.one_process:
-                one = time_conversion(path, args.format, 1)
+                one, _ = time_conversion(path, args.format, 1)
                 rec["one_process_experts_per_s"] = n / one
             doc["conversion"].append(rec)
-            rows.append(rec)
             extra = (f"; one process {rec['one_process_experts_per_s']:.3f} experts/s"
                      if args.one_process else "")
             print(f"{source:>5} -> {args.format}: {n} experts in {secs:.1f} s = {rate:.3f} "
                   f"experts/s; {total:,} experts (Qwen3-30B-A3B) in "
                   f"{format_seconds(total / rate)}{extra}", flush=True)
+            print(f"       {per_core:.1f} CPU s per expert: {total:,} experts on "
+                  f"{args.workers} free cores {format_seconds(total * per_core / args.workers)}"
+                  f", on 16 {format_seconds(total * per_core / 16)}", flush=True)
             path.unlink()
         if args.load_layers > 0:
             r = load_peak(tmp, args.format, args.load_layers)
