@@ -1,6 +1,11 @@
-"""Every loaded format (plugins.yaml and entry points, the test plugin included) against the
-conformance suite: CPU checks always, GPU checks with a device; and the suite's own checks
-catching what they exist to catch."""
+"""Every loaded format (plugins.yaml and entry points, the test plugin included) and every MMQ
+variant of it (fmt.for_variant) against the conformance suite: CPU checks always, GPU checks
+with a device; and the suite's own checks catching what they exist to catch.
+
+A variant of another class than the registered object (IQ3_XXS f16_gemm: its own images,
+activations and reference) gets every check; one of the same class (another exact IQ3_XXS
+kernel, FP16 tile64) shares the registered object's bytes and reference, so on the CPU only
+its launch ABI is checked again, and on the GPU everything."""
 
 from __future__ import annotations
 
@@ -28,18 +33,43 @@ def _loaded():
 
 FORMATS, LOAD_ERROR = _loaded()
 _SUBJECTS: dict[str, Subject] = {}
+#: CPU checks a variant of the registered object's class runs again (the rest are the same)
+_SAME_CLASS_CPU = ("launch_abi",)
+
+
+def _label(fmt) -> str:
+    variant = getattr(fmt, "variant", None)
+    return fmt.name if variant is None else f"{fmt.name}[{variant}]"
+
+
+def _variants() -> list[tuple[object, bool]]:
+    """(format object, whether it has the registered object's class) for every variant of
+    every loaded format, each object once."""
+    out, seen = [], set()
+    for fmt in FORMATS:
+        for v in fmt.mmq_variants():
+            obj = fmt.for_variant(v)
+            if _label(obj) not in seen:
+                seen.add(_label(obj))
+                out.append((obj, obj is fmt or type(obj) is not type(fmt)))
+    return out
+
+
+VARIANTS = _variants()
 
 
 def _subject(fmt) -> Subject:
-    """One subject per format per session, so the checks share their inputs."""
-    if fmt.name not in _SUBJECTS:
-        _SUBJECTS[fmt.name] = Subject(fmt)
-    return _SUBJECTS[fmt.name]
+    """One subject per format object per session, so the checks share their inputs."""
+    key = _label(fmt)
+    if key not in _SUBJECTS:
+        _SUBJECTS[key] = Subject(fmt)
+    return _SUBJECTS[key]
 
 
 def _params(gpu: bool):
-    return [pytest.param(fmt, case, id=f"{fmt.name}-{case.name}")
-            for fmt in FORMATS for case in conformance_cases(fmt) if case.gpu == gpu]
+    return [pytest.param(fmt, case, id=f"{_label(fmt)}-{case.name}")
+            for fmt, full in VARIANTS for case in conformance_cases(fmt)
+            if case.gpu == gpu and (gpu or full or case.name in _SAME_CLASS_CPU)]
 
 
 def _run(subject: Subject, case) -> None:
@@ -53,6 +83,15 @@ def _run(subject: Subject, case) -> None:
 def test_registry_loads_with_test_plugin():
     assert not LOAD_ERROR, LOAD_ERROR
     assert "test_i8" in [f.name for f in FORMATS], "the entry point test plugin did not load"
+
+
+def test_every_variant_is_covered():
+    labels = [_label(fmt) for fmt, _ in VARIANTS]
+    for want in ("iq3_xxs[f16_gemm]", "iq3_xxs[f16_pipe]", "iq3_xxs[int8_occ2]", "fp16[gemm]",
+                 "fp16[tile64]", "test_i8"):
+        assert want in labels, labels
+    full = {_label(fmt) for fmt, f in VARIANTS if f}
+    assert {"iq3_xxs[f16_gemm]", "iq3_xxs[f16_pipe]", "fp16[gemm]"} <= full
 
 
 @pytest.mark.parametrize("fmt, case", _params(gpu=False))
