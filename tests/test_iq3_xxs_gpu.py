@@ -1,5 +1,7 @@
-"""IQ3_XXS on the GPU: gathers (one and batched) byte for byte, and every MMQ variant bit for
-bit against the numpy reference, against float64, and against itself on a repeat."""
+"""IQ3_XXS on the GPU: gathers (one and batched) byte for byte, and every exact MMQ variant
+(f16_pipe, f16, int8, int8_occ2; each through its own format object, IQ3XXS(variant)) bit for
+bit against the numpy reference, against float64, and against itself on a repeat. The default
+variant, f16_gemm, is tested in test_variants.py and test_gemm_f16.py."""
 
 from __future__ import annotations
 
@@ -112,7 +114,11 @@ MMQ_ROWS = {
 
 
 def check_mmq(rt, c, variant: str, monkeypatch) -> None:
-    monkeypatch.setenv("STRATA_MMQ_KERNEL", variant)
+    # the launcher takes the variant from the format object; an environment naming another
+    # one must not matter
+    monkeypatch.setenv("STRATA_MMQ_KERNEL", "int8" if variant != "int8" else "f16_pipe")
+    c.fmt = FMT.for_variant(variant)
+    assert c.fmt.variant == variant and c.fmt.exact
     want = c.reference()
     got = run_mmq(rt, c)
     again = run_mmq(rt, c)
