@@ -1,6 +1,7 @@
-"""FP16 plugin: exact conversion, blob = images, GGUF packing. Its GEMM against the reference
-(within KERNEL_NMSE: fp16 is the one built-in format that is not `exact`) and against float64
-runs in test_conformance.py with every other format."""
+"""FP16 plugin: exact conversion, blob = images, GGUF packing. Its GEMM variants (gemm, the
+default shared kernel, and tile64) against the reference (within KERNEL_NMSE: fp16 is not
+`exact`) and against float64 run in test_conformance.py with every other format; the variant
+objects in test_variants.py."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from strata_rt.activations import F16
 from strata_rt.errors import FormatError, PluginError
 from strata_rt.formats import FormatKernels
 from strata_rt.numerics import nmse
-from strata_rt.quants.fp16 import FP16, FP16Kernels
+from strata_rt.quants.fp16 import FP16, FP16GemmKernels, FP16Kernels
 
 FMT = FP16()
 
@@ -84,7 +85,9 @@ def test_gguf_f16_and_f32_tensors(tmp_path, rng):
 def test_identity_not_native_and_gather_batch_refused():
     # tensor cores do not sum in IEEE sequential order: the kernel is not bit-exact
     assert not FMT.native and FMT.activation is F16 and not FMT.exact
-    assert not FMT.offers_batched_gather()
+    for variant in FMT.mmq_variants():
+        assert not FMT.for_variant(variant).offers_batched_gather()
     with pytest.raises(PluginError, match="not native"):
         FormatKernels(FMT, None, FMT.layout(256, 256)).gather_batch(None, [0], 0, 0, 0)
     assert FP16Kernels.gather_batch is FormatKernels.gather_batch
+    assert FP16GemmKernels.gather_batch is FormatKernels.gather_batch

@@ -224,6 +224,21 @@ def test_dequant_gather_launch_and_checks():
     assert len(gg._dequant.calls) == 1
 
 
+def test_gemm_without_the_iq3_gather():
+    """FP16's launcher opens the GEMM alone (its blobs already are fp16 images): it prepares no
+    dequantizing kernel and refuses to run one."""
+    from strata_rt.testing_abi import Recorder
+
+    rec = Recorder()
+    gg = GroupedGemm(rec, iq3_gather=False)  # type: ignore[arg-type]
+    assert {p.name for p in rec.prepared} == set(TILES_BY_NAME)
+    with pytest.raises(FormatError, match="iq3_gather=False"):
+        gg.dequant_gather_iq3(None, [1 << 20], 0, 1 << 30, 2 << 30,
+                              fp16_image_layout(IQ3.layout(512, 256)))
+    gg.gemm(None, 4096, (0,), 8192, 12288, 16384, 256, 512, 8)
+    assert [launch.name for launch in rec.launches] == ["gemm_f16_m32"]
+
+
 # ------------------------------------------------------------------------------ GPU
 def _upload(rt, stream, host: np.ndarray):
     buf = rt.alloc(max(host.nbytes, 16))
