@@ -1,18 +1,22 @@
 """IQ3_XXS MMQ and gather throughput on the Qwen3-30B-A3B expert shapes, with the peers and
 ceilings measured in the same process.
 
-    python bench/bench_mmq.py [--tokens 512,2048,8192] [--variants f16,int8] [--reps 10]
-                              [--no-torch] [--json PATH]
+    python bench/bench_mmq.py [--tokens 512,2048,8192] [--variants f16_gemm,f16_pipe]
+                              [--reps 10] [--no-torch] [--json PATH]
 
 For each prompt length: realistic random top-8 routing over 128 experts (expert popularity
-log-normal, so rows per expert vary), rows sorted by expert; our MMQ (each variant) over all 8
-groups of 16 experts for gate/up (1536 x 2048 fused) and down (2048 x 768), timed with CUDA
-events around the 8 launches (median of --reps after 2 warm-ups). Effective TFLOPS =
-2 * rows * m * k / time, rows = tokens * 8. Beside it: (a) torch.bmm in bf16 on weights
+log-normal, so rows per expert vary), rows sorted by expert; our MMQ (each variant, default
+all: f16_gemm, the default, beside the exact q8_1 kernels) over all 8 groups of 16 experts for
+gate/up (1536 x 2048 fused) and down (2048 x 768), timed with CUDA events around the 8 launches
+(median of --reps after 2 warm-ups). Each variant runs through its own format object
+(IQ3XXS().for_variant): its gather fills the group buffers (f16_gemm: dequantized fp16 images)
+and its activation encoding feeds it. Effective TFLOPS = 2 * rows * m * k / time,
+rows = tokens * 8; "layer+gather" adds the variant's batched gather of all 128 experts (the
+dequantization is part of f16_gemm's cost). Beside it: (a) torch.bmm in bf16 on weights
 dequantized from the same blocks (per-expert batches padded to the busiest expert), (b) dense
 bf16 torch.matmul and torch._int_mm int8 at 8192^3, (c) llama.cpp's figures from
 the project's design notes (constants measured on the same kind of H200, not here). Then gather_batch bandwidth against a
-device-to-device copy of the same bytes.
+device-to-device copy of the same bytes, for each gather kind (byte copy, dequantizing).
 
 torch runs first, in its own (primary) context, and is done before the strata_rt Runtime opens;
 the two never share memory, so their contexts cannot interfere.
@@ -32,10 +36,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from strata_rt.activations import Q8_1, ActivationKernels  # noqa: E402
+from strata_rt.activations import F16, ActivationKernels  # noqa: E402
 from strata_rt.formats import MMQ_GROUP  # noqa: E402
 from strata_rt.quants.iq3_xxs import IQ3XXS  # noqa: E402
-from strata_rt.quants.iq3_xxs_device import MMQ_VARIANTS, IQ3XXSKernels  # noqa: E402
+from strata_rt.quants.iq3_xxs_device import VARIANTS  # noqa: E402
 
 HIDDEN, FFN, EXPERTS, TOP_K = 2048, 768, 128, 8
 PARTS = {"gate_up": (2 * FFN, HIDDEN), "down": (HIDDEN, FFN)}  # (m, k)
@@ -120,12 +124,22 @@ def torch_phase(blobs: np.ndarray, counts_by_t: dict[int, np.ndarray], reps: int
 
 
 # ------------------------------------------------------------------------------ strata side
+def gather_kind(fmt) -> str:
+    """What a variant's gather does: the exact kernels copy blob bytes, f16_gemm dequantizes."""
+    return "dequant_f16" if fmt.activation is F16 else "copy"
+
+
 def strata_phase(blobs: np.ndarray, counts_by_t: dict[int, np.ndarray], variants: list[str],
                  reps: int, rng: np.random.Generator) -> dict:
+    """Each variant through its own format object (IQ3XXS().for_variant), as the engine runs
+    it: its gathers fill the group buffers with its images (byte copies for the exact kernels,
+    fp16 images for f16_gemm), its activation encoding, its MMQ."""
     from strata_rt.runtime import Runtime
 
-    fmt = IQ3XXS()
-    lay = fmt.layout(HIDDEN, FFN)
+    base = IQ3XXS()
+    fmts = {v: base.for_variant(v) for v in variants}
+    lays = {v: f.layout(HIDDEN, FFN) for v, f in fmts.items()}
+    lay = base.layout(HIDDEN, FFN)
     rt = Runtime.open()
     res: dict = {"device": rt.name, "arch": rt.arch, "mmq": {}, "gather": {}}
     s = rt.stream("bench")
@@ -137,39 +151,43 @@ def strata_phase(blobs: np.ndarray, counts_by_t: dict[int, np.ndarray], variants
         ev[1].record(s)
         return ev[0].elapsed_ms(ev[1])
 
-    # all 128 expert blobs resident, one slot each; group buffers for the 8 groups
+    # all 128 expert blobs resident, one slot each; group buffers for the 8 groups, sized for
+    # the largest images of the variants run
     slots = rt.alloc(EXPERTS * lay.slot_bytes)
     for e in range(EXPERTS):
         rt.memcpy_htod(slots.ptr + e * lay.slot_bytes, blobs[e % UNIQUE], s)
     n_groups = EXPERTS // MMQ_GROUP
-    gu_buf = rt.alloc(n_groups * MMQ_GROUP * lay.gate_up_image_bytes)
-    dn_buf = rt.alloc(n_groups * MMQ_GROUP * lay.down_image_bytes)
-    kerns = {v: IQ3XXSKernels(fmt, rt, lay, variant=v) for v in variants}
-    any_k = kerns[variants[0]]
+    gu_buf = rt.alloc(EXPERTS * max(v.gate_up_image_bytes for v in lays.values()))
+    dn_buf = rt.alloc(EXPERTS * max(v.down_image_bytes for v in lays.values()))
+    kerns = {v: f.kernels(rt, lays[v]) for v, f in fmts.items()}
 
-    def gather_groups(batched: bool) -> None:
+    def gather_groups(v: str, batched: bool) -> None:
+        kern, vl = kerns[v], lays[v]
         for g in range(n_groups):
-            gu = gu_buf.ptr + g * MMQ_GROUP * lay.gate_up_image_bytes
-            dn = dn_buf.ptr + g * MMQ_GROUP * lay.down_image_bytes
+            gu = gu_buf.ptr + g * MMQ_GROUP * vl.gate_up_image_bytes
+            dn = dn_buf.ptr + g * MMQ_GROUP * vl.down_image_bytes
             srcs = [slots.ptr + (g * MMQ_GROUP + p) * lay.slot_bytes for p in range(MMQ_GROUP)]
             if batched:
-                any_k.gather_batch(s, srcs, 0, gu, dn)
+                kern.gather_batch(s, srcs, 0, gu, dn)
             else:
                 for p, src in enumerate(srcs):
-                    any_k.gather(s, src, p, gu, dn)
+                    kern.gather(s, src, p, gu, dn)
 
     nbytes = EXPERTS * lay.blob_bytes
     dtod_dst = rt.alloc(nbytes)
-    res["gather"] = {
-        "bytes": nbytes,
-        "batched_ms": median_ms(lambda: gather_groups(True), reps, timer),
-        "single_ms": median_ms(lambda: gather_groups(False), reps, timer),
-        "dtod_ms": median_ms(lambda: rt.memcpy_dtod(dtod_dst.ptr, slots.ptr, nbytes, s), reps,
-                             timer),
-        "fallbacks": any_k.fallbacks,
-    }
+    res["dtod_ms"] = median_ms(lambda: rt.memcpy_dtod(dtod_dst.ptr, slots.ptr, nbytes, s), reps,
+                               timer)
+    res["gather_bytes"] = nbytes
     dtod_dst.free()
-    gather_groups(True)
+    for v, f in fmts.items():
+        kind = gather_kind(f)
+        if kind not in res["gather"]:
+            res["gather"][kind] = {
+                "batched_ms": median_ms(lambda v=v: gather_groups(v, True), reps, timer),
+                "single_ms": median_ms(lambda v=v: gather_groups(v, False), reps, timer),
+                "written_bytes": EXPERTS * (lays[v].gate_up_image_bytes
+                                            + lays[v].down_image_bytes),
+                "fallbacks": getattr(kerns[v], "fallbacks", 0)}
 
     # activations: a pool of random float rows, picked through the index list per layer row
     pool_rows = 4096
@@ -179,7 +197,9 @@ def strata_phase(blobs: np.ndarray, counts_by_t: dict[int, np.ndarray], variants
     rt.memcpy_htod(xbuf.ptr, rng.standard_normal((pool_rows, HIDDEN), dtype=np.float32), s)
     idx = rt.alloc(max_rows * 4)
     rt.memcpy_htod(idx.ptr, (np.arange(max_rows) % pool_rows).astype(np.int32), s)
-    abuf = {part: rt.alloc(Q8_1.nbytes(max_rows, k)) for part, (m, k) in PARTS.items()}
+    kinds = {f.activation.name: f.activation for f in fmts.values()}
+    abuf = {(a, part): rt.alloc(act.nbytes(max_rows, k))
+            for a, act in kinds.items() for part, (m, k) in PARTS.items()}
     out = rt.alloc(max_rows * max(m for m, _ in PARTS.values()) * 4)
     bounds = rt.alloc((EXPERTS + 1) * 4)
 
@@ -188,28 +208,33 @@ def strata_phase(blobs: np.ndarray, counts_by_t: dict[int, np.ndarray], variants
         b = np.zeros(EXPERTS + 1, np.int32)
         b[1:] = np.cumsum(counts)
         rt.memcpy_htod(bounds.ptr, b, s)
-        for part, (_, k) in PARTS.items():
-            acts_k.launch(Q8_1, s, xbuf.ptr, HIDDEN, idx.ptr, abuf[part].ptr, rows, k)
+        for (a, part), buf in abuf.items():
+            acts_k.launch(kinds[a], s, xbuf.ptr, HIDDEN, idx.ptr, buf.ptr, rows, PARTS[part][1])
         res["mmq"][t] = {"rows": rows, "rows_min": int(counts.min()),
                          "rows_max": int(counts.max())}
         for v, kern in kerns.items():
+            gather_groups(v, True)  # this variant's images in the group buffers
+            vl, a = lays[v], fmts[v].activation.name
             row = {}
             for part, (m, k) in PARTS.items():
-                img = lay.gate_up_image_bytes if part == "gate_up" else lay.down_image_bytes
-                base = gu_buf.ptr if part == "gate_up" else dn_buf.ptr
+                img = vl.gate_up_image_bytes if part == "gate_up" else vl.down_image_bytes
+                buf = gu_buf.ptr if part == "gate_up" else dn_buf.ptr
 
-                def launch_all(kern=kern, m=m, k=k, img=img, base=base, part=part,
+                def launch_all(kern=kern, m=m, k=k, img=img, buf=buf, part=part, a=a,
                                counts=counts) -> None:
                     for g in range(n_groups):
                         ids = tuple(range(g * MMQ_GROUP, (g + 1) * MMQ_GROUP))
                         hint = int(counts[list(ids)].max())
-                        kern.mmq(s, base + g * MMQ_GROUP * img, ids, abuf[part].ptr, bounds.ptr,
-                                 out.ptr, m, k, hint)
+                        kern.mmq(s, buf + g * MMQ_GROUP * img, ids, abuf[(a, part)].ptr,
+                                 bounds.ptr, out.ptr, m, k, hint)
 
                 ms = median_ms(launch_all, reps, timer)
                 row[part] = {"ms": ms, "tflops": tflops(rows, m, k, ms)}
             tot = row["gate_up"]["ms"] + row["down"]["ms"]
             row["layer"] = {"ms": tot, "tflops": tflops(rows, 1, 3 * HIDDEN * FFN, tot)}
+            with_gather = tot + res["gather"][gather_kind(fmts[v])]["batched_ms"]
+            row["layer+gather"] = {"ms": with_gather,
+                                   "tflops": tflops(rows, 1, 3 * HIDDEN * FFN, with_gather)}
             res["mmq"][t][v] = row
     s.synchronize()
     rt.close()
@@ -239,12 +264,12 @@ def table(res: dict, variants: list[str]) -> str:
                                                                   for v in variants)
              + " | torch.bmm bf16 ms / TFLOPS | llama.cpp TFLOPS"]
     for t, r in res["strata"]["mmq"].items():
-        for part in ("gate_up", "down", "layer"):
+        for part in ("gate_up", "down", "layer", "layer+gather"):
             cells = [f"{r[v][part]['ms']:.3f} / {r[v][part]['tflops']:.0f}" for v in variants]
             bmm = res.get("torch", {}).get("bmm", {}).get(t, {})
             if part in bmm:
                 tb = f"{bmm[part]['ms']:.3f} / {bmm[part]['tflops']:.0f}"
-            elif bmm:
+            elif bmm and part == "layer":
                 ms = bmm["gate_up"]["ms"] + bmm["down"]["ms"]
                 tb = f"{ms:.3f} / {tflops(r['rows'], 1, 3 * HIDDEN * FFN, ms):.0f}"
             else:
@@ -258,15 +283,17 @@ def table(res: dict, variants: list[str]) -> str:
                      f"dense int8 torch._int_mm: {tq['dense_int8_tops']:.0f} TOPS")
     lines.append(f"llama.cpp anchors: {LLAMA_CPP_SOURCE}: "
                  + ", ".join(f"{t}: {a}-{b}" for t, (a, b) in LLAMA_CPP_TFLOPS.items()))
-    g = res["strata"]["gather"]
-    gb = g["bytes"] / 1e9
-    lines.append(
-        f"gather {g['bytes'] / 1e6:.0f} MB (128 experts, 8 groups): batched "
-        f"{g['batched_ms']:.3f} ms = {gb / g['batched_ms'] * 1e3:.0f} GB/s, one per expert "
-        f"{g['single_ms']:.3f} ms = {gb / g['single_ms'] * 1e3:.0f} GB/s, cuMemcpyDtoD "
-        f"{g['dtod_ms']:.3f} ms = {gb / g['dtod_ms'] * 1e3:.0f} GB/s (bytes copied, not "
-        f"read+written); batched/DtoD = {g['dtod_ms'] / g['batched_ms']:.2f}; "
-        f"fallbacks {g['fallbacks']}")
+    st = res["strata"]
+    gb, dtod = st["gather_bytes"] / 1e9, st["dtod_ms"]
+    for kind, g in st["gather"].items():
+        wb = g["written_bytes"] / 1e9
+        lines.append(
+            f"gather {kind}, {gb * 1e3:.0f} MB read, {wb * 1e3:.0f} MB written (128 experts, 8 "
+            f"groups): batched {g['batched_ms']:.3f} ms = {gb / g['batched_ms'] * 1e3:.0f} GB/s "
+            f"read + {wb / g['batched_ms'] * 1e3:.0f} GB/s written, one per expert "
+            f"{g['single_ms']:.3f} ms; cuMemcpyDtoD of the blobs {dtod:.3f} ms = "
+            f"{gb / dtod * 1e3:.0f} GB/s (bytes copied); batched/DtoD = "
+            f"{dtod / g['batched_ms']:.2f}; fallbacks {g['fallbacks']}")
     lines.append(f"torch after Runtime.open: {res.get('interop', '-')}")
     return "\n".join(lines)
 
@@ -274,16 +301,16 @@ def table(res: dict, variants: list[str]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", default="512,2048,8192")
-    ap.add_argument("--variants", default=",".join(MMQ_VARIANTS))
+    ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
     variants = [v for v in a.variants.split(",") if v]
-    bad = [v for v in variants if v not in MMQ_VARIANTS]
+    bad = [v for v in variants if v not in VARIANTS]
     if bad:
-        ap.error(f"unknown variants {bad}; valid: {', '.join(MMQ_VARIANTS)}")
+        ap.error(f"unknown variants {bad}; valid: {', '.join(VARIANTS)}")
     rng = np.random.default_rng(a.seed)
     fmt = IQ3XXS()
     blobs = np.stack([fmt.random_expert(rng, HIDDEN, FFN) for _ in range(UNIQUE)])
