@@ -11,7 +11,7 @@ import yaml
 
 from strata_rt.cli import main
 from strata_rt.config import Config, device_memory_plan, load_config
-from strata_rt.errors import ConfigError
+from strata_rt.errors import ConfigError, GGUFError
 from strata_rt.memory_plan import MemoryPlan, plan_memory
 from strata_rt.planner import STAGING_RING_SLOTS, walk_ring_slots
 from strata_rt.registry import registry
@@ -205,9 +205,11 @@ def test_vram_budget_holds_what_the_cuda_backend_allocates(any_host) -> None:
 
 
 def test_expert_cache_all_with_unknown_dims(tmp_path: Path) -> None:
+    """An unreadable GGUF stops validation with the file's own problem, before the keys that
+    depend on its dimensions (expert_cache: all) are looked at."""
     (tmp_path / "junk.gguf").write_bytes(b"not a gguf")
-    msg = only(tmp_path, with_(model={"gguf": "junk.gguf"}, expert_cache="all"))
-    assert msg.startswith("model.gguf: got 'junk.gguf'")
+    with pytest.raises(GGUFError, match="junk.gguf"):
+        load_config(write(tmp_path, with_(model={"gguf": "junk.gguf"}, expert_cache="all")))
 
 
 def test_ring_smaller_than_one_slot(tmp_path: Path) -> None:
@@ -273,8 +275,9 @@ def test_gguf_model(tmp_path: Path) -> None:
     assert cfg.gguf == tmp_path / "tiny.gguf" and cfg.spec.n_experts == 4
     assert cfg.expert_cache == 8
     (tmp_path / "junk.gguf").write_bytes(b"not a gguf")
-    msg = only(tmp_path, with_(model={"gguf": "junk.gguf"}))
-    assert msg.startswith("model.gguf: got 'junk.gguf'") and "GGUF" in msg
+    with pytest.raises(GGUFError, match="junk.gguf") as bad:  # exit 1, as `strata inspect`
+        load_config(write(tmp_path, with_(model={"gguf": "junk.gguf"})))
+    assert bad.value.exit_code == 1 and "GGUF" in str(bad.value)
 
 
 @pytest.mark.parametrize("text, words", [
