@@ -1,8 +1,12 @@
 """Q2 blob and FP16 MMQ throughput on the Qwen3-30B-A3B expert shapes, beside the PyTorch bf16
 peer and the dense rates the same GPU reaches, all measured in one process.
 
-    python bench/bench_formats.py [--formats q2_blob,fp16] [--tokens 512,2048,8192]
-                                  [--reps 10] [--no-torch] [--json PATH]
+    python bench/bench_formats.py [--formats q2_blob,fp16:gemm,fp16:tile64]
+                                  [--tokens 512,2048,8192] [--reps 10] [--no-torch] [--json PATH]
+
+--formats names formats, or format:variant for one MMQ variant (STRATA_MMQ_KERNEL's names; a
+bare format name runs its default variant); default: every variant of each format, so FP16's
+default grouped GEMM (gemm) runs beside its first kernel (tile64).
 
 Same workload as bench_mmq.py (routing, shapes, timing, TFLOPS = 2 * rows * m * k / time):
 each format's MMQ over the 8 groups of 16 experts for gate/up (1536 x 2048) and down
@@ -39,12 +43,29 @@ from bench_mmq import (  # noqa: E402
 )
 
 from strata_rt.activations import ActivationKernels  # noqa: E402
+from strata_rt.errors import FormatError  # noqa: E402
 from strata_rt.formats import MMQ_GROUP, QuantFormat  # noqa: E402
 from strata_rt.quants.fp16 import FP16  # noqa: E402
 from strata_rt.quants.q2_blob import Q2Blob  # noqa: E402
 
 FORMATS: dict[str, type[QuantFormat]] = {"q2_blob": Q2Blob, "fp16": FP16}
 DENSE_KEY = {"q2_blob": "dense_int8_tops", "fp16": "dense_fp16_tflops"}
+
+
+def every_variant() -> list[str]:
+    """format:variant for every MMQ variant of every format here (the bare name where a format
+    has one variant)."""
+    out = []
+    for name, cls in FORMATS.items():
+        variants = cls().mmq_variants()
+        out += [name] if len(variants) == 1 else [f"{name}:{v}" for v in variants]
+    return out
+
+
+def format_of(label: str) -> QuantFormat:
+    """The format object of a --formats entry (name or name:variant)."""
+    name, _, variant = label.partition(":")
+    return FORMATS[name]().for_variant(variant or None)
 
 
 def torch_phase(blobs: dict[str, np.ndarray], counts_by_t: dict[int, np.ndarray],
@@ -91,11 +112,11 @@ def torch_phase(blobs: dict[str, np.ndarray], counts_by_t: dict[int, np.ndarray]
     return res
 
 
-def strata_phase(name: str, blobs: np.ndarray, counts_by_t: dict[int, np.ndarray],
+def strata_phase(label: str, blobs: np.ndarray, counts_by_t: dict[int, np.ndarray],
                  reps: int, rng: np.random.Generator) -> dict:
     from strata_rt.runtime import Runtime
 
-    fmt = FORMATS[name]()
+    fmt = format_of(label)
     lay = fmt.layout(HIDDEN, FFN)
     rt = Runtime.open()
     s = rt.stream("bench")
@@ -107,7 +128,8 @@ def strata_phase(name: str, blobs: np.ndarray, counts_by_t: dict[int, np.ndarray
         ev[1].record(s)
         return ev[0].elapsed_ms(ev[1])
 
-    res: dict = {"device": rt.name, "arch": rt.arch, "blob_bytes": lay.blob_bytes, "mmq": {}}
+    res: dict = {"device": rt.name, "arch": rt.arch, "blob_bytes": lay.blob_bytes, "mmq": {},
+                 "format": fmt.name, "variant": getattr(fmt, "variant", None)}
     kern = fmt.kernels(rt, lay)
     slots = rt.alloc(EXPERTS * lay.slot_bytes)
     for e in range(EXPERTS):
@@ -171,9 +193,10 @@ def strata_phase(name: str, blobs: np.ndarray, counts_by_t: dict[int, np.ndarray
 def table(res: dict) -> str:
     tq = res.get("torch", {})
     lines = []
-    for name, r in res["strata"].items():
+    for label, r in res["strata"].items():
+        name = r["format"]
         dense = tq.get(DENSE_KEY[name])
-        lines.append(f"## {name} on {r['device']} ({r['arch']}), {r['blob_bytes']} bytes per "
+        lines.append(f"## {label} on {r['device']} ({r['arch']}), {r['blob_bytes']} bytes per "
                      f"expert; dense {'int8' if name == 'q2_blob' else 'fp16'} rate "
                      + (f"{dense:.0f}" if dense else "-"))
         lines.append("tokens | rows/expert min-max | part | ours ms / TFLOPS | ours / dense | "
@@ -201,17 +224,23 @@ def table(res: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--formats", default=",".join(every_variant()))
     ap.add_argument("--tokens", default="512,2048,8192")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
-    names = [f for f in a.formats.split(",") if f]
-    bad = [f for f in names if f not in FORMATS]
-    if bad:
-        ap.error(f"unknown formats {bad}; valid: {', '.join(FORMATS)}")
+    labels = [f for f in a.formats.split(",") if f]
+    for label in labels:
+        name, _, variant = label.partition(":")
+        if name not in FORMATS:
+            ap.error(f"unknown format {name!r}; valid: {', '.join(FORMATS)}")
+        try:
+            format_of(label)
+        except FormatError as e:
+            ap.error(str(e))
+    names = list(dict.fromkeys(label.partition(":")[0] for label in labels))
     rng = np.random.default_rng(a.seed)
     blobs = {n: np.stack([FORMATS[n]().random_expert(rng, HIDDEN, FFN) for _ in range(UNIQUE)])
              for n in names}
@@ -220,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
                  "top_k": TOP_K}
     if not a.no_torch:
         res["torch"] = torch_phase(blobs, counts, a.reps)
-    res["strata"] = {n: strata_phase(n, blobs[n], counts, a.reps, rng) for n in names}
+    res["strata"] = {label: strata_phase(label, blobs[label.partition(":")[0]], counts, a.reps,
+                                         rng) for label in labels}
     print(table(res))
     if a.json:
         a.json.write_text(json.dumps(res, indent=1, default=str))
