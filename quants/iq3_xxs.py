@@ -2,8 +2,10 @@
 
 Host side of the plugin: exact dequantization (bit for bit what the `gguf` package produces),
 a vectorized quantizer following llama.cpp's reference algorithm, random valid blocks for
-synthetic models, expert packing straight from GGUF bytes, and the numpy mirror of the MMQ.
-The launchers live in `iq3_xxs_device`, imported only when asked for.
+synthetic models, expert packing straight from GGUF bytes, and the numpy mirror of the exact
+MMQ kernels. The launchers live in `iq3_xxs_device`, imported only when asked for. The default
+matmul, f16_gemm (fp16 images, grouped fp16 GEMM), is the format object `for_variant` returns
+(quants/iq3_xxs_f16.py); an IQ3XXS object itself runs one exact kernel (`variant`).
 
 Block (256 weights, 98 bytes): fp16 d; 64 grid indices (8 per 32-weight sub-block, each naming
 four magnitudes); 8 uint32 words, one per sub-block: four 7-bit sign indices (one per 8
