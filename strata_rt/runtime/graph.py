@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from ..errors import StrataError
 
 if TYPE_CHECKING:
-    from .device import Runtime
+    from .context import DriverContext
     from .streams import Stream
 
 #: CUstreamCaptureMode values: "thread_local" refuses unsafe calls (allocation, sync) made by
@@ -56,7 +56,7 @@ class Graph:
 
     Created empty by `capture` and filled when the capture block exits."""
 
-    def __init__(self, runtime: Runtime, name: str):
+    def __init__(self, runtime: DriverContext, name: str):
         self.name = name
         self._graph: ctypes.c_void_p | None = None
         self._exec: ctypes.c_void_p | None = None
@@ -86,7 +86,7 @@ class Graph:
 
 
 @contextmanager
-def capture(runtime: Runtime, stream: Stream, mode: str = "thread_local") -> Iterator[Graph]:
+def capture(runtime: DriverContext, stream: Stream, mode: str = "thread_local") -> Iterator[Graph]:
     """Records what the body enqueues on `stream` (and on streams forked from it with events)
     instead of running it. The yielded Graph can be launched once the block has exited; on an
     error inside the block the capture is ended and discarded so the stream stays usable."""

@@ -15,7 +15,7 @@ import numpy as np
 from ..errors import BudgetError, StrataError
 
 if TYPE_CHECKING:
-    from .device import Runtime
+    from .context import DriverContext
 
 #: every region, slot and arena offset is a multiple of this (vectorized kernels need 16)
 SLOT_ALIGN = 256
@@ -101,7 +101,7 @@ class PinnedArena(_Carved):
 
     kind = "pinned arena"
 
-    def __init__(self, runtime: Runtime, sizes: Mapping[str, int]):
+    def __init__(self, runtime: DriverContext, sizes: Mapping[str, int]):
         super().__init__(plan_regions(sizes, what=self.kind))
         drv = runtime.drv
         try:
@@ -139,7 +139,7 @@ class PinnedArena(_Carved):
 class DeviceBuffer:
     """One device allocation (tests and scratch); the engine carves a DeviceArena instead."""
 
-    def __init__(self, runtime: Runtime, nbytes: int):
+    def __init__(self, runtime: DriverContext, nbytes: int):
         drv = runtime.drv
         try:
             self._alloc = drv.mem_alloc(max(int(nbytes), 1))
@@ -162,7 +162,7 @@ class DeviceArena(_Carved):
 
     kind = "device arena"
 
-    def __init__(self, runtime: Runtime, sizes: Mapping[str, int], budget: int | None = None):
+    def __init__(self, runtime: DriverContext, sizes: Mapping[str, int], budget: int | None = None):
         super().__init__(plan_regions(sizes, budget=budget, what=self.kind))
         self._buffer = DeviceBuffer(runtime, self.total)
         self.base_ptr = self._buffer.ptr

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from ..errors import StrataError
 
 if TYPE_CHECKING:
-    from .device import Runtime
+    from .context import DriverContext
     from .streams import Stream
 
 #: Dynamic shared memory a kernel may use without opting in.
@@ -25,7 +25,7 @@ ARG_CODES = {"P": "pointer", "i": "int32", "I": "uint32", "f": "float32", "q": "
 class Kernel:
     """One kernel function with a fixed argument signature."""
 
-    def __init__(self, runtime: Runtime, func, name: str, arg_types: str):
+    def __init__(self, runtime: DriverContext, func, name: str, arg_types: str):
         bad = sorted(set(arg_types) - set(ARG_CODES))
         if bad:
             allowed = ", ".join(f"{k} ({v})" for k, v in ARG_CODES.items())
@@ -65,7 +65,7 @@ class Kernel:
 class Module:
     """A cubin loaded into the runtime's context."""
 
-    def __init__(self, runtime: Runtime, cubin: Path, source: Path):
+    def __init__(self, runtime: DriverContext, cubin: Path, source: Path):
         self.runtime = runtime
         self.cubin = cubin
         self.source = source

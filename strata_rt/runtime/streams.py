@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING
 from ..errors import PlanHazardError, StrataError
 
 if TYPE_CHECKING:
-    from .device import Runtime
+    from .context import DriverContext
 
 
 class Stream:
     """A named CUDA stream. `handle` is the CUstream value (for ctypes calls such as graphs)."""
 
-    def __init__(self, runtime: Runtime, name: str):
+    def __init__(self, runtime: DriverContext, name: str):
         self.name = name
         self.raw = runtime.drv.Stream()
         self.handle = int(self.raw.handle)
@@ -44,7 +44,7 @@ class Stream:
 class Event:
     """A named CUDA event; timing is off unless asked (timing events cost more to record)."""
 
-    def __init__(self, runtime: Runtime, name: str, timing: bool = False):
+    def __init__(self, runtime: DriverContext, name: str, timing: bool = False):
         drv = runtime.drv
         self.name = name
         self.timing = timing
