@@ -14,15 +14,18 @@ weights) and the sub-block scale s in bits 28-31. weight = d * (0.5 + s) * 0.5 *
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from strata_rt.activations import Q8_1, Q8_1Acts
+from strata_rt.activations import F16, Q8_1, Q8_1Acts
 from strata_rt.errors import FormatError, GGUFError
-from strata_rt.formats import FormatKernels, QuantFormat, expert_rows
+from strata_rt.formats import ExpertLayout, FormatKernels, QuantFormat, expert_rows
+from strata_rt.grouped_gemm import fp16_image_layout, gemm_reference
 from strata_rt.hookspecs import hookimpl
+from strata_rt.resources import KERNELS_ROOT
 
 from .iq3_xxs_quantize import (
     BLOCK_BYTES,
@@ -298,8 +301,6 @@ class IQ3XXS(QuantFormat):
         from .iq3_xxs_device import F16_GEMM
 
         if chosen == F16_GEMM:
-            from .iq3_xxs_f16 import IQ3XXSDequantF16
-
             return self if isinstance(self, IQ3XXSDequantF16) else IQ3XXSDequantF16()
         if type(self) is IQ3XXS and self.variant == chosen:
             return self
@@ -307,6 +308,57 @@ class IQ3XXS(QuantFormat):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name} ({self.variant})>"
+
+
+class IQ3XXSDequantF16(IQ3XXS):
+    """IQ3_XXS blobs multiplied as fp16 images on fp16 activations (see the module doc)."""
+
+    activation = F16
+    exact = False
+    #: the element type the group-buffer images hold: the exact weights rounded to it (the
+    #: conformance suite's image check reads this)
+    image_dtype = np.float16
+    description = ("IQ3_XXS, f16_gemm: dequantizing gather into fp16 images, grouped fp16 GEMM "
+                   "with fp32 accumulation over the whole K, fp16 activations")
+
+    def __init__(self) -> None:
+        from .iq3_xxs_device import F16_GEMM
+
+        self.variant = F16_GEMM
+
+    def layout(self, hidden: int, ffn: int) -> ExpertLayout:
+        """The IQ3_XXS blob (same ranges and bytes) with fp16 images: 2 * rows * cols bytes."""
+        return fp16_image_layout(super().layout(hidden, ffn))
+
+    def images(self, blob: np.ndarray, hidden: int, ffn: int) -> tuple[np.ndarray, np.ndarray]:
+        """The fp16 images the dequantizing gather writes, as uint8 (its numpy twin)."""
+        self.check_dims(hidden, ffn)
+        from .iq3_xxs_f16 import dequant_iq3_images
+
+        return dequant_iq3_images(blob, hidden, ffn)
+
+    def image_matrix(self, image: np.ndarray, rows: int, cols: int) -> np.ndarray:
+        raw = np.ascontiguousarray(image, dtype=np.uint8).reshape(-1)
+        if raw.size != 2 * rows * cols:
+            raise FormatError(f"{self.name} ({self.variant}): an fp16 image of {rows} x {cols} "
+                              f"takes {2 * rows * cols} bytes, got {raw.size}")
+        return raw.view(np.float16).reshape(rows, cols).astype(np.float32)
+
+    def mmq_reference(self, image: np.ndarray, expert_ids: tuple[int, ...], acts: Any,
+                      bounds: np.ndarray, m: int, k: int) -> np.ndarray:
+        """float64 products of the fp16 images and the fp16 activations (from
+        prepare_activations), rounded to float32; rows outside the group are zero."""
+        return gemm_reference(image, expert_ids, acts, bounds, m, k)
+
+    def kernel_sources(self) -> list[Path]:
+        """The dequantizing gather; the GEMM is kernels/common/gemm_f16.cu (shared)."""
+        return [KERNELS_ROOT / self.kernel_dir / "dequant.cu"]
+
+    def kernels_class(self) -> type[FormatKernels]:
+        from .iq3_xxs_f16 import IQ3XXSDequantF16Kernels
+
+        return IQ3XXSDequantF16Kernels
+
 
 
 @hookimpl

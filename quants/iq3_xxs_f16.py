@@ -1,4 +1,7 @@
-"""IQ3_XXS through fp16 images: the format's default matmul (STRATA_MMQ_KERNEL=f16_gemm).
+"""IQ3_XXS through fp16 images, the format's default matmul (STRATA_MMQ_KERNEL=f16_gemm): the
+dequantizing gather's numpy twin and the launchers. The format object of the variant,
+IQ3XXSDequantF16, lives in quants/iq3_xxs.py beside IQ3XXS (which returns it from for_variant);
+this module imports nothing of IQ3XXS, so the dependency runs one way.
 
 Why a format object of its own: the variant changes more than a kernel. The blob bytes stay
 the GGUF's (same name, same blob layout, same quantize and dequantize), but the gathers
@@ -22,74 +25,57 @@ Numerics (not `exact`):
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from strata_rt.activations import F16
 from strata_rt.errors import FormatError
 from strata_rt.formats import ExpertLayout, FormatKernels, QuantFormat
-from strata_rt.grouped_gemm import (
-    GroupedGemm,
-    dequant_iq3_images,
-    fp16_image_layout,
-    gemm_reference,
-)
-from strata_rt.resources import KERNELS_ROOT
+from strata_rt.grouped_gemm import GroupedGemm
 
-from .iq3_xxs import IQ3XXS
-from .iq3_xxs_device import F16_GEMM
+from .iq3_xxs_grid import GRID
 
 if TYPE_CHECKING:
     from strata_rt.runtime import Runtime
 
 #: NMSE of a product against float64 on the exact weights and float32 activations (see above)
 FLOAT64_NMSE_BOUND = 1e-5
+IQ3_BLOCK_VALUES = 256
+IQ3_BLOCK_BYTES = 98
 
 
-class IQ3XXSDequantF16(IQ3XXS):
-    """IQ3_XXS blobs multiplied as fp16 images on fp16 activations (see the module doc)."""
+def _iq3_range_to_f16(raw: np.ndarray) -> np.ndarray:
+    """98-byte IQ3_XXS blocks -> their 256 values each as fp16 bits (uint16), computed the way
+    dequant.cu does: per lane of 8 values, sign applied to the rounded fp16 value."""
+    blk = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1, IQ3_BLOCK_BYTES)
+    nb = blk.shape[0]
+    d = blk[:, :2].copy().view("<f2")[:, 0].astype(np.float32)                  # [nb]
+    words = blk[:, 66:].copy().view("<u4").astype(np.uint32)                    # [nb, 8]
+    db = (d[:, None] * (np.float32(0.5) + (words >> 28).astype(np.float32))) * np.float32(0.5)
+    sidx = (words[:, :, None] >> np.array([0, 7, 14, 21], np.uint32)) & 127     # [nb, 8, 4]
+    parity = np.unpackbits(sidx.astype(np.uint8)[..., None], axis=-1).sum(-1) & 1
+    neg_mask = sidx | (parity.astype(np.uint32) << 7)
+    neg = (neg_mask[..., None] >> np.arange(8, dtype=np.uint32)) & 1            # [nb, 8, 4, 8]
+    grid = np.array(GRID, dtype=np.uint32)[blk[:, 2:66]]                         # [nb, 64]
+    mag = (grid[..., None] >> np.array([0, 8, 16, 24], np.uint32)) & 0xFF       # [nb, 64, 4]
+    vals = db.repeat(32, axis=1) * mag.reshape(nb, 256).astype(np.float32)
+    with np.errstate(over="ignore"):
+        bits = vals.astype(np.float16).view(np.uint16)
+    return bits ^ (neg.reshape(nb, 256).astype(np.uint16) << 15)
 
-    activation = F16
-    exact = False
-    #: the element type the group-buffer images hold: the exact weights rounded to it (the
-    #: conformance suite's image check reads this)
-    image_dtype = np.float16
-    description = ("IQ3_XXS, f16_gemm: dequantizing gather into fp16 images, grouped fp16 GEMM "
-                   "with fp32 accumulation over the whole K, fp16 activations")
 
-    def __init__(self) -> None:
-        self.variant = F16_GEMM
-
-    def layout(self, hidden: int, ffn: int) -> ExpertLayout:
-        """The IQ3_XXS blob (same ranges and bytes) with fp16 images: 2 * rows * cols bytes."""
-        return fp16_image_layout(super().layout(hidden, ffn))
-
-    def images(self, blob: np.ndarray, hidden: int, ffn: int) -> tuple[np.ndarray, np.ndarray]:
-        """The fp16 images the dequantizing gather writes, as uint8 (its numpy twin)."""
-        self.check_dims(hidden, ffn)
-        return dequant_iq3_images(blob, hidden, ffn)
-
-    def image_matrix(self, image: np.ndarray, rows: int, cols: int) -> np.ndarray:
-        raw = np.ascontiguousarray(image, dtype=np.uint8).reshape(-1)
-        if raw.size != 2 * rows * cols:
-            raise FormatError(f"{self.name} ({self.variant}): an fp16 image of {rows} x {cols} "
-                              f"takes {2 * rows * cols} bytes, got {raw.size}")
-        return raw.view(np.float16).reshape(rows, cols).astype(np.float32)
-
-    def mmq_reference(self, image: np.ndarray, expert_ids: tuple[int, ...], acts: Any,
-                      bounds: np.ndarray, m: int, k: int) -> np.ndarray:
-        """float64 products of the fp16 images and the fp16 activations (from
-        prepare_activations), rounded to float32; rows outside the group are zero."""
-        return gemm_reference(image, expert_ids, acts, bounds, m, k)
-
-    def kernel_sources(self) -> list[Path]:
-        """The dequantizing gather; the GEMM is kernels/common/gemm_f16.cu (shared)."""
-        return [KERNELS_ROOT / self.kernel_dir / "dequant.cu"]
-
-    def kernels_class(self) -> type[FormatKernels]:
-        return IQ3XXSDequantF16Kernels
+def dequant_iq3_images(blob: np.ndarray, hidden: int, ffn: int) -> tuple[np.ndarray, np.ndarray]:
+    """numpy twin of the dequantizing gather: an IQ3_XXS expert blob -> (gate/up image, down
+    image) as uint8, the exact bytes of fp16 [2*ffn, hidden] and fp16 [hidden, ffn]."""
+    gu_bytes = 2 * ffn * hidden // IQ3_BLOCK_VALUES * IQ3_BLOCK_BYTES  # gate rows, up rows
+    dn_bytes = hidden * ffn // IQ3_BLOCK_VALUES * IQ3_BLOCK_BYTES      # then down rows
+    b = np.asarray(blob, dtype=np.uint8).reshape(-1)
+    if hidden % IQ3_BLOCK_VALUES or ffn % IQ3_BLOCK_VALUES or b.size < gu_bytes + dn_bytes:
+        raise FormatError(f"IQ3_XXS blob of {b.size} bytes; hidden {hidden}, ffn {ffn} take "
+                          f"{gu_bytes + dn_bytes} (dimensions multiples of {IQ3_BLOCK_VALUES})")
+    gu = _iq3_range_to_f16(b[:gu_bytes])
+    dn = _iq3_range_to_f16(b[gu_bytes: gu_bytes + dn_bytes])
+    return gu.reshape(-1).view(np.uint8), dn.reshape(-1).view(np.uint8)
 
 
 class IQ3XXSDequantF16Kernels(FormatKernels):

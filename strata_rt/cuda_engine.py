@@ -16,8 +16,8 @@ driver can capture the whole walk as a CUDA graph (`capture`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -45,6 +45,13 @@ from .runtime.memory import MIB
 from .stats import Stats
 from .timing import PhaseTimer
 
+if TYPE_CHECKING:
+    from .driver import HostContext, Replay
+    from .engine import EngineConfig
+    from .model import Model, MoESpec
+    from .runtime import Graph, PinnedArena, Runtime
+    from .store import ExpertStore
+
 __all__ = ["ENGINE_SOURCE", "CudaBackend", "CudaContext", "walk_rows_hint"]
 
 
@@ -55,13 +62,18 @@ class CudaContext:
     def __init__(self) -> None:
         from .runtime import Runtime
 
-        self.rt: Any = Runtime.open()
-        self._pinned: list[Any] = []
+        self.rt: Runtime | None = Runtime.open()
+        self._pinned: list[PinnedArena] = []
+
+    def runtime(self) -> Runtime:
+        if self.rt is None:
+            raise StrataError("the CUDA context is closed")
+        return self.rt
 
     def host_alloc(self, nbytes: int) -> np.ndarray:
         """The ExpertStore's memory: one page-locked arena (copies to the ring then run at
         full PCIe speed)."""
-        arena = self.rt.pinned({"store": nbytes})
+        arena = self.runtime().pinned({"store": nbytes})
         self._pinned.append(arena)
         return arena.view("store")
 
@@ -77,9 +89,11 @@ class CudaBackend:
     context_class = CudaContext
     host_is_wall = False
 
-    def __init__(self, model: Any, store: Any, residency: Residency | None, cfg: Any,
-                 context: CudaContext):
-        self.rt = context.rt
+    def __init__(self, model: Model, store: ExpertStore, residency: Residency | None,
+                 cfg: EngineConfig, context: HostContext):
+        if not isinstance(context, CudaContext):
+            raise TypeError(f"the CUDA backend runs on a CudaContext, got {type(context).__name__}")
+        self.rt = context.runtime()
         self.model, self.store, self.cfg = model, store, cfg
         self.spec, self.fmt, self.lay = model.spec, model.fmt, model.layout
         self.blob_bytes = self.lay.blob_bytes
@@ -95,6 +109,8 @@ class CudaBackend:
     # ------------------------------------------------------------------ open
     def _open(self, residency: Residency | None) -> None:
         rt, spec, lay, cfg, model = self.rt, self.spec, self.lay, self.cfg, self.model
+        routing = cfg.routing
+        assert routing is not None, "EngineConfig.resolve() sets routing"
         # kernels first: a format without kernels fails before any memory is taken
         self.fk = self.fmt.kernels(rt, lay)
         reserve = cfg.vram_reserve_mib if cfg.vram_reserve_mib is not None else DEFAULT_RESERVE_MIB
@@ -103,7 +119,7 @@ class CudaBackend:
         fixed_res = residency.n_slots if residency is not None else None
         rings = ring_sizes(cfg.ring_bytes, slot, spec.total_experts - (fixed_res or 0))
         mp = plan_memory(spec, lay, self.fmt.activation, available, rings.total, cfg.prefill,
-                         fixed_res, cfg.routing)
+                         fixed_res, routing)
         if residency is None:
             residency = Residency.from_budget(model, mp.n_resident, cfg.load_profile())
             # the ring was sized for everything streaming; plan with what actually streams
@@ -115,7 +131,7 @@ class CudaBackend:
         dev = self.dev = DeviceState(rt, mp.regions, max(available, 0),
                                      self.tokens * spec.hidden * 4,
                                      (spec.n_layers, spec.n_experts + 1))
-        self.kernels = LayerKernels(rt, spec, self.fmt.activation, dev.ptr, cfg.routing)
+        self.kernels = LayerKernels(rt, spec, self.fmt.activation, dev.ptr, routing)
         # poison everything first: a read of bytes nobody wrote shows up as NaN, not as luck
         rt.memset_d8(dev.arena.base_ptr, 0xFF, dev.arena.total, dev.copy)
         # weights that stay on the device, and the resident experts (once, at open)
@@ -127,8 +143,8 @@ class CudaBackend:
             rt.memcpy_htod(dev.ptr["resident"] + i * slot,
                            self.store.arena[off: off + lay.blob_bytes], dev.copy)
         dev.copy.synchronize()
-        self._timer = PhaseTimer(rt, dev.compute) if self.timing else None
-        self._dispatch = {
+        self._timer = PhaseTimer(rt, dev.compute, dev.copy) if self.timing else None
+        self._dispatch: dict[type, Callable[[Any], None]] = {
             Copy: self._op_copy, Record: self._op_record, Wait: self._op_wait,
             Gather: self._op_gather, GatherBatch: self._op_gather_batch,
             Products: self._op_products, Consume: _no_op, LayerBegin: self._op_layer_begin,
@@ -165,6 +181,7 @@ class CudaBackend:
             for phase, ms in self._timer.totals_ms.items():
                 stats.phase_s[phase] += ms / 1e3
             stats.phase_table = self._timer.table(host_s=stats.host_s)
+            stats.trace = list(self._timer.trace)
         return io  # pinned and reused: the engine copies it out before the next chunk
 
     def route_layer(self, layer: int) -> None:
@@ -189,7 +206,7 @@ class CudaBackend:
         for op in ops:
             dispatch[type(op)](op)
 
-    def capture(self, ops: Iterable[Op]) -> Any:
+    def capture(self, ops: Iterable[Op]) -> Graph:
         dev = self._device()
         with self.rt.capture(dev.compute) as graph:
             dev.fork.record(dev.compute)  # the copy stream joins the capture
@@ -199,7 +216,7 @@ class CudaBackend:
             dev.compute.wait(dev.join)
         return graph
 
-    def replay(self, replay: Any) -> None:
+    def replay(self, replay: Replay) -> None:
         replay.launch(self._device().compute)
 
     def synchronize(self) -> None:
@@ -235,8 +252,12 @@ class CudaBackend:
     def _op_copy(self, op: Copy) -> None:
         dev = self._device()
         off = self.store.offset(op.layer, op.expert)
+        if self._timer is not None:
+            self._timer.copy_begin(f"copy L{op.layer} E{op.expert} -> slot {op.slot}")
         self.rt.memcpy_htod(dev.ptr["ring"] + op.slot * self.lay.slot_bytes,
                             self.store.arena[off: off + self.lay.blob_bytes], dev.copy)
+        if self._timer is not None:
+            self._timer.copy_end()
 
     def _op_record(self, op: Record) -> None:
         dev = self._device()
@@ -308,7 +329,7 @@ def _no_op(op: Op) -> None:
     """Consume is host bookkeeping: the plan's op order already encodes it."""
 
 
-def walk_rows_hint(tokens: int, spec: Any) -> int:
+def walk_rows_hint(tokens: int, spec: MoESpec) -> int:
     """Rows per expert the walk sizes its MMQ grids for, where the counts never reach the host:
     twice the mean rows per expert (a token picks an expert at most once, so never more than
     tokens). A busier expert is still covered, by fewer blocks looping over its tiles; sizing

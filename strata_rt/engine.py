@@ -22,14 +22,15 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from . import env, hostmem
-from .driver import ChunkDriver
+from .driver import Backend, ChunkDriver, HostContext
 from .errors import ConfigError
 from .formats import QuantFormat
 from .model import Model, MoESpec
@@ -38,6 +39,10 @@ from .residency import Residency, RoutingProfile
 from .routing_kernels import ROUTINGS
 from .stats import Stats
 from .store import ExpertStore
+
+if TYPE_CHECKING:
+    from .cuda_engine import CudaBackend
+    from .reference import ReferenceBackend
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +58,7 @@ class EngineConfig:
     otherwise the backend derives it (cuda: free VRAM minus vram_reserve_mib; reference: none
     resident). gather_one / check_plan / timing / dump_r default to the environment switches."""
 
-    model: Any
+    model: Model | MoESpec | dict[str, Any]
     backend: str = "auto"
     vram_reserve_mib: float | None = None
     expert_cache: int | None = None
@@ -69,7 +74,7 @@ class EngineConfig:
     #: CUDA routing kernels: "tensor" (tensor-core router GEMM, warp top-k) or "fp32"
     routing: str | None = None
     #: called as progress(chunk, n_chunks, layer, n_layers) after each layer
-    progress: Any = None
+    progress: Callable[[int, int, int, int], None] | None = None
     _profile: RoutingProfile | None = field(default=None, repr=False)
 
     def load_profile(self) -> RoutingProfile | None:
@@ -112,7 +117,7 @@ class EngineConfig:
         return self
 
 
-def load_model(spec_or_model: Any) -> Model:
+def load_model(spec_or_model: Model | MoESpec | dict[str, Any]) -> Model:
     m = spec_or_model
     if isinstance(m, Model):
         return m
@@ -141,7 +146,7 @@ def check_mmq_kernel(fmt: QuantFormat) -> None:
                           f"{', '.join(variants)}", source="environment")
 
 
-def backend_class(name: str) -> tuple[str, type]:
+def backend_class(name: str) -> tuple[str, type[CudaBackend] | type[ReferenceBackend]]:
     """-> (resolved name, class). `auto` takes cuda when a device answers, else reference and
     says so in one line."""
     if name == "auto":
@@ -181,11 +186,11 @@ def read_dump(path: str | Path, hidden: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, model: Model, backend: Any, backend_name: str,
-                 context: Any = None):
+    def __init__(self, config: EngineConfig, model: Model, backend: Backend, backend_name: str,
+                 context: HostContext | None = None):
         self.config = config
         self.model = model
-        self.backend = backend
+        self.backend: Backend | None = backend
         self.context = context
         self.driver = ChunkDriver(model.spec, model.fmt, config, backend)
         self.residency: Residency = backend.residency
@@ -207,7 +212,7 @@ class Engine:
                         f"{spec.n_layers} layers x {spec.n_experts} experts x "
                         f"{hostmem.format_bytes(slot)}")
         name, backend_cls = backend_class(cfg.backend)
-        context = backend_cls.context_class()
+        context: HostContext = backend_cls.context_class()
         backend = None
         try:
             store = ExpertStore(model, context.host_alloc)

@@ -46,6 +46,10 @@ SWITCHES: dict[str, Switch] = {
         Switch("STRATA_PREFILL_DUMP_R", "outfile",
                "path: after each chunk append the final residual of every 64th position "
                "(int64 position + float32 values) so two runs compare with `cmp`."),
+        Switch("STRATA_PREFILL_TRACE", "outfile",
+               "path.json: write a Chrome/Perfetto trace of the compute and copy streams, one "
+               "lane per prompt, rewritten after each prompt (CUDA backend; turns "
+               "STRATA_PREFILL_TIMING on)."),
         Switch("STRATA_WALK_MIN_TOKENS", "int",
                "N: chunks of at least N tokens take the streamed walk, smaller ones the "
                "staging ring (default: the walk once half of a layer's experts are expected "

@@ -7,7 +7,8 @@ read 98 bytes, write 512 per block of 256 weights) leaves a plain fp16 x fp16 ->
 the whole K, which tensor cores run at several times the rate.
 
 `GroupedGemm.gemm` has the signature of `FormatKernels.mmq`, so a format's launcher can delegate
-to it; `gemm_reference` and `dequant_iq3_images` are the numpy twins the tests compare with.
+to it; `gemm_reference` is the numpy twin the tests compare with (the dequantizing gather's twin,
+`dequant_iq3_images`, lives with IQ3_XXS in strata_rt.quants.iq3_xxs_f16).
 
 Numerics: the GEMM accumulates each output in fp32, one mma per 16 values of K in ascending
 order from a zero accumulator, so its bytes do not depend on the tile shape, on rows_hint or on
@@ -210,40 +211,3 @@ def gemm_reference(images: np.ndarray, expert_ids: tuple[int, ...], acts_f16: np
             w = img[p, : 2 * m * k].view(np.float16).reshape(m, k).astype(np.float64)
             out[r0:r1] = x[r0:r1].astype(np.float64) @ w.T
     return out
-
-
-def _iq3_range_to_f16(raw: np.ndarray) -> np.ndarray:
-    """98-byte IQ3_XXS blocks -> their 256 values each as fp16 bits (uint16), computed the way
-    dequant.cu does: per lane of 8 values, sign applied to the rounded fp16 value."""
-    from .quants.iq3_xxs_grid import GRID
-
-    blk = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1, IQ3_BLOCK_BYTES)
-    nb = blk.shape[0]
-    d = blk[:, :2].copy().view("<f2")[:, 0].astype(np.float32)                  # [nb]
-    words = blk[:, 66:].copy().view("<u4").astype(np.uint32)                    # [nb, 8]
-    db = (d[:, None] * (np.float32(0.5) + (words >> 28).astype(np.float32))) * np.float32(0.5)
-    sidx = (words[:, :, None] >> np.array([0, 7, 14, 21], np.uint32)) & 127     # [nb, 8, 4]
-    parity = np.unpackbits(sidx.astype(np.uint8)[..., None], axis=-1).sum(-1) & 1
-    neg_mask = sidx | (parity.astype(np.uint32) << 7)
-    neg = (neg_mask[..., None] >> np.arange(8, dtype=np.uint32)) & 1            # [nb, 8, 4, 8]
-    grid = np.array(GRID, dtype=np.uint32)[blk[:, 2:66]]                         # [nb, 64]
-    mag = (grid[..., None] >> np.array([0, 8, 16, 24], np.uint32)) & 0xFF       # [nb, 64, 4]
-    vals = db.repeat(32, axis=1) * mag.reshape(nb, 256).astype(np.float32)
-    with np.errstate(over="ignore"):
-        bits = vals.astype(np.float16).view(np.uint16)
-    return bits ^ (neg.reshape(nb, 256).astype(np.uint16) << 15)
-
-
-def dequant_iq3_images(blob: np.ndarray, hidden: int, ffn: int) -> tuple[np.ndarray, np.ndarray]:
-    """numpy twin of the dequantizing gather: an IQ3_XXS expert blob -> (gate/up image, down
-    image) as uint8, the exact bytes of fp16 [2*ffn, hidden] and fp16 [hidden, ffn]."""
-    from .quants.iq3_xxs import IQ3XXS
-
-    lay = IQ3XXS().layout(hidden, ffn)
-    b = np.asarray(blob, dtype=np.uint8).reshape(-1)
-    if b.size < lay.blob_bytes:
-        raise FormatError(f"IQ3_XXS blob of {b.size} bytes; hidden {hidden}, ffn {ffn} take "
-                          f"{lay.blob_bytes}")
-    gu = _iq3_range_to_f16(b[lay.gate_up_offset: lay.gate_up_offset + lay.gate_up_bytes])
-    dn = _iq3_range_to_f16(b[lay.down_offset: lay.down_offset + lay.down_bytes])
-    return gu.reshape(-1).view(np.uint8), dn.reshape(-1).view(np.uint8)

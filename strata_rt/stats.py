@@ -34,6 +34,9 @@ class Stats:
     routing_counts: np.ndarray | None = None
     #: STRATA_PREFILL_TIMING: the phase table of the prompt (None when timing is off)
     phase_table: str | None = None
+    #: STRATA_PREFILL_TIMING on the CUDA backend: the prompt's compute and copy stream spans
+    #: (Chrome/Perfetto complete events; timing.write_trace writes them)
+    trace: list[dict[str, Any]] | None = field(default=None, repr=False)
     #: called as on_layer(chunk, n_chunks, layer, n_layers); set by the engine
     on_layer: Callable[[int, int, int, int], None] | None = field(default=None, repr=False)
     chunk_index: int = field(default=0, repr=False)

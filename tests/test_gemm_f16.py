@@ -24,7 +24,6 @@ from strata_rt.grouped_gemm import (
     TILES,
     TILES_BY_NAME,
     GroupedGemm,
-    dequant_iq3_images,
     fp16_image_bytes,
     fp16_image_layout,
     gemm_reference,
@@ -32,6 +31,7 @@ from strata_rt.grouped_gemm import (
 )
 from strata_rt.quants.fp16 import FP16
 from strata_rt.quants.iq3_xxs import IQ3XXS
+from strata_rt.quants.iq3_xxs_f16 import dequant_iq3_images
 from strata_rt.resources import KERNELS_ROOT
 from strata_rt.runtime.compile import nvcc_available, nvcc_path
 from strata_rt.testing import nmse

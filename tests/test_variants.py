@@ -23,13 +23,9 @@ from strata_rt.errors import FormatError
 from strata_rt.formats import QuantFormat
 from strata_rt.grouped_gemm import TILES_BY_NAME, fp16_image_layout, gemm_reference
 from strata_rt.quants.fp16 import FP16, FP16GemmKernels, FP16Kernels
-from strata_rt.quants.iq3_xxs import IQ3XXS
+from strata_rt.quants.iq3_xxs import IQ3XXS, IQ3XXSDequantF16
 from strata_rt.quants.iq3_xxs_device import MMQ_VARIANTS, VARIANTS, IQ3XXSKernels
-from strata_rt.quants.iq3_xxs_f16 import (
-    FLOAT64_NMSE_BOUND,
-    IQ3XXSDequantF16,
-    IQ3XXSDequantF16Kernels,
-)
+from strata_rt.quants.iq3_xxs_f16 import FLOAT64_NMSE_BOUND, IQ3XXSDequantF16Kernels
 from strata_rt.registry import registry
 from strata_rt.testing import KERNEL_NMSE, run_conformance
 from strata_rt.testing_abi import Recorder
