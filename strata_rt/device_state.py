@@ -5,19 +5,22 @@ list of attribute names has to be kept in step with the code that creates them."
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+if TYPE_CHECKING:
+    from .runtime import Event, Runtime, Stream
+
 
 class DeviceState:
-    def __init__(self, rt: Any, regions: dict[str, int], budget: int, io_bytes: int,
+    def __init__(self, rt: Runtime, regions: dict[str, int], budget: int, io_bytes: int,
                  bounds_shape: tuple[int, int]):
         self.compute = rt.stream("compute")
         self.copy = rt.stream("copy")
         #: routed-set read-backs go on their own stream, never behind the copies of blobs
         self.readback = rt.stream("readback")
-        self.streams = {"compute": self.compute, "copy": self.copy}
+        self.streams: dict[str, Stream] = {"compute": self.compute, "copy": self.copy}
         self.arena = rt.device_arena(regions, budget=budget)
         self.ptr: dict[str, int] = {name: self.arena.ptr(name) for name in regions}
         n_bounds = bounds_shape[0] * bounds_shape[1]
@@ -28,9 +31,9 @@ class DeviceState:
         self.fork = rt.event("walk fork")
         self.join = rt.event("walk join")
         self._rt = rt
-        self._events: dict[tuple[str, int], Any] = {}
+        self._events: dict[tuple[str, int], Event] = {}
 
-    def event(self, key: tuple[str, int]) -> Any:
+    def event(self, key: tuple[str, int]) -> Event:
         """The plan event `key` (created on first use, then reused by every chunk)."""
         ev = self._events.get(key)
         if ev is None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -31,13 +31,19 @@ from .planner import STAGING_RING_SLOTS, StagingPlanner, gathers_one_by_one, pla
 from .residency import Residency
 from .stats import Stats
 
+if TYPE_CHECKING:
+    from .engine import EngineConfig
+    from .formats import QuantFormat
+    from .model import MoESpec
+    from .runtime import Stream
+
 log = logging.getLogger(__name__)
 
 
 class Replay(Protocol):
     """A captured op sequence (a CUDA graph)."""
 
-    def launch(self, stream: Any) -> None: ...
+    def launch(self, stream: Stream) -> None: ...
 
     def free(self) -> None: ...
 
@@ -83,6 +89,24 @@ class Executor(Protocol):
         """The chunk's output hidden states (the driver's caller copies them)."""
 
 
+class HostContext(Protocol):
+    """What an engine opens first and closes last: the host memory its expert store lives in
+    (the CUDA context: page-locked memory of the Runtime it also holds)."""
+
+    def host_alloc(self, nbytes: int) -> np.ndarray: ...
+
+    def close(self) -> None: ...
+
+
+class Backend(Executor, Protocol):
+    """An executor as the engine holds it: opened on a host context, closed once."""
+
+    #: True where everything runs on the host (the engine then reports host time = wall time)
+    host_is_wall: bool
+
+    def close(self) -> None: ...
+
+
 def op_counts(ops: Iterable[Op]) -> dict[type, int]:
     """How many ops of each kind a plan (or a layer of it) holds."""
     counts: dict[type, int] = {}
@@ -105,7 +129,7 @@ class ChunkDriver:
     """Runs chunks on one executor. `gather_one` and `walk_min_tokens` are read from the
     engine config on every chunk, so an in-process A/B takes effect on the next prompt."""
 
-    def __init__(self, spec: Any, fmt: Any, cfg: Any, executor: Executor):
+    def __init__(self, spec: MoESpec, fmt: QuantFormat, cfg: EngineConfig, executor: Executor):
         self.spec, self.fmt, self.cfg = spec, fmt, cfg
         self.executor = executor
         self.check_plan = bool(cfg.check_plan)
@@ -179,7 +203,7 @@ class ChunkDriver:
         key = (T, self.gather_one)
         plan, counts = self.walk_plan(T)
         trial = self.graph_trials.setdefault(key, {})
-        replay = None
+        replay: Replay | None = None
         if ex.can_capture and "plain" in trial and trial.get("choice") != "plain":
             replay = self._replay_for(key, plan, trial)
         t0 = time.perf_counter()

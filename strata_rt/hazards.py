@@ -23,6 +23,7 @@ the chunk's op list):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NoReturn
 
 from .errors import PlanHazardError
 from .plan import (
@@ -39,6 +40,9 @@ from .plan import (
     Record,
     Wait,
 )
+
+if TYPE_CHECKING:
+    from .residency import Residency
 
 _COMPONENT = {"copy": 0, "compute": 1}
 
@@ -74,7 +78,7 @@ class Checker:
     """Incremental checker: feed the layer plans of one chunk in order (the staging ring plans
     a layer at a time and is checked before each layer runs)."""
 
-    def __init__(self, ring_slots: int, residency=None):
+    def __init__(self, ring_slots: int, residency: Residency | None = None):
         self.ring = ring_slots
         self.residency = residency
         self.clock = {"copy": [0, 0], "compute": [0, 0]}
@@ -87,7 +91,7 @@ class Checker:
         self.n = 0                                 # ops seen
 
     # ------------------------------------------------------------------ helpers
-    def _fail(self, msg: str) -> None:
+    def _fail(self, msg: str) -> NoReturn:
         raise PlanHazardError(msg)
 
     def _tick(self, stream: str) -> tuple[int, int]:
@@ -247,7 +251,8 @@ class Checker:
         self.consume_op = i
 
 
-def check(plan: ChunkPlan | LayerPlan, residency=None, ring_slots: int | None = None) -> None:
+def check(plan: ChunkPlan | LayerPlan, residency: Residency | None = None,
+          ring_slots: int | None = None) -> None:
     """Raises PlanHazardError on the first hazard of `plan` (a chunk, or one layer checked on
     its own, which then needs `ring_slots`)."""
     if isinstance(plan, ChunkPlan):

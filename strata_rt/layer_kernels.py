@@ -15,13 +15,21 @@ executor calls it with device addresses and never sees launch shapes.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .activations import Activation, ActivationKernels
 from .resources import KERNELS_ROOT
 from .routing_kernels import RoutingKernels, check_routing_shape, router_f16
+
+if TYPE_CHECKING:
+    from .model import MoESpec
+    from .runtime import Runtime, Stream
+
+#: opens a phase of the timing table (`mark(phase)`); a no-op when timing is off
+Mark = Callable[[str], None]
 
 ENGINE_SOURCE = KERNELS_ROOT / "common" / "engine.cu"
 #: launch shapes of the engine kernels (must match engine.cu where it assumes them)
@@ -41,10 +49,10 @@ class LayerKernels:
     topk_ids, topk_w, sorted_token, row_of, act_hidden, act_ffn, gate_up_out, down_out, and
     route_ws for the tensor routing."""
 
-    def __init__(self, rt: Any, spec: Any, activation: Activation, ptr: dict[str, int],
+    def __init__(self, rt: Runtime, spec: MoESpec, activation: Activation, ptr: dict[str, int],
                  routing: str = "tensor"):
         self.spec, self.activation, self.ptr, self.routing = spec, activation, ptr, routing
-        self._routing = None
+        self._routing: RoutingKernels | None = None
         if routing == "tensor":
             check_routing_shape(spec.hidden, spec.n_experts, spec.top_k)
             self._routing = RoutingKernels(rt)
@@ -62,7 +70,7 @@ class LayerKernels:
         """The host array to upload into the `router` region (fp16 for the tensor routing)."""
         return router_f16(router) if self._routing is not None else router
 
-    def route(self, stream: Any, layer: int, tokens: int, bounds: int, mark: Any) -> None:
+    def route(self, stream: Stream, layer: int, tokens: int, bounds: int, mark: Mark) -> None:
         """RMSNorm, router logits, top-k, counting sort and the hidden activations of one
         layer; the row bounds land at `bounds` (device int32 [n_experts + 1]). `mark(phase)`
         opens each phase of the timing table."""
@@ -87,7 +95,7 @@ class LayerKernels:
         self._acts.launch(self.activation, stream, p["xn"], H, p["sorted_token"],
                           p["act_hidden"], T * K, H)
 
-    def _route_fp32(self, stream: Any, layer: int, T: int, bounds: int, mark: Any) -> None:
+    def _route_fp32(self, stream: Stream, layer: int, T: int, bounds: int, mark: Mark) -> None:
         spec, p = self.spec, self.ptr
         H, E, K = spec.hidden, spec.n_experts, spec.top_k
         mark("router gemm")
@@ -105,14 +113,14 @@ class LayerKernels:
                              args=(p["topk_ids"], T * K, K, bounds, p["sorted_token"],
                                    p["row_of"]))
 
-    def swiglu(self, stream: Any, bounds: int, lo: int, hi: int, group_rows: int) -> None:
+    def swiglu(self, stream: Stream, bounds: int, lo: int, hi: int, group_rows: int) -> None:
         """silu(gate) * up of experts lo..hi-1, encoded as the down matmul's activations."""
         p = self.ptr
         self._swiglu.launch(grid=(min(group_rows, SWIGLU_MAX_BLOCKS), 1, 1),
                             block=(SWIGLU_THREADS, 1, 1), stream=stream,
                             args=(p["gate_up_out"], bounds, lo, hi, self.spec.ffn, p["act_ffn"]))
 
-    def combine(self, stream: Any, tokens: int) -> None:
+    def combine(self, stream: Stream, tokens: int) -> None:
         """x += sum over k of w_k * down output of (token, k), in top-k order."""
         spec, p = self.spec, self.ptr
         self._combine.launch(grid=(tokens, 1, 1), block=(ROW_THREADS, 1, 1), stream=stream,

@@ -9,7 +9,7 @@ allocates with, without importing anything that needs CUDA.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from .activations import Activation
 from .errors import BudgetError
@@ -18,13 +18,16 @@ from .planner import AUTO_CHUNK_MAX
 from .routing_kernels import workspace_bytes
 from .runtime.memory import mib, plan_regions, regions_total
 
+if TYPE_CHECKING:
+    from .model import MoESpec
+
 #: `prefill: auto` tries chunk sizes in steps of this many tokens below the maximum
 AUTO_CHUNK_STEP = 64
 #: VRAM left free when the config names no reserve (driver, modules, other processes)
 DEFAULT_RESERVE_MIB = 512
 
 
-def chunk_regions(spec: Any, activation: Activation, tokens: int,
+def chunk_regions(spec: MoESpec, activation: Activation, tokens: int,
                   routing: str = "tensor") -> dict[str, int]:
     """Device bytes of one chunk's buffers (all sorted rows are tokens * top_k)."""
     T, H, F, E, K = tokens, spec.hidden, spec.ffn, spec.n_experts, spec.top_k
@@ -45,7 +48,7 @@ def chunk_regions(spec: Any, activation: Activation, tokens: int,
     }
 
 
-def fixed_regions(spec: Any, layout: ExpertLayout, ring_slots: int,
+def fixed_regions(spec: MoESpec, layout: ExpertLayout, ring_slots: int,
                   routing: str = "tensor") -> dict[str, int]:
     """Device bytes that do not depend on the chunk or the residency (the router weights are
     fp16 for the tensor-core routing, float32 for the fp32 kernels)."""
@@ -75,7 +78,7 @@ class MemoryPlan:
         return ", ".join(f"{name} {mib(size)} MiB" for name, size in big)
 
 
-def plan_memory(spec: Any, layout: ExpertLayout, activation: Activation, available: int,
+def plan_memory(spec: MoESpec, layout: ExpertLayout, activation: Activation, available: int,
                 ring_slots: int, prefill: str | int, n_resident: int | None,
                 routing: str = "tensor") -> MemoryPlan:
     """Sizes the device arena within `available` bytes.

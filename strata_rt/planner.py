@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .formats import MMQ_GROUP
 from .plan import (
@@ -42,6 +43,11 @@ from .plan import (
     used,
 )
 
+if TYPE_CHECKING:
+    from .formats import QuantFormat
+    from .model import MoESpec
+    from .residency import Residency
+
 #: slots of the staging ring (chunks for which takes_walk is false)
 STAGING_RING_SLOTS = 8
 #: the walk is taken once this share of a layer's experts is expected to be routed
@@ -52,7 +58,7 @@ AUTO_CHUNK_MAX = 8192
 DEFAULT_RING_BYTES = 256 << 20
 
 
-def takes_walk(tokens: int, spec, walk_min_tokens: int | None = None) -> bool:
+def takes_walk(tokens: int, spec: MoESpec, walk_min_tokens: int | None = None) -> bool:
     """Whether a chunk streams every non-resident expert (the walk) or only the routed ones
     (the staging ring). The ring reads the routed set back every layer and copies experts one
     slot at a time, so it only pays when few experts are routed. With uniform routing a layer
@@ -66,7 +72,7 @@ def takes_walk(tokens: int, spec, walk_min_tokens: int | None = None) -> bool:
     return share >= WALK_ROUTED_SHARE
 
 
-def gathers_one_by_one(fmt, requested: bool | None) -> bool:
+def gathers_one_by_one(fmt: QuantFormat, requested: bool | None) -> bool:
     """The gather mode a chunk runs in: one launch per expert when asked
     (STRATA_PREFILL_GATHER_ONE) and always for a non-native format, whose blobs are not plain
     byte ranges; the engine therefore never asks such a format to batch. Read per chunk, so an
@@ -107,7 +113,7 @@ def ring_sizes(ring_bytes: int | None, slot_bytes: int, n_streamed: int) -> Ring
 class _RingBuilder:
     """Ring state and op emission shared by the walk and the staging planner."""
 
-    def __init__(self, residency, ring_slots: int, gather_one: bool):
+    def __init__(self, residency: Residency, ring_slots: int, gather_one: bool):
         if ring_slots < 1:
             raise ValueError(f"ring_slots={ring_slots}: the ring needs at least one slot")
         self.residency = residency
@@ -138,7 +144,7 @@ class _RingBuilder:
         for g in ring:
             self.ops.append(Record(used(g.src[1]), "compute"))
         if ring:
-            last = max(g.entry for g in ring)
+            last = max(_ring_entry(g) for g in ring)
             self.ops.append(Consume(last))
             self.consumed = last + 1
             self.issue_available()
@@ -185,11 +191,19 @@ class _RingBuilder:
         return ops
 
 
+def _ring_entry(g: Gather) -> int:
+    entry = g.entry
+    if entry is None:  # the builder names the entry of every ring gather it emits
+        raise AssertionError(f"ring gather without an entry: {g!r}")
+    return entry
+
+
 def _groups(experts: Sequence[int]) -> list[list[int]]:
     return [list(experts[i:i + MMQ_GROUP]) for i in range(0, len(experts), MMQ_GROUP)]
 
 
-def plan_walk(spec, residency, ring_slots: int, gather_one: bool, tokens: int = 0) -> ChunkPlan:
+def plan_walk(spec: MoESpec, residency: Residency, ring_slots: int, gather_one: bool,
+              tokens: int = 0) -> ChunkPlan:
     """The streamed walk: every non-resident expert of every layer, layer-major ascending,
     streamed through the ring; every expert of a layer is gathered (groups are ids
     [16g, 16g+16)) so the schedule does not depend on routing and experts without rows cost an
@@ -214,7 +228,7 @@ class StagingPlanner:
     non-resident experts stream through an 8-slot ring; ring state carries across layers.
     One planner per chunk."""
 
-    def __init__(self, spec, residency, gather_one: bool, ring_slots: int = STAGING_RING_SLOTS,
+    def __init__(self, spec: MoESpec, residency: Residency, gather_one: bool, ring_slots: int = STAGING_RING_SLOTS,
                  tokens: int = 0):
         self.spec = spec
         self.tokens = tokens

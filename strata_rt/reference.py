@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, NoReturn
 
 import numpy as np
 
@@ -41,8 +41,13 @@ from .plan import (
 from .planner import ring_sizes
 from .residency import Residency
 from .stats import Stats
-from .store import numpy_alloc
+from .store import ExpertStore, numpy_alloc
 from .timing import format_table
+
+if TYPE_CHECKING:
+    from .driver import HostContext, Replay
+    from .engine import EngineConfig
+    from .model import Model
 
 _POISON = 0xFF
 
@@ -81,8 +86,8 @@ class ReferenceBackend:
     host_is_wall = True
     can_capture = False
 
-    def __init__(self, model: Any, store: Any, residency: Residency | None, cfg: Any,
-                 context: NumpyContext | None = None):
+    def __init__(self, model: Model, store: ExpertStore, residency: Residency | None,
+                 cfg: EngineConfig, context: HostContext | None = None):
         self.model, self.store, self.cfg = model, store, cfg
         self.spec, self.fmt, self.lay = model.spec, model.fmt, model.layout
         self.blob_bytes = self.lay.blob_bytes
@@ -100,6 +105,8 @@ class ReferenceBackend:
         self.dn_buf = np.full((MMQ_GROUP, self.lay.down_image_bytes), _POISON, np.uint8)
         self._state: _LayerState | None = None
         self._h = np.empty((0, self.spec.hidden), np.float32)
+        self._stats = Stats()
+        self._stats = Stats()
         #: top-k ids per layer of the last chunk (comparisons against reference_moe_f64)
         self.routes: list[np.ndarray] = []
 
@@ -120,10 +127,10 @@ class ReferenceBackend:
     def execute(self, ops: Iterable[Op], stats: Stats, counts: np.ndarray | None) -> None:
         self._execute(ops, self._h, stats)
 
-    def capture(self, ops: Iterable[Op]) -> Any:
+    def capture(self, ops: Iterable[Op]) -> NoReturn:
         raise NotImplementedError("the reference backend replays nothing")
 
-    def replay(self, replay: Any) -> None:
+    def replay(self, replay: Replay) -> None:
         raise NotImplementedError("the reference backend replays nothing")
 
     def synchronize(self) -> None:
@@ -139,7 +146,7 @@ class ReferenceBackend:
         return self._h
 
     # ------------------------------------------------------------------ ops
-    def _execute(self, ops: Iterable[Op], h: np.ndarray, stats) -> None:
+    def _execute(self, ops: Iterable[Op], h: np.ndarray, stats: Stats) -> None:
         for op in ops:
             t0 = time.perf_counter()
             if isinstance(op, Copy):
@@ -171,7 +178,7 @@ class ReferenceBackend:
                 raise TypeError(f"unknown plan op {op!r}")
             stats.phase_s[phase] += time.perf_counter() - t0
 
-    def _begin(self, layer: int, h: np.ndarray, stats) -> None:
+    def _begin(self, layer: int, h: np.ndarray, stats: Stats) -> None:
         t0 = time.perf_counter()
         spec = self.spec
         xn = rms_norm(h, self.model.norm[layer], spec.rms_eps)
@@ -216,14 +223,20 @@ class ReferenceBackend:
 
     def _combine(self, h: np.ndarray) -> None:
         st = self._state
+        if st is None:
+            raise RuntimeError("LayerEnd before any LayerBegin")
+        if st is None:
+            raise RuntimeError("LayerEnd before any LayerBegin")
         top_k = st.ids.shape[1]
-        out = np.empty_like(st.out_sorted)
-        out[st.order] = st.out_sorted
-        out = out.reshape(h.shape[0], top_k, -1)
+        flat = np.empty_like(st.out_sorted)
+        flat[st.order] = st.out_sorted
+        out = flat.reshape(h.shape[0], top_k, -1)
         y = np.zeros_like(h)
         for k in range(top_k):
             y += st.w[:, k, None] * out[:, k]
         h += y
 
     def close(self) -> None:
-        self.resident = self.ring = self.gu_buf = self.dn_buf = None
+        """Drops the slot and group buffers (the engine never calls a closed backend)."""
+        empty = np.empty((0, 0), np.uint8)
+        self.resident = self.ring = self.gu_buf = self.dn_buf = empty

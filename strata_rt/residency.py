@@ -14,11 +14,15 @@ import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .errors import ConfigError
 from .runtime.memory import mib
+
+if TYPE_CHECKING:
+    from .model import Model
 
 
 @dataclass
@@ -88,7 +92,7 @@ class Residency:
 
     # ------------------------------------------------------------------ choosing
     @classmethod
-    def from_budget(cls, model, n_slots: int, profile: RoutingProfile | None = None
+    def from_budget(cls, model: Model, n_slots: int, profile: RoutingProfile | None = None
                     ) -> Residency:
         spec = model.spec
         L, E = spec.n_layers, spec.n_experts

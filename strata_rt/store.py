@@ -8,8 +8,12 @@ and a copy is one contiguous range.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from .model import Model
 
 HostAlloc = Callable[[int], np.ndarray]
 
@@ -20,7 +24,7 @@ def numpy_alloc(nbytes: int) -> np.ndarray:
 
 
 class ExpertStore:
-    def __init__(self, model, host_alloc: HostAlloc = numpy_alloc):
+    def __init__(self, model: Model, host_alloc: HostAlloc = numpy_alloc):
         spec = model.spec
         self.layout = model.layout
         self.slot_bytes = self.layout.slot_bytes
