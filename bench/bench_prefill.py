@@ -32,10 +32,12 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "bench" / "peers")]
 
-from strata_rt.cli import hardware_line, markdown_table, set_switch  # noqa: E402
+from strata_rt.cli.common import hardware_line, markdown_table  # noqa: E402
+from strata_rt.cli.run import set_switch  # noqa: E402
 from strata_rt.config import Prompt, validate  # noqa: E402
 from strata_rt.engine import Engine  # noqa: E402
 from strata_rt.model import Model, MoESpec  # noqa: E402
+from strata_rt.numerics import nmse  # noqa: E402
 from strata_rt.runtime.memory import MIB  # noqa: E402
 
 MODELS = {
@@ -76,10 +78,9 @@ def ceilings(torch) -> dict[str, float]:
     return out
 
 
-def nmse(a: np.ndarray, b: np.ndarray, h: np.ndarray) -> float:
+def update_nmse(a: np.ndarray, b: np.ndarray, h: np.ndarray) -> float:
     """Of the MoE update (output minus input), so the residual does not hide differences."""
-    da, db = a.astype(np.float64) - h, b.astype(np.float64) - h
-    return float(((da - db) ** 2).sum() / max((db ** 2).sum(), 1e-30))
+    return nmse(a.astype(np.float64) - h, b.astype(np.float64) - h)
 
 
 def run_ours(model: Model, regime: str, prompts, inputs, args) -> tuple[dict, dict]:
@@ -149,7 +150,7 @@ def run_peer(model: Model, regime: str, prompts, inputs, mask, ours, torch) -> d
         for _ in range(2):
             out, wall = once(h)
             times.append(wall)
-        res[p.tokens] = {"peer_s": times, "nmse_vs_ours": nmse(out, ours[p.tokens]["out"], h)}
+        res[p.tokens] = {"peer_s": times, "nmse_vs_ours": update_nmse(out, ours[p.tokens]["out"], h)}
         print(f"peer {regime} {p.tokens}: {[round(t * 1e3, 1) for t in times]} ms",
               file=sys.stderr)
     return res
