@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup setup-test demo test lint check-kernels dist clean
+.PHONY: setup setup-test demo test lint typecheck check-kernels dist clean
 
 # strata_rt alone: what `make demo` needs
 setup: $(VENV)/.installed
@@ -28,10 +28,14 @@ demo: setup
 lint: setup-test
 	$(BIN)/ruff check .
 
+# the type checker reads its settings (files, strictness) from setup.cfg's [mypy]
+typecheck: setup-test
+	$(BIN)/mypy
+
 check-kernels: setup-test
 	$(BIN)/strata check-kernels
 
-test: lint check-kernels
+test: lint typecheck check-kernels
 	$(BIN)/python -m pytest -q
 
 # the sdist and wheel a user installs (`pip install dist/strata_rt-*.whl`)
@@ -39,4 +43,4 @@ dist: setup-test
 	$(BIN)/python -m build --outdir dist .
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache dist
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache dist

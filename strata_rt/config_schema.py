@@ -241,6 +241,7 @@ def check_prompts(p: Problems, doc: dict, base: Path, hidden: int | None,
                 if why is not None:
                     p.add(f"{path}.hidden_file", value, why)
                     continue
+                assert rows is not None  # hidden_file_problem gives rows or why
                 out.append(Prompt(i, rows, hidden_file=f))
         except ConfigError as e:
             reason = "; ".join(e.problems)

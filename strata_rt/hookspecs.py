@@ -28,3 +28,4 @@ def strata_rt_formats() -> list[QuantFormat]:
     provides no format is a configuration mistake, and the registry says so by name.
     Two formats with one name, across all plugins, are an error.
     """
+    raise NotImplementedError  # a specification: pluggy calls the plugins' implementations

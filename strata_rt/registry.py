@@ -297,7 +297,7 @@ class QuantRegistry:
         except pluggy.PluginValidationError as e:
             self.pm.unregister(name=name)
             raise PluginError(f"plugin {name} ({origin}): {e}; the hook is {_HOOK}") from None
-        if getattr(self.pm.hook, _HOOK) not in self.pm.get_hookcallers(plugin):
+        if getattr(self.pm.hook, _HOOK) not in (self.pm.get_hookcallers(plugin) or []):
             self.pm.unregister(name=name)
             raise PluginError(
                 f"plugin {name} ({origin}) implements no strata_rt hook: define "

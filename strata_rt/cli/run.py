@@ -208,6 +208,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         if counts is None:
             raise
+    if counts is None:  # the config's validation requires a prompt; an empty list ran none
+        raise ConfigError("no prompt ran: nothing to profile", source="profile")
     out.parent.mkdir(parents=True, exist_ok=True)
     RoutingProfile(counts=counts).save(out)
     routed = int(counts.sum())

@@ -165,7 +165,8 @@ def read_qwen3_gguf(path: str | Path, fmt: QuantFormat | str) -> Qwen3Model:
     reader, dims, tensors = _open(path)
     spec = _spec(reader, path, dims, tensors)
 
-    def get(role: str, layer: int | None = None, optional: bool = False) -> DenseTensor | None:
+    def find(role: str, layer: int | None = None, optional: bool = False
+             ) -> DenseTensor | None:
         name = tensor_name(role, layer)
         t = tensors.get(name)
         if t is None:
@@ -176,7 +177,14 @@ def read_qwen3_gguf(path: str | Path, fmt: QuantFormat | str) -> Qwen3Model:
             raise GGUFError(f"{path}: tensor {name} is missing{why}")
         return _dense(path, spec, t, role)
 
-    glob = {r: get(r, optional=r == "output") for r in GLOBAL_ROLES}
+    def get(role: str, layer: int | None = None) -> DenseTensor:
+        t = find(role, layer)
+        assert t is not None  # find raises for a missing tensor that is not optional
+        return t
+
+    glob = {r: find(r, optional=r == "output") for r in GLOBAL_ROLES}
+    token_embd, output_norm = glob["token_embd"], glob["output_norm"]
+    assert token_embd is not None and output_norm is not None  # find raised if missing
     layers = tuple(LayerWeights(**{r: get(r, i) for r in LAYER_ROLES})
                    for i in range(spec.n_layers))
     fmt = resolve_format(fmt)
@@ -185,7 +193,7 @@ def read_qwen3_gguf(path: str | Path, fmt: QuantFormat | str) -> Qwen3Model:
                                                              for r in LAYER_ROLES)) if t})
     log.info("%s: %s; dense tensors %s%s; experts as %s", path, spec, ", ".join(types),
              " (output tied to token_embd)" if glob["output"] is None else "", fmt.name)
-    return Qwen3Model(spec, DenseWeights(glob["token_embd"], glob["output_norm"],
+    return Qwen3Model(spec, DenseWeights(token_embd, output_norm,
                                          glob["output"], layers), moe)
 
 

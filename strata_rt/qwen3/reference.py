@@ -22,6 +22,7 @@ reference keeps float copies of the weights it touches, so it is for small model
 from __future__ import annotations
 
 import numpy as np
+import numpy.typing as npt
 
 from ..errors import BudgetError, ConfigError
 from ..model import Model, rms_norm, route, silu
@@ -33,7 +34,7 @@ class KVCache:
     """Keys (after q/k norm and RoPE) and values of every layer for the positions prefilled so
     far, in the reference's dtype. `length` is the next position; at most `max_tokens`."""
 
-    def __init__(self, spec: Qwen3Spec, dtype: type = np.float32,
+    def __init__(self, spec: Qwen3Spec, dtype: npt.DTypeLike = np.float32,
                  max_tokens: int | None = None):
         self.spec = spec
         self.dtype = np.dtype(dtype)

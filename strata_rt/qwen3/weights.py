@@ -217,8 +217,8 @@ class Qwen3Model:
             raise ConfigError([f"dense role {r!r} is unknown; roles: {', '.join(ROLES)}"
                                for r in unknown], source="dense types")
 
-        def conv(role: str, t: DenseTensor | None) -> DenseTensor | None:
-            if t is None or role not in types:
+        def conv(role: str, t: DenseTensor) -> DenseTensor:
+            if role not in types:
                 return t
             if ggml_type(types[role]) == t.type:
                 return t
@@ -227,8 +227,9 @@ class Qwen3Model:
         d = self.dense
         layers = tuple(LayerWeights(**{f.name: conv(f.name, getattr(lw, f.name))
                                        for f in fields(LayerWeights)}) for lw in d.layers)
+        output = None if d.output is None else conv("output", d.output)
         dense = DenseWeights(conv("token_embd", d.token_embd), conv("output_norm", d.output_norm),
-                             conv("output", d.output), layers)
+                             output, layers)
         return Qwen3Model(self.spec, dense, self.moe)
 
     def digest(self) -> str:

@@ -82,7 +82,8 @@ def _include_files(folder: Path) -> list[Path]:
 
 def _define_flags(defines: Defines | None) -> list[str]:
     flags = []
-    for key in sorted(defines or {}):
+    defines = defines or {}
+    for key in sorted(defines):
         value = defines[key]
         flags.append(f"-D{key}" if value is None else f"-D{key}={value}")
     return flags
@@ -171,7 +172,8 @@ class KernelCheck:
 class KernelOwner(Protocol):
     """What check_kernels needs of a format: its name and its .cu files."""
 
-    name: str
+    @property
+    def name(self) -> str: ...
 
     def kernel_sources(self) -> list[Path]: ...
 
