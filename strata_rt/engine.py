@@ -19,6 +19,7 @@ completes, so an interrupted run never leaves a dump that looks whole.
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import time
@@ -39,6 +40,7 @@ from .residency import Residency, RoutingProfile
 from .routing_kernels import ROUTINGS
 from .stats import Stats
 from .store import ExpertStore
+from .timing import write_trace
 
 if TYPE_CHECKING:
     from .cuda_engine import CudaBackend
@@ -71,6 +73,8 @@ class EngineConfig:
     check_plan: bool | None = None
     timing: bool | None = None
     dump_r: str | None = None
+    #: a Chrome/Perfetto trace file of the streams (STRATA_PREFILL_TRACE); implies timing
+    trace: str | None = None
     #: CUDA routing kernels: "tensor" (tensor-core router GEMM, warp top-k) or "fp32"
     routing: str | None = None
     #: called as progress(chunk, n_chunks, layer, n_layers) after each layer
@@ -108,8 +112,10 @@ class EngineConfig:
             self.walk_min_tokens = env.integer("STRATA_WALK_MIN_TOKENS")
         if self.check_plan is None:
             self.check_plan = env.flag("STRATA_CHECK_PLAN")
+        if self.trace is None:
+            self.trace = env.text("STRATA_PREFILL_TRACE")
         if self.timing is None:
-            self.timing = env.flag("STRATA_PREFILL_TIMING")
+            self.timing = env.flag("STRATA_PREFILL_TIMING") or self.trace is not None
         if self.dump_r is None:
             self.dump_r = env.text("STRATA_PREFILL_DUMP_R")
         if self.routing is None:
@@ -144,6 +150,24 @@ def check_mmq_kernel(fmt: QuantFormat) -> None:
     if kernel is not None and kernel not in variants:
         raise ConfigError(f"STRATA_MMQ_KERNEL={kernel!r}: format {fmt.name} offers "
                           f"{', '.join(variants)}", source="environment")
+
+
+def with_variant(model: Model, name: str | None) -> Model:
+    """The model as the engine runs it: its format replaced by the object of MMQ variant
+    `name` (None: the format's default). A variant may change the group-buffer images, the
+    activation encoding and the numpy reference, never the blob bytes, so the view shares the
+    model's weights and expert source and both backends read everything from its format."""
+    fmt = model.fmt.for_variant(name)
+    if fmt is model.fmt:
+        return model
+    view = copy.copy(model)
+    view.fmt = fmt
+    view.layout = fmt.layout(model.spec.hidden, model.spec.ffn)
+    if (view.layout.blob_bytes, view.layout.slot_bytes) != (model.layout.blob_bytes,
+                                                             model.layout.slot_bytes):
+        raise ConfigError(f"format {fmt.name}: variant {name!r} changes the blob layout; a "
+                          "variant may change images and kernels only", source="plugin")
+    return view
 
 
 def backend_class(name: str) -> tuple[str, type[CudaBackend] | type[ReferenceBackend]]:
@@ -200,6 +224,8 @@ class Engine:
             self._dump.parent.mkdir(parents=True, exist_ok=True)
             self._dump.write_bytes(b"")  # each engine starts its dump afresh
         self.chunk_tokens = self._chunk_tokens()
+        #: (label, trace events) of every prompt so far, for STRATA_PREFILL_TRACE
+        self._traces: list[tuple[str, list[dict[str, Any]]]] = []
 
     @classmethod
     def open(cls, config: EngineConfig | dict) -> Engine:
@@ -207,6 +233,7 @@ class Engine:
         cfg.resolve()
         model = load_model(cfg.model)
         check_mmq_kernel(model.fmt)
+        model = with_variant(model, env.text("STRATA_MMQ_KERNEL"))
         spec, slot = model.spec, model.layout.slot_bytes
         hostmem.require(spec.n_layers * spec.n_experts * slot, "the expert store",
                         f"{spec.n_layers} layers x {spec.n_experts} experts x "
@@ -269,6 +296,9 @@ class Engine:
         stats.wall_s = time.perf_counter() - t0
         if self.backend.host_is_wall:
             stats.host_s = stats.wall_s  # the reference backend does everything on the host
+        if self.config.trace and stats.trace is not None:
+            self._traces.append((f"prompt {len(self._traces) + 1} ({T} tokens)", stats.trace))
+            write_trace(self.config.trace, self._traces)
         return out, stats
 
     def _open_dump(self) -> Path | None:

@@ -253,6 +253,31 @@ def test_output_does_not_depend_on_where_experts_come_from(tiny, tiny_input, tok
     assert out.tobytes() == want[tokens].tobytes()
 
 
+def test_engine_runs_the_chosen_mmq_variant(small, rng, monkeypatch):
+    """IQ3_XXS runs its default variant (f16_gemm: fp16 images and activations) unless
+    STRATA_MMQ_KERNEL names another; the exact kernels' variant gives other bytes, both close
+    to float64, and the model's own format object is left as it was."""
+    from strata_rt.activations import F16, Q8_1
+
+    model = small.slice_layers(0, 1)
+    h = _hidden(rng, 40)
+    with Engine.open(EngineConfig(model=model, backend="reference", expert_cache=0)) as eng:
+        assert eng.model.fmt.activation is F16 and not eng.model.fmt.exact
+        assert eng.model.layout.gate_up_image_bytes == 2 * 2 * 256 * 512
+        gemm, _ = eng.prefill(h)
+    monkeypatch.setenv("STRATA_MMQ_KERNEL", "f16_pipe")
+    with Engine.open(EngineConfig(model=model, backend="reference", expert_cache=0)) as eng:
+        assert eng.model.fmt.activation is Q8_1 and eng.model.fmt.exact
+        exact, _ = eng.prefill(h)
+    assert model.fmt.variant == "f16_pipe"  # the registered object is untouched
+    ref = reference_moe_f64(model, h)
+    assert nmse(gemm - h, ref - h) <= NMSE_MAX and nmse(exact - h, ref - h) <= NMSE_MAX
+    assert gemm.tobytes() != exact.tobytes()
+    monkeypatch.setenv("STRATA_MMQ_KERNEL", "bf16x")
+    with pytest.raises(ConfigError, match="bf16x"):
+        Engine.open(EngineConfig(model=model, backend="reference"))
+
+
 def test_timing_table_on_the_reference_backend(tiny):
     _, stats, _ = _run(tiny, np.ones((8, TINY.hidden), np.float32), timing=True)
     assert "host seconds per phase" in stats.phase_table and "products" in stats.phase_table
