@@ -9,9 +9,9 @@ first and the user reads "needs 81.0 GiB of host memory; 23.1 GiB available".
 What may be allocated is the kernel's estimate of memory available without swapping
 (MemAvailable in /proc/meminfo), lowered to the headroom of a cgroup limit when the process
 runs under a smaller one (a container). Elsewhere (macOS, Windows) the free physical pages that
-sysconf reports stand in; where even those are unknown, only sizes no machine holds are
-refused. STRATA_HOST_MEMORY_CHECK=0 skips the comparison (a system that overcommits or swaps
-may still run); sizes beyond a 64-bit address space are refused whatever it says.
+sysconf reports stand in. STRATA_HOST_MEMORY_CHECK=0 skips the comparison (a system that
+overcommits or swaps may still run). Sizes no machine holds (over 1 PiB, or beyond a 64-bit
+address space) are refused always.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from .errors import HostMemoryError
 
 #: larger than any array numpy can allocate (its sizes are signed 64-bit)
 MAX_ADDRESSABLE = (1 << 63) - 1
-#: larger than the memory of any machine: refused even where available memory is unknown
+#: more than the memory of any machine (1 PiB): refused even where available memory is
+#: unknown or the check is switched off
 MAX_MACHINE = 1 << 50
 
 _UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB", "EiB", "ZiB", "YiB")
@@ -117,12 +118,12 @@ def shortfall(nbytes: int, what: str, detail: str = "",
     detail = f" ({detail})" if detail else ""
     if nbytes > MAX_ADDRESSABLE:
         return f"{need}, more than a 64-bit address space holds{detail}"
+    if nbytes > MAX_MACHINE:
+        return f"{need}, more than any machine holds{detail}"
     if not env.flag("STRATA_HOST_MEMORY_CHECK", default=True):
         return None
     free = free if free is not None else available()
-    if free.nbytes is None:
-        return f"{need}, more than any machine holds{detail}" if nbytes > MAX_MACHINE else None
-    if nbytes > free.nbytes:
+    if free.nbytes is not None and nbytes > free.nbytes:
         return (f"{need}; {format_bytes(free.nbytes)} available{detail}. Available is "
                 f"{free.source}; STRATA_HOST_MEMORY_CHECK=0 skips this check")
     return None
