@@ -37,7 +37,7 @@ from .config_schema import (
     mapping,
     positive_number,
 )
-from .engine import BACKENDS, EngineConfig
+from .engine_config import BACKENDS, EngineConfig
 from .errors import ConfigError
 from .memory_plan import MemoryPlan
 from .model import MoESpec

@@ -47,7 +47,7 @@ from .timing import PhaseTimer
 
 if TYPE_CHECKING:
     from .driver import HostContext, Replay
-    from .engine import EngineConfig
+    from .engine_config import EngineConfig
     from .model import Model, MoESpec
     from .runtime import Graph, PinnedArena, Runtime
     from .store import ExpertStore

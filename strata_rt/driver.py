@@ -32,7 +32,7 @@ from .residency import Residency
 from .stats import Stats
 
 if TYPE_CHECKING:
-    from .engine import EngineConfig
+    from .engine_config import EngineConfig
     from .formats import QuantFormat
     from .model import MoESpec
     from .runtime import Stream

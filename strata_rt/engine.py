@@ -23,8 +23,6 @@ import copy
 import logging
 import os
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,12 +30,12 @@ import numpy as np
 
 from . import env, hostmem
 from .driver import Backend, ChunkDriver, HostContext
+from .engine_config import EngineConfig
 from .errors import ConfigError
 from .formats import QuantFormat
 from .model import Model, MoESpec
 from .planner import AUTO_CHUNK_MAX
-from .residency import Residency, RoutingProfile
-from .routing_kernels import ROUTINGS
+from .residency import Residency
 from .stats import Stats
 from .store import ExpertStore
 from .timing import write_trace
@@ -50,77 +48,6 @@ log = logging.getLogger(__name__)
 
 #: every 64th position of each chunk's output goes to the STRATA_PREFILL_DUMP_R file
 DUMP_STRIDE = 64
-BACKENDS = ("auto", "cuda", "reference")
-
-
-@dataclass
-class EngineConfig:
-    """model: a Model, a MoESpec (synthetic, seed 0), {"spec": MoESpec, "seed": int} or
-    {"gguf": path, "format": name}. expert_cache fixes the number of resident experts;
-    otherwise the backend derives it (cuda: free VRAM minus vram_reserve_mib; reference: none
-    resident). gather_one / check_plan / timing / dump_r default to the environment switches."""
-
-    model: Model | MoESpec | dict[str, Any]
-    backend: str = "auto"
-    vram_reserve_mib: float | None = None
-    expert_cache: int | None = None
-    prefill: str | int = "auto"
-    ring_bytes: int | None = None
-    profile: str | None = None
-    gather_one: bool | None = None
-    #: chunks of at least this many tokens take the walk; None: decided by the routed share
-    walk_min_tokens: int | None = None
-    check_plan: bool | None = None
-    timing: bool | None = None
-    dump_r: str | None = None
-    #: a Chrome/Perfetto trace file of the streams (STRATA_PREFILL_TRACE); implies timing
-    trace: str | None = None
-    #: CUDA routing kernels: "tensor" (tensor-core router GEMM, warp top-k) or "fp32"
-    routing: str | None = None
-    #: called as progress(chunk, n_chunks, layer, n_layers) after each layer
-    progress: Callable[[int, int, int, int], None] | None = None
-    _profile: RoutingProfile | None = field(default=None, repr=False)
-
-    def load_profile(self) -> RoutingProfile | None:
-        if self.profile is not None and self._profile is None:
-            self._profile = RoutingProfile.load(self.profile)
-        return self._profile
-
-    def resolve(self) -> EngineConfig:
-        """Validates, and fills switches left None from the environment."""
-        problems = []
-        if self.backend not in BACKENDS:
-            problems.append(f"backend: got {self.backend!r}; allowed: {', '.join(BACKENDS)}")
-        if not (self.prefill == "auto" or (isinstance(self.prefill, int)
-                                           and not isinstance(self.prefill, bool)
-                                           and self.prefill > 0)):
-            problems.append(f"prefill: got {self.prefill!r}; allowed: \"auto\" or a positive "
-                            "number of tokens")
-        if self.expert_cache is not None and (not isinstance(self.expert_cache, int)
-                                              or self.expert_cache < 0):
-            problems.append(f"expert_cache: got {self.expert_cache!r}; allowed: an integer "
-                            ">= 0")
-        if self.routing is not None and self.routing not in ROUTINGS:
-            problems.append(f"routing: got {self.routing!r}; allowed: {', '.join(ROUTINGS)}")
-        if self.ring_bytes is not None and self.ring_bytes <= 0:
-            problems.append(f"ring_bytes: got {self.ring_bytes!r}; allowed: a positive size")
-        if problems:
-            raise ConfigError(problems, source="engine config")
-        if self.gather_one is None:
-            self.gather_one = env.flag("STRATA_PREFILL_GATHER_ONE")
-        if self.walk_min_tokens is None:
-            self.walk_min_tokens = env.integer("STRATA_WALK_MIN_TOKENS")
-        if self.check_plan is None:
-            self.check_plan = env.flag("STRATA_CHECK_PLAN")
-        if self.trace is None:
-            self.trace = env.text("STRATA_PREFILL_TRACE")
-        if self.timing is None:
-            self.timing = env.flag("STRATA_PREFILL_TIMING") or self.trace is not None
-        if self.dump_r is None:
-            self.dump_r = env.text("STRATA_PREFILL_DUMP_R")
-        if self.routing is None:
-            self.routing = env.choice("STRATA_ROUTING", ROUTINGS[0])
-        return self
 
 
 def load_model(spec_or_model: Model | MoESpec | dict[str, Any]) -> Model:

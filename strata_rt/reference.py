@@ -46,7 +46,7 @@ from .timing import format_table
 
 if TYPE_CHECKING:
     from .driver import HostContext, Replay
-    from .engine import EngineConfig
+    from .engine_config import EngineConfig
     from .model import Model
 
 _POISON = 0xFF
