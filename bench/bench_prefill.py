@@ -87,7 +87,8 @@ def run_ours(model: Model, regime: str, prompts, inputs, args) -> tuple[dict, di
     spec = model.spec
     doc = {"model": {"synthetic": {k: getattr(spec, k) for k in (
                "n_layers", "hidden", "ffn", "n_experts", "top_k")}},
-           "format": spec.format, "backend": "cuda", "prefill": "auto",
+           "format": spec.format, "backend": "cuda",
+           "prefill": args.prefill if args.prefill == "auto" else int(args.prefill),
            "expert_cache": spec.total_experts // (4 if regime == "streaming" else 1),
            "prompts": [p.tokens for p in prompts], "ring_mib": args.ring_mib}
     ecfg = validate(doc, ROOT).engine_config(backend="cuda")
@@ -165,6 +166,8 @@ def main() -> int:
     ap.add_argument("--regimes", default="streaming,resident")
     ap.add_argument("--pairs", type=int, default=2, help="A, B pairs per prompt")
     ap.add_argument("--ring-mib", type=float, default=512)
+    ap.add_argument("--prefill", default="auto",
+                    help="chunk size in tokens, or auto (the config key `prefill`)")
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
