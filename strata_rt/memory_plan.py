@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from .activations import Activation
 from .errors import BudgetError
 from .formats import MMQ_GROUP, ExpertLayout
-from .planner import AUTO_CHUNK_MAX
+from .planner import AUTO_CHUNK_MAX, RESERVE_AUTO_CHUNK_MAX
 from .routing_kernels import workspace_bytes
 from .runtime.memory import mib, plan_regions, regions_total
 
@@ -84,8 +84,9 @@ def plan_memory(spec: MoESpec, layout: ExpertLayout, activation: Activation, ava
     """Sizes the device arena within `available` bytes.
 
     n_resident fixed (expert_cache): the residency is placed first and `prefill: auto` takes
-    the largest chunk that fits beside it. n_resident None (vram_reserve_mib): the chunk comes
-    first and every byte left holds resident experts. Raises BudgetError naming the sizes when
+    the largest chunk up to AUTO_CHUNK_MAX that fits beside it. n_resident None
+    (vram_reserve_mib): the chunk comes first (auto: up to RESERVE_AUTO_CHUNK_MAX) and every
+    byte left holds resident experts. Raises BudgetError naming the sizes when
     even the chunk asked for (or, for auto, one step of AUTO_CHUNK_STEP tokens) cannot fit."""
     fixed = fixed_regions(spec, layout, ring_slots, routing)
     slot = layout.slot_bytes
@@ -97,9 +98,9 @@ def plan_memory(spec: MoESpec, layout: ExpertLayout, activation: Activation, ava
 
     need_res = 0 if n_resident is None else n_resident
     if prefill == "auto":
-        candidates = [AUTO_CHUNK_MAX] + list(range(
-            AUTO_CHUNK_MAX // AUTO_CHUNK_STEP * AUTO_CHUNK_STEP - AUTO_CHUNK_STEP, 0,
-            -AUTO_CHUNK_STEP))
+        cap = AUTO_CHUNK_MAX if n_resident is not None else RESERVE_AUTO_CHUNK_MAX
+        candidates = [cap] + list(range(
+            cap // AUTO_CHUNK_STEP * AUTO_CHUNK_STEP - AUTO_CHUNK_STEP, 0, -AUTO_CHUNK_STEP))
         lo, hi = 0, len(candidates) - 1  # candidates descend; find the first that fits
         if plan(candidates[hi], need_res).total > available:
             tokens = candidates[hi]

@@ -52,8 +52,13 @@ if TYPE_CHECKING:
 STAGING_RING_SLOTS = 8
 #: the walk is taken once this share of a layer's experts is expected to be routed
 WALK_ROUTED_SHARE = 0.5
-#: `prefill: auto` never picks a chunk longer than this
-AUTO_CHUNK_MAX = 8192
+#: `prefill: auto` never picks a chunk longer than this (the models' native context). Larger
+#: chunks stream the non-resident experts fewer times per prompt: a 30,118-token prompt on the
+#: Qwen3-30B shape ran 839 / 649 / 643 ms at 8K / 16K / 32K chunks (bench/notes.md W5)
+AUTO_CHUNK_MAX = 32768
+#: the cap when the residency is derived from free VRAM (vram_reserve_mib): there the chunk is
+#: sized first and resident experts take the rest, so a larger chunk would cost residents
+RESERVE_AUTO_CHUNK_MAX = 8192
 #: the walk's ring when a config gives no ring size (hundreds of MiB keep PCIe busy)
 DEFAULT_RING_BYTES = 256 << 20
 

@@ -17,6 +17,7 @@ from strata_rt.engine import DUMP_STRIDE, Engine, EngineConfig, read_dump
 from strata_rt.errors import ConfigError, PlanHazardError
 from strata_rt.model import SMALL_SPEC, Model, nmse, reference_moe_f64, rms_norm, route
 from strata_rt.plan import ChunkPlan, LayerPlan, Wait
+from strata_rt.planner import AUTO_CHUNK_MAX
 from strata_rt.residency import RoutingProfile
 
 NMSE_MAX = 5e-4
@@ -201,7 +202,7 @@ def test_engine_config_errors(small):
     with pytest.raises(ConfigError, match="model: got int"):
         Engine.open(EngineConfig(model=3, backend="reference"))
     with Engine.open(EngineConfig(model=small.slice_layers(0, 1), backend="reference")) as eng:
-        assert eng.chunk_tokens == 8192
+        assert eng.chunk_tokens == AUTO_CHUNK_MAX
         with pytest.raises(ConfigError, match=r"expected \[tokens, 512\]"):
             eng.prefill(np.zeros((4, 256), np.float32))
         with pytest.raises(ConfigError, match="NaN"):
