@@ -39,7 +39,9 @@ from bench_mmq import (  # noqa: E402
     UNIQUE,
     median_ms,
     routing,
+    runtime_event_timer,
     tflops,
+    torch_event_timer,
 )
 
 from strata_rt.activations import ActivationKernels  # noqa: E402
@@ -75,13 +77,7 @@ def torch_phase(blobs: dict[str, np.ndarray], counts_by_t: dict[int, np.ndarray]
     dev = torch.device("cuda")
     res: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "bmm": {}}
 
-    def timer(fn) -> float:
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        return a.elapsed_time(b)
+    timer = torch_event_timer(torch)
 
     n = 8192
     a16, b16 = (torch.randn(n, n, device=dev, dtype=torch.float16) for _ in range(2))
@@ -120,13 +116,8 @@ def strata_phase(label: str, blobs: np.ndarray, counts_by_t: dict[int, np.ndarra
     lay = fmt.layout(HIDDEN, FFN)
     rt = Runtime.open()
     s = rt.stream("bench")
-    ev = [rt.event("t0", timing=True), rt.event("t1", timing=True)]
 
-    def timer(fn) -> float:
-        ev[0].record(s)
-        fn()
-        ev[1].record(s)
-        return ev[0].elapsed_ms(ev[1])
+    timer = runtime_event_timer(rt, s)
 
     res: dict = {"device": rt.name, "arch": rt.arch, "blob_bytes": lay.blob_bytes, "mmq": {},
                  "format": fmt.name, "variant": getattr(fmt, "variant", None)}

@@ -35,7 +35,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_mmq import EXPERTS, TOP_K, median_ms, routing, tflops  # noqa: E402
+from bench_mmq import (  # noqa: E402
+    EXPERTS,
+    TOP_K,
+    median_ms,
+    routing,
+    runtime_event_timer,
+    tflops,
+    torch_event_timer,
+)
 
 from strata_rt.formats import MMQ_GROUP  # noqa: E402
 from strata_rt.grouped_gemm import TILES, GroupedGemm, fp16_image_layout, pick_tile  # noqa: E402
@@ -69,13 +77,7 @@ def torch_phase(models: list[str], counts: dict[int, np.ndarray], reps: int) -> 
     dev = torch.device("cuda")
     res: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
 
-    def timer(fn) -> float:
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        return a.elapsed_time(b)
+    timer = torch_event_timer(torch)
 
     for model in models:
         _, hidden, ffn = MODELS[model]
@@ -236,13 +238,8 @@ def strata_phase(models: list[str], counts: dict[int, np.ndarray], tiles: list[s
     rt = Runtime.open()
     res: dict = {"device": rt.name, "arch": rt.arch}
     s = rt.stream("bench")
-    ev = [rt.event("t0", timing=True), rt.event("t1", timing=True)]
 
-    def timer(fn) -> float:
-        ev[0].record(s)
-        fn()
-        ev[1].record(s)
-        return ev[0].elapsed_ms(ev[1])
+    timer = runtime_event_timer(rt, s)
 
     t_compile = time.perf_counter()
     gg = GroupedGemm(rt)

@@ -28,7 +28,9 @@ import argparse
 import json
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -69,6 +71,32 @@ def median_ms(run, reps: int, timer) -> float:
     return statistics.median(timer(run) for _ in range(reps))
 
 
+def torch_event_timer(torch: Any) -> Callable[[Callable[[], Any]], float]:
+    """fn -> milliseconds between two CUDA events around it on torch's current stream."""
+    def timer(fn: Callable[[], Any]) -> float:
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b)
+
+    return timer
+
+
+def runtime_event_timer(rt: Any, stream: Any) -> Callable[[Callable[[], Any]], float]:
+    """fn -> milliseconds between two strata_rt events around it on `stream`."""
+    ev = [rt.event("t0", timing=True), rt.event("t1", timing=True)]
+
+    def timer(fn: Callable[[], Any]) -> float:
+        ev[0].record(stream)
+        fn()
+        ev[1].record(stream)
+        return ev[0].elapsed_ms(ev[1])
+
+    return timer
+
+
 # ------------------------------------------------------------------------------ torch side
 def torch_phase(blobs: np.ndarray, counts_by_t: dict[int, np.ndarray], reps: int) -> dict:
     import torch
@@ -77,13 +105,7 @@ def torch_phase(blobs: np.ndarray, counts_by_t: dict[int, np.ndarray], reps: int
     dev = torch.device("cuda")
     res: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
 
-    def timer(fn) -> float:
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        return a.elapsed_time(b)
+    timer = torch_event_timer(torch)
 
     def dense(dtype, op) -> float:
         n = 8192
@@ -143,13 +165,8 @@ def strata_phase(blobs: np.ndarray, counts_by_t: dict[int, np.ndarray], variants
     rt = Runtime.open()
     res: dict = {"device": rt.name, "arch": rt.arch, "mmq": {}, "gather": {}}
     s = rt.stream("bench")
-    ev = [rt.event("t0", timing=True), rt.event("t1", timing=True)]
 
-    def timer(fn) -> float:
-        ev[0].record(s)
-        fn()
-        ev[1].record(s)
-        return ev[0].elapsed_ms(ev[1])
+    timer = runtime_event_timer(rt, s)
 
     # all 128 expert blobs resident, one slot each; group buffers for the 8 groups, sized for
     # the largest images of the variants run

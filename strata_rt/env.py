@@ -129,26 +129,27 @@ def text(name: str) -> str | None:
     return _raw(name)
 
 
+def _checked(name: str) -> str | None:
+    """The switch's value once its kind accepts it (ConfigError naming it otherwise), or None
+    when unset."""
+    value = _raw(name)
+    if value is not None:
+        why = problem(name, value)
+        if why is not None:
+            raise _error(name, value, why)
+    return value
+
+
 def choice(name: str, default: str) -> str:
     """A switch that names one of a fixed set (its kind "choice:a,b"); default when unset."""
-    value = _raw(name)
-    if value is None:
-        return default
-    why = problem(name, value)
-    if why is not None:
-        raise _error(name, value, why)
-    return value
+    value = _checked(name)
+    return default if value is None else value
 
 
 def integer(name: str) -> int | None:
     """A positive whole-number switch, or None when unset."""
-    value = _raw(name)
-    if value is None:
-        return None
-    why = problem(name, value)
-    if why is not None:
-        raise _error(name, value, why)
-    return int(value)
+    value = _checked(name)
+    return None if value is None else int(value)
 
 
 def closest(name: str) -> str | None:
