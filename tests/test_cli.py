@@ -408,3 +408,32 @@ def test_library_modules_log_instead_of_printing() -> None:
             if "print(" in code or "sys.stderr" in code or "warnings.warn(" in code:
                 offenders.append(f"{rel}:{n}: {line.strip()}")
     assert offenders == [], "\n".join(offenders)
+
+
+def test_inspect_a_whole_model_file_shows_dense_weights_and_kv_cache(tmp_path, capsys):
+    """A GGUF with token_embd.weight: dense weights by type, their bf16 size and the KV cache
+    per 1K tokens, computed from the file's keys."""
+    from strata_rt.hostmem import format_bytes
+    from strata_rt.qwen3.gguf_full import write_qwen3_gguf
+    from strata_rt.qwen3.spec import TINY_SPEC
+    from strata_rt.qwen3.weights import Qwen3Model
+
+    path = write_qwen3_gguf(tmp_path / "tiny.gguf", Qwen3Model.synthetic(TINY_SPEC, 1, "fp16"))
+    assert main(["inspect", str(path), "--budget-gib", "0.001"]) == 0
+    out = capsys.readouterr().out
+    kv_1k = TINY_SPEC.n_layers * 2 * TINY_SPEC.n_kv_heads * TINY_SPEC.head_dim * 2 * 1024
+    assert f"whole model: vocabulary {TINY_SPEC.vocab}" in out
+    assert f"KV cache (fp16) per 1K tokens: {format_bytes(kv_1k)}" in out
+    assert f"dense weights as bf16: {format_bytes(2 * TINY_SPEC.dense_params())}" in out
+    assert "cannot hold the dense weights as bf16" in out
+    assert "| F32 " in out or "| F16 " in out
+
+
+def test_inspect_of_moe_layers_only_has_no_whole_model_lines(tmp_path, capsys):
+    from strata_rt.gguf_io import write_moe_gguf
+    from strata_rt.model import Model, MoESpec
+
+    path = tmp_path / "moe.gguf"
+    write_moe_gguf(path, Model.synthetic(MoESpec(2, 256, 256, 4, 2), 0))
+    assert main(["inspect", str(path)]) == 0
+    assert "whole model" not in capsys.readouterr().out

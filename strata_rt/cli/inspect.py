@@ -39,6 +39,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         per_expert = sum(t.nbytes for t in first) // g.n_experts
         print(f"bytes per expert in the file (layer 0): {per_expert:,} "
               f"({per_expert / MIB:.2f} MiB)")
+    whole = _whole_model(path, moe.tensors, args.budget_gib)
+    if whole:
+        print(whole)
     print(_formats_table(g, registry(), args.budget_gib))
     if args.budget_gib is not None:
         print("a budget also holds one chunk's buffers and the ring: give it to a run as "
@@ -55,6 +58,42 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print("checked: every tensor the engine reads is present, has the keys' shape and holds "
           "no NaN/Inf (router, norms, expert values or block scales)")
     return 0
+
+
+def _whole_model(path: Path, tensors: dict, budget_gib: float | None) -> str | None:
+    """Dense weights and KV cache of a whole-model GGUF (one with token_embd.weight): what a
+    budget must hold beside the experts once attention runs on the GPU. None for a file of MoE
+    layers only."""
+    if "token_embd.weight" not in tensors:
+        return None
+    from ..hostmem import format_bytes
+    from ..qwen3.gguf_full import read_qwen3_spec
+
+    spec, tied = read_qwen3_spec(path)
+    by_type: dict[str, list[int]] = {}
+    for name, ref in tensors.items():
+        if "_exps." not in name:
+            count_bytes = by_type.setdefault(ref.type_name, [0, 0])
+            count_bytes[0] += 1
+            count_bytes[1] += ref.nbytes
+    bf16 = 2 * spec.dense_params(tied)
+    kv_1k = spec.kv_bytes_per_token(2) * 1024
+    lines = [f"whole model: vocabulary {spec.vocab:,}, {spec.n_heads} query heads / "
+             f"{spec.n_kv_heads} KV heads x {spec.head_dim}, rope theta {spec.rope_theta:g}, "
+             f"context {spec.context:,}, output head "
+             + ("tied to the embedding" if tied else "of its own"),
+             markdown_table(["dense tensor type", "tensors", "MiB in the file"],
+                            [[t, n, f"{b / MIB:,.1f}"] for t, (n, b) in sorted(by_type.items())]),
+             f"dense weights as bf16: {format_bytes(bf16)}; KV cache (fp16) per 1K tokens: "
+             f"{format_bytes(kv_1k)}, at the {spec.context:,}-token context "
+             f"{format_bytes(kv_1k * spec.context // 1024)}"]
+    if budget_gib is not None:
+        left = budget_gib * GiB - bf16
+        lines.append(f"a {budget_gib:g} GiB budget holds the bf16 dense weights with "
+                     f"{format_bytes(left)} left" if left > 0 else
+                     f"a {budget_gib:g} GiB budget cannot hold the dense weights as bf16: "
+                     "they stream per layer")
+    return "\n".join(lines)
 
 
 def _unreadable_types(moe, reg) -> list[str]:
