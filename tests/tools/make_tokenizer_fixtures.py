@@ -15,10 +15,12 @@ strata_rt:
    every Qwen2 tokenizer transformers offers: with transformers 4.x the pure-Python
    `Qwen2Tokenizer` (the `regex` module and a Python BPE loop; no `tokenizers` code) and
    `Qwen2TokenizerFast`, with 5.x its `Qwen2Tokenizer`; and, where transformers' GGUF loading
-   takes the file, the tokenizer it builds from tokenizer.gguf. All must agree; their ids are
-   written to expected.json and the library versions to versions.json:
+   takes the file (it needs torch and gguf), the tokenizer it builds from tokenizer.gguf. All
+   must agree; their ids are written to expected.json and the library versions to
+   versions.json:
 
        python3 -m venv /tmp/tokenv && /tmp/tokenv/bin/pip install 'transformers<5' gguf
+       /tmp/tokenv/bin/pip install torch --index-url https://download.pytorch.org/whl/cpu
        /tmp/tokenv/bin/python tests/tools/make_tokenizer_fixtures.py ids
        # another version against the stored ids, writing nothing:
        /tmp/tokenv5/bin/python tests/tools/make_tokenizer_fixtures.py ids --check
@@ -152,11 +154,18 @@ def _tokenizers() -> dict[str, Any]:
         with tempfile.TemporaryDirectory() as d:
             gguf = Path(d) / "tokenizer.gguf"
             gguf.write_bytes((OUT / "tokenizer.gguf").read_bytes())
-            out["AutoTokenizer(gguf_file=)"] = transformers.AutoTokenizer.from_pretrained(
+            out[GGUF_LOADED] = transformers.AutoTokenizer.from_pretrained(
                 d, gguf_file=gguf.name)
     except Exception as e:  # GGUF loading is optional: needs the gguf package and the arch
         print(f"transformers' GGUF loading not used: {type(e).__name__}: {e}")
     return out
+
+
+#: texts a tokenizer is known to get wrong, and why (they are left out of its comparison)
+GGUF_LOADED = "AutoTokenizer(gguf_file=)"
+KNOWN_GAPS = {GGUF_LOADED: ("<think>", "transformers' GGUFQwen2Converter adds only Qwen's three "
+                            "control tokens as added tokens, not user-defined ones such as "
+                            "<think> (tokenizer_config.json and llama.cpp match them)")}
 
 
 def write_ids(check: bool) -> int:
@@ -164,14 +173,20 @@ def write_ids(check: bool) -> int:
     cases = []
     bad = 0
     for text in CORPUS:
-        got = {name: list(t.encode(text, add_special_tokens=False)) for name, t in toks.items()}
+        got = {name: list(t.encode(text, add_special_tokens=False)) for name, t in toks.items()
+               if name not in KNOWN_GAPS or KNOWN_GAPS[name][0] not in text}
         first = next(iter(got.values()))
         for name, ids in got.items():
             if ids != first:
                 bad += 1
                 print(f"DISAGREE on {text!r}:\n  {next(iter(got))}: {first}\n  {name}: {ids}")
         cases.append({"text": text, "ids": first})
-    versions = {"python": platform.python_version(), "checked_with": sorted(toks)}
+    versions: dict[str, Any] = {"python": platform.python_version(),
+                                "checked_with": sorted(toks)}
+    gaps = {n: KNOWN_GAPS[n] for n in toks if n in KNOWN_GAPS}
+    if gaps:
+        versions["known_gaps"] = {n: f"texts with {w} left out: {why}"
+                                  for n, (w, why) in gaps.items()}
     versions.update({n: _version(n) for n in ("transformers", "tokenizers", "regex", "gguf")})
     if check:
         stored = json.loads((OUT / "expected.json").read_text(encoding="utf-8"))["cases"]
