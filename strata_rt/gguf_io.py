@@ -385,10 +385,14 @@ def write_moe_gguf(path: str | Path, model: Any, *, arch: str = ARCH, omit: Iter
     for k, v in kv.items():
         if v is None:
             continue
-        if isinstance(v, float):
+        if isinstance(v, bool):
+            w.add_bool(k, v)
+        elif isinstance(v, float):
             w.add_float32(k, v)
         elif isinstance(v, str):
             w.add_string(k, v)
+        elif isinstance(v, list | tuple):  # e.g. tokenizer.ggml.tokens, .merges, .token_type
+            w.add_array(k, list(v))
         else:
             w.add_uint32(k, int(v))
     skip = set(omit)

@@ -214,9 +214,6 @@ def test_keys_round_trip_with_llama_cpps_types(tmp_path):
         TokenizerVocab.from_gguf(tmp_path / "k.gguf") == v
 
 
-@pytest.mark.xfail(strict=True, raises=TypeError,
-                   reason="gguf_io.write_moe_gguf writes str, float and int keys only; list "
-                          "and bool keys need its two extra cases")
 def test_whole_model_gguf_carries_the_tokenizer(tmp_path):
     from strata_rt.qwen3 import Qwen3Model, Qwen3Spec, write_qwen3_gguf
 
