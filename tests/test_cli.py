@@ -3,6 +3,7 @@ exits, and one end-to-end run of the demo config on the reference backend."""
 
 from __future__ import annotations
 
+import ast
 import json
 import logging
 import os
@@ -392,7 +393,18 @@ def test_a_log_record_clears_the_progress_line(monkeypatch) -> None:
 #: modules that write to stderr themselves: progress displays and the CLI's log handler (the
 #: CLI, which owns the terminal, is not scanned)
 PRINTS_ALLOWED = {"progress.py", "convert.py", "log.py"}
-#: modules still converting their prints to logging (remove each once it logs)
+def _stderr_writes(tree: ast.AST) -> list[int]:
+    """Lines of print(...) calls, warnings.warn(...) calls and any use of sys.stderr: code,
+    not text that happens to contain those words."""
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+                and node.func.id == "print":
+            lines.append(node.lineno)
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and (
+                (node.value.id, node.attr) in (("sys", "stderr"), ("warnings", "warn"))):
+            lines.append(node.lineno)
+    return sorted(lines)
 
 
 def test_library_modules_log_instead_of_printing() -> None:
@@ -403,11 +415,15 @@ def test_library_modules_log_instead_of_printing() -> None:
         rel = path.relative_to(ROOT / "strata_rt")
         if rel.parts[0] in ("cli", "quants", "kernels") or rel.name in PRINTS_ALLOWED:
             continue
-        for n, line in enumerate(path.read_text().splitlines(), 1):
-            code = line.split("#")[0]
-            if "print(" in code or "sys.stderr" in code or "warnings.warn(" in code:
-                offenders.append(f"{rel}:{n}: {line.strip()}")
+        text = path.read_text()
+        lines = text.splitlines()
+        offenders += [f"{rel}:{n}: {lines[n - 1].strip()}" for n in _stderr_writes(ast.parse(text))]
     assert offenders == [], "\n".join(offenders)
+
+
+def test_the_print_finder_sees_code_not_text() -> None:
+    code = 'x = "print(1)"\nprint(2)\nimport sys\nsys.stderr.write("")\nwarnings.warn("w")\n'
+    assert _stderr_writes(ast.parse(code)) == [2, 4, 5]
 
 
 def test_inspect_a_whole_model_file_shows_dense_weights_and_kv_cache(tmp_path, capsys):
