@@ -269,6 +269,7 @@ def device_memory_plan(spec: MoESpec, fmt: QuantFormat, chunk_tokens: int,
     (BudgetError when those alone do not fit); without, no expert is resident: the least any
     budget must hold. The ring is sized as the backend sizes it before the residency is known
     (every expert streaming), an upper bound of the ring it allocates once it is."""
+    fmt = fmt.for_variant(env.text("STRATA_MMQ_KERNEL"))  # the images the engine will hold
     lay = fmt.layout(spec.hidden, spec.ffn)
     ring_slots = ring_sizes(ring_bytes, lay.slot_bytes, spec.total_experts).total
     routing = env.choice("STRATA_ROUTING", ROUTINGS[0])

@@ -170,12 +170,27 @@ def cuda_arena(cfg: Config) -> MemoryPlan:
     """The device arena CudaBackend._open allocates for cfg's engine config, on a device
     whose free memory is exactly the budget: BudgetError when it does not fit."""
     ecfg = cfg.engine_config(backend="cuda")
-    fmt = registry()[cfg.spec.format]
+    fmt = registry()[cfg.spec.format].for_variant(None)  # the default variant, as Engine.open
     lay = fmt.layout(cfg.spec.hidden, cfg.spec.ffn)
     walk = walk_ring_slots(ecfg.ring_bytes, lay.slot_bytes,
                            max(1, cfg.spec.total_experts - ecfg.expert_cache))
     return plan_memory(cfg.spec, lay, fmt.activation, int(cfg.vram_budget_mib * MIB),
                        max(walk, STAGING_RING_SLOTS), ecfg.prefill, ecfg.expert_cache)
+
+
+def test_budget_counts_the_variants_group_buffers(any_host, monkeypatch) -> None:
+    """The budget is split with the group buffers of the variant the engine will run: the
+    fp16 images of IQ3_XXS f16_gemm are ~5x the q8_1 kernels' byte-copy images."""
+    cfg = load_config(next(p for p in CONFIGS if p.name == "qwen3-235b-a22b-stream.yaml"))
+    fmt = registry()[cfg.spec.format]
+    gemm = cfg.memory_plan(fmt)
+    monkeypatch.setenv("STRATA_MMQ_KERNEL", "f16_pipe")
+    exact = cfg.memory_plan(fmt)
+    assert gemm is not None and exact is not None
+    f16 = fmt.for_variant("f16_gemm").layout(cfg.spec.hidden, cfg.spec.ffn)
+    assert gemm.regions["gate_up_buf"] == 16 * f16.gate_up_image_bytes
+    assert gemm.regions["gate_up_buf"] > 4 * exact.regions["gate_up_buf"]
+    assert gemm.n_resident < exact.n_resident
 
 
 def test_budget_that_cannot_hold_one_chunk(tmp_path: Path) -> None:
