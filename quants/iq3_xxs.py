@@ -46,9 +46,10 @@ _BITS8 = np.arange(8, dtype=np.uint8)
 #: largest magnitude a block can store: fp16 max d * (0.5 + 15) * 0.5 * grid magnitude 62. The
 #: search picks scales up to max/12 per sub-block, so from ~2.4e7 a block's d may overflow.
 MAX_WEIGHT = 65504.0 * 15.5 * 0.5 * 62
-#: blocks whose largest |weight| passes this are refused without a search: their scale
-#: overflows fp16 anyway, and from ~1e13 the search's float32 sums overflow into NaN
-_AMAX_LIMIT = F32(1e9)
+#: blocks whose largest |weight| passes this are refused without a search: no fp16 scale can
+#: represent such a weight (any finite d would clip it), and from ~1e13 the search's float32
+#: sums overflow into NaN; below it a block is refused only if its chosen d overflows
+_AMAX_LIMIT = F32(MAX_WEIGHT)
 _REF_CHUNK = 128  # activation rows the MMQ reference multiplies at once (bounds its scratch)
 
 
