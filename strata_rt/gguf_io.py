@@ -357,6 +357,25 @@ def _expert_tensors(model: Any) -> dict[str, tuple[np.ndarray, Any]]:
     return out
 
 
+def add_keys(writer: Any, keys: Mapping[str, Any]) -> None:
+    """Adds keys to a gguf.GGUFWriter typed from their values, as llama.cpp's converter types
+    them: bool, float32, string, arrays (tokenizer tokens, merges, token types) and uint32 for
+    whole numbers; None leaves a key out (tests of files without it)."""
+    for k, v in keys.items():
+        if v is None:
+            continue
+        if isinstance(v, bool):
+            writer.add_bool(k, v)
+        elif isinstance(v, float):
+            writer.add_float32(k, v)
+        elif isinstance(v, str):
+            writer.add_string(k, v)
+        elif isinstance(v, list | tuple):
+            writer.add_array(k, list(v))
+        else:
+            writer.add_uint32(k, int(v))
+
+
 def write_moe_gguf(path: str | Path, model: Any, *, arch: str = ARCH, omit: Iterable[str] = (),
                    keys: Mapping[str, Any] | None = None,
                    tensors: Mapping[str, tuple[np.ndarray, Any]] | None = None) -> Path:
@@ -382,19 +401,7 @@ def write_moe_gguf(path: str | Path, model: Any, *, arch: str = ARCH, omit: Iter
         all_t.update(_expert_tensors(model))
     all_t.update(replaced)
     w = GGUFWriter(str(path), arch)
-    for k, v in kv.items():
-        if v is None:
-            continue
-        if isinstance(v, bool):
-            w.add_bool(k, v)
-        elif isinstance(v, float):
-            w.add_float32(k, v)
-        elif isinstance(v, str):
-            w.add_string(k, v)
-        elif isinstance(v, list | tuple):  # e.g. tokenizer.ggml.tokens, .merges, .token_type
-            w.add_array(k, list(v))
-        else:
-            w.add_uint32(k, int(v))
+    add_keys(w, kv)
     skip = set(omit)
     for name, (arr, qt) in all_t.items():
         if name not in skip:

@@ -229,14 +229,12 @@ def write_tokenizer_gguf(path: str | Path, vocab: TokenizerVocab, arch: str = "q
     what a tokenizer test or fixture needs, without weights."""
     from gguf import GGUFWriter
 
+    from .gguf_io import add_keys
+
     path = Path(path)
     w = GGUFWriter(str(path), arch)
     add_tokenizer_keys(w, vocab)
-    for k, v in (keys or {}).items():
-        if isinstance(v, str):
-            w.add_string(k, v)
-        else:
-            w.add_uint32(k, int(v))
+    add_keys(w, keys or {})
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

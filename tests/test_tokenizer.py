@@ -18,6 +18,7 @@ from gguf import GGUFReader, GGUFValueType, GGUFWriter  # noqa: E402
 
 from strata_rt import tokenizer_vocab as tv  # noqa: E402
 from strata_rt.errors import GGUFError, StrataError  # noqa: E402
+from strata_rt.gguf_io import add_keys
 from strata_rt.tokenizer import Tokenizer, TokenizerError  # noqa: E402
 from strata_rt.tokenizer_vocab import (  # noqa: E402
     CONTROL,
@@ -42,17 +43,7 @@ def tok() -> Tokenizer:
 def _write(path: Path, keys: dict[str, Any]) -> Path:
     """A GGUF with exactly `keys` (typed like llama.cpp's converter writes them)."""
     w = GGUFWriter(str(path), "qwen3moe")
-    for k, v in keys.items():
-        if v is None:
-            continue
-        if isinstance(v, bool):
-            w.add_bool(k, v)
-        elif isinstance(v, str):
-            w.add_string(k, v)
-        elif isinstance(v, list):
-            w.add_array(k, v)
-        else:
-            w.add_uint32(k, v)
+    add_keys(w, keys)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
