@@ -134,9 +134,11 @@ EPILOG_INSPECT = """examples:
   strata inspect Qwen3-30B-A3B-IQ3_XXS.gguf --budget-gib 24
 
 shows the MoE geometry, the tensor types, bytes per expert in the file and in every loaded
-format, and how many experts a VRAM budget holds; then runs the checks `strata run` makes at
-load (every tensor present and shaped to the keys; no NaN/Inf in router, norms or experts) and
-lists every problem, with the exit code `run` gives for a bad GGUF."""
+format, and how many experts a VRAM budget holds; for a whole-model file (token_embd.weight
+present) also the dense weights by type, their bf16 size and the KV cache per 1K tokens; then
+runs the checks `strata run` makes at load (every tensor present and shaped to the keys; no
+NaN/Inf in router, norms or experts) and lists every problem, with the exit code `run` gives
+for a bad GGUF."""
 
 def register(command) -> None:
     """Adds this module's subcommands; `command(name, help, epilog)` makes a parser."""
