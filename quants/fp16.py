@@ -80,14 +80,16 @@ class FP16(QuantFormat):
     def mmq_reference(self, image: np.ndarray, expert_ids: tuple[int, ...], acts: Any,
                       bounds: np.ndarray, m: int, k: int) -> np.ndarray:
         """float32 product of the fp16 weights and fp16 activations (see the module doc for
-        how closely the tensor-core kernel agrees)."""
+        how closely the tensor-core kernel agrees). einsum, not BLAS: each output's summation
+        order is then fixed, so a row's result does not depend on how many rows came with it
+        (the reference engine's chunking guarantee)."""
         x = np.asarray(acts, dtype=np.float16)
         out = np.zeros((x.shape[0], m), dtype=np.float32)
         img = np.ascontiguousarray(image, dtype=np.uint8).reshape(len(expert_ids), -1)
         for p, r0, r1 in expert_rows(expert_ids, bounds):
             if r1 > r0:
                 w = self.dequantize(img[p, : m * k * 2], (m, k))
-                out[r0:r1] = x[r0:r1].astype(np.float32) @ w.T
+                out[r0:r1] = np.einsum("tk,mk->tm", x[r0:r1].astype(np.float32), w)
         return out
 
     def kernels_class(self) -> type[FormatKernels]:

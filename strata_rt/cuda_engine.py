@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     from .driver import HostContext, Replay
     from .engine_config import EngineConfig
     from .model import Model, MoESpec
+    from .qwen3.weights import Qwen3Model
     from .runtime import Graph, PinnedArena, Runtime
     from .store import ExpertStore
 
@@ -90,11 +91,12 @@ class CudaBackend:
     host_is_wall = False
 
     def __init__(self, model: Model, store: ExpertStore, residency: Residency | None,
-                 cfg: EngineConfig, context: HostContext):
+                 cfg: EngineConfig, context: HostContext, whole: Qwen3Model | None = None):
         if not isinstance(context, CudaContext):
             raise TypeError(f"the CUDA backend runs on a CudaContext, got {type(context).__name__}")
         self.rt = context.runtime()
         self.model, self.store, self.cfg = model, store, cfg
+        self.whole = whole
         self.spec, self.fmt, self.lay = model.spec, model.fmt, model.layout
         self.blob_bytes = self.lay.blob_bytes
         self.timing = bool(cfg.timing)
@@ -151,6 +153,7 @@ class CudaBackend:
             LayerEnd: self._op_layer_end,
         }
         self._counts: np.ndarray | None = None
+        self._logits: np.ndarray | None = None
         self._T = 0
 
     def max_chunk_tokens(self) -> int:
@@ -183,6 +186,11 @@ class CudaBackend:
             stats.phase_table = self._timer.table(host_s=stats.host_s)
             stats.trace = list(self._timer.trace)
         return io  # pinned and reused: the engine copies it out before the next chunk
+
+    def take_logits(self) -> np.ndarray:
+        if self._logits is None:
+            raise StrataError("no Logits op ran in this chunk")
+        return self._logits
 
     def route_layer(self, layer: int) -> None:
         dev = self._device()

@@ -26,7 +26,18 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from . import hazards
-from .plan import ChunkPlan, Copy, Gather, GatherBatch, LayerBegin, Op, Products
+from .plan import (
+    Attention,
+    ChunkPlan,
+    Copy,
+    Gather,
+    GatherBatch,
+    LayerBegin,
+    LogitRows,
+    Logits,
+    Op,
+    Products,
+)
 from .planner import STAGING_RING_SLOTS, StagingPlanner, gathers_one_by_one, plan_walk, takes_walk
 from .residency import Residency
 from .stats import Stats
@@ -38,6 +49,9 @@ if TYPE_CHECKING:
     from .runtime import Stream
 
 log = logging.getLogger(__name__)
+
+#: what a walk plan (and its graph) depends on: chunk size, gather_one, attention start
+WalkKey = tuple[int, bool, int | None]
 
 
 class Replay(Protocol):
@@ -62,7 +76,8 @@ class Executor(Protocol):
     can_capture: bool
 
     def begin_chunk(self, h: np.ndarray, stats: Stats) -> None:
-        """Takes the chunk's hidden states float32 [T, hidden]."""
+        """Takes the chunk's hidden states float32 [T, hidden] (a whole model: the
+        embedding rows of its tokens)."""
 
     def route_layer(self, layer: int) -> None:
         """Enqueues (or runs) one layer's routing ahead of a staging-ring layer."""
@@ -87,6 +102,9 @@ class Executor(Protocol):
 
     def end_chunk(self, stats: Stats) -> np.ndarray:
         """The chunk's output hidden states (the driver's caller copies them)."""
+
+    def take_logits(self) -> np.ndarray:
+        """float32 [rows, vocab] of the chunk's Logits op (valid after end_chunk)."""
 
 
 class HostContext(Protocol):
@@ -137,10 +155,11 @@ class ChunkDriver:
         self.last_plan: ChunkPlan | None = None
         #: host seconds spent issuing each layer of the last chunk
         self.layer_host_s: list[float] = []
-        #: per (walk chunk size, gather_one): {"plain": s, "graph": s, "choice": ...}
-        self.graph_trials: dict[tuple[int, bool], dict[str, Any]] = {}
-        self._walk_plans: dict[tuple[int, bool], tuple[ChunkPlan, dict[type, int]]] = {}
-        self._replays: dict[tuple[int, bool], Replay] = {}
+        #: per walk key (chunk size, gather_one, attention start or None):
+        #: {"plain": s, "graph": s, "choice": ...}
+        self.graph_trials: dict[WalkKey, dict[str, Any]] = {}
+        self._walk_plans: dict[WalkKey, tuple[ChunkPlan, dict[type, int]]] = {}
+        self._replays: dict[WalkKey, Replay] = {}
 
     @property
     def gather_one(self) -> bool:
@@ -151,25 +170,36 @@ class ChunkDriver:
         return self.executor.residency
 
     # ------------------------------------------------------------------ a chunk
-    def run_chunk(self, h: np.ndarray, stats: Stats) -> np.ndarray:
+    def run_chunk(self, h: np.ndarray, stats: Stats, start: int | None = None,
+                  logits: LogitRows | None = None) -> np.ndarray:
+        """Runs one chunk. MoE layers alone when start is None; a whole model's chunk at
+        absolute position `start` otherwise (each layer opens with its Attention, and
+        `logits` asks for the output head over the last row or all rows afterwards)."""
         T = int(h.shape[0])
         self.layer_host_s = []
         self.executor.begin_chunk(h, stats)
         if takes_walk(T, self.spec, self.cfg.walk_min_tokens):
-            self._run_walk(T, stats)
+            self._run_walk(T, stats, start)
         else:
-            self._run_staging(T, stats)
+            self._run_staging(T, stats, start)
+        if logits is not None:
+            if start is None:
+                raise ValueError("logits need a whole model's chunk (start is None)")
+            self.executor.execute([Logits(logits)], stats, None)
         out = self.executor.end_chunk(stats)
         stats.host_syncs += 1  # the chunk's output comes back
         return out
 
-    def _run_staging(self, T: int, stats: Stats) -> None:
+    def _run_staging(self, T: int, stats: Stats, start: int | None) -> None:
         ex = self.executor
-        planner = StagingPlanner(self.spec, self.residency, self.gather_one, tokens=T)
+        planner = StagingPlanner(self.spec, self.residency, self.gather_one, tokens=T,
+                                 attention_start=start)
         checker = (hazards.Checker(STAGING_RING_SLOTS, self.residency)
                    if self.check_plan else None)
         for layer in range(self.spec.n_layers):
             t0 = time.perf_counter()
+            if start is not None:  # attention comes before the routing it feeds
+                ex.execute([Attention(layer, start)], stats, None)
             ex.route_layer(layer)
             host = time.perf_counter() - t0
             counts = ex.routed_counts(layer, stats)  # the wait is not host work
@@ -178,7 +208,8 @@ class ChunkDriver:
             lp = planner.plan_layer(layer, np.flatnonzero(counts).tolist())
             if checker is not None:
                 checker.feed(lp.ops)
-            ex.execute((op for op in lp.ops if not isinstance(op, LayerBegin)), stats, counts)
+            ex.execute((op for op in lp.ops if not isinstance(op, LayerBegin | Attention)),
+                       stats, counts)
             add_counts(stats, op_counts(lp.ops), ex.blob_bytes)
             host += time.perf_counter() - t0
             self.layer_host_s.append(host)
@@ -186,22 +217,23 @@ class ChunkDriver:
             stats.layer_done(layer)
         self.last_plan = planner.chunk_plan()
 
-    def walk_plan(self, T: int) -> tuple[ChunkPlan, dict[type, int]]:
+    def walk_plan(self, T: int, start: int | None = None
+                  ) -> tuple[ChunkPlan, dict[type, int]]:
         """The walk of a T-token chunk and its op counts (planned and checked once per chunk
-        size and gather mode)."""
-        key = (T, self.gather_one)
+        size, gather mode and attention start)."""
+        key = (T, self.gather_one, start)
         if key not in self._walk_plans:
             plan = plan_walk(self.spec, self.residency, self.executor.walk_slots,
-                             self.gather_one, tokens=T)
+                             self.gather_one, tokens=T, attention_start=start)
             if self.check_plan:
                 hazards.check(plan, self.residency)
             self._walk_plans[key] = (plan, op_counts(op for _, op in plan.ops()))
         return self._walk_plans[key]
 
-    def _run_walk(self, T: int, stats: Stats) -> None:
+    def _run_walk(self, T: int, stats: Stats, start: int | None) -> None:
         ex = self.executor
-        key = (T, self.gather_one)
-        plan, counts = self.walk_plan(T)
+        key = (T, self.gather_one, start)
+        plan, counts = self.walk_plan(T, start)
         trial = self.graph_trials.setdefault(key, {})
         replay: Replay | None = None
         if ex.can_capture and "plain" in trial and trial.get("choice") != "plain":
@@ -231,7 +263,7 @@ class ChunkDriver:
             ex.collect_walk_routing(stats)
         self.last_plan = plan
 
-    def _replay_for(self, key: tuple[int, bool], plan: ChunkPlan,
+    def _replay_for(self, key: WalkKey, plan: ChunkPlan,
                     trial: dict[str, Any]) -> Replay | None:
         if key not in self._replays:
             try:

@@ -1,4 +1,11 @@
-"""The library API: Engine.open(config) -> engine.prefill(hidden) -> (hidden_out, Stats).
+"""The library API: Engine.open(config) -> engine.prefill(...) -> (array, Stats).
+
+Two kinds of model (strata_rt.whole_model): MoE layers alone, where prefill takes hidden states
+[tokens, hidden] and returns the final hidden states; and a whole Qwen3-MoE model, where prefill
+takes token ids, returns logits (the last position's, or every position's on request) and keeps
+the KV cache for the next call (`kv_length`, `reset`). Both run every chunk through the same
+chunk driver and plans; a whole model's layers open with an Attention op and its chunks end
+with a Logits op.
 
 The engine owns what does not depend on the backend: the model, the host expert store, the
 choice of resident experts (when the config fixes their count), chunking and the residual dump.
@@ -7,9 +14,9 @@ the backend's context first (cuda: the Runtime, whose pinned memory then holds t
 store, the residency, the backend (an executor, see driver.Executor), then the ChunkDriver,
 which runs every chunk on the executor.
 
-Chunks are independent (MoE layers have no attention), so a prompt longer than a chunk runs
-chunk by chunk with nothing carried between chunks. On the reference backend a token's result
-does not depend on its chunk at all (same bytes for any chunking, staging or walk; tested).
+MoE layers alone have no attention, so their chunks are independent; a whole model's chunks
+carry the KV cache forward. On the reference backend a token's result does not depend on its
+chunk at all (same bytes for any chunking, staging or walk; tested for both kinds).
 
 STRATA_PREFILL_DUMP_R: the file is emptied when an engine opens; every prefill then appends
 each chunk's every 64th position (see dump_residual), so two runs compare with `cmp`. While a
@@ -33,39 +40,28 @@ from .driver import Backend, ChunkDriver, HostContext
 from .engine_config import EngineConfig
 from .errors import ConfigError
 from .formats import QuantFormat
-from .model import Model, MoESpec
+from .model import Model
+from .plan import LogitRows
 from .planner import AUTO_CHUNK_MAX
 from .residency import Residency
 from .stats import Stats
 from .store import ExpertStore
 from .timing import write_trace
+from .whole_model import check_token_ids, load_model
 
 if TYPE_CHECKING:
     from .cuda_engine import CudaBackend
+    from .qwen3.spec import Qwen3Spec
+    from .qwen3.weights import Qwen3Model
     from .reference import ReferenceBackend
+    from .tokenizer import Tokenizer
+
+__all__ = ["Engine", "load_model", "read_dump"]
 
 log = logging.getLogger(__name__)
 
 #: every 64th position of each chunk's output goes to the STRATA_PREFILL_DUMP_R file
 DUMP_STRIDE = 64
-
-
-def load_model(spec_or_model: Model | MoESpec | dict[str, Any]) -> Model:
-    m = spec_or_model
-    if isinstance(m, Model):
-        return m
-    if isinstance(m, MoESpec):
-        return Model.synthetic(m, 0)
-    if isinstance(m, dict):
-        if "gguf" in m:
-            fmt = m.get("format")
-            if fmt is None:
-                raise ConfigError("model: a gguf model needs `format` (e.g. iq3_xxs)")
-            return Model.from_gguf(m["gguf"], fmt)
-        if "spec" in m:
-            return Model.synthetic(m["spec"], int(m.get("seed", 0)))
-    raise ConfigError(f"model: got {type(m).__name__}; allowed: a Model, a MoESpec, "
-                      "{'spec': MoESpec, 'seed': int} or {'gguf': path, 'format': name}")
 
 
 def check_mmq_kernel(fmt: QuantFormat) -> None:
@@ -138,9 +134,13 @@ def read_dump(path: str | Path, hidden: int) -> tuple[np.ndarray, np.ndarray]:
 
 class Engine:
     def __init__(self, config: EngineConfig, model: Model, backend: Backend, backend_name: str,
-                 context: HostContext | None = None):
+                 context: HostContext | None = None, whole: Qwen3Model | None = None):
         self.config = config
         self.model = model
+        #: the whole model (None: MoE layers alone)
+        self.whole = whole
+        #: positions the KV cache holds (a whole model's next token goes there)
+        self.kv_length = 0
         self.backend: Backend | None = backend
         self.context = context
         self.driver = ChunkDriver(model.spec, model.fmt, config, backend)
@@ -158,7 +158,7 @@ class Engine:
     def open(cls, config: EngineConfig | dict) -> Engine:
         cfg = config if isinstance(config, EngineConfig) else EngineConfig(**config)
         cfg.resolve()
-        model = load_model(cfg.model)
+        model, whole = load_model(cfg.model)
         check_mmq_kernel(model.fmt)
         model = with_variant(model, env.text("STRATA_MMQ_KERNEL"))
         spec, slot = model.spec, model.layout.slot_bytes
@@ -173,8 +173,8 @@ class Engine:
             residency = None
             if cfg.expert_cache is not None:
                 residency = Residency.from_budget(model, cfg.expert_cache, cfg.load_profile())
-            backend = backend_cls(model, store, residency, cfg, context)
-            return cls(cfg, model, backend, name, context)
+            backend = backend_cls(model, store, residency, cfg, context, whole=whole)
+            return cls(cfg, model, backend, name, context, whole)
         except BaseException:
             if backend is not None:
                 backend.close()
@@ -187,12 +187,108 @@ class Engine:
         limit = getattr(self.backend, "max_chunk_tokens", None)
         return min(AUTO_CHUNK_MAX, limit()) if limit is not None else AUTO_CHUNK_MAX
 
-    def prefill(self, hidden: np.ndarray, record_routing: bool = False
-                ) -> tuple[np.ndarray, Stats]:
-        """hidden float32 [tokens, hidden] -> the final hidden states and the counters."""
+    # ------------------------------------------------------------------ whole models
+    @property
+    def qwen3_spec(self) -> Qwen3Spec | None:
+        """The whole model's dimensions (None for MoE layers alone)."""
+        return None if self.whole is None else self.whole.spec
+
+    @property
+    def context_tokens(self) -> int:
+        """Positions the KV cache can hold (0 for MoE layers alone)."""
+        if self.whole is None:
+            return 0
+        limit = getattr(self.backend, "kv_capacity", None)
+        return int(limit) if limit is not None else self.whole.spec.context
+
+    def reset(self) -> None:
+        """Forgets every cached position: the next prefill starts at position 0."""
+        self.kv_length = 0
+
+    def tokenizer(self) -> Tokenizer:
+        """The whole model's tokenizer: from its GGUF, or a seeded synthetic vocabulary of the
+        model's size for synthetic models. TokenizerError when the GGUF carries none."""
+        from .tokenizer import Tokenizer
+
+        if self.whole is None:
+            raise ConfigError("MoE layers alone have no tokenizer; open a whole model",
+                              source="tokenizer")
+        src = self.config.model.get("gguf") if isinstance(self.config.model, dict) else None
+        if src is not None:
+            return Tokenizer.from_gguf(src)
+        return Tokenizer.synthetic(self.whole.spec.vocab)
+
+    def prefill(self, inputs: np.ndarray, record_routing: bool = False, *,
+                all_logits: bool = False) -> tuple[np.ndarray, Stats]:
+        """MoE layers alone: hidden states float32 [tokens, hidden] -> the final hidden states
+        and the counters. A whole model: token ids [tokens] at positions kv_length.. -> the
+        logits float32 [vocab] of the last position (all_logits: [tokens, vocab]) and the
+        counters; the KV cache keeps the tokens for the next call."""
+        if self.whole is not None:
+            return self._prefill_tokens(inputs, record_routing, all_logits)
+        if all_logits:
+            raise ConfigError("all_logits needs a whole model; this engine runs MoE layers "
+                              "alone", source="prefill")
+        return self._prefill_hidden(inputs, record_routing)
+
+    def _prefill_tokens(self, token_ids: np.ndarray, record_routing: bool,
+                        all_logits: bool) -> tuple[np.ndarray, Stats]:
         t0 = time.perf_counter()
+        backend, whole = self._open_backend(), self.whole
+        assert whole is not None
+        ids = check_token_ids(token_ids, whole.spec.vocab)
+        T, C, first = len(ids), self.chunk_tokens, self.kv_length
+        if first + T > self.context_tokens:
+            raise ConfigError(f"{T} tokens after the {first} cached ones exceed the context of "
+                              f"{self.context_tokens} positions; reset() the engine or shorten "
+                              "the prompt", source="prefill")
+        h = whole.dense.token_embd.rows(ids).astype(np.float32)
+        stats, partial = self._start_stats(T, record_routing)
+        n_chunks = stats.n_chunks
+        logits: list[np.ndarray] = []
+        for c in range(n_chunks):
+            lo, hi = c * C, min(T, (c + 1) * C)
+            stats.chunk_index = c
+            rows: LogitRows | None = "all" if all_logits else (
+                "last" if c == n_chunks - 1 else None)
+            out = self.driver.run_chunk(h[lo:hi], stats, start=first + lo, logits=rows)
+            if rows is not None:
+                logits.append(np.array(backend.take_logits(), dtype=np.float32))
+            self.kv_length = first + hi
+            stats.chunks += 1
+            if partial is not None:
+                dump_residual(partial, out, first + lo)
+        self._finish(stats, partial, t0, T)
+        return (np.concatenate(logits) if all_logits else logits[-1][0]), stats
+
+    def _open_backend(self) -> Backend:
         if self.backend is None:
             raise ConfigError("this engine is closed", source="prefill")
+        return self.backend
+
+    def _start_stats(self, T: int, record_routing: bool) -> tuple[Stats, Path | None]:
+        spec = self.model.spec
+        stats = Stats(tokens=T, n_chunks=max(1, -(-T // self.chunk_tokens)),
+                      n_layers=spec.n_layers, on_layer=self.config.progress)
+        if record_routing:
+            stats.routing_counts = np.zeros((spec.n_layers, spec.n_experts), np.int64)
+        return stats, self._open_dump()
+
+    def _finish(self, stats: Stats, partial: Path | None, t0: float, T: int) -> None:
+        if partial is not None and self._dump is not None:
+            os.replace(partial, self._dump)
+        stats.wall_s = time.perf_counter() - t0
+        if self._open_backend().host_is_wall:
+            stats.host_s = stats.wall_s  # the reference backend does everything on the host
+        if self.config.trace and stats.trace is not None:
+            self._traces.append((f"prompt {len(self._traces) + 1} ({T} tokens)", stats.trace))
+            write_trace(self.config.trace, self._traces)
+
+    # ------------------------------------------------------------------ MoE layers alone
+    def _prefill_hidden(self, hidden: np.ndarray, record_routing: bool
+                        ) -> tuple[np.ndarray, Stats]:
+        t0 = time.perf_counter()
+        self._open_backend()
         spec = self.model.spec
         h = np.asarray(hidden)
         if h.ndim != 2 or h.shape[1] != spec.hidden:
@@ -202,12 +298,8 @@ class Engine:
             raise ConfigError("prefill input holds NaN or Inf", source="prefill")
         h = np.ascontiguousarray(h, dtype=np.float32)
         T, C = h.shape[0], self.chunk_tokens
-        n_chunks = max(1, -(-T // C))
-        stats = Stats(tokens=T, n_chunks=n_chunks, n_layers=spec.n_layers,
-                      on_layer=self.config.progress)
-        if record_routing:
-            stats.routing_counts = np.zeros((spec.n_layers, spec.n_experts), np.int64)
-        partial = self._open_dump()
+        stats, partial = self._start_stats(T, record_routing)
+        n_chunks = stats.n_chunks
         out = np.empty_like(h)
         for c in range(n_chunks):
             lo, hi = c * C, min(T, (c + 1) * C)
@@ -218,14 +310,7 @@ class Engine:
             stats.chunks += 1
             if partial is not None:
                 dump_residual(partial, out[lo:hi], lo)
-        if partial is not None and self._dump is not None:
-            os.replace(partial, self._dump)
-        stats.wall_s = time.perf_counter() - t0
-        if self.backend.host_is_wall:
-            stats.host_s = stats.wall_s  # the reference backend does everything on the host
-        if self.config.trace and stats.trace is not None:
-            self._traces.append((f"prompt {len(self._traces) + 1} ({T} tokens)", stats.trace))
-            write_trace(self.config.trace, self._traces)
+        self._finish(stats, partial, t0, T)
         return out, stats
 
     def _open_dump(self) -> Path | None:

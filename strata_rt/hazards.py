@@ -148,7 +148,7 @@ class Checker:
             self._products(i, op)
         elif isinstance(op, Consume):
             self._consume(i, op, readers)
-        else:  # LayerBegin / LayerEnd: compute work that touches no ring slot
+        else:  # LayerBegin, LayerEnd, Attention, Logits: compute work that touches no ring slot
             self._tick("compute")
 
     def _stream_of(self, i: int, op: Record | Wait) -> None:

@@ -5,6 +5,11 @@ so it carries everything each needs and nothing about CUDA. Each op says which s
 enqueued on: "copy" (host blob -> ring slot), "compute" (norm, routing, gathers, products,
 combine) or "host" (the issuer/consumer bookkeeping that has no GPU work).
 
+A whole model (strata_rt.qwen3) adds two compute ops: `Attention(layer)` opens each layer
+(its RMSNorm, q/k/v projections, q/k norms and RoPE, the KV-cache append, causal attention and
+the output projection added into the residual) and `Logits(rows)` closes the chunk (final norm
+and output head). The MoE ops of the layer follow its Attention.
+
 Ring bookkeeping: entry k of a chunk's stream of copies goes to ring slot
 k % ring_slots. Events are `("copied", slot)` (recorded on the copy stream after a copy lands)
 and `("used", slot)` (recorded on the compute stream after the last gather that reads the
@@ -124,7 +129,30 @@ class LayerEnd:
     stream: StreamName = field(default="compute", init=False)
 
 
-Op = Copy | Record | Wait | Gather | GatherBatch | Products | Consume | LayerBegin | LayerEnd
+@dataclass(frozen=True)
+class Attention:
+    """Self-attention of `layer` over the chunk and the KV cache before it, residual added.
+    `start` is the absolute position of the chunk's first token."""
+
+    layer: int
+    start: int
+    stream: StreamName = field(default="compute", init=False)
+
+
+#: Logits rows: the chunk's last position only, or every position
+LogitRows = Literal["last", "all"]
+
+
+@dataclass(frozen=True)
+class Logits:
+    """Final RMSNorm and output head over the chunk's last row or all of its rows."""
+
+    rows: LogitRows
+    stream: StreamName = field(default="compute", init=False)
+
+
+Op = (Copy | Record | Wait | Gather | GatherBatch | Products | Consume | LayerBegin | LayerEnd
+      | Attention | Logits)
 
 
 @dataclass(frozen=True)

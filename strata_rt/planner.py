@@ -27,6 +27,7 @@ from .formats import MMQ_GROUP
 from .plan import (
     RESIDENT,
     RING,
+    Attention,
     ChunkPlan,
     Consume,
     Copy,
@@ -208,11 +209,12 @@ def _groups(experts: Sequence[int]) -> list[list[int]]:
 
 
 def plan_walk(spec: MoESpec, residency: Residency, ring_slots: int, gather_one: bool,
-              tokens: int = 0) -> ChunkPlan:
+              tokens: int = 0, attention_start: int | None = None) -> ChunkPlan:
     """The streamed walk: every non-resident expert of every layer, layer-major ascending,
     streamed through the ring; every expert of a layer is gathered (groups are ids
     [16g, 16g+16)) so the schedule does not depend on routing and experts without rows cost an
-    early exit in the products."""
+    early exit in the products. attention_start: a whole model's chunk at that position (each
+    layer opens with its Attention), None for MoE layers alone."""
     b = _RingBuilder(residency, ring_slots, gather_one)
     b.seq = [(layer, e) for layer in range(spec.n_layers) for e in range(spec.n_experts)
              if residency.slot(layer, e) is None]
@@ -220,6 +222,8 @@ def plan_walk(spec: MoESpec, residency: Residency, ring_slots: int, gather_one: 
     layers = []
     all_experts = list(range(spec.n_experts))
     for layer in range(spec.n_layers):
+        if attention_start is not None:
+            b.ops.append(Attention(layer, attention_start))
         b.ops.append(LayerBegin(layer))
         for g, experts in enumerate(_groups(all_experts)):
             b.group(layer, g, experts)
@@ -231,12 +235,15 @@ def plan_walk(spec: MoESpec, residency: Residency, ring_slots: int, gather_one: 
 class StagingPlanner:
     """The staging ring for small chunks: after a layer's routing is known, its routed
     non-resident experts stream through an 8-slot ring; ring state carries across layers.
-    One planner per chunk."""
+    One planner per chunk; attention_start as for plan_walk (the driver runs a layer's
+    Attention before its routing, the plan records it first)."""
 
-    def __init__(self, spec: MoESpec, residency: Residency, gather_one: bool, ring_slots: int = STAGING_RING_SLOTS,
-                 tokens: int = 0):
+    def __init__(self, spec: MoESpec, residency: Residency, gather_one: bool,
+                 ring_slots: int = STAGING_RING_SLOTS, tokens: int = 0,
+                 attention_start: int | None = None):
         self.spec = spec
         self.tokens = tokens
+        self.attention_start = attention_start
         self._b = _RingBuilder(residency, ring_slots, gather_one)
         self.layers: list[LayerPlan] = []
 
@@ -249,6 +256,8 @@ class StagingPlanner:
                              f"0..{self.spec.n_experts - 1}")
         b = self._b
         b.seq.extend((layer, e) for e in experts if b.residency.slot(layer, e) is None)
+        if self.attention_start is not None:
+            b.ops.append(Attention(layer, self.attention_start))
         b.ops.append(LayerBegin(layer))
         b.issue_available()
         for g, group in enumerate(_groups(experts)):

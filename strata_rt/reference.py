@@ -27,18 +27,21 @@ from .formats import MMQ_GROUP
 from .model import rms_norm, route, silu
 from .plan import (
     RESIDENT,
+    Attention,
     Consume,
     Copy,
     Gather,
     GatherBatch,
     LayerBegin,
     LayerEnd,
+    Logits,
     Op,
     Products,
     Record,
     Wait,
 )
 from .planner import ring_sizes
+from .reference_attention import ReferenceDense
 from .residency import Residency
 from .stats import Stats
 from .store import ExpertStore, numpy_alloc
@@ -48,6 +51,7 @@ if TYPE_CHECKING:
     from .driver import HostContext, Replay
     from .engine_config import EngineConfig
     from .model import Model
+    from .qwen3.weights import Qwen3Model
 
 _POISON = 0xFF
 
@@ -87,8 +91,13 @@ class ReferenceBackend:
     can_capture = False
 
     def __init__(self, model: Model, store: ExpertStore, residency: Residency | None,
-                 cfg: EngineConfig, context: HostContext | None = None):
+                 cfg: EngineConfig, context: HostContext | None = None,
+                 whole: Qwen3Model | None = None):
         self.model, self.store, self.cfg = model, store, cfg
+        #: a whole model's attention, KV cache and head (None: MoE layers alone)
+        self.dense = ReferenceDense(whole) if whole is not None else None
+        self._start: int | None = None
+        self._logits: np.ndarray | None = None
         self.spec, self.fmt, self.lay = model.spec, model.fmt, model.layout
         self.blob_bytes = self.lay.blob_bytes
         self.residency = residency if residency is not None else Residency.from_budget(
@@ -106,7 +115,6 @@ class ReferenceBackend:
         self._state: _LayerState | None = None
         self._h = np.empty((0, self.spec.hidden), np.float32)
         self._stats = Stats()
-        self._stats = Stats()
         #: top-k ids per layer of the last chunk (comparisons against reference_moe_f64)
         self.routes: list[np.ndarray] = []
 
@@ -116,6 +124,7 @@ class ReferenceBackend:
         self._state = None
         self._stats = stats
         self.routes = []
+        self._start = self._logits = None
 
     def route_layer(self, layer: int) -> None:
         self._begin(layer, self._h, self._stats)
@@ -143,7 +152,14 @@ class ReferenceBackend:
         if self.timing and stats.chunk_index == stats.n_chunks - 1:
             stats.phase_table = ("reference backend: host seconds per phase, not GPU time\n"
                                  + format_table({p: s * 1e3 for p, s in stats.phase_s.items()}))
+        if self.dense is not None and self._start is not None:
+            self.dense.end_chunk(self._start, self._h.shape[0])
         return self._h
+
+    def take_logits(self) -> np.ndarray:
+        if self._logits is None:
+            raise RuntimeError("no Logits op ran in this chunk")
+        return self._logits
 
     # ------------------------------------------------------------------ ops
     def _execute(self, ops: Iterable[Op], h: np.ndarray, stats: Stats) -> None:
@@ -170,6 +186,13 @@ class ReferenceBackend:
             elif isinstance(op, LayerEnd):
                 self._combine(h)
                 phase = "combine"
+            elif isinstance(op, Attention):
+                self._whole().attention(op.layer, h, op.start)
+                self._start = op.start
+                phase = "attention"
+            elif isinstance(op, Logits):
+                self._logits = self._whole().logits(h, op.rows)
+                phase = "logits"
             elif isinstance(op, Record | Wait | Consume):
                 # one thread runs every op in host order: a valid linearisation of any
                 # schedule the checker accepts, so events have nothing left to order
@@ -177,6 +200,12 @@ class ReferenceBackend:
             else:
                 raise TypeError(f"unknown plan op {op!r}")
             stats.phase_s[phase] += time.perf_counter() - t0
+
+    def _whole(self) -> ReferenceDense:
+        if self.dense is None:
+            raise TypeError("an Attention or Logits op needs a whole model; this backend runs "
+                            "MoE layers alone")
+        return self.dense
 
     def _begin(self, layer: int, h: np.ndarray, stats: Stats) -> None:
         t0 = time.perf_counter()
@@ -223,8 +252,6 @@ class ReferenceBackend:
 
     def _combine(self, h: np.ndarray) -> None:
         st = self._state
-        if st is None:
-            raise RuntimeError("LayerEnd before any LayerBegin")
         if st is None:
             raise RuntimeError("LayerEnd before any LayerBegin")
         top_k = st.ids.shape[1]

@@ -288,7 +288,7 @@ def test_backend_control_flow_on_fake_runtime(fake, gather_one, fixed_walk_rule)
         rt.launches.clear()
         _, st2 = eng.prefill(h)
         assert rt.launches == ["graph"]
-        trial = eng.driver.graph_trials[(2048, gather_one)]
+        trial = eng.driver.graph_trials[(2048, gather_one, None)]
         assert set(trial) == {"plain", "graph", "choice"}
         assert st2.as_dict()["experts_streamed"] == st1.experts_streamed
     assert fake["rt"].closed
