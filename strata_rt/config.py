@@ -37,6 +37,7 @@ from .config_schema import (
     mapping,
     positive_number,
 )
+from .config_whole import check_context, check_whole
 from .engine_config import BACKENDS, EngineConfig
 from .errors import ConfigError
 from .memory_plan import MemoryPlan
@@ -47,6 +48,7 @@ from .runtime.memory import MIB
 
 if TYPE_CHECKING:
     from .formats import QuantFormat
+    from .qwen3.spec import Qwen3Spec
     from .registry import QuantRegistry
 
 __all__ = ["BUDGET_KEYS", "Config", "Output", "Prompt", "auto_chunk", "device_memory_plan",
@@ -79,6 +81,18 @@ class Config:
     repeats: int = 1
     seed: int = 0
     output: Output = field(default_factory=Output)
+    #: a whole model's spec (None: MoE layers alone) and its synthetic options
+    whole: Qwen3Spec | None = None
+    whole_options: dict[str, Any] = field(default_factory=dict)
+    #: KV-cache positions (None: the whole model's context length)
+    context: int | None = None
+
+    @property
+    def whole_sizes(self) -> tuple[Qwen3Spec, int] | None:
+        """(spec, KV positions) of a whole model, what its device memory is sized by."""
+        if self.whole is None:
+            return None
+        return self.whole, self.context or self.whole.context
 
     @property
     def ring_bytes(self) -> int | None:
@@ -110,7 +124,7 @@ class Config:
         if self.vram_budget_mib is None:
             return None
         return device_memory_plan(self.spec, fmt, self.chunk_tokens(), self.ring_bytes,
-                                  int(self.vram_budget_mib * MIB))
+                                  int(self.vram_budget_mib * MIB), self.whole_sizes)
 
     def resident_experts(self, fmt: QuantFormat) -> int | None:
         """The expert-cache size the config fixes, or None when the CUDA backend derives it
@@ -131,12 +145,16 @@ class Config:
         fmt = (registry or default_registry())[self.spec.format]
         if self.gguf is not None:
             model: dict[str, Any] = {"gguf": str(self.gguf), "format": self.spec.format}
+        elif self.whole is not None:
+            model = {"qwen3": self.whole, "seed": self.model_seed,
+                     "format": self.spec.format, **self.whole_options}
         else:
             model = {"spec": self.spec, "seed": self.model_seed}
         plan = self.memory_plan(fmt)
         return EngineConfig(
             model=model,
             backend=backend or self.backend,
+            context=self.context,
             vram_reserve_mib=self.vram_reserve_mib,
             expert_cache=self.resident_experts(fmt),
             prefill=self.prefill if plan is None else plan.tokens,
@@ -161,6 +179,9 @@ def validate(doc: Any, base_dir: Path, source: Path | None = None,
     p.unknown_keys("", doc, TOP_KEYS)
     geom, gguf, model_seed = check_model(p, doc, base_dir)
     fmt = check_format(p, doc, geom, reg)
+    whole, whole_options = check_whole(p, doc, geom, gguf)
+    context = check_context(p, doc, whole)
+    whole_sizes = None if whole is None else (whole, context or whole.context)
 
     backend = doc.get("backend", "auto")
     if backend not in BACKENDS:
@@ -181,9 +202,15 @@ def validate(doc: Any, base_dir: Path, source: Path | None = None,
                   f"{fmt.name} at hidden {geom.hidden}, ffn {geom.ffn})")
             ring_bytes = None
 
-    prompts = check_prompts(p, doc, base_dir, geom.hidden if geom else None)
+    prompts = check_prompts(p, doc, base_dir, geom.hidden if geom else None,
+                            whole.vocab if whole is not None else None)
+    if whole is not None:
+        for pr in prompts:
+            if pr.hidden_file is not None:
+                p.add(f"prompts[{pr.index}].hidden_file", str(pr.hidden_file),
+                      "a whole model takes tokens: give a length or {file: TOKENS}")
     chunk = auto_chunk(prefill, prompts) if prefill is not None and prompts else None
-    budget = check_budget(p, doc, geom, fmt, chunk, ring_bytes)
+    budget = check_budget(p, doc, geom, fmt, chunk, ring_bytes, whole_sizes)
 
     profile = None
     if doc.get("profile") is not None:
@@ -217,7 +244,8 @@ def validate(doc: Any, base_dir: Path, source: Path | None = None,
     return Config(source=source, spec=replace(geom, format=fmt.name), backend=backend,
                   prefill=prefill, prompts=tuple(prompts), gguf=gguf, model_seed=model_seed,
                   ring_mib=ring_mib, profile=profile, repeats=repeats, seed=seed,
-                  output=output, **budget)
+                  output=output, whole=whole, whole_options=whole_options, context=context,
+                  **budget)
 
 
 def load_config(path: str | Path, registry: QuantRegistry | None = None) -> Config:

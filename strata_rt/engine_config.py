@@ -18,19 +18,21 @@ from .routing_kernels import ROUTINGS
 
 if TYPE_CHECKING:
     from .model import Model, MoESpec
+    from .qwen3.weights import Qwen3Model
 
 BACKENDS = ("auto", "cuda", "reference")
 
 
 @dataclass
 class EngineConfig:
-    """model: a Model, a MoESpec (synthetic, seed 0), {"spec": MoESpec, "seed": int} or
-    {"gguf": path, "format": name}. expert_cache fixes the number of resident experts;
+    """model: what strata_rt.whole_model.load_model takes (MoE layers alone or a whole
+    model). context: KV-cache positions of a whole model (None: the model's context length). expert_cache fixes the number of resident experts;
     otherwise the backend derives it (cuda: free VRAM minus vram_reserve_mib; reference: none
     resident). gather_one / check_plan / timing / dump_r default to the environment switches."""
 
-    model: Model | MoESpec | dict[str, Any]
+    model: Model | Qwen3Model | MoESpec | dict[str, Any]
     backend: str = "auto"
+    context: int | None = None
     vram_reserve_mib: float | None = None
     expert_cache: int | None = None
     prefill: str | int = "auto"
@@ -71,6 +73,11 @@ class EngineConfig:
                             ">= 0")
         if self.routing is not None and self.routing not in ROUTINGS:
             problems.append(f"routing: got {self.routing!r}; allowed: {', '.join(ROUTINGS)}")
+        if self.context is not None and (isinstance(self.context, bool)
+                                         or not isinstance(self.context, int)
+                                         or self.context < 1):
+            problems.append(f"context: got {self.context!r}; allowed: a positive number of "
+                            "tokens")
         if self.ring_bytes is not None and self.ring_bytes <= 0:
             problems.append(f"ring_bytes: got {self.ring_bytes!r}; allowed: a positive size")
         if problems:

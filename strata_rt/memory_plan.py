@@ -17,9 +17,11 @@ from .formats import MMQ_GROUP, ExpertLayout
 from .planner import AUTO_CHUNK_MAX, RESERVE_AUTO_CHUNK_MAX
 from .routing_kernels import workspace_bytes
 from .runtime.memory import mib, plan_regions, regions_total
+from .whole_memory import whole_chunk_regions, whole_fixed_regions
 
 if TYPE_CHECKING:
     from .model import MoESpec
+    from .qwen3.spec import Qwen3Spec
 
 #: `prefill: auto` tries chunk sizes in steps of this many tokens below the maximum
 AUTO_CHUNK_STEP = 64
@@ -80,20 +82,27 @@ class MemoryPlan:
 
 def plan_memory(spec: MoESpec, layout: ExpertLayout, activation: Activation, available: int,
                 ring_slots: int, prefill: str | int, n_resident: int | None,
-                routing: str = "tensor") -> MemoryPlan:
+                routing: str = "tensor",
+                whole: tuple[Qwen3Spec, int] | None = None) -> MemoryPlan:
     """Sizes the device arena within `available` bytes.
 
     n_resident fixed (expert_cache): the residency is placed first and `prefill: auto` takes
     the largest chunk up to AUTO_CHUNK_MAX that fits beside it. n_resident None
     (vram_reserve_mib): the chunk comes first (auto: up to RESERVE_AUTO_CHUNK_MAX) and every
     byte left holds resident experts. Raises BudgetError naming the sizes when
-    even the chunk asked for (or, for auto, one step of AUTO_CHUNK_STEP tokens) cannot fit."""
+    even the chunk asked for (or, for auto, one step of AUTO_CHUNK_STEP tokens) cannot fit.
+    whole: (the whole model's spec, KV-cache positions) adds its dense weights, head, RoPE
+    tables, KV cache and per-chunk attention buffers (strata_rt.whole_memory)."""
     fixed = fixed_regions(spec, layout, ring_slots, routing)
+    if whole is not None:
+        fixed.update(whole_fixed_regions(*whole))
     slot = layout.slot_bytes
 
     def plan(tokens: int, resident: int) -> MemoryPlan:
         regions = {**fixed, "resident": resident * slot,
                    **chunk_regions(spec, activation, tokens, routing)}
+        if whole is not None:
+            regions.update(whole_chunk_regions(whole[0], tokens))
         return MemoryPlan(tokens, resident, regions)
 
     need_res = 0 if n_resident is None else n_resident

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -38,6 +39,25 @@ class Prompt:
     def label(self) -> str:
         src = self.token_file or self.hidden_file
         return f"{self.tokens} tokens" + (f" ({src.name})" if src else "")
+
+    def token_ids(self, vocab: int, seed: int) -> np.ndarray:
+        """int64 [tokens] for a whole model: the token file's ids, or seeded ids for a length
+        (each prompt its own, so a run never reuses a cached prefix)."""
+        if self.hidden_file is not None:
+            raise ConfigError(f"prompt {self.index + 1}: a whole model takes tokens, not hidden "
+                              "states", source=str(self.hidden_file))
+        if self.token_file is not None:
+            return read_token_file(self.token_file, vocab).astype(np.int64)
+        rng = np.random.default_rng([seed, self.index, 0x70C])
+        return rng.integers(0, vocab, self.tokens, dtype=np.int64)
+
+    def engine_input(self, engine: Any, seed: int) -> np.ndarray:
+        """What engine.prefill takes for this prompt: token ids for a whole model, hidden
+        states for MoE layers alone."""
+        spec = engine.qwen3_spec
+        if spec is not None:
+            return self.token_ids(spec.vocab, seed)
+        return self.hidden_states(engine.model.spec.hidden, seed)
 
     def hidden_states(self, hidden: int, seed: int) -> np.ndarray:
         """float32 [tokens, hidden], C-contiguous: what Engine.prefill takes."""

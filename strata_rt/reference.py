@@ -95,7 +95,9 @@ class ReferenceBackend:
                  whole: Qwen3Model | None = None):
         self.model, self.store, self.cfg = model, store, cfg
         #: a whole model's attention, KV cache and head (None: MoE layers alone)
-        self.dense = ReferenceDense(whole) if whole is not None else None
+        self.dense = ReferenceDense(whole, cfg.context) if whole is not None else None
+        if self.dense is not None:
+            self.kv_capacity = self.dense.kv_capacity
         self._start: int | None = None
         self._logits: np.ndarray | None = None
         self.spec, self.fmt, self.lay = model.spec, model.fmt, model.layout

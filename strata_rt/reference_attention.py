@@ -24,10 +24,12 @@ if TYPE_CHECKING:
 class ReferenceDense:
     """Attention of one layer over (cache + chunk) and the output head, on host arrays."""
 
-    def __init__(self, whole: Qwen3Model):
+    def __init__(self, whole: Qwen3Model, context: int | None = None):
         self.ref = Qwen3Reference(whole, np.float32)
         self.spec = whole.spec
-        self.cache: KVCache = self.ref.new_cache()
+        self.cache: KVCache = self.ref.new_cache(context)
+        #: positions the cache holds at most
+        self.kv_capacity = self.cache.max_tokens
         self._tables: tuple[int, int, np.ndarray, np.ndarray] | None = None
 
     def _rope(self, start: int, tokens: int) -> tuple[np.ndarray, np.ndarray]:

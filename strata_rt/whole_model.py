@@ -69,7 +69,8 @@ def load_model(m: Model | Qwen3Model | MoESpec | dict[str, Any]
             spec = qwen3_spec(m["qwen3"])
             whole = Qwen3Model.synthetic(spec, int(m.get("seed", 0)), m.get("format", "fp16"),
                                          tied=bool(m.get("tied", False)),
-                                         dense_type=m.get("dense_type", "F32"))
+                                         dense_type=m.get("dense_type", "F32"),
+                                         pool_layers=m.get("pool_layers"))
             return whole.moe, whole
         if "gguf" in m:
             fmt = m.get("format")

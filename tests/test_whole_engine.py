@@ -131,3 +131,22 @@ def test_named_synthetic_model_and_its_tokenizer():
         ids = tok.encode("hello world")
         logits, _ = eng.prefill(ids)
         assert logits.shape == (eng.qwen3_spec.vocab,) and np.isfinite(logits).all()
+
+
+def test_strata_run_on_the_tiny_whole_model(tmp_path, capsys):
+    """`strata run` prefills a whole model's prompts from an empty cache each time (seeded
+    token ids) and reports them; the JSON carries every run."""
+    import json
+    from pathlib import Path
+
+    from strata_rt.cli import main
+
+    config = Path(__file__).resolve().parent.parent / "configs" / "tiny-qwen3moe.yaml"
+    out = tmp_path / "run.json"
+    assert main(["-q", "run", str(config), "--backend", "reference", "--prompts", "5,40",
+                 "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "whole model: 4 query / 2 KV heads of 64, vocab 512" in text
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["tokens"] for r in runs] == [5, 40]
+    assert all(r["stats"]["chunks"] == 1 for r in runs)

@@ -129,7 +129,9 @@ def resident_count(engine: Any) -> int:
 
 
 def measure(engine: Any, hidden, progress: Progress | None, label: str):
-    """One prefill timed with a host clock around the whole call (what a user waits for)."""
+    """One prefill timed with a host clock around the whole call (what a user waits for). A
+    whole model starts each prompt from an empty KV cache."""
+    engine.reset()
     if progress is not None:
         progress.start(label)
     t0 = time.perf_counter()
@@ -144,6 +146,10 @@ def measure(engine: Any, hidden, progress: Progress | None, label: str):
 def describe(cfg: Config, backend: str) -> str:
     g = cfg.spec
     model = str(cfg.gguf) if cfg.gguf else f"synthetic (seed {cfg.model_seed})"
+    w = cfg.whole
+    whole = "" if w is None else (
+        f" whole model: {w.n_heads} query / {w.n_kv_heads} KV heads of {w.head_dim}, "
+        f"vocab {w.vocab}, KV cache {cfg.context or w.context} positions;")
     return (f"model {model}: {g.n_layers} layers, {g.n_experts} experts, top-{g.top_k}, "
-            f"hidden {g.hidden}, ffn {g.ffn}; format {g.format}; backend {backend}; "
+            f"hidden {g.hidden}, ffn {g.ffn};{whole} format {g.format}; backend {backend}; "
             f"prefill {cfg.prefill}")

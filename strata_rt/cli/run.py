@@ -73,7 +73,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             n = len(cfg.prompts)
             for rep in range(cfg.repeats):
                 for prompt in cfg.prompts:
-                    h = prompt.hidden_states(cfg.spec.hidden, cfg.seed)
+                    h = prompt.engine_input(engine, cfg.seed)
                     label = f"prompt {prompt.index + 1}/{n} ({prompt.label})"
                     _, stats, wall = measure(engine, h, progress, label)
                     s = stats.as_dict()
@@ -147,7 +147,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             launches = {}
             for value in ("0", "1"):  # compile and first allocations, outside the timing
                 set_switch(engine, switch, value)
-                _, stats = engine.prefill(warm.hidden_states(cfg.spec.hidden, cfg.seed))
+                engine.reset()
+                _, stats = engine.prefill(warm.engine_input(engine, cfg.seed))
                 launches[value] = (stats.gathers_launched, stats.mmq_launches)
             same = launches["0"] == launches["1"]
             if same:
@@ -156,7 +157,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                             "prefills, so A and B ran the same code", switch, launches["0"])
             doc.update(hardware=hardware_line(), backend=backend, arms_differ=not same)
             for prompt in cfg.prompts:
-                h = prompt.hidden_states(cfg.spec.hidden, cfg.seed)
+                h = prompt.engine_input(engine, cfg.seed)
                 times = runs.setdefault(prompt.index, {"A": [], "B": []})
                 for _ in range(args.pairs):
                     for arm, value in (("A", "0"), ("B", "1")):
@@ -197,7 +198,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     try:
         with open_engine(cfg, progress) as engine:
             for prompt in cfg.prompts:
-                h = prompt.hidden_states(cfg.spec.hidden, cfg.seed)
+                h = prompt.engine_input(engine, cfg.seed)
+                engine.reset()
                 progress.start(f"profile prompt {prompt.index + 1} ({prompt.label})")
                 try:
                     _, stats = engine.prefill(h, record_routing=True)

@@ -1,0 +1,94 @@
+"""The config keys of a whole Qwen3-MoE model (token ids in, logits out).
+
+A synthetic model becomes whole when `model.synthetic` names its attention and vocabulary
+(`n_heads`, `n_kv_heads`, `head_dim`, `vocab`; optional `rope_theta`, `context`, `tied`,
+`dense_type`, and `pool_layers`: draw that many distinct dense layers and repeat them, for the
+large shapes); a GGUF is whole when it carries `token_embd.weight` (its keys give the rest).
+The top-level `context` caps the KV cache (default: the model's context length), which is
+what sizes its VRAM.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .errors import ConfigError
+from .qwen3.gguf_full import read_qwen3_spec
+from .qwen3.spec import Qwen3Spec
+from .whole_model import is_whole_gguf
+
+if TYPE_CHECKING:
+    from .config_schema import Problems
+    from .model import MoESpec
+
+#: the keys that make a synthetic model whole (all four, or none)
+WHOLE_REQUIRED = ("n_heads", "n_kv_heads", "head_dim", "vocab")
+WHOLE_OPTIONAL = ("rope_theta", "context", "tied", "dense_type", "pool_layers")
+WHOLE_KEYS = WHOLE_REQUIRED + WHOLE_OPTIONAL
+#: dense tensor types a synthetic whole model may store (norms stay F32)
+DENSE_TYPES = ("F32", "F16", "BF16", "Q8_0")
+
+
+def check_whole(p: Problems, doc: dict, geom: MoESpec | None, gguf: Path | None
+                ) -> tuple[Qwen3Spec | None, dict[str, Any]]:
+    """-> (the whole model's spec or None for MoE layers alone, synthetic options
+    {tied, dense_type})."""
+    if geom is None:
+        return None, {}
+    if gguf is not None:
+        if not is_whole_gguf(gguf):
+            return None, {}
+        spec, _ = read_qwen3_spec(gguf)  # a broken file raises GGUFError (exit code 1)
+        return spec, {}
+    syn = doc["model"]["synthetic"]
+    given = [k for k in WHOLE_REQUIRED if k in syn]
+    if not given:
+        extra = [k for k in WHOLE_OPTIONAL if k in syn]
+        if extra:
+            p.add(f"model.synthetic.{extra[0]}", syn[extra[0]],
+                  f"only for a whole model: give {', '.join(WHOLE_REQUIRED)} too")
+        return None, {}
+    missing = [k for k in WHOLE_REQUIRED if k not in syn]
+    if missing:
+        p.add("model.synthetic", {k: syn[k] for k in given},
+              f"a whole model needs all of {', '.join(WHOLE_REQUIRED)}; missing "
+              f"{', '.join(missing)}")
+        return None, {}
+    options = {"tied": syn.get("tied", False), "dense_type": syn.get("dense_type", "F32")}
+    if "pool_layers" in syn:
+        pool = syn["pool_layers"]
+        if isinstance(pool, bool) or not isinstance(pool, int) or pool < 1:
+            p.add("model.synthetic.pool_layers", pool, "expected a number of layers >= 1")
+        else:
+            options["pool_layers"] = pool
+    if not isinstance(options["tied"], bool):
+        p.add("model.synthetic.tied", options["tied"], "expected true or false")
+    if options["dense_type"] not in DENSE_TYPES:
+        p.add("model.synthetic.dense_type", options["dense_type"],
+              f"allowed: {', '.join(DENSE_TYPES)}")
+    fields = {k: syn[k] for k in WHOLE_REQUIRED + ("rope_theta", "context") if k in syn}
+    try:
+        spec = Qwen3Spec(n_layers=geom.n_layers, hidden=geom.hidden, ffn=geom.ffn,
+                         n_experts=geom.n_experts, top_k=geom.top_k, rms_eps=geom.rms_eps,
+                         **fields)
+    except ConfigError as e:
+        for problem in e.problems:
+            p.items.append(f"model.synthetic: {problem}")
+        return None, {}
+    return spec, options
+
+
+def check_context(p: Problems, doc: dict, whole: Qwen3Spec | None) -> int | None:
+    """The top-level `context` (KV-cache positions), None when absent."""
+    if "context" not in doc:
+        return None
+    v = doc["context"]
+    if whole is None:
+        p.add("context", v, "only for a whole model (MoE layers alone keep no KV cache)")
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        p.add("context", v, f"expected KV-cache positions, 1..{whole.context} or more")
+        return None
+    return v
+

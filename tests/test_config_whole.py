@@ -1,0 +1,138 @@
+"""Config keys of a whole model: which keys make a synthetic model whole, what is refused, the
+KV context, and the budget that counts the dense part first."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from strata_rt.config import load_config
+from strata_rt.memory_plan import plan_memory
+from strata_rt.qwen3 import Qwen3Model, TINY_SPEC, write_qwen3_gguf
+from strata_rt.registry import registry
+from strata_rt.runtime.memory import MIB
+from strata_rt.whole_memory import DenseSlot, kv_bytes
+from test_config import DROP, GOOD, only, problems, with_, write
+
+WHOLE = {"n_heads": 4, "n_kv_heads": 2, "head_dim": 64, "vocab": 500}
+
+
+def whole(**changes) -> dict:
+    doc = with_(**changes)
+    doc["model"]["synthetic"].update({k: v for k, v in WHOLE.items()
+                                      if k not in doc["model"]["synthetic"]})
+    return doc
+
+
+def test_whole_keys_make_a_whole_model(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, whole(context=1500)))
+    assert cfg.whole is not None and cfg.whole.vocab == 500 and cfg.whole.n_heads == 4
+    assert cfg.whole.hidden == GOOD["model"]["synthetic"]["hidden"]
+    assert cfg.context == 1500 and cfg.whole_sizes == (cfg.whole, 1500)
+    ecfg = cfg.engine_config()
+    assert ecfg.model["qwen3"] == cfg.whole and ecfg.context == 1500
+    moe_only = load_config(write(tmp_path, GOOD))
+    assert moe_only.whole is None and moe_only.engine_config().model.keys() == {"spec", "seed"}
+
+
+def test_partial_whole_keys_are_refused(tmp_path: Path) -> None:
+    doc = with_()
+    doc["model"]["synthetic"].update(n_heads=4, vocab=500)
+    msg = only(tmp_path, doc)
+    assert "needs all of n_heads, n_kv_heads, head_dim, vocab" in msg
+    assert "missing n_kv_heads, head_dim" in msg
+    doc = with_()
+    doc["model"]["synthetic"]["rope_theta"] = 1e6
+    assert "only for a whole model" in only(tmp_path, doc)
+
+
+def test_bad_whole_values(tmp_path: Path) -> None:
+    found = problems(tmp_path, whole(model__synthetic__n_kv_heads=3,
+                                     model__synthetic__dense_type="Q4_X",
+                                     model__synthetic__pool_layers=0))
+    text = "\n".join(found)
+    assert "n_heads=4 is not a multiple of n_kv_heads=3" in text
+    assert "dense_type: got 'Q4_X'; allowed: F32, F16, BF16, Q8_0" in text
+    assert "pool_layers: got 0" in text
+
+
+def test_context_key(tmp_path: Path) -> None:
+    assert "only for a whole model" in only(tmp_path, with_(context=100))
+    assert "expected KV-cache positions" in only(tmp_path, whole(context=0))
+
+
+def test_whole_model_refuses_hidden_state_prompts(tmp_path: Path) -> None:
+    import numpy as np
+
+    np.save(tmp_path / "h.npy", np.zeros((3, 512), np.float32))
+    msg = only(tmp_path, whole(prompts=[{"hidden_file": "h.npy"}]))
+    assert "a whole model takes tokens" in msg
+
+
+def test_token_files_are_checked_against_the_vocabulary(tmp_path: Path) -> None:
+    (tmp_path / "ids.txt").write_text("1 2 499 500\n")
+    msg = only(tmp_path, whole(prompts=[{"file": "ids.txt"}]))
+    assert "500" in msg
+
+
+def test_whole_gguf_is_detected(tmp_path: Path) -> None:
+    path = write_qwen3_gguf(tmp_path / "tiny.gguf", Qwen3Model.synthetic(TINY_SPEC, 1, "fp16"))
+    doc = {"model": {"gguf": str(path)}, "format": "fp16", "backend": "reference",
+           "expert_cache": 0, "prompts": [3]}
+    cfg = load_config(write(tmp_path, doc))
+    assert cfg.whole == TINY_SPEC and cfg.engine_config().model["gguf"] == str(path)
+
+
+def test_budget_counts_dense_weights_kv_and_head_first(tmp_path: Path) -> None:
+    """Under vram_budget_mib a whole model's dense slots, head, RoPE tables and KV cache come
+    out of the budget before any expert is made resident."""
+    fmt = registry()["iq3_xxs"]
+    budget = 90
+    cfg = load_config(write(tmp_path, whole(expert_cache=DROP, vram_budget_mib=budget,
+                                            context=1024, prefill=256,
+                                            model__synthetic__vocab=4000)))
+    moe = load_config(write(tmp_path, with_(expert_cache=DROP, vram_budget_mib=budget,
+                                            prefill=256)))
+    plan, moe_plan = cfg.memory_plan(fmt), moe.memory_plan(fmt)
+    assert plan is not None and moe_plan is not None
+    spec = cfg.whole
+    assert plan.regions["dense"] == spec.n_layers * DenseSlot.of(spec).nbytes
+    assert plan.regions["kv"] == kv_bytes(spec, 1024)
+    assert plan.regions["head"] == spec.vocab * spec.hidden * 2
+    slot = fmt.layout(spec.hidden, spec.ffn).slot_bytes
+    assert 0 < plan.n_resident < moe_plan.n_resident
+    # the experts fill what the dense part left: one more would not fit
+    assert plan.total <= budget * MIB < plan.total + 2 * slot
+
+
+def test_dense_slot_layout_is_aligned_and_holds_every_weight() -> None:
+    s = DenseSlot.of(TINY_SPEC)
+    offsets = [s.wqkv, s.wo, s.attn_norm, s.q_norm, s.k_norm]
+    assert offsets == sorted(offsets) and all(o % 256 == 0 for o in offsets)
+    H, q, kv, hd = TINY_SPEC.hidden, TINY_SPEC.q_dim, TINY_SPEC.kv_dim, TINY_SPEC.head_dim
+    assert s.wo - s.wqkv >= (q + 2 * kv) * H * 2 and s.attn_norm - s.wo >= H * q * 2
+    assert s.nbytes >= s.k_norm + hd * 4
+
+
+def test_plan_memory_without_whole_is_unchanged() -> None:
+    from strata_rt.model import MoESpec
+
+    spec = MoESpec(n_layers=2, hidden=256, ffn=256, n_experts=8, top_k=2, format="fp16")
+    fmt = registry()["fp16"]
+    lay = fmt.layout(256, 256)
+    a = plan_memory(spec, lay, fmt.activation, 1 << 40, 8, 64, 0)
+    b = plan_memory(spec, lay, fmt.activation, 1 << 40, 8, 64, 0, whole=(TINY_SPEC, 128))
+    assert set(b.regions) - set(a.regions) >= {"dense", "kv", "head", "qkv", "attn_out"}
+    assert all(b.regions[k] == v for k, v in a.regions.items())
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3moe.yaml", "qwen3-30b-a3b-whole.yaml",
+                                  "qwen3-235b-a22b-whole.yaml"])
+def test_bundled_whole_configs(name: str, monkeypatch) -> None:
+    monkeypatch.setenv("STRATA_HOST_MEMORY_CHECK", "0")
+    cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / name)
+    assert cfg.whole is not None
+    if "235b" in name:
+        plan = cfg.memory_plan(registry()[cfg.spec.format])
+        assert plan is not None and plan.n_resident > 0 and plan.total <= 32768 * MIB
