@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .runtime.memory import align_up
 from .qwen3.spec import Qwen3Spec
+from .runtime.memory import align_up
 
 #: rows of the output head one GEMM computes (all-position logits go in slices of this many)
 LOGIT_ROWS = 64

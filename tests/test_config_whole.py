@@ -6,14 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from test_config import DROP, GOOD, only, problems, with_, write
 
 from strata_rt.config import load_config
 from strata_rt.memory_plan import plan_memory
-from strata_rt.qwen3 import Qwen3Model, TINY_SPEC, write_qwen3_gguf
+from strata_rt.qwen3 import TINY_SPEC, Qwen3Model, write_qwen3_gguf
 from strata_rt.registry import registry
 from strata_rt.runtime.memory import MIB
 from strata_rt.whole_memory import DenseSlot, kv_bytes
-from test_config import DROP, GOOD, only, problems, with_, write
 
 WHOLE = {"n_heads": 4, "n_kv_heads": 2, "head_dim": 64, "vocab": 500}
 

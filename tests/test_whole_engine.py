@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_qwen3_reference import FIXTURES, GOLDEN, PARITY_NMSE, build_case
 
 from strata_rt.engine import Engine
 from strata_rt.errors import ConfigError
 from strata_rt.numerics import nmse
 from strata_rt.plan import Attention, LayerBegin
 from strata_rt.qwen3 import Qwen3Model, Qwen3Reference, Qwen3Spec, write_qwen3_gguf
-from test_qwen3_reference import FIXTURES, GOLDEN, PARITY_NMSE, build_case
 
 #: small enough for 1,100-token prompts on the reference backend in seconds
 SMALL = Qwen3Spec(n_layers=2, hidden=256, n_heads=4, n_kv_heads=2, head_dim=32, vocab=300,
