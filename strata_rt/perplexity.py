@@ -172,7 +172,7 @@ def perplexity(session: LogitsSession, token_ids: Sequence[int] | np.ndarray, ct
                 progress.end()
         w = Window(start=lo, tokens=hi - lo, nll=nll, seconds=time.perf_counter() - t0)
         result.windows.append(w)
-        log.info("window %d/%d: %d tokens, perplexity %.4f (%.2f s)", i + 1, len(spans),
+        log.debug("window %d/%d: %d tokens, perplexity %.4f (%.2f s)", i + 1, len(spans),
                  w.tokens, w.perplexity, w.seconds)
     session.reset()
     return result

@@ -13,10 +13,10 @@ from pathlib import Path
 
 from .. import __version__, env, log
 from ..errors import StrataError
-from . import inspect, plugins, run
+from . import generate, inspect, perplexity, plugins, run
 from .common import cuda_version, hardware_line
 
-COMMAND_MODULES = (run, inspect, plugins)
+COMMAND_MODULES = (run, generate, perplexity, inspect, plugins)
 
 
 def build_parser() -> argparse.ArgumentParser:

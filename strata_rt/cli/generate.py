@@ -1,0 +1,185 @@
+"""`strata generate`: a prompt in, the model's greedy continuation out, printed as it is produced
+and followed by the timing summary (time to first token, prefill and decode tokens/s, experts
+and bytes streamed).
+
+Also the pieces `strata perplexity` shares: reading a text file given on the command line and
+the tokenizer of a config's model, both failing with a message rather than a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError, GGUFError
+from ..runtime.memory import MIB
+from .common import hardware_line, load, open_engine, output_arg, progress_for, write_json
+
+log = logging.getLogger(__name__)
+
+#: what reads as a control token in a prompt (Qwen's `<|im_start|>` family)
+SPECIAL_LIKE = re.compile(r"<\|[^<>|\s]{1,64}\|>")
+
+
+def read_text(option: str, value: str) -> str:
+    """The UTF-8 text of a file named on the command line (ConfigError when it cannot be)."""
+    path = Path(value).expanduser()
+    if not path.exists():
+        raise ConfigError(f"{option}: {value}: no such file", source="command line")
+    if path.is_dir():
+        raise ConfigError(f"{option}: {value} is a folder; expected a UTF-8 text file",
+                          source="command line")
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{option}: {value} is not UTF-8 text (byte {e.start}: {e.reason})",
+                          source="command line") from None
+    except OSError as e:
+        raise ConfigError(f"{option}: {value}: cannot read it ({e.strerror or e})",
+                          source="command line") from None
+
+
+def model_tokenizer(engine: Any):
+    """The engine model's tokenizer; a GGUF that carries none (or a broken one) is the user's
+    input, so it exits 2 with the file's message."""
+    from ..tokenizer import TokenizerError
+
+    try:
+        return engine.tokenizer()
+    except GGUFError as e:
+        raise ConfigError(f"{e}; text in and out needs the tokenizer.ggml.* keys (GGUFs "
+                          "converted by llama.cpp carry them)", source="tokenizer") from None
+    except TokenizerError as e:
+        raise ConfigError(str(e), source="tokenizer") from None
+
+
+def unknown_specials(text: str, tokenizer: Any) -> list[str]:
+    """The `<|...|>` pieces of text that are not tokens of the vocabulary, in order, once."""
+    known = tokenizer.special_tokens
+    found = [m.group(0) for m in SPECIAL_LIKE.finditer(text)]
+    return list(dict.fromkeys(t for t in found if t not in known))
+
+
+def prompt_ids(args: argparse.Namespace, text: str, tokenizer: Any) -> list[int]:
+    where = "--prompt-file" if args.prompt_file is not None else "--prompt"
+    if not text:
+        raise ConfigError(f"{where}: the prompt is empty; give some text to continue",
+                          source="command line")
+    if not args.no_special:
+        unknown = unknown_specials(text, tokenizer)
+        if unknown:
+            known = ", ".join(sorted(tokenizer.special_tokens)) or "none"
+            raise ConfigError(f"{where}: {', '.join(unknown)} is not a special token of this "
+                              f"vocabulary (it has: {known}); --no-special reads such text as "
+                              "plain text", source="prompt")
+    return tokenizer.encode(text, parse_special=not args.no_special)
+
+
+def summary_lines(r: Any) -> list[str]:
+    ttft = "-" if r.ttft_s is None else f"{r.ttft_s * 1e3:,.1f} ms"
+    decode = "-" if r.decode_tokens_per_s is None else f"{r.decode_tokens_per_s:,.1f}"
+    host = "" if r.host_fraction is None else \
+        f"; host {r.host_fraction * 100:.0f}% of each decode step's wall time"
+    return [f"prompt tokens: {r.prompt_tokens}; generated: {len(r.ids)} (stop: {r.stop})",
+            f"time to first token: {ttft}; prefill: {r.prefill_tokens_per_s:,.1f} tokens/s; "
+            f"decode: {decode} tokens/s{host}",
+            f"experts streamed: {r.experts_streamed:,} ({r.bytes_streamed / MIB:,.1f} MiB)"]
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from ..generate import EngineSession, check_request, greedy
+
+    if args.tokens < 0:
+        raise ConfigError(f"-n: got {args.tokens}; expected a number of new tokens >= 0 (0 "
+                          "prefills the prompt only)", source="command line")
+    target = output_arg("--json", args.json) if args.json else None
+    text = args.prompt if args.prompt is not None else read_text("--prompt-file",
+                                                                 args.prompt_file)
+    cfg = load(args)
+    progress = progress_for(args)
+    out = sys.stdout
+    with open_engine(cfg, progress) as engine:
+        session = EngineSession(engine)
+        tokenizer = model_tokenizer(engine)
+        ids = prompt_ids(args, text, tokenizer)
+        check_request(session, len(ids), args.tokens)
+        eos = None if args.ignore_eos else tokenizer.eos_token_id
+        log.info("backend %s; prompt of %d tokens; up to %d new tokens%s",
+                 engine.config.backend, len(ids), args.tokens,
+                 "" if eos is None else f", stopping at {tokenizer.describe(eos)}")
+        stream = tokenizer.stream(skip_special=True)
+
+        def on_token(token: int) -> None:
+            if progress.enabled:  # the prefill's line: decode steps draw none
+                progress.end()
+                progress.enabled = False
+            out.write(f"{token} " if args.ids else stream.push(token))
+            out.flush()
+
+        progress.start(f"prefill of {len(ids)} tokens")
+        try:
+            result = greedy(session, ids, args.tokens, eos, on_token)
+        finally:
+            progress.end()
+        tail = "" if args.ids else stream.flush()
+        out.write(tail + ("\n" if result.ids else ""))
+        backend = engine.config.backend
+    for line in summary_lines(result):
+        print(line)
+    if target is not None:
+        write_json(target, {"command": " ".join(sys.argv), "config": str(cfg.source),
+                            "backend": backend, "hardware": hardware_line(),
+                            "prompt_ids": list(ids), "text": tokenizer.decode(result.ids),
+                            "eos_id": eos, "complete": result.stop != "interrupted",
+                            **result.as_dict()})
+    if result.stop == "interrupted":
+        print(f"strata generate: interrupted after {len(result.ids)} of {args.tokens} tokens",
+              file=sys.stderr)
+        return 130
+    return 0
+
+
+EPILOG = """examples:
+  strata generate configs/tiny-qwen3moe.yaml --prompt "The experts stream" -n 24
+  strata generate configs/tiny-qwen3moe.yaml --prompt-file prompt.txt --ids --json gen.json
+  strata generate model.yaml -n 64 --prompt "<|im_start|>user
+Why is the sky blue?<|im_end|>
+<|im_start|>assistant
+"
+
+prints the continuation as it is produced (control tokens left out; --ids prints token ids),
+then the prompt tokens, time to first token, prefill and decode tokens/s and the experts and
+bytes streamed. Greedy: the most likely token at each step, one step per token on the KV cache
+the prompt left. Stops at the model's EOS token (--ignore-eos: always -n tokens). -n 0 prefills
+the prompt only and prints its timing. Prompt + -n tokens must fit the model's context.
+Special tokens written in the prompt (<|im_start|>) become their ids; a <|...|> the vocabulary
+lacks is an error (--no-special reads them as plain text). Ctrl-C keeps what was produced and
+prints the summary (exit 130)."""
+
+
+def register(command) -> None:
+    """Adds `generate`; `command(name, help, epilog)` makes a parser."""
+    p = command("generate", "greedy text generation after a prompt, with timing", EPILOG)
+    p.add_argument("config", help="YAML run config of a whole model (see configs/)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", metavar="TEXT", help="the prompt text")
+    src.add_argument("--prompt-file", metavar="FILE", help="read the prompt from a UTF-8 file "
+                     "(as is, final newline included)")
+    p.add_argument("-n", "--tokens", type=int, default=24, metavar="N",
+                   help="new tokens to generate (default 24; 0: prefill only)")
+    p.add_argument("--ids", action="store_true", help="print token ids instead of text")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="do not stop at the EOS token: always generate N tokens")
+    p.add_argument("--no-special", action="store_true",
+                   help="read <|...|> in the prompt as plain text, not as special tokens")
+    p.add_argument("--backend", choices=("cuda", "reference"), help="override `backend`")
+    p.add_argument("--json", metavar="PATH",
+                   help="write the prompt and generated ids, the text and the timing here")
+    p.set_defaults(func=cmd_generate)
+
+
+__all__ = ["model_tokenizer", "read_text", "register"]

@@ -1,0 +1,104 @@
+"""`strata perplexity`: the perplexity of a text file under a config's whole model, over
+non-overlapping windows (strata_rt.perplexity), with a per-window table and JSON."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from ..errors import ConfigError
+from .common import (
+    hardware_line,
+    load,
+    markdown_table,
+    open_engine,
+    output_arg,
+    progress_for,
+    write_json,
+)
+from .generate import model_tokenizer, read_text
+
+#: the window when --ctx is not given (llama.cpp's perplexity default), capped at the context
+DEFAULT_CTX = 512
+#: windows up to this many are printed as a table; more are summarised (the JSON has them all)
+TABLE_WINDOWS = 32
+
+
+def window_rows(result: Any) -> list[list[Any]]:
+    return [[i + 1, w.start, w.tokens, f"{w.nll / w.predicted:.4f}", f"{w.perplexity:,.4f}",
+             f"{w.seconds:.2f}"] for i, w in enumerate(result.windows)]
+
+
+def cmd_perplexity(args: argparse.Namespace) -> int:
+    from ..generate import EngineSession
+    from ..perplexity import check_ctx, perplexity
+
+    if args.ctx is not None and args.ctx < 2:
+        raise ConfigError(f"--ctx: got {args.ctx}; a window needs at least 2 tokens",
+                          source="command line")
+    target = output_arg("--json", args.json) if args.json else None
+    text = read_text("--file", args.file)
+    if not text:
+        raise ConfigError(f"--file: {args.file} is empty; perplexity needs text",
+                          source="command line")
+    cfg = load(args)
+    progress = progress_for(args)
+    with open_engine(cfg, progress) as engine:
+        session = EngineSession(engine)
+        tokenizer = model_tokenizer(engine)
+        ctx = args.ctx if args.ctx is not None else min(DEFAULT_CTX, session.context)
+        if ctx > session.context:
+            raise ConfigError(f"--ctx: got {ctx}; the model's context holds "
+                              f"{session.context} tokens", source="command line")
+        # a corpus is text: control-token markup in it is scored as the characters it is
+        ids = tokenizer.encode(text, parse_special=False)
+        check_ctx(ctx, session.context, len(ids))
+        result = perplexity(session, ids, ctx, progress)
+        backend = engine.config.backend
+    if len(result.windows) <= TABLE_WINDOWS:
+        print(markdown_table(["window", "first token", "tokens", "mean NLL", "perplexity",
+                              "seconds"], window_rows(result)))
+    elif result.windows:
+        each = sorted(w.perplexity for w in result.windows)
+        print(f"{len(each)} windows: perplexity from {each[0]:,.4f} to {each[-1]:,.4f} "
+              f"(median {each[len(each) // 2]:,.4f}); --json keeps every window's values")
+    ppl = result.perplexity
+    print(f"perplexity: {ppl:,.4f} over {result.predicted:,} predicted tokens of "
+          f"{result.tokens:,} in {len(result.windows)} window(s) of up to {ctx} tokens "
+          f"({result.tokens_per_s:,.0f} tokens/s, backend {backend})")
+    if target is not None:
+        write_json(target, {"command": " ".join(sys.argv), "config": str(cfg.source),
+                            "file": str(args.file), "backend": backend,
+                            "hardware": hardware_line(), **result.as_dict()})
+    if result.interrupted:
+        print(f"strata perplexity: interrupted after {len(result.windows)} window(s); the "
+              "perplexity above covers those", file=sys.stderr)
+        return 130
+    return 0
+
+
+EPILOG = """examples:
+  strata perplexity configs/tiny-qwen3moe.yaml --file README.md --ctx 128
+  strata perplexity model.yaml --file wiki.test.raw --ctx 512 --json ppl.json
+
+cuts the file's tokens into non-overlapping windows of --ctx tokens (default 512, at most the
+model's context); each window starts from an empty KV cache and scores tokens 2..n of the
+window from all positions' logits (log-softmax in float64). A last window shorter than --ctx
+is kept when it has 2 tokens or more. Prints each window's mean NLL and perplexity and the
+total, exp(total NLL / predicted tokens). The text is read as plain text: <|...|> markup is
+scored as characters. llama.cpp's perplexity scores only the second half of each window, so
+its figures are not comparable one to one. Ctrl-C keeps the finished windows (exit 130)."""
+
+
+def register(command) -> None:
+    """Adds `perplexity`; `command(name, help, epilog)` makes a parser."""
+    p = command("perplexity", "perplexity of a text file over non-overlapping windows", EPILOG)
+    p.add_argument("config", help="YAML run config of a whole model (see configs/)")
+    p.add_argument("--file", required=True, metavar="TEXT", help="UTF-8 text file to score")
+    p.add_argument("--ctx", type=int, metavar="N",
+                   help=f"tokens per window (default {DEFAULT_CTX} or the model's context if "
+                        "smaller; 2 to the context)")
+    p.add_argument("--backend", choices=("cuda", "reference"), help="override `backend`")
+    p.add_argument("--json", metavar="PATH", help="write the per-window values and the total")
+    p.set_defaults(func=cmd_perplexity)
