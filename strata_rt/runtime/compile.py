@@ -179,9 +179,12 @@ class KernelOwner(Protocol):
 
 
 def kernel_jobs(owners: Iterable[KernelOwner]) -> list[tuple[str, Path]]:
-    """(owner, source) for every .cu under kernels/common and every owner's sources, each
-    source once (the first owner that lists it)."""
+    """(owner, source) for every .cu under kernels/common (owner "common") and kernels/model
+    (owner "model": the whole model's attention and dense kernels) and every owner's sources,
+    each source once (the first owner that lists it)."""
     jobs = {p.resolve(): "common" for p in sorted((KERNELS_ROOT / "common").glob("*.cu"))}
+    for p in sorted((KERNELS_ROOT / "model").glob("*.cu")):
+        jobs.setdefault(p.resolve(), "model")
     for owner in owners:
         for p in owner.kernel_sources():
             jobs.setdefault(Path(p).resolve(), owner.name)
