@@ -10,8 +10,9 @@ Nothing is loaded when this module is imported: the library is looked up the fir
 freely. A missing library is a CublasError naming every path tried.
 
 Capture safety: the handle gets a workspace the caller allocated (cublasSetWorkspace), so
-cuBLAS never allocates while a CUDA graph is being captured; the stream is set on every call,
-so one handle serves any stream; scalars are host values (pointer mode host).
+cuBLAS never allocates while a CUDA graph is being captured; the stream is set whenever a call
+names another one (and the workspace again right after, since cublasSetStream resets it), so
+one handle serves any stream; scalars are host values (pointer mode host).
 
 Determinism: cuBLAS gives the same bytes run after run for the same shapes, stream-ordered on
 the same GPU model and library version; it does not promise that a row's result is
@@ -181,9 +182,10 @@ class Cublas:
         _check(lib.cublasCreate_v2(ctypes.byref(handle)),
                "cublasCreate (is a CUDA context current?)")
         self._handle: ctypes.c_void_p | None = handle
+        self._workspace, self._workspace_bytes = workspace, workspace_bytes
+        self._stream: int | None = None  # the stream last set (None: not yet)
         try:
-            _check(lib.cublasSetWorkspace_v2(handle, ctypes.c_void_p(workspace or None),
-                                             workspace_bytes), "cublasSetWorkspace")
+            self._set_workspace()
             _check(lib.cublasSetPointerMode_v2(handle, CUBLAS_POINTER_MODE_HOST),
                    "cublasSetPointerMode")
             _check(lib.cublasSetMathMode(
@@ -196,6 +198,11 @@ class Cublas:
         self._one, self._zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
         if owner is not None:
             owner._own(self)
+
+    def _set_workspace(self) -> None:
+        _check(library().cublasSetWorkspace_v2(self._handle,
+                                               ctypes.c_void_p(self._workspace or None),
+                                               self._workspace_bytes), "cublasSetWorkspace")
 
     def gemm(self, stream: Stream, x: int, w: int, out: int, rows: int, n_out: int, k: int,
              out_f32: bool, accumulate: bool) -> None:
@@ -219,8 +226,13 @@ class Cublas:
             raise CublasError(f"gemm of {rows} x {k} by {n_out} x {k}: every dimension must "
                               "be positive")
         lib = library()
-        _check(lib.cublasSetStream_v2(self._handle, ctypes.c_void_p(stream.handle or None)),
-               "cublasSetStream")
+        if stream.handle != self._stream:
+            # cublasSetStream resets the handle to cuBLAS's own workspace pool (which may
+            # allocate, even inside a graph capture): ours is set again right after it
+            _check(lib.cublasSetStream_v2(self._handle, ctypes.c_void_p(stream.handle or None)),
+                   "cublasSetStream")
+            self._set_workspace()
+            self._stream = stream.handle
         c_type = CUDA_R_32F if out_f32 else CUDA_R_16F
         beta = self._one if accumulate else self._zero
         _check(lib.cublasGemmEx(

@@ -88,6 +88,66 @@ def test_candidate_paths_order(monkeypatch, tmp_path):
     assert len(paths) == len(set(paths))
 
 
+class _FakeCublas:
+    """Records the calls a Cublas makes; every call succeeds."""
+
+    def __init__(self):
+        self.calls: list[tuple] = []
+
+    def __getattr__(self, name):
+        def call(*args):
+            self.calls.append((name, *args))
+            return 0
+        return call
+
+
+class _Stream:
+    def __init__(self, handle):
+        self.handle = handle
+
+
+def test_cublas_calls(monkeypatch):
+    """Handle setup, the workspace set again after every stream change (cublasSetStream resets
+    it), and GemmEx's column-major arguments for row-major out = x . w^T."""
+    fake = _FakeCublas()
+    monkeypatch.setattr(cublas, "library", lambda: fake)
+    owner = type("Owner", (), {"owned": [], "_own": lambda self, o: self.owned.append(o)})()
+    cb = cublas.Cublas(0x1000, 4096, owner=owner)
+    assert owner.owned == [cb]
+    names = [c[0] for c in fake.calls]
+    assert names[:4] == ["cublasCreate_v2", "cublasSetWorkspace_v2", "cublasSetPointerMode_v2",
+                         "cublasSetMathMode"]
+    assert fake.calls[1][2].value == 0x1000 and fake.calls[1][3] == 4096
+    assert fake.calls[2][2] == cublas.CUBLAS_POINTER_MODE_HOST
+    assert fake.calls[3][2] == cublas.CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION
+    fake.calls.clear()
+    cb.gemm(_Stream(0xA), x=0x2000, w=0x3000, out=0x4000, rows=7, n_out=512, k=256,
+            out_f32=True, accumulate=True)
+    assert [c[0] for c in fake.calls] == ["cublasSetStream_v2", "cublasSetWorkspace_v2",
+                                          "cublasGemmEx"]
+    g = fake.calls[-1]
+    (_, _, ta, tb, m, n, k, alpha, a, at, lda, b, bt, ldb, beta, c, ct, ldc, comp, algo) = g
+    assert (ta, tb, m, n, k) == (cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, 512, 7, 256)
+    assert (a.value, at, lda) == (0x3000, cublas.CUDA_R_16F, 256)  # A = w, k apart
+    assert (b.value, bt, ldb) == (0x2000, cublas.CUDA_R_16F, 256)  # B = x, k apart
+    assert (c.value, ct, ldc) == (0x4000, cublas.CUDA_R_32F, 512)  # C = out, n_out apart
+    assert (comp, algo) == (cublas.CUBLAS_COMPUTE_32F, cublas.CUBLAS_GEMM_DEFAULT)
+    assert alpha._obj.value == 1.0 and beta._obj.value == 1.0
+    fake.calls.clear()
+    cb.gemm(_Stream(0xA), 0x2000, 0x3000, 0x4000, 7, 512, 256, out_f32=False, accumulate=False)
+    assert [c[0] for c in fake.calls] == ["cublasGemmEx"]  # same stream: nothing reset
+    assert fake.calls[0][16] == cublas.CUDA_R_16F and fake.calls[0][14]._obj.value == 0.0
+    fake.calls.clear()
+    cb.gemm(_Stream(0xB), 0x2000, 0x3000, 0x4000, 7, 512, 256, out_f32=True, accumulate=False)
+    assert [c[0] for c in fake.calls] == ["cublasSetStream_v2", "cublasSetWorkspace_v2",
+                                          "cublasGemmEx"]
+    cb.destroy()
+    cb.destroy()  # once only
+    assert [c[0] for c in fake.calls].count("cublasDestroy_v2") == 1
+    with pytest.raises(cublas.CublasError, match="after destroy"):
+        cb.gemm(_Stream(0xB), 0x2000, 0x3000, 0x4000, 7, 512, 256, True, False)
+
+
 @pytest.mark.parametrize("hidden", [256, 1000, 2048, 4096])
 def test_rmsnorm_twin_is_an_rmsnorm(rng, hidden):
     rows = 9
