@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU session in one command: every GPU test, then the benchmarks. Logs, JSON and tables go
 # under $BENCH_OUT (default ./out). Stages run in order; pick them with arguments:
-#   bash bench/gpu_suite.sh tests digests gemm routing formats mmq prefill-quick prefill
+#   bash bench/gpu_suite.sh tests digests gemm routing formats mmq prefill-quick prefill \
+#        attention dense whole-30b whole-235b
 # A failing stage is reported and the next one still runs; the exit code counts failures.
 set -uo pipefail
 out=${BENCH_OUT:-out}
@@ -37,6 +38,12 @@ for what in "${@:-tests}"; do
         prefill-quick) stage bench-prefill-quick python3 bench/bench_prefill.py --layers 8 \
                    --prompts 1030,8179 --pairs 1 --out "$out" ;;
         prefill) stage bench-prefill python3 bench/bench_prefill.py --out "$out" ;;
+        attention) stage bench-attention python3 bench/bench_attention.py --json "$out/attention.json" ;;
+        dense) stage bench-dense python3 bench/bench_dense.py --json "$out/dense.json" ;;
+        whole-30b) stage whole-30b env STRATA_PREFILL_TIMING=1 python3 -m strata_rt.cli run \
+                   configs/qwen3-30b-a3b-whole.yaml --json "$out/whole-30b.json" ;;
+        whole-235b) stage whole-235b env STRATA_HOST_MEMORY_CHECK=0 python3 -m strata_rt.cli run \
+                   configs/qwen3-235b-a22b-whole.yaml --json "$out/whole-235b.json" ;;
         *) echo "unknown stage $what"; failures=$((failures + 1)) ;;
     esac
 done

@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from . import hazards
+from .dense_schedule import DenseSchedule
 from .plan import (
-    Attention,
     ChunkPlan,
     Copy,
     Gather,
@@ -193,13 +193,14 @@ class ChunkDriver:
     def _run_staging(self, T: int, stats: Stats, start: int | None) -> None:
         ex = self.executor
         planner = StagingPlanner(self.spec, self.residency, self.gather_one, tokens=T,
-                                 attention_start=start)
+                                 attention=self._schedule(start))
         checker = (hazards.Checker(STAGING_RING_SLOTS, self.residency)
                    if self.check_plan else None)
         for layer in range(self.spec.n_layers):
             t0 = time.perf_counter()
-            if start is not None:  # attention comes before the routing it feeds
-                ex.execute([Attention(layer, start)], stats, None)
+            pre = planner.attention_ops(layer)  # attention comes before the routing it feeds
+            if pre:
+                ex.execute(pre, stats, None)
             ex.route_layer(layer)
             host = time.perf_counter() - t0
             counts = ex.routed_counts(layer, stats)  # the wait is not host work
@@ -208,7 +209,7 @@ class ChunkDriver:
             lp = planner.plan_layer(layer, np.flatnonzero(counts).tolist())
             if checker is not None:
                 checker.feed(lp.ops)
-            ex.execute((op for op in lp.ops if not isinstance(op, LayerBegin | Attention)),
+            ex.execute((op for op in lp.ops[len(pre):] if not isinstance(op, LayerBegin)),
                        stats, counts)
             add_counts(stats, op_counts(lp.ops), ex.blob_bytes)
             host += time.perf_counter() - t0
@@ -217,6 +218,13 @@ class ChunkDriver:
             stats.layer_done(layer)
         self.last_plan = planner.chunk_plan()
 
+    def _schedule(self, start: int | None) -> DenseSchedule | None:
+        """A whole model's attention ops for a chunk at `start` (None: MoE layers alone)."""
+        if start is None:
+            return None
+        return DenseSchedule(self.spec.n_layers, start,
+                             getattr(self.executor, "dense_ring", None))
+
     def walk_plan(self, T: int, start: int | None = None
                   ) -> tuple[ChunkPlan, dict[type, int]]:
         """The walk of a T-token chunk and its op counts (planned and checked once per chunk
@@ -224,7 +232,7 @@ class ChunkDriver:
         key = (T, self.gather_one, start)
         if key not in self._walk_plans:
             plan = plan_walk(self.spec, self.residency, self.executor.walk_slots,
-                             self.gather_one, tokens=T, attention_start=start)
+                             self.gather_one, tokens=T, attention=self._schedule(start))
             if self.check_plan:
                 hazards.check(plan, self.residency)
             self._walk_plans[key] = (plan, op_counts(op for _, op in plan.ops()))

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from .qwen3.weights import Qwen3Model
 
 BACKENDS = ("auto", "cuda", "reference")
+DENSE_POLICIES = ("auto", "resident", "stream")
 
 
 @dataclass
@@ -33,6 +34,9 @@ class EngineConfig:
     model: Model | Qwen3Model | MoESpec | dict[str, Any]
     backend: str = "auto"
     context: int | None = None
+    #: a whole model's dense weights: "resident" in VRAM, "stream" per layer through a small
+    #: ring, or "auto" (resident when the budget holds them beside one chunk, else stream)
+    dense: str = "auto"
     vram_reserve_mib: float | None = None
     expert_cache: int | None = None
     prefill: str | int = "auto"
@@ -78,6 +82,8 @@ class EngineConfig:
                                          or self.context < 1):
             problems.append(f"context: got {self.context!r}; allowed: a positive number of "
                             "tokens")
+        if self.dense not in DENSE_POLICIES:
+            problems.append(f"dense: got {self.dense!r}; allowed: {', '.join(DENSE_POLICIES)}")
         if self.ring_bytes is not None and self.ring_bytes <= 0:
             problems.append(f"ring_bytes: got {self.ring_bytes!r}; allowed: a positive size")
         if problems:

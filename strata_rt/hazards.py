@@ -17,7 +17,10 @@ the chunk's op list):
 - a Copy issued while its entry >= consumed + ring (the issuer over-running the consumer);
 - a wait cycle: the consumer needs entry k before Copy(k) is issued while the issuer needs
   `consumed` to advance first;
-- Products reading a group-buffer position that does not hold the expert it names.
+- Products reading a group-buffer position that does not hold the expert it names;
+- (streamed dense weights) a DenseCopy refilling a dense slot while an Attention may still read
+  it, and an Attention whose dense slot does not hold its layer, or whose copy does not happen
+  before it.
 """
 
 from __future__ import annotations
@@ -29,9 +32,11 @@ from .errors import PlanHazardError
 from .plan import (
     RESIDENT,
     RING,
+    Attention,
     ChunkPlan,
     Consume,
     Copy,
+    DenseCopy,
     Gather,
     GatherBatch,
     LayerPlan,
@@ -58,6 +63,10 @@ def describe(op: Op) -> str:
         return f"GatherBatch(group {op.group}, positions {op.first_pos}..{op.first_pos + len(op.gathers) - 1})"
     if isinstance(op, Record | Wait):
         return f"{type(op).__name__}({op.event[0]}[{op.event[1]}]) on {op.stream}"
+    if isinstance(op, DenseCopy):
+        return f"DenseCopy(layer {op.layer} -> dense slot {op.slot})"
+    if isinstance(op, Attention) and op.dense_slot is not None:
+        return f"Attention(layer {op.layer}, dense slot {op.dense_slot})"
     return repr(op)
 
 
@@ -89,6 +98,9 @@ class Checker:
         self.consume_op = -1
         self.buffer: dict[int, tuple[int, int, int, int]] = {}  # pos -> (layer, group, expert, op)
         self.n = 0                                 # ops seen
+        #: dense slot -> (layer, clock of its copy, op index); and the Attentions reading it
+        self.dense: dict[int, tuple[int, tuple[int, int], int]] = {}
+        self.dense_readers: dict[int, list[tuple[tuple[int, int], int]]] = {}
 
     # ------------------------------------------------------------------ helpers
     def _fail(self, msg: str) -> NoReturn:
@@ -148,7 +160,11 @@ class Checker:
             self._products(i, op)
         elif isinstance(op, Consume):
             self._consume(i, op, readers)
-        else:  # LayerBegin, LayerEnd, Attention, Logits: compute work that touches no ring slot
+        elif isinstance(op, DenseCopy):
+            self._dense_copy(i, op)
+        elif isinstance(op, Attention):
+            self._attention(i, op, self._tick("compute"))
+        else:  # LayerBegin, LayerEnd, Logits: compute work that touches no ring slot
             self._tick("compute")
 
     def _stream_of(self, i: int, op: Record | Wait) -> None:
@@ -236,6 +252,32 @@ class Checker:
                         f"(op #{have[3]})")
                 self._fail(f"op #{i} Products(layer {op.layer}, group {op.group}) reads "
                            f"position {p} as expert {e}, but that position {what}")
+
+    def _dense_copy(self, i: int, op: DenseCopy) -> None:
+        now = self._tick("copy")
+        for clock, j in self.dense_readers.get(op.slot, []):
+            if not self._before(clock, "compute", now):
+                self._fail(f"dense slot {op.slot}: op #{i} {describe(op)} may overwrite it while op "
+                           f"#{j} (an Attention reading layer {self.dense[op.slot][0]}) still reads "
+                           "it; the copy stream must wait for that Attention's dense_used record")
+        self.dense[op.slot] = (op.layer, now, i)
+        self.dense_readers[op.slot] = []
+
+
+    def _attention(self, i: int, op: Attention, now: tuple[int, int]) -> None:
+        s = op.dense_slot
+        if s is None:
+            return  # resident dense weights: nothing to order
+        occ = self.dense.get(s)
+        if occ is None:
+            self._fail(f"dense slot {s}: op #{i} {describe(op)} reads it before any DenseCopy")
+        if occ[0] != op.layer:
+            self._fail(f"dense slot {s}: op #{i} {describe(op)} finds layer {occ[0]} there "
+                       f"(copied by op #{occ[2]})")
+        if not self._before(occ[1], "copy", now):
+            self._fail(f"dense slot {s}: op #{i} {describe(op)} may run before op #{occ[2]} "
+                       f"{describe(DenseCopy(occ[0], s))} lands (no wait on its dense_copied record)")
+        self.dense_readers[s].append((now, i))
 
     def _consume(self, i: int, op: Consume, readers: dict[int, int]) -> None:
         if op.entry + 1 < self.consumed:

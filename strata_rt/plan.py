@@ -8,7 +8,11 @@ combine) or "host" (the issuer/consumer bookkeeping that has no GPU work).
 A whole model (strata_rt.qwen3) adds two compute ops: `Attention(layer)` opens each layer
 (its RMSNorm, q/k/v projections, q/k norms and RoPE, the KV-cache append, causal attention and
 the output projection added into the residual) and `Logits(rows)` closes the chunk (final norm
-and output head). The MoE ops of the layer follow its Attention.
+and output head). The MoE ops of the layer follow its Attention. When the dense weights stream
+(they do not fit the budget), `DenseCopy(layer, slot)` brings a layer's dense slot from the
+host into one of a few dense ring slots on the copy stream, with events `("dense_copied", s)`
+and `("dense_used", s)` ordering it against the Attention that reads the slot, as the expert
+ring's events do.
 
 Ring bookkeeping: entry k of a chunk's stream of copies goes to ring slot
 k % ring_slots. Events are `("copied", slot)` (recorded on the copy stream after a copy lands)
@@ -31,6 +35,8 @@ Source = tuple[str, int]
 
 COPIED = "copied"
 USED = "used"
+DENSE_COPIED = "dense_copied"
+DENSE_USED = "dense_used"
 RESIDENT = "resident"
 RING = "ring"
 
@@ -41,6 +47,14 @@ def copied(slot: int) -> EventKey:
 
 def used(slot: int) -> EventKey:
     return (USED, slot)
+
+
+def dense_copied(slot: int) -> EventKey:
+    return (DENSE_COPIED, slot)
+
+
+def dense_used(slot: int) -> EventKey:
+    return (DENSE_USED, slot)
 
 
 @dataclass(frozen=True)
@@ -132,11 +146,22 @@ class LayerEnd:
 @dataclass(frozen=True)
 class Attention:
     """Self-attention of `layer` over the chunk and the KV cache before it, residual added.
-    `start` is the absolute position of the chunk's first token."""
+    `start` is the absolute position of the chunk's first token; `dense_slot` the dense ring
+    slot holding the layer's weights (None: they are resident)."""
 
     layer: int
     start: int
+    dense_slot: int | None = None
     stream: StreamName = field(default="compute", init=False)
+
+
+@dataclass(frozen=True)
+class DenseCopy:
+    """Copy layer `layer`'s dense slot from the host into dense ring slot `slot`."""
+
+    layer: int
+    slot: int
+    stream: StreamName = field(default="copy", init=False)
 
 
 #: Logits rows: the chunk's last position only, or every position
@@ -152,7 +177,7 @@ class Logits:
 
 
 Op = (Copy | Record | Wait | Gather | GatherBatch | Products | Consume | LayerBegin | LayerEnd
-      | Attention | Logits)
+      | Attention | DenseCopy | Logits)
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,6 @@ from .formats import MMQ_GROUP
 from .plan import (
     RESIDENT,
     RING,
-    Attention,
     ChunkPlan,
     Consume,
     Copy,
@@ -45,6 +44,7 @@ from .plan import (
 )
 
 if TYPE_CHECKING:
+    from .dense_schedule import DenseSchedule
     from .formats import QuantFormat
     from .model import MoESpec
     from .residency import Residency
@@ -209,21 +209,23 @@ def _groups(experts: Sequence[int]) -> list[list[int]]:
 
 
 def plan_walk(spec: MoESpec, residency: Residency, ring_slots: int, gather_one: bool,
-              tokens: int = 0, attention_start: int | None = None) -> ChunkPlan:
+              tokens: int = 0, attention: DenseSchedule | None = None) -> ChunkPlan:
     """The streamed walk: every non-resident expert of every layer, layer-major ascending,
     streamed through the ring; every expert of a layer is gathered (groups are ids
     [16g, 16g+16)) so the schedule does not depend on routing and experts without rows cost an
-    early exit in the products. attention_start: a whole model's chunk at that position (each
-    layer opens with its Attention), None for MoE layers alone."""
+    early exit in the products. attention: a whole model's chunk (each layer opens with its
+    Attention, and streamed dense weights with their copies), None for MoE layers alone."""
     b = _RingBuilder(residency, ring_slots, gather_one)
     b.seq = [(layer, e) for layer in range(spec.n_layers) for e in range(spec.n_experts)
              if residency.slot(layer, e) is None]
+    if attention is not None:  # the first dense layers go before any expert
+        b.ops.extend(attention.chunk_ops())
     b.issue_available()
     layers = []
     all_experts = list(range(spec.n_experts))
     for layer in range(spec.n_layers):
-        if attention_start is not None:
-            b.ops.append(Attention(layer, attention_start))
+        if attention is not None:
+            b.ops.extend(attention.layer_ops(layer))
         b.ops.append(LayerBegin(layer))
         for g, experts in enumerate(_groups(all_experts)):
             b.group(layer, g, experts)
@@ -235,17 +237,26 @@ def plan_walk(spec: MoESpec, residency: Residency, ring_slots: int, gather_one: 
 class StagingPlanner:
     """The staging ring for small chunks: after a layer's routing is known, its routed
     non-resident experts stream through an 8-slot ring; ring state carries across layers.
-    One planner per chunk; attention_start as for plan_walk (the driver runs a layer's
-    Attention before its routing, the plan records it first)."""
+    One planner per chunk; attention as for plan_walk (the driver runs a layer's
+    `attention_ops` before its routing; the layer's plan records them first)."""
 
     def __init__(self, spec: MoESpec, residency: Residency, gather_one: bool,
                  ring_slots: int = STAGING_RING_SLOTS, tokens: int = 0,
-                 attention_start: int | None = None):
+                 attention: DenseSchedule | None = None):
         self.spec = spec
         self.tokens = tokens
-        self.attention_start = attention_start
+        self.attention = attention
         self._b = _RingBuilder(residency, ring_slots, gather_one)
         self.layers: list[LayerPlan] = []
+
+    def attention_ops(self, layer: int) -> list[Op]:
+        """The ops a whole model's layer runs before its routing (its Attention, and for the
+        first layer the chunk's first dense copies); they open the layer's plan."""
+        if self.attention is None:
+            return []
+        ops = (self.attention.chunk_ops() if layer == 0 else []) + self.attention.layer_ops(layer)
+        self._b.ops.extend(ops)
+        return ops
 
     def plan_layer(self, layer: int, routed_experts: Sequence[int]) -> LayerPlan:
         """routed_experts: the experts with at least one row in this layer (any order)."""
@@ -256,8 +267,6 @@ class StagingPlanner:
                              f"0..{self.spec.n_experts - 1}")
         b = self._b
         b.seq.extend((layer, e) for e in experts if b.residency.slot(layer, e) is None)
-        if self.attention_start is not None:
-            b.ops.append(Attention(layer, self.attention_start))
         b.ops.append(LayerBegin(layer))
         b.issue_available()
         for g, group in enumerate(_groups(experts)):

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 import numpy as np
 
+from .dense_schedule import DENSE_RING_SLOTS
 from .formats import MMQ_GROUP
 from .model import rms_norm, route, silu
 from .plan import (
@@ -30,6 +31,7 @@ from .plan import (
     Attention,
     Consume,
     Copy,
+    DenseCopy,
     Gather,
     GatherBatch,
     LayerBegin,
@@ -98,6 +100,10 @@ class ReferenceBackend:
         self.dense = ReferenceDense(whole, cfg.context) if whole is not None else None
         if self.dense is not None:
             self.kv_capacity = self.dense.kv_capacity
+        #: dense ring slots when cfg.dense is "stream" (the plan's DenseCopy ops are then
+        #: checked here: an Attention must find its layer in its slot); None: resident
+        self.dense_ring = DENSE_RING_SLOTS if cfg.dense == "stream" else None
+        self._dense_slots: dict[int, int] = {}
         self._start: int | None = None
         self._logits: np.ndarray | None = None
         self.spec, self.fmt, self.lay = model.spec, model.fmt, model.layout
@@ -188,7 +194,14 @@ class ReferenceBackend:
             elif isinstance(op, LayerEnd):
                 self._combine(h)
                 phase = "combine"
+            elif isinstance(op, DenseCopy):
+                self._dense_slots[op.slot] = op.layer
+                continue
             elif isinstance(op, Attention):
+                if op.dense_slot is not None and self._dense_slots.get(op.dense_slot) != op.layer:
+                    raise RuntimeError(f"Attention of layer {op.layer} reads dense slot "
+                                       f"{op.dense_slot}, which holds layer "
+                                       f"{self._dense_slots.get(op.dense_slot)}")
                 self._whole().attention(op.layer, h, op.start)
                 self._start = op.start
                 phase = "attention"

@@ -150,3 +150,43 @@ def test_strata_run_on_the_tiny_whole_model(tmp_path, capsys):
     runs = json.loads(out.read_text())["runs"]
     assert [r["tokens"] for r in runs] == [5, 40]
     assert all(r["stats"]["chunks"] == 1 for r in runs)
+
+
+def test_streamed_dense_weights_give_the_same_bytes_and_check_clean(small, monkeypatch):
+    """dense: stream plans a DenseCopy per layer through a 2-slot ring ahead of its Attention;
+    the hazard checker accepts the plans and the logits are the resident run's bytes."""
+    from strata_rt.plan import DenseCopy
+
+    monkeypatch.setenv("STRATA_CHECK_PLAN", "1")
+    ids = np.random.default_rng(4).integers(0, SMALL.vocab, 260)
+    with _open(small, prefill=200) as eng:
+        want, _ = eng.prefill(ids, all_logits=True)
+    with _open(small, prefill=200, dense="stream") as eng:
+        first, _ = eng.prefill(ids[:1], all_logits=True)  # staging
+        rest, _ = eng.prefill(ids[1:], all_logits=True)   # walks
+        plan = eng.driver.last_plan
+    assert np.array_equal(np.concatenate([first, rest]), want)
+    assert plan is not None
+    copies = [op for lp in plan.layers for op in lp.ops if isinstance(op, DenseCopy)]
+    assert [(c.layer, c.slot) for c in copies] == [(i, i % 2) for i in range(SMALL.n_layers)]
+    atts = [op for lp in plan.layers for op in lp.ops if isinstance(op, Attention)]
+    assert [a.dense_slot for a in atts] == [i % 2 for i in range(SMALL.n_layers)]
+
+
+def test_checker_rejects_a_dense_slot_overwritten_too_early():
+    """Dropping the copy stream's wait for an Attention's dense_used record is a hazard, and
+    so is an Attention that does not wait for its copy."""
+    from strata_rt import hazards
+    from strata_rt.dense_schedule import DenseSchedule
+    from strata_rt.errors import PlanHazardError
+    from strata_rt.plan import LayerPlan, Wait
+
+    sched = DenseSchedule(n_layers=4, start=0, ring=2)
+    ops = sched.chunk_ops() + [op for layer in range(4) for op in sched.layer_ops(layer)]
+    hazards.check(LayerPlan(0, tuple(ops)), ring_slots=1)  # as planned: clean
+    bad = [op for op in ops if not (isinstance(op, Wait) and op.stream == "copy")]
+    with pytest.raises(PlanHazardError, match="may overwrite it while"):
+        hazards.check(LayerPlan(0, tuple(bad)), ring_slots=1)
+    no_wait = [op for op in ops if not (isinstance(op, Wait) and op.stream == "compute")]
+    with pytest.raises(PlanHazardError, match="may run before"):
+        hazards.check(LayerPlan(0, tuple(no_wait)), ring_slots=1)

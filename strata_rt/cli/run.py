@@ -82,7 +82,10 @@ def cmd_run(args: argparse.Namespace) -> int:
                     records.append({"prompt": prompt.index, "repeat": rep,
                                     "tokens": prompt.tokens, "wall_s": wall,
                                     "tokens_per_s": prompt.tokens / wall, "pcie_gb_s": gbps,
-                                    "stats": s})
+                                    "stats": s, "phase_table": stats.phase_table})
+                    if stats.phase_table:
+                        print(f"prompt {prompt.index + 1} ({prompt.tokens} tokens), repeat "
+                              f"{rep + 1}:\n{stats.phase_table}", flush=True)
                     if target is not None and len(records) < total:
                         write_json(target, {**doc, "complete": False, "runs": records},
                                    final=False)
@@ -95,6 +98,9 @@ def cmd_run(args: argparse.Namespace) -> int:
                               "experts streamed", "streamed MiB", "PCIe GB/s"], rows))
         print("time: host clock around each prefill call; PCIe GB/s = bytes streamed / that "
               "time" + ("" if doc["backend"] == "cuda" else " (cuda backend only)"))
+        if cfg.whole is not None:
+            print("whole model: each prompt starts from an empty KV cache; its time ends with "
+                  "the last position's logits (the time to first token)")
     if target is not None:
         write_json(target, {**doc, "complete": not interrupted, "runs": records})
     if interrupted:

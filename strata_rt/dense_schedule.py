@@ -1,0 +1,52 @@
+"""Where a whole model's Attention ops go in a chunk's plan, and, when the dense weights stream,
+the DenseCopy ops that bring each layer's dense slot into a small ring ahead of its Attention.
+
+Resident dense weights: each layer's ops open with Attention(layer, start). Streamed (a ring of
+R slots): the chunk opens with the copies of layers 0..R-1; layer l waits for its copy, runs its
+Attention, records that the slot is free, and the copy stream then refills the slot with layer
+l + R (after waiting for that record). So R - 1 layers of dense weights arrive while earlier
+layers compute, and a slot is never overwritten while an Attention may read it (the hazard
+checker verifies both).
+"""
+
+from __future__ import annotations
+
+from .plan import Attention, DenseCopy, Op, Record, Wait, dense_copied, dense_used
+
+#: dense ring slots when the dense weights stream (one computing, one arriving)
+DENSE_RING_SLOTS = 2
+
+
+class DenseSchedule:
+    """The dense ops of one chunk at absolute position `start`; ring None: dense resident."""
+
+    def __init__(self, n_layers: int, start: int, ring: int | None = None):
+        if ring is not None and ring < 1:
+            raise ValueError(f"dense ring of {ring} slots; at least 1")
+        self.n_layers, self.start, self.ring = n_layers, start, ring
+
+    def _copy(self, layer: int) -> list[Op]:
+        assert self.ring is not None
+        s = layer % self.ring
+        ops: list[Op] = []
+        if layer >= self.ring:  # the slot's previous layer must be done with it
+            ops.append(Wait(dense_used(s), "copy"))
+        ops += [DenseCopy(layer, s), Record(dense_copied(s), "copy")]
+        return ops
+
+    def chunk_ops(self) -> list[Op]:
+        """Ops before the chunk's first layer (the first copies)."""
+        if self.ring is None:
+            return []
+        return [op for layer in range(min(self.ring, self.n_layers)) for op in self._copy(layer)]
+
+    def layer_ops(self, layer: int) -> list[Op]:
+        """The layer's Attention with what orders it against its dense copy."""
+        if self.ring is None:
+            return [Attention(layer, self.start)]
+        s = layer % self.ring
+        ops: list[Op] = [Wait(dense_copied(s), "compute"), Attention(layer, self.start, s),
+                         Record(dense_used(s), "compute")]
+        if layer + self.ring < self.n_layers:
+            ops += self._copy(layer + self.ring)
+        return ops
