@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from . import env
 from .cublas import WORKSPACE_BYTES, Cublas
 from .errors import StrataError
 from .grouped_gemm import K_MULTIPLE, TILE_N, GroupedGemm
@@ -65,6 +66,12 @@ def workspace_bytes(gemm_impl: str, max_rows: int, max_n_out: int) -> int:
     _check_impl(gemm_impl)
     return WORKSPACE_BYTES if gemm_impl == "cublas" else own_workspace_bytes(max_rows,
                                                                               max_n_out)
+
+
+def gemm_impl_from_env() -> str:
+    """The implementation STRATA_DENSE_GEMM names (cublas|own), "cublas" when unset; a value
+    outside the choices is a ConfigError naming the switch."""
+    return env.choice("STRATA_DENSE_GEMM", "cublas")
 
 
 def _check_impl(gemm_impl: str) -> None:

@@ -286,9 +286,24 @@ class Dev:
         return host
 
 
-def _dense(rt, impl: str, max_rows: int = 8192, max_n_out: int = 9216) -> tuple[DenseKernels, object]:
-    ws = rt.alloc(workspace_bytes(impl, max_rows, max_n_out))
-    return DenseKernels(rt, ws.ptr, ws.nbytes, gemm_impl=impl), ws
+@pytest.fixture
+def make_dense(rt):
+    """make_dense(impl, max_rows, max_n_out) -> (DenseKernels, its workspace buffer); the
+    cuBLAS handles are destroyed and the workspaces freed when the test ends."""
+    made = []
+
+    def make(impl: str, max_rows: int = 8192, max_n_out: int = 9216):
+        ws = rt.alloc(workspace_bytes(impl, max_rows, max_n_out))
+        dk = DenseKernels(rt, ws.ptr, ws.nbytes, gemm_impl=impl)
+        made.append((dk, ws))
+        return dk, ws
+
+    yield make
+    rt.synchronize()
+    for dk, ws in made:
+        if dk.cublas is not None:
+            dk.cublas.destroy()
+        ws.free()
 
 
 def _sample_rows(rng, rows: int) -> np.ndarray:
@@ -305,21 +320,24 @@ def _operands(rng, rows, n_out, k):
     return x.astype(np.float16), w.astype(np.float16)
 
 
-def _check_f16(got: np.ndarray, want64: np.ndarray) -> None:
-    """Each fp16 output within one fp16 step of the float64 value."""
+def _check_f16(got: np.ndarray, want64: np.ndarray, k: int) -> None:
+    """Each fp16 output within one fp16 step of the float64 value, plus what fp32 accumulation
+    may add: ~2**-24 per sequential k16 step, at the size of the row's sums."""
     err = np.abs(got.astype(np.float64) - want64)
     step = np.spacing(np.abs(want64).astype(np.float16)).astype(np.float64)
-    assert np.all(err <= step), f"{int(np.sum(err > step))} fp16 outputs off by > 1 step"
+    row_rms = np.sqrt(np.mean(want64 ** 2, axis=1, keepdims=True))
+    allowed = step + 8 * 2.0 ** -24 * np.sqrt(k / 16) * row_rms
+    assert np.all(err <= allowed), f"{int(np.sum(err > allowed))} fp16 outputs off by more"
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl", GEMM_IMPLS)
 @pytest.mark.parametrize("shape", SHAPES, ids=[s[0] for s in SHAPES])
 @pytest.mark.parametrize("rows", ROWS)
-def test_gpu_projections(rt, rng, impl, shape, rows):
+def test_gpu_projections(rt, make_dense, rng, impl, shape, rows):
     """qkv (fp16 out), o (accumulated into fp32 x) and a plain fp32 output, twice each."""
     _, hidden, q_dim, kv_dim = shape
-    dk, ws = _dense(rt, impl)
+    dk, _ = make_dense(impl)
     d = Dev(rt)
     n_qkv = q_dim + 2 * kv_dim
     xa, wqkv = _operands(rng, rows, n_qkv, hidden)
@@ -345,19 +363,18 @@ def test_gpu_projections(rt, rng, impl, shape, rows):
     r = _sample_rows(rng, rows)
     want = xa[r].astype(np.float64) @ wqkv.astype(np.float64).T
     assert nmse(qkv32[r], want) <= GEMM_NMSE
-    _check_f16(qkv16[r], want)
+    _check_f16(qkv16[r], want, hidden)
     prod = o[r].astype(np.float64) @ wo.astype(np.float64).T
     # once: x1 - x0 is the product (twice, or not at all, would leave an error the size of x0
     # or of the product, NMSE ~1)
     assert nmse(x1[r], x0[r].astype(np.float64) + prod) <= GEMM_NMSE
     assert nmse(x1[r].astype(np.float64) - x0[r], prod) <= 1e-6
-    del ws
 
 
 @pytest.mark.gpu
-def test_gpu_own_gemm_is_batch_invariant(rt, rng):
+def test_gpu_own_gemm_is_batch_invariant(rt, make_dense, rng):
     """A row's bytes do not depend on how many rows the call has nor where the row sits."""
-    dk, ws = _dense(rt, "own")
+    dk, _ = make_dense("own")
     d = Dev(rt)
     rows, n_out, k = 1000, 5120, 2048
     x, w = _operands(rng, rows, n_out, k)
@@ -370,15 +387,14 @@ def test_gpu_own_gemm_is_batch_invariant(rt, rng):
                 False)
         part = d.get(b_part, np.uint16, (rows, n_out))[:count]
         assert np.array_equal(part, whole[first: first + count]), (first, count)
-    del ws
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl", GEMM_IMPLS)
-def test_gpu_gemm_in_a_captured_graph(rt, rng, impl):
+def test_gpu_gemm_in_a_captured_graph(rt, make_dense, rng, impl):
     """The workspace is the caller's, so a GEMM captures into a CUDA graph and replays the
     eager bytes."""
-    dk, ws = _dense(rt, impl)
+    dk, _ = make_dense(impl)
     d = Dev(rt)
     rows, n_out, k = 64, 2048, 4096
     x, w = _operands(rng, rows, n_out, k)
@@ -393,14 +409,13 @@ def test_gpu_gemm_in_a_captured_graph(rt, rng, impl):
     graph.launch(d.s)
     assert np.array_equal(d.get(b_out, np.float32, (rows, n_out)).view(np.uint32),
                           eager.view(np.uint32))
-    del ws
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("hidden", [256, 1000, 2048, 4096])
 @pytest.mark.parametrize("rows", [1, 7, 1000])
-def test_gpu_rmsnorm_bytes(rt, rng, hidden, rows):
-    dk, ws = _dense(rt, "own", 1, 128)
+def test_gpu_rmsnorm_bytes(rt, make_dense, rng, hidden, rows):
+    dk, _ = make_dense("own", 1, 128)
     d = Dev(rt)
     stride = hidden + 64
     x = rng.standard_normal((rows, stride), dtype=np.float32)
@@ -418,37 +433,37 @@ def test_gpu_rmsnorm_bytes(rt, rng, hidden, rows):
     for got in outs:
         bad = np.argwhere(got != want)
         assert bad.size == 0, f"{len(bad)} values differ from the twin, first at {bad[0]}"
-    del ws
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", GEMM_IMPLS)
 @pytest.mark.parametrize("hidden", [2048, 4096])
 @pytest.mark.parametrize("tokens,first_row,rows", [(37, 36, 1), (100, 5, 64)])
-def test_gpu_logits(rt, rng, impl, hidden, tokens, first_row, rows):
-    dk, ws = _dense(rt, impl, 64, VOCAB)
+def test_gpu_logits(rt, make_dense, rng, hidden, tokens, first_row, rows):
+    """The last position (rows 1) and a block of positions (rows 64) of a chunk, over the
+    151,936-token vocabulary, both GEMM implementations against one float64 reference."""
     d = Dev(rt)
     x = rng.standard_normal((tokens, hidden), dtype=np.float32) * 3.0
     norm_w = rng.uniform(0.5, 1.5, hidden).astype(np.float32)
     w_out = (rng.standard_normal((VOCAB, hidden), dtype=np.float32) * 0.05).astype(np.float16)
     b_x, b_n, b_w = d.put(x), d.put(norm_w), d.put(w_out)
-    b_y, b_out = d.empty(rows * hidden * 2), d.empty(rows * VOCAB * 4)
-    dk.logits(d.s, b_x.ptr, first_row, b_n.ptr, b_w.ptr, b_y.ptr, b_out.ptr, rows, hidden,
-              VOCAB, 1e-6)
-    got = d.get(b_out, np.float32, (rows, VOCAB))
-    y = d.get(b_y, np.uint16, (rows, hidden))
     want_y = rmsnorm_f16_reference(x[first_row: first_row + rows], norm_w, 1e-6)
-    assert np.array_equal(y, want_y.view(np.uint16))
-    assert not np.isnan(got).any()
     want = logits_reference(x, first_row, rows, norm_w, w_out, 1e-6)
-    assert nmse(got, want) <= GEMM_NMSE
-    assert np.mean(np.argmax(got, axis=1) == np.argmax(want, axis=1)) >= 0.99
-    del ws
+    for impl in GEMM_IMPLS:
+        dk, _ = make_dense(impl, 64, VOCAB)
+        b_y, b_out = d.empty(rows * hidden * 2), d.empty(rows * VOCAB * 4)
+        dk.logits(d.s, b_x.ptr, first_row, b_n.ptr, b_w.ptr, b_y.ptr, b_out.ptr, rows, hidden,
+                  VOCAB, 1e-6)
+        got = d.get(b_out, np.float32, (rows, VOCAB))
+        y = d.get(b_y, np.uint16, (rows, hidden))
+        assert np.array_equal(y, want_y.view(np.uint16)), impl
+        assert not np.isnan(got).any(), impl
+        assert nmse(got, want) <= GEMM_NMSE, impl
+        assert np.mean(np.argmax(got, axis=1) == np.argmax(want, axis=1)) >= 0.99, impl
 
 
 @pytest.mark.gpu
-def test_gpu_cublas_version_and_refusals(rt):
-    dk, ws = _dense(rt, "cublas")
+def test_gpu_cublas_version_and_refusals(rt, make_dense):
+    dk, ws = make_dense("cublas")
     assert dk.cublas is not None and dk.cublas.version >= (12, 0, 0)
     s = rt.stream("dense-test")
     with pytest.raises(cublas.CublasError, match="fp16 output"):
@@ -457,4 +472,3 @@ def test_gpu_cublas_version_and_refusals(rt):
         dk.gemm(s, 0, 0, 0, 0, 128, 64, out_f32=True, accumulate=False)
     with pytest.raises(cublas.CublasError, match="256-byte"):
         cublas.Cublas(ws.ptr + 16, 1 << 20)
-    del ws
