@@ -383,6 +383,7 @@ def test_gpu_own_gemm_is_batch_invariant(rt, make_dense, rng):
     dk.gemm(d.s, b_x.ptr, b_w.ptr, b_all.ptr, rows, n_out, k, False, False)
     whole = d.get(b_all, np.uint16, (rows, n_out))
     for first, count in ((0, 1), (999, 1), (3, 7), (100, 160), (200, 800)):
+        rt.memset_d8(b_part.ptr, 0xFF, b_part.nbytes, d.s)
         dk.gemm(d.s, b_x.ptr + first * k * 2, b_w.ptr, b_part.ptr, count, n_out, k, False,
                 False)
         part = d.get(b_part, np.uint16, (rows, n_out))[:count]
