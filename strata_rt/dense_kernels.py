@@ -57,12 +57,15 @@ class DenseError(StrataError):
 
 
 def own_workspace_bytes(max_rows: int, max_n_out: int) -> int:
-    """The workspace the "own" GEMM needs for outputs of up to max_rows x max_n_out."""
+    """The workspace the "own" GEMM needs for fp16 or accumulated outputs of up to max_rows x
+    max_n_out (plain fp32 outputs, such as the logits, are written directly and need none:
+    size it for the q/k/v and o projections)."""
     return OWN_BOUNDS_BYTES + 4 * max_rows * max_n_out
 
 
 def workspace_bytes(gemm_impl: str, max_rows: int, max_n_out: int) -> int:
-    """Workspace to give DenseKernels for the implementation and the largest GEMM output."""
+    """Workspace to give DenseKernels: cuBLAS's recommended size, or what the "own" GEMM needs
+    for fp16 or accumulated outputs of up to max_rows x max_n_out."""
     _check_impl(gemm_impl)
     return WORKSPACE_BYTES if gemm_impl == "cublas" else own_workspace_bytes(max_rows,
                                                                               max_n_out)
