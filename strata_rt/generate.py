@@ -239,6 +239,24 @@ def greedy(session: LogitsSession, prompt_ids: Sequence[int] | np.ndarray, max_n
     t0 = time.perf_counter()
     logits, stats = session.prefill(ids.astype(np.int64))
     _add(result, stats)
+    return _decode(session, result, logits, max_new, eos_id, on_token, t0)
+
+
+def greedy_after(session: LogitsSession, logits: np.ndarray, max_new: int,
+                 eos_id: int | None, on_token: Callable[[int], None] | None = None
+                 ) -> GenerateResult:
+    """The greedy tokens after a prompt the caller has prefilled itself (its session.kv_length
+    tokens, `logits` those of its last position): what `strata run` adds after each timed
+    prompt. prefill_s (and the time to first token) then cover only the first argmax."""
+    check_request(session, session.kv_length, max_new)
+    result = GenerateResult(prompt_tokens=session.kv_length)
+    return _decode(session, result, logits, max_new, eos_id, on_token, time.perf_counter())
+
+
+def _decode(session: LogitsSession, result: GenerateResult, logits: np.ndarray, max_new: int,
+            eos_id: int | None, on_token: Callable[[int], None] | None, t0: float
+            ) -> GenerateResult:
+    """The decode loop from the prompt's last logits; t0 is when the prompt's prefill began."""
     if max_new == 0:
         result.prefill_s = time.perf_counter() - t0
         return result

@@ -22,6 +22,7 @@ from strata_rt.generate import (
     LogitsSession,
     ReferenceSession,
     greedy,
+    greedy_after,
 )
 from strata_rt.qwen3 import Qwen3Model, Qwen3Reference, Qwen3Spec, write_qwen3_gguf
 from strata_rt.stats import Stats
@@ -117,6 +118,19 @@ def test_engine_greedy(name, golden_models, tmp_path) -> None:
             if same < n:
                 assert run["top2_gaps"][same] < 2 * ENGINE_LOGIT_ERROR[fmt], (name, same)
             assert same >= n // 2, (name, len(run["prompt"]), same)
+
+
+def test_greedy_after_a_prefill_the_caller_made(small) -> None:
+    prompt = np.array([11, 12, 13, 14, 15, 16])
+    want = greedy(ReferenceSession(small), prompt, 8, None).ids
+    session = ReferenceSession(small)
+    logits, _ = session.prefill(prompt)
+    got = greedy_after(session, logits, 8, None)
+    assert got.ids == want and got.prompt_tokens == 6 and session.kv_length == 6 + 7
+    session = ReferenceSession(small, context=10)
+    logits, _ = session.prefill(prompt)
+    with pytest.raises(ConfigError, match="ask for at most 4 new tokens"):
+        greedy_after(session, logits, 5, None)
 
 
 def test_eos_ends_the_ids_and_is_kept(small) -> None:
