@@ -242,3 +242,21 @@ def test_perplexity_help_has_examples(capsys) -> None:
     out = capsys.readouterr().out
     assert "examples:" in out and "strata perplexity configs/tiny-qwen3moe.yaml" in out
     assert "--ctx" in out and "--file" in out and "--json" in out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(GOLDEN["cases"]))
+def test_cuda_perplexity_matches_transformers(name, golden_models, tmp_path) -> None:
+    """On the GPU (half the experts resident): within 1e-3 relative of transformers."""
+    case = GOLDEN["cases"][name]
+    path = write_qwen3_gguf(tmp_path / f"{name}.gguf", golden_models[name])
+    spec = golden_models[name].spec
+    with Engine.open({"model": {"gguf": str(path), "format": CASES[name]["format"]},
+                      "backend": "cuda",
+                      "expert_cache": spec.n_layers * spec.n_experts // 2}) as engine:
+        session = EngineSession(engine)
+        for want in case["perplexity"]:
+            got = perplexity(session, case["perplexity_sequence"], want["ctx"])
+            assert got.perplexity == pytest.approx(want["perplexity"], rel=1e-3)
+            for w, hw in zip(got.windows, want["windows"]):
+                assert w.nll / w.predicted == pytest.approx(hw["mean_nll"], rel=1e-3)
