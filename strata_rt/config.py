@@ -37,7 +37,7 @@ from .config_schema import (
     mapping,
     positive_number,
 )
-from .config_whole import check_context, check_whole
+from .config_whole import check_context, check_dense, check_whole, whole_sizing
 from .engine_config import BACKENDS, EngineConfig
 from .errors import ConfigError
 from .memory_plan import MemoryPlan
@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from .formats import QuantFormat
     from .qwen3.spec import Qwen3Spec
     from .registry import QuantRegistry
+    from .whole_memory import WholeSizing
 
 __all__ = ["BUDGET_KEYS", "Config", "Output", "Prompt", "auto_chunk", "device_memory_plan",
            "load_config", "read_token_file", "validate"]
@@ -87,12 +88,13 @@ class Config:
     #: KV-cache positions (None: the whole model's context length)
     context: int | None = None
 
+    #: a whole model's dense weights: auto, resident or stream
+    dense: str = "auto"
+
     @property
-    def whole_sizes(self) -> tuple[Qwen3Spec, int] | None:
-        """(spec, KV positions) of a whole model, what its device memory is sized by."""
-        if self.whole is None:
-            return None
-        return self.whole, self.context or self.whole.context
+    def whole_sizes(self) -> WholeSizing | None:
+        """What a whole model's device memory is sized by (None for MoE layers alone)."""
+        return whole_sizing(self.whole, self.context)
 
     @property
     def ring_bytes(self) -> int | None:
@@ -124,7 +126,8 @@ class Config:
         if self.vram_budget_mib is None:
             return None
         return device_memory_plan(self.spec, fmt, self.chunk_tokens(), self.ring_bytes,
-                                  int(self.vram_budget_mib * MIB), self.whole_sizes)
+                                  int(self.vram_budget_mib * MIB), self.whole_sizes,
+                                  self.dense)
 
     def resident_experts(self, fmt: QuantFormat) -> int | None:
         """The expert-cache size the config fixes, or None when the CUDA backend derives it
@@ -155,6 +158,7 @@ class Config:
             model=model,
             backend=backend or self.backend,
             context=self.context,
+            dense=self.dense,
             vram_reserve_mib=self.vram_reserve_mib,
             expert_cache=self.resident_experts(fmt),
             prefill=self.prefill if plan is None else plan.tokens,
@@ -181,7 +185,8 @@ def validate(doc: Any, base_dir: Path, source: Path | None = None,
     fmt = check_format(p, doc, geom, reg)
     whole, whole_options = check_whole(p, doc, geom, gguf)
     context = check_context(p, doc, whole)
-    whole_sizes = None if whole is None else (whole, context or whole.context)
+    dense = check_dense(p, doc, whole)
+    whole_sizes = whole_sizing(whole, context)
 
     backend = doc.get("backend", "auto")
     if backend not in BACKENDS:
@@ -210,7 +215,7 @@ def validate(doc: Any, base_dir: Path, source: Path | None = None,
                 p.add(f"prompts[{pr.index}].hidden_file", str(pr.hidden_file),
                       "a whole model takes tokens: give a length or {file: TOKENS}")
     chunk = auto_chunk(prefill, prompts) if prefill is not None and prompts else None
-    budget = check_budget(p, doc, geom, fmt, chunk, ring_bytes, whole_sizes)
+    budget = check_budget(p, doc, geom, fmt, chunk, ring_bytes, whole_sizes, dense)
 
     profile = None
     if doc.get("profile") is not None:
@@ -245,7 +250,7 @@ def validate(doc: Any, base_dir: Path, source: Path | None = None,
                   prefill=prefill, prompts=tuple(prompts), gguf=gguf, model_seed=model_seed,
                   ring_mib=ring_mib, profile=profile, repeats=repeats, seed=seed,
                   output=output, whole=whole, whole_options=whole_options, context=context,
-                  **budget)
+                  dense=dense, **budget)
 
 
 def load_config(path: str | Path, registry: QuantRegistry | None = None) -> Config:

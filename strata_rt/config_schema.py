@@ -34,12 +34,12 @@ from .runtime.memory import MIB
 
 if TYPE_CHECKING:
     from .formats import QuantFormat
-    from .qwen3.spec import Qwen3Spec
     from .registry import QuantRegistry
+    from .whole_memory import WholeSizing
 
 BUDGET_KEYS = ("expert_cache", "vram_reserve_mib", "vram_budget_mib")
-TOP_KEYS = ("model", "format", "backend", *BUDGET_KEYS, "prefill", "context", "ring_mib",
-            "profile", "prompts", "repeats", "seed", "output")
+TOP_KEYS = ("model", "format", "backend", *BUDGET_KEYS, "prefill", "context", "dense",
+            "ring_mib", "profile", "prompts", "repeats", "seed", "output")
 _MODEL_KEYS = ("gguf", "synthetic")
 _SYNTHETIC_KEYS = ("n_layers", "hidden", "ffn", "n_experts", "top_k", "seed", "rms_eps",
                    *WHOLE_KEYS)
@@ -265,7 +265,7 @@ def auto_chunk(prefill: str | int, prompts: Sequence[Prompt]) -> int:
 
 def device_memory_plan(spec: MoESpec, fmt: QuantFormat, chunk_tokens: int,
                        ring_bytes: int | None, budget_bytes: int | None = None,
-                       whole: tuple[Qwen3Spec, int] | None = None) -> MemoryPlan:
+                       whole: WholeSizing | None = None, dense: str = "auto") -> MemoryPlan:
     """The CUDA backend's device arena for `chunk_tokens`, sized by the backend's own
     plan_memory so the config's budget check and the allocation cannot disagree.
 
@@ -273,21 +273,21 @@ def device_memory_plan(spec: MoESpec, fmt: QuantFormat, chunk_tokens: int,
     (BudgetError when those alone do not fit); without, no expert is resident: the least any
     budget must hold. The ring is sized as the backend sizes it before the residency is known
     (every expert streaming), an upper bound of the ring it allocates once it is. whole: a
-    whole model's (spec, KV positions), whose dense part the budget holds first."""
+    whole model's sizing, whose dense part the budget holds first (`dense`: its policy)."""
     fmt = fmt.for_variant(env.text("STRATA_MMQ_KERNEL"))  # the images the engine will hold
     lay = fmt.layout(spec.hidden, spec.ffn)
     ring_slots = ring_sizes(ring_bytes, lay.slot_bytes, spec.total_experts).total
     routing = env.choice("STRATA_ROUTING", ROUTINGS[0])
     if budget_bytes is None:
         return plan_memory(spec, lay, fmt.activation, sys.maxsize, ring_slots, chunk_tokens, 0,
-                           routing, whole)
+                           routing, whole, dense)
     return plan_memory(spec, lay, fmt.activation, budget_bytes, ring_slots, chunk_tokens, None,
-                       routing, whole)
+                       routing, whole, dense)
 
 
 def check_budget(p: Problems, doc: dict, geom: MoESpec | None, fmt: QuantFormat | None,
                  chunk: int | None, ring_bytes: int | None,
-                 whole: tuple[Qwen3Spec, int] | None = None) -> dict[str, Any]:
+                 whole: WholeSizing | None = None, dense: str = "auto") -> dict[str, Any]:
     given = [k for k in BUDGET_KEYS if k in doc]
     if len(given) != 1:
         p.add(" / ".join(BUDGET_KEYS), {k: doc[k] for k in given} if given else MISSING,
@@ -309,7 +309,8 @@ def check_budget(p: Problems, doc: dict, geom: MoESpec | None, fmt: QuantFormat 
     mib = positive_number(p, doc, key, "MiB", zero_ok=key == "vram_reserve_mib")
     if mib is None or key == "vram_reserve_mib" or geom is None or fmt is None or chunk is None:
         return {key: mib}
-    need = device_memory_plan(geom, fmt, chunk, ring_bytes, whole=whole)
+    need = device_memory_plan(geom, fmt, chunk, ring_bytes, whole=whole,
+                              dense="stream" if dense == "auto" else dense)
     if need.total > mib * MIB:
         p.add(key, doc[key],
               f"cannot hold one chunk's buffers: a {chunk}-token chunk needs "

@@ -5,7 +5,8 @@ A synthetic model becomes whole when `model.synthetic` names its attention and v
 `dense_type`, and `pool_layers`: draw that many distinct dense layers and repeat them, for the
 large shapes); a GGUF is whole when it carries `token_embd.weight` (its keys give the rest).
 The top-level `context` caps the KV cache (default: the model's context length), which is
-what sizes its VRAM.
+what sizes its VRAM; `dense` says whether the dense weights stay resident or stream per layer
+(`auto`: resident when the budget holds them beside one chunk).
 """
 
 from __future__ import annotations
@@ -13,9 +14,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .dense_kernels import gemm_impl_from_env
+from .engine_config import DENSE_POLICIES
 from .errors import ConfigError
 from .qwen3.gguf_full import read_qwen3_spec
 from .qwen3.spec import Qwen3Spec
+from .whole_memory import WholeSizing
 from .whole_model import is_whole_gguf
 
 if TYPE_CHECKING:
@@ -92,3 +96,21 @@ def check_context(p: Problems, doc: dict, whole: Qwen3Spec | None) -> int | None
         return None
     return v
 
+
+
+def check_dense(p: Problems, doc: dict, whole: Qwen3Spec | None) -> str:
+    """The top-level `dense` policy (auto when absent)."""
+    v = doc.get("dense", "auto")
+    if v not in DENSE_POLICIES:
+        p.add("dense", v, f"allowed: {', '.join(DENSE_POLICIES)}")
+        return "auto"
+    if "dense" in doc and whole is None:
+        p.add("dense", v, "only for a whole model (MoE layers alone have no dense weights)")
+    return v
+
+
+def whole_sizing(whole: Qwen3Spec | None, context: int | None) -> WholeSizing | None:
+    """How a whole model's device memory is sized (dense GEMM from STRATA_DENSE_GEMM)."""
+    if whole is None:
+        return None
+    return WholeSizing(whole, context or whole.context, False, gemm_impl_from_env())

@@ -22,18 +22,23 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import env
+from .dense_kernels import gemm_impl_from_env
+from .dense_schedule import DENSE_RING_SLOTS
 from .device_state import DeviceState
 from .errors import StrataError
 from .layer_kernels import ENGINE_SOURCE, LayerKernels
 from .memory_plan import DEFAULT_RESERVE_MIB, plan_memory
 from .plan import (
     RESIDENT,
+    Attention,
     Consume,
     Copy,
+    DenseCopy,
     Gather,
     GatherBatch,
     LayerBegin,
     LayerEnd,
+    Logits,
     Op,
     Products,
     Record,
@@ -44,8 +49,10 @@ from .residency import Residency
 from .runtime.memory import MIB
 from .stats import Stats
 from .timing import PhaseTimer
+from .whole_memory import WholeSizing
 
 if TYPE_CHECKING:
+    from .cuda_whole import CudaWhole
     from .driver import HostContext, Replay
     from .engine_config import EngineConfig
     from .model import Model, MoESpec
@@ -120,8 +127,15 @@ class CudaBackend:
         slot = lay.slot_bytes
         fixed_res = residency.n_slots if residency is not None else None
         rings = ring_sizes(cfg.ring_bytes, slot, spec.total_experts - (fixed_res or 0))
+        whole_sizes = None
+        if self.whole is not None:
+            self.kv_capacity = cfg.context or self.whole.spec.context
+            whole_sizes = WholeSizing(self.whole.spec, self.kv_capacity, False,
+                                      gemm_impl_from_env())
         mp = plan_memory(spec, lay, self.fmt.activation, available, rings.total, cfg.prefill,
-                         fixed_res, routing)
+                         fixed_res, routing, whole_sizes, cfg.dense)
+        #: dense ring slots when a whole model's dense weights stream (the driver plans them)
+        self.dense_ring = DENSE_RING_SLOTS if mp.dense_stream else None
         if residency is None:
             residency = Residency.from_budget(model, mp.n_resident, cfg.load_profile())
             # the ring was sized for everything streaming; plan with what actually streams
@@ -145,12 +159,21 @@ class CudaBackend:
             rt.memcpy_htod(dev.ptr["resident"] + i * slot,
                            self.store.arena[off: off + lay.blob_bytes], dev.copy)
         dev.copy.synchronize()
+        self._whole: CudaWhole | None = None
+        if self.whole is not None:
+            from .cuda_whole import CudaWhole
+
+            assert whole_sizes is not None
+            sizing = whole_sizes.streamed() if mp.dense_stream else whole_sizes
+            self._whole = CudaWhole(rt, self.whole, dev.ptr, mp.regions["dense_ws"], sizing,
+                                    dev.copy)
         self._timer = PhaseTimer(rt, dev.compute, dev.copy) if self.timing else None
         self._dispatch: dict[type, Callable[[Any], None]] = {
             Copy: self._op_copy, Record: self._op_record, Wait: self._op_wait,
             Gather: self._op_gather, GatherBatch: self._op_gather_batch,
             Products: self._op_products, Consume: _no_op, LayerBegin: self._op_layer_begin,
-            LayerEnd: self._op_layer_end,
+            LayerEnd: self._op_layer_end, Attention: self._op_attention,
+            DenseCopy: self._op_dense_copy, Logits: self._op_logits,
         }
         self._counts: np.ndarray | None = None
         self._logits: np.ndarray | None = None
@@ -172,6 +195,7 @@ class CudaBackend:
         io[:] = h
         self.rt.memcpy_htod(dev.ptr["x"], io, dev.compute)
         self._T = T
+        self._logits = None
 
     def end_chunk(self, stats: Stats) -> np.ndarray:
         dev = self._device()
@@ -318,6 +342,28 @@ class CudaBackend:
         self.fk.mmq(s, p["down_buf"], ids, p["act_ffn"], bounds, p["down_out"], H, F,
                     rows_hint)
 
+    def _whole_ops(self) -> CudaWhole:
+        if self._whole is None:
+            raise StrataError("an Attention or Logits op needs a whole model; this engine runs "
+                              "MoE layers alone")
+        return self._whole
+
+    def _op_attention(self, op: Attention) -> None:
+        self._mark("attention")
+        self._whole_ops().run_attention(self._device().compute, op, self._T)
+
+    def _op_dense_copy(self, op: DenseCopy) -> None:
+        dev = self._device()
+        if self._timer is not None:
+            self._timer.copy_begin(f"dense L{op.layer} -> dense slot {op.slot}")
+        self._whole_ops().copy_dense(dev.copy, op)
+        if self._timer is not None:
+            self._timer.copy_end()
+
+    def _op_logits(self, op: Logits) -> None:
+        self._mark("logits")
+        self._logits = self._whole_ops().run_logits(self._device().compute, op, self._T)
+
     def _op_layer_end(self, op: LayerEnd) -> None:
         self._mark("combine")
         self.kernels.combine(self._device().compute, self._T)
@@ -327,6 +373,9 @@ class CudaBackend:
         """Drops every CUDA object this backend holds; the engine then closes the runtime,
         which frees the memory."""
         dev, self.dev = self.dev, None
+        whole, self._whole = getattr(self, "_whole", None), None
+        if whole is not None:
+            whole.close()
         if dev is not None:
             dev.close()
         self.kernels = self.fk = self._timer = None  # type: ignore[assignment]

@@ -74,6 +74,10 @@ SWITCHES: dict[str, Switch] = {
                "router kernels of the CUDA backend: tensor (router GEMM on tensor cores with "
                "fp16 operands, top-k one warp per token; the default) or fp32 (CUDA-core "
                "float32 logits, one thread per token: the wave-1 kernels)."),
+        Switch("STRATA_DENSE_GEMM", "choice:cublas,own",
+               "a whole model's dense projections and output head: cublas (cuBLAS GemmEx, the "
+               "default) or own (the project's fp16 GEMM, whose bytes do not depend on the "
+               "chunk's row count, so GPU logits are the same bytes for any chunking)."),
         Switch("STRATA_HOST_MEMORY_CHECK", "flag",
                "0: skip the check that the host has the memory a run needs before it "
                "allocates (for systems that overcommit or swap); sizes beyond a 64-bit "

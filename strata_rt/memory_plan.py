@@ -17,11 +17,10 @@ from .formats import MMQ_GROUP, ExpertLayout
 from .planner import AUTO_CHUNK_MAX, RESERVE_AUTO_CHUNK_MAX
 from .routing_kernels import workspace_bytes
 from .runtime.memory import mib, plan_regions, regions_total
-from .whole_memory import whole_chunk_regions, whole_fixed_regions
+from .whole_memory import WholeSizing, whole_chunk_regions, whole_fixed_regions
 
 if TYPE_CHECKING:
     from .model import MoESpec
-    from .qwen3.spec import Qwen3Spec
 
 #: `prefill: auto` tries chunk sizes in steps of this many tokens below the maximum
 AUTO_CHUNK_STEP = 64
@@ -70,6 +69,8 @@ class MemoryPlan:
     tokens: int
     n_resident: int
     regions: dict[str, int]
+    #: a whole model's dense weights stream through a ring (they did not fit)
+    dense_stream: bool = False
 
     @property
     def total(self) -> int:
@@ -82,8 +83,29 @@ class MemoryPlan:
 
 def plan_memory(spec: MoESpec, layout: ExpertLayout, activation: Activation, available: int,
                 ring_slots: int, prefill: str | int, n_resident: int | None,
-                routing: str = "tensor",
-                whole: tuple[Qwen3Spec, int] | None = None) -> MemoryPlan:
+                routing: str = "tensor", whole: WholeSizing | None = None,
+                dense: str = "auto") -> MemoryPlan:
+    """plan_memory_for with a whole model's dense policy applied: "resident", "stream", or
+    "auto" (resident when that plan fits, else streamed; a plan that fits either way keeps
+    them resident, which copies nothing per chunk)."""
+    def plan(w: WholeSizing | None) -> MemoryPlan:
+        return plan_memory_for(spec, layout, activation, available, ring_slots, prefill,
+                               n_resident, routing, w)
+
+    if whole is None or dense == "resident":
+        return plan(whole)
+    if dense == "stream":
+        return plan(whole.streamed())
+    try:
+        return plan(whole)
+    except BudgetError:
+        return plan(whole.streamed())
+
+
+def plan_memory_for(spec: MoESpec, layout: ExpertLayout, activation: Activation,
+                    available: int, ring_slots: int, prefill: str | int,
+                    n_resident: int | None, routing: str = "tensor",
+                    whole: WholeSizing | None = None) -> MemoryPlan:
     """Sizes the device arena within `available` bytes.
 
     n_resident fixed (expert_cache): the residency is placed first and `prefill: auto` takes
@@ -91,19 +113,20 @@ def plan_memory(spec: MoESpec, layout: ExpertLayout, activation: Activation, ava
     (vram_reserve_mib): the chunk comes first (auto: up to RESERVE_AUTO_CHUNK_MAX) and every
     byte left holds resident experts. Raises BudgetError naming the sizes when
     even the chunk asked for (or, for auto, one step of AUTO_CHUNK_STEP tokens) cannot fit.
-    whole: (the whole model's spec, KV-cache positions) adds its dense weights, head, RoPE
-    tables, KV cache and per-chunk attention buffers (strata_rt.whole_memory)."""
+    whole: a whole model's sizing adds its dense weights, head, RoPE tables, KV cache and
+    per-chunk attention buffers (strata_rt.whole_memory)."""
     fixed = fixed_regions(spec, layout, ring_slots, routing)
     if whole is not None:
-        fixed.update(whole_fixed_regions(*whole))
+        fixed.update(whole_fixed_regions(whole))
     slot = layout.slot_bytes
 
     def plan(tokens: int, resident: int) -> MemoryPlan:
         regions = {**fixed, "resident": resident * slot,
                    **chunk_regions(spec, activation, tokens, routing)}
         if whole is not None:
-            regions.update(whole_chunk_regions(whole[0], tokens))
-        return MemoryPlan(tokens, resident, regions)
+            regions.update(whole_chunk_regions(whole, tokens))
+        return MemoryPlan(tokens, resident, regions,
+                          whole is not None and whole.dense_stream)
 
     need_res = 0 if n_resident is None else n_resident
     if prefill == "auto":

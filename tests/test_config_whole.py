@@ -13,7 +13,7 @@ from strata_rt.memory_plan import plan_memory
 from strata_rt.qwen3 import TINY_SPEC, Qwen3Model, write_qwen3_gguf
 from strata_rt.registry import registry
 from strata_rt.runtime.memory import MIB
-from strata_rt.whole_memory import DenseSlot, kv_bytes
+from strata_rt.whole_memory import DenseSlot, WholeSizing, kv_bytes
 
 WHOLE = {"n_heads": 4, "n_kv_heads": 2, "head_dim": 64, "vocab": 500}
 
@@ -29,7 +29,8 @@ def test_whole_keys_make_a_whole_model(tmp_path: Path) -> None:
     cfg = load_config(write(tmp_path, whole(context=1500)))
     assert cfg.whole is not None and cfg.whole.vocab == 500 and cfg.whole.n_heads == 4
     assert cfg.whole.hidden == GOOD["model"]["synthetic"]["hidden"]
-    assert cfg.context == 1500 and cfg.whole_sizes == (cfg.whole, 1500)
+    assert cfg.context == 1500 and cfg.whole_sizes is not None
+    assert (cfg.whole_sizes.spec, cfg.whole_sizes.context) == (cfg.whole, 1500)
     ecfg = cfg.engine_config()
     assert ecfg.model["qwen3"] == cfg.whole and ecfg.context == 1500
     moe_only = load_config(write(tmp_path, GOOD))
@@ -122,7 +123,8 @@ def test_plan_memory_without_whole_is_unchanged() -> None:
     fmt = registry()["fp16"]
     lay = fmt.layout(256, 256)
     a = plan_memory(spec, lay, fmt.activation, 1 << 40, 8, 64, 0)
-    b = plan_memory(spec, lay, fmt.activation, 1 << 40, 8, 64, 0, whole=(TINY_SPEC, 128))
+    b = plan_memory(spec, lay, fmt.activation, 1 << 40, 8, 64, 0,
+                    whole=WholeSizing(TINY_SPEC, 128))
     assert set(b.regions) - set(a.regions) >= {"dense", "kv", "head", "qkv", "attn_out"}
     assert all(b.regions[k] == v for k, v in a.regions.items())
 
@@ -136,3 +138,32 @@ def test_bundled_whole_configs(name: str, monkeypatch) -> None:
     if "235b" in name:
         plan = cfg.memory_plan(registry()[cfg.spec.format])
         assert plan is not None and plan.n_resident > 0 and plan.total <= 32768 * MIB
+
+
+def test_auto_streams_the_dense_weights_only_when_they_do_not_fit() -> None:
+    """dense: auto keeps them resident while the budget holds them beside one chunk, and
+    streams them through DENSE_RING_SLOTS slots once it does not; resident refuses then."""
+    from dataclasses import replace
+
+    from strata_rt.dense_schedule import DENSE_RING_SLOTS
+    from strata_rt.errors import BudgetError
+    from strata_rt.model import MoESpec
+
+    six = replace(TINY_SPEC, n_layers=6)
+    spec = six.moe_spec("fp16")
+    fmt = registry()["fp16"]
+    lay = fmt.layout(spec.hidden, spec.ffn)
+    w = WholeSizing(six, 256)
+    big = plan_memory(spec, lay, fmt.activation, 1 << 40, 8, 64, 0, whole=w)
+    assert not big.dense_stream
+    streamed = plan_memory(spec, lay, fmt.activation, 1 << 40, 8, 64, 0, whole=w,
+                           dense="stream")
+    slot = DenseSlot.of(six).nbytes
+    assert streamed.dense_stream and streamed.regions["dense"] == DENSE_RING_SLOTS * slot
+    tight = streamed.total + 1024  # holds the streamed plan, not the resident one
+    assert big.total > tight
+    auto = plan_memory(spec, lay, fmt.activation, tight, 8, 64, 0, whole=w)
+    assert auto.dense_stream and auto.total <= tight
+    with pytest.raises(BudgetError):
+        plan_memory(spec, lay, fmt.activation, tight, 8, 64, 0, whole=w, dense="resident")
+    assert isinstance(spec, MoESpec)

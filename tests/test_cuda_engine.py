@@ -679,3 +679,64 @@ def test_default_walk_rule_gives_the_staging_bytes(small_model, rng, monkeypatch
     assert ring_stats[0].host_syncs == SMALL_SPEC.n_layers + 1
     assert walk_stats[0].host_syncs == 1
     assert walk[0].tobytes() == ring[0].tobytes()
+
+
+class _RecordingCublas:
+    """Stands in for cuBLAS on the fake runtime: records each GEMM's shape."""
+
+    version = (0, 0, 0)
+    calls: list[tuple] = []
+
+    def __init__(self, workspace, workspace_bytes, owner=None):
+        pass
+
+    def gemm(self, stream, x, w, out, rows, n_out, k, out_f32, accumulate):
+        assert all(isinstance(v, int) and v > 0 for v in (x, w, out, rows, n_out, k))
+        _RecordingCublas.calls.append((rows, n_out, k, out_f32, accumulate))
+
+    def destroy(self):
+        pass
+
+
+@pytest.mark.parametrize("dense", ["resident", "stream"])
+def test_whole_model_control_flow_on_fake_runtime(fake, monkeypatch, dense, fixed_walk_rule):
+    """A whole model on the CUDA backend, without a GPU: the layer's five dense launches per
+    Attention (norm, qkv GEMM, q/k norms + RoPE, attention, o GEMM accumulating into x), the
+    head per chunk, dense copies only when streaming, and the hazard checker on every plan."""
+    import strata_rt.dense_kernels as dk
+    from strata_rt.qwen3 import Qwen3Model, Qwen3Spec
+
+    monkeypatch.setattr(dk, "Cublas", _RecordingCublas)
+    _RecordingCublas.calls = []
+    spec = Qwen3Spec(n_layers=SMALL_SPEC.n_layers, hidden=SMALL_SPEC.hidden, n_heads=8,
+                     n_kv_heads=2, head_dim=64, vocab=1000, ffn=SMALL_SPEC.ffn,
+                     n_experts=SMALL_SPEC.n_experts, top_k=SMALL_SPEC.top_k, context=4096)
+    whole = Qwen3Model.synthetic(spec, 3, "iq3_xxs")
+    cfg = EngineConfig(model=whole, backend="cuda", expert_cache=spec.n_experts,
+                       check_plan=True, timing=False, dense=dense, context=2048, prefill=512)
+    with Engine.open(cfg) as eng:
+        rt = fake["rt"]
+        assert eng.backend.dense_ring == (2 if dense == "stream" else None)
+        assert eng.context_tokens == 2048
+        copies0 = rt.copies
+        rt.tokens = 700
+        ids = np.arange(700) % spec.vocab
+        monkeypatch.setattr(eng.backend._whole, "run_logits",
+                            lambda stream, op, T: np.zeros((1 if op.rows == "last" else T,
+                                                            spec.vocab), np.float32))
+        logits, st = eng.prefill(ids)
+        assert logits.shape == (spec.vocab,) and eng.kv_length == 700
+        L = spec.n_layers
+        assert rt.launches.count("qk_norm_rope_hd64") == 2 * L  # two chunks
+        assert rt.launches.count("attend_hd64") == 2 * L
+        assert rt.launches.count("dense_rmsnorm_f16") == 2 * L
+        qkv = [c for c in _RecordingCublas.calls if c[1] == spec.q_dim + 2 * spec.kv_dim]
+        out = [c for c in _RecordingCublas.calls if c[1] == spec.hidden]
+        assert sorted(c[0] for c in qkv) == sorted([512] * L + [188] * L)
+        assert all(c[3] and c[4] and c[2] == spec.q_dim for c in out)  # fp32 x += o Wo^T
+        dense_copies = rt.copies - copies0 - 2  # minus the two chunks' uploads of x
+        assert dense_copies >= (2 * L if dense == "stream" else 0)
+        plan = eng.driver.last_plan
+        assert plan is not None and plan.tokens == 188
+        with pytest.raises(Exception, match="exceed the context of 2048"):
+            eng.prefill(np.zeros(2000, np.int64))

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_qwen3_reference import FIXTURES, GOLDEN, build_case
 
 from strata_rt.engine import Engine, read_dump
 from strata_rt.numerics import nmse
 from strata_rt.qwen3 import Qwen3Model, Qwen3Spec, write_qwen3_gguf
-from test_qwen3_reference import FIXTURES, GOLDEN, build_case
 
 pytestmark = pytest.mark.gpu
 
