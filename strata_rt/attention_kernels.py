@@ -137,19 +137,22 @@ def attention_reference(q: np.ndarray, keys: np.ndarray, values: np.ndarray,
     group = n_heads // n_kv
     kf = np.asarray(keys[: start + T], np.float64)
     vf = np.asarray(values[: start + T], np.float64)
-    qg = qf.reshape(T, n_kv, group, hd) * hd ** -0.5
-    out = np.empty((T, n_kv, group, hd))
+    qg = (qf * hd ** -0.5).reshape(T, n_kv, group, hd).transpose(1, 0, 2, 3)  # [kv, t, g, d]
+    kt = kf.transpose(1, 2, 0)  # [kv, d, s]
+    vt = vf.transpose(1, 0, 2)  # [kv, s, d]
+    out = np.empty((n_kv, T, group, hd))
     pos = np.arange(start + T)
     step = 64
     for t0 in range(0, T, step):  # a block of queries at a time, each masked to its prefix
         t1 = min(T, t0 + step)
         n = start + t1
-        sc = np.einsum("tkgd,skd->tkgs", qg[t0:t1], kf[:n])
+        sc = (qg[:, t0:t1].reshape(n_kv, -1, hd) @ kt[:, :, :n]).reshape(n_kv, t1 - t0, group, n)
         mask = pos[None, :n] > (start + np.arange(t0, t1))[:, None]  # key after query
-        sc = np.where(mask[:, None, None, :], -np.inf, sc)
+        sc = np.where(mask[None, :, None, :], -np.inf, sc)
         p = np.exp(sc - sc.max(axis=-1, keepdims=True))
         p /= p.sum(axis=-1, keepdims=True)
-        out[t0:t1] = np.einsum("tkgs,skd->tkgd", p, vf[:n])
+        out[:, t0:t1] = (p.reshape(n_kv, -1, n) @ vt[:, :n]).reshape(n_kv, t1 - t0, group, hd)
+    out = out.transpose(1, 0, 2, 3)
     return out.reshape(T, n_heads * hd)
 
 
