@@ -9,7 +9,8 @@ Decoding runs on anything that prefills token ids into a KV cache and returns lo
 `LogitsSession`: the engine (`EngineSession`, any backend) or the numpy reference without an
 engine (`ReferenceSession`, for tests and checks). Choices a caller should know:
 
-- every call to `greedy` starts from an empty cache (`session.reset()`);
+- every call to `greedy` starts from an empty cache (`session.reset()`); `greedy_after`
+  continues a prompt the caller prefilled (and timed) itself;
 - prompt + max_new must fit the context: refused before anything runs, never cut short midway
   (a caller that wants fewer tokens asks for fewer);
 - max_new = 0 prefills the prompt only (its timing is still measured), no token is produced;
@@ -203,7 +204,7 @@ def check_request(session: LogitsSession, n_prompt: int, max_new: int) -> None:
                             f"{session.context} (ask for at most "
                             f"{session.context - n_prompt} new tokens)")
     if problems:
-        raise ConfigError(problems, source="generate")
+        raise ConfigError(problems, source="greedy decoding")
 
 
 def next_token(logits: np.ndarray, position: int) -> int:
