@@ -313,6 +313,8 @@ __device__ __forceinline__ void attend(const __half* __restrict__ q,
             }
             // ---- online softmax per row; p rounded to fp16 is what both l and p.v use
             unsigned pf[2][C::SUB / 8][2];
+            float alpha[2][2];
+            bool moved = false;  // did the running max of any of this lane's rows move?
 #pragma unroll
             for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
@@ -326,7 +328,8 @@ __device__ __forceinline__ void attend(const __half* __restrict__ q,
                     const float m_old = m_run[mt][hf];
                     const float m_new = fmaxf(m_old, mx);
                     // exactly 1 when the max did not move (a fully masked tile changes nothing)
-                    const float alpha = m_new == m_old ? 1.0f : exp2f((m_old - m_new) * scale_log2);
+                    moved |= m_new != m_old;
+                    alpha[mt][hf] = m_new == m_old ? 1.0f : exp2f((m_old - m_new) * scale_log2);
                     m_run[mt][hf] = m_new;
                     const float mc = m_new * scale_log2;
                     float rs = 0.0f;
@@ -340,13 +343,18 @@ __device__ __forceinline__ void attend(const __half* __restrict__ q,
                         rs += back.x;
                         rs += back.y;
                     }
-                    l_run[mt][hf] = l_run[mt][hf] * alpha + rs;
-#pragma unroll
-                    for (int d = 0; d < C::DT; ++d) {
-                        acc[mt][d][2 * hf] *= alpha;
-                        acc[mt][d][2 * hf + 1] *= alpha;
-                    }
+                    l_run[mt][hf] = l_run[mt][hf] * alpha[mt][hf] + rs;
                 }
+            // rescale the accumulators; skipped (an exact no-op: x * 1 == x) when no row of
+            // the warp saw its max move, which is most steps once a row has seen many keys
+            if (__any_sync(0xffffffffu, moved)) {
+#pragma unroll
+                for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+                    for (int d = 0; d < C::DT; ++d)
+#pragma unroll
+                        for (int c = 0; c < 4; ++c) acc[mt][d][c] *= alpha[mt][c >> 1];
+            }
             // ---- acc += p . v: the score fragments of keys 16kk.. are the A fragment
 #pragma unroll
             for (int kk = 0; kk < C::SUB / 16; ++kk) {
