@@ -11,11 +11,15 @@
 //   accumulation. One block serves every query head of one KV head for P = 128 / group query
 //   positions (block row r is position r / group, head r % group), so each K/V tile is read
 //   from memory once per group. 4 warps of 32 rows (two m16 tiles each); K/V tiles of 64 cache
-//   rows stream through a double-buffered cp.async pipeline; the online softmax keeps a float32
-//   running max m and sum l per row. out fp16 [T, n_heads * hd].
+//   rows stream through a double-buffered cp.async pipeline; the online softmax takes each tile
+//   in steps of SUB keys (64, or 32 for hd 128 so the scores fit in registers beside the
+//   128-float accumulator) and keeps a float32 running max m and sum l per row; probabilities
+//   are rounded to fp16 for p.v and the same rounded values are summed into l.
+//   out fp16 [T, n_heads * hd]. Shared memory: 128 query rows + 2 x (K + V tile), 96 KiB at
+//   hd 128 (two blocks per SM on sm_90), 48 KiB at hd 64.
 //
 // Determinism and chunk invariance. A query row's result is a fixed function of its own q, its
-// position and the cache rows 0..position: the KV tiles sit at absolute positions j*64 from 0,
+// position and the cache rows 0..position: the KV steps sit at absolute positions j*SUB from 0,
 // every dot product is one chain of mma steps in ascending hd order, the row max and row sum
 // are per row (quad shuffles in a fixed order), there is no split over the KV length and no
 // atomics. A tile past a row's position is an exact no-op: its scores are -inf, so the max does
