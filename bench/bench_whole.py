@@ -1,0 +1,124 @@
+"""Whole-model prefill benchmark: tokens/s of a whole Qwen3-MoE config against the PCIe ceiling.
+
+One engine from a run config (default configs/qwen3-30b-a3b-whole.yaml); the pinned
+host-to-device rate is measured with torch in the same process (when torch is there). Every
+prompt length runs once to warm up (kernels, cuBLAS heuristics, the walk plan and its CUDA-graph
+trial), then `--reps` timed runs, each from an empty KV cache. Per prompt: the median time to
+first token (host clock around the prefill call, logits included), tokens/s, bytes streamed,
+the achieved PCIe GB/s and its share of the ceiling, and host time / wall.
+
+The PCIe floor of a prompt is the bytes it must stream (non-resident experts, and the dense
+layers when they stream) over the ceiling: `floor ms` in the table, and `PCIe share` = floor /
+time. Results: <out>/whole-<config>-<time>.{json,md}.
+
+    python bench/bench_whole.py                                       # the 30B shape, 1/4 resident
+    python bench/bench_whole.py --config configs/qwen3-235b-a22b-whole.yaml --prompts 8179,30118
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from strata_rt.cli.common import hardware_line, markdown_table, open_engine  # noqa: E402
+from strata_rt.config import load_config  # noqa: E402
+from strata_rt.runtime.memory import MIB  # noqa: E402
+
+
+def h2d_ceiling() -> float | None:
+    """Pinned host-to-device GB/s of 64 MiB copies (torch, CUDA events), None without torch."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    n = 64 * MIB
+    host = torch.empty(n, dtype=torch.uint8).pin_memory()
+    dev = torch.empty(n, dtype=torch.uint8, device="cuda")
+    dev.copy_(host, non_blocking=True)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(20):
+        dev.copy_(host, non_blocking=True)
+    end.record()
+    end.synchronize()
+    gbps = 20 * n / (start.elapsed_time(end) / 1e3) / 1e9
+    del host, dev
+    torch.cuda.empty_cache()
+    return gbps
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default=str(ROOT / "configs" / "qwen3-30b-a3b-whole.yaml"))
+    ap.add_argument("--prompts", help="comma-separated lengths (default: the config's)")
+    ap.add_argument("--reps", type=int, default=2, help="timed runs per prompt (default 2)")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    args = ap.parse_args()
+    cfg = load_config(args.config)
+    if args.prompts:
+        cfg = cfg.with_prompt_lengths([int(n) for n in args.prompts.split(",")])
+    if cfg.whole is None:
+        raise SystemExit(f"{args.config}: not a whole model")
+    ceiling = h2d_ceiling()
+    t0 = time.perf_counter()
+    rows, records = [], []
+    with open_engine(cfg) as engine:
+        opened = time.perf_counter() - t0
+        backend = engine.backend
+        print(f"{hardware_line()}\nopened {args.config} in {opened:.1f} s: "
+              f"{engine.residency.count} experts resident, dense "
+              f"{'streamed' if getattr(backend, 'dense_ring', None) else 'resident'}, chunk "
+              f"{engine.chunk_tokens}; pinned H2D ceiling "
+              f"{'n/a' if ceiling is None else f'{ceiling:.1f} GB/s'}", flush=True)
+        for prompt in cfg.prompts:
+            ids = prompt.token_ids(cfg.whole.vocab, cfg.seed)
+            engine.reset()
+            engine.prefill(ids)  # warm-up
+            walls, last = [], None
+            for _ in range(args.reps):
+                engine.reset()
+                t = time.perf_counter()
+                _, st = engine.prefill(ids)
+                walls.append(time.perf_counter() - t)
+                last = st
+            assert last is not None
+            wall = statistics.median(walls)
+            gbps = last.bytes_streamed / wall / 1e9
+            floor = None if ceiling is None else last.bytes_streamed / (ceiling * 1e9)
+            rec = {"tokens": prompt.tokens, "wall_s": walls, "median_s": wall,
+                   "tokens_per_s": prompt.tokens / wall, "bytes_streamed": last.bytes_streamed,
+                   "pcie_gb_s": gbps, "floor_s": floor, "host_s": last.host_s,
+                   "chunks": last.chunks}
+            records.append(rec)
+            rows.append([prompt.tokens, f"{wall * 1e3:,.1f}", f"{prompt.tokens / wall:,.0f}",
+                         f"{last.bytes_streamed / MIB:,.0f}", f"{gbps:.1f}",
+                         "-" if floor is None else f"{floor * 1e3:,.1f}",
+                         "-" if floor is None else f"{floor / wall:.0%}",
+                         f"{last.host_s / wall:.0%}", last.chunks])
+            print(f"{prompt.tokens} tokens: {wall * 1e3:,.1f} ms", flush=True)
+    table = markdown_table(["tokens", "TTFT ms", "tokens/s", "streamed MiB", "PCIe GB/s",
+                            "floor ms", "PCIe share", "host/wall", "chunks"], rows)
+    print(table)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"whole-{Path(args.config).stem}-{stamp}"
+    doc = {"command": " ".join(sys.argv), "hardware": hardware_line(), "config": args.config,
+           "h2d_gb_s": ceiling, "runs": records, "table": table}
+    stem.with_suffix(".json").write_text(json.dumps(doc, indent=2) + "\n")
+    stem.with_suffix(".md").write_text(f"{doc['hardware']}\n\n`{doc['command']}`\n\n{table}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
