@@ -130,14 +130,20 @@ def test_plan_memory_without_whole_is_unchanged() -> None:
 
 
 @pytest.mark.parametrize("name", ["tiny-qwen3moe.yaml", "qwen3-30b-a3b-whole.yaml",
-                                  "qwen3-235b-a22b-whole.yaml"])
+                                  "qwen3-235b-a22b-whole.yaml",
+                                  "qwen3-235b-a22b-whole-16g.yaml"])
 def test_bundled_whole_configs(name: str, monkeypatch) -> None:
     monkeypatch.setenv("STRATA_HOST_MEMORY_CHECK", "0")
     cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / name)
     assert cfg.whole is not None
     if "235b" in name:
         plan = cfg.memory_plan(registry()[cfg.spec.format])
-        assert plan is not None and plan.n_resident > 0 and plan.total <= 32768 * MIB
+        budget = cfg.vram_budget_mib
+        assert plan is not None and budget is not None
+        assert plan.n_resident > 0 and plan.total <= budget * MIB
+        # 16 GiB cannot hold the 13.4 GiB of dense weights beside a chunk: they stream
+        assert plan.dense_stream == (budget < 20000)
+        assert cfg.whole is not None and (cfg.context or 0) >= 30118
 
 
 def test_auto_streams_the_dense_weights_only_when_they_do_not_fit() -> None:
