@@ -105,7 +105,10 @@ def main() -> int:
                          "-" if floor is None else f"{floor * 1e3:,.1f}",
                          "-" if floor is None else f"{floor / wall:.0%}",
                          f"{last.host_s / wall:.0%}", last.chunks])
-            print(f"{prompt.tokens} tokens: {wall * 1e3:,.1f} ms", flush=True)
+            trials = {str(k): v for k, v in engine.driver.graph_trials.items()}
+            rec["graph_trials"] = trials
+            print(f"{prompt.tokens} tokens: {wall * 1e3:,.1f} ms; graph trials {trials}",
+                  flush=True)
     table = markdown_table(["tokens", "TTFT ms", "tokens/s", "streamed MiB", "PCIe GB/s",
                             "floor ms", "PCIe share", "host/wall", "chunks"], rows)
     print(table)
