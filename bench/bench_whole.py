@@ -2,8 +2,8 @@
 
 One engine from a run config (default configs/qwen3-30b-a3b-whole.yaml); the pinned
 host-to-device rate is measured with torch in the same process (when torch is there). Every
-prompt length runs once to warm up (kernels, cuBLAS heuristics, the walk plan and its CUDA-graph
-trial), then `--reps` timed runs, each from an empty KV cache. Per prompt: the median time to
+prompt length runs `--warmups` times first (kernels, cuBLAS heuristics, the walk plan, then its
+CUDA-graph trial), then `--reps` timed runs, each from an empty KV cache. Per prompt: the median time to
 first token (host clock around the prefill call, logits included), tokens/s, bytes streamed,
 the achieved PCIe GB/s and its share of the ceiling, and host time / wall.
 
@@ -62,6 +62,9 @@ def main() -> int:
     ap.add_argument("--config", default=str(ROOT / "configs" / "qwen3-30b-a3b-whole.yaml"))
     ap.add_argument("--prompts", help="comma-separated lengths (default: the config's)")
     ap.add_argument("--reps", type=int, default=2, help="timed runs per prompt (default 2)")
+    ap.add_argument("--warmups", type=int, default=2,
+                    help="untimed runs per prompt first (default 2: plain launches, then the "
+                         "CUDA-graph trial)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = ap.parse_args()
     cfg = load_config(args.config)
@@ -82,8 +85,9 @@ def main() -> int:
               f"{'n/a' if ceiling is None else f'{ceiling:.1f} GB/s'}", flush=True)
         for prompt in cfg.prompts:
             ids = prompt.token_ids(cfg.whole.vocab, cfg.seed)
-            engine.reset()
-            engine.prefill(ids)  # warm-up
+            for _ in range(args.warmups):
+                engine.reset()
+                engine.prefill(ids)
             walls, last = [], None
             for _ in range(args.reps):
                 engine.reset()
