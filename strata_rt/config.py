@@ -154,11 +154,16 @@ class Config:
         else:
             model = {"spec": self.spec, "seed": self.model_seed}
         plan = self.memory_plan(fmt)
+        dense = self.dense
+        if plan is not None and self.whole is not None:
+            # the budget decided where the dense weights live: the engine plans within free
+            # VRAM, where `auto` would find room to keep them resident beyond the budget
+            dense = "stream" if plan.dense_stream else "resident"
         return EngineConfig(
             model=model,
             backend=backend or self.backend,
             context=self.context,
-            dense=self.dense,
+            dense=dense,
             vram_reserve_mib=self.vram_reserve_mib,
             expert_cache=self.resident_experts(fmt),
             prefill=self.prefill if plan is None else plan.tokens,

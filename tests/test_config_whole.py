@@ -141,8 +141,12 @@ def test_bundled_whole_configs(name: str, monkeypatch) -> None:
         budget = cfg.vram_budget_mib
         assert plan is not None and budget is not None
         assert plan.n_resident > 0 and plan.total <= budget * MIB
-        # 16 GiB cannot hold the 13.4 GiB of dense weights beside a chunk: they stream
+        # 16 GiB cannot hold the 13.4 GiB of dense weights beside a chunk: they stream, and
+        # the engine is told so (in free VRAM `auto` would keep them resident past the budget)
         assert plan.dense_stream == (budget < 20000)
+        ecfg = cfg.engine_config()
+        assert ecfg.dense == ("stream" if budget < 20000 else "resident")
+        assert ecfg.expert_cache == plan.n_resident and ecfg.prefill == plan.tokens
         assert cfg.whole is not None and (cfg.context or 0) >= 30118
 
 
