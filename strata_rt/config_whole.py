@@ -12,7 +12,7 @@ what sizes its VRAM; `dense` says whether the dense weights stay resident or str
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .dense_kernels import gemm_impl_from_env
 from .engine_config import DENSE_POLICIES
@@ -23,8 +23,15 @@ from .whole_memory import WholeSizing
 from .whole_model import is_whole_gguf
 
 if TYPE_CHECKING:
-    from .config_schema import Problems
     from .model import MoESpec
+
+
+class Problems(Protocol):
+    """What these checks need of config_schema.Problems (which imports this module's keys)."""
+
+    items: list[str]
+
+    def add(self, path: str, value: Any, allowed: str) -> None: ...
 
 #: the keys that make a synthetic model whole (all four, or none)
 WHOLE_REQUIRED = ("n_heads", "n_kv_heads", "head_dim", "vocab")
