@@ -123,3 +123,12 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
         for key, value in item.user_properties:
             if key == "seed":
                 report.sections.append(("rng seed", f"seed={value} (replay: --seed {value})"))
+
+
+@pytest.fixture(scope="module")
+def golden_models() -> dict:
+    """The tiny seeded whole models of tests/tools/make_qwen3_golden.py by case name (the models
+    transformers' golden ids, logits and perplexities were computed from)."""
+    from _generate_cases import CASES, build_case
+
+    return {name: build_case(case)[0] for name, case in CASES.items()}

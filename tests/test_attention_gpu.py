@@ -14,6 +14,7 @@ import re
 
 import numpy as np
 import pytest
+from _device_buffers import download, poisoned, upload
 
 from strata_rt import attention_kernels as ak
 from strata_rt.attention_kernels import (
@@ -235,31 +236,6 @@ def test_tile_loop_emulation_matches_twin_and_is_chunk_invariant(rng, n_heads, n
 
 
 # ============================================================================ GPU
-def _up(rt, s, arr):
-    arr = np.ascontiguousarray(arr)
-    buf = rt.alloc(arr.nbytes)
-    rt.memcpy_htod(buf.ptr, arr, s)
-    return buf
-
-
-#: bytes past the end of every output, checked to stay poisoned
-TAIL = 256
-
-
-def _poisoned(rt, s, nbytes):
-    buf = rt.alloc(nbytes + TAIL)
-    rt.memset_d8(buf.ptr, 0xFF, nbytes + TAIL, s)
-    return buf
-
-
-def _down(rt, s, buf, dtype, shape, check_tail=True):
-    n = int(np.prod(shape)) * np.dtype(dtype).itemsize
-    host = np.empty(n + TAIL, np.uint8)
-    rt.memcpy_dtoh(host, buf.ptr, s)
-    s.synchronize()
-    if check_tail:
-        assert (host[n:] == 0xFF).all(), "a kernel wrote past the end of its output"
-    return host[:n].view(dtype).reshape(shape)
 
 
 @pytest.fixture
@@ -269,7 +245,7 @@ def stream(rt):
 
 def _cache(rt, s, rows, n_kv, hd, fill=None):
     """A K or V cache of `rows` positions: poisoned (0xFF = fp16 NaN), rows of `fill` at 0.."""
-    buf = _poisoned(rt, s, rows * n_kv * hd * 2)
+    buf = poisoned(rt, s, rows * n_kv * hd * 2)
     if fill is not None:
         rt.memcpy_htod(buf.ptr, np.ascontiguousarray(fill, np.float16), s)
     return buf
@@ -286,11 +262,11 @@ def test_attend_matches_twin(rt, stream, rng, layout, start, T):
     q = (rng.standard_normal((T, n_heads, hd)) * 1.5).astype(np.float16)
     keys = (rng.standard_normal((start + T, n_kv, hd)) * 1.5).astype(np.float16)
     vals = rng.standard_normal((start + T, n_kv, hd)).astype(np.float16)
-    dq = _up(rt, s, q)
+    dq = upload(rt, s, q)
     dk, dv = _cache(rt, s, ctx, n_kv, hd, keys), _cache(rt, s, ctx, n_kv, hd, vals)
-    out = _poisoned(rt, s, T * n_heads * hd * 2)
+    out = poisoned(rt, s, T * n_heads * hd * 2)
     kern.attend(s, dq.ptr, dk.ptr, dv.ptr, start, T, out.ptr)
-    got = _down(rt, s, out, np.float16, (T, n_heads * hd))
+    got = download(rt, s, out, np.float16, (T, n_heads * hd))
     assert np.isfinite(got).all()
     err = nmse(got, attention_reference(q, keys, vals, start))
     assert err <= NMSE_BOUND, f"NMSE {err:.2e}"
@@ -306,15 +282,15 @@ def test_qk_norm_rope_matches_twin(rt, stream, rng, layout, T, start):
     cos, sin = rope_cos_sin(_spec(n_heads, n_kv, hd), ctx)
     qkv = _qkv(rng, T, n_heads, n_kv, hd)
     qn, kn = _norms(rng, hd)
-    d = {name: _up(rt, s, a) for name, a in
+    d = {name: upload(rt, s, a) for name, a in
          (("qkv", qkv), ("qn", qn), ("kn", kn), ("cos", cos), ("sin", sin))}
-    q_out = _poisoned(rt, s, T * n_heads * hd * 2)
+    q_out = poisoned(rt, s, T * n_heads * hd * 2)
     kc, vc = _cache(rt, s, ctx, n_kv, hd), _cache(rt, s, ctx, n_kv, hd)
     kern.qk_norm_rope(s, d["qkv"].ptr, T, start, d["qn"].ptr, d["kn"].ptr, d["cos"].ptr,
                       d["sin"].ptr, EPS, q_out.ptr, kc.ptr, vc.ptr)
-    q = _down(rt, s, q_out, np.float16, (T, n_heads, hd))
-    kall = _down(rt, s, kc, np.uint16, (ctx, n_kv, hd))
-    vall = _down(rt, s, vc, np.uint16, (ctx, n_kv, hd))
+    q = download(rt, s, q_out, np.float16, (T, n_heads, hd))
+    kall = download(rt, s, kc, np.uint16, (ctx, n_kv, hd))
+    vall = download(rt, s, vc, np.uint16, (ctx, n_kv, hd))
     # rows outside start..start+T-1 untouched
     for a in (kall, vall):
         assert (a[:start] == 0xFFFF).all() and (a[start + T:] == 0xFFFF).all()
@@ -338,17 +314,17 @@ def _prefill(rt, s, kern, d, qkv, chunks, ctx, hd):
     kc, vc = _cache(rt, s, ctx, n_kv, hd), _cache(rt, s, ctx, n_kv, hd)
     outs, start = [], 0
     for T in chunks:
-        dqkv = _up(rt, s, qkv[start: start + T])
-        q = _poisoned(rt, s, T * n_heads * hd * 2)
-        out = _poisoned(rt, s, T * n_heads * hd * 2)
+        dqkv = upload(rt, s, qkv[start: start + T])
+        q = poisoned(rt, s, T * n_heads * hd * 2)
+        out = poisoned(rt, s, T * n_heads * hd * 2)
         kern.qk_norm_rope(s, dqkv.ptr, T, start, d["qn"].ptr, d["kn"].ptr, d["cos"].ptr,
                           d["sin"].ptr, EPS, q.ptr, kc.ptr, vc.ptr)
         kern.attend(s, q.ptr, kc.ptr, vc.ptr, start, T, out.ptr)
-        outs.append(_down(rt, s, out, np.uint16, (T, n_heads * hd)))
+        outs.append(download(rt, s, out, np.uint16, (T, n_heads * hd)))
         start += T
     n = start
-    return (np.concatenate(outs), _down(rt, s, kc, np.uint16, (ctx, n_kv, hd))[:n],
-            _down(rt, s, vc, np.uint16, (ctx, n_kv, hd))[:n])
+    return (np.concatenate(outs), download(rt, s, kc, np.uint16, (ctx, n_kv, hd))[:n],
+            download(rt, s, vc, np.uint16, (ctx, n_kv, hd))[:n])
 
 
 @gpu
@@ -361,7 +337,7 @@ def test_chunk_invariance_and_determinism(rt, stream, rng, layout):
     cos, sin = rope_cos_sin(spec, ctx)
     qkv = _qkv(rng, n, n_heads, n_kv, hd)
     qn, kn = _norms(rng, hd)
-    d = {name: _up(rt, s, a) for name, a in (("qn", qn), ("kn", kn), ("cos", cos),
+    d = {name: upload(rt, s, a) for name, a in (("qn", qn), ("kn", kn), ("cos", cos),
                                              ("sin", sin))}
     whole = _prefill(rt, s, kern, d, qkv, [n], ctx, hd)
     again = _prefill(rt, s, kern, d, qkv, [n], ctx, hd)

@@ -7,12 +7,12 @@ from __future__ import annotations
 import io
 import json
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import yaml
+from _generate_cases import CASES, GOLDEN, SMALL, TINY_CONFIG
 
 from strata_rt.cli import main
 from strata_rt.engine import Engine
@@ -20,27 +20,15 @@ from strata_rt.errors import ConfigError, StrataError
 from strata_rt.generate import EngineSession, ReferenceSession
 from strata_rt.perplexity import perplexity, token_nll, windows_of
 from strata_rt.progress import Progress
-from strata_rt.qwen3 import Qwen3Model, Qwen3Spec, write_qwen3_gguf
+from strata_rt.qwen3 import Qwen3Model, write_qwen3_gguf
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests" / "tools"))
-from make_qwen3_golden import CASES, build_case  # noqa: E402
-
-GOLDEN = json.loads((ROOT / "tests" / "fixtures" / "generate" / "golden.json").read_text())
-TINY_CONFIG = ROOT / "configs" / "tiny-qwen3moe.yaml"
 REL = 1e-4
-SMALL = Qwen3Spec(n_layers=2, hidden=128, n_heads=4, n_kv_heads=2, head_dim=32, vocab=400,
-                  ffn=128, n_experts=8, top_k=2, context=64)
 
 
 @pytest.fixture(scope="module")
 def small() -> Qwen3Model:
     return Qwen3Model.synthetic(SMALL, 4, "fp16")
 
-
-@pytest.fixture(scope="module")
-def golden_models() -> dict[str, Qwen3Model]:
-    return {name: build_case(case)[0] for name, case in CASES.items()}
 
 
 def check_against_golden(result, want: dict) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _device_buffers import download, poisoned, upload
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -253,49 +254,24 @@ def test_route_launches_four_kernels_with_the_engine_shapes():
 
 
 # ============================================================================ GPU
-def _up(rt, s, arr):
-    arr = np.ascontiguousarray(arr)
-    buf = rt.alloc(arr.nbytes)
-    rt.memcpy_htod(buf.ptr, arr, s)
-    return buf
-
-
-#: entries past the end of every output, checked to stay poisoned
-TAIL = 64
-
-
-def _poisoned(rt, s, nbytes):
-    buf = rt.alloc(nbytes + TAIL * 4)
-    rt.memset_d8(buf.ptr, 0xFF, nbytes + TAIL * 4, s)
-    return buf
-
-
-def _down(rt, s, buf, dtype, shape, check_tail=True):
-    n = int(np.prod(shape)) * np.dtype(dtype).itemsize
-    host = np.empty(n + TAIL * 4, np.uint8)
-    rt.memcpy_dtoh(host, buf.ptr, s)
-    s.synchronize()
-    if check_tail:
-        assert (host[n:] == 0xFF).all(), "a kernel wrote past the end of its output"
-    return host[:n].view(dtype).reshape(shape)
 
 
 def _run(rt, s, rk, xn, router16, top_k, tile=None):
     """All four kernels on fresh poisoned outputs; returns every output on the host."""
     T, H = xn.shape
     E = router16.shape[0]
-    dx, dr = _up(rt, s, xn), _up(rt, s, router16)
-    out = {"logits": _poisoned(rt, s, T * E * 4), "ids": _poisoned(rt, s, T * top_k * 4),
-           "weights": _poisoned(rt, s, T * top_k * 4), "bounds": _poisoned(rt, s, (E + 1) * 4),
-           "sorted_token": _poisoned(rt, s, T * top_k * 4),
-           "row_of": _poisoned(rt, s, T * top_k * 4),
-           "workspace": _poisoned(rt, s, workspace_bytes(T, E))}
+    dx, dr = upload(rt, s, xn), upload(rt, s, router16)
+    out = {"logits": poisoned(rt, s, T * E * 4), "ids": poisoned(rt, s, T * top_k * 4),
+           "weights": poisoned(rt, s, T * top_k * 4), "bounds": poisoned(rt, s, (E + 1) * 4),
+           "sorted_token": poisoned(rt, s, T * top_k * 4),
+           "row_of": poisoned(rt, s, T * top_k * 4),
+           "workspace": poisoned(rt, s, workspace_bytes(T, E))}
     rk.route(s, xn=dx.ptr, router16=dr.ptr, **{k: b.ptr for k, b in out.items()}, tokens=T,
              hidden=H, n_experts=E, top_k=top_k, tile=tile)
     shapes = {"logits": (np.float32, (T, E)), "ids": (np.int32, (T, top_k)),
               "weights": (np.float32, (T, top_k)), "bounds": (np.int32, (E + 1,)),
               "sorted_token": (np.int32, (T * top_k,)), "row_of": (np.int32, (T * top_k,))}
-    return {k: _down(rt, s, out[k], *shapes[k]) for k in shapes}
+    return {k: download(rt, s, out[k], *shapes[k]) for k in shapes}
 
 
 @pytest.fixture
@@ -340,23 +316,23 @@ def test_topk_and_sort_with_heavy_ties(rt, rk, rng, n_experts, top_k):
     T = 1000
     logits = rng.integers(-3, 3, (T, n_experts)).astype(np.float32)
     logits[5] = -0.0
-    dl = _up(rt, s, logits)
-    ids_b, w_b = _poisoned(rt, s, T * top_k * 4), _poisoned(rt, s, T * top_k * 4)
-    ws = _poisoned(rt, s, workspace_bytes(T, n_experts))
-    b, so, ro = (_poisoned(rt, s, (n_experts + 1) * 4), _poisoned(rt, s, T * top_k * 4),
-                 _poisoned(rt, s, T * top_k * 4))
+    dl = upload(rt, s, logits)
+    ids_b, w_b = poisoned(rt, s, T * top_k * 4), poisoned(rt, s, T * top_k * 4)
+    ws = poisoned(rt, s, workspace_bytes(T, n_experts))
+    b, so, ro = (poisoned(rt, s, (n_experts + 1) * 4), poisoned(rt, s, T * top_k * 4),
+                 poisoned(rt, s, T * top_k * 4))
     kern.topk(s, dl.ptr, T, n_experts, top_k, ids_b.ptr, w_b.ptr, ws.ptr)
     kern.sort(s, ids_b.ptr, T, n_experts, top_k, ws.ptr, b.ptr, so.ptr, ro.ptr)
     ids, w = topk_softmax_ref(logits, top_k)
-    np.testing.assert_array_equal(_down(rt, s, ids_b, np.int32, (T, top_k)), ids)
-    np.testing.assert_allclose(_down(rt, s, w_b, np.float32, (T, top_k)), w, rtol=1e-5)
+    np.testing.assert_array_equal(download(rt, s, ids_b, np.int32, (T, top_k)), ids)
+    np.testing.assert_allclose(download(rt, s, w_b, np.float32, (T, top_k)), w, rtol=1e-5)
     nt = n_tiles(T)
-    masks = _down(rt, s, ws, np.uint32, (n_experts, nt), check_tail=False)
+    masks = download(rt, s, ws, np.uint32, (n_experts, nt), check_tail=False)
     np.testing.assert_array_equal(masks, tile_masks_ref(ids, n_experts))
     want = counting_sort_ref(ids, n_experts)
-    np.testing.assert_array_equal(_down(rt, s, b, np.int32, (n_experts + 1,)), want[0])
-    np.testing.assert_array_equal(_down(rt, s, so, np.int32, (T * top_k,)), want[1])
-    np.testing.assert_array_equal(_down(rt, s, ro, np.int32, (T * top_k,)), want[2])
+    np.testing.assert_array_equal(download(rt, s, b, np.int32, (n_experts + 1,)), want[0])
+    np.testing.assert_array_equal(download(rt, s, so, np.int32, (T * top_k,)), want[1])
+    np.testing.assert_array_equal(download(rt, s, ro, np.int32, (T * top_k,)), want[2])
 
 
 @gpu

@@ -1,0 +1,36 @@
+"""Device buffers for kernel tests: upload an array, allocate an output poisoned with 0xFF
+(with a tail past its end), read it back checking the tail stayed poisoned. One copy for every
+test module that launches kernels directly."""
+
+from __future__ import annotations
+
+import numpy as np
+
+#: bytes past the end of every poisoned output, checked to stay 0xFF
+TAIL_BYTES = 256
+
+
+def upload(rt, stream, arr):
+    """A device copy of `arr` (C-contiguous), enqueued on `stream`."""
+    arr = np.ascontiguousarray(arr)
+    buf = rt.alloc(arr.nbytes)
+    rt.memcpy_htod(buf.ptr, arr, stream)
+    return buf
+
+
+def poisoned(rt, stream, nbytes):
+    """nbytes of output (and TAIL_BYTES more) filled with 0xFF: unwritten bytes read as NaN."""
+    buf = rt.alloc(nbytes + TAIL_BYTES)
+    rt.memset_d8(buf.ptr, 0xFF, nbytes + TAIL_BYTES, stream)
+    return buf
+
+
+def download(rt, stream, buf, dtype, shape, check_tail=True):
+    """The first prod(shape) values of a poisoned buffer; asserts nothing wrote past them."""
+    n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    host = np.empty(n + TAIL_BYTES, np.uint8)
+    rt.memcpy_dtoh(host, buf.ptr, stream)
+    stream.synchronize()
+    if check_tail:
+        assert (host[n:] == 0xFF).all(), "a kernel wrote past the end of its output"
+    return host[:n].view(dtype).reshape(shape)
