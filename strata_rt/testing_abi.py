@@ -77,6 +77,16 @@ class Recorder:
 
         return _Module()
 
+    @property
+    def calls(self) -> list[tuple]:
+        """(name, grid, block, shared, args) of every launch so far, in order."""
+        return [(x.name, x.grid, x.block, x.shared, x.args) for x in self.launches]
+
+    @property
+    def kernels(self) -> dict[str, str]:
+        """Argument types of every prepared kernel, by name."""
+        return {p.name: p.arg_types for p in self.prepared}
+
 
 def _packed(arg_types: str) -> list[tuple[int, int]]:
     """(offset, size) of each argument as a prepared call packs them (native alignment)."""

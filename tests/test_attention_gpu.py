@@ -33,6 +33,7 @@ from strata_rt.errors import ConfigError
 from strata_rt.qwen3.spec import Qwen3Spec
 from strata_rt.resources import KERNELS_ROOT
 from strata_rt.runtime.compile import kernel_jobs
+from strata_rt.testing_abi import Recorder
 
 gpu = pytest.mark.gpu
 
@@ -91,25 +92,6 @@ def _signature(src: str, name: str) -> list[str]:
     return ["P" if "*" in a else {"int": "i", "float": "f"}[a.split()[0]] for a in args]
 
 
-class _Recorder:
-    def __init__(self):
-        self.calls, self.kernels = [], {}
-
-    def module(self, source):
-        assert source == ATTENTION_SOURCE
-        return self
-
-    def kernel(self, name, types):
-        self.kernels[name] = types
-        rec = self
-
-        class K:
-            def launch(self, grid, block, stream, args, shared=0):
-                assert len(args) == len(types), name
-                rec.calls.append((name, tuple(grid), tuple(block), shared, args))
-        return K()
-
-
 def test_launch_shapes_and_argument_lists_match_the_source():
     src = ATTENTION_SOURCE.read_text()
     assert re.search(r"#define AT_ROWS (\d+)", src).group(1) == str(BLOCK_ROWS)
@@ -118,7 +100,7 @@ def test_launch_shapes_and_argument_lists_match_the_source():
     assert re.search(r"#define NR_WARPS (\d+)", src).group(1) == str(ak.NORM_ROPE_WARPS)
     for hd in ak.HEAD_DIMS:
         assert f"ATTEND_KERNEL({hd})" in src and f"QK_NORM_ROPE_KERNEL({hd})" in src
-    rt = _Recorder()
+    rt = Recorder()
     kern = AttentionKernels(rt, 32, 4, 128, context=40000)
     for name, types in rt.kernels.items():
         assert "".join(_signature(src, name)) == types, name
@@ -134,7 +116,7 @@ def test_launch_shapes_and_argument_lists_match_the_source():
     assert a2[:8] == (0x6000, 0x7000, 0x8000, 0x9000, 8192, 300, 32, 4)
     assert a2[8] == pytest.approx(128 ** -0.5 / np.log(2), rel=1e-7)
     # group 3: 42 positions per block, rows 126 of 128
-    assert AttentionKernels(_Recorder(), 6, 2, 64).attend_grid(100) == (3, 2, 1)
+    assert AttentionKernels(Recorder(), 6, 2, 64).attend_grid(100) == (3, 2, 1)
     with pytest.raises(ConfigError, match="16-byte aligned"):
         kern.attend(None, 0x6008, 0x7000, 0x8000, 0, 7, 0x9000)
     with pytest.raises(ConfigError, match="holds 40000 positions"):

@@ -34,6 +34,7 @@ from strata_rt.routing_kernels import (
     topk_softmax_ref,
     workspace_bytes,
 )
+from strata_rt.testing_abi import Recorder
 
 gpu = pytest.mark.gpu
 
@@ -206,26 +207,8 @@ def test_gemm_tile_table_matches_the_kernel_templates():
         assert f"__launch_bounds__({threads})\nrouter_logits_f16_{name}(" in src
 
 
-class _Recorder:
-    def __init__(self):
-        self.calls = []
-
-    def module(self, source):
-        assert source == ROUTING_SOURCE
-        return self
-
-    def kernel(self, name, types):
-        rec = self
-
-        class K:
-            def launch(self, grid, block, stream, args, shared=0):
-                assert len(args) == len(types), name
-                rec.calls.append((name, tuple(grid), tuple(block), shared, args))
-        return K()
-
-
 def test_route_launches_four_kernels_with_the_engine_shapes():
-    rt = _Recorder()
+    rt = Recorder()
     rk = RoutingKernels(rt)
     T, H, E, K = 9200, 2048, 128, 8
     rk.route(None, xn=0x1000, router16=0x2000, logits=0x3000, ids=0x4000, weights=0x5000,
@@ -241,7 +224,7 @@ def test_route_launches_four_kernels_with_the_engine_shapes():
     assert scatter[1] == (288, 1, 1) and scatter[2] == (256, 1, 1)
     nt = 288
     assert scan[4] == (0x9000, nt, 0x9000 + E * nt * 4, 0x9000 + 2 * E * nt * 4)
-    rt.calls.clear()
+    rt.launches.clear()
     rk.route(None, xn=0x1000, router16=0x2000, logits=0x3000, ids=0x4000, weights=0x5000,
              bounds=0x6000, sorted_token=0x7000, row_of=0x8000, workspace=0x9000, tokens=7,
              hidden=H, n_experts=256, top_k=16)
