@@ -1,0 +1,362 @@
+"""Greedy decode benchmark: tokens/s of a whole Qwen3-MoE config against its PCIe and HBM bounds.
+
+A decode step prefills one token at the end of the KV cache (strata_rt.generate): each layer
+routes it to top_k experts, the staging ring copies the routed experts that are not resident,
+and the host reads the routed set back once per layer. Two regimes of one model (built once,
+seeded), each on its own engine:
+
+- quarter: a quarter of the experts resident. Bound: PCIe, the bytes of the routed
+  non-resident experts a step copies (measured) over the pinned host-to-device rate.
+- all: every expert resident, nothing copied. Bound: HBM, the bytes a step must read (the
+  routed experts' blobs, the dense layer slots, router and norms, the output head, and the KV
+  cache up to the step's position) over the device-to-device copy rate.
+
+Both rates are measured with torch in this process before an engine opens: pinned host ->
+device copies of one expert blob (what each staging-ring copy moves) and of 64 MiB, and a
+device -> device copy of 1 GiB (read + write bytes over time; the H200 datasheet says 4.8 TB/s).
+Without torch or a GPU the bounds are left out and the table says so. The bound of a regime is
+the smaller of its tokens/s bounds (copies overlap compute, so neither adds to the other).
+
+Each regime runs `--warmups` short greedy runs first (kernels, cuBLAS heuristics, the prompt's
+CUDA-graph trial), then one timed run of `--prompt` tokens and `--steps` greedy steps (EOS
+ignored). Step times are host clocks around each step's prefill and argmax (what a user waits
+for); host time is the engine's own count of seconds spent issuing work (Stats.host_s), so the
+host share says whether the GPU waits on Python. With STRATA_PREFILL_TIMING=1 (or --timing) the
+phase table of the last step is printed too: where a one-token step's time goes (instrumented
+steps launch plainly and run slower). Results: <out>/decode-<config>-<time>.{json,md}.
+
+    python bench/bench_decode.py                                  # the 30B shape, both regimes
+    python bench/bench_decode.py --steps 128 --prompt 2048 --regimes quarter
+    STRATA_PREFILL_TIMING=1 python bench/bench_decode.py --steps 16
+    python bench/bench_decode.py --config configs/tiny-qwen3moe.yaml --backend reference
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from strata_rt import env  # noqa: E402
+from strata_rt.cli.common import hardware_line, markdown_table, output_arg, write_json  # noqa: E402,E501
+from strata_rt.config import Config, load_config  # noqa: E402
+from strata_rt.engine import Engine, backend_class, load_model  # noqa: E402
+from strata_rt.engine_config import EngineConfig  # noqa: E402
+from strata_rt.generate import EngineSession, GenerateResult, greedy  # noqa: E402
+from strata_rt.prompts import Prompt  # noqa: E402
+from strata_rt.runtime.memory import MIB  # noqa: E402
+from strata_rt.stats import Stats  # noqa: E402
+from strata_rt.whole_memory import DenseSlot  # noqa: E402
+
+#: the regimes: name -> share of the experts resident
+REGIMES = {"quarter": 0.25, "all": 1.0}
+#: H200 HBM3e bandwidth from the datasheet, bytes/s (quoted beside the measured rate)
+H200_HBM_DATASHEET = 4.8e12
+
+
+# ---------------------------------------------------------------------- ceilings (torch)
+def measure_ceilings(blob_bytes: int) -> tuple[dict[str, float], str | None]:
+    """Pinned H2D GB/s for copies of one expert blob and of 64 MiB, and the D2D rate of a
+    1 GiB copy (read + written bytes), timed with CUDA events. -> (rates, None) or
+    ({}, why they are missing)."""
+    try:
+        import torch
+    except ImportError:
+        return {}, "torch is not installed: no PCIe or HBM bound"
+    if not torch.cuda.is_available():
+        return {}, "torch sees no CUDA device: no PCIe or HBM bound"
+
+    def seconds(fn: Callable[[], Any], reps: int) -> float:
+        fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / reps
+
+    def h2d(sizes: dict[str, int]) -> dict[str, float]:
+        host = torch.empty(max(sizes.values()), dtype=torch.uint8).pin_memory()
+        dev = torch.empty_like(host, device="cuda")
+        return {f"h2d_{label}_gb_s": n / seconds(
+            lambda n=n: dev[:n].copy_(host[:n], non_blocking=True), 50) / 1e9
+            for label, n in sizes.items()}
+
+    def d2d(n: int) -> float:
+        src = torch.empty(n, dtype=torch.uint8, device="cuda")
+        dst = torch.empty_like(src)
+        return 2 * n / seconds(lambda: dst.copy_(src), 20) / 1e9
+
+    out = h2d({"blob": blob_bytes, "64mib": 64 * MIB})
+    out["d2d_gb_s"] = d2d(1 << 30)
+    torch.cuda.empty_cache()
+    return out, None
+
+
+# ---------------------------------------------------------------------- what a step reads
+def step_read_bytes(engine: Engine, position: float) -> dict[str, float]:
+    """Bytes a one-token step at `position` must read from device memory, by part: the top_k
+    routed experts' blobs of every layer, the dense layer slots (fp16 Wqkv and Wo, norms), the
+    router (fp16 for the tensor routing, else fp32) and the MoE norms, the output head (fp16
+    Wout and its norm) and the keys and values of positions 0..position (fp16)."""
+    whole = engine.qwen3_spec
+    assert whole is not None
+    spec, layout = engine.model.spec, engine.model.layout
+    L, H = spec.n_layers, spec.hidden
+    router_bytes = 2 if engine.config.routing == "tensor" else 4
+    return {
+        "experts": float(L * spec.top_k * layout.blob_bytes),
+        "dense": float(L * DenseSlot.of(whole).nbytes),
+        "router_norms": float(L * (spec.n_experts * H * router_bytes + H * 4)),
+        "head": float(whole.vocab * H * 2 + H * 4),
+        "kv_cache": float(L * 2 * whole.kv_dim * 2 * (position + 1)),
+    }
+
+
+# ---------------------------------------------------------------------- one regime
+class RecordingSession(EngineSession):
+    """The engine session, keeping each prefill's Stats (per-step copies and phase tables)."""
+
+    def __init__(self, engine: Engine):
+        super().__init__(engine)
+        self.calls: list[Stats] = []
+
+    def prefill(self, token_ids: Any, all_logits: bool = False
+                ) -> tuple[np.ndarray, Stats | None]:
+        logits, stats = super().prefill(token_ids, all_logits)
+        if stats is not None:
+            self.calls.append(stats)
+        return logits, stats
+
+
+def open_regime(base: EngineConfig, whole: Any, resident: int, timing: bool) -> Engine:
+    """An engine on the already built model with `resident` experts in VRAM."""
+    cfg = dataclasses.replace(base, model=whole, expert_cache=resident,
+                              timing=True if timing else base.timing)
+    return Engine.open(cfg)
+
+
+def run_regime(engine: Engine, ids: np.ndarray, steps: int, warmups: int
+               ) -> tuple[GenerateResult, list[Stats]]:
+    """Warm-up runs of 4 steps, then the timed run of `steps` steps after the prompt's token
+    -> (result, the steps' Stats)."""
+    session = RecordingSession(engine)
+    for _ in range(warmups):
+        greedy(session, ids, min(steps + 1, 5), eos_id=None)
+    session.calls.clear()
+    result = greedy(session, ids, steps + 1, eos_id=None)  # the first token is the prompt's
+    return result, session.calls[1:]  # calls[0] is the prompt's prefill
+
+
+def summarise(name: str, engine: Engine, result: GenerateResult, step_stats: list[Stats],
+              ceilings: dict[str, float]) -> dict[str, Any]:
+    """One regime's record: step times, copies, host share, bounds and ratios."""
+    n = len(result.step_wall_s)
+    walls = np.asarray(result.step_wall_s)
+    hosts = [h for h in result.step_host_s if h is not None]
+    positions = result.prompt_tokens + np.arange(n)  # step i writes position prompt + i
+    reads = step_read_bytes(engine, float(positions.mean()) if n else result.prompt_tokens)
+    read_bytes = sum(reads.values())
+    step_bytes = [s.bytes_streamed for s in step_stats]
+    step_experts = [s.experts_streamed for s in step_stats]
+    bytes_per_step = float(np.mean(step_bytes)) if step_bytes else 0.0
+    tps = result.decode_tokens_per_s
+    rec: dict[str, Any] = {
+        "regime": name, "resident": int(engine.residency.count),
+        "experts_total": engine.model.spec.n_layers * engine.model.spec.n_experts,
+        "prompt_tokens": result.prompt_tokens, "steps": n, "ids": result.ids,
+        "ttft_s": result.ttft_s, "prefill_tokens_per_s": result.prefill_tokens_per_s,
+        "decode_tokens_per_s": tps,
+        "step_wall_s": result.step_wall_s, "step_host_s": result.step_host_s,
+        "step_ms_median": float(np.median(walls)) * 1e3 if n else None,
+        "step_ms_p90": float(np.percentile(walls, 90)) * 1e3 if n else None,
+        "host_ms_median": statistics.median(hosts) * 1e3 if hosts else None,
+        "host_share": result.host_fraction,
+        # the argmax and the loop around the engine call: host work Stats.host_s leaves out
+        "outside_engine_ms_median": float(np.median(
+            walls - np.asarray([s.wall_s for s in step_stats]))) * 1e3
+        if n and len(step_stats) == n else None,
+        "experts_per_step": float(np.mean(step_experts)) if step_experts else 0.0,
+        "bytes_per_step": bytes_per_step, "bytes_streamed_steps": int(sum(step_bytes)),
+        "step_experts": step_experts, "step_bytes": step_bytes,
+        "host_syncs_per_step": float(np.mean([s.host_syncs for s in step_stats]))
+        if step_stats else None,
+        "read_bytes_per_step": reads, "read_bytes_total_per_step": read_bytes,
+        "pcie_gb_s_achieved": bytes_per_step / float(np.median(walls)) / 1e9 if n else None,
+    }
+    h2d = max((v for k, v in ceilings.items() if k.startswith("h2d_")), default=None)
+    h2d_blob = ceilings.get("h2d_blob_gb_s")
+    d2d = ceilings.get("d2d_gb_s")
+    bounds = {}
+    if h2d is not None and bytes_per_step > 0:
+        bounds["pcie"] = h2d * 1e9 / bytes_per_step
+        rec["pcie_bound_blob_rate_tokens_per_s"] = h2d_blob * 1e9 / bytes_per_step \
+            if h2d_blob else None
+    if d2d is not None:
+        bounds["hbm"] = d2d * 1e9 / read_bytes
+    rec["hbm_datasheet_bound_tokens_per_s"] = H200_HBM_DATASHEET / read_bytes
+    rec["bounds_tokens_per_s"] = bounds
+    rec["bound"] = min(bounds, key=bounds.__getitem__) if bounds else None
+    rec["ours_over_bound"] = tps / bounds[rec["bound"]] if bounds and tps else None
+    last = step_stats[-1] if step_stats else None
+    rec["phase_table"] = None if last is None else last.phase_table
+    return rec
+
+
+def fmt(value: float | None, spec: str, scale: float = 1.0) -> str:
+    return "-" if value is None else format(value * scale, spec)
+
+
+def row(rec: dict[str, Any]) -> list[str]:
+    b = rec["bounds_tokens_per_s"]
+    tps = rec["decode_tokens_per_s"]
+
+    def ratio(key: str) -> str:
+        return "-" if key not in b or not tps else f"{tps / b[key]:.0%}"
+
+    return [rec["regime"], f"{rec['resident']}/{rec['experts_total']}", fmt(tps, ",.1f"),
+            fmt(rec["step_ms_median"], ",.2f"), fmt(rec["host_ms_median"], ",.2f"),
+            fmt(rec["host_share"], ".0%"), f"{rec['experts_per_step']:,.1f}",
+            f"{rec['bytes_per_step'] / MIB:,.1f}", fmt(b.get("pcie"), ",.1f"), ratio("pcie"),
+            f"{rec['read_bytes_total_per_step'] / MIB:,.1f}", fmt(b.get("hbm"), ",.1f"),
+            ratio("hbm"), fmt(rec["ttft_s"], ",.1f", 1e3)]
+
+
+HEADERS = ["regime", "resident", "tokens/s", "step ms", "host ms", "host share",
+           "experts/step", "copied MiB/step", "PCIe bound tok/s", "ours/PCIe",
+           "read MiB/step", "HBM bound tok/s", "ours/HBM", "TTFT ms"]
+
+
+# ---------------------------------------------------------------------- main
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default=str(ROOT / "configs" / "qwen3-30b-a3b-whole.yaml"))
+    ap.add_argument("--backend", help="override the config's backend (e.g. reference)")
+    ap.add_argument("--prompt", type=int, default=512, help="prompt tokens (default 512)")
+    ap.add_argument("--steps", type=int, default=64,
+                    help="timed greedy steps after the prompt's own token (default 64)")
+    ap.add_argument("--regimes", default="quarter,all",
+                    help=f"comma-separated, of {', '.join(REGIMES)} (default both)")
+    ap.add_argument("--warmups", type=int, default=2,
+                    help="untimed greedy runs of 4 steps per regime first (default 2)")
+    ap.add_argument("--timing", action="store_true",
+                    help="phase table of a step (as STRATA_PREFILL_TIMING=1; slows the steps)")
+    ap.add_argument("--json", help="also write the results to this JSON file")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results"),
+                    help="directory of the dated .json/.md results ('' for none)")
+    args = ap.parse_args(argv)
+    regimes = [r for r in args.regimes.replace(" ", "").split(",") if r]
+    bad = [r for r in regimes if r not in REGIMES]
+    if bad or not regimes:
+        ap.error(f"--regimes: got {args.regimes!r}; allowed: {', '.join(REGIMES)}")
+    if args.prompt < 1 or args.steps < 1 or args.warmups < 0:
+        ap.error(f"--prompt {args.prompt}, --steps {args.steps}, --warmups {args.warmups}: "
+                 "need a prompt of >= 1 token, >= 1 step and >= 0 warm-ups")
+    args.regime_list = regimes
+    args.json_path = output_arg("--json", args.json) if args.json else None
+    return args
+
+
+def load(args: argparse.Namespace) -> Config:
+    cfg = load_config(args.config)
+    if args.backend:
+        cfg = cfg.with_backend(args.backend)
+    if cfg.whole is None:
+        raise SystemExit(f"{args.config}: not a whole model (decoding needs one)")
+    context = cfg.context or cfg.whole.context
+    if args.prompt + args.steps + 1 > context:
+        raise SystemExit(f"--prompt {args.prompt} + --steps {args.steps} + the prompt's token "
+                         f"exceed the KV cache of {context} positions")
+    return cfg.with_prompt_lengths([args.prompt])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    cfg = load(args)
+    base = cfg.engine_config()
+    t0 = time.perf_counter()
+    _, whole = load_model(base.model)
+    assert whole is not None
+    built = time.perf_counter() - t0
+    spec, blob = whole.moe.spec, whole.moe.layout.blob_bytes
+    total = spec.n_layers * spec.n_experts
+    backend, _ = backend_class(base.backend)
+    ceilings, missing = ({}, "the reference backend runs on the host: no PCIe or HBM bound") \
+        if backend == "reference" else measure_ceilings(blob)
+    timing = args.timing or env.flag("STRATA_PREFILL_TIMING")
+    ids = Prompt(0, args.prompt).token_ids(whole.spec.vocab, cfg.seed)
+    print(f"{hardware_line()}\n{args.config}: built the model in {built:.1f} s; "
+          f"{spec.n_layers} layers x {spec.n_experts} experts (top-{spec.top_k}), blob "
+          f"{blob / MIB:.2f} MiB; prompt {args.prompt} tokens, {args.steps} steps", flush=True)
+    if missing:
+        print(f"note: {missing}", flush=True)
+    else:
+        print("ceilings: " + ", ".join(f"{k} {v:,.1f}" for k, v in ceilings.items())
+              + f" (HBM datasheet {H200_HBM_DATASHEET / 1e9:,.0f} GB/s)", flush=True)
+    if timing:
+        print("note: timing on: steps launch with phase events and run slower", flush=True)
+    records = []
+    for name in args.regime_list:
+        resident = round(total * REGIMES[name])
+        t = time.perf_counter()
+        with open_regime(base, whole, resident, timing) as engine:
+            opened = time.perf_counter() - t
+            result, step_stats = run_regime(engine, ids, args.steps, args.warmups)
+            rec = summarise(name, engine, result, step_stats, ceilings)
+        rec["open_s"] = opened
+        records.append(rec)
+        print(f"{name}: {rec['resident']} resident, opened in {opened:.1f} s; "
+              f"{fmt(rec['decode_tokens_per_s'], ',.1f')} tokens/s, step "
+              f"{fmt(rec['step_ms_median'], ',.2f')} ms (p90 "
+              f"{fmt(rec['step_ms_p90'], ',.2f')}), host share "
+              f"{fmt(rec['host_share'], '.0%')}; {rec['experts_per_step']:.1f} experts "
+              f"copied per step", flush=True)
+        if rec["phase_table"]:
+            print(f"{name}: where the last step's time goes (1 token at position "
+                  f"{args.prompt + args.steps - 1}):\n{rec['phase_table']}", flush=True)
+    table = markdown_table(HEADERS, [row(r) for r in records])
+    parts = "; ".join(f"{k} {v / MIB:,.1f} MiB" for k, v in
+                      records[0]["read_bytes_per_step"].items()) if records else ""
+    notes = [f"read per step (HBM bound), at the mean position: {parts}",
+             "bound = min(PCIe, HBM) tokens/s; PCIe: copied bytes per step over the best "
+             "pinned H2D rate; HBM: read bytes per step over the measured D2D copy rate",
+             "host share: engine host seconds (Stats.host_s) / step wall, summed over steps"]
+    if missing:
+        notes.insert(0, f"no bounds: {missing}")
+    same = len({tuple(r["ids"]) for r in records}) == 1
+    if len(records) > 1:
+        notes.append("greedy tokens identical in every regime (streaming changes no byte): "
+                     + ("yes" if same else "NO"))
+    print(table + "\n" + "\n".join(f"- {n}" for n in notes))
+    doc = {"command": " ".join(sys.argv), "hardware": hardware_line(), "config": args.config,
+           "backend": backend, "prompt_tokens": args.prompt, "steps": args.steps,
+           "timing": timing, "blob_bytes": blob, "ceilings": ceilings,
+           "ceilings_missing": missing, "hbm_datasheet_gb_s": H200_HBM_DATASHEET / 1e9,
+           "model_build_s": built, "ids_match": same, "regimes": records, "table": table, "notes": notes}
+    if args.json_path is not None:
+        write_json(args.json_path, doc)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        stem = out / f"decode-{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+        write_json(stem.with_suffix(".json"), doc)
+        stem.with_suffix(".md").write_text(f"{doc['hardware']}\n\n`{doc['command']}`\n\n"
+                                           f"{table}\n\n" + "\n".join(f"- {n}" for n in notes)
+                                           + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
