@@ -349,8 +349,7 @@ class CudaBackend:
         return self._whole
 
     def _op_attention(self, op: Attention) -> None:
-        self._mark("attention")
-        self._whole_ops().run_attention(self._device().compute, op, self._T)
+        self._whole_ops().run_attention(self._device().compute, op, self._T, self._mark)
 
     def _op_dense_copy(self, op: DenseCopy) -> None:
         dev = self._device()

@@ -18,6 +18,7 @@ result). Nothing here synchronises except Logits, which the chunk's end would wa
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -31,6 +32,10 @@ from .whole_memory import LOGIT_ROWS, DenseSlot, WholeSizing, kv_bytes
 if TYPE_CHECKING:
     from .qwen3.weights import Qwen3Model
     from .runtime import Runtime, Stream
+
+
+def _no_mark(phase: str) -> None:
+    """The default of run_attention's `mark`: no timing table."""
 
 
 def dense_slot_bytes(whole: Qwen3Model, layer: int, slot: DenseSlot) -> np.ndarray:
@@ -108,7 +113,10 @@ class CudaWhole:
         self.rt.memcpy_htod(self.ptr["dense"] + op.slot * self.slot.nbytes,
                             self._store_bytes[op.layer], stream)
 
-    def run_attention(self, stream: Stream, op: Attention, tokens: int) -> None:
+    def run_attention(self, stream: Stream, op: Attention, tokens: int,
+                      mark: Callable[[str], None] = _no_mark) -> None:
+        """The layer's five launches; mark(phase) opens each phase of the timing table (dense:
+        the norm and the QKV GEMM, rope: q/k norms + RoPE + KV append, attention, dense o)."""
         spec, p, T = self.spec, self.ptr, tokens
         if (op.dense_slot is None) == self.streamed:
             raise RuntimeError(f"Attention of layer {op.layer} with dense slot "
@@ -119,13 +127,17 @@ class CudaWhole:
         H, eps = spec.hidden, float(spec.rms_eps)
         k_cache, v_cache = self.kv_pointers(op.layer)
         dk, ak = self.dense, self.attention
+        mark("dense qkv")
         dk.rmsnorm_f16(stream, p["x"], base + self.slot.attn_norm, p["xa"], T, H, eps)
         dk.gemm(stream, p["xa"], base + self.slot.wqkv, p["qkv"], T,
                 spec.q_dim + 2 * spec.kv_dim, H, out_f32=False, accumulate=False)
+        mark("qk norm+rope")
         ak.qk_norm_rope(stream, p["qkv"], T, op.start, base + self.slot.q_norm,
                         base + self.slot.k_norm, p["rope_cos"], p["rope_sin"], eps,
                         p["q_rot"], k_cache, v_cache)
+        mark("attention")
         ak.attend(stream, p["q_rot"], k_cache, v_cache, op.start, T, p["attn_out"])
+        mark("dense o")
         dk.gemm(stream, p["attn_out"], base + self.slot.wo, p["x"], T, H, spec.q_dim,
                 out_f32=True, accumulate=True)
 

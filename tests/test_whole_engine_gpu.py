@@ -138,4 +138,5 @@ def test_gpu_check_plan_and_timing_table(monkeypatch, dense):
         b, st = eng.prefill(ids[2:], all_logits=True)
     assert np.array_equal(np.concatenate([a, b]), want)
     assert st.phase_table is not None
-    assert "attention" in st.phase_table and "logits" in st.phase_table
+    for phase in ("dense qkv", "qk norm+rope", "attention", "dense o", "logits"):
+        assert phase in st.phase_table, phase
