@@ -26,6 +26,7 @@ from .config_schema import (
     auto_chunk,
     check_budget,
     check_format,
+    check_generate,
     check_model,
     check_output,
     check_prompts,
@@ -90,6 +91,8 @@ class Config:
 
     #: a whole model's dense weights: auto, resident or stream
     dense: str = "auto"
+    #: greedy tokens `strata run` produces after each prompt (`generate: {tokens: N}`)
+    generate_tokens: int = 0
 
     @property
     def whole_sizes(self) -> WholeSizing | None:
@@ -109,6 +112,13 @@ class Config:
                                   cfg.prompts, cfg.chunk_tokens())
         if why is not None:
             raise ConfigError(f"--prompts: {why}", source="command line")
+        if cfg.whole is not None and cfg.generate_tokens:
+            p = Problems()
+            check_generate(p, {"generate": {"tokens": cfg.generate_tokens}}, True,
+                           cfg.context or cfg.whole.context, cfg.prompts)
+            if p.items:
+                raise ConfigError([f"--prompts with {item}" for item in p.items],
+                                  source="command line")
         return cfg
 
     def with_backend(self, backend: str) -> Config:
@@ -235,6 +245,9 @@ def validate(doc: Any, base_dir: Path, source: Path | None = None,
                 p.add("profile", doc["profile"],
                       f"its counts are {counts.shape[0]} layers x {counts.shape[1]} experts; "
                       f"the model has {geom.n_layers} x {geom.n_experts}")
+    generate_tokens = check_generate(p, doc, whole is not None,
+                                     None if whole is None else context or whole.context,
+                                     prompts)
     repeats = integer(p, doc, "", "repeats", minimum=1, default=1)
     seed = integer(p, doc, "", "seed", minimum=0, default=0)
 
@@ -255,7 +268,7 @@ def validate(doc: Any, base_dir: Path, source: Path | None = None,
                   prefill=prefill, prompts=tuple(prompts), gguf=gguf, model_seed=model_seed,
                   ring_mib=ring_mib, profile=profile, repeats=repeats, seed=seed,
                   output=output, whole=whole, whole_options=whole_options, context=context,
-                  dense=dense, **budget)
+                  dense=dense, generate_tokens=generate_tokens, **budget)
 
 
 def load_config(path: str | Path, registry: QuantRegistry | None = None) -> Config:

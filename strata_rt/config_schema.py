@@ -39,12 +39,13 @@ if TYPE_CHECKING:
 
 BUDGET_KEYS = ("expert_cache", "vram_reserve_mib", "vram_budget_mib")
 TOP_KEYS = ("model", "format", "backend", *BUDGET_KEYS, "prefill", "context", "dense",
-            "ring_mib", "profile", "prompts", "repeats", "seed", "output")
+            "ring_mib", "profile", "prompts", "repeats", "seed", "generate", "output")
 _MODEL_KEYS = ("gguf", "synthetic")
 _SYNTHETIC_KEYS = ("n_layers", "hidden", "ffn", "n_experts", "top_k", "seed", "rms_eps",
                    *WHOLE_KEYS)
 _SYNTHETIC_REQUIRED = ("n_layers", "hidden", "ffn", "n_experts", "top_k")
 _PROMPT_KEYS = ("file", "hidden_file")
+_GENERATE_KEYS = ("tokens",)
 OUTPUT_FILE_KEYS = ("dump_r", "json")
 
 #: layers of GGUF expert bytes held in host memory while the store is filled: the loader copies
@@ -253,6 +254,33 @@ def check_prompts(p: Problems, doc: dict, base: Path, hidden: int | None,
         except (ValueError, OSError) as e:
             p.add(f"{path}.{key}", value, f"unreadable: {e}")
     return out
+
+
+def check_generate(p: Problems, doc: dict, whole_model: bool, context: int | None,
+                   prompts: Sequence[Prompt]) -> int:
+    """`generate: {tokens: N}`: the greedy tokens `strata run` adds after each prompt (0 when
+    absent). Only a whole model has logits to choose them from, and the longest prompt plus N
+    must fit the KV cache (`context`, the positions it holds), checked here rather than after
+    the earlier prompts have run."""
+    gen = mapping(p, doc, "", "generate", required=False)
+    if gen is None:
+        return 0
+    p.unknown_keys("generate", gen, _GENERATE_KEYS)
+    n = integer(p, gen, "generate", "tokens", minimum=0)
+    if n is None:
+        return 0
+    if not whole_model:
+        p.add("generate", gen, "only for a whole model (MoE layers alone give no logits to "
+              "choose tokens from)")
+        return 0
+    longest = max((pr.tokens for pr in prompts), default=0)
+    if context is not None and longest + n > context:
+        p.add("generate.tokens", n,
+              f"the longest prompt ({longest} tokens) + {n} new ones need {longest + n} "
+              f"KV-cache positions; the context holds {context} (ask for at most "
+              f"{max(0, context - longest)}, or raise `context`)")
+        return 0
+    return n
 
 
 def auto_chunk(prefill: str | int, prompts: Sequence[Prompt]) -> int:

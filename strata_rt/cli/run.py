@@ -35,6 +35,12 @@ log = logging.getLogger(__name__)
 AB_SWITCHES = {"STRATA_PREFILL_GATHER_ONE": "gather_one"}
 
 
+#: what a run record keeps of a greedy_after result (its prefill_s and time to first token
+#: cover only the first argmax there: the prompt's own time is the record's wall_s)
+GENERATE_FIELDS = ("generated", "stop", "decode_s", "decode_tokens_per_s", "host_fraction",
+                   "step_wall_s", "experts_streamed", "bytes_streamed")
+
+
 def set_switch(engine: Any, name: str, value: str) -> None:
     """Flips an A/B switch between prefills of one open engine: the environment (for code
     that reads it per call) and the engine config field it was resolved into at open."""
@@ -54,6 +60,43 @@ def interrupted_note(command: str, done: int, total: int, what: str) -> None:
           "are the finished ones", file=sys.stderr)
 
 
+def run_tokenizer(engine: Any) -> Any:
+    """The model's tokenizer for printing generated text, or None (ids only) when it cannot be
+    built: the GGUF carries no tokenizer keys or the `tokenizers` library is missing."""
+    from ..errors import GGUFError
+    from ..tokenizer import TokenizerError
+
+    try:
+        return engine.tokenizer()
+    except (GGUFError, TokenizerError) as e:
+        log.warning("generated tokens are printed as ids only, with no EOS stop: %s", e)
+        return None
+
+
+def generate_after(engine: Any, logits: Any, n: int, tokenizer: Any, progress: Any,
+                   label: str) -> dict[str, Any]:
+    """The `generate: {tokens: N}` greedy tokens after a prompt the caller prefilled and timed
+    (its logits), printed as ids and text; -> their part of the prompt's JSON record. The
+    decode steps are not part of the prompt's time, and draw no progress line."""
+    from ..generate import EngineSession, greedy_after
+
+    eos = None if tokenizer is None else tokenizer.eos_token_id
+    enabled, progress.enabled = progress.enabled, False
+    try:
+        result = greedy_after(EngineSession(engine), logits, n, eos)
+    finally:
+        progress.enabled = enabled
+    rate = result.decode_tokens_per_s
+    print(f"{label}: {len(result.ids)} greedy tokens (stop: {result.stop}"
+          + ("" if rate is None else f", decode {rate:,.1f} tokens/s") + "): "
+          + " ".join(str(t) for t in result.ids), flush=True)
+    text = None if tokenizer is None else tokenizer.decode(result.ids)
+    if text is not None:
+        print(f"{label}: text {text!r}", flush=True)
+    return {"generated_ids": list(result.ids), "generated_text": text,
+            "generate": {k: v for k, v in result.as_dict().items() if k in GENERATE_FIELDS}}
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     cfg = load(args)
     target = output_arg("--json", args.json) if args.json else cfg.output.json
@@ -70,19 +113,27 @@ def cmd_run(args: argparse.Namespace) -> int:
             print(describe(cfg, backend))
             print(f"resident experts: {resident} of {cfg.spec.total_experts}", flush=True)
             doc.update(hardware=hardware_line(), backend=backend, resident_experts=resident)
+            n_new = cfg.generate_tokens if engine.qwen3_spec is not None else 0
+            tokenizer = run_tokenizer(engine) if n_new else None
+            if n_new:
+                doc["generate_tokens"] = n_new
             n = len(cfg.prompts)
             for rep in range(cfg.repeats):
                 for prompt in cfg.prompts:
                     h = prompt.engine_input(engine, cfg.seed)
                     label = f"prompt {prompt.index + 1}/{n} ({prompt.label})"
-                    _, stats, wall = measure(engine, h, progress, label)
+                    logits, stats, wall = measure(engine, h, progress, label)
                     s = stats.as_dict()
                     gbps = s["bytes_streamed"] / wall / 1e9 if wall > 0 else 0.0
                     rows.append(run_row(prompt, rep, wall, s, gbps, backend))
-                    records.append({"prompt": prompt.index, "repeat": rep,
-                                    "tokens": prompt.tokens, "wall_s": wall,
-                                    "tokens_per_s": prompt.tokens / wall, "pcie_gb_s": gbps,
-                                    "stats": s, "phase_table": stats.phase_table})
+                    record = {"prompt": prompt.index, "repeat": rep, "tokens": prompt.tokens,
+                              "wall_s": wall, "tokens_per_s": prompt.tokens / wall,
+                              "pcie_gb_s": gbps, "stats": s, "phase_table": stats.phase_table}
+                    if n_new:
+                        record.update(generate_after(
+                            engine, logits, n_new, tokenizer, progress,
+                            f"prompt {prompt.index + 1}, repeat {rep + 1}"))
+                    records.append(record)
                     if stats.phase_table:
                         print(f"prompt {prompt.index + 1} ({prompt.tokens} tokens), repeat "
                               f"{rep + 1}:\n{stats.phase_table}", flush=True)
@@ -100,7 +151,9 @@ def cmd_run(args: argparse.Namespace) -> int:
               "time" + ("" if doc["backend"] == "cuda" else " (cuda backend only)"))
         if cfg.whole is not None:
             print("whole model: each prompt starts from an empty KV cache; its time ends with "
-                  "the last position's logits (the time to first token)")
+                  "the last position's logits (the time to first token)"
+                  + ("; the greedy tokens after it are not timed in" if cfg.generate_tokens
+                     else ""))
     if target is not None:
         write_json(target, {**doc, "complete": not interrupted, "runs": records})
     if interrupted:
@@ -140,18 +193,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
     runs: dict[int, dict[str, list[float]]] = {}
     doc: dict[str, Any] = {"command": " ".join(sys.argv), "config": str(cfg.source),
                            "switch": switch, "a": f"{switch}=0", "b": f"{switch}=1",
-                           "pairs": args.pairs}
+                           "pairs": args.pairs, "order": args.order}
+    arms = (("A", "0"), ("B", "1")) if args.order == "ab" else (("B", "1"), ("A", "0"))
     interrupted = False
     try:
         with open_engine(cfg) as engine:
             backend = engine.config.backend
             print(describe(cfg, backend))
             print(f"resident experts: {resident_count(engine)} of {cfg.spec.total_experts}; "
-                  f"A: {switch}=0, B: {switch}=1; order A, B per pair, {args.pairs} pair(s)",
+                  f"A: {switch}=0, B: {switch}=1; order {', '.join(a for a, _ in arms)} "
+                  f"per pair, {args.pairs} pair(s)",
                   flush=True)
             warm = min(cfg.prompts, key=lambda p: p.tokens)
             launches = {}
-            for value in ("0", "1"):  # compile and first allocations, outside the timing
+            for _, value in arms:  # compile and first allocations, outside the timing
                 set_switch(engine, switch, value)
                 engine.reset()
                 _, stats = engine.prefill(warm.engine_input(engine, cfg.seed))
@@ -166,7 +221,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 h = prompt.engine_input(engine, cfg.seed)
                 times = runs.setdefault(prompt.index, {"A": [], "B": []})
                 for _ in range(args.pairs):
-                    for arm, value in (("A", "0"), ("B", "1")):
+                    for arm, value in arms:
                         set_switch(engine, switch, value)
                         times[arm].append(measure(engine, h, None, "")[2])
                 if prompt is not cfg.prompts[-1]:
@@ -237,16 +292,21 @@ EPILOG_RUN = """examples:
   strata run configs/qwen3-30b-a3b-stream.yaml --prompts 8179 --json run.json
 
 prints the model, the resident experts, then per prompt: tokens, time, tokens/s, experts and
-bytes streamed, achieved PCIe GB/s. Progress goes to stderr on long prompts. The JSON is
-rewritten after each prompt; Ctrl-C prints and keeps the finished prompts (exit 130)."""
+bytes streamed, achieved PCIe GB/s. A whole-model config with `generate: {tokens: N}` also
+prints the N greedy tokens after each prompt (ids, and text when the model has a tokenizer;
+not part of the prompt's time) and its JSON runs carry `generated_ids`. Progress goes to stderr
+on long prompts. The JSON is rewritten after each prompt; Ctrl-C prints and keeps the finished
+prompts (exit 130)."""
 
 EPILOG_BENCH = """examples:
   strata bench configs/qwen3-30b-a3b-stream.yaml
   strata bench configs/demo.yaml --ab STRATA_PREFILL_GATHER_ONE --pairs 3 --json ab.json
+  strata bench configs/qwen3-30b-a3b-whole.yaml --order ba   # one, batch, one, batch
 
 A = the switch at 0, B = at 1, toggled in this process; each prompt runs A, B, A, B (one pair
-per --pairs) after a warm-up of both arms. The table gives every run and the change of the
-medians; the JSON carries the hardware line and the command."""
+per --pairs; --order ba: B, A, B, A) after a warm-up of both arms in the same order. The table
+gives every run and the change of the medians; the JSON carries the hardware line and the
+command."""
 
 EPILOG_PROFILE = """examples:
   strata profile configs/qwen3-30b-a3b-stream.yaml --out qwen3-30b.profile.json
@@ -270,6 +330,10 @@ def register(command) -> None:
                         "switches the engine reads per prompt can change between A and B, "
                         "those it reads once at open cannot")
     p.add_argument("--pairs", type=int, default=2, help="A, B pairs per prompt (default 2)")
+    p.add_argument("--order", choices=("ab", "ba"), default="ab",
+                   help="which arm runs first in each pair: ab (A then B, the default) or ba "
+                        "(B then A: with STRATA_PREFILL_GATHER_ONE, one gather launch per "
+                        "expert first, then batched)")
     p.add_argument("--backend", choices=("cuda", "reference"), help="override `backend`")
     p.add_argument("--prompts", metavar="N,N", help="override `prompts` with these lengths")
     p.add_argument("--json", metavar="PATH",
