@@ -16,6 +16,9 @@ appends to it, so each prompt's part is the bytes its own prefill appended.
 
 from __future__ import annotations
 
+import json
+import os
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -201,3 +204,54 @@ def test_prompts_are_seeded_and_start_apart():
     assert all(np.array_equal(x, y) for x, y in zip(a, acceptance_prompts(LENGTHS, 151936)))
     with pytest.raises(AssertionError, match="share their first line"):
         acceptance_prompts((128, 128), 512)
+
+
+def _bench_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_acceptance",
+                                                  ROOT / "bench" / "bench_acceptance.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_acceptance_on_the_reference_backend(tmp_path, monkeypatch, capsys):
+    """bench/bench_acceptance.py: the order one, batch per pair after the warm-ups, a record
+    per prompt with every run's time, the greedy ids of every run agreeing, the files."""
+    bench = _bench_module()
+    monkeypatch.delenv(SWITCH, raising=False)
+    flips: list[str] = []
+    real = bench.set_switch
+
+    def recording(engine, name, value):
+        flips.append(value)
+        real(engine, name, value)
+
+    monkeypatch.setattr(bench, "set_switch", recording)
+    out = tmp_path / "results"
+    assert bench.main(["--config", str(ROOT / "configs" / "tiny-qwen3moe.yaml"), "--backend",
+                       "reference", "--prompts", "40,90", "--pairs", "2", "--warmups", "1",
+                       "--greedy", "5", "--out", str(out)]) == 0
+    assert flips == (["1", "0"] + ["1", "0"] * 2) * 2
+    assert SWITCH not in os.environ  # restored
+    (json_path,) = out.glob("acceptance-tiny-qwen3moe-*.json")
+    doc = json.loads(json_path.read_text())
+    assert [r["tokens"] for r in doc["runs"]] == [40, 90]
+    for r in doc["runs"]:
+        assert len(r["one_s"]) == len(r["batch_s"]) == 2 and r["greedy_agree"] is True
+        assert r["gathers_launched"]["one"] > r["gathers_launched"]["batch"]
+        assert all(len(ids) == 5 for arm in ("one", "batch") for ids in r["greedy_ids"][arm])
+        one = statistics.median(r["one_s"])
+        assert r["change_pct"] == pytest.approx((statistics.median(r["batch_s"]) - one)
+                                                / one * 100)
+    md = json_path.with_suffix(".md").read_text()
+    assert "| prompt tokens | one ms (each run) | batch ms (each run) | change %" in md
+    assert md.count("| yes ") == 2 and "no GPU" in capsys.readouterr().out
+
+
+def test_bench_acceptance_refuses_moe_layers_alone(tmp_path):
+    with pytest.raises(SystemExit, match="not a whole model"):
+        _bench_module().main(["--config", str(ROOT / "configs" / "demo.yaml"), "--out",
+                              str(tmp_path)])
