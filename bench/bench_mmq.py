@@ -12,11 +12,16 @@ gate/up (1536 x 2048 fused) and down (2048 x 768), timed with CUDA events around
 (IQ3XXS().for_variant): its gather fills the group buffers (f16_gemm: dequantized fp16 images)
 and its activation encoding feeds it. Effective TFLOPS = 2 * rows * m * k / time,
 rows = tokens * 8; "layer+gather" adds the variant's batched gather of all 128 experts (the
-dequantization is part of f16_gemm's cost). Beside it: (a) torch.bmm in bf16 on weights
-dequantized from the same blocks (per-expert batches padded to the busiest expert), (b) dense
-bf16 torch.matmul and torch._int_mm int8 at 8192^3, (c) llama.cpp's figures from
-the project's design notes (constants measured on the same kind of H200, not here). Then gather_batch bandwidth against a
-device-to-device copy of the same bytes, for each gather kind (byte copy, dequantizing).
+dequantization is part of f16_gemm's cost). Beside it, the two PyTorch peers (bench/peers) on
+bf16 weights dequantized from the same blocks: (a) torch.bmm with per-expert batches padded to
+the busiest expert, (b) one torch._grouped_mm per product over the ragged per-expert row runs
+(offsets = cumulative row counts, int32 on the device; the arm's row says which implementation
+torch runs, or why it cannot run); their "layer+gather" adds the torch.compile'd dequantization
+of all 128 experts' blocks to bf16 (what the peers pay per streamed layer). Then (c) dense bf16
+torch.matmul and torch._int_mm int8 at 8192^3, (d) llama.cpp's figures from the project's
+design notes (constants measured on the same kind of H200, not here). Then gather_batch
+bandwidth against a device-to-device copy of the same bytes, for each gather kind (byte copy,
+dequantizing).
 
 torch runs first, in its own (primary) context, and is done before the strata_rt Runtime opens;
 the two never share memory, so their contexts cannot interfere.
@@ -36,7 +41,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "bench" / "peers"))
 
 from strata_rt.activations import F16, ActivationKernels  # noqa: E402
 from strata_rt.formats import MMQ_GROUP  # noqa: E402
@@ -100,7 +105,7 @@ def runtime_event_timer(rt: Any, stream: Any) -> Callable[[Callable[[], Any]], f
 # ------------------------------------------------------------------------------ torch side
 def torch_phase(blobs: np.ndarray, counts_by_t: dict[int, np.ndarray], reps: int) -> dict:
     import torch
-    from peers.torch_moe import _tables, dequantize_iq3_xxs
+    from torch_moe import _tables, dequantize_iq3_xxs
 
     dev = torch.device("cuda")
     res: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
@@ -127,9 +132,14 @@ def torch_phase(blobs: np.ndarray, counts_by_t: dict[int, np.ndarray], reps: int
                             signs).to(torch.bfloat16)
     dn = dequantize_iq3_xxs(raw[:, lay.down_offset:].reshape(UNIQUE, HIDDEN, -1), grid,
                             signs).to(torch.bfloat16)
-    w = {"gate_up": gu[torch.arange(EXPERTS) % UNIQUE].transpose(1, 2).contiguous(),
-         "down": dn[torch.arange(EXPERTS) % UNIQUE].transpose(1, 2).contiguous()}
-    del gu, dn, raw
+    cycle = torch.arange(EXPERTS) % UNIQUE
+    # as dequantized: [experts, m, k], one row per output (the grouped arm's K-major operand)
+    w_mk = {"gate_up": gu[cycle], "down": dn[cycle]}
+    # bmm's operand: [experts, k, m] contiguous
+    w = {part: t.transpose(1, 2).contiguous() for part, t in w_mk.items()}
+    del gu, dn
+    res["dequant"] = dequant_phase(torch, raw[cycle], grid, signs, reps, timer)
+    del raw
     res["bmm"] = {}
     for t, counts in counts_by_t.items():
         cap = int(counts.max())
@@ -140,9 +150,65 @@ def torch_phase(blobs: np.ndarray, counts_by_t: dict[int, np.ndarray], reps: int
             row[part] = {"ms": ms, "tflops": tflops(t * TOP_K, m, k, ms)}
             del xp
         res["bmm"][t] = row
+    del w
+    res["grouped"] = grouped_phase(torch, w_mk, counts_by_t, reps, timer)
+    del w_mk
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     return res
+
+
+def dequant_phase(torch: Any, raw: Any, grid: Any, signs: Any, reps: int, timer) -> dict:
+    """The peers' per-layer dequantization: all 128 experts' blocks (uint8 [128, blob]) to
+    bf16 gate/up and down, by torch_moe's dequantizer torch.compile'd as the peers run it
+    (eager, with the reason, where compiling fails)."""
+    from torch_moe import dequantize_iq3_xxs
+
+    lay = IQ3XXS().layout(HIDDEN, FFN)
+    n = raw.shape[0]
+    gu_raw = raw[:, : lay.gate_up_bytes].reshape(n, 2 * FFN, -1)
+    dn_raw = raw[:, lay.down_offset:].reshape(n, HIDDEN, -1)
+    mode = "torch.compile"
+    deq = torch.compile(dequantize_iq3_xxs, dynamic=False)
+
+    def run() -> None:
+        deq(gu_raw, grid, signs, torch.bfloat16)
+        deq(dn_raw, grid, signs, torch.bfloat16)
+
+    try:
+        run()  # compiles both shapes outside the timing
+    except Exception as e:  # noqa: BLE001 - any compiler failure means: time it eager
+        mode = f"eager (torch.compile failed: {type(e).__name__}: {e})"
+        deq = dequantize_iq3_xxs
+    return {"ms": median_ms(run, reps, timer), "mode": mode, "experts": n,
+            "read_bytes": int(raw.numel()),
+            "written_bytes": 2 * n * 3 * HIDDEN * FFN}
+
+
+def grouped_phase(torch: Any, w_mk: dict, counts_by_t: dict[int, np.ndarray], reps: int,
+                  timer) -> dict:
+    """torch._grouped_mm over the ragged per-expert row runs (no padding), one call per part,
+    as the grouped peer calls it; {"unavailable": reason} when torch cannot run it here."""
+    from torch_grouped import GroupedMMUnavailable, grouped_products, probe
+
+    dev = w_mk["down"].device
+    try:
+        path = probe(dev, [(k, m) for m, k in PARTS.values()])
+    except GroupedMMUnavailable as e:
+        return {"unavailable": str(e)}
+    out: dict = {"path": path, "rows": {}}
+    for t, counts in counts_by_t.items():
+        rows = int(counts.sum())
+        offs = torch.tensor(np.cumsum(counts), dtype=torch.int32, device=dev)
+        row = {}
+        for part, (m, k) in PARTS.items():
+            x = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)
+            ms = median_ms(lambda x=x, wp=w_mk[part], offs=offs: grouped_products(
+                x, wp, offs, torch._grouped_mm), reps, timer)
+            row[part] = {"ms": ms, "tflops": tflops(rows, m, k, ms)}
+            del x
+        out["rows"][t] = row
+    return out
 
 
 # ------------------------------------------------------------------------------ strata side
@@ -274,27 +340,54 @@ def interop_check() -> str:
         rt.close()
 
 
+def peer_cell(parts: dict | None, part: str, rows: int, dequant_ms: float | None) -> str:
+    """A peer's 'ms / TFLOPS' for one row of the table: gate_up and down as timed, layer =
+    their sum, layer+gather = layer + the dequantization of all 128 experts."""
+    if not parts:
+        return "-"
+    if part in parts:
+        return f"{parts[part]['ms']:.3f} / {parts[part]['tflops']:.0f}"
+    ms = parts["gate_up"]["ms"] + parts["down"]["ms"]
+    if part == "layer+gather":
+        if dequant_ms is None:
+            return "-"
+        ms += dequant_ms
+    return f"{ms:.3f} / {tflops(rows, 1, 3 * HIDDEN * FFN, ms):.0f}"
+
+
 def table(res: dict, variants: list[str]) -> str:
+    tq = res.get("torch", {})
+    grouped = tq.get("grouped", {})
+    dequant_ms = tq.get("dequant", {}).get("ms")
     lines = [f"# {res['strata']['device']} ({res['strata']['arch']}), torch "
-             f"{res.get('torch', {}).get('torch', '-')}",
+             f"{tq.get('torch', '-')}",
              "tokens | rows/expert min-max | part | " + " | ".join(f"{v} ms / TFLOPS"
                                                                   for v in variants)
-             + " | torch.bmm bf16 ms / TFLOPS | llama.cpp TFLOPS"]
+             + " | torch.bmm bf16 ms / TFLOPS | torch._grouped_mm bf16 ms / TFLOPS"
+             " | llama.cpp TFLOPS"]
     for t, r in res["strata"]["mmq"].items():
         for part in ("gate_up", "down", "layer", "layer+gather"):
             cells = [f"{r[v][part]['ms']:.3f} / {r[v][part]['tflops']:.0f}" for v in variants]
-            bmm = res.get("torch", {}).get("bmm", {}).get(t, {})
-            if part in bmm:
-                tb = f"{bmm[part]['ms']:.3f} / {bmm[part]['tflops']:.0f}"
-            elif bmm and part == "layer":
-                ms = bmm["gate_up"]["ms"] + bmm["down"]["ms"]
-                tb = f"{ms:.3f} / {tflops(r['rows'], 1, 3 * HIDDEN * FFN, ms):.0f}"
+            bmm = peer_cell(tq.get("bmm", {}).get(t), part, r["rows"], dequant_ms)
+            if "unavailable" in grouped:
+                grp = "n/a (see below)"
             else:
-                tb = "-"
+                grp = peer_cell(grouped.get("rows", {}).get(t), part, r["rows"], dequant_ms)
             lo, hi = LLAMA_CPP_TFLOPS.get(int(t), ("-", "-"))
             lines.append(f"{t} | {r['rows_min']}-{r['rows_max']} | {part} | "
-                         + " | ".join(cells) + f" | {tb} | {lo}-{hi}")
-    tq = res.get("torch", {})
+                         + " | ".join(cells) + f" | {bmm} | {grp} | {lo}-{hi}")
+    if "unavailable" in grouped:
+        lines.append(f"torch._grouped_mm arm not run: {grouped['unavailable']}")
+    elif grouped:
+        lines.append(f"torch._grouped_mm arm: {grouped['path']}; operands as the grouped peer "
+                     "passes them (rows sorted by expert, weights [experts, m, k] transposed)")
+    if dequant_ms is not None:
+        dq = tq["dequant"]
+        lines.append(f"peers' dequantization of {dq['experts']} experts to bf16 ({dq['mode']}): "
+                     f"{dequant_ms:.3f} ms, {dq['read_bytes'] / 1e6:.0f} MB read, "
+                     f"{dq['written_bytes'] / 1e6:.0f} MB written "
+                     f"({(dq['read_bytes'] + dq['written_bytes']) / dequant_ms / 1e6:.0f} GB/s); "
+                     "the peers' layer+gather rows add it")
     if tq:
         lines.append(f"dense bf16 torch.matmul 8192^3: {tq['dense_bf16_tflops']:.0f} TFLOPS; "
                      f"dense int8 torch._int_mm: {tq['dense_int8_tops']:.0f} TOPS")
