@@ -1,11 +1,15 @@
-"""Prefill benchmark on a GPU: strata_rt against its ceilings and the PyTorch peer, one process.
+"""Prefill benchmark on a GPU: strata_rt against its ceilings and two PyTorch peers, one process.
 
 For each regime (streaming: a quarter of the experts resident; resident: all of them) and each
 prompt length: our engine with batched gathers (A) and one gather per expert (B,
-STRATA_PREFILL_GATHER_ONE=1), interleaved A, B, A, B; then the PyTorch peer (bench/peers) on
-the same inputs, twice. Ceilings measured in the same run: pinned host-to-device GB/s (copies
-of 8 MiB and more), the int8 rate (torch._int_mm) and the bf16 rate (torch.mm) of large dense
-products. Ratios: PCIe achieved / ceiling, ours / peer, host time / wall, MoE TFLOPS / int8.
+STRATA_PREFILL_GATHER_ONE=1), interleaved A, B, A, B; then the PyTorch peers (bench/peers) on
+the same inputs, each twice, interleaved: the bmm arm (torch.bmm over per-expert batches padded
+to the busiest expert) and the grouped arm (one torch._grouped_mm per product over the ragged
+per-expert rows, sharing the bmm arm's weights; when torch cannot run it, its cells say n/a
+and the reason is printed under the table). Ceilings measured in the same run: pinned
+host-to-device GB/s (copies of 8 MiB and more), the int8 rate (torch._int_mm) and the bf16
+rate (torch.mm) of large dense products. Ratios: PCIe achieved / ceiling, ours / each peer,
+host time / wall, MoE TFLOPS / int8.
 
 Times are host clocks around each whole prefill call (numpy in, numpy out, synchronised), after
 a warm-up of every arm on every prompt (twice: the engine times plain launches against a
@@ -127,34 +131,59 @@ def run_ours(model: Model, regime: str, prompts, inputs, args) -> tuple[dict, di
     return rows, {"resident_mask": mask, "resident": int(mask.sum())}
 
 
-def run_peer(model: Model, regime: str, prompts, inputs, mask, ours, torch) -> dict:
+def run_peers(model: Model, regime: str, prompts, inputs, mask, ours, torch) -> tuple[dict, dict]:
+    """Both PyTorch peers on the same inputs: the bmm arm (torch_moe) and the grouped-GEMM arm
+    (torch_grouped) over the bmm arm's weights (one copy in VRAM). Every arm is warmed up on
+    every prompt, then timed twice per prompt, interleaved. Returns per-prompt times and
+    NMSEs, and what the grouped arm ran (its path, or why it could not run)."""
+    from torch_grouped import GroupedMMUnavailable, GroupedMoE
     from torch_moe import TorchMoE
 
     spec = model.spec
-    res: dict[int, dict] = {}
-    peer = TorchMoE(router=model.router, norm=model.norm,
-                    blobs=lambda layer: np.stack([model.expert_blob(layer, e)
-                                                  for e in range(spec.n_experts)]),
-                    hidden=spec.hidden, ffn=spec.ffn, top_k=spec.top_k, rms_eps=spec.rms_eps,
-                    regime="resident" if regime == "resident" else "streamed",
-                    resident=mask)
+    bmm = TorchMoE(router=model.router, norm=model.norm,
+                   blobs=lambda layer: np.stack([model.expert_blob(layer, e)
+                                                 for e in range(spec.n_experts)]),
+                   hidden=spec.hidden, ffn=spec.ffn, top_k=spec.top_k, rms_eps=spec.rms_eps,
+                   regime="resident" if regime == "resident" else "streamed",
+                   resident=mask)
+    arms = {"bmm": bmm}
+    info: dict = {}
+    try:
+        arms["grouped"] = GroupedMoE.alongside(bmm)
+        info["grouped_path"] = arms["grouped"].path
+    except GroupedMMUnavailable as e:
+        info["grouped_unavailable"] = str(e)
+        print(f"grouped peer not run ({regime}): {e}", file=sys.stderr)
 
-    def once(h):
+    def once(arm, h):
         t0 = time.perf_counter()
-        out = peer.prefill(h).cpu().numpy()
+        out = arm.prefill(h).cpu().numpy()
         torch.cuda.synchronize()
         return out, time.perf_counter() - t0
 
-    once(inputs[0])
+    for h in inputs:
+        for arm in arms.values():
+            once(arm, h)
+    res: dict[int, dict] = {}
     for p, h in zip(prompts, inputs):
-        times = []
+        r = res[p.tokens] = {f"{name}_s": [] for name in arms}
+        outs = {}
         for _ in range(2):
-            out, wall = once(h)
-            times.append(wall)
-        res[p.tokens] = {"peer_s": times, "nmse_vs_ours": update_nmse(out, ours[p.tokens]["out"], h)}
-        print(f"peer {regime} {p.tokens}: {[round(t * 1e3, 1) for t in times]} ms",
-              file=sys.stderr)
-    return res
+            for name, arm in arms.items():
+                outs[name], wall = once(arm, h)
+                r[f"{name}_s"].append(wall)
+        for name, out in outs.items():
+            r[f"{name}_nmse_vs_ours"] = update_nmse(out, ours[p.tokens]["out"], h)
+        if "grouped" in outs:
+            r["grouped_nmse_vs_bmm"] = update_nmse(outs["grouped"], outs["bmm"], h)
+        print(f"peers {regime} {p.tokens}: " + ", ".join(
+            f"{name} {[round(t * 1e3, 1) for t in r[f'{name}_s']]} ms" for name in arms),
+            file=sys.stderr)
+    return res, info
+
+
+def ms_list(times: list[float] | None) -> str:
+    return ", ".join(f"{t * 1e3:.1f}" for t in times) if times else "-"
 
 
 def main() -> int:
@@ -191,12 +220,16 @@ def main() -> int:
     print(f"ceilings: {json.dumps({k: round(v, 1) for k, v in ceil.items()})}", file=sys.stderr)
 
     flops_per_token = spec.top_k * spec.n_layers * 6 * spec.hidden * spec.ffn
-    table, records = [], []
+    table, records, peer_lines = [], [], []
     for regime in args.regimes.split(","):
         ours, info = run_ours(model, regime, prompts, inputs, args)
-        peer = {} if args.no_peer else run_peer(model, regime, prompts, inputs,
-                                                info["resident_mask"], ours, torch)
-        torch.cuda.empty_cache()  # the peer's weights are gone with the call
+        peer, pinfo = ({}, {}) if args.no_peer else run_peers(
+            model, regime, prompts, inputs, info["resident_mask"], ours, torch)
+        torch.cuda.empty_cache()  # the peers' weights are gone with the call
+        if "grouped_unavailable" in pinfo:
+            peer_lines.append(f"{regime}: grouped peer not run: {pinfo['grouped_unavailable']}")
+        elif "grouped_path" in pinfo:
+            peer_lines.append(f"{regime}: grouped peer ran {pinfo['grouped_path']}")
         for p in prompts:
             r = ours[p.tokens]
             a, b = statistics.median(r["A_s"]), statistics.median(r["B_s"])
@@ -204,8 +237,9 @@ def main() -> int:
             gbps = st["bytes_streamed"] / a / 1e9
             host = statistics.median(s["host_s"] / s["wall_s"] for s in r["A_stats"])
             tflops = flops_per_token * p.tokens / a / 1e12
-            pr = peer.get(p.tokens)
-            peer_s = statistics.median(pr["peer_s"]) if pr else None
+            pr = peer.get(p.tokens, {})
+            ratio = {arm: statistics.median(pr[f"{arm}_s"]) / a if f"{arm}_s" in pr else None
+                     for arm in ("bmm", "grouped")}
             rec = {"regime": regime, "tokens": p.tokens, "a_s": r["A_s"], "b_s": r["B_s"],
                    "a_median_s": a, "b_median_s": b, "change_pct": (b - a) / a * 100,
                    "tokens_per_s": p.tokens / a, "bytes_streamed": st["bytes_streamed"],
@@ -215,23 +249,38 @@ def main() -> int:
                    "pcie_gb_s": gbps, "pcie_over_ceiling": gbps / ceil["h2d_gb_s"],
                    "host_over_wall": host, "moe_tflops": tflops,
                    "tflops_over_int8": tflops / ceil["int8_tops"],
-                   "peer_s": pr["peer_s"] if pr else None,
-                   "ours_speedup_over_peer": peer_s / a if pr else None,
-                   "nmse_vs_peer": pr["nmse_vs_ours"] if pr else None,
+                   "peer_s": pr.get("bmm_s"),
+                   "ours_speedup_over_peer": ratio["bmm"],
+                   "nmse_vs_peer": pr.get("bmm_nmse_vs_ours"),
+                   "grouped_s": pr.get("grouped_s"),
+                   "ours_speedup_over_grouped": ratio["grouped"],
+                   "nmse_vs_grouped": pr.get("grouped_nmse_vs_ours"),
+                   "nmse_grouped_vs_bmm": pr.get("grouped_nmse_vs_bmm"),
+                   "grouped_path": pinfo.get("grouped_path"),
+                   "grouped_unavailable": pinfo.get("grouped_unavailable"),
                    "resident_experts": info["resident"]}
             records.append(rec)
+            grouped_cells = (["n/a", "n/a"] if "grouped_unavailable" in pinfo else
+                             [ms_list(pr.get("grouped_s")),
+                              f"{ratio['grouped']:.2f}x" if ratio["grouped"] else "-"])
             table.append([
-                regime, p.tokens, ", ".join(f"{t * 1e3:.1f}" for t in r["A_s"]),
-                ", ".join(f"{t * 1e3:.1f}" for t in r["B_s"]), f"{rec['change_pct']:+.1f}",
-                f"{p.tokens / a:,.0f}",
-                ", ".join(f"{t * 1e3:.1f}" for t in pr["peer_s"]) if pr else "-",
-                f"{rec['ours_speedup_over_peer']:.2f}x" if pr else "-",
+                regime, p.tokens, ms_list(r["A_s"]), ms_list(r["B_s"]),
+                f"{rec['change_pct']:+.1f}", f"{p.tokens / a:,.0f}",
+                ms_list(pr.get("bmm_s")), f"{ratio['bmm']:.2f}x" if ratio["bmm"] else "-",
+                *grouped_cells,
                 f"{gbps:.1f} ({rec['pcie_over_ceiling']:.0%})" if st["bytes_streamed"] else "-",
                 f"{host:.0%}", f"{tflops:.0f} ({rec['tflops_over_int8']:.0%})"])
+            if pr:
+                print(f"ratios {regime} {p.tokens}: ours / bmm peer "
+                      + (f"{ratio['bmm']:.2f}x" if ratio["bmm"] else "-")
+                      + ", ours / grouped peer "
+                      + (f"{ratio['grouped']:.2f}x" if ratio["grouped"] else "n/a"),
+                      file=sys.stderr)
 
     headers = ["regime", "prompt tokens", "A ms (batched)", "B ms (gather one)", "B vs A %",
-               "tokens/s (A)", "peer ms", "ours / peer", "PCIe GB/s (of ceiling)",
-               "host / wall", "MoE TFLOPS (of int8)"]
+               "tokens/s (A)", "bmm peer ms", "ours / bmm", "grouped peer ms",
+               "ours / grouped", "PCIe GB/s (of ceiling)", "host / wall",
+               "MoE TFLOPS (of int8)"]
     md_table = markdown_table(headers, table)
     command = "python " + " ".join([os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]])
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -243,10 +292,13 @@ def main() -> int:
         f"{args.ring_mib:g} MiB; resident = all", "",
         "ceilings (same run): " + ", ".join(
             f"{k} {v:.1f}" for k, v in ceil.items()), "",
-        md_table, "",
+        md_table, "", *peer_lines, "",
         "Times: host clock around each whole prefill call (numpy in and out), after two warm-up runs of each arm on each prompt; "
-        "A = batched gathers, B = STRATA_PREFILL_GATHER_ONE=1, run A, B, A, B. ours / peer = "
-        "peer median over our median A. PCIe GB/s = bytes streamed / our median A time. "
+        "A = batched gathers, B = STRATA_PREFILL_GATHER_ONE=1, run A, B, A, B. Peers "
+        "(bench/peers, same IQ3_XXS blocks, torch.compile'd dequantization to bf16): bmm = "
+        "torch.bmm over batches padded to the busiest expert, grouped = one torch._grouped_mm "
+        "per product over the ragged per-expert rows; both run twice per prompt, interleaved. "
+        "ours / X = X's median over our median A. PCIe GB/s = bytes streamed / our median A time. "
         "host / wall = engine host time over wall time. MoE TFLOPS counts "
         "top_k x 3 matrices x 2 x hidden x ffn per token per layer, against torch._int_mm.",
     ])
