@@ -293,7 +293,8 @@ def main() -> int:
         "ceilings (same run): " + ", ".join(
             f"{k} {v:.1f}" for k, v in ceil.items()), "",
         md_table, "", *peer_lines, "",
-        "Times: host clock around each whole prefill call (numpy in and out), after two warm-up runs of each arm on each prompt; "
+        "Times: host clock around each whole prefill call (numpy in and out), after warm-up "
+        "runs of each arm on each prompt (ours twice, each peer once); "
         "A = batched gathers, B = STRATA_PREFILL_GATHER_ONE=1, run A, B, A, B. Peers "
         "(bench/peers, same IQ3_XXS blocks, torch.compile'd dequantization to bf16): bmm = "
         "torch.bmm over batches padded to the busiest expert, grouped = one torch._grouped_mm "
