@@ -601,13 +601,13 @@ def test_repeats_byte_identical_and_graph_replay(small_model, rng, monkeypatch):
     for i in (1, 2):
         assert outs[i].tobytes() == outs[0].tobytes(), f"run {i} of 2048 tokens differs"
     assert outs[4].tobytes() == outs[3].tobytes()
-    trial = facts["graph_trials"][(2048, False)]
+    trial = facts["graph_trials"][(2048, False, None)]
     print(f"2048-token walk: plain {trial['plain'] * 1e3:.2f} ms, graph "
           f"{trial['graph'] * 1e3:.2f} ms -> {trial['choice']}")
     monkeypatch.setenv("STRATA_CUDA_GRAPH", "0")
     plain, _, facts0 = _run(small_model, runs[:2], expert_cache=40)
     assert plain[1].tobytes() == outs[0].tobytes()
-    assert facts0["graph_trials"] == {(2048, False): {}}
+    assert facts0["graph_trials"] == {(2048, False, None): {}}
 
 
 @gpu
