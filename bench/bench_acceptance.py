@@ -33,7 +33,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from strata_rt.cli.common import hardware_line, markdown_table, open_engine  # noqa: E402
+from strata_rt.cli.common import display_path, hardware_line, markdown_table, open_engine  # noqa: E402
 from strata_rt.cli.run import set_switch  # noqa: E402
 from strata_rt.config import load_config  # noqa: E402
 from strata_rt.generate import EngineSession, greedy_after  # noqa: E402
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cfg = load_config(args.config)
     if cfg.whole is None:
-        raise SystemExit(f"{args.config}: not a whole model (the greedy tokens need logits)")
+        raise SystemExit(f"{display_path(args.config)}: not a whole model (the greedy tokens need logits)")
     cfg = cfg.with_prompt_lengths([int(n) for n in args.prompts.split(",")])
     if args.backend:
         cfg = cfg.with_backend(args.backend)
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     records: list[dict[str, Any]] = []
     given = sys.argv[1:] if argv is None else argv
     doc: dict[str, Any] = {"command": " ".join(["bench/bench_acceptance.py", *given]),
-                           "hardware": hardware_line(), "config": args.config,
+                           "hardware": hardware_line(), "config": display_path(args.config),
                            "switch": SWITCH, "arms": ARMS, "order": "one, batch per pair",
                            "pairs": args.pairs, "warmups": args.warmups}
     t0 = time.perf_counter()
@@ -151,14 +151,14 @@ def main(argv: list[str] | None = None) -> int:
         with open_engine(cfg) as engine:
             need = max(p.tokens for p in cfg.prompts) + args.greedy
             if engine.context_tokens < need:
-                raise SystemExit(f"{args.config}: the KV cache holds {engine.context_tokens} "
+                raise SystemExit(f"{display_path(args.config)}: the KV cache holds {engine.context_tokens} "
                                  f"positions; the longest prompt and --greedy need {need}")
             dense = "streamed" if getattr(engine.backend, "dense_ring", None) else "resident"
             doc["setup"] = (f"backend {engine.config.backend}; {engine.residency.count} of "
                             f"{cfg.spec.total_experts} experts resident; dense weights "
                             f"{dense}; chunk {engine.chunk_tokens} tokens; opened in "
                             f"{time.perf_counter() - t0:.1f} s")
-            print(f"{doc['hardware']}\n{args.config}: {doc['setup']}", flush=True)
+            print(f"{doc['hardware']}\n{display_path(args.config)}: {doc['setup']}", flush=True)
             for prompt in cfg.prompts:
                 ids = prompt.token_ids(cfg.whole.vocab, cfg.seed)
                 rec = run_prompt(engine, ids, args.pairs, args.warmups, args.greedy)

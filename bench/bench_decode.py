@@ -48,7 +48,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from strata_rt import env  # noqa: E402
-from strata_rt.cli.common import hardware_line, markdown_table, output_arg, write_json  # noqa: E402,E501
+from strata_rt.cli.common import (  # noqa: E402
+    display_path,
+    hardware_line,
+    markdown_table,
+    output_arg,
+    write_json,
+)
 from strata_rt.config import Config, load_config  # noqa: E402
 from strata_rt.engine import Engine, backend_class, load_model  # noqa: E402
 from strata_rt.engine_config import EngineConfig  # noqa: E402
@@ -274,7 +280,7 @@ def load(args: argparse.Namespace) -> Config:
     if args.backend:
         cfg = cfg.with_backend(args.backend)
     if cfg.whole is None:
-        raise SystemExit(f"{args.config}: not a whole model (decoding needs one)")
+        raise SystemExit(f"{display_path(args.config)}: not a whole model (decoding needs one)")
     context = cfg.context or cfg.whole.context
     if args.prompt + args.steps + 1 > context:
         raise SystemExit(f"--prompt {args.prompt} + --steps {args.steps} + the prompt's token "
@@ -297,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         if backend == "reference" else measure_ceilings(blob)
     timing = args.timing or env.flag("STRATA_PREFILL_TIMING")
     ids = Prompt(0, args.prompt).token_ids(whole.spec.vocab, cfg.seed)
-    print(f"{hardware_line()}\n{args.config}: built the model in {built:.1f} s; "
+    print(f"{hardware_line()}\n{display_path(args.config)}: built the model in {built:.1f} s; "
           f"{spec.n_layers} layers x {spec.n_experts} experts (top-{spec.top_k}), blob "
           f"{blob / MIB:.2f} MiB; prompt {args.prompt} tokens, {args.steps} steps", flush=True)
     if missing:
@@ -340,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         notes.append("greedy tokens identical in every regime (streaming changes no byte): "
                      + ("yes" if same else "NO"))
     print(table + "\n" + "\n".join(f"- {n}" for n in notes))
-    doc = {"command": " ".join(sys.argv), "hardware": hardware_line(), "config": args.config,
+    doc = {"command": " ".join(sys.argv), "hardware": hardware_line(), "config": display_path(args.config),
            "backend": backend, "prompt_tokens": args.prompt, "steps": args.steps,
            "timing": timing, "blob_bytes": blob, "ceilings": ceilings,
            "ceilings_missing": missing, "hbm_datasheet_gb_s": H200_HBM_DATASHEET / 1e9,

@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from strata_rt.cli.common import hardware_line, markdown_table, open_engine  # noqa: E402
+from strata_rt.cli.common import display_path, hardware_line, markdown_table, open_engine  # noqa: E402
 from strata_rt.config import load_config  # noqa: E402
 from strata_rt.runtime.memory import MIB  # noqa: E402
 
@@ -71,14 +71,14 @@ def main() -> int:
     if args.prompts:
         cfg = cfg.with_prompt_lengths([int(n) for n in args.prompts.split(",")])
     if cfg.whole is None:
-        raise SystemExit(f"{args.config}: not a whole model")
+        raise SystemExit(f"{display_path(args.config)}: not a whole model")
     ceiling = h2d_ceiling()
     t0 = time.perf_counter()
     rows, records = [], []
     with open_engine(cfg) as engine:
         opened = time.perf_counter() - t0
         backend = engine.backend
-        print(f"{hardware_line()}\nopened {args.config} in {opened:.1f} s: "
+        print(f"{hardware_line()}\nopened {display_path(args.config)} in {opened:.1f} s: "
               f"{engine.residency.count} experts resident, dense "
               f"{'streamed' if getattr(backend, 'dense_ring', None) else 'resident'}, chunk "
               f"{engine.chunk_tokens}; pinned H2D ceiling "
@@ -120,7 +120,7 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"whole-{Path(args.config).stem}-{stamp}"
-    doc = {"command": " ".join(sys.argv), "hardware": hardware_line(), "config": args.config,
+    doc = {"command": " ".join(sys.argv), "hardware": hardware_line(), "config": display_path(args.config),
            "h2d_gb_s": ceiling, "runs": records, "table": table}
     stem.with_suffix(".json").write_text(json.dumps(doc, indent=2) + "\n")
     stem.with_suffix(".md").write_text(f"{doc['hardware']}\n\n`{doc['command']}`\n\n{table}\n")

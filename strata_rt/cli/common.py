@@ -99,6 +99,16 @@ def output_arg(option: str, value: str | Path) -> Path:
     return path
 
 
+def display_path(path: str | Path) -> str:
+    """A path as printed and recorded in results: relative to the working directory when it
+    lies under it (recorded figures then name configs/..., not one machine's folders)."""
+    p = Path(path).resolve()
+    try:
+        return str(p.relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
 def write_json(path: Path, doc: dict, final: bool = True) -> None:
     """Writes the JSON through a temporary file and a rename: a reader (or a run cut short)
     finds the previous complete version or this one. Rewritten after each prompt with
