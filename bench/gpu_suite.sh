@@ -2,7 +2,7 @@
 # One GPU session in one command: every GPU test, then the benchmarks. Logs, JSON and tables go
 # under $BENCH_OUT (default ./out). Stages run in order; pick them with arguments:
 #   bash bench/gpu_suite.sh tests digests gemm routing formats mmq prefill-quick prefill \
-#        attention dense whole-30b whole-235b
+#        attention dense whole-30b whole-235b whole-235b-16g acceptance decode peers
 # A failing stage is reported and the next one still runs; the exit code counts failures.
 set -uo pipefail
 out=${BENCH_OUT:-out}
@@ -40,10 +40,16 @@ for what in "${@:-tests}"; do
         prefill) stage bench-prefill python3 bench/bench_prefill.py --out "$out" ;;
         attention) stage bench-attention python3 bench/bench_attention.py --json "$out/attention.json" ;;
         dense) stage bench-dense python3 bench/bench_dense.py --json "$out/dense.json" ;;
-        whole-30b) stage whole-30b env STRATA_PREFILL_TIMING=1 python3 -m strata_rt.cli run \
-                   configs/qwen3-30b-a3b-whole.yaml --json "$out/whole-30b.json" ;;
-        whole-235b) stage whole-235b env STRATA_HOST_MEMORY_CHECK=0 python3 -m strata_rt.cli run \
-                   configs/qwen3-235b-a22b-whole.yaml --json "$out/whole-235b.json" ;;
+        whole-30b) stage whole-30b python3 bench/bench_whole.py --out "$out" ;;
+        whole-235b) stage whole-235b env STRATA_HOST_MEMORY_CHECK=0 python3 bench/bench_whole.py \
+                   --config configs/qwen3-235b-a22b-whole.yaml --prompts 254,8179,30118 \
+                   --warmups 1 --reps 1 --out "$out" ;;
+        whole-235b-16g) stage whole-235b-16g env STRATA_HOST_MEMORY_CHECK=0 python3 \
+                   bench/bench_whole.py --config configs/qwen3-235b-a22b-whole-16g.yaml \
+                   --prompts 254,8179,30118 --warmups 1 --reps 1 --out "$out" ;;
+        acceptance) stage bench-acceptance python3 bench/bench_acceptance.py --out "$out" ;;
+        decode) stage bench-decode python3 bench/bench_decode.py --out "$out" ;;
+        peers) stage peer-tests python3 -m pytest -q -ra -p no:cacheprovider tests/test_peers.py ;;
         *) echo "unknown stage $what"; failures=$((failures + 1)) ;;
     esac
 done
