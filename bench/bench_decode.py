@@ -38,7 +38,6 @@ import dataclasses
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +45,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from torch_clock import cuda_seconds, pinned_h2d_gb_s  # noqa: E402
 
 from strata_rt import env  # noqa: E402
 from strata_rt.cli.common import (  # noqa: E402
@@ -82,30 +83,13 @@ def measure_ceilings(blob_bytes: int) -> tuple[dict[str, float], str | None]:
     if not torch.cuda.is_available():
         return {}, "torch sees no CUDA device: no PCIe or HBM bound"
 
-    def seconds(fn: Callable[[], Any], reps: int) -> float:
-        fn()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3 / reps
-
-    def h2d(sizes: dict[str, int]) -> dict[str, float]:
-        host = torch.empty(max(sizes.values()), dtype=torch.uint8).pin_memory()
-        dev = torch.empty_like(host, device="cuda")
-        return {f"h2d_{label}_gb_s": n / seconds(
-            lambda n=n: dev[:n].copy_(host[:n], non_blocking=True), 50) / 1e9
-            for label, n in sizes.items()}
-
     def d2d(n: int) -> float:
         src = torch.empty(n, dtype=torch.uint8, device="cuda")
         dst = torch.empty_like(src)
-        return 2 * n / seconds(lambda: dst.copy_(src), 20) / 1e9
+        return 2 * n / cuda_seconds(torch, lambda: dst.copy_(src), 20) / 1e9
 
-    out = h2d({"blob": blob_bytes, "64mib": 64 * MIB})
+    out = {f"h2d_{label}_gb_s": v for label, v in
+           pinned_h2d_gb_s(torch, {"blob": blob_bytes, "64mib": 64 * MIB}, reps=50).items()}
     out["d2d_gb_s"] = d2d(1 << 30)
     torch.cuda.empty_cache()
     return out, None

@@ -36,6 +36,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "bench" / "peers")]
 
+from torch_clock import cuda_seconds, pinned_h2d_gb_s  # noqa: E402
+
 from strata_rt.cli.common import hardware_line, markdown_table  # noqa: E402
 from strata_rt.cli.run import set_switch  # noqa: E402
 from strata_rt.config import Prompt, validate  # noqa: E402
@@ -56,22 +58,10 @@ def ceilings(torch) -> dict[str, float]:
     out: dict[str, float] = {}
 
     def timed(fn, reps: int) -> float:
-        fn()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3 / reps
+        return cuda_seconds(torch, fn, reps)
 
-    host = torch.empty(256 * MIB, dtype=torch.uint8).pin_memory()
-    dev = torch.empty_like(host, device="cuda")
-    for mib in (2, 8, 64, 256):
-        n = mib * MIB
-        s = timed(lambda n=n: dev[:n].copy_(host[:n], non_blocking=True), 20)
-        out[f"h2d_{mib}mib_gb_s"] = n / s / 1e9
+    rates = pinned_h2d_gb_s(torch, {f"{mib}mib": mib * MIB for mib in (2, 8, 64, 256)})
+    out.update({f"h2d_{label}_gb_s": v for label, v in rates.items()})
     out["h2d_gb_s"] = max(v for k, v in out.items() if not k.startswith("h2d_2mib"))
     n = 8192
     a = torch.randint(-127, 127, (n, n), dtype=torch.int8, device="cuda")

@@ -27,6 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from torch_clock import pinned_h2d_gb_s  # noqa: E402
+
 from strata_rt.cli.common import display_path, hardware_line, markdown_table, open_engine  # noqa: E402
 from strata_rt.config import load_config  # noqa: E402
 from strata_rt.runtime.memory import MIB  # noqa: E402
@@ -40,21 +42,7 @@ def h2d_ceiling() -> float | None:
         return None
     if not torch.cuda.is_available():
         return None
-    n = 64 * MIB
-    host = torch.empty(n, dtype=torch.uint8).pin_memory()
-    dev = torch.empty(n, dtype=torch.uint8, device="cuda")
-    dev.copy_(host, non_blocking=True)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(20):
-        dev.copy_(host, non_blocking=True)
-    end.record()
-    end.synchronize()
-    gbps = 20 * n / (start.elapsed_time(end) / 1e3) / 1e9
-    del host, dev
-    torch.cuda.empty_cache()
-    return gbps
+    return pinned_h2d_gb_s(torch, {"64mib": 64 * MIB})["64mib"]
 
 
 def main() -> int:
