@@ -141,12 +141,7 @@ class GroupedMoE(TorchMoE):
 
     def _moe(self, h: torch.Tensor, layer: int, w, pos_of: torch.Tensor | None) -> torch.Tensor:
         gu_w, dn_w = w
-        # routing as TorchMoE._moe computes it, step for step, so both arms route alike
-        xn = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm[layer]
-        p = torch.softmax(xn @ self.router[layer].T, dim=-1)
-        top_p, ids = torch.topk(p, self.k, dim=-1)
-        top_p = top_p / top_p.sum(-1, keepdim=True)
-        flat = ids.reshape(-1) if pos_of is None else pos_of[ids.reshape(-1)]
+        xn, top_p, flat = self._route(h, layer, pos_of)  # TorchMoE's routing: both arms alike
         order, offs = sort_by_expert(flat, gu_w.shape[0])
         token = order // self.k
         x = xn[token].to(torch.bfloat16)

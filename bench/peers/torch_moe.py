@@ -145,13 +145,20 @@ class TorchMoE:
         self.used[i].record(torch.cuda.current_stream(self.dev))
         return w, self.order[layer]
 
-    def _moe(self, h: torch.Tensor, layer: int, w, pos_of: torch.Tensor | None) -> torch.Tensor:
-        gu_w, dn_w = w
+    def _route(self, h: torch.Tensor, layer: int, pos_of: torch.Tensor | None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """RMSNorm, router softmax, top-k renormalised: (normed rows, top-k weights, the
+        (token, k) pairs' expert positions flattened)."""
         xn = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm[layer]
         p = torch.softmax(xn @ self.router[layer].T, dim=-1)
         top_p, ids = torch.topk(p, self.k, dim=-1)
         top_p = top_p / top_p.sum(-1, keepdim=True)
         flat = ids.reshape(-1) if pos_of is None else pos_of[ids.reshape(-1)]
+        return xn, top_p, flat
+
+    def _moe(self, h: torch.Tensor, layer: int, w, pos_of: torch.Tensor | None) -> torch.Tensor:
+        gu_w, dn_w = w
+        xn, top_p, flat = self._route(h, layer, pos_of)
         order = torch.argsort(flat, stable=True)
         sorted_e = flat[order]
         token = order // self.k
