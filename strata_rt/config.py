@@ -38,7 +38,13 @@ from .config_schema import (
     mapping,
     positive_number,
 )
-from .config_whole import check_context, check_dense, check_whole, whole_sizing
+from .config_whole import (
+    check_context,
+    check_dense,
+    check_whole,
+    whole_host_parts,
+    whole_sizing,
+)
 from .engine_config import BACKENDS, EngineConfig
 from .errors import ConfigError
 from .memory_plan import MemoryPlan
@@ -108,8 +114,12 @@ class Config:
         cfg = replace(self, prompts=tuple(Prompt(i, n) for i, n in enumerate(lengths)))
         from .registry import registry
 
-        why = host_memory_problem(cfg.spec, registry()[cfg.spec.format], cfg.gguf is not None,
-                                  cfg.prompts, cfg.chunk_tokens())
+        fmt = registry()[cfg.spec.format]
+        plan = cfg.memory_plan(fmt) if cfg.whole is not None else None
+        stream = cfg.dense == "stream" or (plan is not None and plan.dense_stream)
+        extra = whole_host_parts(cfg.whole, cfg.whole_options, cfg.gguf is not None, stream)
+        why = host_memory_problem(cfg.spec, fmt, cfg.gguf is not None, cfg.prompts,
+                                  cfg.chunk_tokens(), extra)
         if why is not None:
             raise ConfigError(f"--prompts: {why}", source="command line")
         if cfg.whole is not None and cfg.generate_tokens:
@@ -257,7 +267,13 @@ def validate(doc: Any, base_dir: Path, source: Path | None = None,
         output = Output(**check_output(p, out_doc, base_dir))
 
     if geom is not None and fmt is not None and prompts and chunk is not None:
-        why = host_memory_problem(geom, fmt, gguf is not None, prompts, chunk)
+        stream = dense == "stream"
+        if whole_sizes is not None and budget.get("vram_budget_mib") and dense == "auto":
+            plan = device_memory_plan(geom, fmt, chunk, ring_bytes,
+                                      int(budget["vram_budget_mib"] * MIB), whole_sizes)
+            stream = plan.dense_stream
+        extra = whole_host_parts(whole, whole_options, gguf is not None, stream)
+        why = host_memory_problem(geom, fmt, gguf is not None, prompts, chunk, extra)
         if why is not None:
             p.items.append(f"model: {why}")
 

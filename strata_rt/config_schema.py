@@ -373,9 +373,11 @@ def host_memory_parts(spec: MoESpec, fmt: QuantFormat, gguf: bool, prompts: Sequ
 
 
 def host_memory_problem(spec: MoESpec, fmt: QuantFormat, gguf: bool,
-                        prompts: Sequence[Prompt], chunk: int) -> str | None:
-    """'the run needs X of host memory; Y available (parts)', or None when it fits."""
-    parts = host_memory_parts(spec, fmt, gguf, prompts, chunk)
+                        prompts: Sequence[Prompt], chunk: int,
+                        extra: dict[str, int] | None = None) -> str | None:
+    """'the run needs X of host memory; Y available (parts)', or None when it fits. `extra`:
+    more parts (a whole model's, config_whole.whole_host_parts)."""
+    parts = {**host_memory_parts(spec, fmt, gguf, prompts, chunk), **(extra or {})}
     slot = format_bytes(fmt.layout(spec.hidden, spec.ffn).slot_bytes)
     shown = [f"{k} {format_bytes(v)}" for k, v in parts.items() if v]
     shown[0] += f" = {spec.n_layers} layers x {spec.n_experts} experts x {slot}"

@@ -19,7 +19,7 @@ from .engine_config import DENSE_POLICIES
 from .errors import ConfigError
 from .qwen3.gguf_full import read_qwen3_spec
 from .qwen3.spec import Qwen3Spec
-from .whole_memory import WholeSizing
+from .whole_memory import DenseSlot, WholeSizing
 from .whole_model import is_whole_gguf
 
 if TYPE_CHECKING:
@@ -121,3 +121,27 @@ def whole_sizing(whole: Qwen3Spec | None, context: int | None) -> WholeSizing | 
     if whole is None:
         return None
     return WholeSizing(whole, context or whole.context, False, gemm_impl_from_env())
+
+
+#: bytes per value of the dense types a synthetic whole model may store
+_TYPE_BYTES = {"F32": 4.0, "F16": 2.0, "BF16": 2.0, "Q8_0": 34 / 32}
+
+
+def whole_host_parts(whole: Qwen3Spec | None, options: dict[str, Any], gguf: bool,
+                     dense_stream: bool) -> dict[str, int]:
+    """Host bytes a whole model adds to a run, by part: its dense weights as generated (a
+    GGUF's stay in the file's memory map), the float32 copy the output head passes through
+    on its way to fp16, and, when the dense weights stream, their pinned slot images."""
+    if whole is None:
+        return {}
+    parts: dict[str, int] = {}
+    if not gguf:
+        per = _TYPE_BYTES.get(options.get("dense_type", "F32"), 4.0)
+        layers = min(whole.n_layers, options.get("pool_layers") or whole.n_layers)
+        heads = 1 if options.get("tied") else 2
+        parts["dense weights"] = int(per * (layers * whole.dense_params_per_layer()
+                                            + heads * whole.vocab * whole.hidden))
+    parts["output head conversion"] = whole.vocab * whole.hidden * 6  # float32 + fp16
+    if dense_stream:
+        parts["pinned dense slots"] = whole.n_layers * DenseSlot.of(whole).nbytes
+    return parts

@@ -177,3 +177,32 @@ def test_auto_streams_the_dense_weights_only_when_they_do_not_fit() -> None:
     with pytest.raises(BudgetError):
         plan_memory(spec, lay, fmt.activation, tight, 8, 64, 0, whole=w, dense="resident")
     assert isinstance(spec, MoESpec)
+
+
+def test_host_memory_counts_a_whole_models_parts(monkeypatch) -> None:
+    """The host check adds the dense weights as generated (none for a GGUF's, which stay in the
+    file's map), the head's conversion, and the pinned dense slots when they stream; the 235B
+    configs name them when the host is too small."""
+    from strata_rt.config_whole import whole_host_parts
+    from strata_rt.errors import ConfigError
+
+    spec = TINY_SPEC
+    f32 = whole_host_parts(spec, {"dense_type": "F32"}, False, False)
+    f16 = whole_host_parts(spec, {"dense_type": "F16"}, False, False)
+    assert f32["dense weights"] == 2 * f16["dense weights"] > 0
+    pooled = whole_host_parts(spec, {"dense_type": "F32", "pool_layers": 1}, False, False)
+    assert pooled["dense weights"] < f32["dense weights"]
+    assert "dense weights" not in whole_host_parts(spec, {}, True, False)
+    streamed = whole_host_parts(spec, {}, True, True)
+    assert streamed["pinned dense slots"] == spec.n_layers * DenseSlot.of(spec).nbytes
+    assert whole_host_parts(None, {}, False, True) == {}
+    from strata_rt import hostmem
+
+    monkeypatch.delenv("STRATA_HOST_MEMORY_CHECK", raising=False)
+    monkeypatch.setattr(hostmem, "available",
+                        lambda: hostmem.Available(96 << 30, "a 96 GiB test host"))
+    path = Path(__file__).resolve().parent.parent / "configs" / "qwen3-235b-a22b-whole-16g.yaml"
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    text = "\n".join(info.value.problems)
+    assert "pinned dense slots 12.5 GiB" in text and "output head conversion" in text
