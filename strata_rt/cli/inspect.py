@@ -40,9 +40,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(f"bytes per expert in the file (layer 0): {per_expert:,} "
               f"({per_expert / MIB:.2f} MiB)")
     whole = _whole_model(path, moe.tensors, args.budget_gib)
-    if whole:
-        print(whole)
-    print(_formats_table(g, registry(), args.budget_gib))
+    if whole is not None:
+        print(whole[0])
+    print(_formats_table(g, registry(), args.budget_gib, whole[1] if whole else 0))
     if args.budget_gib is not None:
         print("a budget also holds one chunk's buffers and the ring: give it to a run as "
               "`vram_budget_mib` and the config sizes the split as the CUDA backend allocates it")
@@ -60,14 +60,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def _whole_model(path: Path, tensors: dict, budget_gib: float | None) -> str | None:
+def _whole_model(path: Path, tensors: dict, budget_gib: float | None
+                 ) -> tuple[str, int] | None:
     """Dense weights and KV cache of a whole-model GGUF (one with token_embd.weight): what a
-    budget must hold beside the experts once attention runs on the GPU. None for a file of MoE
-    layers only."""
+    budget holds for them before any expert, and those bytes. None for MoE layers alone."""
     if "token_embd.weight" not in tensors:
         return None
     from ..hostmem import format_bytes
     from ..qwen3.gguf_full import read_qwen3_spec
+    from ..whole_memory import WholeSizing, whole_fixed_regions
 
     spec, tied = read_qwen3_spec(path)
     by_type: dict[str, list[int]] = {}
@@ -76,7 +77,7 @@ def _whole_model(path: Path, tensors: dict, budget_gib: float | None) -> str | N
             count_bytes = by_type.setdefault(ref.type_name, [0, 0])
             count_bytes[0] += 1
             count_bytes[1] += ref.nbytes
-    bf16 = 2 * spec.dense_params(tied)
+    fp16 = 2 * spec.dense_params(tied)
     kv_1k = spec.kv_bytes_per_token(2) * 1024
     lines = [f"whole model: vocabulary {spec.vocab:,}, {spec.n_heads} query heads / "
              f"{spec.n_kv_heads} KV heads x {spec.head_dim}, rope theta {spec.rope_theta:g}, "
@@ -84,16 +85,23 @@ def _whole_model(path: Path, tensors: dict, budget_gib: float | None) -> str | N
              + ("tied to the embedding" if tied else "of its own"),
              markdown_table(["dense tensor type", "tensors", "MiB in the file"],
                             [[t, n, f"{b / MIB:,.1f}"] for t, (n, b) in sorted(by_type.items())]),
-             f"dense weights as bf16: {format_bytes(bf16)}; KV cache (fp16) per 1K tokens: "
-             f"{format_bytes(kv_1k)}, at the {spec.context:,}-token context "
-             f"{format_bytes(kv_1k * spec.context // 1024)}"]
-    if budget_gib is not None:
-        left = budget_gib * GiB - bf16
-        lines.append(f"a {budget_gib:g} GiB budget holds the bf16 dense weights with "
-                     f"{format_bytes(left)} left" if left > 0 else
-                     f"a {budget_gib:g} GiB budget cannot hold the dense weights as bf16: "
-                     "they stream per layer")
-    return "\n".join(lines)
+             f"dense weights as fp16 (what the GPU holds): {format_bytes(fp16)}; KV cache "
+             f"(fp16) per 1K tokens: {format_bytes(kv_1k)}, at the {spec.context:,}-token "
+             f"context {format_bytes(kv_1k * spec.context // 1024)}"]
+    if budget_gib is None:
+        return "\n".join(lines), 0
+    budget = int(budget_gib * GiB)
+    resident = sum(whole_fixed_regions(WholeSizing(spec, spec.context)).values())
+    streamed = sum(whole_fixed_regions(WholeSizing(spec, spec.context, True)).values())
+    if resident <= budget:
+        held, how = resident, "the fp16 dense weights resident"
+    else:
+        held, how = streamed, "the dense weights streaming per layer (they do not fit)"
+    lines.append(f"a {budget_gib:g} GiB budget holds {how}, the output head, RoPE tables and "
+                 f"the KV cache at the full context in {format_bytes(held)}; "
+                 f"{format_bytes(max(0, budget - held))} left for experts, a chunk and the "
+                 "ring (a smaller `context` leaves more)")
+    return "\n".join(lines), held
 
 
 def _unreadable_types(moe, reg) -> list[str]:
@@ -108,8 +116,10 @@ def _unreadable_types(moe, reg) -> list[str]:
             if ref.ggml_type not in raw and not dequantizable(ref.ggml_type)]
 
 
-def _formats_table(g, reg, budget_gib: float | None) -> str:
-    budget = None if budget_gib is None else int(budget_gib * GiB)
+def _formats_table(g, reg, budget_gib: float | None, reserved: int = 0) -> str:
+    """Each format's expert sizes, and how many experts the budget holds after `reserved`
+    bytes (a whole model's dense part)."""
+    budget = None if budget_gib is None else max(0, int(budget_gib * GiB) - reserved)
     headers = ["format", "blob bytes", "slot bytes", "all experts GiB"]
     if budget is not None:
         headers += [f"experts in {budget_gib:g} GiB", "share"]
