@@ -11,8 +11,8 @@ permutation, rotate-halves RoPE, q/k norm before RoPE, renormalised top-k).
 
 Needs torch and transformers (CI has neither; the tests read the fixtures):
 
-    python -m venv /tmp/hfenv && /tmp/hfenv/bin/pip install torch transformers numpy gguf pluggy pyyaml
-    /tmp/hfenv/bin/python tests/tools/make_qwen3_golden.py
+    python -m venv .oracle && .oracle/bin/pip install torch transformers numpy gguf pluggy pyyaml
+    .oracle/bin/python tests/tools/make_qwen3_golden.py
 
 It writes <case>.ids.npy (int32 prompt), <case>.logits.npy (float32 [tokens, vocab]) and
 golden.json (the cases, the weights' SHA-256 and the library versions used).
