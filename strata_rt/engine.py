@@ -43,11 +43,12 @@ from .formats import QuantFormat
 from .model import Model
 from .plan import LogitRows
 from .planner import AUTO_CHUNK_MAX
+from .prompts import check_token_ids
 from .residency import Residency
 from .stats import Stats
 from .store import ExpertStore
 from .timing import write_trace
-from .whole_model import check_token_ids, load_model
+from .whole_model import load_model
 
 if TYPE_CHECKING:
     from .cuda_engine import CudaBackend

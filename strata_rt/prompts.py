@@ -97,6 +97,21 @@ def token_id_problem(ids: np.ndarray, vocab_size: int | None = None) -> str | No
     return None
 
 
+def check_token_ids(token_ids: Any, vocab: int, source: str = "prefill") -> np.ndarray:
+    """int64 [T] token ids, refused unless a non-empty 1-D integer array inside the vocabulary
+    (what a whole model's prefill takes, on every backend and in the numpy model)."""
+    ids = np.asarray(token_ids)
+    if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+        raise ConfigError(f"token ids must be a non-empty 1-D integer array, got shape "
+                          f"{ids.shape} of {ids.dtype}", source=source)
+    bad = (ids < 0) | (ids >= vocab)
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise ConfigError(f"token id {int(ids[i])} at index {i} is outside the vocabulary "
+                          f"0..{vocab - 1}", source=source)
+    return ids.astype(np.int64)
+
+
 def read_token_file(path: Path, vocab_size: int | None = None) -> np.ndarray:
     """Token ids (int64) from a .npy integer array or a text file of integers (spaces, commas
     or newlines between them). ConfigError for anything else, for a negative id, one beyond

@@ -15,8 +15,6 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from .errors import ConfigError
 from .gguf_io import open_reader
 from .model import Model, MoESpec
@@ -86,16 +84,3 @@ def load_model(m: Model | Qwen3Model | MoESpec | dict[str, Any]
                       "MoESpec, {'spec': MoESpec, 'seed': int}, {'qwen3': spec, 'seed': int, "
                       "'format': name} or {'gguf': path, 'format': name}")
 
-
-def check_token_ids(token_ids: Any, vocab: int) -> np.ndarray:
-    """int64 [T] token ids, refused unless a non-empty 1-D integer array inside the vocabulary."""
-    ids = np.asarray(token_ids)
-    if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
-        raise ConfigError(f"token ids must be a non-empty 1-D integer array, got shape "
-                          f"{ids.shape} of {ids.dtype}", source="prefill")
-    bad = (ids < 0) | (ids >= vocab)
-    if bad.any():
-        i = int(np.argmax(bad))
-        raise ConfigError(f"token id {int(ids[i])} at index {i} is outside the vocabulary "
-                          f"0..{vocab - 1}", source="prefill")
-    return ids.astype(np.int64)

@@ -26,6 +26,7 @@ import numpy.typing as npt
 
 from ..errors import BudgetError, ConfigError
 from ..model import Model, rms_norm, route, silu
+from ..prompts import check_token_ids
 from .spec import Qwen3Spec
 from .weights import DenseTensor, Qwen3Model
 
@@ -150,18 +151,6 @@ class Qwen3Reference:
             a = self._w[t.name] = t.f32().astype(self.dtype)
         return a
 
-    def _check_ids(self, token_ids) -> np.ndarray:
-        ids = np.asarray(token_ids)
-        if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
-            raise ConfigError(f"token ids must be a non-empty 1-D integer array, got shape "
-                              f"{ids.shape} of {ids.dtype}", source="prompt")
-        bad = (ids < 0) | (ids >= self.spec.vocab)
-        if bad.any():
-            i = int(np.argmax(bad))
-            raise ConfigError(f"token id {int(ids[i])} at index {i} is outside the vocabulary "
-                              f"0..{self.spec.vocab - 1}", source="prompt")
-        return ids.astype(np.int64)
-
     def embed(self, ids: np.ndarray) -> np.ndarray:
         return self.model.dense.token_embd.rows(ids).astype(self.dtype)
 
@@ -170,7 +159,7 @@ class Qwen3Reference:
         """Runs the tokens at positions cache.length.. and appends their keys and values to
         `cache` (a new one when None). Returns the last position's logits, or every
         position's with all_logits=True."""
-        ids = self._check_ids(token_ids)
+        ids = check_token_ids(token_ids, self.spec.vocab, source="prompt")
         cache = self.new_cache() if cache is None else cache
         if cache.dtype != self.dtype or cache.spec != self.spec:
             raise ConfigError("the KV cache was made for another model or dtype",
