@@ -96,6 +96,9 @@ class CudaBackend:
     name = "cuda"
     context_class = CudaContext
     host_is_wall = False
+    #: a whole model sets these at open (see driver.Executor and driver.Backend)
+    dense_ring: int | None = None
+    kv_capacity = 0
 
     def __init__(self, model: Model, store: ExpertStore, residency: Residency | None,
                  cfg: EngineConfig, context: HostContext, whole: Qwen3Model | None = None):

@@ -74,6 +74,9 @@ class Executor(Protocol):
     blob_bytes: int
     #: whether `capture` may be used (CUDA graphs on, no timing events)
     can_capture: bool
+    #: slots of the dense ring when a whole model's dense weights stream; None: resident
+    #: (or MoE layers alone)
+    dense_ring: int | None
 
     def begin_chunk(self, h: np.ndarray, stats: Stats) -> None:
         """Takes the chunk's hidden states float32 [T, hidden] (a whole model: the
@@ -121,6 +124,8 @@ class Backend(Executor, Protocol):
 
     #: True where everything runs on the host (the engine then reports host time = wall time)
     host_is_wall: bool
+    #: positions a whole model's KV cache holds (0 for MoE layers alone)
+    kv_capacity: int
 
     def close(self) -> None: ...
 
@@ -222,8 +227,7 @@ class ChunkDriver:
         """A whole model's attention ops for a chunk at `start` (None: MoE layers alone)."""
         if start is None:
             return None
-        return DenseSchedule(self.spec.n_layers, start,
-                             getattr(self.executor, "dense_ring", None))
+        return DenseSchedule(self.spec.n_layers, start, self.executor.dense_ring)
 
     def walk_plan(self, T: int, start: int | None = None
                   ) -> tuple[ChunkPlan, dict[type, int]]:

@@ -197,10 +197,7 @@ class Engine:
     @property
     def context_tokens(self) -> int:
         """Positions the KV cache can hold (0 for MoE layers alone)."""
-        if self.whole is None:
-            return 0
-        limit = getattr(self.backend, "kv_capacity", None)
-        return int(limit) if limit is not None else self.whole.spec.context
+        return self._open_backend().kv_capacity if self.whole is not None else 0
 
     def reset(self) -> None:
         """Forgets every cached position: the next prefill starts at position 0."""

@@ -91,6 +91,9 @@ class ReferenceBackend:
     #: everything runs on the host, so host time is the wall time
     host_is_wall = True
     can_capture = False
+    #: a whole model sets these at open (see driver.Executor and driver.Backend)
+    dense_ring: int | None = None
+    kv_capacity = 0
 
     def __init__(self, model: Model, store: ExpertStore, residency: Residency | None,
                  cfg: EngineConfig, context: HostContext | None = None,
