@@ -26,9 +26,11 @@ def poisoned(rt, stream, nbytes):
 
 
 def download(rt, stream, buf, dtype, shape, check_tail=True):
-    """The first prod(shape) values of a poisoned buffer; asserts nothing wrote past them."""
+    """The first prod(shape) values of a buffer; with check_tail (a buffer from `poisoned`)
+    also reads its tail and asserts nothing wrote past them. Without it only the values are
+    read, so a buffer of exactly their size (from `upload`) can be read back."""
     n = int(np.prod(shape)) * np.dtype(dtype).itemsize
-    host = np.empty(n + TAIL_BYTES, np.uint8)
+    host = np.empty(n + (TAIL_BYTES if check_tail else 0), np.uint8)
     rt.memcpy_dtoh(host, buf.ptr, stream)
     stream.synchronize()
     if check_tail:
