@@ -27,6 +27,7 @@ from strata_rt.grouped_gemm import fp16_image_layout, gemm_reference
 from strata_rt.hookspecs import hookimpl
 from strata_rt.resources import KERNELS_ROOT
 
+from .iq3_xxs_fused import F16_FUSED, FusedF16Variant
 from .iq3_xxs_quantize import (
     BLOCK_BYTES,
     CHUNK_BLOCKS,
@@ -291,18 +292,22 @@ class IQ3XXS(QuantFormat):
     def mmq_variants(self) -> tuple[str, ...]:
         from .iq3_xxs_device import VARIANTS
 
-        return VARIANTS
+        return (*VARIANTS, F16_FUSED)
 
     def for_variant(self, name: str | None) -> QuantFormat:
         """f16_gemm (the default, also for None): an IQ3XXSDequantF16, whose images are fp16 and
-        whose activations are f16; any other name: an IQ3XXS running that exact MMQ kernel on
-        q8_1 activations (bit-identical to mmq_reference whichever it is)."""
+        whose activations are f16; f16_fused: an IQ3XXSFusedF16 (native blocks in the group
+        buffers, f16 activations, the same bytes as f16_gemm); any other name: an IQ3XXS
+        running that exact MMQ kernel on q8_1 activations (bit-identical to mmq_reference
+        whichever it is)."""
         super().for_variant(name)
         chosen = name or self.mmq_variants()[0]
         from .iq3_xxs_device import F16_GEMM
 
         if chosen == F16_GEMM:
             return self if isinstance(self, IQ3XXSDequantF16) else IQ3XXSDequantF16()
+        if chosen == F16_FUSED:
+            return self if isinstance(self, IQ3XXSFusedF16) else IQ3XXSFusedF16()
         if type(self) is IQ3XXS and self.variant == chosen:
             return self
         return IQ3XXS(chosen)
@@ -360,6 +365,10 @@ class IQ3XXSDequantF16(IQ3XXS):
 
         return IQ3XXSDequantF16Kernels
 
+
+class IQ3XXSFusedF16(FusedF16Variant, IQ3XXS):
+    """IQ3_XXS blobs copied as they are, multiplied by the GEMM that dequantizes them in its
+    main loop on fp16 activations (quants/iq3_xxs_fused.py)."""
 
 
 @hookimpl
