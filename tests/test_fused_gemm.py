@@ -1,0 +1,406 @@
+"""The IQ3_XXS GEMM that dequantizes in its main loop (strata_rt/fused_gemm.py, kernels/iq3_xxs/
+fused.cu) and its variant object (STRATA_MMQ_KERNEL=f16_fused, quants/iq3_xxs_fused.py).
+
+CPU: the tile table against the CUDA source and the hardware, register budgets, the variant
+object (native layout and images, fp16 activations, f16_gemm's reference on the decoded
+blocks), launch geometry and argument checks through a recording kernel. GPU: on fresh random
+blocks and activations, outputs poisoned with NaN first, the fused kernel gives the same bytes
+as the f16_gemm kernel on the dequantized images, for every tile, rows_hint and repeat, and
+agrees with the float64 references (same fp16 inputs; exact weights and float32 activations).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+from _device_buffers import download, poisoned, upload
+
+from strata_rt.activations import F16
+from strata_rt.errors import FormatError
+from strata_rt.fused_gemm import (
+    F16_FUSED,
+    FUSED_SOURCE,
+    TILES,
+    TILES_BY_NAME,
+    FusedGemm,
+    native_image_bytes,
+    pick_tile,
+)
+from strata_rt.grouped_gemm import GroupedGemm, gemm_reference
+from strata_rt.quants.iq3_xxs import IQ3XXS, IQ3XXSDequantF16, IQ3XXSFusedF16
+from strata_rt.quants.iq3_xxs_f16 import dequant_iq3_images
+from strata_rt.quants.iq3_xxs_fused import (
+    FLOAT64_NMSE_BOUND,
+    IQ3XXSFusedKernels,
+    fused_reference,
+    native_images_to_f16,
+)
+from strata_rt.resources import KERNELS_ROOT
+from strata_rt.runtime.compile import nvcc_available, nvcc_path
+from strata_rt.testing import nmse
+from strata_rt.testing_abi import Recorder
+
+IQ3 = IQ3XXS()
+FUSED = IQ3.for_variant(F16_FUSED)
+#: kernel vs float64 products of the same fp16 inputs (f16_gemm's bound: the bytes are its own)
+GEMM_NMSE = 1e-6
+NAN_F32 = np.uint32(0xFFFFFFFF)  # what `poisoned` fills with
+
+
+def _parts(hidden: int, ffn: int) -> dict[str, tuple[int, int]]:
+    return {"gate_up": (2 * ffn, hidden), "down": (hidden, ffn)}
+
+
+def _blob(rng, hidden: int, ffn: int, overflow: bool = False) -> np.ndarray:
+    """A random expert whose first blocks of each range have d = 0, -0, negative, subnormal and
+    large scales: with `overflow` so large that weights overflow fp16 (infinite), else the
+    largest that keep every weight finite (so products stay finite and comparable)."""
+    blob = IQ3.random_expert(rng, hidden, ffn).copy()
+    lay = IQ3.layout(hidden, ffn)
+    big = [3.0e4, 65504.0] if overflow else [100.0, 130.0]  # 130 * 15.5/2 * 62 < 65504
+    specials = np.array([0.0, -0.0, -0.0123, 6e-8, *big], dtype="<f2")
+    for off in (lay.gate_up_offset, lay.down_offset):
+        blocks = blob[off: off + specials.size * 98].reshape(-1, 98)
+        blocks[:, :2] = specials.view(np.uint8).reshape(-1, 2)
+    return blob
+
+
+def _native(blob: np.ndarray, hidden: int, ffn: int, part: str) -> np.ndarray:
+    gu, dn = IQ3.images(blob, hidden, ffn)
+    return np.asarray(gu if part == "gate_up" else dn)
+
+
+# ------------------------------------------------------------------------------ CPU
+def test_tile_table_matches_the_cuda_source():
+    lines = re.findall(r"^FUSED_KERNEL\((\w+),\s*(\d+),\s*(\d+),\s*(\d+),\s*(\d+)\)",
+                       FUSED_SOURCE.read_text(), re.M)
+    assert lines, "no FUSED_KERNEL lines found"
+    in_source = {name: tuple(int(v) for v in rest) for name, *rest in lines}
+    in_python = {t.name: (t.bm, t.warps, t.stages, t.min_blocks) for t in TILES}
+    assert in_source == in_python
+
+
+def test_tiles_fit_the_hardware():
+    for t in TILES:
+        assert t.bm in (16, 32, 64) and t.bn == 128 and t.threads == 256, t
+        assert t.smem <= 163 * 1024, t  # sm_80's per-block limit
+        # sm_90 per SM: dynamic + the 1 KiB grid table + 1 KiB reserved, per block
+        assert t.min_blocks * (t.smem + 2048) <= 228 * 1024, t
+
+
+@pytest.mark.skipif(not nvcc_available(), reason="nvcc not found")
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_kernels_fit_their_register_budget(tmp_path, arch):
+    """Every tile keeps its min_blocks per SM without spilling (ptxas -v)."""
+    out = subprocess.run(
+        [nvcc_path(), "-cubin", "-O3", "-std=c++17", f"-arch={arch}", "-I", str(KERNELS_ROOT),
+         "-Xptxas", "-v", "-o", str(tmp_path / "f.cubin"), str(FUSED_SOURCE)],
+        capture_output=True, text=True, check=True).stderr
+    found = re.findall(r"Compiling entry function '(\w+)'.*?(\d+) bytes spill stores, (\d+) bytes "
+                       r"spill loads.*?Used (\d+) registers", out, re.S)
+    assert {name for name, *_ in found} == set(TILES_BY_NAME)
+    for name, stores, loads, regs in found:
+        t = TILES_BY_NAME[name]
+        print(f"{arch} {name}: {regs} registers, spills {stores}/{loads} bytes")
+        assert int(stores) == int(loads) == 0, name
+        assert int(regs) * t.threads * t.min_blocks <= 65536, name
+
+
+def test_pick_tile_covers_short_prompts():
+    picked = [pick_tile(h).bm for h in (0, 1, 16, 17, 32, 33, 64, 65, 10 ** 6)]
+    assert picked == [16, 16, 16, 32, 32, 64, 64, 64, 64]
+
+
+def test_native_image_bytes():
+    assert native_image_bytes(1536, 2048) == 1536 * 8 * 98 == IQ3.layout(2048, 768).gate_up_bytes
+    assert native_image_bytes(4096, 1536) == IQ3.layout(4096, 1536).down_bytes
+    for m, k in ((128, 100), (128, 0), (0, 256)):
+        with pytest.raises(FormatError, match=f"m={m}, k={k}"):
+            native_image_bytes(m, k)
+
+
+def test_variant_object():
+    assert F16_FUSED in IQ3.mmq_variants() and IQ3.mmq_variants()[0] == "f16_gemm"
+    assert type(FUSED) is IQ3XXSFusedF16 and FUSED.variant == F16_FUSED
+    assert FUSED.for_variant(F16_FUSED) is FUSED
+    assert type(FUSED.for_variant(None)) is IQ3XXSDequantF16
+    assert type(FUSED.for_variant("int8")) is IQ3XXS
+    assert type(IQ3.for_variant(None).for_variant(F16_FUSED)) is IQ3XXSFusedF16
+    assert FUSED.activation is F16 and not FUSED.exact and FUSED.native
+    assert FUSED.name == IQ3.name and FUSED.ggml_type == IQ3.ggml_type
+    assert FUSED.image_dtype is np.float16
+    assert FUSED.kernel_sources() == [FUSED_SOURCE]
+    assert FUSED.kernels_class() is IQ3XXSFusedKernels
+    assert repr(FUSED) == "<IQ3XXSFusedF16 iq3_xxs (f16_fused)>"
+    for h, f in ((512, 256), (2048, 768), (4096, 1536)):
+        assert FUSED.layout(h, f) == IQ3.layout(h, f)  # native images: byte-copy gathers
+
+
+@pytest.mark.parametrize("hidden,ffn", [(512, 256), (2048, 768)])
+def test_images_and_image_matrix(rng, hidden, ffn):
+    blob = _blob(rng, hidden, ffn, overflow=True)
+    gu, dn = FUSED.images(blob, hidden, ffn)
+    want_gu, want_dn = IQ3.images(blob, hidden, ffn)
+    assert np.array_equal(gu, want_gu) and np.array_equal(dn, want_dn)
+    gate, up, down = IQ3.unpack_expert(blob, hidden, ffn)
+    f16_gu, f16_dn = dequant_iq3_images(blob, hidden, ffn)
+    with np.errstate(over="ignore"):
+        for img, rows, cols, exact, f16 in ((gu, 2 * ffn, hidden, np.vstack([gate, up]), f16_gu),
+                                            (dn, hidden, ffn, down, f16_dn)):
+            got = FUSED.image_matrix(img, rows, cols)
+            assert got.dtype == np.float32 and got.shape == (rows, cols)
+            assert np.array_equal(got, exact.astype(np.float16).astype(np.float32))
+            # the same fp16 bits as f16_gemm's images (signed zeros and infinities included)
+            bits = native_images_to_f16(img, 1, rows, cols)[0].view(np.uint16).reshape(-1)
+            assert np.array_equal(bits, f16.view(np.uint16))
+            assert np.isinf(got).any() and (bits == 0x8000).any()
+    with pytest.raises(FormatError, match="takes"):
+        native_images_to_f16(gu[:-98], 1, 2 * ffn, hidden)
+
+
+@pytest.mark.parametrize("part", ["gate_up", "down"])
+def test_reference_is_f16_gemm_reference_on_the_decoded_blocks(rng, part):
+    hidden, ffn = 512, 256
+    m, k = _parts(hidden, ffn)[part]
+    counts = [3, 0, 17, 1, 5]
+    ids = (0, 1, 2, 4)  # expert 3 (one row) is outside the group
+    bounds = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    blobs = [_blob(rng, hidden, ffn) for _ in ids]
+    native = np.stack([_native(b, hidden, ffn, part) for b in blobs])
+    f16 = np.stack([dequant_iq3_images(b, hidden, ffn)[0 if part == "gate_up" else 1]
+                    for b in blobs])
+    x = FUSED.prepare_activations(rng.standard_normal((int(bounds[-1]), k), dtype=np.float32))
+    got = FUSED.mmq_reference(native, ids, x, bounds, m, k)
+    want = IQ3.for_variant(None).mmq_reference(f16, ids, x, bounds, m, k)
+    assert got.dtype == np.float32 and got.shape == (int(bounds[-1]), m)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert not got[20:21].any() and got[:3].any()
+
+
+@dataclass
+class Launch:
+    grid: tuple
+    block: tuple
+    args: tuple
+    shared: int
+
+
+class RecordingKernel:
+    def __init__(self):
+        self.calls: list[Launch] = []
+
+    def launch(self, grid, block, stream, args, shared=0):
+        self.calls.append(Launch(tuple(grid), tuple(block), tuple(args), shared))
+
+
+def _recording() -> tuple[FusedGemm, dict[str, RecordingKernel]]:
+    fg = FusedGemm.__new__(FusedGemm)  # the launch logic without a device
+    fg._kernels = {t.name: RecordingKernel() for t in TILES}
+    return fg, fg._kernels
+
+
+@pytest.mark.parametrize("hint,tile,rows_tiles", [
+    (1, "iq3_fused_m16", 1), (16, "iq3_fused_m16", 1), (17, "iq3_fused_m32", 1),
+    (40, "iq3_fused_m64", 1), (300, "iq3_fused_m64", 5), (0, "iq3_fused_m16", 1)])
+def test_launch_geometry_and_arguments(hint, tile, rows_tiles):
+    fg, kern = _recording()
+    fg.gemm(None, 4096, (3, 5, 9), 8192, 12288, 16384, 1536, 2048, hint)
+    (call,) = kern[tile].calls
+    assert call.grid == (1536 // 128, 3, rows_tiles) and call.block == (256, 1, 1)
+    assert call.shared == TILES_BY_NAME[tile].smem
+    assert call.args == (3, 5, 9, *([-1] * 13), 4096, 8192, 12288, 16384, 1536, 2048)
+    assert sum(len(k.calls) for k in kern.values()) == 1
+
+
+def test_explicit_tile():
+    fg, kern = _recording()
+    fg.gemm(None, 4096, (1,), 8192, 12288, 16384, 2048, 768, 200, tile="iq3_fused_m16")
+    (call,) = kern["iq3_fused_m16"].calls
+    assert call.grid == (16, 1, 13)
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"m": 1000}, "m=1000"),
+    ({"k": 2048 + 64}, "k=2112"),
+    ({"expert_ids": tuple(range(17))}, "1..16"),
+    ({"expert_ids": (2, -1)}, "-1"),
+    ({"acts": 8200}, "acts"),
+    ({"weights": 4098}, "weights"),
+    ({"out": 16388}, "out"),
+    ({"rows_hint": -1}, "-1"),
+    ({"tile": "gemm_f16_m32"}, "gemm_f16_m32"),
+])
+def test_argument_checks(change, match):
+    fg, kern = _recording()
+    args = dict(weights=4096, expert_ids=(0, 1), acts=8192, bounds=12288, out=16384, m=1536,
+                k=2048, rows_hint=64, tile=None)
+    args.update(change)
+    with pytest.raises(FormatError, match=re.escape(match)):
+        fg.gemm(None, **args)
+    assert not any(k.calls for k in kern.values())
+
+
+def test_launchers_copy_blocks_and_run_the_fused_kernel():
+    """The variant's launchers: the byte-copy gathers (batched too) and one fused launch per
+    mmq, prepared with the MMQ argument types."""
+    rec = Recorder()
+    lay = FUSED.layout(2048, 768)
+    kern = FUSED.kernels(rec, lay)  # type: ignore[arg-type]
+    assert isinstance(kern, IQ3XXSFusedKernels)
+    assert set(TILES_BY_NAME) <= set(rec.kernels)
+    assert {"gather_one", "gather_batch"} <= set(rec.kernels)
+    kern.gather_batch(None, [1 << 20, 2 << 20], 3, 1 << 30, 2 << 30)
+    kern.mmq(None, 1 << 30, (7, 8), 3 << 30, 4 << 30, 5 << 30, 1536, 2048, 20)
+    names = [launch.name for launch in rec.launches]
+    assert names == ["gather_batch", "iq3_fused_m32"]
+    # after the 16 sources: the group buffers, the blob ranges, the native image sizes, the
+    # first position (a byte copy: images are the ranges)
+    assert rec.launches[0].args[16:25] == (
+        1 << 30, 2 << 30, lay.gate_up_offset, lay.gate_up_bytes, lay.down_offset,
+        lay.down_bytes, lay.gate_up_bytes, lay.down_bytes, 3)
+    assert lay.gate_up_image_bytes == native_image_bytes(1536, 2048)
+
+
+# ------------------------------------------------------------------------------ GPU
+#: (hidden, ffn, part, rows of each of the layer's experts, the group's expert ids): both
+#: geometries, gate/up (m = 2*ffn, k = hidden) and down (m = hidden, k = ffn); 0, 1, odd and
+#: tile-straddling rows; full groups of 16; one expert holding every row; a group of one;
+#: experts outside the group; nothing to do
+FUSED_CASES = [
+    (2048, 768, "gate_up", [0, 1, 7, 33, 64, 65, 17, 3, 0, 300, 2, 31, 96, 160, 5, 16, 1],
+     tuple(range(16))),
+    (2048, 768, "down", [5, 0, 1, 70, 3, 129, 0, 17], (0, 1, 2, 3, 5, 7)),
+    (4096, 1536, "gate_up", [0, 200, 1, 0, 61], (1, 2, 4)),
+    (4096, 1536, "down", [15, 0, 1, 33, 2, 9, 64, 3, 0, 48, 1, 17, 31, 5, 130, 7],
+     tuple(range(16))),
+    (2048, 768, "gate_up", [0, 0, 700, 0, 0, 0], (0, 1, 2, 3, 4)),
+    (4096, 1536, "down", [4, 1000, 4], (1,)),
+    (2048, 768, "down", [1], (0,)),
+    (512, 256, "gate_up", [0, 0, 0], (0, 1, 2)),
+]
+
+
+def _launch(rt, s, run, rows: int, m: int) -> np.ndarray:
+    """run(out pointer) into a NaN-poisoned output; the raw uint32 words [rows, m]."""
+    out = poisoned(rt, s, max(rows, 1) * m * 4)
+    try:
+        run(out.ptr)
+        return download(rt, s, out, np.uint32, (max(rows, 1), m))[:rows]
+    finally:
+        out.free()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hidden,ffn,part,counts,ids", FUSED_CASES)
+def test_gpu_fused_is_f16_gemm_byte_for_byte(rt, rng, hidden, ffn, part, counts, ids):
+    m, k = _parts(hidden, ffn)[part]
+    bounds = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    rows = int(bounds[-1])
+    blobs = [_blob(rng, hidden, ffn) for _ in ids]
+    native = np.stack([_native(b, hidden, ffn, part) for b in blobs])
+    f16 = np.stack([dequant_iq3_images(b, hidden, ffn)[0 if part == "gate_up" else 1]
+                    for b in blobs])
+    x32 = rng.standard_normal((rows, k), dtype=np.float32)
+    if rows:
+        x32[rng.integers(rows)] *= 40.0  # an outlier row
+    x = x32.astype(np.float16)
+    exact_rows = max(1, max(int(bounds[e + 1] - bounds[e]) for e in ids))
+
+    s = rt.stream("test")
+    fg, gg = FusedGemm(rt), GroupedGemm(rt, iq3_gather=False)
+    bufs = [upload(rt, s, a) for a in (native, f16, x if rows else np.zeros(8, np.float16),
+                                       bounds)]
+    d_native, d_f16, d_x, d_bounds = (b.ptr for b in bufs)
+    try:
+        def fused(hint, tile=None):
+            return _launch(rt, s, lambda out: fg.gemm(s, d_native, ids, d_x, d_bounds, out, m, k,
+                                                      hint, tile=tile), rows, m)
+
+        baseline = _launch(rt, s, lambda out: gg.gemm(s, d_f16, ids, d_x, d_bounds, out, m, k,
+                                                      exact_rows), rows, m)
+        outs = [fused(h) for h in (exact_rows, 1, 4 * exact_rows + 100)]
+        outs += [fused(exact_rows, t.name) for t in TILES] + [fused(exact_rows)]  # + a repeat
+    finally:
+        for b in bufs:
+            b.free()
+
+    inside = np.zeros(rows, bool)
+    for e in ids:
+        inside[bounds[e]: bounds[e + 1]] = True
+    raw = outs[0]
+    assert np.all(raw[~inside] == NAN_F32), "rows of experts outside the group were written"
+    for i, other in enumerate(outs):
+        bad = np.argwhere(other != baseline)
+        assert bad.size == 0, (f"fused launch {i}: {len(bad)} value(s) differ from f16_gemm's, "
+                               f"first at (row, col) {tuple(bad[0])}")
+    if not inside.any():
+        return
+    got = raw[inside].view(np.float32)
+    assert np.isfinite(got).all(), "rows of the group's experts left unwritten or not finite"
+    want = fused_reference(native, ids, x, bounds, m, k)[inside]
+    err = nmse(got, want)
+    print(f"f16_fused {part} {hidden}/{ffn}: same bytes as f16_gemm; NMSE {err:.3g} vs float64 "
+          "of the same fp16 inputs")
+    assert err <= GEMM_NMSE
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hidden,ffn", [(2048, 768), (4096, 1536)])
+def test_gpu_fused_end_to_end_through_the_variant(rt, rng, hidden, ffn):
+    """The variant as the engine runs it (byte-copy batched gather, device fp16 activations,
+    fused MMQ) against float64 products of the exact weights and float32 activations."""
+    from strata_rt.activations import ActivationKernels
+
+    s = rt.stream("test")
+    lay = FUSED.layout(hidden, ffn)
+    kern = FUSED.kernels(rt, lay)
+    n = 5
+    blobs = np.stack([IQ3.random_expert(rng, hidden, ffn) for _ in range(n)])
+    slots = np.zeros((n, lay.slot_bytes), np.uint8)
+    slots[:, : lay.blob_bytes] = blobs
+    counts = [int(c) for c in rng.integers(0, 90, n)]
+    counts[0], counts[1] = 0, 1
+    bounds = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    rows, ids = int(bounds[-1]), tuple(range(n))
+    src, d_bounds = upload(rt, s, slots), upload(rt, s, bounds)
+    gu = rt.alloc(n * lay.gate_up_image_bytes)
+    dn = rt.alloc(n * lay.down_image_bytes)
+    acts = rt.alloc(F16.nbytes(rows, max(hidden, ffn)))
+    try:
+        kern.gather_batch(s, [src.ptr + p * lay.slot_bytes for p in ids], 0, gu.ptr, dn.ptr)
+        for part, buf in (("gate_up", gu), ("down", dn)):
+            m, k = _parts(hidden, ffn)[part]
+            x32 = rng.standard_normal((rows, k), dtype=np.float32)
+            dx = upload(rt, s, x32)
+            ActivationKernels(rt).launch(F16, s, dx.ptr, k, 0, acts.ptr, rows, k)
+            got = _launch(rt, s, lambda out, w=buf.ptr, m=m, k=k: kern.mmq(
+                s, w, ids, acts.ptr, d_bounds.ptr, out, m, k, max(counts)), rows, m)
+            dx.free()
+            got = got.view(np.float32)
+            exact = np.zeros((rows, m))
+            for p in ids:
+                w = IQ3.unpack_expert(blobs[p], hidden, ffn)
+                w = np.vstack(w[:2]) if part == "gate_up" else w[2]
+                r0, r1 = bounds[p], bounds[p + 1]
+                exact[r0:r1] = x32[r0:r1].astype(np.float64) @ w.astype(np.float64).T
+            e64 = nmse(got, exact)
+            print(f"f16_fused {part} {hidden}/{ffn}: NMSE {e64:.3g} vs float64 of the exact "
+                  "weights and float32 activations")
+            assert e64 <= FLOAT64_NMSE_BOUND
+    finally:
+        for b in (src, d_bounds, gu, dn, acts):
+            b.free()
+
+
+def test_reference_helper_rejects_other_activations(rng):
+    native = np.zeros((1, native_image_bytes(128, 256)), np.uint8)
+    with pytest.raises(FormatError, match="float16"):
+        fused_reference(native, (0,), np.zeros((1, 256), np.float32),
+                        np.array([0, 1], np.int32), 128, 256)
+    assert not gemm_reference(np.zeros((1, 128, 256), np.float16), (0,),
+                              np.zeros((1, 256), np.float16), np.array([0, 1], np.int32),
+                              128, 256).any()
