@@ -1,9 +1,12 @@
 """Greedy decode benchmark: tokens/s of a whole Qwen3-MoE config against its PCIe and HBM bounds.
 
 A decode step prefills one token at the end of the KV cache (strata_rt.generate): each layer
-routes it to top_k experts, the staging ring copies the routed experts that are not resident,
-and the host reads the routed set back once per layer. Two regimes of one model (built once,
-seeded), each on its own engine:
+routes it to top_k experts and only the routed experts are read. Two paths (STRATA_DECODE, set
+per run with `--paths`): `routed` keeps the routed set on the device - gathers read routed
+experts from their resident slots or straight from pinned host memory over PCIe - and replays
+the step as a CUDA graph; `staging` reads the routed set back to the host every layer and
+copies the routed non-resident experts through the staging ring. Two regimes of one model
+(built once, seeded), each on its own engine (both paths run on it):
 
 - quarter: a quarter of the experts resident. Bound: PCIe, the bytes of the routed
   non-resident experts a step copies (measured) over the pinned host-to-device rate.
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import statistics
 import sys
 import time
@@ -57,6 +61,7 @@ from strata_rt.cli.common import (  # noqa: E402
     write_json,
 )
 from strata_rt.config import Config, load_config  # noqa: E402
+from strata_rt.driver import DECODE_KEY  # noqa: E402
 from strata_rt.engine import Engine, backend_class, load_model  # noqa: E402
 from strata_rt.engine_config import EngineConfig  # noqa: E402
 from strata_rt.generate import EngineSession, GenerateResult, greedy  # noqa: E402
@@ -67,6 +72,8 @@ from strata_rt.whole_memory import DenseSlot  # noqa: E402
 
 #: the regimes: name -> share of the experts resident
 REGIMES = {"quarter": 0.25, "all": 1.0}
+#: decode paths (STRATA_DECODE values)
+PATHS = ("routed", "staging")
 #: H200 HBM3e bandwidth from the datasheet, bytes/s (quoted beside the measured rate)
 H200_HBM_DATASHEET = 4.8e12
 
@@ -205,6 +212,23 @@ def summarise(name: str, engine: Engine, result: GenerateResult, step_stats: lis
     return rec
 
 
+def report(rec: dict[str, Any], args: argparse.Namespace) -> None:
+    """One line per regime and path as it finishes (and its phase table when timed)."""
+    trial = rec["decode_graph"]
+    graph = "" if not trial else (f"; decode plan {trial.get('choice', 'plain')} (trial plain "
+                                  f"{fmt(trial.get('plain'), '.2f', 1e3)} ms, graph "
+                                  f"{fmt(trial.get('graph'), '.2f', 1e3)} ms)")
+    print(f"{rec['regime']}: {rec['resident']} resident, opened in {rec['open_s']:.1f} s; "
+          f"{fmt(rec['decode_tokens_per_s'], ',.1f')} tokens/s, step "
+          f"{fmt(rec['step_ms_median'], ',.2f')} ms (p90 "
+          f"{fmt(rec['step_ms_p90'], ',.2f')}), host share "
+          f"{fmt(rec['host_share'], '.0%')}; {rec['experts_per_step']:.1f} experts "
+          f"streamed per step{graph}", flush=True)
+    if rec["phase_table"]:
+        print(f"{rec['regime']}: where the last step's time goes (1 token at position "
+              f"{args.prompt + args.steps - 1}):\n{rec['phase_table']}", flush=True)
+
+
 def fmt(value: float | None, spec: str, scale: float = 1.0) -> str:
     return "-" if value is None else format(value * scale, spec)
 
@@ -224,8 +248,8 @@ def row(rec: dict[str, Any]) -> list[str]:
             ratio("hbm"), fmt(rec["ttft_s"], ",.1f", 1e3)]
 
 
-HEADERS = ["regime", "resident", "tokens/s", "step ms", "host ms", "host share",
-           "experts/step", "copied MiB/step", "PCIe bound tok/s", "ours/PCIe",
+HEADERS = ["regime and path", "resident", "tokens/s", "step ms", "host ms", "host share",
+           "experts/step", "streamed MiB/step", "PCIe bound tok/s", "ours/PCIe",
            "read MiB/step", "HBM bound tok/s", "ours/HBM", "TTFT ms"]
 
 
@@ -239,8 +263,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="timed greedy steps after the prompt's own token (default 64)")
     ap.add_argument("--regimes", default="quarter,all",
                     help=f"comma-separated, of {', '.join(REGIMES)} (default both)")
+    ap.add_argument("--paths", default="routed,staging",
+                    help="comma-separated decode paths (STRATA_DECODE) to run in each regime: "
+                         "routed, staging (default both, in that order)")
     ap.add_argument("--warmups", type=int, default=2,
-                    help="untimed greedy runs of 4 steps per regime first (default 2)")
+                    help="untimed greedy runs of 4 steps per regime and path first (default 2)")
     ap.add_argument("--timing", action="store_true",
                     help="phase table of a step (as STRATA_PREFILL_TIMING=1; slows the steps)")
     ap.add_argument("--json", help="also write the results to this JSON file")
@@ -255,6 +282,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"--prompt {args.prompt}, --steps {args.steps}, --warmups {args.warmups}: "
                  "need a prompt of >= 1 token, >= 1 step and >= 0 warm-ups")
     args.regime_list = regimes
+    paths = [p for p in args.paths.replace(" ", "").split(",") if p]
+    if not paths or any(p not in PATHS for p in paths):
+        ap.error(f"--paths: got {args.paths!r}; allowed: {', '.join(PATHS)}")
+    args.path_list = paths
     args.json_path = output_arg("--json", args.json) if args.json else None
     return args
 
@@ -303,19 +334,14 @@ def main(argv: list[str] | None = None) -> int:
         t = time.perf_counter()
         with open_regime(base, whole, resident, timing) as engine:
             opened = time.perf_counter() - t
-            result, step_stats = run_regime(engine, ids, args.steps, args.warmups)
-            rec = summarise(name, engine, result, step_stats, ceilings)
-        rec["open_s"] = opened
-        records.append(rec)
-        print(f"{name}: {rec['resident']} resident, opened in {opened:.1f} s; "
-              f"{fmt(rec['decode_tokens_per_s'], ',.1f')} tokens/s, step "
-              f"{fmt(rec['step_ms_median'], ',.2f')} ms (p90 "
-              f"{fmt(rec['step_ms_p90'], ',.2f')}), host share "
-              f"{fmt(rec['host_share'], '.0%')}; {rec['experts_per_step']:.1f} experts "
-              f"copied per step", flush=True)
-        if rec["phase_table"]:
-            print(f"{name}: where the last step's time goes (1 token at position "
-                  f"{args.prompt + args.steps - 1}):\n{rec['phase_table']}", flush=True)
+            for path in args.path_list:
+                os.environ["STRATA_DECODE"] = path
+                result, step_stats = run_regime(engine, ids, args.steps, args.warmups)
+                rec = summarise(f"{name} {path}", engine, result, step_stats, ceilings)
+                rec["path"], rec["open_s"] = path, opened
+                rec["decode_graph"] = engine.driver.graph_trials.get(DECODE_KEY)
+                records.append(rec)
+                report(rec, args)
     table = markdown_table(HEADERS, [row(r) for r in records])
     parts = "; ".join(f"{k} {v / MIB:,.1f} MiB" for k, v in
                       records[0]["read_bytes_per_step"].items()) if records else ""
@@ -327,7 +353,8 @@ def main(argv: list[str] | None = None) -> int:
         notes.insert(0, f"no bounds: {missing}")
     same = len({tuple(r["ids"]) for r in records}) == 1
     if len(records) > 1:
-        notes.append("greedy tokens identical in every regime (streaming changes no byte): "
+        notes.append("greedy tokens identical in every regime and path (streaming changes "
+                     "no byte): "
                      + ("yes" if same else "NO"))
     print(table + "\n" + "\n".join(f"- {n}" for n in notes))
     doc = {"command": " ".join(sys.argv), "hardware": hardware_line(), "config": display_path(args.config),

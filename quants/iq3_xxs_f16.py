@@ -98,6 +98,11 @@ class IQ3XXSDequantF16Kernels(FormatKernels):
         self._gg.dequant_gather_iq3(stream, list(srcs), first_pos, gu_buf, down_buf,
                                     self.layout)
 
+    def gather_routed(self, stream, srcs: list[int], gu_buf: int, down_buf: int, bounds: int,
+                      first_expert: int) -> None:
+        self._gg.dequant_gather_iq3(stream, list(srcs), 0, gu_buf, down_buf, self.layout,
+                                    bounds, first_expert)
+
     def mmq(self, stream, weights: int, expert_ids: tuple[int, ...], acts: int, bounds: int,
             out: int, m: int, k: int, rows_hint: int) -> None:
         self._gg.gemm(stream, weights, expert_ids, acts, bounds, out, m, k, rows_hint)

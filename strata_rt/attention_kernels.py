@@ -172,32 +172,35 @@ class AttentionKernels:
         self.shared = attend_shared_bytes(head_dim)
         self.scale_log2 = float(np.float32(head_dim ** -0.5 * math.log2(math.e)))
         mod = rt.module(ATTENTION_SOURCE)
-        self._norm_rope = mod.kernel(f"qk_norm_rope_hd{head_dim}", "PiiPPPPfPPPii")
-        self._attend = mod.kernel(f"attend_hd{head_dim}", "PPPPiiiif")
+        self._norm_rope = mod.kernel(f"qk_norm_rope_hd{head_dim}", "PiiPPPPfPPPiiP")
+        self._attend = mod.kernel(f"attend_hd{head_dim}", "PPPPiiiifP")
 
     def qk_norm_rope(self, stream: Stream, qkv: int, T: int, start: int, q_norm: int,
                      k_norm: int, cos: int, sin: int, eps: float, q_out: int, k_cache: int,
-                     v_cache: int) -> None:
+                     v_cache: int, start_dev: int = 0) -> None:
         """qkv fp16 [T, q_dim + 2*kv_dim] -> q_out fp16 [T, n_heads, hd], and cache rows
         start..start+T-1 of k_cache and v_cache (fp16 [context, n_kv_heads, hd] each).
-        q_norm, k_norm: float32 [hd]; cos, sin: float32 [context, hd/2]."""
+        q_norm, k_norm: float32 [hd]; cos, sin: float32 [context, hd/2]. start_dev: the
+        address of a device int32 holding the start, read by the kernel instead of `start`
+        (a captured decode step; the caller checks that position against the cache), or 0."""
         check_attention_shape(self.n_heads, self.n_kv_heads, self.head_dim, T, start,
                               self.context)
         rows = T * (self.n_heads + 2 * self.n_kv_heads)
         self._norm_rope.launch(grid=(-(-rows // NORM_ROPE_WARPS), 1, 1),
                                block=(32 * NORM_ROPE_WARPS, 1, 1), stream=stream,
                                args=(qkv, T, start, q_norm, k_norm, cos, sin, float(eps), q_out,
-                                     k_cache, v_cache, self.n_heads, self.n_kv_heads))
+                                     k_cache, v_cache, self.n_heads, self.n_kv_heads,
+                                     start_dev))
 
     def attend_grid(self, T: int) -> tuple[int, int, int]:
         """(query blocks, KV heads, 1): block x serves positions P*x.. of one KV head's group."""
         return (-(-T // self.positions_per_block), self.n_kv_heads, 1)
 
     def attend(self, stream: Stream, q: int, k_cache: int, v_cache: int, start: int, T: int,
-               out: int) -> None:
+               out: int, start_dev: int = 0) -> None:
         """out fp16 [T, n_heads * hd] = causal attention of q fp16 [T, n_heads, hd] (positions
         start..) over cache rows 0..start+T-1 (which must hold this chunk's keys/values).
-        q, k_cache and v_cache must be 16-byte aligned."""
+        q, k_cache and v_cache must be 16-byte aligned. start_dev as for qk_norm_rope."""
         check_attention_shape(self.n_heads, self.n_kv_heads, self.head_dim, T, start,
                               self.context)
         _check_aligned(q=q, k_cache=k_cache, v_cache=v_cache)
@@ -206,4 +209,4 @@ class AttentionKernels:
         self._attend.launch(grid=self.attend_grid(T), block=(ATTEND_THREADS, 1, 1),
                             stream=stream, shared=self.shared,
                             args=(q, k_cache, v_cache, out, T, start, self.n_heads,
-                                  self.n_kv_heads, self.scale_log2))
+                                  self.n_kv_heads, self.scale_log2, start_dev))

@@ -26,9 +26,11 @@ from .dense_kernels import gemm_impl_from_env
 from .dense_schedule import DENSE_RING_SLOTS
 from .device_state import DeviceState
 from .errors import StrataError
+from .formats import FormatKernels
 from .layer_kernels import ENGINE_SOURCE, LayerKernels
 from .memory_plan import DEFAULT_RESERVE_MIB, plan_memory
 from .plan import (
+    HOST,
     RESIDENT,
     Attention,
     Consume,
@@ -36,6 +38,7 @@ from .plan import (
     DenseCopy,
     Gather,
     GatherBatch,
+    GatherRouted,
     LayerBegin,
     LayerEnd,
     Logits,
@@ -46,6 +49,7 @@ from .plan import (
 )
 from .planner import ring_sizes
 from .residency import Residency
+from .runtime.hostmap import host_device_pointer
 from .runtime.memory import MIB
 from .stats import Stats
 from .timing import PhaseTimer
@@ -174,19 +178,21 @@ class CudaBackend:
         self._dispatch: dict[type, Callable[[Any], None]] = {
             Copy: self._op_copy, Record: self._op_record, Wait: self._op_wait,
             Gather: self._op_gather, GatherBatch: self._op_gather_batch,
+            GatherRouted: self._op_gather_routed,
             Products: self._op_products, Consume: _no_op, LayerBegin: self._op_layer_begin,
             LayerEnd: self._op_layer_end, Attention: self._op_attention,
             DenseCopy: self._op_dense_copy, Logits: self._op_logits,
         }
         self._counts: np.ndarray | None = None
         self._logits: np.ndarray | None = None
+        self._store_dev: int | None = None
         self._T = 0
 
     def max_chunk_tokens(self) -> int:
         return self.tokens
 
     # ------------------------------------------------------------------ chunk (Executor)
-    def begin_chunk(self, h: np.ndarray, stats: Stats) -> None:
+    def begin_chunk(self, h: np.ndarray, stats: Stats, start: int | None = None) -> None:
         T = int(h.shape[0])
         if not 0 < T <= self.tokens:
             raise StrataError(f"chunk of {T} tokens; this backend's buffers hold 1.."
@@ -197,6 +203,8 @@ class CudaBackend:
         io = dev.io[: T * self.spec.hidden].reshape(T, self.spec.hidden)
         io[:] = h
         self.rt.memcpy_htod(dev.ptr["x"], io, dev.compute)
+        if start is not None and self._whole is not None:
+            self._whole.set_position(dev.compute, start)
         self._T = T
         self._logits = None
 
@@ -315,6 +323,22 @@ class CudaBackend:
         self._mark("gather")
         self.fk.gather_batch(dev.compute, [self._src_ptr(g) for g in op.gathers],
                              op.first_pos, dev.ptr["gate_up_buf"], dev.ptr["down_buf"])
+
+    @property
+    def routed_gathers(self) -> bool:
+        """Whether the format's kernels gather a decode step's routed experts on the device."""
+        return type(self.fk).gather_routed is not FormatKernels.gather_routed
+
+    def _op_gather_routed(self, op: GatherRouted) -> None:
+        dev = self._device()
+        if self._store_dev is None:  # the host store's device address, looked up once
+            self._store_dev = host_device_pointer(self.store.arena)
+        srcs = [self._store_dev + self.store.offset(g.layer, g.expert) if g.src[0] == HOST
+                else self._src_ptr(g) for g in op.gathers]
+        first = op.gathers[0]
+        self._mark("gather")
+        self.fk.gather_routed(dev.compute, srcs, dev.ptr["gate_up_buf"], dev.ptr["down_buf"],
+                              self._bounds_ptr(first.layer), first.expert)
 
     def _op_layer_begin(self, op: LayerBegin) -> None:
         dev = self._device()

@@ -78,8 +78,12 @@ class CudaWhole:
             self._store = rt.pinned({"dense": spec.n_layers * self.slot.nbytes})
             self._store_bytes = self._store.view("dense").reshape(spec.n_layers, -1)
         self._upload(stream)
-        self._host = rt.pinned({"logits": LOGIT_ROWS * spec.vocab * 4})
+        self._host = rt.pinned({"logits": LOGIT_ROWS * spec.vocab * 4, "position": 16})
         self._logits_host = self._host.view("logits", np.float32)
+        #: the chunk's start on the device, read by an Attention op without a start (a
+        #: decode step captured once and replayed at every position); its host copy
+        self._position_host = self._host.view("position", np.int32)
+        self.position = 0
 
     def _upload(self, stream: Stream) -> None:
         rt, spec, p = self.rt, self.spec, self.ptr
@@ -106,6 +110,14 @@ class CudaWhole:
         base = self.ptr["kv"] + layer * 2 * per
         return base, base + per
 
+    def set_position(self, stream: Stream, start: int) -> None:
+        """Enqueues the chunk's start into the device position register (the host copy is
+        not touched again before the chunk ends: the executor synchronizes at every chunk's
+        end)."""
+        self.position = int(start)
+        self._position_host[0] = self.position
+        self.rt.memcpy_htod(self.ptr["position"], self._position_host[:1], stream)
+
     def copy_dense(self, stream: Stream, op: DenseCopy) -> None:
         """Layer op.layer's slot image from the pinned store into dense ring slot op.slot."""
         if not self.streamed:
@@ -127,16 +139,19 @@ class CudaWhole:
         H, eps = spec.hidden, float(spec.rms_eps)
         k_cache, v_cache = self.kv_pointers(op.layer)
         dk, ak = self.dense, self.attention
+        start, start_dev = op.start, 0
+        if start is None:  # the register set_position filled (a decode step's plan)
+            start, start_dev = self.position, self.ptr["position"]
         mark("dense qkv")
         dk.rmsnorm_f16(stream, p["x"], base + self.slot.attn_norm, p["xa"], T, H, eps)
         dk.gemm(stream, p["xa"], base + self.slot.wqkv, p["qkv"], T,
                 spec.q_dim + 2 * spec.kv_dim, H, out_f32=False, accumulate=False)
         mark("qk norm+rope")
-        ak.qk_norm_rope(stream, p["qkv"], T, op.start, base + self.slot.q_norm,
+        ak.qk_norm_rope(stream, p["qkv"], T, start, base + self.slot.q_norm,
                         base + self.slot.k_norm, p["rope_cos"], p["rope_sin"], eps,
-                        p["q_rot"], k_cache, v_cache)
+                        p["q_rot"], k_cache, v_cache, start_dev)
         mark("attention")
-        ak.attend(stream, p["q_rot"], k_cache, v_cache, op.start, T, p["attn_out"])
+        ak.attend(stream, p["q_rot"], k_cache, v_cache, start, T, p["attn_out"], start_dev)
         mark("dense o")
         dk.gemm(stream, p["attn_out"], base + self.slot.wo, p["x"], T, H, spec.q_dim,
                 out_f32=True, accumulate=True)

@@ -18,9 +18,10 @@ DENSE_RING_SLOTS = 2
 
 
 class DenseSchedule:
-    """The dense ops of one chunk at absolute position `start`; ring None: dense resident."""
+    """The dense ops of one chunk at absolute position `start` (None: the position is read on
+    the device, a decode plan); ring None: dense resident."""
 
-    def __init__(self, n_layers: int, start: int, ring: int | None = None):
+    def __init__(self, n_layers: int, start: int | None, ring: int | None = None):
         if ring is not None and ring < 1:
             raise ValueError(f"dense ring of {ring} slots; at least 1")
         self.n_layers, self.start, self.ring = n_layers, start, ring

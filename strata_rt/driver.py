@@ -25,20 +25,28 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from . import hazards
+from . import env, hazards
 from .dense_schedule import DenseSchedule
 from .plan import (
     ChunkPlan,
     Copy,
     Gather,
     GatherBatch,
+    GatherRouted,
     LayerBegin,
     LogitRows,
     Logits,
     Op,
     Products,
 )
-from .planner import STAGING_RING_SLOTS, StagingPlanner, gathers_one_by_one, plan_walk, takes_walk
+from .planner import (
+    STAGING_RING_SLOTS,
+    StagingPlanner,
+    gathers_one_by_one,
+    plan_decode,
+    plan_walk,
+    takes_walk,
+)
 from .residency import Residency
 from .stats import Stats
 
@@ -52,6 +60,8 @@ log = logging.getLogger(__name__)
 
 #: what a walk plan (and its graph) depends on: chunk size, gather_one, attention start
 WalkKey = tuple[int, bool, int | None]
+#: the key of the decode plan: one token, any gather mode, the position read on the device
+DECODE_KEY: WalkKey = (1, False, -1)
 
 
 class Replay(Protocol):
@@ -77,10 +87,15 @@ class Executor(Protocol):
     #: slots of the dense ring when a whole model's dense weights stream; None: resident
     #: (or MoE layers alone)
     dense_ring: int | None
+    @property
+    def routed_gathers(self) -> bool:
+        """Whether GatherRouted runs here (the format's kernels skip unrouted experts on the
+        device and read the host store); without it a decode step takes the staging ring."""
 
-    def begin_chunk(self, h: np.ndarray, stats: Stats) -> None:
+    def begin_chunk(self, h: np.ndarray, stats: Stats, start: int | None = None) -> None:
         """Takes the chunk's hidden states float32 [T, hidden] (a whole model: the
-        embedding rows of its tokens)."""
+        embedding rows of its tokens) and its absolute position (None: MoE layers alone),
+        which an Attention op without a start reads."""
 
     def route_layer(self, layer: int) -> None:
         """Enqueues (or runs) one layer's routing ahead of a staging-ring layer."""
@@ -144,7 +159,8 @@ def add_counts(stats: Stats, counts: dict[type, int], blob_bytes: int) -> None:
     copies = counts.get(Copy, 0)
     stats.experts_streamed += copies
     stats.bytes_streamed += copies * blob_bytes
-    stats.gathers_launched += counts.get(Gather, 0) + counts.get(GatherBatch, 0)
+    stats.gathers_launched += (counts.get(Gather, 0) + counts.get(GatherBatch, 0)
+                               + counts.get(GatherRouted, 0))
     stats.mmq_launches += 2 * counts.get(Products, 0)
 
 
@@ -182,8 +198,10 @@ class ChunkDriver:
         `logits` asks for the output head over the last row or all rows afterwards)."""
         T = int(h.shape[0])
         self.layer_host_s = []
-        self.executor.begin_chunk(h, stats)
-        if takes_walk(T, self.spec, self.cfg.walk_min_tokens):
+        self.executor.begin_chunk(h, stats, start)
+        if T == 1 and start is not None and self.decodes_routed:
+            self._run_decode(stats)
+        elif takes_walk(T, self.spec, self.cfg.walk_min_tokens):
             self._run_walk(T, stats, start)
         else:
             self._run_staging(T, stats, start)
@@ -194,6 +212,32 @@ class ChunkDriver:
         out = self.executor.end_chunk(stats)
         stats.host_syncs += 1  # the chunk's output comes back
         return out
+
+    @property
+    def decodes_routed(self) -> bool:
+        """Whether a whole model's one-token step runs the decode plan (STRATA_DECODE=routed,
+        the default, on an executor whose format gathers routed experts) rather than the
+        staging ring."""
+        return self.executor.routed_gathers and env.choice("STRATA_DECODE", "routed") == "routed"
+
+    def _run_decode(self, stats: Stats) -> None:
+        """A one-token step from the decode plan (planned once; replayed as a CUDA graph when
+        the trial finds it faster). Its routed set never reaches the host during the step; it
+        is read back afterwards (one small copy) for the counters: an expert streamed is a
+        routed expert that is not resident, read over PCIe by its gather."""
+        own = stats.routing_counts is None
+        if own:
+            stats.routing_counts = np.zeros((self.spec.n_layers, self.spec.n_experts), np.int64)
+        assert stats.routing_counts is not None
+        before = stats.routing_counts.copy()
+        self._run_planned(1, stats, DECODE_KEY)
+        step = stats.routing_counts - before
+        if own:
+            stats.routing_counts = None
+        routed = np.argwhere(step > 0)
+        streamed = sum(self.residency.slot(int(layer), int(e)) is None for layer, e in routed)
+        stats.experts_streamed += streamed
+        stats.bytes_streamed += streamed * self.executor.blob_bytes
 
     def _run_staging(self, T: int, stats: Stats, start: int | None) -> None:
         ex = self.executor
@@ -233,19 +277,35 @@ class ChunkDriver:
                   ) -> tuple[ChunkPlan, dict[type, int]]:
         """The walk of a T-token chunk and its op counts (planned and checked once per chunk
         size, gather mode and attention start)."""
-        key = (T, self.gather_one, start)
+        return self._planned((T, self.gather_one, start))
+
+    def decode_plan(self) -> tuple[ChunkPlan, dict[type, int]]:
+        """The decode plan of a whole model's one-token step and its op counts."""
+        return self._planned(DECODE_KEY)
+
+    def _planned(self, key: WalkKey) -> tuple[ChunkPlan, dict[type, int]]:
         if key not in self._walk_plans:
-            plan = plan_walk(self.spec, self.residency, self.executor.walk_slots,
-                             self.gather_one, tokens=T, attention=self._schedule(start))
+            T, gather_one, start = key
+            if key == DECODE_KEY:
+                attention = DenseSchedule(self.spec.n_layers, None, self.executor.dense_ring)
+                plan = plan_decode(self.spec, self.residency, attention)
+            else:
+                plan = plan_walk(self.spec, self.residency, self.executor.walk_slots,
+                                 gather_one, tokens=T, attention=self._schedule(start))
             if self.check_plan:
                 hazards.check(plan, self.residency)
             self._walk_plans[key] = (plan, op_counts(op for _, op in plan.ops()))
         return self._walk_plans[key]
 
     def _run_walk(self, T: int, stats: Stats, start: int | None) -> None:
+        self._run_planned(T, stats, (T, self.gather_one, start))
+
+    def _run_planned(self, T: int, stats: Stats, key: WalkKey) -> None:
+        """A plan made before the chunk runs (the walk, or the decode plan): plain launches
+        the first time its key is seen (timed), a captured replay the second (timed), then
+        whichever was faster."""
         ex = self.executor
-        key = (T, self.gather_one, start)
-        plan, counts = self.walk_plan(T, start)
+        plan, counts = self._planned(key)
         trial = self.graph_trials.setdefault(key, {})
         replay: Replay | None = None
         if ex.can_capture and "plain" in trial and trial.get("choice") != "plain":
@@ -282,8 +342,8 @@ class ChunkDriver:
                 self._replays[key] = self.executor.capture(
                     op for lp in plan.layers for op in lp.ops)
             except Exception as e:  # a refused capture must not lose the prompt
-                log.warning("capture of the %d-token walk failed (%s); launching it op by op",
-                            key[0], e)
+                what = "decode step" if key == DECODE_KEY else f"{key[0]}-token walk"
+                log.warning("capture of the %s failed (%s); launching it op by op", what, e)
                 trial["choice"] = "plain"
                 trial["error"] = str(e)
                 return None

@@ -59,6 +59,12 @@ SWITCHES: dict[str, Switch] = {
         Switch("STRATA_MMQ_KERNEL", "str",
                "MMQ variant for formats that offer several (see `strata plugins`); "
                "default: the format's fastest measured variant."),
+        Switch("STRATA_DECODE", "choice:routed,staging",
+               "a whole model's one-token steps (greedy decoding): routed (the routed set "
+               "stays on the device, gathers read routed experts from their slots or straight "
+               "from host memory, and the step replays as a CUDA graph; the default where the "
+               "format's kernels offer it) or staging (the staging ring: the routed set comes "
+               "back to the host every layer and only the routed experts are copied)."),
         Switch("STRATA_CUDA_GRAPH", "flag",
                "0: launch the streamed walk kernel by kernel instead of replaying a CUDA graph."),
         Switch("STRATA_KERNEL_CACHE", "outdir",

@@ -299,6 +299,12 @@ class FormatKernels:
     gather_batch(stream, srcs, first_pos, gu_buf, down_buf): native formats only; one launch
         for len(srcs) <= 16 experts at positions first_pos.. first_pos+len(srcs)-1, same bytes
         as len(srcs) calls of gather.
+    gather_routed(stream, srcs, gu_buf, down_buf, bounds, first_expert): optional; as
+        gather_batch at positions 0.., the members being experts first_expert.. of a layer,
+        but a member whose expert has no rows in `bounds` (the layer's device row offsets) is
+        skipped on the device, and sources may be page-locked host memory read over PCIe.
+        A whole model's decode step then replays as a CUDA graph and still gathers only its
+        routed experts; formats without it decode through the staging ring.
     mmq(stream, weights, expert_ids, acts, bounds, out, m, k, rows_hint): the products of a
         group: weights = group buffer (position p's image at weights + p*image_bytes),
         expert_ids = the experts at positions 0..n-1 (n <= 16, passed by value as kernel
@@ -333,6 +339,13 @@ class FormatKernels:
         raise PluginError(
             f"format {self.fmt.name} is not native: its gathers run one expert per launch; "
             "the runtime must not ask it to batch")
+
+    def gather_routed(self, stream, srcs: list[int], gu_buf: int, down_buf: int, bounds: int,
+                      first_expert: int) -> None:
+        from .errors import PluginError
+
+        raise PluginError(f"format {self.fmt.name} has no routed gather; its decode steps take "
+                          "the staging ring")
 
     def mmq(self, stream, weights: int, expert_ids: tuple[int, ...], acts: int, bounds: int,
             out: int, m: int, k: int, rows_hint: int) -> None:

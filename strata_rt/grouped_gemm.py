@@ -122,7 +122,7 @@ class GroupedGemm:
         mod = runtime.module(GEMM_SOURCE)
         self._gemm = {t.name: mod.kernel(t.name, MMQ_ARG_TYPES) for t in TILES}
         self._dequant = runtime.module(DEQUANT_SOURCE).kernel(
-            "iq3_dequant_gather", "P" * MMQ_GROUP + "PPqqqqqqi") if iq3_gather else None
+            "iq3_dequant_gather", "P" * MMQ_GROUP + "PPqqqqqqiPi") if iq3_gather else None
 
     def gemm(self, stream, weights: int, expert_ids: tuple[int, ...], acts: int, bounds: int,
              out: int, m: int, k: int, rows_hint: int, *, tile: str | None = None) -> None:
@@ -141,12 +141,15 @@ class GroupedGemm:
                    expert_ids, acts, bounds, out, m, k, rows_hint)
 
     def dequant_gather_iq3(self, stream, srcs: list[int], first_pos: int, gu_buf: int,
-                           down_buf: int, layout: ExpertLayout) -> None:
+                           down_buf: int, layout: ExpertLayout, bounds: int = 0,
+                           first_expert: int = 0) -> None:
         """One launch: the IQ3_XXS blobs at srcs (1..16 device addresses) become fp16 images at
         positions first_pos.. of the group buffers. `layout` is the IQ3_XXS blob layout with
         fp16 image bytes (fp16_image_layout); position p's images sit at gu_buf +
         p*gate_up_image_bytes and down_buf + p*down_image_bytes. Bytes equal
-        dequant_iq3_images of each blob, whatever the batch size."""
+        dequant_iq3_images of each blob, whatever the batch size. bounds (a layer's device
+        row offsets; 0: none): members are experts first_expert.., and one without rows is
+        skipped on the device (FormatKernels.gather_routed)."""
         if self._dequant is None:
             raise FormatError("this GroupedGemm was opened without the IQ3_XXS dequantizing "
                               "gather (iq3_gather=False)")
@@ -176,7 +179,7 @@ class GroupedGemm:
         self._dequant.launch(
             grid=(gx, n, 1), block=(DQ_THREADS, 1, 1), stream=stream,
             args=(*ptrs, gu_buf, down_buf, layout.gate_up_offset, gu_blocks, layout.down_offset,
-                  dn_blocks, gu_img, dn_img, first_pos))
+                  dn_blocks, gu_img, dn_img, first_pos, bounds, first_expert))
 
 
 def _iq3_blocks(layout: ExpertLayout) -> tuple[int, int]:

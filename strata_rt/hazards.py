@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 from .errors import PlanHazardError
 from .plan import (
+    HOST,
     RESIDENT,
     RING,
     Attention,
@@ -39,6 +40,7 @@ from .plan import (
     DenseCopy,
     Gather,
     GatherBatch,
+    GatherRouted,
     LayerPlan,
     Op,
     Products,
@@ -57,10 +59,12 @@ def describe(op: Op) -> str:
         return f"Copy(entry {op.entry}, layer {op.layer}, expert {op.expert} -> slot {op.slot})"
     if isinstance(op, Gather):
         where = (f"ring slot {op.src[1]}, entry {op.entry}" if op.src[0] == RING
-                 else f"resident slot {op.src[1]}")
+                 else "the host store" if op.src[0] == HOST else f"resident slot {op.src[1]}")
         return f"Gather(layer {op.layer}, expert {op.expert}, group {op.group} pos {op.pos}, {where})"
     if isinstance(op, GatherBatch):
         return f"GatherBatch(group {op.group}, positions {op.first_pos}..{op.first_pos + len(op.gathers) - 1})"
+    if isinstance(op, GatherRouted):
+        return f"GatherRouted(group {op.group}, positions 0..{len(op.gathers) - 1})"
     if isinstance(op, Record | Wait):
         return f"{type(op).__name__}({op.event[0]}[{op.event[1]}]) on {op.stream}"
     if isinstance(op, DenseCopy):
@@ -155,6 +159,14 @@ class Checker:
                                f"group {op.group} position {op.first_pos + n}")
                 self._gather(i, g, now, f"op #{i} {describe(op)} member {describe(g)}",
                              f"{describe(g)} in {describe(op)}")
+        elif isinstance(op, GatherRouted):
+            now = self._tick("compute")
+            for n, g in enumerate(op.gathers):
+                if g.group != op.group or g.pos != n:
+                    self._fail(f"op #{i} {describe(op)}: member {n} is {describe(g)}, not "
+                               f"group {op.group} position {n}")
+                self._gather(i, g, now, f"op #{i} {describe(op)} member {describe(g)}",
+                             f"{describe(g)} in {describe(op)}", host_ok=True)
         elif isinstance(op, Products):
             self._tick("compute")
             self._products(i, op)
@@ -173,6 +185,9 @@ class Checker:
 
     def _copy(self, i: int, op: Copy) -> None:
         k, s = op.entry, op.slot
+        if self.ring == 0:
+            self._fail(f"op #{i} {describe(op)}: the plan has no expert ring (a decode plan "
+                       "gathers from resident slots and the host store)")
         if s != k % self.ring:
             self._fail(f"slot {s}: op #{i} {describe(op)} puts entry {k} in slot {s}, but "
                        f"entry k goes to slot k % {self.ring} = {k % self.ring}")
@@ -196,9 +211,21 @@ class Checker:
         self.copies[k] = i
         self.slots[s] = _Occupant(k, op.layer, op.expert, now, i)
 
-    def _gather(self, i: int, g: Gather, now: tuple[int, int], desc: str, what: str) -> None:
-        """desc: the op as messages name it; what: the read, as a later refill names it."""
+    def _gather(self, i: int, g: Gather, now: tuple[int, int], desc: str, what: str,
+                host_ok: bool = False) -> None:
+        """desc: the op as messages name it; what: the read, as a later refill names it.
+        host_ok: the gather may read the host store itself (a GatherRouted member)."""
         kind, idx = g.src
+        if kind == HOST:
+            if not host_ok:
+                self._fail(f"{desc}: only a GatherRouted reads the host store; a plain gather "
+                           "needs its blob copied into a ring slot first")
+            if self.residency is not None and self.residency.slot(g.layer, g.expert) is not None:
+                self._fail(f"{desc} reads the host store, but layer {g.layer} expert "
+                           f"{g.expert} resides in slot "
+                           f"{self.residency.slot(g.layer, g.expert)}")
+            self._place(g, i)
+            return
         if kind == RESIDENT:
             if self.residency is not None and self.residency.slot(g.layer, g.expert) != idx:
                 self._fail(f"resident slot {idx}: {desc} but layer {g.layer} expert "

@@ -98,6 +98,13 @@ def gather_blocks(nbytes: int) -> int:
     return max(1, min(GATHER_MAX_BLOCKS, -(-words // (GATHER_THREADS * GATHER_UNROLL))))
 
 
+def _check_batch(n: int, first_pos: int) -> None:
+    if not 1 <= n <= MMQ_GROUP or not 0 <= first_pos <= MMQ_GROUP - n:
+        raise PluginError(
+            f"gather_batch of {n} experts at position {first_pos}: a batch holds 1.."
+            f"{MMQ_GROUP} experts and must end by position {MMQ_GROUP - 1}")
+
+
 class NativeKernels(FormatKernels):
     """gather and gather_batch for any native format.
 
@@ -113,7 +120,7 @@ class NativeKernels(FormatKernels):
                               "byte ranges and cannot gather it")
         mod = runtime.module(GATHER_SOURCE)
         self._one = mod.kernel("gather_one", "PPPqqqq")
-        self._batch = mod.kernel("gather_batch", "P" * MMQ_GROUP + "PPqqqqqqi")
+        self._batch = mod.kernel("gather_batch", "P" * MMQ_GROUP + "PPqqqqqqiPi")
         lay = layout
         self._ranges = (lay.gate_up_offset, lay.gate_up_bytes, lay.down_offset, lay.down_bytes)
         self._blocks_one = gather_blocks(lay.gate_up_bytes + lay.down_bytes)
@@ -140,13 +147,17 @@ class NativeKernels(FormatKernels):
         named.update({f"source {i}": src for i, src in enumerate(srcs)})
         return first_misaligned(named)
 
+    def gather_routed(self, stream, srcs: list[int], gu_buf: int, down_buf: int, bounds: int,
+                      first_expert: int) -> None:
+        _check_batch(len(srcs), 0)
+        why = self.misaligned(srcs, 0, gu_buf, down_buf)
+        if why is not None:  # skipping unrouted experts needs the batched kernel
+            raise PluginError(f"{self.fmt.name}: a routed gather needs 16-byte copies: {why}")
+        self._launch_batch(stream, srcs, 0, gu_buf, down_buf, bounds, first_expert)
+
     def gather_batch(self, stream, srcs: list[int], first_pos: int, gu_buf: int,
                      down_buf: int) -> None:
-        n = len(srcs)
-        if not 1 <= n <= MMQ_GROUP or not 0 <= first_pos <= MMQ_GROUP - n:
-            raise PluginError(
-                f"gather_batch of {n} experts at position {first_pos}: a batch holds 1.."
-                f"{MMQ_GROUP} experts and must end by position {MMQ_GROUP - 1}")
+        _check_batch(len(srcs), first_pos)
         why = self.misaligned(srcs, first_pos, gu_buf, down_buf)
         if why is not None:
             if self.fallbacks == 0:
@@ -156,12 +167,17 @@ class NativeKernels(FormatKernels):
             for i, src in enumerate(srcs):
                 self.gather(stream, src, first_pos + i, gu_buf, down_buf)
             return
+        self._launch_batch(stream, srcs, first_pos, gu_buf, down_buf, 0, 0)
+
+    def _launch_batch(self, stream, srcs: list[int], first_pos: int, gu_buf: int,
+                      down_buf: int, bounds: int, first_expert: int) -> None:
+        n = len(srcs)
         lay = self.layout
         ptrs = list(srcs) + [0] * (MMQ_GROUP - n)
         self._batch.launch(
             grid=(self._blocks_batch, n, 1), block=(GATHER_THREADS, 1, 1), stream=stream,
             args=(*ptrs, gu_buf, down_buf, *self._ranges, lay.gate_up_image_bytes,
-                  lay.down_image_bytes, first_pos))
+                  lay.down_image_bytes, first_pos, bounds, first_expert))
 
 
 def kernel_source(fmt: QuantFormat, file_name: str) -> Path:

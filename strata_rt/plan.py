@@ -30,7 +30,8 @@ from typing import Literal
 StreamName = Literal["copy", "compute", "host"]
 #: ("copied", slot) or ("used", slot)
 EventKey = tuple[str, int]
-#: ("resident", resident slot index) or ("ring", ring slot)
+#: ("resident", resident slot index), ("ring", ring slot) or ("host", 0): the blob read over
+#: PCIe from the pinned host store by the gather itself (GatherRouted only)
 Source = tuple[str, int]
 
 COPIED = "copied"
@@ -39,6 +40,7 @@ DENSE_COPIED = "dense_copied"
 DENSE_USED = "dense_used"
 RESIDENT = "resident"
 RING = "ring"
+HOST = "host"
 
 
 def copied(slot: int) -> EventKey:
@@ -109,6 +111,19 @@ class GatherBatch:
 
 
 @dataclass(frozen=True)
+class GatherRouted:
+    """One launch gathering the routed experts among `gathers` (consecutive positions from 0,
+    same group): an expert the layer's routing gave no rows is skipped on the device. A decode
+    step plans every expert this way, so its schedule does not depend on the routed set, which
+    never comes back to the host, and the step can be replayed as a CUDA graph while it still
+    gathers only the experts it uses. Members read resident slots or ("host", 0): the gather
+    itself reads the blob from the pinned host store over PCIe (no Copy, no ring slot)."""
+    group: int
+    gathers: tuple[Gather, ...]
+    stream: StreamName = field(default="compute", init=False)
+
+
+@dataclass(frozen=True)
 class Products:
     """MMQ gate/up, SwiGLU + quantize, MMQ down over the group buffers; position p holds
     expert_ids[p]."""
@@ -146,11 +161,13 @@ class LayerEnd:
 @dataclass(frozen=True)
 class Attention:
     """Self-attention of `layer` over the chunk and the KV cache before it, residual added.
-    `start` is the absolute position of the chunk's first token; `dense_slot` the dense ring
-    slot holding the layer's weights (None: they are resident)."""
+    `start` is the absolute position of the chunk's first token, or None: the position the
+    executor was given for the chunk (begin_chunk), which the GPU reads from device memory, so
+    one captured decode step replays at every position; `dense_slot` the dense ring slot
+    holding the layer's weights (None: they are resident)."""
 
     layer: int
-    start: int
+    start: int | None
     dense_slot: int | None = None
     stream: StreamName = field(default="compute", init=False)
 
@@ -176,8 +193,8 @@ class Logits:
     stream: StreamName = field(default="compute", init=False)
 
 
-Op = (Copy | Record | Wait | Gather | GatherBatch | Products | Consume | LayerBegin | LayerEnd
-      | Attention | DenseCopy | Logits)
+Op = (Copy | Record | Wait | Gather | GatherBatch | GatherRouted | Products | Consume
+      | LayerBegin | LayerEnd | Attention | DenseCopy | Logits)
 
 
 @dataclass(frozen=True)
@@ -190,10 +207,11 @@ class LayerPlan:
 class ChunkPlan:
     """mode "staging": layers planned one by one from the routed sets (chunks that route few
     experts, planner.takes_walk); mode "walk": the whole chunk planned up front,
-    routing-independent."""
+    routing-independent; mode "decode": a one-token step of a whole model planned up front,
+    its routed experts gathered straight from where they live (planner.plan_decode)."""
 
     tokens: int
-    mode: Literal["staging", "walk"]
+    mode: Literal["staging", "walk", "decode"]
     ring_slots: int
     layers: list[LayerPlan]
 

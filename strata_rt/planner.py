@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from .formats import MMQ_GROUP
 from .plan import (
+    HOST,
     RESIDENT,
     RING,
     ChunkPlan,
@@ -32,6 +33,7 @@ from .plan import (
     Copy,
     Gather,
     GatherBatch,
+    GatherRouted,
     LayerBegin,
     LayerEnd,
     LayerPlan,
@@ -232,6 +234,36 @@ def plan_walk(spec: MoESpec, residency: Residency, ring_slots: int, gather_one: 
         b.ops.append(LayerEnd(layer))
         layers.append(LayerPlan(layer, b.take_ops()))
     return ChunkPlan(tokens, "walk", ring_slots, layers)
+
+
+def plan_decode(spec: MoESpec, residency: Residency, attention: DenseSchedule) -> ChunkPlan:
+    """A whole model's one-token step with the routed set kept on the device: per layer its
+    Attention (dense copies as `attention` schedules them; its start None, so the position is
+    read on the device), the routing, one GatherRouted per group of 16 experts (resident ones
+    from their slots, the rest straight from the host store; experts without a row skipped on
+    the device) and the products, which exit early for experts without rows. No Copy and no
+    expert ring: the plan is the same at every position and for every routed set, so one
+    captured replay serves every step, where the staging ring reads each layer's routed set
+    back to the host and plans after it."""
+    if attention.start is not None:
+        raise ValueError(f"a decode plan reads its position on the device; the dense schedule "
+                         f"fixes start {attention.start}")
+    ops: list[Op] = list(attention.chunk_ops())
+    layers = []
+    for layer in range(spec.n_layers):
+        ops += attention.layer_ops(layer)
+        ops.append(LayerBegin(layer))
+        for g, experts in enumerate(_groups(list(range(spec.n_experts)))):
+            members = []
+            for pos, e in enumerate(experts):
+                slot = residency.slot(layer, e)
+                src = (HOST, 0) if slot is None else (RESIDENT, slot)
+                members.append(Gather(g, pos, layer, e, src))
+            ops += [GatherRouted(g, tuple(members)), Products(layer, g, tuple(experts))]
+        ops.append(LayerEnd(layer))
+        layers.append(LayerPlan(layer, tuple(ops)))
+        ops = []
+    return ChunkPlan(1, "decode", 0, layers)
 
 
 class StagingPlanner:

@@ -27,6 +27,7 @@ from .dense_schedule import DENSE_RING_SLOTS
 from .formats import MMQ_GROUP
 from .model import rms_norm, route, silu
 from .plan import (
+    HOST,
     RESIDENT,
     Attention,
     Consume,
@@ -34,6 +35,7 @@ from .plan import (
     DenseCopy,
     Gather,
     GatherBatch,
+    GatherRouted,
     LayerBegin,
     LayerEnd,
     Logits,
@@ -94,6 +96,8 @@ class ReferenceBackend:
     #: a whole model sets these at open (see driver.Executor and driver.Backend)
     dense_ring: int | None = None
     kv_capacity = 0
+    #: GatherRouted reads the routing of its layer (a decode step's plan runs here too)
+    routed_gathers = True
 
     def __init__(self, model: Model, store: ExpertStore, residency: Residency | None,
                  cfg: EngineConfig, context: HostContext | None = None,
@@ -108,6 +112,8 @@ class ReferenceBackend:
         self.dense_ring = DENSE_RING_SLOTS if cfg.dense == "stream" else None
         self._dense_slots: dict[int, int] = {}
         self._start: int | None = None
+        #: the position begin_chunk was given (what an Attention without a start reads)
+        self._chunk_start: int | None = None
         self._logits: np.ndarray | None = None
         self.spec, self.fmt, self.lay = model.spec, model.fmt, model.layout
         self.blob_bytes = self.lay.blob_bytes
@@ -130,12 +136,13 @@ class ReferenceBackend:
         self.routes: list[np.ndarray] = []
 
     # ------------------------------------------------------------------ chunk (Executor)
-    def begin_chunk(self, h: np.ndarray, stats: Stats) -> None:
+    def begin_chunk(self, h: np.ndarray, stats: Stats, start: int | None = None) -> None:
         self._h = np.array(h, dtype=np.float32, copy=True)
         self._state = None
         self._stats = stats
         self.routes = []
         self._start = self._logits = None
+        self._chunk_start = start
 
     def route_layer(self, layer: int) -> None:
         self._begin(layer, self._h, self._stats)
@@ -187,6 +194,9 @@ class ReferenceBackend:
                 for g in op.gathers:
                     self._gather(g)
                 phase = "gather"
+            elif isinstance(op, GatherRouted):
+                self._gather_routed(op)
+                phase = "gather"
             elif isinstance(op, Products):
                 self._products(op)
                 phase = "products"
@@ -205,8 +215,12 @@ class ReferenceBackend:
                     raise RuntimeError(f"Attention of layer {op.layer} reads dense slot "
                                        f"{op.dense_slot}, which holds layer "
                                        f"{self._dense_slots.get(op.dense_slot)}")
-                self._whole().attention(op.layer, h, op.start)
-                self._start = op.start
+                start = op.start if op.start is not None else self._chunk_start
+                if start is None:
+                    raise RuntimeError(f"Attention of layer {op.layer} reads the chunk's "
+                                       "position, but begin_chunk was given none")
+                self._whole().attention(op.layer, h, start)
+                self._start = start
                 phase = "attention"
             elif isinstance(op, Logits):
                 self._logits = self._whole().logits(h, op.rows)
@@ -235,9 +249,23 @@ class ReferenceBackend:
         self._state = _LayerState(layer, xn, ids, w, spec.n_experts, spec.hidden)
         stats.phase_s["route"] += time.perf_counter() - t0
 
+    def _gather_routed(self, op: GatherRouted) -> None:
+        """The members whose expert has rows in the layer's routing, as the GPU kernel skips
+        the others on the device."""
+        st = self._state
+        if st is None or any(g.layer != st.layer for g in op.gathers):
+            raise RuntimeError(f"GatherRouted of group {op.group} outside its layer")
+        for g in op.gathers:
+            if st.bounds[g.expert + 1] > st.bounds[g.expert]:
+                self._gather(g)
+
     def _gather(self, g: Gather) -> None:
         kind, idx = g.src
-        src = self.resident[idx] if kind == RESIDENT else self.ring[idx]
+        if kind == HOST:
+            off = self.store.offset(g.layer, g.expert)
+            src = self.store.arena[off: off + self.store.slot_bytes]
+        else:
+            src = self.resident[idx] if kind == RESIDENT else self.ring[idx]
         gu, dn = self.fmt.images(src[: self.lay.blob_bytes], self.spec.hidden, self.spec.ffn)
         self.gu_buf[g.pos] = gu
         self.dn_buf[g.pos] = dn

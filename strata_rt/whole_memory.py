@@ -82,6 +82,7 @@ def whole_fixed_regions(w: WholeSizing) -> dict[str, int]:
         "rope_cos": context * spec.head_dim // 2 * 4,
         "rope_sin": context * spec.head_dim // 2 * 4,
         "kv": kv_bytes(spec, context),
+        "position": 16,  # the chunk's start, read by a decode step replayed as a graph
     }
 
 

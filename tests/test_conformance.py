@@ -87,7 +87,8 @@ def test_registry_loads_with_test_plugin():
 
 def test_every_variant_is_covered():
     labels = [_label(fmt) for fmt, _ in VARIANTS]
-    for want in ("iq3_xxs[f16_gemm]", "iq3_xxs[f16_pipe]", "iq3_xxs[int8_occ2]", "fp16[gemm]",
+    for want in ("iq3_xxs[f16_gemm]", "iq3_xxs[f16_fused]", "iq3_xxs[f16_pipe]",
+                 "iq3_xxs[int8_occ2]", "fp16[gemm]",
                  "fp16[tile64]", "test_i8"):
         assert want in labels, labels
     full = {_label(fmt) for fmt, f in VARIANTS if f}

@@ -206,7 +206,7 @@ def test_dequant_gather_launch_and_checks():
     assert call.grid[1:] == (3, 1) and call.block == (256, 1, 1)
     assert 1 <= call.grid[0] <= -(-(gu_blocks + dn_blocks) // 32)
     assert call.args == (*srcs, *([0] * 13), 1 << 30, 2 << 30, lay.gate_up_offset, gu_blocks,
-                         lay.down_offset, dn_blocks, 4 * f * h, 2 * h * f, 5)
+                         lay.down_offset, dn_blocks, 4 * f * h, 2 * h * f, 5, 0, 0)
     bad = [
         (dict(srcs=[]), "0 experts"),
         (dict(srcs=[0] * 17), "17 experts"),

@@ -93,7 +93,7 @@ def test_variant_selection(monkeypatch):
     monkeypatch.setenv("STRATA_MMQ_KERNEL", "bf16x")
     with pytest.raises(FormatError, match="bf16x.*valid: " + ", ".join(MMQ_VARIANTS)):
         pick_variant()
-    assert IQ3XXS().mmq_variants() == ("f16_gemm", *MMQ_VARIANTS)
+    assert IQ3XXS().mmq_variants() == ("f16_gemm", *MMQ_VARIANTS, "f16_fused")
 
 
 def test_tiles_and_shared_memory_fit():

@@ -36,8 +36,8 @@ QWEN3_235B = (4096, 1536)
 
 # ------------------------------------------------------------------------------ for_variant
 def test_iq3_variant_names_and_objects():
-    assert IQ3.mmq_variants() == VARIANTS == ("f16_gemm", "f16_pipe", "f16", "int8",
-                                             "int8_occ2")
+    assert IQ3.mmq_variants() == (*VARIANTS, "f16_fused") == (
+        "f16_gemm", "f16_pipe", "f16", "int8", "int8_occ2", "f16_fused")
     default = IQ3.for_variant(None)
     assert type(default) is IQ3XXSDequantF16 and default.variant == "f16_gemm"
     assert type(IQ3.for_variant("f16_gemm")) is IQ3XXSDequantF16
@@ -187,13 +187,14 @@ def test_f16_gemm_launcher_gathers_by_dequantizing_and_multiplies_by_gemm():
     kern.gather(None, 1 << 20, 7, 1 << 30, 2 << 30)
     one = rec.launches[-1]
     assert one.name == "iq3_dequant_gather" and one.grid[1:] == (1, 1)
-    assert one.args[:2] == (1 << 20, 0) and one.args[-1] == 7
+    # ... first_pos 7, then no routing bounds (a plain gather copies its member)
+    assert one.args[:2] == (1 << 20, 0) and one.args[-3:] == (7, 0, 0)
     srcs = [(1 + p) << 21 for p in range(5)]
     kern.gather_batch(None, srcs, 11, 1 << 30, 2 << 30)
     batch = rec.launches[-1]
     assert batch.name == "iq3_dequant_gather" and batch.grid[1:] == (5, 1)
-    assert batch.args[:5] == tuple(srcs) and batch.args[-1] == 11
-    assert batch.args[-3:-1] == (lay.gate_up_image_bytes, lay.down_image_bytes)
+    assert batch.args[:5] == tuple(srcs) and batch.args[-3:] == (11, 0, 0)
+    assert batch.args[-5:-3] == (lay.gate_up_image_bytes, lay.down_image_bytes)
     with pytest.raises(FormatError, match="position 12"):
         kern.gather_batch(None, srcs, 12, 1 << 30, 2 << 30)
     kern.mmq(None, 1 << 30, (0, 1, 2), 0x2000, 0x3000, 0x4000, 1536, 2048, 300)

@@ -78,23 +78,26 @@ def test_engine_equals_the_numpy_model_with_fp16_experts():
 
 
 def test_plans_open_each_layer_with_attention(small, monkeypatch):
-    """Staging (a few tokens) and walk (many) plans both carry an Attention op at the chunk's
-    position before each layer's routing, and the hazard checker accepts them."""
+    """Staging (a few tokens), walk (many) and decode (one token) plans all carry an Attention
+    op before each layer's routing, at the chunk's position (decode: None, the position is
+    read on the device), and the hazard checker accepts them."""
     monkeypatch.setenv("STRATA_CHECK_PLAN", "1")
-    ids = np.random.default_rng(3).integers(0, SMALL.vocab, 300)
+    ids = np.random.default_rng(3).integers(0, SMALL.vocab, 302)
     with _open(small, prefill=200) as eng:
-        eng.prefill(ids[:1])  # one token routes 2 of 8 experts: the staging ring
+        eng.prefill(ids[:2])  # two tokens route at most 4 of 8 experts: the staging ring
         staged = eng.driver.last_plan
-        eng.prefill(ids[1:])  # chunks of 200 and 99 at positions 1 and 201
+        eng.prefill(ids[2:301])  # chunks of 200 and 99 at positions 2 and 202
         walked = eng.driver.last_plan
-    for plan, start in ((staged, 0), (walked, 201)):
+        eng.prefill(ids[301:])  # one token: the decode plan
+        decoded = eng.driver.last_plan
+    for plan, start in ((staged, 0), (walked, 202), (decoded, None)):
         assert plan is not None
         for lp in plan.layers:
             kinds = [type(op) for op in lp.ops]
             assert Attention in kinds and kinds.index(Attention) < kinds.index(LayerBegin)
             att = next(op for op in lp.ops if isinstance(op, Attention))
             assert att.layer == lp.layer and att.start == start
-    assert staged.mode == "staging" and walked.mode == "walk"
+    assert staged.mode == "staging" and walked.mode == "walk" and decoded.mode == "decode"
 
 
 def test_context_limits_and_bad_token_ids(small):

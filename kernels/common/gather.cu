@@ -3,6 +3,10 @@
 // gather_one: any alignment (16-byte copies where source and destination share their
 // alignment, bytes otherwise). gather_batch: up to 16 experts, grid.y = position in the batch,
 // 16-byte copies only; the host calls it only when every address and size is a multiple of 16.
+// With `bounds` (a layer's row offsets from the counting sort) the batch holds experts
+// first_expert + y, and one whose routing gave it no rows is skipped: a decode step replayed as
+// a CUDA graph gathers only its routed experts (from resident slots, or from page-locked host
+// memory over PCIe). bounds = null gathers every member.
 #include <stdint.h>
 
 struct Ptrs16 { const char* v[16]; };
@@ -52,8 +56,9 @@ gather_one(const char* src, char* gu_dst, char* down_dst, long long gu_off, long
 extern "C" __global__ void __launch_bounds__(256)
 gather_batch(Ptrs16 srcs, char* gu_buf, char* down_buf, long long gu_off, long long gu_bytes,
              long long dn_off, long long dn_bytes, long long gu_image, long long dn_image,
-             int first_pos) {
+             int first_pos, const int* __restrict__ bounds, int first_expert) {
     const int i = blockIdx.y;
+    if (bounds != nullptr && bounds[first_expert + i + 1] == bounds[first_expert + i]) return;
     const char* src = srcs.v[i];
     const long long pos = first_pos + i;
     const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;

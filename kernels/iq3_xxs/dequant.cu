@@ -78,12 +78,16 @@ __device__ __forceinline__ uint4 iq3_lane_decode(const LaneBits& b, const unsign
 // srcs: blob addresses (even); expert i of the batch goes to position first_pos + i, its
 // gate/up image at gu_buf + pos*gu_image and down image at down_buf + pos*dn_image (16-byte
 // aligned). gu_off/dn_off: byte offsets of the ranges in a blob; gu_blocks/dn_blocks: their
-// 98-byte blocks.
+// 98-byte blocks. bounds/first_expert: as gather_batch in kernels/common/gather.cu (a member
+// whose expert first_expert + y has no rows in the layer's routing is skipped; null: none is).
 extern "C" __global__ void __launch_bounds__(DQ_THREADS)
 iq3_dequant_gather(Srcs16 srcs, uint8_t* gu_buf, uint8_t* down_buf, long long gu_off,
                    long long gu_blocks, long long dn_off, long long dn_blocks, long long gu_image,
-                   long long dn_image, int first_pos)
+                   long long dn_image, int first_pos, const int* __restrict__ bounds,
+                   int first_expert)
 {
+    if (bounds != nullptr &&
+        bounds[first_expert + blockIdx.y + 1] == bounds[first_expert + blockIdx.y]) return;
     __shared__ unsigned s_grid[256];
     for (int i = threadIdx.x; i < 256; i += DQ_THREADS) s_grid[i] = IQ3XXS_GRID[i];
     __syncthreads();

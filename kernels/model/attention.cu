@@ -27,6 +27,9 @@
 // add nothing to l or to the accumulator. Cache rows at or past start+T are never read (the
 // tile is zero-filled there). So a query gives the same bytes whether its prompt came in one
 // chunk or in several, and whichever other rows share its block.
+//
+// start_dev (both kernels, last argument): when not null, the chunk's start is read from this
+// device int instead of `start`, so one captured decode step replays at every position.
 #include <cuda_fp16.h>
 #include <stdint.h>
 
@@ -92,8 +95,10 @@ __device__ __forceinline__ void qk_norm_rope(const __half* __restrict__ qkv, int
         const __half* __restrict__ qkv, int T, int start, const float* __restrict__ q_norm,    \
         const float* __restrict__ k_norm, const float* __restrict__ cos_t,                     \
         const float* __restrict__ sin_t, float eps, __half* __restrict__ q_out,                \
-        __half* __restrict__ k_cache, __half* __restrict__ v_cache, int n_heads, int n_kv) {   \
-        qk_norm_rope<HD>(qkv, T, start, q_norm, k_norm, cos_t, sin_t, eps, q_out, k_cache,     \
+        __half* __restrict__ k_cache, __half* __restrict__ v_cache, int n_heads, int n_kv,     \
+        const int* __restrict__ start_dev) {                                                   \
+        const int s0 = start_dev != nullptr ? *start_dev : start;                              \
+        qk_norm_rope<HD>(qkv, T, s0, q_norm, k_norm, cos_t, sin_t, eps, q_out, k_cache,        \
                          v_cache, n_heads, n_kv);                                              \
     }
 
@@ -412,8 +417,9 @@ __device__ __forceinline__ void attend(const __half* __restrict__ q,
     extern "C" __global__ void __launch_bounds__(AT_THREADS, 2) attend_hd##HD(                 \
         const __half* __restrict__ q, const __half* __restrict__ k_cache,                      \
         const __half* __restrict__ v_cache, __half* __restrict__ out, int T, int start,        \
-        int n_heads, int n_kv, float scale_log2) {                                             \
-        attend<HD>(q, k_cache, v_cache, out, T, start, n_heads, n_kv, scale_log2);             \
+        int n_heads, int n_kv, float scale_log2, const int* __restrict__ start_dev) {          \
+        const int s0 = start_dev != nullptr ? *start_dev : start;                              \
+        attend<HD>(q, k_cache, v_cache, out, T, s0, n_heads, n_kv, scale_log2);                \
     }
 
 ATTEND_KERNEL(64)
