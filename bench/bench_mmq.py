@@ -43,10 +43,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench" / "peers"))
 
-from strata_rt.activations import F16, ActivationKernels  # noqa: E402
+from strata_rt.activations import ActivationKernels  # noqa: E402
 from strata_rt.formats import MMQ_GROUP  # noqa: E402
 from strata_rt.quants.iq3_xxs import IQ3XXS  # noqa: E402
-from strata_rt.quants.iq3_xxs_device import VARIANTS  # noqa: E402
+
+#: every STRATA_MMQ_KERNEL variant of IQ3_XXS (the exact ones, f16_gemm, f16_fused)
+VARIANTS = IQ3XXS().mmq_variants()
 
 HIDDEN, FFN, EXPERTS, TOP_K = 2048, 768, 128, 8
 PARTS = {"gate_up": (2 * FFN, HIDDEN), "down": (HIDDEN, FFN)}  # (m, k)
@@ -213,8 +215,10 @@ def grouped_phase(torch: Any, w_mk: dict, counts_by_t: dict[int, np.ndarray], re
 
 # ------------------------------------------------------------------------------ strata side
 def gather_kind(fmt) -> str:
-    """What a variant's gather does: the exact kernels copy blob bytes, f16_gemm dequantizes."""
-    return "dequant_f16" if fmt.activation is F16 else "copy"
+    """What a variant's gather does: f16_gemm dequantizes into fp16 images; the exact kernels
+    and f16_fused (which decodes blocks in its main loop) copy blob bytes."""
+    lay = fmt.layout(HIDDEN, FFN)
+    return "copy" if lay.gate_up_image_bytes == lay.gate_up_bytes else "dequant_f16"
 
 
 def strata_phase(blobs: np.ndarray, counts_by_t: dict[int, np.ndarray], variants: list[str],
