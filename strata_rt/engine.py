@@ -154,6 +154,8 @@ class Engine:
         self.chunk_tokens = self._chunk_tokens()
         #: (label, trace events) of every prompt so far, for STRATA_PREFILL_TRACE
         self._traces: list[tuple[str, list[dict[str, Any]]]] = []
+        #: the tokenizer, built on the first tokenizer() call
+        self._tokenizer: Tokenizer | None = None
 
     @classmethod
     def open(cls, config: EngineConfig | dict) -> Engine:
@@ -205,16 +207,19 @@ class Engine:
 
     def tokenizer(self) -> Tokenizer:
         """The whole model's tokenizer: from its GGUF, or a seeded synthetic vocabulary of the
-        model's size for synthetic models. TokenizerError when the GGUF carries none."""
+        model's size for synthetic models. TokenizerError when the GGUF carries none. Built on
+        the first call and kept: reading a GGUF's vocabulary or building the synthetic one
+        costs far more than a prompt's encoding, and every later call returns the same object."""
         from .tokenizer import Tokenizer
 
         if self.whole is None:
             raise ConfigError("MoE layers alone have no tokenizer; open a whole model",
                               source="tokenizer")
-        src = self.config.model.get("gguf") if isinstance(self.config.model, dict) else None
-        if src is not None:
-            return Tokenizer.from_gguf(src)
-        return Tokenizer.synthetic(self.whole.spec.vocab)
+        if self._tokenizer is None:
+            src = self.config.model.get("gguf") if isinstance(self.config.model, dict) else None
+            self._tokenizer = (Tokenizer.from_gguf(src) if src is not None
+                               else Tokenizer.synthetic(self.whole.spec.vocab))
+        return self._tokenizer
 
     def prefill(self, inputs: np.ndarray, record_routing: bool = False, *,
                 all_logits: bool = False) -> tuple[np.ndarray, Stats]:
