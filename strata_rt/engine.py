@@ -207,7 +207,8 @@ class Engine:
 
     def tokenizer(self) -> Tokenizer:
         """The whole model's tokenizer: from its GGUF, or a seeded synthetic vocabulary of the
-        model's size for synthetic models. TokenizerError when the GGUF carries none. Built on
+        model's size for synthetic models. GGUFError when the GGUF carries none, TokenizerError
+        when one cannot be built (e.g. the `tokenizers` library is missing). Built on
         the first call and kept: reading a GGUF's vocabulary or building the synthetic one
         costs far more than a prompt's encoding, and every later call returns the same object."""
         from .tokenizer import Tokenizer
