@@ -10,6 +10,7 @@ torch the whole module is skipped with that reason.
 
 from __future__ import annotations
 
+import ctypes
 import sys
 from pathlib import Path
 
@@ -29,6 +30,24 @@ from strata_rt.model import Model, MoESpec, reference_moe_f64  # noqa: E402
 from strata_rt.numerics import nmse  # noqa: E402
 
 SPEC = MoESpec(n_layers=2, hidden=512, ffn=256, n_experts=8, top_k=2)
+
+
+@pytest.fixture(autouse=True)
+def _restore_current_context():
+    """torch's CUDA runtime makes its primary context current on this thread (replacing the
+    context the session's Runtime pushed), so GPU tests after these would launch the Runtime's
+    kernels in a context that does not hold them ("invalid resource handle"). The context
+    current before each test is made current again after it."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:  # no driver: torch runs on the CPU and changes no context
+        yield
+        return
+    before = ctypes.c_void_p()
+    lib.cuCtxGetCurrent(ctypes.byref(before))
+    yield
+    if before.value:
+        lib.cuCtxSetCurrent(before)
 
 
 def _devices() -> list:
