@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .errors import FormatError
-from .launchers import MMQ_ARG_TYPES, MmqTile, launch_mmq
+from .launchers import MMQ_ARG_TYPES, MmqTile, launch_mmq, pick_by_rows
 from .resources import KERNELS_ROOT
 
 if TYPE_CHECKING:
@@ -86,10 +86,7 @@ TILE_RULE = ((16, "iq3_fused_m16"), (32, "iq3_fused_m32"), (None, "iq3_fused_m64
 
 def pick_tile(rows_hint: int) -> FusedTile:
     """The tile `FusedGemm.gemm` uses for a launch sized for rows_hint rows per expert."""
-    for bound, name in TILE_RULE:
-        if bound is None or rows_hint <= bound:
-            return TILES_BY_NAME[name]
-    raise AssertionError("TILE_RULE ends with an unbounded entry")
+    return pick_by_rows(TILE_RULE, TILES_BY_NAME, rows_hint)
 
 
 def native_image_bytes(m: int, k: int) -> int:

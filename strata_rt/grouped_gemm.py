@@ -26,7 +26,7 @@ import numpy as np
 
 from .errors import FormatError
 from .formats import MMQ_GROUP, ExpertLayout, expert_rows, first_misaligned
-from .launchers import MMQ_ARG_TYPES, MmqTile, check_aligned, launch_mmq
+from .launchers import MMQ_ARG_TYPES, MmqTile, check_aligned, launch_mmq, pick_by_rows
 from .resources import KERNELS_ROOT
 
 if TYPE_CHECKING:
@@ -94,10 +94,7 @@ TILE_RULE = ((48, "gemm_f16_m32"), (160, "gemm_f16_m64"), (None, "gemm_f16_m128"
 
 def pick_tile(rows_hint: int) -> GemmTile:
     """The tile `gemm` uses for a launch sized for rows_hint rows per expert."""
-    for bound, name in TILE_RULE:
-        if bound is None or rows_hint <= bound:
-            return TILES_BY_NAME[name]
-    raise AssertionError("TILE_RULE ends with an unbounded entry")
+    return pick_by_rows(TILE_RULE, TILES_BY_NAME, rows_hint)
 
 
 def fp16_image_bytes(hidden: int, ffn: int) -> tuple[int, int]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from .errors import FormatError, PluginError
 from .formats import (
@@ -90,6 +90,19 @@ def launch_mmq(kernel: Any, tile: MmqTile, fmt_name: str, stream: Any, weights: 
     kernel.launch(grid=(m // tile.m, len(expert_ids), grid_rows(rows_hint, tile.rows)),
                   block=(tile.threads, 1, 1), stream=stream,
                   args=(*ids, weights, acts, bounds, out, m, k), shared=tile.shared)
+
+
+T = TypeVar("T")
+
+
+def pick_by_rows(rule: tuple[tuple[int | None, str], ...], by_name: dict[str, T],
+                 rows_hint: int) -> T:
+    """The tile a launch sized for rows_hint rows per expert uses: rule is (largest rows_hint,
+    tile name) in order, ending with an unbounded (None) entry; by_name maps names to tiles."""
+    for bound, name in rule:
+        if bound is None or rows_hint <= bound:
+            return by_name[name]
+    raise AssertionError("a tile rule ends with an unbounded entry")
 
 
 def gather_blocks(nbytes: int) -> int:

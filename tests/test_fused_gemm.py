@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import re
 import subprocess
-from dataclasses import dataclass
 
 import numpy as np
 import pytest
 from _device_buffers import download, poisoned, upload
+from _recording import RecordingKernel
 
 from strata_rt.activations import F16
 from strata_rt.errors import FormatError
@@ -179,22 +179,6 @@ def test_reference_is_f16_gemm_reference_on_the_decoded_blocks(rng, part):
     assert got.dtype == np.float32 and got.shape == (int(bounds[-1]), m)
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
     assert not got[20:21].any() and got[:3].any()
-
-
-@dataclass
-class Launch:
-    grid: tuple
-    block: tuple
-    args: tuple
-    shared: int
-
-
-class RecordingKernel:
-    def __init__(self):
-        self.calls: list[Launch] = []
-
-    def launch(self, grid, block, stream, args, shared=0):
-        self.calls.append(Launch(tuple(grid), tuple(block), tuple(args), shared))
 
 
 def _recording() -> tuple[FusedGemm, dict[str, RecordingKernel]]:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
+from _recording import RecordingKernel
 
 from strata_rt.errors import FormatError
 from strata_rt.formats import MMQ_GROUP
@@ -136,22 +137,6 @@ def test_gemm_reference_agrees_with_the_fp16_format(rng):
     assert nmse(got, FP16().mmq_reference(raw, ids, x, bounds, m, k)) < 1e-12
     with pytest.raises(FormatError, match="float16"):
         gemm_reference(images, ids, x.astype(np.float32), bounds, m, k)
-
-
-@dataclass
-class Launch:
-    grid: tuple
-    block: tuple
-    args: tuple
-    shared: int
-
-
-class RecordingKernel:
-    def __init__(self):
-        self.calls: list[Launch] = []
-
-    def launch(self, grid, block, stream, args, shared=0):
-        self.calls.append(Launch(tuple(grid), tuple(block), tuple(args), shared))
 
 
 def _recording_gemm() -> tuple[GroupedGemm, dict[str, RecordingKernel]]:
