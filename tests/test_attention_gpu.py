@@ -110,11 +110,13 @@ def test_launch_shapes_and_argument_lists_match_the_source():
     (n1, g1, b1, s1, a1), (n2, g2, b2, s2, a2) = rt.calls
     assert (n1, g1, b1, s1) == ("qk_norm_rope_hd128", (8192 * 40 // 8, 1, 1), (256, 1, 1), 0)
     assert a1 == (0x1000, 8192, 300, 0x2000, 0x3000, 0x4000, 0x5000, 1e-6, 0x6000, 0x7000,
-                  0x8000, 32, 4)
+                  0x8000, 32, 4, 0)  # last: no device position register (start given)
     assert (n2, g2, b2) == ("attend_hd128", (8192 // 16, 4, 1), (128, 1, 1))
     assert s2 == attend_shared_bytes(128) == 96 * 1024
     assert a2[:8] == (0x6000, 0x7000, 0x8000, 0x9000, 8192, 300, 32, 4)
-    assert a2[8] == pytest.approx(128 ** -0.5 / np.log(2), rel=1e-7)
+    assert a2[8] == pytest.approx(128 ** -0.5 / np.log(2), rel=1e-7) and a2[9] == 0
+    kern.attend(None, 0x6000, 0x7000, 0x8000, 300, 1, 0x9000, start_dev=0xA000)
+    assert rt.calls[-1][4][9] == 0xA000  # a decode step's kernels read the start from there
     # group 3: 42 positions per block, rows 126 of 128
     assert AttentionKernels(Recorder(), 6, 2, 64).attend_grid(100) == (3, 2, 1)
     with pytest.raises(ConfigError, match="16-byte aligned"):
