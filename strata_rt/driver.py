@@ -234,8 +234,7 @@ class ChunkDriver:
         step = stats.routing_counts - before
         if own:
             stats.routing_counts = None
-        routed = np.argwhere(step > 0)
-        streamed = sum(self.residency.slot(int(layer), int(e)) is None for layer, e in routed)
+        streamed = int(((step > 0) & ~self.residency.mask()).sum())
         stats.experts_streamed += streamed
         stats.bytes_streamed += streamed * self.executor.blob_bytes
 

@@ -111,12 +111,6 @@ class FusedGemm:
         FormatKernels.mmq contract with native IQ3_XXS images of native_image_bytes(m, k) at
         weights + p * that, and fp16 activations [rows, k]). `tile` names a kernel of TILES
         instead of the one pick_tile chooses (same bytes, other speed)."""
-        if tile is None:
-            chosen = pick_tile(rows_hint)
-        elif tile in TILES_BY_NAME:
-            chosen = TILES_BY_NAME[tile]
-        else:
-            raise FormatError(f"fused IQ3_XXS tile {tile!r} is unknown; valid: "
-                              f"{', '.join(TILES_BY_NAME)}")
+        chosen = pick_by_rows(TILE_RULE, TILES_BY_NAME, rows_hint, tile, "fused IQ3_XXS")
         launch_mmq(self._kernels[chosen.name], chosen.launch, "IQ3_XXS f16_fused", stream,
                    weights, expert_ids, acts, bounds, out, m, k, rows_hint)

@@ -127,13 +127,7 @@ class GroupedGemm:
         FormatKernels.mmq contract with fp16 images of exactly 2*m*k bytes at weights +
         p*2*m*k, and fp16 activations [rows, k]). `tile` names a kernel of TILES instead of
         the one pick_tile chooses (same bytes, other speed)."""
-        if tile is None:
-            chosen = pick_tile(rows_hint)
-        elif tile in TILES_BY_NAME:
-            chosen = TILES_BY_NAME[tile]
-        else:
-            raise FormatError(f"fp16 GEMM tile {tile!r} is unknown; valid: "
-                              f"{', '.join(TILES_BY_NAME)}")
+        chosen = pick_by_rows(TILE_RULE, TILES_BY_NAME, rows_hint, tile, "fp16 GEMM")
         launch_mmq(self._gemm[chosen.name], chosen.launch, "fp16 GEMM", stream, weights,
                    expert_ids, acts, bounds, out, m, k, rows_hint)
 

@@ -96,9 +96,14 @@ T = TypeVar("T")
 
 
 def pick_by_rows(rule: tuple[tuple[int | None, str], ...], by_name: dict[str, T],
-                 rows_hint: int) -> T:
+                 rows_hint: int, tile: str | None = None, what: str = "GEMM") -> T:
     """The tile a launch sized for rows_hint rows per expert uses: rule is (largest rows_hint,
-    tile name) in order, ending with an unbounded (None) entry; by_name maps names to tiles."""
+    tile name) in order, ending with an unbounded (None) entry; by_name maps names to tiles.
+    `tile` names one of by_name instead (a FormatError naming `what` when it is unknown)."""
+    if tile is not None:
+        if tile not in by_name:
+            raise FormatError(f"{what} tile {tile!r} is unknown; valid: {', '.join(by_name)}")
+        return by_name[tile]
     for bound, name in rule:
         if bound is None or rows_hint <= bound:
             return by_name[name]
