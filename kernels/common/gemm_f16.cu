@@ -208,25 +208,15 @@ __device__ __forceinline__ void gemm_grouped(const uint8_t* __restrict__ weights
                                              const int* __restrict__ bounds,
                                              float* __restrict__ out, int m, int k)
 {
-    unsigned dyn;
-    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
-    if (dyn < (unsigned)C::SMEM) __trap();  // launched with less shared memory than it uses
-
-    // launch order -> (row tile fastest, weight tile, group position)
-    const unsigned gx = gridDim.x, gz = gridDim.z;
-    const unsigned lin = blockIdx.x + gx * (blockIdx.y + gridDim.y * blockIdx.z);
-    const int zt = lin % gz;
-    const int xt = (lin / gz) % gx;
-    const int pos = lin / (gz * gx);
-    int e = -1;  // ids.v[pos] by selects: a dynamic index would copy the ids to local memory
-#pragma unroll
-    for (int i = 0; i < 16; ++i) e = i == pos ? ids.v[i] : e;
+    require_dynamic_smem(C::SMEM);
+    const GroupedBlock blk = grouped_block(ids);
+    const int e = blk.expert, xt = blk.weight_tile;
     if (e < 0) return;
     const int r_end = bounds[e + 1];
-    const __half* w = reinterpret_cast<const __half*>(weights) + (size_t)pos * m * k +
+    const __half* w = reinterpret_cast<const __half*>(weights) + (size_t)blk.pos * m * k +
                       (size_t)xt * C::BN * k;
     const unsigned smem = smem_addr(gemm_smem);
-    for (int row0 = bounds[e] + zt * C::BM; row0 < r_end; row0 += gz * C::BM)
+    for (int row0 = bounds[e] + blk.row_tile * C::BM; row0 < r_end; row0 += gridDim.z * C::BM)
         gemm_tile<C>(w, acts, out, m, k, xt * C::BN, row0, min(C::BM, r_end - row0), smem);
 }
 

@@ -9,6 +9,34 @@
 // so a launch needs no host-to-device copy and can be captured in a CUDA graph.
 struct Ids16 { int v[16]; };
 
+// Traps when the launch gave less dynamic shared memory than the kernel uses: a launcher that
+// disagrees with its kernel must fail loudly, never write past the allocation.
+__device__ __forceinline__ void require_dynamic_smem(unsigned bytes) {
+    unsigned dyn;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
+    if (dyn < bytes) __trap();
+}
+
+// One block of a grouped GEMM under the MMQ ABI (grid = weight tiles x group positions x row
+// tiles). Blocks run in launch order with the row tile fastest, then the weight tile, then the
+// group position, so the row tiles sharing a weight tile run together and read it from L2.
+// expert: ids.v[pos] (-1: an empty position), found by selects because a dynamic index would
+// copy the ids to local memory.
+struct GroupedBlock { int row_tile, weight_tile, pos, expert; };
+
+__device__ __forceinline__ GroupedBlock grouped_block(const Ids16& ids) {
+    const unsigned gx = gridDim.x, gz = gridDim.z;
+    const unsigned lin = blockIdx.x + gx * (blockIdx.y + gridDim.y * blockIdx.z);
+    GroupedBlock b;
+    b.row_tile = lin % gz;
+    b.weight_tile = (lin / gz) % gx;
+    b.pos = lin / (gz * gx);
+    b.expert = -1;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) b.expert = i == b.pos ? ids.v[i] : b.expert;
+    return b;
+}
+
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
     return (unsigned)__cvta_generic_to_shared(p);
 }

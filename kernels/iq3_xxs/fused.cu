@@ -246,20 +246,10 @@ __device__ __forceinline__ void fused_grouped(const uint8_t* __restrict__ weight
                                               const int* __restrict__ bounds,
                                               float* __restrict__ out, int m, int k)
 {
-    unsigned dyn;
-    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
-    if (dyn < (unsigned)C::SMEM) __trap();  // launched with less shared memory than it uses
-
-    // launch order -> (row tile fastest, weight tile, group position), as gemm_f16.cu: the
-    // row tiles sharing a weight tile run together and read it from L2
-    const unsigned gx = gridDim.x, gz = gridDim.z;
-    const unsigned lin = blockIdx.x + gx * (blockIdx.y + gridDim.y * blockIdx.z);
-    const int zt = lin % gz;
-    const int xt = (lin / gz) % gx;
-    const int pos = lin / (gz * gx);
-    int e = -1;  // ids.v[pos] by selects: a dynamic index would copy the ids to local memory
-#pragma unroll
-    for (int i = 0; i < 16; ++i) e = i == pos ? ids.v[i] : e;
+    require_dynamic_smem(C::SMEM);
+    const GroupedBlock blk = grouped_block(ids);  // the same block order as gemm_f16.cu
+    const int e = blk.expert, xt = blk.weight_tile, zt = blk.row_tile, pos = blk.pos;
+    const unsigned gz = gridDim.z;
     if (e < 0) return;
     const int r_beg = bounds[e], r_end = bounds[e + 1];
     if (r_beg + zt * C::BM >= r_end) return;  // no row tile for this block

@@ -166,9 +166,7 @@ __device__ __forceinline__ void attend(const __half* __restrict__ q,
                                        __half* __restrict__ out, int T, int start, int n_heads,
                                        int n_kv, float scale_log2) {
     using C = AttnCfg<HD>;
-    unsigned dyn;
-    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
-    if (dyn < (unsigned)C::SMEM) __trap();  // launched with less shared memory than it uses
+    require_dynamic_smem(C::SMEM);
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int group = n_heads / n_kv;
