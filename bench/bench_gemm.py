@@ -45,8 +45,9 @@ from bench_mmq import (  # noqa: E402
     torch_event_timer,
 )
 
+from strata_rt.cutlass_gemm import CUTLASS_TILES  # noqa: E402
 from strata_rt.formats import MMQ_GROUP  # noqa: E402
-from strata_rt.grouped_gemm import TILES, GroupedGemm, fp16_image_layout, pick_tile  # noqa: E402
+from strata_rt.grouped_gemm import TILES, GroupedGemm, fp16_image_layout  # noqa: E402
 from strata_rt.quants.iq3_xxs import IQ3XXS  # noqa: E402
 
 MODELS = {"30b": ("Qwen3-30B-A3B", 2048, 768), "235b": ("Qwen3-235B-A22B", 4096, 1536)}
@@ -212,11 +213,11 @@ def bench_model(lb: LayerBench, counts: dict[int, np.ndarray], tiles: list[str],
                      "parts": {}}
         for part, (m, k) in lb.shapes.items():
             cell = {"auto_ms": median_ms(lambda part=part: lb.gemm(part), reps, timer),
-                    "auto_tiles": sorted({pick_tile(lb.hint(g, None)).name
+                    "auto_tiles": sorted({lb.gg.tile_name(lb.hint(g, None))
                                           for g in range(N_GROUPS)}),
                     "walk_ms": median_ms(lambda part=part, t=t: lb.gemm(part, walk_tokens=t),
                                          reps, timer),
-                    "walk_tile": pick_tile(walk_hint(t)).name,
+                    "walk_tile": lb.gg.tile_name(walk_hint(t)),
                     "tiles": {name: median_ms(lambda part=part, name=name: lb.gemm(part, name),
                                               reps, timer) for name in tiles}}
             cell["tflops"] = tflops(rows, m, k, cell["auto_ms"])
@@ -244,6 +245,9 @@ def strata_phase(models: list[str], counts: dict[int, np.ndarray], tiles: list[s
     t_compile = time.perf_counter()
     gg = GroupedGemm(rt)
     res["compile_s"] = time.perf_counter() - t_compile
+    res["cutlass"] = gg._cutlass is not None
+    if not res["cutlass"]:
+        tiles[:] = [t for t in tiles if not t.startswith("cutlass_")]
     max_rows = max(int(c.sum()) for c in counts.values())
     for model in models:
         lb = LayerBench(rt, s, gg, model, max_rows, rng)
@@ -257,6 +261,10 @@ def strata_phase(models: list[str], counts: dict[int, np.ndarray], tiles: list[s
 
 
 # ------------------------------------------------------------------------------ report
+def _short(name: str) -> str:
+    return name.removeprefix("gemm_f16_").replace("cutlass_", "cl_")
+
+
 def _cell(ms: float, rows: int, m: int, k: int) -> str:
     return f"{ms:.3f} / {tflops(rows, m, k, ms):.0f}"
 
@@ -277,7 +285,7 @@ def tables(res: dict, models: list[str], tiles: list[str]) -> str:
         lines += ["", "Tile sweep (ms / TFLOPS of the part; rows_hint = the group's busiest "
                   "expert):", "",
                   "| model | tokens | part | auto (tiles) | "
-                  + " | ".join(n.removeprefix("gemm_f16_") for n in tiles) + " |",
+                  + " | ".join(_short(n) for n in tiles) + " |",
                   "|---|---|---|---|" + "---|" * len(tiles)]
         for model in models:
             _, hidden, ffn = MODELS[model]
@@ -289,7 +297,7 @@ def tables(res: dict, models: list[str], tiles: list[str]) -> str:
                              + ("**" if n == best else "") for n in tiles]
                     lines.append(f"| {model} | {t} | {part} | "
                                  f"{_cell(c['auto_ms'], r['rows'], m, k)} "
-                                 f"({','.join(a.removeprefix('gemm_f16_') for a in c['auto_tiles'])}) | "
+                                 f"({','.join(_short(a) for a in c['auto_tiles'])}) | "
                                  + " | ".join(cells) + " |")
     lines += ["", "Whole MoE layer, effective TFLOPS = 2 * rows * 3 * hidden * ffn / time "
               "(torch: bf16, weights resident):", "",
@@ -334,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     bad = [m for m in models if m not in MODELS]
     if bad:
         ap.error(f"unknown models {bad}; valid: {', '.join(MODELS)}")
-    names = [t.name for t in TILES]
+    names = [t.name for t in TILES] + [t.name for t in CUTLASS_TILES]
     tiles = names if a.tiles == "all" else [] if a.tiles == "none" else a.tiles.split(",")
     if set(tiles) - set(names):
         ap.error(f"unknown tiles {sorted(set(tiles) - set(names))}; valid: {', '.join(names)}")

@@ -84,6 +84,14 @@ SWITCHES: dict[str, Switch] = {
                "a whole model's dense projections and output head: cublas (cuBLAS GemmEx, the "
                "default) or own (the project's fp16 GEMM, whose bytes do not depend on the "
                "chunk's row count, so GPU logits are the same bytes for any chunking)."),
+        Switch("STRATA_F16_GEMM", "choice:auto,cutlass,own",
+               "the grouped fp16 GEMM (fp16 images: FP16, IQ3_XXS f16_gemm): auto (on sm_90 "
+               "CUTLASS's wgmma kernels for launches of 64 rows per expert or more when "
+               "nvidia-cutlass is installed, warning once when it is not; the own mma.sync "
+               "kernels otherwise), cutlass (the same, an error where it cannot) or own."),
+        Switch("STRATA_CUTLASS_DIR", "path",
+               "a CUTLASS checkout (include/, tools/util/include/) to build the sm_90 "
+               "grouped GEMM with, instead of the nvidia-cutlass package's headers."),
         Switch("STRATA_HOST_MEMORY_CHECK", "flag",
                "0: skip the check that the host has the memory a run needs before it "
                "allocates (for systems that overcommit or swap); sizes beyond a 64-bit "

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .cutlass_gemm import CUTLASS_BY_NAME, CutlassGemm, cutlass_for, cutlass_tile
 from .errors import FormatError
 from .formats import MMQ_GROUP, ExpertLayout, expert_rows, first_misaligned
 from .launchers import MMQ_ARG_TYPES, MmqTile, check_aligned, launch_mmq, pick_by_rows
@@ -90,6 +91,9 @@ TILES_BY_NAME = {t.name: t for t in TILES}
 #: set from bench/bench_gemm.py's per-tile sweep: small tiles waste fewer zero rows on experts
 #: with few rows, large ones read each operand fewer times.
 TILE_RULE = ((48, "gemm_f16_m32"), (160, "gemm_f16_m64"), (None, "gemm_f16_m128"))
+#: from this rows_hint on, a launch on sm_90 goes to the CUTLASS wgmma kernels
+#: (strata_rt.cutlass_gemm, which picks among its own tiles) when they are available
+CUTLASS_MIN_ROWS = 64
 
 
 def pick_tile(rows_hint: int) -> GemmTile:
@@ -118,6 +122,8 @@ class GroupedGemm:
         self.runtime = runtime
         mod = runtime.module(GEMM_SOURCE)
         self._gemm = {t.name: mod.kernel(t.name, MMQ_ARG_TYPES) for t in TILES}
+        #: the sm_90 kernels for large launches, or None (the own kernels serve every size)
+        self._cutlass = cutlass_for(runtime)
         self._dequant = runtime.module(DEQUANT_SOURCE).kernel(
             "iq3_dequant_gather", "P" * MMQ_GROUP + "PPqqqqqqiPi") if iq3_gather else None
 
@@ -126,10 +132,31 @@ class GroupedGemm:
         """out[r, :] = W_p @ acts[r, :] for every row r of every expert of the group (the
         FormatKernels.mmq contract with fp16 images of exactly 2*m*k bytes at weights +
         p*2*m*k, and fp16 activations [rows, k]). `tile` names a kernel of TILES instead of
-        the one pick_tile chooses (same bytes, other speed)."""
+        the one pick_tile chooses (same bytes, other speed), or of CUTLASS_TILES where the
+        CUTLASS kernels are available."""
+        cutlass = self._cutlass_for(rows_hint, tile)
+        if cutlass is not None:
+            cutlass.gemm(stream, weights, expert_ids, acts, bounds, out, m, k, rows_hint,
+                         tile=tile)
+            return
         chosen = pick_by_rows(TILE_RULE, TILES_BY_NAME, rows_hint, tile, "fp16 GEMM")
         launch_mmq(self._gemm[chosen.name], chosen.launch, "fp16 GEMM", stream, weights,
                    expert_ids, acts, bounds, out, m, k, rows_hint)
+
+    def _cutlass_for(self, rows_hint: int, tile: str | None) -> CutlassGemm | None:
+        """The CUTLASS kernels when this launch goes to them, else None."""
+        cutlass = getattr(self, "_cutlass", None)  # absent on launch-logic test doubles
+        if cutlass is None:
+            return None
+        if tile is None:
+            return cutlass if rows_hint >= CUTLASS_MIN_ROWS else None
+        return cutlass if tile in CUTLASS_BY_NAME else None
+
+    def tile_name(self, rows_hint: int) -> str:
+        """The kernel `gemm` runs for rows_hint when no tile is named."""
+        cutlass = self._cutlass_for(rows_hint, None)
+        return (cutlass_tile(rows_hint).name if cutlass is not None
+                else pick_tile(rows_hint).name)
 
     def dequant_gather_iq3(self, stream, srcs: list[int], first_pos: int, gu_buf: int,
                            down_buf: int, layout: ExpertLayout, bounds: int = 0,

@@ -250,6 +250,7 @@ def fake(monkeypatch, rng):
 
     monkeypatch.setattr(runtime_pkg.Runtime, "open", staticmethod(open_fake))
     monkeypatch.delenv("STRATA_CUDA_GRAPH", raising=False)
+    monkeypatch.setenv("STRATA_F16_GEMM", "own")  # the fake runs no library kernels
     return holder
 
 

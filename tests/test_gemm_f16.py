@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import re
 import subprocess
-from dataclasses import dataclass
 
 import numpy as np
 import pytest
+from _gemm_cases import NAN_F32, GemmCase, _download, _upload, make_gemm_case, run_gemm
 from _recording import RecordingKernel
 
 from strata_rt.errors import FormatError
@@ -45,7 +45,6 @@ GEMM_NMSE = 1e-6
 #: and the float32 activations (the issue's contract for the new kernels: <= 1e-5)
 END_TO_END_NMSE = 1e-5
 GEOMETRIES = [(2048, 768), (4096, 1536)]  # Qwen3-30B-A3B and Qwen3-235B-A22B experts
-NAN_F32 = np.uint32(0x7FC00000)
 
 
 # ------------------------------------------------------------------------------ CPU
@@ -225,20 +224,6 @@ def test_gemm_without_the_iq3_gather():
 
 
 # ------------------------------------------------------------------------------ GPU
-def _upload(rt, stream, host: np.ndarray):
-    buf = rt.alloc(max(host.nbytes, 16))
-    if host.nbytes:
-        rt.memcpy_htod(buf.ptr, np.ascontiguousarray(host), stream)
-    return buf
-
-
-def _download(rt, stream, ptr: int, nbytes: int) -> np.ndarray:
-    host = np.empty(nbytes, dtype=np.uint8)
-    rt.memcpy_dtoh(host, ptr, stream)
-    stream.synchronize()
-    return host
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("hidden,ffn,n,first_pos", [
     (512, 256, MMQ_GROUP, 0), (2048, 768, MMQ_GROUP, 0), (2048, 768, 5, 11), (4096, 1536, 3, 2),
@@ -280,63 +265,6 @@ def test_gpu_dequant_gather_bytes(rt, rng, hidden, ffn, n, first_pos):
         assert np.array_equal(dn_all[first_pos + p], want_dn), f"expert {p}: down differs"
     untouched = [q for q in range(MMQ_GROUP) if not first_pos <= q < first_pos + n]
     assert np.all(gu_all[untouched] == 0xFF) and np.all(dn_all[untouched] == 0xFF)
-
-
-@dataclass
-class GemmCase:
-    images: np.ndarray   # float16 [n, m, k]
-    x: np.ndarray        # float16 [rows, k], sorted by expert
-    bounds: np.ndarray   # int32 [layer experts + 1]
-    ids: tuple[int, ...]
-
-    @property
-    def m(self) -> int:
-        return self.images.shape[1]
-
-    @property
-    def k(self) -> int:
-        return self.images.shape[2]
-
-    def rows_of_group(self) -> np.ndarray:
-        mask = np.zeros(self.x.shape[0], bool)
-        for e in self.ids:
-            mask[self.bounds[e]: self.bounds[e + 1]] = True
-        return mask
-
-    def max_rows(self) -> int:
-        return int(max(self.bounds[e + 1] - self.bounds[e] for e in self.ids))
-
-
-def make_gemm_case(rng, m: int, k: int, counts: list[int], ids: tuple[int, ...]) -> GemmCase:
-    bounds = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-    images = (rng.standard_normal((len(ids), m, k), dtype=np.float32) * k ** -0.5)
-    x = rng.standard_normal((int(bounds[-1]), k), dtype=np.float32)
-    if x.shape[0]:
-        x[rng.integers(x.shape[0])] *= 40.0  # an outlier row
-    return GemmCase(images.astype(np.float16), x.astype(np.float16), bounds, ids)
-
-
-def run_gemm(rt, gg: GroupedGemm, case: GemmCase, rows_hints: list[int],
-             tiles: list[str | None]) -> list[np.ndarray]:
-    """One launch per (rows_hint, tile), each on an output poisoned with NaN; raw uint32 outs."""
-    s = rt.stream("test")
-    rows = case.x.shape[0]
-    bufs = [_upload(rt, s, a) for a in (case.images, case.x, case.bounds)]
-    out = rt.alloc(max(rows, 1) * case.m * 4)
-    outs = []
-    try:
-        for hint in rows_hints:
-            for tile in tiles:
-                poison = np.full(max(rows, 1) * case.m, NAN_F32)
-                rt.memcpy_htod(out.ptr, poison, s)
-                gg.gemm(s, bufs[0].ptr, case.ids, bufs[1].ptr, bufs[2].ptr, out.ptr, case.m,
-                        case.k, hint, tile=tile)
-                raw = _download(rt, s, out.ptr, out.nbytes).view(np.uint32)
-                outs.append(raw.reshape(max(rows, 1), case.m)[:rows])
-    finally:
-        for b in [*bufs, out]:
-            b.free()
-    return outs
 
 
 #: (m, k, rows of each of the layer's experts, the group's expert ids): both geometries' gate/up

@@ -178,9 +178,7 @@ __device__ __forceinline__ void mmq_body(const Ids16& ids, const char* __restric
 
     // The launcher mirrors Smem<>::TOTAL (quants/iq3_xxs_device.py: mmq_smem_bytes); a
     // mismatch must fail loudly, never write past the allocation.
-    unsigned dyn_smem;
-    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
-    if (dyn_smem < (unsigned)S::TOTAL) __trap();
+    require_dynamic_smem(S::TOTAL);
 
     extern __shared__ __align__(16) char smem[];
     unsigned* grid_s = reinterpret_cast<unsigned*>(smem);
@@ -563,9 +561,7 @@ __device__ __forceinline__ void mmq_pipe_body(const Ids16& ids, const char* __re
     const int nrows_e = bounds[expert + 1] - row_begin;
     if ((int)blockIdx.z * TM >= nrows_e) return;
 
-    unsigned dyn_smem;
-    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
-    if (dyn_smem < (unsigned)S::TOTAL) __trap();
+    require_dynamic_smem(S::TOTAL);
 
     extern __shared__ __align__(16) char smem[];
     uint2* grid16 = reinterpret_cast<uint2*>(smem);

@@ -59,6 +59,14 @@ def cmd_check_kernels(args: argparse.Namespace) -> int:
         raise ConfigError(f"--arch: got {args.arch!r}; expected e.g. sm_80,sm_90",
                           source="command line")
     results = check_kernels([loaded.format for loaded in registry().formats.values()], archs)
+    if "sm_90" in archs:
+        from ..cutlass_gemm import check_library, find_headers
+
+        built = check_library()
+        if built is None:
+            print(f"skip cutlass    sm_90a  grouped_gemm_sm90.cu ({find_headers()[1]})")
+        else:
+            results.append(built)
     for r in results:
         print(f"{'ok  ' if r.ok else 'FAIL'} {r.owner:10s} {r.arch}  {r.source.name}  "
               f"({r.seconds:.1f} s)")
@@ -85,9 +93,11 @@ EPILOG_CHECK_KERNELS = """examples:
   strata check-kernels
   strata check-kernels --arch sm_90
 
-compiles the shared kernels and every loaded format's kernels with nvcc (cached); exits 1 with
-the compiler's message when one fails, and when the shared kernels are missing (an install
-without its package data). No GPU needed."""
+compiles the shared kernels and every loaded format's kernels with nvcc (cached); with sm_90,
+also the CUTLASS grouped GEMM library for sm_90a (a minute or two the first time; skipped, with
+the reason, when the nvidia-cutlass headers are not installed). Exits 1 with the compiler's
+message when one fails, and when the shared kernels are missing (an install without its
+package data). No GPU needed."""
 
 def register(command) -> None:
     """Adds this module's subcommands; `command(name, help, epilog)` makes a parser."""

@@ -100,10 +100,19 @@ def include_flags() -> list[str]:
     return ["-I", str(KERNELS_ROOT), "-I", str(_common_dir())]
 
 
-def _cache_key(source: Path, text: bytes, arch: str, flags: list[str], version: str) -> str:
+def _cache_key(source: Path, text: bytes, arch: str, flags: list[str], version: str,
+               extra: Mapping[str, bytes] | None = None) -> str:
+    """sha256 over everything that can change the output. `extra` maps include roots outside
+    the kernels tree to the bytes that identify their contents: those bytes enter the key, the
+    roots' paths do not (two installs of one version share the build)."""
     h = hashlib.sha256()
+    extra = dict(extra or {})
     roots = {str(KERNELS_ROOT): "<kernels>", str(_common_dir()): "<common>"}
+    roots.update({path: "<extra>" for path in extra})
     keyed = [roots.get(f, f) for f in flags]
+    for data in sorted(extra.values()):
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
     for part in (str(source.name).encode(), text, arch.encode(), "\0".join(keyed).encode(),
                  version.encode()):
         h.update(len(part).to_bytes(8, "little"))
@@ -138,6 +147,40 @@ def compile_cubin(source: Path, arch: str, defines: Defines | None = None,
     target = cache_dir() / f"{source.stem}-{arch}-{key[:24]}.cubin"
     if target.exists():
         return target
+    what = f"{source} for {arch}" + (f" with {' '.join(_define_flags(defines))}"
+                                     if defines else "")
+    return _build(nvcc, flags, source, target, what)
+
+
+#: Flags of a shared library (host code and kernels together, loaded with ctypes).
+SHARED_FLAGS = ("-shared", "-Xcompiler", "-fPIC", "-O3", "-std=c++17",
+                "--expt-relaxed-constexpr", "-DNDEBUG")
+
+
+def compile_shared(source: Path, arch: str, include_roots: Mapping[str, bytes]) -> Path:
+    """Compiles `source` (host and device code) for `arch` into a cached shared library and
+    returns its path. include_roots maps each extra include folder to the bytes that identify
+    its contents (a version header): they join the cache key, the folder's path does not.
+
+    Raises KernelBuildError with nvcc's output when the source does not compile."""
+    source = Path(source).resolve()
+    try:
+        text = source.read_bytes()
+    except OSError as e:
+        raise KernelBuildError(f"library source {source}: cannot read it ({e})") from None
+    nvcc = _require_nvcc()
+    flags = [*SHARED_FLAGS, f"-arch={arch}", *include_flags()]
+    for root in include_roots:
+        flags += ["-I", root]
+    key = _cache_key(source, text, arch, flags, nvcc_version(nvcc), include_roots)
+    target = cache_dir() / f"lib{source.stem}-{arch}-{key[:24]}.so"
+    if target.exists():
+        return target
+    return _build(nvcc, flags, source, target, f"{source} for {arch}")
+
+
+def _build(nvcc: str, flags: list[str], source: Path, target: Path, what: str) -> Path:
+    """Runs nvcc into a temporary file beside target, then renames it into place."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=target.stem, suffix=".tmp", dir=target.parent)
     os.close(fd)
@@ -145,12 +188,11 @@ def compile_cubin(source: Path, arch: str, defines: Defines | None = None,
         cmd = [nvcc, *flags, "-o", tmp, str(source)]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
-            raise KernelBuildError(
-                f"nvcc could not compile {source} for {arch}"
-                f"{' with ' + ' '.join(_define_flags(defines)) if defines else ''}:\n"
-                f"{(done.stdout + done.stderr).strip()}\ncommand: {' '.join(cmd)}")
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, target)  # atomic: a reader sees no cubin or a whole one
+            raise KernelBuildError(f"nvcc could not compile {what}:\n"
+                                   f"{(done.stdout + done.stderr).strip()}\n"
+                                   f"command: {' '.join(cmd)}")
+        os.chmod(tmp, 0o755 if target.suffix == ".so" else 0o644)
+        os.replace(tmp, target)  # atomic: a reader sees nothing or the whole file
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
