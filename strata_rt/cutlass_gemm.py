@@ -35,6 +35,7 @@ from .formats import MMQ_GROUP, ids16
 from .launchers import check_aligned, pick_by_rows
 from .resources import KERNELS_ROOT
 from .runtime.compile import KernelCheck, compile_shared
+from .runtime.graph import is_capturing
 
 if TYPE_CHECKING:
     from .runtime import Runtime
@@ -54,8 +55,8 @@ M_MULTIPLE = 4
 INSTALL_HINT = ("pip install nvidia-cutlass (or the cuda extra: pip install 'strata_rt[cuda]'), "
                 "or set STRATA_CUTLASS_DIR to a CUTLASS checkout")
 _ERR_LEN = 512
-#: streams of one runtime that may launch the CUTLASS GEMM (one argument block each)
-STREAMS = 8
+#: argument blocks kept allocated and initialized ahead of streams not seen yet
+SPARE_BLOCKS = 4
 
 
 @dataclass(frozen=True)
@@ -187,7 +188,9 @@ class CutlassGemm:
     """The library opened on one runtime's context: a session (its initialized kernels) and,
     per stream, an argument block with its workspace (a launch's prepare kernel writes the
     block its grouped kernel then reads; launches on one stream are ordered, so a stream's block
-    is never overwritten while read). `free` (also at runtime close) ends it all."""
+    is never overwritten while read). A captured graph keeps its stream's block: replay it on
+    the stream it was captured on (as the engine does), or while that stream is idle. `free`
+    (also at runtime close) ends it all."""
 
     def __init__(self, runtime: Runtime):
         why = unavailable_reason(runtime)
@@ -205,27 +208,32 @@ class CutlassGemm:
         self.workspace_bytes = max(
             int(self.lib.strata_cutlass_workspace_bytes(self._session, t.index))
             for t in CUTLASS_TILES)
-        # one argument block and one workspace per stream, carved from one allocation made
-        # now: a stream first seen inside a graph capture cannot allocate
-        self._block_bytes = _align(int(self.lib.strata_cutlass_args_bytes())) + _align(
-            self.workspace_bytes)
-        self._pool: DeviceBuffer = runtime.alloc(STREAMS * self._block_bytes)
+        # an argument block with its workspace per stream; a few spare ones are allocated
+        # and initialized ahead, because a stream first seen inside a graph capture can
+        # neither allocate nor wait for an initialization
+        self._block_bytes = _align(int(self.lib.strata_cutlass_args_bytes()))
+        self._buffers: list[DeviceBuffer] = []
+        self._spare: list[int] = []
         self._blocks: dict[int, int] = {}
         self._err = ctypes.create_string_buffer(_ERR_LEN)
         self._lock = threading.Lock()
         runtime._own(self)
-        self._warm_up()
+        self._top_up()
 
-    def _warm_up(self) -> None:
-        """Runs every kernel with no rows on every block, on a private stream: the library's
-        modules load and each (kernel, block) is initialized now, not inside a later graph
-        capture, and a library that cannot run on this device fails here."""
+    def _top_up(self) -> None:
+        """Allocates spare blocks up to SPARE_BLOCKS and runs every kernel once on each, with no
+        rows, on a private stream: the library's modules load and each (kernel, block) is
+        initialized now, and a library that cannot run on this device fails here."""
+        if len(self._spare) >= SPARE_BLOCKS:
+            return
         stream = self.runtime.stream("cutlass warm-up")
-        scratch = self._pool.ptr
-        for i in range(STREAMS):
+        while len(self._spare) < SPARE_BLOCKS:
+            buf = self.runtime.alloc(self._block_bytes + _align(max(self.workspace_bytes, 1)))
+            self._buffers.append(buf)
             for t in CUTLASS_TILES:
-                self._launch(stream, t, (-1,) * MMQ_GROUP, scratch, scratch, 0, scratch, 256, 64,
-                             block=i)
+                self._launch_on(stream, buf.ptr, t, (-1,) * MMQ_GROUP, buf.ptr, buf.ptr, 0,
+                                buf.ptr, 256, 64)
+            self._spare.append(buf.ptr)
         stream.synchronize()
 
     def gemm(self, stream, weights: int, expert_ids: tuple[int, ...], acts: int, bounds: int,
@@ -241,38 +249,45 @@ class CutlassGemm:
             raise FormatError(f"CUTLASS GEMM needs m % {M_MULTIPLE} == 0 and k % {K_MULTIPLE} "
                               f"== 0; got m={m}, k={k}")
         check_aligned({"weights": weights, "acts": acts, "out": out})
-        self._launch(stream, chosen, ids, weights, acts, bounds, out, m, k)
-
-    def _launch(self, stream, tile: CutlassTile, ids: tuple[int, ...], weights: int, acts: int,
-                bounds: int, out: int, m: int, k: int, block: int | None = None) -> None:
-        id_arr = (ctypes.c_int * len(ids))(*ids)
         with self._lock:
-            index = self._block_for(stream) if block is None else block
-            args = self._pool.ptr + index * self._block_bytes
-            workspace = args + _align(int(self.lib.strata_cutlass_args_bytes()))
-            code = self.lib.strata_cutlass_gemm(
-                self._session, tile.index, ctypes.c_void_p(stream.handle or None), id_arr,
-                weights, acts, bounds, out, m, k, args, workspace, self.workspace_bytes,
-                self._err, _ERR_LEN)
+            self._launch_on(stream, self._block_for(stream), chosen, ids, weights, acts, bounds,
+                            out, m, k)
+            if not is_capturing(stream):
+                self._top_up()
+
+    def _launch_on(self, stream, block: int, tile: CutlassTile, ids: tuple[int, ...],
+                   weights: int, acts: int, bounds: int, out: int, m: int, k: int) -> None:
+        id_arr = (ctypes.c_int * len(ids))(*ids)
+        code = self.lib.strata_cutlass_gemm(
+            self._session, tile.index, ctypes.c_void_p(stream.handle or None), id_arr, weights,
+            acts, bounds, out, m, k, block, block + self._block_bytes, self.workspace_bytes,
+            self._err, _ERR_LEN)
         if code != 0:
             raise FormatError(f"CUTLASS GEMM {tile.name} (m={m}, k={k}) failed: "
                               f"{self._err.value.decode(errors='replace')}")
 
     def _block_for(self, stream) -> int:
+        """The stream's argument block. A handle names one live stream: CUDA releases a
+        destroyed stream only after its work has finished, so a later stream that gets the
+        same handle may take over its block."""
         key = int(stream.handle or 0)
         if key not in self._blocks:
-            if len(self._blocks) == STREAMS:
-                raise FormatError(f"CUTLASS GEMM: launches on more than {STREAMS} streams of "
-                                  "one runtime (each stream holds an argument block)")
-            self._blocks[key] = len(self._blocks)
+            if not self._spare:
+                raise FormatError(
+                    f"CUTLASS GEMM: more than {SPARE_BLOCKS} streams launched it for the first "
+                    "time inside one graph capture; launch once on each stream before capturing")
+            self._blocks[key] = self._spare.pop()
         return self._blocks[key]
 
     def free(self) -> None:
         if self._session is not None:
             session, self._session = self._session, None
             self.lib.strata_cutlass_close(session)
-        self._pool.free()
+        for buf in self._buffers:
+            buf.free()
+        self._buffers.clear()
         self._blocks.clear()
+        self._spare.clear()
 
 
 def _align(n: int, to: int = 256) -> int:

@@ -35,6 +35,7 @@ def _libcuda() -> ctypes.CDLL:
         ("cuGraphLaunch", [vp, vp]),
         ("cuGraphExecDestroy", [vp]),
         ("cuGraphDestroy", [vp]),
+        ("cuStreamIsCapturing", [vp, ctypes.POINTER(ctypes.c_int)]),
         ("cuGetErrorString", [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]),
     ):
         fn = getattr(lib, name)
@@ -83,6 +84,15 @@ class Graph:
             lib.cuGraphExecDestroy(self._exec)
             lib.cuGraphDestroy(self._graph)
             self._exec = self._graph = None
+
+
+def is_capturing(stream: Stream) -> bool:
+    """Whether work enqueued on `stream` is being recorded into a graph now (then nothing may
+    allocate or synchronize)."""
+    status = ctypes.c_int()
+    _check(_libcuda().cuStreamIsCapturing(stream.handle, ctypes.byref(status)),
+           f"cuStreamIsCapturing on stream {stream.name!r}")
+    return status.value != 0
 
 
 @contextmanager
