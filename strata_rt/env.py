@@ -86,7 +86,7 @@ SWITCHES: dict[str, Switch] = {
                "chunk's row count, so GPU logits are the same bytes for any chunking)."),
         Switch("STRATA_F16_GEMM", "choice:auto,cutlass,own",
                "the grouped fp16 GEMM (fp16 images: FP16, IQ3_XXS f16_gemm): auto (on sm_90 "
-               "CUTLASS's wgmma kernels for launches of 64 rows per expert or more when "
+               "CUTLASS's wgmma kernels for launches of 96 rows per expert or more when "
                "nvidia-cutlass is installed, warning once when it is not; the own mma.sync "
                "kernels otherwise), cutlass (the same, an error where it cannot) or own."),
         Switch("STRATA_CUTLASS_DIR", "path",

@@ -92,8 +92,10 @@ TILES_BY_NAME = {t.name: t for t in TILES}
 #: with few rows, large ones read each operand fewer times.
 TILE_RULE = ((48, "gemm_f16_m32"), (160, "gemm_f16_m64"), (None, "gemm_f16_m128"))
 #: from this rows_hint on, a launch on sm_90 goes to the CUTLASS wgmma kernels
-#: (strata_rt.cutlass_gemm, which picks among its own tiles) when they are available
-CUTLASS_MIN_ROWS = 64
+#: (strata_rt.cutlass_gemm, which picks among its own tiles) when they are available; below
+#: it the own small tiles win (bench/bench_gemm.py's sweep: 512-token layers, busiest expert
+#: of a group 6-85 rows)
+CUTLASS_MIN_ROWS = 96
 
 
 def pick_tile(rows_hint: int) -> GemmTile:
