@@ -6,16 +6,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from _format_harness import NAN_BITS as NAN_F32
+from _format_harness import upload as _upload
 
-#: a float32 quiet NaN's bits: outputs are filled with it before a launch
-NAN_F32 = np.uint32(0x7FC00000)
+__all__ = ["GEMM_CASES", "NAN_F32", "GemmCase", "_download", "_upload", "make_gemm_case",
+           "run_gemm"]
 
-
-def _upload(rt, stream, host: np.ndarray):
-    buf = rt.alloc(max(host.nbytes, 16))
-    if host.nbytes:
-        rt.memcpy_htod(buf.ptr, np.ascontiguousarray(host), stream)
-    return buf
+#: (m, k, rows of each of the layer's experts, the group's expert ids): both geometries' gate/up
+#: (m = 2*ffn, k = hidden) and down (m = hidden, k = ffn) shapes; 0, 1, odd and tile-straddling
+#: row counts; a full group of 16; one expert holding every row; experts outside the group;
+#: a group of one; nothing to do (output untouched)
+GEMM_CASES = [
+    (1536, 2048, [0, 1, 7, 33, 64, 65, 127, 129, 255, 3, 0, 300, 2, 31, 96, 160, 5],
+     tuple(range(16))),
+    (2048, 768, [5, 0, 1, 70, 3, 129, 0, 17], (0, 1, 2, 3, 5, 7)),
+    (3072, 4096, [0, 200, 1, 0, 61], (1, 2, 4)),
+    (4096, 1536, [9, 0, 131, 1, 513], (0, 1, 2, 3, 4)),
+    (1536, 2048, [0, 0, 1100, 0, 0, 0], (0, 1, 2, 3, 4)),
+    (2048, 768, [4, 1000, 4], (1,)),
+    (256, 128, [0, 0, 0], (0, 1, 2)),
+]
 
 
 def _download(rt, stream, ptr: int, nbytes: int) -> np.ndarray:

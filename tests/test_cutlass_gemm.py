@@ -14,7 +14,7 @@ import re
 
 import numpy as np
 import pytest
-from _gemm_cases import NAN_F32, _download, _upload, make_gemm_case, run_gemm
+from _gemm_cases import GEMM_CASES, NAN_F32, _download, _upload, make_gemm_case, run_gemm
 
 from strata_rt import cutlass_gemm
 from strata_rt.cutlass_gemm import (
@@ -31,20 +31,6 @@ from strata_rt.runtime.compile import nvcc_available
 from strata_rt.testing import nmse
 
 GEMM_NMSE = 1e-6
-#: gate/up and down shapes of both geometries (30B: 2048/768, 235B: 4096/1536) with 0, 1, odd,
-#: tile-straddling and very uneven row counts; a full group of 16; a group of one; no rows
-CASES = [
-    (1536, 2048, [0, 1, 7, 33, 64, 65, 127, 129, 255, 3, 0, 300, 2, 31, 96, 160, 5],
-     tuple(range(16))),
-    (2048, 768, [5, 0, 1, 70, 3, 129, 0, 17], (0, 1, 2, 3, 5, 7)),
-    (3072, 4096, [0, 200, 1, 0, 61], (1, 2, 4)),
-    (4096, 1536, [9, 0, 131, 1, 513], (0, 1, 2, 3, 4)),
-    (1536, 2048, [0, 0, 1100, 0, 0, 0], (0, 1, 2, 3, 4)),
-    (2048, 768, [4, 1000, 4], (1,)),
-    (256, 128, [0, 0, 0], (0, 1, 2)),
-]
-
-
 # ------------------------------------------------------------------------------ CPU
 def test_tile_table_matches_the_source():
     text = CUTLASS_SOURCE.read_text()
@@ -154,7 +140,7 @@ def _cutlass_or_skip(rt) -> cutlass_gemm.CutlassGemm:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,k,counts,ids", CASES)
+@pytest.mark.parametrize("m,k,counts,ids", GEMM_CASES)
 def test_gpu_matches_float64_and_is_deterministic(rt, rng, m, k, counts, ids):
     cg = _cutlass_or_skip(rt)
     case = make_gemm_case(rng, m, k, counts, ids)

@@ -14,7 +14,15 @@ import subprocess
 
 import numpy as np
 import pytest
-from _gemm_cases import NAN_F32, GemmCase, _download, _upload, make_gemm_case, run_gemm
+from _gemm_cases import (
+    GEMM_CASES,
+    NAN_F32,
+    GemmCase,
+    _download,
+    _upload,
+    make_gemm_case,
+    run_gemm,
+)
 from _recording import RecordingKernel
 
 from strata_rt.errors import FormatError
@@ -265,21 +273,6 @@ def test_gpu_dequant_gather_bytes(rt, rng, hidden, ffn, n, first_pos):
         assert np.array_equal(dn_all[first_pos + p], want_dn), f"expert {p}: down differs"
     untouched = [q for q in range(MMQ_GROUP) if not first_pos <= q < first_pos + n]
     assert np.all(gu_all[untouched] == 0xFF) and np.all(dn_all[untouched] == 0xFF)
-
-
-#: (m, k, rows of each of the layer's experts, the group's expert ids): both geometries' gate/up
-#: (m = 2*ffn, k = hidden) and down (m = hidden, k = ffn) shapes; 0, 1, odd and tile-straddling
-#: row counts; a full group of 16; one expert holding every row; experts outside the group
-GEMM_CASES = [
-    (1536, 2048, [0, 1, 7, 33, 64, 65, 127, 129, 255, 3, 0, 300, 2, 31, 96, 160, 5],
-     tuple(range(16))),
-    (2048, 768, [5, 0, 1, 70, 3, 129, 0, 17], (0, 1, 2, 3, 5, 7)),
-    (3072, 4096, [0, 200, 1, 0, 61], (1, 2, 4)),
-    (4096, 1536, [9, 0, 131, 1], (0, 1, 2, 3)),
-    (1536, 2048, [0, 0, 700, 0, 0, 0], (0, 1, 2, 3, 4)),  # very uneven: one expert, all rows
-    (2048, 768, [4, 1000, 4], (1,)),                      # a group of one
-    (256, 128, [0, 0, 0], (0, 1, 2)),                     # nothing to do: output untouched
-]
 
 
 @pytest.mark.gpu

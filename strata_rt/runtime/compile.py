@@ -128,16 +128,21 @@ def _cache_key(source: Path, text: bytes, arch: str, flags: list[str], version: 
     return h.hexdigest()
 
 
+def _read_source(source: Path, what: str) -> tuple[Path, bytes]:
+    """The resolved path and bytes of a source; KernelBuildError when it cannot be read."""
+    source = Path(source).resolve()
+    try:
+        return source, source.read_bytes()
+    except OSError as e:
+        raise KernelBuildError(f"{what} source {source}: cannot read it ({e})") from None
+
+
 def compile_cubin(source: Path, arch: str, defines: Defines | None = None,
                   extra_flags: Iterable[str] = ()) -> Path:
     """Compiles `source` for `arch` (e.g. "sm_90") and returns the cached cubin's path.
 
     Raises KernelBuildError with nvcc's output when the source does not compile."""
-    source = Path(source).resolve()
-    try:
-        text = source.read_bytes()
-    except OSError as e:
-        raise KernelBuildError(f"kernel source {source}: cannot read it ({e})") from None
+    source, text = _read_source(source, "kernel")
     if not arch.startswith("sm_"):
         raise KernelBuildError(f"arch {arch!r} for {source.name}: expected sm_XY, e.g. sm_90")
     nvcc = _require_nvcc()
@@ -163,11 +168,7 @@ def compile_shared(source: Path, arch: str, include_roots: Mapping[str, bytes]) 
     its contents (a version header): they join the cache key, the folder's path does not.
 
     Raises KernelBuildError with nvcc's output when the source does not compile."""
-    source = Path(source).resolve()
-    try:
-        text = source.read_bytes()
-    except OSError as e:
-        raise KernelBuildError(f"library source {source}: cannot read it ({e})") from None
+    source, text = _read_source(source, "library")
     nvcc = _require_nvcc()
     flags = [*SHARED_FLAGS, f"-arch={arch}", *include_flags()]
     for root in include_roots:
