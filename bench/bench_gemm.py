@@ -11,8 +11,10 @@ expert. Per prompt length, CUDA events around whole phases (median of --reps aft
 - dequant: the 8 batched dequantizing gathers of a layer (128 experts, 8 group buffers), beside
   one launch per expert and a device-to-device copy of the fp16 bytes written;
 - GEMM: the 8 group launches of gate/up (m = 2*ffn, k = hidden) and of down (m = hidden,
-  k = ffn), rows_hint = the group's busiest expert (the staging ring's hint) with the tile
-  pick_tile chooses, the walk's hint (2 x mean rows) too, and every tile of --tiles forced;
+  k = ffn), rows_hint = the group's busiest expert (the staging ring's hint) with the kernel
+  GroupedGemm picks (own mma.sync tiles, or on sm_90 the CUTLASS tiles from
+  grouped_gemm.CUTLASS_MIN_ROWS), the walk's hint (2 x mean rows) too, and every tile of --tiles
+  forced (own and CUTLASS);
 - effective TFLOPS = 2 * rows * (2*ffn*hidden + hidden*ffn) / time, rows = tokens * 8, for the
   GEMMs alone and with the dequant gather;
 - torch (bf16, weights resident): torch.bmm on per-expert batches padded to the busiest expert,

@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 
 CUTLASS_SOURCE = KERNELS_ROOT / "cutlass" / "grouped_gemm_sm90.cu"
 #: the library's extern "C" surface version (strata_cutlass_abi)
-ABI = 2
+ABI = 3
 #: wgmma and TMA exist from sm_90; the "a" target enables the arch-specific instructions
 LIBRARY_ARCH = "sm_90a"
 RUNS_ON = "sm_90"
@@ -77,13 +77,14 @@ class CutlassTile:
 #: every kernel of grouped_gemm_sm90.cu, in its order (tests/test_cutlass_gemm.py checks)
 CUTLASS_TILES = (
     CutlassTile("cutlass_128x256", 0, 128, 256, "cooperative", 1),
-    CutlassTile("cutlass_128x256_c2", 1, 128, 256, "cooperative", 2),
-    CutlassTile("cutlass_64x256", 2, 64, 256, "pingpong", 1),
+    CutlassTile("cutlass_64x256", 1, 64, 256, "pingpong", 1),
+    CutlassTile("cutlass_64x128", 2, 64, 128, "pingpong", 1),
+    CutlassTile("cutlass_128x128", 3, 128, 128, "cooperative", 1),
 )
 CUTLASS_BY_NAME = {t.name: t for t in CUTLASS_TILES}
 #: (largest rows_hint, tile) in order, for launches grouped_gemm hands over (its TILE_RULE says
 #: from which rows_hint); set from bench/bench_gemm.py's per-tile sweep
-CUTLASS_RULE = ((None, "cutlass_64x256"),)
+CUTLASS_RULE = ((256, "cutlass_64x128"), (None, "cutlass_64x256"))
 
 
 def cutlass_tile(rows_hint: int, tile: str | None = None) -> CutlassTile:

@@ -76,8 +76,9 @@ using PingEpi = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
 
 // The kernels this library holds, in the order of strata_rt.cutlass_gemm.CUTLASS_TILES.
 using Coop128x256 = Config<Shape<_128, _256, _64>, Shape<_1, _1, _1>, Coop, CoopEpi>;
-using Coop128x256c2 = Config<Shape<_128, _256, _64>, Shape<_2, _1, _1>, Coop, CoopEpi>;
 using Ping64x256 = Config<Shape<_64, _256, _64>, Shape<_1, _1, _1>, Ping, PingEpi>;
+using Ping64x128 = Config<Shape<_64, _128, _64>, Shape<_1, _1, _1>, Ping, PingEpi>;
+using Coop128x128 = Config<Shape<_128, _128, _64>, Shape<_1, _1, _1>, Coop, CoopEpi>;
 
 // Every config shares these stride types (row-major or K-major operands, one batch).
 using StrideA = typename Coop128x256::Kernel::InternalStrideA;
@@ -211,12 +212,12 @@ using namespace strata;
 extern "C" {
 
 // Version of this surface; strata_rt.cutlass_gemm refuses a library of another.
-int strata_cutlass_abi(void) { return 2; }
+int strata_cutlass_abi(void) { return 3; }
 
 // Device bytes of one argument block (one per stream that launches).
 size_t strata_cutlass_args_bytes(void) { return sizeof(GroupArgs); }
 
-int strata_cutlass_tiles(void) { return 3; }
+int strata_cutlass_tiles(void) { return 4; }
 
 // A session for the CUDA context current on this thread (its device, sm_count
 // multiprocessors); 0 when the device cannot be read.
@@ -241,8 +242,9 @@ size_t strata_cutlass_workspace_bytes(void* session, int tile) {
   Session* ses = static_cast<Session*>(session);
   switch (tile) {
     case 0: return workspace_of<Coop128x256>(ses->device, ses->sm_count);
-    case 1: return workspace_of<Coop128x256c2>(ses->device, ses->sm_count);
-    case 2: return workspace_of<Ping64x256>(ses->device, ses->sm_count);
+    case 1: return workspace_of<Ping64x256>(ses->device, ses->sm_count);
+    case 2: return workspace_of<Ping64x128>(ses->device, ses->sm_count);
+    case 3: return workspace_of<Coop128x128>(ses->device, ses->sm_count);
     default: return 0;
   }
 }
@@ -271,9 +273,11 @@ int strata_cutlass_gemm(void* session, int tile, void* stream, const int* expert
     case 0:
       return launch<Coop128x256>(ses, 0, s, g, workspace, workspace_bytes, err, err_len);
     case 1:
-      return launch<Coop128x256c2>(ses, 1, s, g, workspace, workspace_bytes, err, err_len);
+      return launch<Ping64x256>(ses, 1, s, g, workspace, workspace_bytes, err, err_len);
     case 2:
-      return launch<Ping64x256>(ses, 2, s, g, workspace, workspace_bytes, err, err_len);
+      return launch<Ping64x128>(ses, 2, s, g, workspace, workspace_bytes, err, err_len);
+    case 3:
+      return launch<Coop128x128>(ses, 3, s, g, workspace, workspace_bytes, err, err_len);
     default:
       set_error(err, err_len, "tile", "unknown index");
       return 6;
