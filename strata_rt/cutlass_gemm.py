@@ -83,8 +83,9 @@ CUTLASS_TILES = (
 )
 CUTLASS_BY_NAME = {t.name: t for t in CUTLASS_TILES}
 #: (largest rows_hint, tile) in order, for launches grouped_gemm hands over (its TILE_RULE says
-#: from which rows_hint); set from bench/bench_gemm.py's per-tile sweep
-CUTLASS_RULE = ((256, "cutlass_64x128"), (None, "cutlass_64x256"))
+#: from which rows_hint); set from bench/bench_gemm.py's per-tile sweep, where the pingpong
+#: 64x256 tile was the fastest or within 3% of it on both geometries from 2,048 tokens up
+CUTLASS_RULE = ((None, "cutlass_64x256"),)
 
 
 def cutlass_tile(rows_hint: int, tile: str | None = None) -> CutlassTile:
