@@ -223,3 +223,25 @@ def test_alignment_is_refused_on_the_host_naming_the_value():
     assert why == "down image = 8200 (0x2008) is not a multiple of 16"
     with pytest.raises(FormatError, match="weights = 4097"):
         check_aligned({"weights": 4097, "acts": 4096})
+
+
+def test_f16_variant_images_are_the_weights_in_fp16(rng):
+    """variant f16_gemm: the dequantizing gather's twin gives fp16 of the exact weights, gate
+    rows then up rows, bit for bit (signed zeros of negative scales included), and the same
+    blob bytes as the default."""
+    base = Q2Blob()
+    fmt = base.for_variant("f16_gemm")
+    assert fmt is not base and fmt.for_variant("f16_gemm") is fmt
+    assert type(fmt.for_variant("default")) is Q2Blob and base.for_variant(None) is base
+    h, f = 256, 128
+    blob = base.random_expert(rng, h, f)
+    gu, dn = fmt.images(blob, h, f)
+    gate, up, down = base.unpack_expert(blob, h, f)
+    want_gu = np.vstack([gate, up]).astype(np.float16).view(np.uint16).reshape(-1)
+    assert np.array_equal(gu.view(np.uint16), want_gu)
+    assert np.array_equal(dn.view(np.uint16), down.astype(np.float16).view(np.uint16).reshape(-1))
+    assert (gu.view(np.uint16) == 0x8000).any(), "a negative scale's zero level is -0"
+    lay, lay16 = base.layout(h, f), fmt.layout(h, f)
+    assert lay16.blob_bytes == lay.blob_bytes
+    assert (lay16.gate_up_image_bytes, lay16.down_image_bytes) == (4 * f * h, 2 * h * f)
+    assert fmt.kernels_class().gather_kernel == ("q2_dequant_f16", "ii")
