@@ -20,10 +20,10 @@ from typing import Any
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from strata_rt.activations import F16, Q8_1, Q8_1Acts
+from strata_rt.activations import Q8_1, Q8_1Acts
 from strata_rt.errors import FormatError, GGUFError
-from strata_rt.formats import ExpertLayout, FormatKernels, QuantFormat, expert_rows
-from strata_rt.grouped_gemm import fp16_image_layout, gemm_reference
+from strata_rt.f16_images import F16ImagesVariant
+from strata_rt.formats import FormatKernels, QuantFormat, expert_rows
 from strata_rt.hookspecs import hookimpl
 from strata_rt.resources import KERNELS_ROOT
 
@@ -316,14 +316,9 @@ class IQ3XXS(QuantFormat):
         return f"<{type(self).__name__} {self.name} ({self.variant})>"
 
 
-class IQ3XXSDequantF16(IQ3XXS):
+class IQ3XXSDequantF16(F16ImagesVariant, IQ3XXS):
     """IQ3_XXS blobs multiplied as fp16 images on fp16 activations (see the module doc)."""
 
-    activation = F16
-    exact = False
-    #: the element type the group-buffer images hold: the exact weights rounded to it (the
-    #: conformance suite's image check reads this)
-    image_dtype = np.float16
     description = ("IQ3_XXS, f16_gemm: dequantizing gather into fp16 images, grouped fp16 GEMM "
                    "with fp32 accumulation over the whole K, fp16 activations")
 
@@ -332,29 +327,12 @@ class IQ3XXSDequantF16(IQ3XXS):
 
         self.variant = F16_GEMM
 
-    def layout(self, hidden: int, ffn: int) -> ExpertLayout:
-        """The IQ3_XXS blob (same ranges and bytes) with fp16 images: 2 * rows * cols bytes."""
-        return fp16_image_layout(super().layout(hidden, ffn))
-
     def images(self, blob: np.ndarray, hidden: int, ffn: int) -> tuple[np.ndarray, np.ndarray]:
         """The fp16 images the dequantizing gather writes, as uint8 (its numpy twin)."""
         self.check_dims(hidden, ffn)
         from .iq3_xxs_f16 import dequant_iq3_images
 
         return dequant_iq3_images(blob, hidden, ffn)
-
-    def image_matrix(self, image: np.ndarray, rows: int, cols: int) -> np.ndarray:
-        raw = np.ascontiguousarray(image, dtype=np.uint8).reshape(-1)
-        if raw.size != 2 * rows * cols:
-            raise FormatError(f"{self.name} ({self.variant}): an fp16 image of {rows} x {cols} "
-                              f"takes {2 * rows * cols} bytes, got {raw.size}")
-        return raw.view(np.float16).reshape(rows, cols).astype(np.float32)
-
-    def mmq_reference(self, image: np.ndarray, expert_ids: tuple[int, ...], acts: Any,
-                      bounds: np.ndarray, m: int, k: int) -> np.ndarray:
-        """float64 products of the fp16 images and the fp16 activations (from
-        prepare_activations), rounded to float32; rows outside the group are zero."""
-        return gemm_reference(image, expert_ids, acts, bounds, m, k)
 
     def kernel_sources(self) -> list[Path]:
         """The dequantizing gather; the GEMM is kernels/common/gemm_f16.cu (shared)."""

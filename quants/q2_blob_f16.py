@@ -17,14 +17,13 @@ kernel meets within the conformance suite's tolerance, with the same bytes on ev
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from strata_rt.activations import F16
-from strata_rt.errors import FormatError
+from strata_rt.f16_images import F16ImagesVariant
 from strata_rt.formats import ExpertLayout, FormatKernels, QuantFormat
-from strata_rt.grouped_gemm import GroupedGemm, fp16_image_layout, gemm_reference
+from strata_rt.grouped_gemm import GroupedGemm
 from strata_rt.resources import KERNELS_ROOT
 
 from .q2_blob import Planes, Q2Blob, Q2Kernels, decode
@@ -35,20 +34,12 @@ if TYPE_CHECKING:
 F16_GEMM = "f16_gemm"
 
 
-class Q2BlobDequantF16(Q2Blob):
+class Q2BlobDequantF16(F16ImagesVariant, Q2Blob):
     """Q2 blobs multiplied as fp16 images on fp16 activations (see the module doc)."""
 
-    activation = F16
-    exact = False
-    #: the element type the group-buffer images hold (the conformance suite's image check)
-    image_dtype = np.float16
     description = ("Q2 blob, f16_gemm: dequantizing gather into fp16 images, grouped fp16 GEMM "
                    "with fp32 accumulation over the whole K, fp16 activations")
     variant = F16_GEMM
-
-    def layout(self, hidden: int, ffn: int) -> ExpertLayout:
-        """The Q2 blob (same planes and bytes) with fp16 images: 2 * rows * cols bytes."""
-        return fp16_image_layout(super().layout(hidden, ffn))
 
     def images(self, blob: np.ndarray, hidden: int, ffn: int) -> tuple[np.ndarray, np.ndarray]:
         """The fp16 images the dequantizing gather writes, as uint8 (its numpy twin)."""
@@ -59,19 +50,6 @@ class Q2BlobDequantF16(Q2Blob):
             dn16 = decode(dc, ds).astype(np.float16)
         return gu16.reshape(-1).view(np.uint8), dn16.reshape(-1).view(np.uint8)
 
-    def image_matrix(self, image: np.ndarray, rows: int, cols: int) -> np.ndarray:
-        raw = np.ascontiguousarray(image, dtype=np.uint8).reshape(-1)
-        if raw.size != 2 * rows * cols:
-            raise FormatError(f"{self.name} ({self.variant}): an fp16 image of {rows} x {cols} "
-                              f"takes {2 * rows * cols} bytes, got {raw.size}")
-        return raw.view(np.float16).reshape(rows, cols).astype(np.float32)
-
-    def mmq_reference(self, image: np.ndarray, expert_ids: tuple[int, ...], acts: Any,
-                      bounds: np.ndarray, m: int, k: int) -> np.ndarray:
-        """float64 products of the fp16 images and the fp16 activations, rounded to float32;
-        rows outside the group are zero."""
-        return gemm_reference(image, expert_ids, acts, bounds, m, k)
-
     def kernel_sources(self) -> list[Path]:
         """The dequantizing gather and the exact MMQ source PerExpertKernels loads beside it;
         the GEMM is kernels/common/gemm_f16.cu (shared)."""
@@ -79,9 +57,6 @@ class Q2BlobDequantF16(Q2Blob):
 
     def kernels_class(self) -> type[FormatKernels]:
         return Q2DequantF16Kernels
-
-    def __repr__(self) -> str:
-        return f"<{type(self).__name__} {self.name} ({self.variant})>"
 
 
 class Q2DequantF16Kernels(Q2Kernels):
