@@ -33,7 +33,6 @@ the best codes for the scale it actually carries. On Gaussian weights the error 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -43,7 +42,6 @@ from strata_rt.errors import FormatError
 from strata_rt.formats import ExpertLayout, FormatKernels, QuantFormat, expert_rows
 from strata_rt.hookspecs import hookimpl
 from strata_rt.launchers import MmqTile, PerExpertKernels
-from strata_rt.resources import KERNELS_ROOT
 
 GROUP = 64           # weights per scale
 NCAND = 32           # candidate scales per sign
@@ -259,10 +257,6 @@ class Q2Blob(QuantFormat):
     # ---------------------------------------------------------------- device side
     def kernels_class(self) -> type[FormatKernels]:
         return Q2Kernels
-
-    def kernel_sources(self) -> list[Path]:
-        """The image rebuild and the exact MMQ (dequant.cu belongs to the f16_gemm variant)."""
-        return [KERNELS_ROOT / self.kernel_dir / n for n in ("gather.cu", "mmq.cu")]
 
     def mmq_variants(self) -> tuple[str, ...]:
         """default: the exact int8 MMQ on q8_1 activations; f16_gemm: fp16 images and the
