@@ -159,7 +159,8 @@ class Q2Blob(QuantFormat):
     roundtrip_nmse = 0.15
     dim_multiple = 128
     description = ("planar 2-bit blob (gate/up interleaved, fp16 scale per 64), "
-                   "2.25 bits/weight; int8 tensor-core MMQ on q8_1 activations")
+                   "2.25 bits/weight; default: exact int8 tensor-core MMQ on q8_1 activations; "
+                   "f16_gemm: dequantizing gather to fp16 images, grouped fp16 GEMM")
 
     # ---------------------------------------------------------------- layout
     def layout(self, hidden: int, ffn: int) -> ExpertLayout:
