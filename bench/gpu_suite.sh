@@ -2,7 +2,8 @@
 # One GPU session in one command: every GPU test, then the benchmarks. Logs, JSON and tables go
 # under $BENCH_OUT (default ./out). Stages run in order; pick them with arguments:
 #   bash bench/gpu_suite.sh tests digests gemm routing formats mmq prefill-quick prefill \
-#        attention dense whole-30b whole-235b whole-235b-16g acceptance decode peers
+#        stream-235b attention dense whole-30b whole-235b whole-235b-16g acceptance decode \
+#        peers ncu-gemm        (ncu-gemm: Nsight Compute, $NCU or ncu on PATH)
 # A failing stage is reported and the next one still runs; the exit code counts failures.
 set -uo pipefail
 out=${BENCH_OUT:-out}
@@ -38,6 +39,12 @@ for what in "${@:-tests}"; do
         prefill-quick) stage bench-prefill-quick python3 bench/bench_prefill.py --layers 8 \
                    --prompts 1030,8179 --pairs 1 --out "$out" ;;
         prefill) stage bench-prefill python3 bench/bench_prefill.py --out "$out" ;;
+        stream-235b) stage stream-235b env STRATA_HOST_MEMORY_CHECK=0 python3 -m strata_rt.cli \
+                   run configs/qwen3-235b-a22b-stream.yaml --json "$out/stream-235b.json" ;;
+        ncu-gemm) stage ncu-gemm "${NCU:-ncu}" -k regex:device_kernel --launch-skip 60 --launch-count 1 \
+                   --section SpeedOfLight --section Occupancy --section ComputeWorkloadAnalysis \
+                   --section LaunchStats python3 bench/bench_gemm.py --models 30b --tokens 8192 \
+                   --reps 3 --tiles none --no-torch ;;
         attention) stage bench-attention python3 bench/bench_attention.py --json "$out/attention.json" ;;
         dense) stage bench-dense python3 bench/bench_dense.py --json "$out/dense.json" ;;
         whole-30b) stage whole-30b python3 bench/bench_whole.py --out "$out" ;;
