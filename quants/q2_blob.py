@@ -28,21 +28,35 @@ then nearest codes for that scale; neither step can raise the error) and the bes
 The scale is stored as fp16 and the codes are reassigned to the stored scale, so the blob holds
 the best codes for the scale it actually carries. On Gaussian weights the error lands within
 0.2% of a dense 4,001-point scale search per group (tested), NMSE about 0.123.
+
+Variant f16_gemm (STRATA_MMQ_KERNEL=f16_gemm; Q2BlobDequantF16): the same blob, a per-expert
+gather (kernels/q2_blob/dequant.cu) that writes fp16 images, each weight fp16((code-1)*scale),
+which is exact, and the grouped fp16 GEMM of strata_rt.grouped_gemm on fp16 activations. Not
+exact: it meets the float64 reference of its fp16 inputs within the conformance tolerance; the
+default stays the exact int8 MMQ.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from strata_rt.activations import Q8_1
 from strata_rt.errors import FormatError
+from strata_rt.f16_images import F16ImagesVariant
 from strata_rt.formats import ExpertLayout, FormatKernels, QuantFormat, expert_rows
+from strata_rt.grouped_gemm import GroupedGemm
 from strata_rt.hookspecs import hookimpl
 from strata_rt.launchers import MmqTile, PerExpertKernels
+from strata_rt.resources import KERNELS_ROOT
 
+if TYPE_CHECKING:
+    from strata_rt.runtime import Runtime
+
+F16_GEMM = "f16_gemm"  # the fp16-image variant
 GROUP = 64           # weights per scale
 NCAND = 32           # candidate scales per sign
 FRAC_LO = 0.25       # smallest candidate, as a fraction of the covering scale
@@ -261,13 +275,11 @@ class Q2Blob(QuantFormat):
 
     def mmq_variants(self) -> tuple[str, ...]:
         """default: the exact int8 MMQ on q8_1 activations; f16_gemm: fp16 images and the
-        grouped fp16 GEMM (quants/q2_blob_f16.py)."""
+        grouped fp16 GEMM (Q2BlobDequantF16)."""
         return ("default", "f16_gemm")
 
     def for_variant(self, name: str | None) -> QuantFormat:
         super().for_variant(name)
-        from .q2_blob_f16 import F16_GEMM, Q2BlobDequantF16
-
         if name == F16_GEMM:
             return self if isinstance(self, Q2BlobDequantF16) else Q2BlobDequantF16()
         return self if type(self) is Q2Blob else Q2Blob()
@@ -304,6 +316,52 @@ class Q2Kernels(PerExpertKernels):
 
     def gather_args(self) -> tuple[int, ...]:
         return (self.layout.hidden, self.layout.ffn)
+
+
+class Q2BlobDequantF16(F16ImagesVariant, Q2Blob):
+    """Q2 blobs multiplied as fp16 images on fp16 activations (see the module doc)."""
+
+    description = ("Q2 blob, f16_gemm: dequantizing gather into fp16 images, grouped fp16 GEMM "
+                   "with fp32 accumulation over the whole K, fp16 activations")
+    variant = F16_GEMM
+
+    def images(self, blob: np.ndarray, hidden: int, ffn: int) -> tuple[np.ndarray, np.ndarray]:
+        """The fp16 images the dequantizing gather writes, as uint8 (its numpy twin)."""
+        gc, dc, gs, ds = self._planes(blob, hidden, ffn)
+        gu = decode(gc, gs)  # blob rows: gate 0, up 0, gate 1, ...
+        with np.errstate(over="ignore"):
+            gu16 = np.concatenate([gu[0::2], gu[1::2]]).astype(np.float16)
+            dn16 = decode(dc, ds).astype(np.float16)
+        return gu16.reshape(-1).view(np.uint8), dn16.reshape(-1).view(np.uint8)
+
+    def kernel_sources(self) -> list[Path]:
+        """The dequantizing gather and the exact MMQ source PerExpertKernels loads beside it;
+        the GEMM is kernels/common/gemm_f16.cu (shared)."""
+        return [KERNELS_ROOT / self.kernel_dir / n for n in ("dequant.cu", "mmq.cu")]
+
+    def kernels_class(self) -> type[FormatKernels]:
+        return Q2DequantF16Kernels
+
+
+class Q2DequantF16Kernels(Q2Kernels):
+    """The per-expert dequantizing gather and the shared grouped fp16 GEMM (the exact MMQ that
+    Q2Kernels loads stays unused)."""
+
+    gather_kernel = ("q2_dequant_f16", "ii")
+    gather_source = "dequant.cu"
+    gather_planes = 2
+
+    def __init__(self, fmt: QuantFormat, runtime: Runtime, layout: ExpertLayout):
+        super().__init__(fmt, runtime, layout)
+        self._gg = GroupedGemm(runtime, iq3_gather=False)
+
+    def gather_units(self) -> int:
+        """16 bytes per thread of the grid-sizing rule = one 32-bit code word per thread."""
+        return 4 * Planes.of(self.layout.hidden, self.layout.ffn).gu_codes_bytes
+
+    def mmq(self, stream, weights: int, expert_ids: tuple[int, ...], acts: int, bounds: int,
+            out: int, m: int, k: int, rows_hint: int) -> None:
+        self._gg.gemm(stream, weights, expert_ids, acts, bounds, out, m, k, rows_hint)
 
 
 @hookimpl

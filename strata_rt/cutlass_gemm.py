@@ -226,8 +226,6 @@ class CutlassGemm:
         """Allocates spare blocks up to SPARE_BLOCKS and runs every kernel once on each, with no
         rows, on a private stream: the library's modules load and each (kernel, block) is
         initialized now, and a library that cannot run on this device fails here."""
-        if len(self._spare) >= SPARE_BLOCKS:
-            return
         stream = self.runtime.stream("cutlass warm-up")
         while len(self._spare) < SPARE_BLOCKS:
             buf = self.runtime.alloc(self._block_bytes + _align(max(self.workspace_bytes, 1)))
@@ -254,7 +252,7 @@ class CutlassGemm:
         with self._lock:
             self._launch_on(stream, self._block_for(stream), chosen, ids, weights, acts, bounds,
                             out, m, k)
-            if not is_capturing(stream):
+            if len(self._spare) < SPARE_BLOCKS and not is_capturing(stream):
                 self._top_up()
 
     def _launch_on(self, stream, block: int, tile: CutlassTile, ids: tuple[int, ...],

@@ -147,7 +147,7 @@ class GroupedGemm:
 
     def _cutlass_for(self, rows_hint: int, tile: str | None) -> CutlassGemm | None:
         """The CUTLASS kernels when this launch goes to them, else None."""
-        cutlass = getattr(self, "_cutlass", None)  # absent on launch-logic test doubles
+        cutlass = self._cutlass
         if cutlass is None:
             return None
         if tile is None:

@@ -1,16 +1,54 @@
-"""Device buffers, random grouped-GEMM cases and a poisoned-output runner shared by the tests of
-the fp16 GEMMs (tests/test_gemm_f16.py, tests/test_cutlass_gemm.py)."""
+"""Device buffers, random grouped-GEMM cases, a poisoned-output runner and the launch-check and
+register-budget helpers shared by the tests of the GEMMs (tests/test_gemm_f16.py,
+tests/test_cutlass_gemm.py, tests/test_fused_gemm.py)."""
 
 from __future__ import annotations
 
+import re
+import subprocess
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
+import pytest
 from _format_harness import NAN_BITS as NAN_F32
 from _format_harness import upload as _upload
 
-__all__ = ["GEMM_CASES", "NAN_F32", "GemmCase", "_download", "_upload", "make_gemm_case",
-           "run_gemm"]
+from strata_rt.errors import FormatError
+from strata_rt.resources import KERNELS_ROOT
+from strata_rt.runtime.compile import nvcc_path
+
+__all__ = ["GEMM_ARGS", "GEMM_CASES", "NAN_F32", "GemmCase", "_download", "_upload",
+           "assert_fits_registers", "assert_refused", "make_gemm_case", "run_gemm"]
+
+#: one valid launch under the MMQ contract; the argument-check tests change one field of it
+GEMM_ARGS = dict(weights=4096, expert_ids=(0, 1), acts=8192, bounds=12288, out=16384, m=1536,
+                 k=2048, rows_hint=64, tile=None)
+
+
+def assert_fits_registers(source: Path, arch: str, tiles_by_name: dict, out_dir: Path) -> None:
+    """ptxas -v on `source` for `arch`: every kernel is a tile of tiles_by_name (each with
+    threads and min_blocks), none spills, and min_blocks blocks fit the SM's 64K registers."""
+    out = subprocess.run(
+        [str(nvcc_path()), "-cubin", "-O3", "-std=c++17", f"-arch={arch}", "-I",
+         str(KERNELS_ROOT), "-Xptxas", "-v", "-o", str(out_dir / f"{source.stem}.cubin"),
+         str(source)], capture_output=True, text=True, check=True).stderr
+    found = re.findall(r"Compiling entry function '(\w+)'.*?(\d+) bytes spill stores, (\d+) bytes "
+                       r"spill loads.*?Used (\d+) registers", out, re.S)
+    assert {name for name, *_ in found} == set(tiles_by_name)
+    for name, stores, loads, regs in found:
+        t = tiles_by_name[name]
+        print(f"{arch} {name}: {regs} registers, spills {stores}/{loads} bytes")
+        assert int(stores) == int(loads) == 0, name
+        assert int(regs) * t.threads * t.min_blocks <= 65536, name
+
+
+def assert_refused(gemm, kernels: dict, change: dict, match: str) -> None:
+    """GEMM_ARGS with `change` applied: gemm.gemm raises a FormatError naming `match` and
+    launches none of `kernels` (recording kernels)."""
+    with pytest.raises(FormatError, match=re.escape(match)):
+        gemm.gemm(None, **{**GEMM_ARGS, **change})
+    assert not any(k.calls for k in kernels.values())
 
 #: (m, k, rows of each of the layer's experts, the group's expert ids): both geometries' gate/up
 #: (m = 2*ffn, k = hidden) and down (m = hidden, k = ffn) shapes; 0, 1, odd and tile-straddling

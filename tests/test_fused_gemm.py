@@ -12,11 +12,11 @@ agrees with the float64 references (same fp16 inputs; exact weights and float32 
 from __future__ import annotations
 
 import re
-import subprocess
 
 import numpy as np
 import pytest
 from _device_buffers import download, poisoned, upload
+from _gemm_cases import assert_fits_registers, assert_refused
 from _recording import RecordingKernel
 
 from strata_rt.activations import F16
@@ -39,8 +39,7 @@ from strata_rt.quants.iq3_xxs_fused import (
     fused_reference,
     native_images_to_f16,
 )
-from strata_rt.resources import KERNELS_ROOT
-from strata_rt.runtime.compile import nvcc_available, nvcc_path
+from strata_rt.runtime.compile import nvcc_available
 from strata_rt.testing import nmse
 from strata_rt.testing_abi import Recorder
 
@@ -96,18 +95,7 @@ def test_tiles_fit_the_hardware():
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_kernels_fit_their_register_budget(tmp_path, arch):
     """Every tile keeps its min_blocks per SM without spilling (ptxas -v)."""
-    out = subprocess.run(
-        [nvcc_path(), "-cubin", "-O3", "-std=c++17", f"-arch={arch}", "-I", str(KERNELS_ROOT),
-         "-Xptxas", "-v", "-o", str(tmp_path / "f.cubin"), str(FUSED_SOURCE)],
-        capture_output=True, text=True, check=True).stderr
-    found = re.findall(r"Compiling entry function '(\w+)'.*?(\d+) bytes spill stores, (\d+) bytes "
-                       r"spill loads.*?Used (\d+) registers", out, re.S)
-    assert {name for name, *_ in found} == set(TILES_BY_NAME)
-    for name, stores, loads, regs in found:
-        t = TILES_BY_NAME[name]
-        print(f"{arch} {name}: {regs} registers, spills {stores}/{loads} bytes")
-        assert int(stores) == int(loads) == 0, name
-        assert int(regs) * t.threads * t.min_blocks <= 65536, name
+    assert_fits_registers(FUSED_SOURCE, arch, TILES_BY_NAME, tmp_path)
 
 
 def test_pick_tile_covers_short_prompts():
@@ -220,12 +208,7 @@ def test_explicit_tile():
 ])
 def test_argument_checks(change, match):
     fg, kern = _recording()
-    args = dict(weights=4096, expert_ids=(0, 1), acts=8192, bounds=12288, out=16384, m=1536,
-                k=2048, rows_hint=64, tile=None)
-    args.update(change)
-    with pytest.raises(FormatError, match=re.escape(match)):
-        fg.gemm(None, **args)
-    assert not any(k.calls for k in kern.values())
+    assert_refused(fg, kern, change, match)
 
 
 def test_launchers_copy_blocks_and_run_the_fused_kernel():
