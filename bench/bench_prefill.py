@@ -1,7 +1,8 @@
 """Prefill benchmark on a GPU: strata_rt against its ceilings and two PyTorch peers, one process.
 
-For each regime (streaming: a quarter of the experts resident; resident: all of them) and each
-prompt length: our engine with batched gathers (A) and one gather per expert (B,
+For each regime (streaming: a quarter of the experts resident; resident: all of them; cached:
+all of them, with the image cache holding every group's images, `image_cache_mib: all`) and
+each prompt length: our engine with batched gathers (A) and one gather per expert (B,
 STRATA_PREFILL_GATHER_ONE=1), interleaved A, B, A, B; then the PyTorch peers (bench/peers) on
 the same inputs, each twice, interleaved: the bmm arm (torch.bmm over per-expert batches padded
 to the busiest expert) and the grouped arm (one torch._grouped_mm per product over the ragged
@@ -85,6 +86,8 @@ def run_ours(model: Model, regime: str, prompts, inputs, args) -> tuple[dict, di
            "prefill": args.prefill if args.prefill == "auto" else int(args.prefill),
            "expert_cache": spec.total_experts // (4 if regime == "streaming" else 1),
            "prompts": [p.tokens for p in prompts], "ring_mib": args.ring_mib}
+    if regime == "cached":
+        doc["image_cache_mib"] = "all"
     ecfg = validate(doc, ROOT).engine_config(backend="cuda")
     ecfg.model = model  # the peer reads the same Model object
     rows: dict[int, dict] = {}
@@ -111,7 +114,8 @@ def run_ours(model: Model, regime: str, prompts, inputs, args) -> tuple[dict, di
                     r[f"{arm}_s"].append(wall)
                     r[f"{arm}_stats"].append(stats.as_dict())
             r["out"] = out
-            if r["A_stats"][-1]["gathers_launched"] == r["B_stats"][-1]["gathers_launched"]:
+            launched = r["A_stats"][-1]["gathers_launched"]
+            if launched and launched == r["B_stats"][-1]["gathers_launched"]:
                 print(f"WARNING: {regime} {p.tokens}: A and B launched the same number of "
                       "gathers; the backend did not take the switch between prefills",
                       file=sys.stderr)
@@ -134,7 +138,7 @@ def run_peers(model: Model, regime: str, prompts, inputs, mask, ours, torch) -> 
                    blobs=lambda layer: np.stack([model.expert_blob(layer, e)
                                                  for e in range(spec.n_experts)]),
                    hidden=spec.hidden, ffn=spec.ffn, top_k=spec.top_k, rms_eps=spec.rms_eps,
-                   regime="resident" if regime == "resident" else "streamed",
+                   regime="streamed" if regime == "streaming" else "resident",
                    resident=mask)
     arms = {"bmm": bmm}
     info: dict = {}
@@ -182,7 +186,7 @@ def main() -> int:
     ap.add_argument("--model", choices=sorted(MODELS), default="qwen3-30b")
     ap.add_argument("--layers", type=int, help="cut the model to this many layers")
     ap.add_argument("--prompts", default="254,1030,3866,8179,30118")
-    ap.add_argument("--regimes", default="streaming,resident")
+    ap.add_argument("--regimes", default="streaming,resident,cached")
     ap.add_argument("--pairs", type=int, default=2, help="A, B pairs per prompt")
     ap.add_argument("--ring-mib", type=float, default=512)
     ap.add_argument("--prefill", default="auto",
@@ -211,10 +215,18 @@ def main() -> int:
 
     flops_per_token = spec.top_k * spec.n_layers * 6 * spec.hidden * spec.ffn
     table, records, peer_lines = [], [], []
+    peers_by_residency: dict[str, tuple[dict, dict]] = {}
     for regime in args.regimes.split(","):
+        if regime not in ("streaming", "resident", "cached"):
+            raise SystemExit(f"--regimes: unknown regime {regime!r} (streaming, resident, "
+                             "cached)")
         ours, info = run_ours(model, regime, prompts, inputs, args)
-        peer, pinfo = ({}, {}) if args.no_peer else run_peers(
-            model, regime, prompts, inputs, info["resident_mask"], ours, torch)
+        # cached and resident hold the same experts: the peers run once for both
+        residency = "streaming" if regime == "streaming" else "resident"
+        if not args.no_peer and residency not in peers_by_residency:
+            peers_by_residency[residency] = run_peers(
+                model, regime, prompts, inputs, info["resident_mask"], ours, torch)
+        peer, pinfo = peers_by_residency.get(residency, ({}, {}))
         torch.cuda.empty_cache()  # the peers' weights are gone with the call
         if "grouped_unavailable" in pinfo:
             peer_lines.append(f"{regime}: grouped peer not run: {pinfo['grouped_unavailable']}")
@@ -279,7 +291,8 @@ def main() -> int:
                                                else ""),
         "", f"command: `{command}`", f"hardware: {hw}",
         f"model: {spec}; streaming regime = a quarter of the experts resident, ring "
-        f"{args.ring_mib:g} MiB; resident = all", "",
+        f"{args.ring_mib:g} MiB; resident = all; cached = all, with every group's images "
+        "kept on the device (image_cache_mib: all)", "",
         "ceilings (same run): " + ", ".join(
             f"{k} {v:.1f}" for k, v in ceil.items()), "",
         md_table, "", *peer_lines, "",

@@ -47,6 +47,7 @@ from .config_whole import (
 )
 from .engine_config import BACKENDS, EngineConfig
 from .errors import ConfigError
+from .image_cache import ImageCacheSetting, check_setting
 from .memory_plan import MemoryPlan
 from .model import MoESpec
 from .prompts import Prompt, read_token_file
@@ -85,6 +86,8 @@ class Config:
     vram_reserve_mib: float | None = None
     vram_budget_mib: float | None = None
     ring_mib: float | None = None
+    #: room for group images of resident experts (strata_rt.image_cache): MiB or "all"
+    image_cache_mib: ImageCacheSetting = None
     profile: Path | None = None
     repeats: int = 1
     seed: int = 0
@@ -188,6 +191,7 @@ class Config:
             expert_cache=self.resident_experts(fmt),
             prefill=self.prefill if plan is None else plan.tokens,
             ring_bytes=self.ring_bytes,
+            image_cache_mib=self.image_cache_mib,
             profile=None if self.profile is None else str(self.profile),
             dump_r=None if self.output.dump_r is None else str(self.output.dump_r),
         )
@@ -231,6 +235,17 @@ def validate(doc: Any, base_dir: Path, source: Path | None = None,
                   f"the ring must hold at least one expert slot ({slot / MIB:.2f} MiB for "
                   f"{fmt.name} at hidden {geom.hidden}, ffn {geom.ffn})")
             ring_bytes = None
+
+    image_cache_mib = doc.get("image_cache_mib")
+    why = check_setting(image_cache_mib)
+    if why is not None:
+        p.add("image_cache_mib", image_cache_mib, why)
+        image_cache_mib = None
+    elif image_cache_mib is not None and "vram_budget_mib" in doc:
+        p.add("image_cache_mib", image_cache_mib,
+              "the image cache takes device memory beside what `vram_budget_mib` plans; give "
+              "`expert_cache` or `vram_reserve_mib` with it")
+        image_cache_mib = None
 
     prompts = check_prompts(p, doc, base_dir, geom.hidden if geom else None,
                             whole.vocab if whole is not None else None)
@@ -282,7 +297,7 @@ def validate(doc: Any, base_dir: Path, source: Path | None = None,
     assert geom is not None and fmt is not None
     return Config(source=source, spec=replace(geom, format=fmt.name), backend=backend,
                   prefill=prefill, prompts=tuple(prompts), gguf=gguf, model_seed=model_seed,
-                  ring_mib=ring_mib, profile=profile, repeats=repeats, seed=seed,
+                  ring_mib=ring_mib, image_cache_mib=image_cache_mib, profile=profile, repeats=repeats, seed=seed,
                   output=output, whole=whole, whole_options=whole_options, context=context,
                   dense=dense, generate_tokens=generate_tokens, **budget)
 

@@ -5,7 +5,9 @@ runtime the engine opened first); one device arena holds the router and norm wei
 resident expert slots, the ring, the group buffers of MMQ_GROUP experts and one chunk's
 activations. Its size is fixed at open by memory_plan.plan_memory: the chunk's buffers first
 (the largest chunk up to 8,192 tokens for `prefill: auto`), then as many resident experts as the
-rest of the budget holds (or the count the config fixes).
+rest of the budget holds (or the count the config fixes). With `image_cache_mib`, room for
+group images of resident experts comes before both (strata_rt.image_cache); the blocks are
+filled once at open by the format's own gather.
 
 Execution. Each plan op becomes one driver call on the stream the op names. On the staging ring
 a layer's routing runs on the GPU and its per-expert row bounds come back on a stream of their
@@ -27,6 +29,7 @@ from .dense_schedule import DENSE_RING_SLOTS
 from .device_state import DeviceState
 from .errors import StrataError
 from .formats import FormatKernels
+from .image_cache import ImageCache, block_bytes, capacity_blocks
 from .layer_kernels import ENGINE_SOURCE, LayerKernels
 from .memory_plan import DEFAULT_RESERVE_MIB, plan_memory
 from .plan import (
@@ -103,6 +106,8 @@ class CudaBackend:
     #: a whole model sets these at open (see driver.Executor and driver.Backend)
     dense_ring: int | None = None
     kv_capacity = 0
+    #: the image cache (set at open; empty unless the config gives it room)
+    images = ImageCache()
 
     def __init__(self, model: Model, store: ExpertStore, residency: Residency | None,
                  cfg: EngineConfig, context: HostContext, whole: Qwen3Model | None = None):
@@ -139,8 +144,9 @@ class CudaBackend:
             self.kv_capacity = cfg.context or self.whole.spec.context
             whole_sizes = WholeSizing(self.whole.spec, self.kv_capacity, False,
                                       gemm_impl_from_env())
+        image_room = capacity_blocks(cfg.image_cache_mib, spec, lay)
         mp = plan_memory(spec, lay, self.fmt.activation, available, rings.total, cfg.prefill,
-                         fixed_res, routing, whole_sizes, cfg.dense)
+                         fixed_res, routing, whole_sizes, cfg.dense, image_room)
         #: dense ring slots when a whole model's dense weights stream (the driver plans them)
         self.dense_ring = DENSE_RING_SLOTS if mp.dense_stream else None
         if residency is None:
@@ -148,6 +154,9 @@ class CudaBackend:
             # the ring was sized for everything streaming; plan with what actually streams
             rings = ring_sizes(cfg.ring_bytes, slot, spec.total_experts - residency.n_slots)
         self.residency = residency
+        self.images = ImageCache.choose(spec, residency, image_room)
+        if cfg.image_cache_mib:
+            self.images.report(spec, lay)
         self.walk_slots = rings.walk
         self.tokens = mp.tokens
         self.memory = mp
@@ -166,6 +175,7 @@ class CudaBackend:
             rt.memcpy_htod(dev.ptr["resident"] + i * slot,
                            self.store.arena[off: off + lay.blob_bytes], dev.copy)
         dev.copy.synchronize()
+        self._fill_images()
         self._whole: CudaWhole | None = None
         if self.whole is not None:
             from .cuda_whole import CudaWhole
@@ -190,6 +200,16 @@ class CudaBackend:
 
     def max_chunk_tokens(self) -> int:
         return self.tokens
+
+    def _fill_images(self) -> None:
+        """Each cached group's images, written by the format's own gather from the resident
+        slots into the group's block (the bytes a per-chunk gather would write)."""
+        dev = self._device()
+        gu, dn = block_bytes(self.lay)
+        for b, pos, slot in self.images.fills(self.spec, self.residency):
+            self.fk.gather(dev.compute, dev.ptr["resident"] + slot * self.lay.slot_bytes, pos,
+                           dev.ptr["image_gate_up"] + b * gu, dev.ptr["image_down"] + b * dn)
+        dev.compute.synchronize()
 
     # ------------------------------------------------------------------ chunk (Executor)
     def begin_chunk(self, h: np.ndarray, stats: Stats, start: int | None = None) -> None:
@@ -360,14 +380,18 @@ class CudaBackend:
             rows_hint = walk_rows_hint(self._T, spec)
             group_rows = min(self._T * spec.top_k, len(ids) * self._T)
         bounds = self._bounds_ptr(op.layer)
+        gu_w, dn_w = p["gate_up_buf"], p["down_buf"]
+        if op.cached is not None:
+            gu_block, dn_block = block_bytes(self.lay)
+            gu_w = p["image_gate_up"] + op.cached * gu_block
+            dn_w = p["image_down"] + op.cached * dn_block
         self._mark("gemm gate/up")
-        self.fk.mmq(s, p["gate_up_buf"], ids, p["act_hidden"], bounds, p["gate_up_out"],
-                    2 * F, H, rows_hint)
+        self.fk.mmq(s, gu_w, ids, p["act_hidden"], bounds, p["gate_up_out"], 2 * F, H,
+                    rows_hint)
         self._mark("swiglu+quantize")
         self.kernels.swiglu(s, bounds, lo, hi, group_rows)
         self._mark("gemm down")
-        self.fk.mmq(s, p["down_buf"], ids, p["act_ffn"], bounds, p["down_out"], H, F,
-                    rows_hint)
+        self.fk.mmq(s, dn_w, ids, p["act_ffn"], bounds, p["down_out"], H, F, rows_hint)
 
     def _whole_ops(self) -> CudaWhole:
         if self._whole is None:

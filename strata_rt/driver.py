@@ -27,6 +27,7 @@ import numpy as np
 
 from . import env, hazards
 from .dense_schedule import DenseSchedule
+from .image_cache import ImageCache
 from .plan import (
     ChunkPlan,
     Copy,
@@ -78,6 +79,8 @@ class Executor(Protocol):
 
     name: str
     residency: Residency
+    #: group images kept on the device across chunks (an empty cache: none)
+    images: ImageCache
     #: ring slots the streamed walk cycles through (the staging ring uses STAGING_RING_SLOTS)
     walk_slots: int
     #: bytes one Copy moves (an expert blob)
@@ -290,9 +293,10 @@ class ChunkDriver:
                 plan = plan_decode(self.spec, self.residency, attention)
             else:
                 plan = plan_walk(self.spec, self.residency, self.executor.walk_slots,
-                                 gather_one, tokens=T, attention=self._schedule(start))
+                                 gather_one, tokens=T, attention=self._schedule(start),
+                                 images=self.executor.images)
             if self.check_plan:
-                hazards.check(plan, self.residency)
+                hazards.check(plan, self.residency, images=self.executor.images)
             self._walk_plans[key] = (plan, op_counts(op for _, op in plan.ops()))
         return self._walk_plans[key]
 

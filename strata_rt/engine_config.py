@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import env
 from .errors import ConfigError
+from .image_cache import ImageCacheSetting, check_setting, parse_setting
 from .residency import RoutingProfile
 from .routing_kernels import ROUTINGS
 
@@ -41,6 +42,10 @@ class EngineConfig:
     expert_cache: int | None = None
     prefill: str | int = "auto"
     ring_bytes: int | None = None
+    #: device memory for group images of resident experts kept across chunks
+    #: (strata_rt.image_cache): MiB, "all" (room for every group), or None
+    #: (STRATA_IMAGE_CACHE_MIB, else none)
+    image_cache_mib: ImageCacheSetting = None
     profile: str | None = None
     gather_one: bool | None = None
     #: chunks of at least this many tokens take the walk; None: decided by the routed share
@@ -84,6 +89,9 @@ class EngineConfig:
                             "tokens")
         if self.dense not in DENSE_POLICIES:
             problems.append(f"dense: got {self.dense!r}; allowed: {', '.join(DENSE_POLICIES)}")
+        why = check_setting(self.image_cache_mib)
+        if why is not None:
+            problems.append(f"image_cache_mib: got {self.image_cache_mib!r}; {why}")
         if self.ring_bytes is not None and self.ring_bytes <= 0:
             problems.append(f"ring_bytes: got {self.ring_bytes!r}; allowed: a positive size")
         if problems:
@@ -102,4 +110,6 @@ class EngineConfig:
             self.dump_r = env.text("STRATA_PREFILL_DUMP_R")
         if self.routing is None:
             self.routing = env.choice("STRATA_ROUTING", ROUTINGS[0])
+        if self.image_cache_mib is None:
+            self.image_cache_mib = parse_setting(env.text("STRATA_IMAGE_CACHE_MIB"))
         return self

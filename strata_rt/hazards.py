@@ -17,7 +17,8 @@ the chunk's op list):
 - a Copy issued while its entry >= consumed + ring (the issuer over-running the consumer);
 - a wait cycle: the consumer needs entry k before Copy(k) is issued while the issuer needs
   `consumed` to advance first;
-- Products reading a group-buffer position that does not hold the expert it names;
+- Products reading a group-buffer position that does not hold the expert it names, or an
+  image-cache block that does not hold its layer's group (or holds a non-resident expert);
 - (streamed dense weights) a DenseCopy refilling a dense slot while an Attention may still read
   it, and an Attention whose dense slot does not hold its layer, or whose copy does not happen
   before it.
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NoReturn
 
 from .errors import PlanHazardError
+from .formats import MMQ_GROUP
 from .plan import (
     HOST,
     RESIDENT,
@@ -49,6 +51,7 @@ from .plan import (
 )
 
 if TYPE_CHECKING:
+    from .image_cache import ImageCache
     from .residency import Residency
 
 _COMPONENT = {"copy": 0, "compute": 1}
@@ -91,9 +94,11 @@ class Checker:
     """Incremental checker: feed the layer plans of one chunk in order (the staging ring plans
     a layer at a time and is checked before each layer runs)."""
 
-    def __init__(self, ring_slots: int, residency: Residency | None = None):
+    def __init__(self, ring_slots: int, residency: Residency | None = None,
+                 images: ImageCache | None = None):
         self.ring = ring_slots
         self.residency = residency
+        self.images = images
         self.clock = {"copy": [0, 0], "compute": [0, 0]}
         self.events: dict[tuple[str, int], tuple[tuple[int, int], int]] = {}
         self.slots: dict[int, _Occupant] = {}
@@ -271,6 +276,9 @@ class Checker:
         self.buffer[g.pos] = (g.layer, g.group, g.expert, i)
 
     def _products(self, i: int, op: Products) -> None:
+        if op.cached is not None:
+            self._cached_products(i, op, op.cached)
+            return
         for p, e in enumerate(op.expert_ids):
             have = self.buffer.get(p)
             if have is None or have[:3] != (op.layer, op.group, e):
@@ -279,6 +287,27 @@ class Checker:
                         f"(op #{have[3]})")
                 self._fail(f"op #{i} Products(layer {op.layer}, group {op.group}) reads "
                            f"position {p} as expert {e}, but that position {what}")
+
+    def _cached_products(self, i: int, op: Products, block: int) -> None:
+        """A block holds group g's experts 16g.. by position, filled once at open from
+        resident slots: the op must name that block, those experts, and resident ones."""
+        what = f"op #{i} Products(layer {op.layer}, group {op.group}) reads image block {block}"
+        cache = self.images
+        if cache is None or not 0 <= block < len(cache.blocks):
+            held = "no image cache" if cache is None else f"{len(cache.blocks)} blocks"
+            self._fail(f"{what}, but the engine has {held}")
+        if cache.blocks[block] != (op.layer, op.group):
+            layer, group = cache.blocks[block]
+            self._fail(f"{what}, which holds layer {layer} group {group}")
+        first = op.group * MMQ_GROUP
+        if op.expert_ids != tuple(range(first, first + len(op.expert_ids))):
+            self._fail(f"{what} as experts {list(op.expert_ids)}; a block holds experts "
+                       f"{first}.. by position")
+        if self.residency is not None:
+            streamed = [e for e in op.expert_ids if self.residency.slot(op.layer, e) is None]
+            if streamed:
+                self._fail(f"{what}, but experts {streamed} are not resident: their images "
+                           "were never cached")
 
     def _dense_copy(self, i: int, op: DenseCopy) -> None:
         now = self._tick("copy")
@@ -321,14 +350,15 @@ class Checker:
 
 
 def check(plan: ChunkPlan | LayerPlan, residency: Residency | None = None,
-          ring_slots: int | None = None) -> None:
+          ring_slots: int | None = None, images: ImageCache | None = None) -> None:
     """Raises PlanHazardError on the first hazard of `plan` (a chunk, or one layer checked on
-    its own, which then needs `ring_slots`)."""
+    its own, which then needs `ring_slots`); images: the engine's image cache, which cached
+    Products are checked against."""
     if isinstance(plan, ChunkPlan):
-        checker = Checker(plan.ring_slots, residency)
+        checker = Checker(plan.ring_slots, residency, images)
         for lp in plan.layers:
             checker.feed(lp.ops)
     else:
         if ring_slots is None:
             raise ValueError("checking a LayerPlan alone needs ring_slots")
-        Checker(ring_slots, residency).feed(plan.ops)
+        Checker(ring_slots, residency, images).feed(plan.ops)

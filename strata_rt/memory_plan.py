@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from .activations import Activation
 from .errors import BudgetError
 from .formats import MMQ_GROUP, ExpertLayout
+from .image_cache import block_bytes
 from .planner import AUTO_CHUNK_MAX, RESERVE_AUTO_CHUNK_MAX
 from .routing_kernels import workspace_bytes
 from .runtime.memory import mib, plan_regions, regions_total
@@ -50,11 +51,16 @@ def chunk_regions(spec: MoESpec, activation: Activation, tokens: int,
 
 
 def fixed_regions(spec: MoESpec, layout: ExpertLayout, ring_slots: int,
-                  routing: str = "tensor") -> dict[str, int]:
+                  routing: str = "tensor", image_blocks: int = 0) -> dict[str, int]:
     """Device bytes that do not depend on the chunk or the residency (the router weights are
-    fp16 for the tensor-core routing, float32 for the fp32 kernels)."""
+    fp16 for the tensor-core routing, float32 for the fp32 kernels; image_blocks: room of the
+    image cache, strata_rt.image_cache)."""
     L, H, E = spec.n_layers, spec.hidden, spec.n_experts
-    return {
+    images = {}
+    if image_blocks:
+        gu, dn = block_bytes(layout)
+        images = {"image_gate_up": image_blocks * gu, "image_down": image_blocks * dn}
+    return {**images,
         "router": L * E * H * (2 if routing == "tensor" else 4),
         "norm": L * H * 4,
         "bounds": L * (E + 1) * 4,
@@ -84,13 +90,13 @@ class MemoryPlan:
 def plan_memory(spec: MoESpec, layout: ExpertLayout, activation: Activation, available: int,
                 ring_slots: int, prefill: str | int, n_resident: int | None,
                 routing: str = "tensor", whole: WholeSizing | None = None,
-                dense: str = "auto") -> MemoryPlan:
+                dense: str = "auto", image_blocks: int = 0) -> MemoryPlan:
     """plan_memory_for with a whole model's dense policy applied: "resident", "stream", or
     "auto" (resident when that plan fits, else streamed; a plan that fits either way keeps
     them resident, which copies nothing per chunk)."""
     def plan(w: WholeSizing | None) -> MemoryPlan:
         return plan_memory_for(spec, layout, activation, available, ring_slots, prefill,
-                               n_resident, routing, w)
+                               n_resident, routing, w, image_blocks)
 
     if whole is None or dense == "resident":
         return plan(whole)
@@ -105,7 +111,7 @@ def plan_memory(spec: MoESpec, layout: ExpertLayout, activation: Activation, ava
 def plan_memory_for(spec: MoESpec, layout: ExpertLayout, activation: Activation,
                     available: int, ring_slots: int, prefill: str | int,
                     n_resident: int | None, routing: str = "tensor",
-                    whole: WholeSizing | None = None) -> MemoryPlan:
+                    whole: WholeSizing | None = None, image_blocks: int = 0) -> MemoryPlan:
     """Sizes the device arena within `available` bytes.
 
     n_resident fixed (expert_cache): the residency is placed first and `prefill: auto` takes
@@ -114,8 +120,9 @@ def plan_memory_for(spec: MoESpec, layout: ExpertLayout, activation: Activation,
     byte left holds resident experts. Raises BudgetError naming the sizes when
     even the chunk asked for (or, for auto, one step of AUTO_CHUNK_STEP tokens) cannot fit.
     whole: a whole model's sizing adds its dense weights, head, RoPE tables, KV cache and
-    per-chunk attention buffers (strata_rt.whole_memory)."""
-    fixed = fixed_regions(spec, layout, ring_slots, routing)
+    per-chunk attention buffers (strata_rt.whole_memory). image_blocks: room of the image
+    cache, a fixed region placed before the chunk and the resident experts."""
+    fixed = fixed_regions(spec, layout, ring_slots, routing, image_blocks)
     if whole is not None:
         fixed.update(whole_fixed_regions(whole))
     slot = layout.slot_bytes
@@ -154,7 +161,7 @@ def plan_memory_for(spec: MoESpec, layout: ExpertLayout, activation: Activation,
         raise BudgetError(
             f"device memory: {what} needs {mib(first.total)} MiB ({first.describe()}), "
             f"{mib(max(available, 0))} MiB available after the reserve; lower `prefill`, "
-            "`ring_mib` or `expert_cache`, or lower `vram_reserve_mib`")
+            "`ring_mib`, `expert_cache` or `image_cache_mib`, or lower `vram_reserve_mib`")
     if n_resident is not None:
         return first
     spare = available - first.total

@@ -126,11 +126,14 @@ class GatherRouted:
 @dataclass(frozen=True)
 class Products:
     """MMQ gate/up, SwiGLU + quantize, MMQ down over the group buffers; position p holds
-    expert_ids[p]."""
+    expert_ids[p]. `cached`: the image-cache block holding these experts' images
+    (strata_rt.image_cache), which the products read in place of the group buffers (no
+    gather precedes them); None: the group buffers."""
 
     layer: int
     group: int
     expert_ids: tuple[int, ...]
+    cached: int | None = None
     stream: StreamName = field(default="compute", init=False)
 
 

@@ -48,6 +48,7 @@ from .plan import (
 if TYPE_CHECKING:
     from .dense_schedule import DenseSchedule
     from .formats import QuantFormat
+    from .image_cache import ImageCache
     from .model import MoESpec
     from .residency import Residency
 
@@ -188,7 +189,11 @@ class _RingBuilder:
             self.ops.append(g)
             self._release([g])
 
-    def group(self, layer: int, group: int, experts: Sequence[int]) -> None:
+    def group(self, layer: int, group: int, experts: Sequence[int],
+              cached: int | None = None) -> None:
+        if cached is not None:  # the images are already on the device: nothing to gather
+            self.ops.append(Products(layer, group, tuple(int(e) for e in experts), cached))
+            return
         for pos, e in enumerate(experts):
             self.gather(group, pos, layer, e)
         self.flush()
@@ -211,12 +216,15 @@ def _groups(experts: Sequence[int]) -> list[list[int]]:
 
 
 def plan_walk(spec: MoESpec, residency: Residency, ring_slots: int, gather_one: bool,
-              tokens: int = 0, attention: DenseSchedule | None = None) -> ChunkPlan:
+              tokens: int = 0, attention: DenseSchedule | None = None,
+              images: ImageCache | None = None) -> ChunkPlan:
     """The streamed walk: every non-resident expert of every layer, layer-major ascending,
     streamed through the ring; every expert of a layer is gathered (groups are ids
     [16g, 16g+16)) so the schedule does not depend on routing and experts without rows cost an
     early exit in the products. attention: a whole model's chunk (each layer opens with its
-    Attention, and streamed dense weights with their copies), None for MoE layers alone."""
+    Attention, and streamed dense weights with their copies), None for MoE layers alone.
+    images: the engine's image cache; a group it holds is multiplied from its block, with no
+    gather (its experts are resident, so no ring entry is involved)."""
     b = _RingBuilder(residency, ring_slots, gather_one)
     b.seq = [(layer, e) for layer in range(spec.n_layers) for e in range(spec.n_experts)
              if residency.slot(layer, e) is None]
@@ -230,7 +238,7 @@ def plan_walk(spec: MoESpec, residency: Residency, ring_slots: int, gather_one: 
             b.ops.extend(attention.layer_ops(layer))
         b.ops.append(LayerBegin(layer))
         for g, experts in enumerate(_groups(all_experts)):
-            b.group(layer, g, experts)
+            b.group(layer, g, experts, None if images is None else images.index(layer, g))
         b.ops.append(LayerEnd(layer))
         layers.append(LayerPlan(layer, b.take_ops()))
     return ChunkPlan(tokens, "walk", ring_slots, layers)

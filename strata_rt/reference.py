@@ -12,7 +12,8 @@ id, renormalised weights); gate/up and down through `fmt.mmq_reference` on activ
 top-k order (descending probability); residual add in float32.
 
 Memory: without `expert_cache` the reference backend keeps no expert resident (it has no VRAM
-to measure), so every expert streams.
+to measure), so every expert streams. The image cache (`image_cache_mib`) is host arrays here,
+filled at open through the same gather, so cached plans run here too.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import numpy as np
 
 from .dense_schedule import DENSE_RING_SLOTS
 from .formats import MMQ_GROUP
+from .image_cache import ImageCache, capacity_blocks
 from .model import rms_norm, route, silu
 from .plan import (
     HOST,
@@ -129,6 +131,16 @@ class ReferenceBackend:
         self.ring = np.full((rings.total, slot), _POISON, np.uint8)
         self.gu_buf = np.full((MMQ_GROUP, self.lay.gate_up_image_bytes), _POISON, np.uint8)
         self.dn_buf = np.full((MMQ_GROUP, self.lay.down_image_bytes), _POISON, np.uint8)
+        self.images = ImageCache.choose(self.spec, self.residency, capacity_blocks(
+            cfg.image_cache_mib, self.spec, self.lay))
+        if cfg.image_cache_mib:
+            self.images.report(self.spec, self.lay)
+        n_blocks = len(self.images.blocks)
+        self.image_gu = np.full((n_blocks, *self.gu_buf.shape), _POISON, np.uint8)
+        self.image_dn = np.full((n_blocks, *self.dn_buf.shape), _POISON, np.uint8)
+        for b, pos, slot in self.images.fills(self.spec, self.residency):
+            self.image_gu[b, pos], self.image_dn[b, pos] = self.fmt.images(
+                self.resident[slot][: self.lay.blob_bytes], self.spec.hidden, self.spec.ffn)
         self._state: _LayerState | None = None
         self._h = np.empty((0, self.spec.hidden), np.float32)
         self._stats = Stats()
@@ -284,13 +296,15 @@ class ReferenceBackend:
         # that slice equals slicing the whole layer's activations
         b = np.clip(st.bounds.astype(np.int64) - lo, 0, hi - lo).astype(np.int32)
         F = spec.ffn
-        gu = fmt.mmq_reference(self.gu_buf[:n], ids, fmt.prepare_activations(st.x_sorted[lo:hi]),
+        gu_buf, dn_buf = ((self.gu_buf, self.dn_buf) if op.cached is None else
+                          (self.image_gu[op.cached], self.image_dn[op.cached]))
+        gu = fmt.mmq_reference(gu_buf[:n], ids, fmt.prepare_activations(st.x_sorted[lo:hi]),
                                b, 2 * F, spec.hidden)
         mid = np.zeros((hi - lo, F), dtype=np.float32)
         for e in ids:
             r0, r1 = int(b[e]), int(b[e + 1])
             mid[r0:r1] = silu(gu[r0:r1, :F]) * gu[r0:r1, F:]
-        dn = fmt.mmq_reference(self.dn_buf[:n], ids, fmt.prepare_activations(mid), b,
+        dn = fmt.mmq_reference(dn_buf[:n], ids, fmt.prepare_activations(mid), b,
                                spec.hidden, F)
         for e in ids:
             r0, r1 = int(b[e]), int(b[e + 1])
@@ -313,3 +327,4 @@ class ReferenceBackend:
         """Drops the slot and group buffers (the engine never calls a closed backend)."""
         empty = np.empty((0, 0), np.uint8)
         self.resident = self.ring = self.gu_buf = self.dn_buf = empty
+        self.image_gu = self.image_dn = np.empty((0, 0, 0), np.uint8)

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from strata_rt.errors import PlanHazardError
 from strata_rt.formats import MMQ_GROUP
 from strata_rt.hazards import check
+from strata_rt.image_cache import ImageCache
 from strata_rt.model import QWEN3_30B_SPEC, MoESpec
 from strata_rt.plan import (
     ChunkPlan,
@@ -50,18 +51,24 @@ def scenarios(draw):
     spec = _spec(n_layers, n_experts)
     resident = draw(st.sets(st.tuples(st.integers(0, n_layers - 1),
                                       st.integers(0, n_experts - 1))))
+    # whole groups too, so that the image cache has groups to hold
+    for layer, group in draw(st.sets(st.tuples(st.integers(0, n_layers - 1),
+                                               st.integers(0, -(-n_experts // MMQ_GROUP) - 1)))):
+        resident |= {(layer, e) for e in range(group * MMQ_GROUP,
+                                                min(n_experts, (group + 1) * MMQ_GROUP))}
     residency = Residency(n_layers, n_experts, resident, 256)
+    images = ImageCache.choose(spec, residency, draw(st.integers(0, 6)))
     tokens = draw(st.integers(1, 3 * FIXED_RULE_TOKENS))
     gather_one = draw(st.booleans())
     ring = draw(st.integers(1, 40))
     routed = [draw(st.sets(st.integers(0, n_experts - 1), max_size=n_experts))
               for _ in range(n_layers)]
-    return spec, residency, tokens, gather_one, ring, routed
+    return spec, residency, tokens, gather_one, ring, routed, images
 
 
-def _build(spec, residency, tokens, gather_one, ring, routed) -> ChunkPlan:
+def _build(spec, residency, tokens, gather_one, ring, routed, images) -> ChunkPlan:
     if tokens >= FIXED_RULE_TOKENS:
-        return plan_walk(spec, residency, ring, gather_one, tokens)
+        return plan_walk(spec, residency, ring, gather_one, tokens, images=images)
     planner = StagingPlanner(spec, residency, gather_one, tokens=tokens)
     for layer, experts in enumerate(routed):
         planner.plan_layer(layer, experts)
@@ -71,9 +78,9 @@ def _build(spec, residency, tokens, gather_one, ring, routed) -> ChunkPlan:
 @settings(deadline=None)  # examples per run: the hypothesis profile (conftest: 2,000 / 20,000)
 @given(scenarios())
 def test_every_plan_passes_the_checker(case):
-    spec, residency, tokens, gather_one, ring, routed = case
+    spec, residency, tokens, gather_one, ring, routed, images = case
     plan = _build(*case)
-    check(plan, residency)
+    check(plan, residency, images=images)
     # what the plan does, independently of the checker
     for lp in plan.layers:
         gathered = [g for op in lp.ops for g in (
@@ -82,8 +89,13 @@ def test_every_plan_passes_the_checker(case):
         products = [op for op in lp.ops if isinstance(op, Products)]
         want = (list(range(spec.n_experts)) if plan.mode == "walk"
                 else sorted(routed[lp.layer]))
-        assert [g.expert for g in gathered] == want
         assert [e for p in products for e in p.expert_ids] == want
+        # the walk gathers every expert but those of the groups the image cache holds
+        cached = {e for p in products if p.cached is not None for e in p.expert_ids}
+        assert [g.expert for g in gathered] == [e for e in want if e not in cached]
+        assert all(images.index(lp.layer, p.group) == p.cached for p in products
+                   if plan.mode == "walk")
+        assert plan.mode == "walk" or not cached
         assert all(0 < len(p.expert_ids) <= MMQ_GROUP for p in products)
         if gather_one:
             assert not any(isinstance(op, GatherBatch) for op in lp.ops)
