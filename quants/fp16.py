@@ -19,19 +19,19 @@ conformance suite requires NMSE <= 1e-6 (KERNEL_NMSE) between kernel and referen
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
 from strata_rt.activations import F16
 from strata_rt.errors import FormatError
-from strata_rt.formats import ExpertLayout, FormatKernels, QuantFormat, expert_rows
-from strata_rt.grouped_gemm import GroupedGemm
+from strata_rt.formats import FormatKernels, QuantFormat, expert_rows
+from strata_rt.grouped_gemm import GroupedGemmProducts
 from strata_rt.hookspecs import hookimpl
 from strata_rt.launchers import MmqTile, PerExpertKernels
 
 if TYPE_CHECKING:
-    from strata_rt.runtime import Runtime
+    pass
 
 FP16_MAX = 65504.0
 GGML_TYPE_F16 = 1
@@ -115,7 +115,7 @@ class FP16Kernels(PerExpertKernels):
 
     gather_kernel = ("fp16_gather", "qq")
     gather_planes = 2
-    mmq_kernel = "fp16_mmq"
+    mmq_kernel: ClassVar[str | None] = "fp16_mmq"
     #: TILE_M, TILE_N, NTHREADS and KSTEP of kernels/fp16/mmq.cu
     mmq_tile = MmqTile(m=64, rows=64, threads=128, k_multiple=64)
 
@@ -126,17 +126,9 @@ class FP16Kernels(PerExpertKernels):
         return (self.layout.gate_up_bytes, self.layout.down_bytes)
 
 
-class FP16GemmKernels(FP16Kernels):
+class FP16GemmKernels(GroupedGemmProducts, FP16Kernels):
     """Variant gemm: FP16Kernels' per-expert copy, and the MMQ on the shared grouped fp16 GEMM
     (strata_rt.grouped_gemm), whose fp16 image layout the blob already is."""
-
-    def __init__(self, fmt: QuantFormat, runtime: Runtime, layout: ExpertLayout):
-        super().__init__(fmt, runtime, layout)
-        self._gg = GroupedGemm(runtime, iq3_gather=False)
-
-    def mmq(self, stream, weights: int, expert_ids: tuple[int, ...], acts: int, bounds: int,
-            out: int, m: int, k: int, rows_hint: int) -> None:
-        self._gg.gemm(stream, weights, expert_ids, acts, bounds, out, m, k, rows_hint)
 
 
 @hookimpl

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
@@ -48,13 +48,13 @@ from strata_rt.activations import Q8_1
 from strata_rt.errors import FormatError
 from strata_rt.f16_images import F16ImagesVariant
 from strata_rt.formats import ExpertLayout, FormatKernels, QuantFormat, expert_rows
-from strata_rt.grouped_gemm import GroupedGemm
+from strata_rt.grouped_gemm import GroupedGemmProducts
 from strata_rt.hookspecs import hookimpl
 from strata_rt.launchers import MmqTile, PerExpertKernels
 from strata_rt.resources import KERNELS_ROOT
 
 if TYPE_CHECKING:
-    from strata_rt.runtime import Runtime
+    pass
 
 F16_GEMM = "f16_gemm"  # the fp16-image variant
 GROUP = 64           # weights per scale
@@ -307,7 +307,7 @@ class Q2Kernels(PerExpertKernels):
 
     gather_kernel = ("q2_gather", "ii")
     gather_planes = 4
-    mmq_kernel = "q2_mmq"
+    mmq_kernel: ClassVar[str | None] = "q2_mmq"
     #: TILE_M, TILE_N, NTHREADS and KSTEP of kernels/q2_blob/mmq.cu
     mmq_tile = MmqTile(m=64, rows=64, threads=128, k_multiple=128)
 
@@ -335,33 +335,26 @@ class Q2BlobDequantF16(F16ImagesVariant, Q2Blob):
         return gu16.reshape(-1).view(np.uint8), dn16.reshape(-1).view(np.uint8)
 
     def kernel_sources(self) -> list[Path]:
-        """The dequantizing gather and the exact MMQ source PerExpertKernels loads beside it;
-        the GEMM is kernels/common/gemm_f16.cu (shared)."""
+        """The dequantizing gather, and the folder's exact MMQ source (so check-kernels
+        compiles every source of the folder under either variant); the GEMM is
+        kernels/common/gemm_f16.cu (shared)."""
         return [KERNELS_ROOT / self.kernel_dir / n for n in ("dequant.cu", "mmq.cu")]
 
     def kernels_class(self) -> type[FormatKernels]:
         return Q2DequantF16Kernels
 
 
-class Q2DequantF16Kernels(Q2Kernels):
-    """The per-expert dequantizing gather and the shared grouped fp16 GEMM (the exact MMQ that
-    Q2Kernels loads stays unused)."""
+class Q2DequantF16Kernels(GroupedGemmProducts, Q2Kernels):
+    """The per-expert dequantizing gather and the shared grouped fp16 GEMM (the exact MMQ
+    module is not loaded)."""
 
     gather_kernel = ("q2_dequant_f16", "ii")
     gather_source = "dequant.cu"
     gather_planes = 2
 
-    def __init__(self, fmt: QuantFormat, runtime: Runtime, layout: ExpertLayout):
-        super().__init__(fmt, runtime, layout)
-        self._gg = GroupedGemm(runtime, iq3_gather=False)
-
     def gather_units(self) -> int:
         """16 bytes per thread of the grid-sizing rule = one 32-bit code word per thread."""
         return 4 * Planes.of(self.layout.hidden, self.layout.ffn).gu_codes_bytes
-
-    def mmq(self, stream, weights: int, expert_ids: tuple[int, ...], acts: int, bounds: int,
-            out: int, m: int, k: int, rows_hint: int) -> None:
-        self._gg.gemm(stream, weights, expert_ids, acts, bounds, out, m, k, rows_hint)
 
 
 @hookimpl

@@ -20,7 +20,7 @@ fp16(round to nearest even) of the float32 value IQ3XXS.dequantize gives.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
@@ -31,6 +31,7 @@ from .launchers import MMQ_ARG_TYPES, MmqTile, check_aligned, launch_mmq, pick_b
 from .resources import KERNELS_ROOT
 
 if TYPE_CHECKING:
+    from .formats import QuantFormat
     from .runtime import Runtime
 
 GEMM_SOURCE = KERNELS_ROOT / "common" / "gemm_f16.cu"
@@ -200,6 +201,22 @@ class GroupedGemm:
             grid=(gx, n, 1), block=(DQ_THREADS, 1, 1), stream=stream,
             args=(*ptrs, gu_buf, down_buf, layout.gate_up_offset, gu_blocks, layout.down_offset,
                   dn_blocks, gu_img, dn_img, first_pos, bounds, first_expert))
+
+
+class GroupedGemmProducts:
+    """Mixin, before a PerExpertKernels subclass whose group buffers hold fp16 images (FP16
+    `gemm`, Q2 blob `f16_gemm`): its products are the shared grouped fp16 GEMM, and no MMQ
+    module of the format is loaded."""
+
+    mmq_kernel: ClassVar[str | None] = None
+
+    def __init__(self, fmt: QuantFormat, runtime: Runtime, layout: ExpertLayout):
+        super().__init__(fmt, runtime, layout)  # type: ignore[call-arg]
+        self._gg = GroupedGemm(runtime, iq3_gather=False)
+
+    def mmq(self, stream, weights: int, expert_ids: tuple[int, ...], acts: int, bounds: int,
+            out: int, m: int, k: int, rows_hint: int) -> None:
+        self._gg.gemm(stream, weights, expert_ids, acts, bounds, out, m, k, rows_hint)
 
 
 def _iq3_blocks(layout: ExpertLayout) -> tuple[int, int]:

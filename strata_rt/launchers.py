@@ -223,7 +223,9 @@ class PerExpertKernels(FormatKernels):
     gather_source: ClassVar[str] = "gather.cu"
     #: grid.y of a gather launch (the parts the kernel copies or rebuilds)
     gather_planes: ClassVar[int]
-    mmq_kernel: ClassVar[str]
+    #: the MMQ kernel in mmq_source, or None for a subclass whose products run elsewhere
+    #: (strata_rt.grouped_gemm.GroupedGemmProducts): then no MMQ module is loaded
+    mmq_kernel: ClassVar[str | None]
     mmq_source: ClassVar[str] = "mmq.cu"
     mmq_tile: ClassVar[MmqTile] = MmqTile(m=64, rows=64, threads=128, k_multiple=64)
 
@@ -232,8 +234,8 @@ class PerExpertKernels(FormatKernels):
         name, arg_types = self.gather_kernel
         self._gather = runtime.module(kernel_source(fmt, self.gather_source)).kernel(
             name, "PPP" + arg_types)
-        self._mmq = runtime.module(kernel_source(fmt, self.mmq_source)).kernel(
-            self.mmq_kernel, MMQ_ARG_TYPES)
+        self._mmq = None if self.mmq_kernel is None else runtime.module(
+            kernel_source(fmt, self.mmq_source)).kernel(self.mmq_kernel, MMQ_ARG_TYPES)
         units = max(self.gather_units() // 16, 1)
         self._gather_blocks = min(-(-units // GATHER_THREADS), PER_EXPERT_GATHER_MAX_BLOCKS)
 
@@ -256,5 +258,8 @@ class PerExpertKernels(FormatKernels):
 
     def mmq(self, stream, weights: int, expert_ids: tuple[int, ...], acts: int, bounds: int,
             out: int, m: int, k: int, rows_hint: int) -> None:
+        if self._mmq is None:
+            raise FormatError(f"{type(self).__name__} names no mmq_kernel and does not "
+                              "override mmq")
         launch_mmq(self._mmq, self.mmq_tile, self.fmt.name, stream, weights, expert_ids, acts,
                    bounds, out, m, k, rows_hint)
