@@ -10,7 +10,9 @@ Each cell is GPU time per launch: `inner` back-to-back launches captured in one 
 median of `reps` replays after two warm-ups. "sort" is expert_bounds + expert_scatter (old)
 or route_tile_scan + route_scatter (new); "total" is router GEMM + top-k + sort, the issue's
 routing measure (rmsnorm_rows, which both keep, is shown beside it). "sequence" times the
-whole chain replayed as one graph. Inputs: xn from rmsnorm_rows on random hidden states, a
+whole chain replayed as one graph. The router GEMM is also timed with every tile of GEMM_TILES
+whose K step divides the hidden size (second table, "router GEMM by tile"; "gemm_us_by_tile" in
+the JSON), whichever the rule picks. Inputs: xn from rmsnorm_rows on random hidden states, a
 random router (std 2/sqrt(hidden)); the picks of the old and new chains are compared
 (fraction of tokens whose expert set differs) and the new sort is checked against its ids.
 """
@@ -34,6 +36,7 @@ from strata_rt.routing_kernels import (  # noqa: E402
     RoutingKernels,
     counting_sort_ref,
     gemm_tile,
+    gemm_tiles_for,
     router_f16,
     workspace_bytes,
 )
@@ -95,7 +98,7 @@ def bench_shape(rt, shape: str, tokens: int, reps: int, inner: int,
             k_scatter.launch((E, 1, 1), (SCATTER_THREADS, 1, 1), s,
                              (o["ids"], T * K, K, ob, o["st"], o["ro"]))),
         **{f"new GEMM {tile}": (lambda tile=tile: rk.logits(s, xn, pr16, logits, T, H, E, tile))
-           for tile in GEMM_TILES},
+           for tile in gemm_tiles_for(H)},
         "new top-k": lambda: rk.topk(s, logits, T, E, K, n["ids"], n["w"], ws),
         "new sort": lambda: rk.sort(s, n["ids"], T, E, K, ws, nb, n["st"], n["ro"]),
     }
@@ -137,7 +140,7 @@ def bench_shape(rt, shape: str, tokens: int, reps: int, inner: int,
         return statistics.median(samples[2:])
 
     us = {name: time_us(fn) for name, fn in launches.items()}
-    tile = gemm_tile(T)
+    tile = gemm_tile(T, H)
     us["old total"] = us["old router"] + us["old top-k"] + us["old sort"]
     us["new GEMM"] = us[f"new GEMM {tile}"]
     us["new total"] = us["new GEMM"] + us["new top-k"] + us["new sort"]
@@ -155,7 +158,9 @@ def bench_shape(rt, shape: str, tokens: int, reps: int, inner: int,
     for b in bufs.values():
         b.free()
     return {"shape": shape, "hidden": H, "experts": E, "top_k": K, "tokens": T,
-            "gemm_tile": tile, "us": us, "set_flips_vs_old": flips, "sort_ok": sort_ok}
+            "gemm_tile": tile, "us": us,
+            "gemm_us_by_tile": {t: us[f"new GEMM {t}"] for t in gemm_tiles_for(H)},
+            "set_flips_vs_old": flips, "sort_ok": sort_ok}
 
 
 def table(rows: list[dict]) -> str:
@@ -166,7 +171,7 @@ def table(rows: list[dict]) -> str:
              "|---" * (len(cols) + 7) + "|"]
     for r in rows:
         u = r["us"]
-        other = [t for t in GEMM_TILES if t != r["gemm_tile"]]
+        other = [t for t in r["gemm_us_by_tile"] if t != r["gemm_tile"]]
         cells = [f"{u[c]:.1f}" for c in cols]
         cells[cols.index("new GEMM")] += f" ({r['gemm_tile']})"
         mark = "" if u["new total"] <= TARGET_US else " (over target)"
@@ -176,6 +181,21 @@ def table(rows: list[dict]) -> str:
             + f" | {u['old sequence']:.1f} / {u['new sequence']:.1f}"
             + " | " + ", ".join(f"{t} {u[f'new GEMM {t}']:.1f}" for t in other)
             + f" | {100 * r['set_flips_vs_old']:.2f}% | {'ok' if r['sort_ok'] else 'WRONG'} |")
+    return "\n".join(lines)
+
+
+def tile_table(rows: list[dict]) -> str:
+    """Router GEMM microseconds per launch by tile: the rule's pick marked *, a tile whose K
+    step does not divide the hidden size shown as -, the fastest named last."""
+    lines = ["| shape | tokens | " + " | ".join(GEMM_TILES) + " | fastest |",
+             "|---" * (len(GEMM_TILES) + 3) + "|"]
+    for r in rows:
+        by_tile = r["gemm_us_by_tile"]
+        cells = [f"{by_tile[t]:.1f}" + (" *" if t == r["gemm_tile"] else "")
+                 if t in by_tile else "-" for t in GEMM_TILES]
+        best = min(by_tile, key=by_tile.__getitem__)
+        lines.append(f"| {r['shape']} | {r['tokens']} | " + " | ".join(cells)
+                     + f" | {best} {by_tile[best]:.1f} |")
     return "\n".join(lines)
 
 
@@ -206,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nRouting per layer on {device}: microseconds per launch (CUDA graph, median of "
           f"{a.reps}); target: new total <= {TARGET_US} us at 8K tokens.\n")
     print(table(rows))
+    print("\nRouter GEMM by tile: microseconds per launch (* the tile the rule picks).\n")
+    print(tile_table(rows))
     return 0 if all(r["sort_ok"] for r in rows) else 1
 
 

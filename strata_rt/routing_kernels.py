@@ -23,7 +23,7 @@ beyond the fp16 range (|v| > 65504) are clamped to +-65504, so a logit stays fin
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -42,18 +42,59 @@ ROUTINGS = ("tensor", "fp32")
 ROUTE_TILE = 32
 MAX_EXPERTS = 512
 MAX_TOP_K = 16
-#: the hidden size must be a multiple of this (the GEMM's K step, 64 in the short-chunk tile)
+#: the hidden size must be a multiple of this: the K step of every tile the rule can fall back
+#: on (a tile with a longer K step serves only hidden sizes it divides)
 HIDDEN_MULTIPLE = 64
 F16_LIMIT = np.float32(65504.0)
 SCAN_THREADS = 256
-#: GEMM tile shapes: name -> (tokens per block, experts per block, threads, shared bytes).
-#: Both give the same bytes (each logit is the same chain of mma steps).
-GEMM_TILES = {
-    "m64": (64, 128, 256, 4 * (64 * 40 * 4 + 128 * 40 * 2)),
-    "m16": (16, 64, 128, 3 * (16 * 72 * 4 + 64 * 72 * 2)),
+
+
+class GemmTile(NamedTuple):
+    """The arguments of one instantiation router_gemm<BM, BN, WARPS_M, WARPS_N, BK, STAGES>
+    (kernel router_logits_f16_<name>): BM tokens x BN experts per block, WARPS_M x WARPS_N
+    warps, K steps of BK through a STAGES-deep ring."""
+
+    bm: int
+    bn: int
+    warps_m: int
+    warps_n: int
+    bk: int
+    stages: int
+
+    @property
+    def threads(self) -> int:
+        return self.warps_m * self.warps_n * 32
+
+    @property
+    def shared(self) -> int:
+        """Dynamic shared memory of one block: the ring of float32 xn and fp16 router tiles,
+        and the K step's xn converted to fp16; rows padded by 8 values."""
+        row = self.bk + 8
+        return self.stages * (self.bm * row * 4 + self.bn * row * 2) + self.bm * row * 2
+
+    def fits(self, hidden: int) -> bool:
+        """Whether the tile's K step divides the hidden size."""
+        return hidden % self.bk == 0
+
+
+#: GEMM tile shapes by name, as routing.cu instantiates them. All give the same bytes (each
+#: logit is the same chain of mma steps); they differ in speed only.
+GEMM_TILES: dict[str, GemmTile] = {
+    "m64": GemmTile(64, 128, 2, 4, 32, 4),
+    "m16": GemmTile(16, 64, 1, 4, 64, 3),
+    "m16k128": GemmTile(16, 64, 1, 4, 128, 4),
+    "m64k64": GemmTile(64, 128, 2, 4, 64, 4),
+    "m64k128": GemmTile(64, 128, 2, 4, 128, 3),
 }
-#: chunks up to this many tokens use the short-chunk tile (more blocks for few tokens)
-SMALL_TILE_MAX_TOKENS = 2048
+#: the default tile by chunk length: the first row whose max_tokens (None: any) covers the
+#: chunk and whose tile's K step divides hidden. A tile with a K step above HIDDEN_MULTIPLE
+#: needs a later row that covers the same chunks as its fallback; the last row must cover
+#: every chunk with a tile whose K step divides HIDDEN_MULTIPLE.
+#: Set from bench/bench_routing.py's sweep on an H200: up to 2,048 tokens many short blocks
+#: with K steps of 128 (one wave of blocks), beyond them one wave of 64-token blocks, also with
+#: K steps of 128; m16 and m64 where hidden is not a multiple of 128.
+GEMM_TILE_RULE: tuple[tuple[int | None, str], ...] = (
+    (2048, "m16k128"), (2048, "m16"), (None, "m64k128"), (None, "m64"))
 #: top-k kernels by logits per lane (n_experts <= 32 * NPL)
 _TOPK_NPL = (1, 2, 4, 8, 16)
 
@@ -87,9 +128,19 @@ def workspace_bytes(tokens: int, n_experts: int) -> int:
     return (2 * n_experts * n_tiles(tokens) + n_experts) * 4
 
 
-def gemm_tile(tokens: int) -> str:
-    """The GEMM tile shape the launcher picks for a chunk (it changes speed, not bytes)."""
-    return "m16" if tokens <= SMALL_TILE_MAX_TOKENS else "m64"
+def gemm_tiles_for(hidden: int) -> list[str]:
+    """The GEMM tiles whose K step divides `hidden`, in GEMM_TILES order."""
+    return [name for name, tile in GEMM_TILES.items() if tile.fits(hidden)]
+
+
+def gemm_tile(tokens: int, hidden: int,
+              rule: tuple[tuple[int | None, str], ...] = GEMM_TILE_RULE) -> str:
+    """The GEMM tile shape the launcher picks for a chunk (it changes speed, not bytes): the
+    first row of `rule` that covers `tokens` with a tile whose K step divides `hidden`."""
+    for max_tokens, name in rule:
+        if (max_tokens is None or tokens <= max_tokens) and GEMM_TILES[name].fits(hidden):
+            return name
+    raise RoutingShapeError(f"no GEMM tile of the rule fits tokens={tokens}, hidden={hidden}")
 
 
 # ----------------------------------------------------------------------------- numpy twins
@@ -205,18 +256,23 @@ class RoutingKernels:
     def logits(self, stream: Stream, xn: int, router16: int, logits: int, tokens: int,
                hidden: int, n_experts: int, tile: str | None = None) -> None:
         """logits float32 [T, E] = fp16(xn float32 [T, H]) x router16 float16 [E, H]^T.
-        xn must be 16-byte aligned, router16 too."""
+        xn must be 16-byte aligned, router16 too. `tile` names a GEMM_TILES shape (default:
+        gemm_tile's pick); one whose K step does not divide hidden is refused."""
         check_routing_shape(hidden, n_experts, 1, tokens)
         if xn % 16 or router16 % 16:
             raise RoutingShapeError(f"router GEMM operands must be 16-byte aligned; got xn=0x"
                                     f"{xn:x}, router16=0x{router16:x}")
-        name = tile or gemm_tile(tokens)
+        name = tile or gemm_tile(tokens, hidden)
         if name not in GEMM_TILES:
             raise RoutingShapeError(f"GEMM tile {name!r} is unknown; valid: "
                                     f"{', '.join(GEMM_TILES)}")
-        bm, bn, threads, shared = GEMM_TILES[name]
-        self._gemm[name].launch(grid=(-(-tokens // bm), -(-n_experts // bn), 1),
-                                block=(threads, 1, 1), stream=stream, shared=shared,
+        t = GEMM_TILES[name]
+        if not t.fits(hidden):
+            raise RoutingShapeError(f"GEMM tile {name!r} steps K by {t.bk}: hidden={hidden} is "
+                                    f"not a multiple of it; tiles for this hidden size: "
+                                    f"{', '.join(gemm_tiles_for(hidden))}")
+        self._gemm[name].launch(grid=(-(-tokens // t.bm), -(-n_experts // t.bn), 1),
+                                block=(t.threads, 1, 1), stream=stream, shared=t.shared,
                                 args=(xn, router16, logits, tokens, hidden, n_experts))
 
     def topk(self, stream: Stream, logits: int, tokens: int, n_experts: int, top_k: int,

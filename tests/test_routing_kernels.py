@@ -16,7 +16,9 @@ from hypothesis import strategies as st
 from strata_rt import routing_kernels
 from strata_rt.model import route
 from strata_rt.routing_kernels import (
+    GEMM_TILE_RULE,
     GEMM_TILES,
+    HIDDEN_MULTIPLE,
     MAX_EXPERTS,
     ROUTING_SOURCE,
     RoutingKernels,
@@ -24,6 +26,7 @@ from strata_rt.routing_kernels import (
     check_routing_shape,
     counting_sort_ref,
     gemm_tile,
+    gemm_tiles_for,
     n_tiles,
     route_ref,
     router_f16,
@@ -46,6 +49,18 @@ MAX_WEIGHT_REL = 0.01
 #: fp32-accumulated logits against the exact product of the fp16 operands, relative to
 #: sum_c |x_c w_c| (K/16 mma steps of float32 sums)
 LOGIT_TOL = 4e-5
+#: the tile every other tile's logits are compared with byte for byte (its K step divides every
+#: supported hidden size)
+REFERENCE_TILE = "m64"
+#: (hidden, n_experts) of the byte-for-byte tile tests: the 235B router's hidden size (every
+#: tile applies) with experts that fill no tile's BN, and 17 x 64 (the K-128 tiles are refused)
+TILE_SHAPES = [(4096, 200), (1088, 60)]
+#: (first, end) token ranges of those tests: 1, 33 and 1000 tokens (a multiple of no tile's BM),
+#: the 33 at an offset that is not one either
+TILE_CHUNKS = [(0, 1), (967, 1000), (0, 1000)]
+#: shared memory of one SM of sm_90, and what the runtime reserves of it per block
+SM_SHARED = 228 * 1024
+BLOCK_RESERVED_SHARED = 1024
 
 
 def _random_ids(rng, tokens, n_experts, top_k, skew=1.0):
@@ -175,7 +190,50 @@ def test_shape_checks_name_every_problem():
 def test_workspace_and_tile_choice():
     assert n_tiles(1) == 1 and n_tiles(32) == 1 and n_tiles(33) == 2
     assert workspace_bytes(8192, 128) == (2 * 128 * 256 + 128) * 4
-    assert gemm_tile(254) == "m16" and gemm_tile(8192) == "m64"
+    for hidden in (2048, 4096):
+        assert gemm_tile(254, hidden) == "m16k128" and gemm_tile(2048, hidden) == "m16k128"
+        assert gemm_tile(2049, hidden) == "m64k128" and gemm_tile(8192, hidden) == "m64k128"
+    # hidden 1088 is no multiple of 128: the K-64 and K-32 fallbacks
+    assert gemm_tile(254, 1088) == "m16" and gemm_tile(2048, 1088) == "m16"
+    assert gemm_tile(2049, 1088) == "m64" and gemm_tile(8192, 1088) == "m64"
+
+
+def test_tile_rule_is_well_formed():
+    assert all(name in GEMM_TILES for _, name in GEMM_TILE_RULE)
+    # rows in order of chunk length (None: any length, only at the end, where a K-128 row
+    # may still need a fallback row after it)
+    bounds = [float("inf") if m is None else m for m, _ in GEMM_TILE_RULE]
+    assert bounds == sorted(bounds)
+    last_max, last = GEMM_TILE_RULE[-1]
+    assert last_max is None, "the last row must cover every chunk length"
+    assert HIDDEN_MULTIPLE % GEMM_TILES[last].bk == 0, "the last row must fit every hidden size"
+
+
+@settings(max_examples=300, deadline=None)
+@given(tokens=st.integers(1, 20000), hidden=st.integers(1, 128).map(lambda h: h * 64))
+def test_tile_rule_never_picks_a_tile_whose_k_step_does_not_divide_hidden(tokens, hidden):
+    for rule in (GEMM_TILE_RULE,
+                 ((512, "m16k128"), (2048, "m64k64"), (2048, "m16"), (None, "m64k128"),
+                  (None, "m64")),
+                 ((None, "m64k128"), (None, "m64k64"), (None, "m64"))):
+        name = gemm_tile(tokens, hidden, rule)
+        assert GEMM_TILES[name].fits(hidden) and name in gemm_tiles_for(hidden)
+        # the first row that covers the chunk and fits hidden, and no other
+        want = next(n for m, n in rule
+                    if (m is None or tokens <= m) and hidden % GEMM_TILES[n].bk == 0)
+        assert name == want
+
+
+def test_tile_rule_falls_back_where_the_k_step_does_not_divide_hidden():
+    rule = ((512, "m16k128"), (2048, "m64k64"), (None, "m64k128"), (None, "m16"))
+    assert [gemm_tile(t, 4096, rule) for t in (1, 512, 513, 2048, 2049)] == [
+        "m16k128", "m16k128", "m64k64", "m64k64", "m64k128"]
+    assert [gemm_tile(t, 1088, rule) for t in (1, 512, 513, 2048, 2049)] == [
+        "m64k64", "m64k64", "m64k64", "m64k64", "m16"]
+    assert gemm_tiles_for(1088) == ["m64", "m16", "m64k64"]
+    assert gemm_tiles_for(4096) == list(GEMM_TILES)
+    with pytest.raises(RoutingShapeError, match="no GEMM tile"):
+        gemm_tile(100, 1088, ((None, "m16k128"),))
 
 
 def test_launcher_kernels_exist_in_the_source():
@@ -196,15 +254,41 @@ def test_launcher_kernels_exist_in_the_source():
 def test_gemm_tile_table_matches_the_kernel_templates():
     """The launcher's grid and shared-memory sizes come from the template arguments."""
     src = ROUTING_SOURCE.read_text()
-    for name, (bm, bn, threads, shared) in GEMM_TILES.items():
-        m = re.search(rf"router_logits_f16_{name}\(.*?router_gemm<(\d+), (\d+), (\d+), (\d+), "
-                      rf"(\d+), (\d+)>", src, re.S)
+    assert set(re.findall(r"\nrouter_logits_f16_(\w+)\(", src)) == set(GEMM_TILES)
+    for name, tile in GEMM_TILES.items():
+        m = re.search(rf"__launch_bounds__\((\d+)(?:, (\d+))?\)\nrouter_logits_f16_{name}\("
+                      rf"[^{{]*\{{\s*router_gemm<(\d+), (\d+), (\d+), (\d+), (\d+), (\d+)>",
+                      src)
         assert m, name
-        tbm, tbn, wm, wn, bk, stages = map(int, m.groups())
-        assert (tbm, tbn, wm * wn * 32) == (bm, bn, threads)
-        assert shared == stages * (tbm * (bk + 8) * 4 + tbn * (bk + 8) * 2)
-        assert 64 % bk == 0  # HIDDEN_MULTIPLE covers every K step
-        assert f"__launch_bounds__({threads})\nrouter_logits_f16_{name}(" in src
+        threads, min_blocks = int(m[1]), int(m[2] or 1)
+        args = tuple(map(int, m.groups()[2:]))
+        tbm, tbn, wm, wn, bk, stages = args
+        assert args == tuple(tile), name
+        assert (tile.bm, tile.bn, tile.threads) == (tbm, tbn, wm * wn * 32) == (tbm, tbn, threads)
+        assert tile.shared == stages * (tbm * (bk + 8) * 4 + tbn * (bk + 8) * 2) + tbm * (bk + 8) * 2
+        # the kernel's static_asserts, restated: warps tile the block in 16 x 16 steps
+        assert tbm % (16 * wm) == 0 and tbn % (16 * wn) == 0 and bk % 16 == 0 and stages >= 2
+        # the blocks per SM the launch bounds ask for fit the shared memory of an sm_90 SM
+        assert min_blocks * (tile.shared + BLOCK_RESERVED_SHARED) <= SM_SHARED, name
+
+
+def test_launcher_refuses_a_tile_whose_k_step_does_not_divide_hidden():
+    rt = Recorder()
+    rk = RoutingKernels(rt)
+    assert {f"router_logits_f16_{name}" for name in GEMM_TILES} <= set(rt.kernels)
+    for name in ("m16k128", "m64k128"):
+        with pytest.raises(RoutingShapeError, match=rf"tile '{name}' steps K by 128: "
+                                                    r"hidden=1088 .*m64, m16, m64k64$"):
+            rk.logits(None, 0x1000, 0x2000, 0x3000, 33, 1088, 60, tile=name)
+    assert not rt.launches
+    for name, tile in GEMM_TILES.items():
+        rk.logits(None, 0x1000, 0x2000, 0x3000, 1000, 4096, 200, tile=name)
+        kernel, grid, block, shared, args = rt.calls[-1]
+        assert kernel == f"router_logits_f16_{name}"
+        assert grid == (-(-1000 // tile.bm), -(-200 // tile.bn), 1)
+        assert block == (tile.threads, 1, 1) and shared == tile.shared
+        assert args == (0x1000, 0x2000, 0x3000, 1000, 4096, 200)
+    assert rt.calls[list(GEMM_TILES).index("m16k128")][1:4] == ((63, 4, 1), (128, 1, 1), 108800)
 
 
 def test_route_launches_four_kernels_with_the_engine_shapes():
@@ -215,7 +299,7 @@ def test_route_launches_four_kernels_with_the_engine_shapes():
              bounds=0x6000, sorted_token=0x7000, row_of=0x8000, workspace=0x9000, tokens=T,
              hidden=H, n_experts=E, top_k=K)
     names = [c[0] for c in rt.calls]
-    assert names == ["router_logits_f16_m64", "topk_softmax_w4", "route_tile_scan",
+    assert names == ["router_logits_f16_m64k128", "topk_softmax_w4", "route_tile_scan",
                      "route_scatter"]
     gemm, topk, scan, scatter = rt.calls
     assert gemm[1] == (144, 1, 1) and gemm[2] == (256, 1, 1) and gemm[3] > 48 * 1024
@@ -228,12 +312,12 @@ def test_route_launches_four_kernels_with_the_engine_shapes():
     rk.route(None, xn=0x1000, router16=0x2000, logits=0x3000, ids=0x4000, weights=0x5000,
              bounds=0x6000, sorted_token=0x7000, row_of=0x8000, workspace=0x9000, tokens=7,
              hidden=H, n_experts=256, top_k=16)
-    assert [c[0] for c in rt.calls][:2] == ["router_logits_f16_m16", "topk_softmax_w8"]
+    assert [c[0] for c in rt.calls][:2] == ["router_logits_f16_m16k128", "topk_softmax_w8"]
     assert rt.calls[0][1] == (1, 4, 1) and rt.calls[3][2] == (512, 1, 1)
     with pytest.raises(RoutingShapeError, match="16-byte aligned"):
         rk.logits(None, 0x1004, 0x2000, 0x3000, 7, H, E)
-    with pytest.raises(RoutingShapeError, match="tile 'm32'"):
-        rk.logits(None, 0x1000, 0x2000, 0x3000, 7, H, E, tile="m32")
+    with pytest.raises(RoutingShapeError, match="tile 'm48' is unknown"):
+        rk.logits(None, 0x1000, 0x2000, 0x3000, 7, H, E, tile="m48")
 
 
 # ============================================================================ GPU
@@ -318,21 +402,57 @@ def test_topk_and_sort_with_heavy_ties(rt, rk, rng, n_experts, top_k):
     np.testing.assert_array_equal(download(rt, s, ro, np.int32, (T * top_k,)), want[2])
 
 
+def _logits(rt, s, rk, xn, router16, tile):
+    """The GEMM alone on a fresh poisoned output; logits float32 [T, E] on the host."""
+    T, H = xn.shape
+    E = router16.shape[0]
+    dx, dr = upload(rt, s, xn), upload(rt, s, router16)
+    out = poisoned(rt, s, T * E * 4)
+    rk.logits(s, dx.ptr, dr.ptr, out.ptr, T, H, E, tile)
+    return download(rt, s, out, np.float32, (T, E))
+
+
 @gpu
-def test_same_bytes_every_run_every_tile_and_chunk(rt, rk, rng):
+@pytest.mark.parametrize("tile", list(GEMM_TILES))
+def test_same_bytes_every_run_every_tile_and_chunk(rt, rk, rng, tile):
     kern, s = rk
     xn, router = _inputs(rng, 9200, 2048, 128)
     r16 = router_f16(router)
-    a = _run(rt, s, kern, xn, r16, 8, tile="m64")
-    b = _run(rt, s, kern, xn, r16, 8, tile="m64")
-    c = _run(rt, s, kern, xn, r16, 8, tile="m16")
+    a = _run(rt, s, kern, xn, r16, 8, tile=REFERENCE_TILE)
+    b = _run(rt, s, kern, xn, r16, 8, tile=tile)
+    c = _run(rt, s, kern, xn, r16, 8, tile=tile)
     for name in a:
-        assert a[name].tobytes() == b[name].tobytes(), f"{name} differs between runs"
-        assert a[name].tobytes() == c[name].tobytes(), f"{name} differs between tile shapes"
+        assert b[name].tobytes() == c[name].tobytes(), f"{name} differs between runs"
+        assert a[name].tobytes() == b[name].tobytes(), f"{name} differs from {REFERENCE_TILE}"
     # a chunk of the same tokens routes them identically (rows differ only by the sort)
-    part = _run(rt, s, kern, xn[4000:4257], r16, 8)
+    part = _run(rt, s, kern, xn[4000:4257], r16, 8, tile=tile)
     for name in ("logits", "ids", "weights"):
         assert part[name].tobytes() == a[name][4000:4257].tobytes(), name
+
+
+@gpu
+@pytest.mark.parametrize("tile", list(GEMM_TILES))
+@pytest.mark.parametrize("hidden,n_experts", TILE_SHAPES)
+def test_every_tile_gives_the_reference_tiles_bytes(rt, rk, rng, hidden, n_experts, tile):
+    """Each tile's logits against the reference tile's, byte for byte, on chunks whose length
+    and offset are multiples of no tile's BM, and against the exact fp16 product; a tile whose
+    K step does not divide hidden is refused before it launches."""
+    kern, s = rk
+    xn, router = _inputs(rng, 1000, hidden, n_experts)
+    r16 = router_f16(router)
+    if not GEMM_TILES[tile].fits(hidden):
+        assert tile not in gemm_tiles_for(hidden)
+        with pytest.raises(RoutingShapeError, match=f"tile '{tile}' steps K by"):
+            _logits(rt, s, kern, xn[:33], r16, tile)
+        return
+    want = _logits(rt, s, kern, xn, r16, REFERENCE_TILE)
+    exact = router_logits_ref(xn, r16)
+    scale = np.abs(to_f16(xn).astype(np.float64)) @ np.abs(r16.astype(np.float64)).T
+    tol = LOGIT_TOL * max(1.0, hidden / 2048)  # the bound grows with the number of K steps
+    assert (np.abs(want - exact) <= tol * scale + 1e-30).all()
+    for first, end in TILE_CHUNKS:
+        got = _logits(rt, s, kern, xn[first:end], r16, tile)
+        assert got.tobytes() == want[first:end].tobytes(), f"tokens {first}..{end - 1}"
 
 
 @gpu

@@ -36,8 +36,10 @@ __device__ __forceinline__ unsigned f16x2_clamped(float2 v) {
 
 // logits[t, e] = sum_c f16(xn[t, c]) * router16[e, c], float32 accumulation on tensor cores.
 // Block tile BM tokens x BN experts, warps WARPS_M x WARPS_N, K steps of BK through a
-// STAGES-deep cp.async ring. xn stays float32 in shared memory and is converted while the A
-// fragments are built. hidden % BK == 0 and n_experts even (the launcher checks).
+// STAGES-deep cp.async ring. xn lands float32 in shared memory; each K step the block converts
+// it once into an fp16 tile (Ah) that every warp reads with ldmatrix. Converting while each warp
+// built its own A fragments repeated the conversion in all WARPS_N warps and left the kernel
+// issue bound. hidden % BK == 0 and n_experts even (the launcher checks).
 template <int BM, int BN, int WARPS_M, int WARPS_N, int BK, int STAGES>
 __device__ __forceinline__ void router_gemm(const float* __restrict__ xn,
                                             const __half* __restrict__ router,
@@ -46,12 +48,20 @@ __device__ __forceinline__ void router_gemm(const float* __restrict__ xn,
     constexpr int THREADS = WARPS_M * WARPS_N * 32;
     constexpr int WM = BM / WARPS_M, WN = BN / WARPS_N;
     constexpr int MT = WM / 16, NT = WN / 8;
-    constexpr int AS = BK + 8;  // floats per A row: rows land 8 banks apart (float2 reads)
-    constexpr int BS = BK + 8;  // halves per B row: 80- or 144-byte rows (ldmatrix, no conflict)
-    static_assert(MT >= 1 && NT % 2 == 0 && BK % 16 == 0, "tile shape");
+    constexpr int AS = BK + 8;  // floats per fp32 A row (16-byte aligned rows for cp.async)
+    constexpr int BS = BK + 8;  // halves per B row and per Ah row: an odd number of 16-byte
+                                // units (80, 144 or 272 bytes), so ldmatrix's 8 rows hit
+                                // distinct banks
+    static_assert(WM * WARPS_M == BM && WN * WARPS_N == BN, "warps must tile the block");
+    static_assert(MT >= 1 && WM % 16 == 0 && NT % 2 == 0 && WN % 16 == 0, "warp tile shape");
+    static_assert(BK % 16 == 0, "K step");
+    static_assert(STAGES >= 2, "the ring refills one stage while it reads another");
+    static_assert(STAGES * (BM * AS * 4 + BN * BS * 2) + BM * BS * 2 <= 227 * 1024,
+                  "shared memory per block");
     extern __shared__ __align__(16) unsigned char smem[];
     float* As = reinterpret_cast<float*>(smem);
     __half* Bs = reinterpret_cast<__half*>(As + STAGES * BM * AS);
+    __half* Ah = Bs + STAGES * BN * BS;  // this K step's A, fp16
 
     const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -97,20 +107,27 @@ __device__ __forceinline__ void router_gemm(const float* __restrict__ xn,
         if (next < steps) load(next % STAGES, next);
         cp_async_commit();
 
-        const float* a = As + (step % STAGES) * BM * AS + (wm * WM) * AS;
+        // the previous step's ldmatrix reads of Ah finished before the barrier above
+        const float* a32 = As + (step % STAGES) * BM * AS;
+        for (int i = threadIdx.x; i < BM * (BK / 4); i += THREADS) {
+            const int r = i / (BK / 4), c = (i % (BK / 4)) * 4;
+            const float4 v = *reinterpret_cast<const float4*>(a32 + r * AS + c);
+            *reinterpret_cast<uint2*>(Ah + r * BS + c) =
+                make_uint2(f16x2_clamped(make_float2(v.x, v.y)),
+                           f16x2_clamped(make_float2(v.z, v.w)));
+        }
+        __syncthreads();  // Ah complete for every warp
+
+        const __half* a = Ah + (wm * WM) * BS;
         const __half* b = Bs + (step % STAGES) * BN * BS + (wn * WN) * BS;
 #pragma unroll
         for (int kk = 0; kk < BK; kk += 16) {
+            // matrices: (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15),
+            // (rows 8-15, k 8-15): the m16n8k16 A fragment's four registers in order
             unsigned af[MT][4];
 #pragma unroll
-            for (int i = 0; i < MT; ++i) {
-                const float* r0 = a + (i * 16 + g) * AS + kk + 2 * q;
-                const float* r1 = r0 + 8 * AS;
-                af[i][0] = f16x2_clamped(*reinterpret_cast<const float2*>(r0));
-                af[i][1] = f16x2_clamped(*reinterpret_cast<const float2*>(r1));
-                af[i][2] = f16x2_clamped(*reinterpret_cast<const float2*>(r0 + 8));
-                af[i][3] = f16x2_clamped(*reinterpret_cast<const float2*>(r1 + 8));
-            }
+            for (int i = 0; i < MT; ++i)
+                ldmatrix_x4(af[i], a + (i * 16 + (lane & 15)) * BS + kk + (lane >> 4) * 8);
 #pragma unroll
             for (int j = 0; j < NT; j += 2) {
                 // matrices: (tile j, k 0-7), (tile j, k 8-15), (tile j+1, k 0-7), (tile j+1, k 8-15)
@@ -145,19 +162,50 @@ __device__ __forceinline__ void router_gemm(const float* __restrict__ xn,
     }
 }
 
-// Two tile shapes with the same per-output chain (so the same bytes): 64 tokens x 128 experts
-// for long chunks, 16 x 64 for short ones (more blocks, fewer idle SMs).
-// Dynamic shared memory: STAGES * (BM * (BK + 8) * 4 + BN * (BK + 8) * 2) bytes.
+// Tile shapes, all with the same per-output chain (so the same bytes); the launcher picks one by
+// chunk length (routing_kernels.py: GEMM_TILES, GEMM_TILE_RULE). Each block walks hidden in
+// serial K steps, and a step costs about one memory latency however little it moves, so the
+// tiles trade the number of steps a block takes against how many blocks fill the chip.
+// Dynamic shared memory: STAGES * (BM * (BK + 8) * 4 + BN * (BK + 8) * 2) + BM * (BK + 8) * 2
+// bytes. The second __launch_bounds__ argument, where given, is the blocks per SM the tile is
+// sized for on sm_90: their shared memory fits the SM's 228 KB (1 KB of it reserved per block),
+// and it caps the registers so that they fit too.
+
+// 64 tokens x 128 experts, 8 warps: the long-chunk tile.
 extern "C" __global__ void __launch_bounds__(256)
 router_logits_f16_m64(const float* __restrict__ xn, const __half* __restrict__ router,
                       float* __restrict__ logits, int tokens, int hidden, int n_experts) {
     router_gemm<64, 128, 2, 4, 32, 4>(xn, router, logits, tokens, hidden, n_experts);
 }
 
+// 16 x 64: the short-chunk tile (more blocks, fewer idle SMs).
 extern "C" __global__ void __launch_bounds__(128)
 router_logits_f16_m16(const float* __restrict__ xn, const __half* __restrict__ router,
                       float* __restrict__ logits, int tokens, int hidden, int n_experts) {
     router_gemm<16, 64, 1, 4, 64, 3>(xn, router, logits, tokens, hidden, n_experts);
+}
+
+// m16 with K steps of 128: half the serial steps of m16 for short chunks, where each block
+// walks all of hidden alone. Only where hidden % 128 == 0.
+extern "C" __global__ void __launch_bounds__(128, 2)
+router_logits_f16_m16k128(const float* __restrict__ xn, const __half* __restrict__ router,
+                          float* __restrict__ logits, int tokens, int hidden, int n_experts) {
+    router_gemm<16, 64, 1, 4, 128, 4>(xn, router, logits, tokens, hidden, n_experts);
+}
+
+// 64 x 128 with K steps of 64 and of 128: the long-chunk tile's block count (one wave of
+// blocks at 8K tokens on 132 SMs) with a half or a quarter of its serial K steps, each moving
+// more of xn per wait. Only where hidden is a multiple of the K step.
+extern "C" __global__ void __launch_bounds__(256)
+router_logits_f16_m64k64(const float* __restrict__ xn, const __half* __restrict__ router,
+                         float* __restrict__ logits, int tokens, int hidden, int n_experts) {
+    router_gemm<64, 128, 2, 4, 64, 4>(xn, router, logits, tokens, hidden, n_experts);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+router_logits_f16_m64k128(const float* __restrict__ xn, const __half* __restrict__ router,
+                          float* __restrict__ logits, int tokens, int hidden, int n_experts) {
+    router_gemm<64, 128, 2, 4, 128, 3>(xn, router, logits, tokens, hidden, n_experts);
 }
 
 // ---------------------------------------------------------------------------- top-k softmax
