@@ -29,6 +29,7 @@ from .dense_schedule import DENSE_RING_SLOTS
 from .device_state import DeviceState
 from .errors import StrataError
 from .formats import FormatKernels
+from .host_copy import copy_into
 from .image_cache import ImageCache, block_bytes, capacity_blocks
 from .layer_kernels import ENGINE_SOURCE, LayerKernels
 from .memory_plan import DEFAULT_RESERVE_MIB, plan_memory
@@ -221,7 +222,7 @@ class CudaBackend:
         if self._timer is not None and stats.chunk_index == 0:
             self._timer.reset()
         io = dev.io[: T * self.spec.hidden].reshape(T, self.spec.hidden)
-        io[:] = h
+        copy_into(io, h)
         self.rt.memcpy_htod(dev.ptr["x"], io, dev.compute)
         if start is not None and self._whole is not None:
             self._whole.set_position(dev.compute, start)

@@ -40,6 +40,7 @@ from .driver import Backend, ChunkDriver, HostContext
 from .engine_config import EngineConfig
 from .errors import ConfigError
 from .formats import QuantFormat
+from .host_copy import all_finite, copy_into
 from .model import Model
 from .plan import LogitRows
 from .planner import AUTO_CHUNK_MAX
@@ -298,7 +299,7 @@ class Engine:
         if h.ndim != 2 or h.shape[1] != spec.hidden:
             raise ConfigError(f"prefill input has shape {h.shape}; expected [tokens, "
                               f"{spec.hidden}] hidden states", source="prefill")
-        if not np.isfinite(h).all():
+        if not all_finite(h):
             raise ConfigError("prefill input holds NaN or Inf", source="prefill")
         h = np.ascontiguousarray(h, dtype=np.float32)
         T, C = h.shape[0], self.chunk_tokens
@@ -310,7 +311,7 @@ class Engine:
             if hi <= lo:
                 break
             stats.chunk_index = c
-            out[lo:hi] = self.driver.run_chunk(h[lo:hi], stats)
+            copy_into(out[lo:hi], self.driver.run_chunk(h[lo:hi], stats))
             stats.chunks += 1
             if partial is not None:
                 dump_residual(partial, out[lo:hi], lo)
