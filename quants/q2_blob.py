@@ -29,11 +29,13 @@ The scale is stored as fp16 and the codes are reassigned to the stored scale, so
 the best codes for the scale it actually carries. On Gaussian weights the error lands within
 0.2% of a dense 4,001-point scale search per group (tested), NMSE about 0.123.
 
-Variant f16_gemm (STRATA_MMQ_KERNEL=f16_gemm; Q2BlobDequantF16): the same blob, a per-expert
-gather (kernels/q2_blob/dequant.cu) that writes fp16 images, each weight fp16((code-1)*scale),
-which is exact, and the grouped fp16 GEMM of strata_rt.grouped_gemm on fp16 activations. Not
-exact: it meets the float64 reference of its fp16 inputs within the conformance tolerance; the
-default stays the exact int8 MMQ.
+Variants (STRATA_MMQ_KERNEL). f16_gemm, the default (Q2BlobDequantF16): the same blob, a
+per-expert gather (kernels/q2_blob/dequant.cu) that writes fp16 images, each weight
+fp16((code-1)*scale), which is exact, and the grouped fp16 GEMM of strata_rt.grouped_gemm on
+fp16 activations. Not exact: it meets the float64 reference of its fp16 inputs within the
+conformance tolerance, and a float64 product of the exact weights and unquantized activations
+more closely than the int8 path does (its q8_1 activations round more). int8 (Q2Blob): the
+exact int8 tensor-core MMQ on q8_1 activations, bit-identical to mmq_reference.
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ from strata_rt.resources import KERNELS_ROOT
 if TYPE_CHECKING:
     pass
 
-F16_GEMM = "f16_gemm"  # the fp16-image variant
+F16_GEMM = "f16_gemm"  # the fp16-image variant, the default
+INT8 = "int8"  # the exact int8 MMQ
 GROUP = 64           # weights per scale
 NCAND = 32           # candidate scales per sign
 FRAC_LO = 0.25       # smallest candidate, as a fraction of the covering scale
@@ -173,8 +176,8 @@ class Q2Blob(QuantFormat):
     roundtrip_nmse = 0.15
     dim_multiple = 128
     description = ("planar 2-bit blob (gate/up interleaved, fp16 scale per 64), "
-                   "2.25 bits/weight; default: exact int8 tensor-core MMQ on q8_1 activations; "
-                   "f16_gemm: dequantizing gather to fp16 images, grouped fp16 GEMM")
+                   "2.25 bits/weight; f16_gemm (default): dequantizing gather to fp16 images, "
+                   "grouped fp16 GEMM; int8: exact int8 tensor-core MMQ on q8_1 activations")
 
     # ---------------------------------------------------------------- layout
     def layout(self, hidden: int, ffn: int) -> ExpertLayout:
@@ -274,13 +277,13 @@ class Q2Blob(QuantFormat):
         return Q2Kernels
 
     def mmq_variants(self) -> tuple[str, ...]:
-        """default: the exact int8 MMQ on q8_1 activations; f16_gemm: fp16 images and the
-        grouped fp16 GEMM (Q2BlobDequantF16)."""
-        return ("default", "f16_gemm")
+        """f16_gemm (the default): fp16 images and the grouped fp16 GEMM (Q2BlobDequantF16);
+        int8: the exact int8 MMQ on q8_1 activations (this class)."""
+        return (F16_GEMM, INT8)
 
     def for_variant(self, name: str | None) -> QuantFormat:
         super().for_variant(name)
-        if name == F16_GEMM:
+        if (name or F16_GEMM) == F16_GEMM:
             return self if isinstance(self, Q2BlobDequantF16) else Q2BlobDequantF16()
         return self if type(self) is Q2Blob else Q2Blob()
 

@@ -228,11 +228,15 @@ def test_alignment_is_refused_on_the_host_naming_the_value():
 def test_f16_variant_images_are_the_weights_in_fp16(rng):
     """variant f16_gemm: the dequantizing gather's twin gives fp16 of the exact weights, gate
     rows then up rows, bit for bit (signed zeros of negative scales included), and the same
-    blob bytes as the default."""
+    blob bytes as the exact int8 variant. f16_gemm is the default."""
     base = Q2Blob()
     fmt = base.for_variant("f16_gemm")
     assert fmt is not base and fmt.for_variant("f16_gemm") is fmt
-    assert type(fmt.for_variant("default")) is Q2Blob and base.for_variant(None) is base
+    assert type(fmt.for_variant("int8")) is Q2Blob and base.for_variant("int8") is base
+    assert type(base.for_variant(None)) is type(fmt) and fmt.for_variant(None) is fmt
+    assert base.mmq_variants() == ("f16_gemm", "int8")
+    with pytest.raises(FormatError, match="'default'.*valid: f16_gemm, int8"):
+        base.for_variant("default")
     h, f = 256, 128
     blob = base.random_expert(rng, h, f)
     gu, dn = fmt.images(blob, h, f)
