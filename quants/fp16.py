@@ -19,7 +19,7 @@ conformance suite requires NMSE <= 1e-6 (KERNEL_NMSE) between kernel and referen
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -29,9 +29,6 @@ from strata_rt.formats import FormatKernels, QuantFormat, expert_rows
 from strata_rt.grouped_gemm import GroupedGemmProducts
 from strata_rt.hookspecs import hookimpl
 from strata_rt.launchers import MmqTile, PerExpertKernels
-
-if TYPE_CHECKING:
-    pass
 
 FP16_MAX = 65504.0
 GGML_TYPE_F16 = 1

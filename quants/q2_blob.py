@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -54,9 +54,6 @@ from strata_rt.grouped_gemm import GroupedGemmProducts
 from strata_rt.hookspecs import hookimpl
 from strata_rt.launchers import MmqTile, PerExpertKernels
 from strata_rt.resources import KERNELS_ROOT
-
-if TYPE_CHECKING:
-    pass
 
 F16_GEMM = "f16_gemm"  # the fp16-image variant, the default
 INT8 = "int8"  # the exact int8 MMQ

@@ -297,7 +297,8 @@ def validate(doc: Any, base_dir: Path, source: Path | None = None,
     assert geom is not None and fmt is not None
     return Config(source=source, spec=replace(geom, format=fmt.name), backend=backend,
                   prefill=prefill, prompts=tuple(prompts), gguf=gguf, model_seed=model_seed,
-                  ring_mib=ring_mib, image_cache_mib=image_cache_mib, profile=profile, repeats=repeats, seed=seed,
+                  ring_mib=ring_mib, image_cache_mib=image_cache_mib, profile=profile,
+                  repeats=repeats, seed=seed,
                   output=output, whole=whole, whole_options=whole_options, context=context,
                   dense=dense, generate_tokens=generate_tokens, **budget)
 

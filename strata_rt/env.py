@@ -123,7 +123,7 @@ def problem(name: str, value: str) -> str | None:
         return "expected a positive whole number"
     if kind == "mib" and value != "all":
         try:
-            ok = float(value) >= 0
+            ok = 0 <= float(value) < float("inf")
         except ValueError:
             ok = False
         if not ok:

@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from . import env
 from .errors import ConfigError
 from .formats import MMQ_GROUP, ExpertLayout
 
@@ -52,28 +53,23 @@ def check_setting(value: object) -> str | None:
     what is allowed, in words."""
     if value is None or value == ALL:
         return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+    if (isinstance(value, bool) or not isinstance(value, int | float)
+            or not 0 <= value < float("inf")):
         return (f"allowed: a number of MiB >= 0, or `{ALL}` (room for the images of every "
                 "group of every layer)")
     return None
 
 
 def parse_setting(text: str | None) -> ImageCacheSetting:
-    """The environment's form of a setting (STRATA_IMAGE_CACHE_MIB): "all" or a number."""
+    """The environment's form of a setting (STRATA_IMAGE_CACHE_MIB), checked by env's rule
+    for the switch: "all" or a number of MiB."""
     if text is None or text.strip() == "":
         return None
     t = text.strip()
-    if t == ALL:
-        return ALL
-    try:
-        value = float(t)
-    except ValueError:
-        raise ConfigError(f"STRATA_IMAGE_CACHE_MIB={text!r}: expected a number of MiB or "
-                          f"`{ALL}`", source="environment") from None
-    why = check_setting(value)
+    why = env.problem("STRATA_IMAGE_CACHE_MIB", t)
     if why is not None:
         raise ConfigError(f"STRATA_IMAGE_CACHE_MIB={text!r}: {why}", source="environment")
-    return value
+    return ALL if t == ALL else float(t)
 
 
 def capacity_blocks(setting: ImageCacheSetting, spec: MoESpec, layout: ExpertLayout) -> int:
@@ -97,6 +93,7 @@ class ImageCache:
 
     blocks: tuple[tuple[int, int], ...] = ()
     capacity: int = 0
+    _index: dict[tuple[int, int], int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if len(self.blocks) > self.capacity:
@@ -107,7 +104,7 @@ class ImageCache:
 
     def index(self, layer: int, group: int) -> int | None:
         """The block holding that group's images, or None."""
-        return self._index.get((layer, group))  # type: ignore[attr-defined]
+        return self._index.get((layer, group))
 
     def experts(self, block: int, spec: MoESpec) -> tuple[int, ...]:
         """The experts of a block, by position."""

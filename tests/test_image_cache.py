@@ -65,7 +65,7 @@ def test_capacity_counts_whole_blocks():
         capacity_blocks(-1, SPEC, LAYOUT)
 
 
-@pytest.mark.parametrize("bad", [-1, "some", True, float("nan"), [1]])
+@pytest.mark.parametrize("bad", [-1, "some", True, float("nan"), float("inf"), [1]])
 def test_bad_settings_are_named(bad):
     assert "a number of MiB >= 0" in check_setting(bad)
     with pytest.raises(ConfigError, match="image_cache_mib"):
@@ -75,8 +75,9 @@ def test_bad_settings_are_named(bad):
 def test_environment_setting(monkeypatch):
     assert parse_setting(None) is None and parse_setting(" ") is None
     assert parse_setting("all") == ALL and parse_setting("512") == 512.0
-    with pytest.raises(ConfigError, match="STRATA_IMAGE_CACHE_MIB='lots'"):
-        parse_setting("lots")
+    for bad in ("lots", "inf", "-1", "nan"):
+        with pytest.raises(ConfigError, match=f"STRATA_IMAGE_CACHE_MIB='{bad}'"):
+            parse_setting(bad)
     monkeypatch.setenv("STRATA_IMAGE_CACHE_MIB", "all")
     assert EngineConfig(model={}).resolve().image_cache_mib == ALL
     assert EngineConfig(model={}, image_cache_mib=64).resolve().image_cache_mib == 64
