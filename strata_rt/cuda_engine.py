@@ -13,7 +13,8 @@ Execution. Each plan op becomes one driver call on the stream the op names. On t
 a layer's routing runs on the GPU and its per-expert row bounds come back on a stream of their
 own (so the read-back never queues behind expert copies); on the streamed walk every kernel
 reads row bounds from device memory and nothing comes back until the chunk ends, so the
-driver can capture the whole walk as a CUDA graph (`capture`).
+driver can capture the whole walk as a CUDA graph (`capture`). The chunk's input reaches the
+device at its ChunkInput op, behind a gate its host pass opens (strata_rt.chunk_input).
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from .dense_schedule import DENSE_RING_SLOTS
 from .device_state import DeviceState
 from .errors import StrataError
 from .formats import FormatKernels
-from .host_copy import copy_into
 from .image_cache import ImageCache, block_bytes, capacity_blocks
 from .layer_kernels import ENGINE_SOURCE, LayerKernels
 from .memory_plan import DEFAULT_RESERVE_MIB, plan_memory
@@ -37,6 +37,7 @@ from .plan import (
     HOST,
     RESIDENT,
     Attention,
+    ChunkInput,
     Consume,
     Copy,
     DenseCopy,
@@ -190,7 +191,8 @@ class CudaBackend:
             Copy: self._op_copy, Record: self._op_record, Wait: self._op_wait,
             Gather: self._op_gather, GatherBatch: self._op_gather_batch,
             GatherRouted: self._op_gather_routed,
-            Products: self._op_products, Consume: _no_op, LayerBegin: self._op_layer_begin,
+            Products: self._op_products, Consume: _no_op, ChunkInput: self._op_chunk_input,
+            LayerBegin: self._op_layer_begin,
             LayerEnd: self._op_layer_end, Attention: self._op_attention,
             DenseCopy: self._op_dense_copy, Logits: self._op_logits,
         }
@@ -221,9 +223,7 @@ class CudaBackend:
         dev = self._device()
         if self._timer is not None and stats.chunk_index == 0:
             self._timer.reset()
-        io = dev.io[: T * self.spec.hidden].reshape(T, self.spec.hidden)
-        copy_into(io, h)
-        self.rt.memcpy_htod(dev.ptr["x"], io, dev.compute)
+        dev.input.start(dev.io[: T * self.spec.hidden].reshape(T, self.spec.hidden), h)
         if start is not None and self._whole is not None:
             self._whole.set_position(dev.compute, start)
         self._T = T
@@ -236,6 +236,7 @@ class CudaBackend:
         io = dev.io[: self._T * self.spec.hidden].reshape(self._T, self.spec.hidden)
         self.rt.memcpy_dtoh(io, dev.ptr["x"], dev.compute)
         dev.compute.synchronize()
+        dev.input.finish()
         if self._timer is not None and stats.chunk_index == stats.n_chunks - 1:
             for phase, ms in self._timer.totals_ms.items():
                 stats.phase_s[phase] += ms / 1e3
@@ -365,6 +366,13 @@ class CudaBackend:
         dev = self._device()
         self.kernels.route(dev.compute, op.layer, self._T, self._bounds_ptr(op.layer),
                            self._mark)
+
+    def _op_chunk_input(self, op: ChunkInput) -> None:
+        """The upload waits at the gate until begin_chunk's host pass has filled `io`."""
+        dev = self._device()
+        self._mark("input")
+        dev.input.enqueue()
+        self.rt.memcpy_htod(dev.ptr["x"], dev.io[: self._T * self.spec.hidden], dev.compute)
 
     def _op_products(self, op: Products) -> None:
         dev = self._device()

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .chunk_input import InputPass
+
 if TYPE_CHECKING:
     from .runtime import Event, Runtime, Stream
 
@@ -24,8 +26,10 @@ class DeviceState:
         self.arena = rt.device_arena(regions, budget=budget)
         self.ptr: dict[str, int] = {name: self.arena.ptr(name) for name in regions}
         n_bounds = bounds_shape[0] * bounds_shape[1]
-        self.host = rt.pinned({"io": io_bytes, "bounds": n_bounds * 4})
+        self.host = rt.pinned({"io": io_bytes, "bounds": n_bounds * 4, "gate": 4})
         self.io = self.host.view("io", np.float32)
+        #: the chunk's input: the host pass into `io`, and the gate the upload waits at
+        self.input = InputPass(rt.gate(self.host.view("gate", np.uint32)), self.compute)
         self.bounds_host = self.host.view("bounds", np.int32).reshape(bounds_shape)
         self.routed = rt.event("routed")
         self.fork = rt.event("walk fork")

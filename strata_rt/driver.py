@@ -98,7 +98,9 @@ class Executor(Protocol):
     def begin_chunk(self, h: np.ndarray, stats: Stats, start: int | None = None) -> None:
         """Takes the chunk's hidden states float32 [T, hidden] (a whole model: the
         embedding rows of its tokens) and its absolute position (None: MoE layers alone),
-        which an Attention op without a start reads."""
+        which an Attention op without a start reads. The states reach the device at the
+        plan's ChunkInput op; a chunk whose states are not all finite raises ConfigError
+        (here or at end_chunk) and never reaches the device as such."""
 
     def route_layer(self, layer: int) -> None:
         """Enqueues (or runs) one layer's routing ahead of a staging-ring layer."""
@@ -249,7 +251,7 @@ class ChunkDriver:
                    if self.check_plan else None)
         for layer in range(self.spec.n_layers):
             t0 = time.perf_counter()
-            pre = planner.attention_ops(layer)  # attention comes before the routing it feeds
+            pre = planner.pre_routing_ops(layer)  # the input and attention feed the routing
             if pre:
                 ex.execute(pre, stats, None)
             ex.route_layer(layer)

@@ -36,11 +36,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import env, hostmem
+from .chunk_input import input_not_finite
 from .driver import Backend, ChunkDriver, HostContext
 from .engine_config import EngineConfig
 from .errors import ConfigError
 from .formats import QuantFormat
-from .host_copy import all_finite, copy_into
+from .host_copy import all_finite, copy_into, prefault
 from .model import Model
 from .plan import LogitRows
 from .planner import AUTO_CHUNK_MAX
@@ -271,13 +272,14 @@ class Engine:
             raise ConfigError("this engine is closed", source="prefill")
         return self.backend
 
-    def _start_stats(self, T: int, record_routing: bool) -> tuple[Stats, Path | None]:
+    def _start_stats(self, T: int, record_routing: bool, open_dump: bool = True
+                     ) -> tuple[Stats, Path | None]:
         spec = self.model.spec
         stats = Stats(tokens=T, n_chunks=max(1, -(-T // self.chunk_tokens)),
                       n_layers=spec.n_layers, on_layer=self.config.progress)
         if record_routing:
             stats.routing_counts = np.zeros((spec.n_layers, spec.n_experts), np.int64)
-        return stats, self._open_dump()
+        return stats, self._open_dump() if open_dump else None
 
     def _finish(self, stats: Stats, partial: Path | None, t0: float, T: int) -> None:
         if partial is not None and self._dump is not None:
@@ -299,20 +301,28 @@ class Engine:
         if h.ndim != 2 or h.shape[1] != spec.hidden:
             raise ConfigError(f"prefill input has shape {h.shape}; expected [tokens, "
                               f"{spec.hidden}] hidden states", source="prefill")
-        if not all_finite(h):
-            raise ConfigError("prefill input holds NaN or Inf", source="prefill")
-        h = np.ascontiguousarray(h, dtype=np.float32)
+        with np.errstate(over="ignore"):  # what overflows float32 is refused as infinity
+            h = np.ascontiguousarray(h, dtype=np.float32)
         T, C = h.shape[0], self.chunk_tokens
-        stats, partial = self._start_stats(T, record_routing)
+        stats, partial = self._start_stats(T, record_routing, open_dump=False)
         n_chunks = stats.n_chunks
+        # A chunk's executor checks its input on the way to the device, in the same pass as
+        # the copy; a prompt of several chunks is checked whole first, so none of it runs.
+        if n_chunks > 1 and not all_finite(h):
+            raise input_not_finite()
         out = np.empty_like(h)
+        touched = prefault(out)  # while the GPU works
         for c in range(n_chunks):
             lo, hi = c * C, min(T, (c + 1) * C)
             if hi <= lo:
                 break
             stats.chunk_index = c
-            copy_into(out[lo:hi], self.driver.run_chunk(h[lo:hi], stats))
+            result = self.driver.run_chunk(h[lo:hi], stats)
+            touched.result()
+            copy_into(out[lo:hi], result)
             stats.chunks += 1
+            if c == 0:  # a refused input leaves earlier dumps where they were
+                partial = self._open_dump()
             if partial is not None:
                 dump_residual(partial, out[lo:hi], lo)
         self._finish(stats, partial, t0, T)

@@ -17,6 +17,8 @@ the chunk's op list):
 - a Copy issued while its entry >= consumed + ring (the issuer over-running the consumer);
 - a wait cycle: the consumer needs entry k before Copy(k) is issued while the issuer needs
   `consumed` to advance first;
+- an op reading the hidden states (LayerBegin, Attention) ahead of the chunk's ChunkInput, and
+  a second ChunkInput;
 - Products reading a group-buffer position that does not hold the expert it names, or an
   image-cache block that does not hold its layer's group (or holds a non-resident expert);
 - (streamed dense weights) a DenseCopy refilling a dense slot while an Attention may still read
@@ -36,6 +38,7 @@ from .plan import (
     RESIDENT,
     RING,
     Attention,
+    ChunkInput,
     ChunkPlan,
     Consume,
     Copy,
@@ -43,6 +46,7 @@ from .plan import (
     Gather,
     GatherBatch,
     GatherRouted,
+    LayerBegin,
     LayerPlan,
     Op,
     Products,
@@ -92,10 +96,11 @@ class _Occupant:
 
 class Checker:
     """Incremental checker: feed the layer plans of one chunk in order (the staging ring plans
-    a layer at a time and is checked before each layer runs)."""
+    a layer at a time and is checked before each layer runs). `input_arrived`: check ops
+    that follow a chunk's ChunkInput elsewhere (a layer checked on its own)."""
 
     def __init__(self, ring_slots: int, residency: Residency | None = None,
-                 images: ImageCache | None = None):
+                 images: ImageCache | None = None, input_arrived: bool = False):
         self.ring = ring_slots
         self.residency = residency
         self.images = images
@@ -107,6 +112,8 @@ class Checker:
         self.consume_op = -1
         self.buffer: dict[int, tuple[int, int, int, int]] = {}  # pos -> (layer, group, expert, op)
         self.n = 0                                 # ops seen
+        #: op index of the chunk's ChunkInput (-1: it came before the ops fed here)
+        self.input_op: int | None = -1 if input_arrived else None
         #: dense slot -> (layer, clock of its copy, op index); and the Attentions reading it
         self.dense: dict[int, tuple[int, tuple[int, int], int]] = {}
         self.dense_readers: dict[int, list[tuple[tuple[int, int], int]]] = {}
@@ -179,10 +186,25 @@ class Checker:
             self._consume(i, op, readers)
         elif isinstance(op, DenseCopy):
             self._dense_copy(i, op)
-        elif isinstance(op, Attention):
-            self._attention(i, op, self._tick("compute"))
-        else:  # LayerBegin, LayerEnd, Logits: compute work that touches no ring slot
+        elif isinstance(op, ChunkInput):
+            if self.input_op is not None:
+                self._fail(f"op #{i} ChunkInput: the chunk's input already arrived"
+                           + (f" at op #{self.input_op}" if self.input_op >= 0 else ""))
+            self.input_op = i
             self._tick("compute")
+        elif isinstance(op, Attention):
+            self._needs_input(i, op)
+            self._attention(i, op, self._tick("compute"))
+        elif isinstance(op, LayerBegin):
+            self._needs_input(i, op)
+            self._tick("compute")
+        else:  # LayerEnd, Logits: compute work that touches no ring slot
+            self._tick("compute")
+
+    def _needs_input(self, i: int, op: LayerBegin | Attention) -> None:
+        if self.input_op is None:
+            self._fail(f"op #{i} {describe(op)} reads the chunk's hidden states, but no "
+                       "ChunkInput before it brought them to the device")
 
     def _stream_of(self, i: int, op: Record | Wait) -> None:
         if op.stream not in _COMPONENT:
@@ -352,8 +374,8 @@ class Checker:
 def check(plan: ChunkPlan | LayerPlan, residency: Residency | None = None,
           ring_slots: int | None = None, images: ImageCache | None = None) -> None:
     """Raises PlanHazardError on the first hazard of `plan` (a chunk, or one layer checked on
-    its own, which then needs `ring_slots`); images: the engine's image cache, which cached
-    Products are checked against."""
+    its own, which then needs `ring_slots` and is taken to follow the chunk's ChunkInput);
+    images: the engine's image cache, which cached Products are checked against."""
     if isinstance(plan, ChunkPlan):
         checker = Checker(plan.ring_slots, residency, images)
         for lp in plan.layers:
@@ -361,4 +383,4 @@ def check(plan: ChunkPlan | LayerPlan, residency: Residency | None = None,
     else:
         if ring_slots is None:
             raise ValueError("checking a LayerPlan alone needs ring_slots")
-        Checker(ring_slots, residency, images).feed(plan.ops)
+        Checker(ring_slots, residency, images, input_arrived=True).feed(plan.ops)

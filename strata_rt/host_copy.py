@@ -8,12 +8,20 @@ the GIL inside these loops, so slices of one array run in parallel.
 
 Results do not depend on the split: copies move bytes, and the finite check is an `all` over
 slices (NaN and infinity propagate through max and min).
+
+Two passes run while the GPU works instead of before or after it: `stage` copies a chunk's
+input into pinned memory and checks it in the same pass (the device's upload waits for it, see
+strata_rt.chunk_input), and `prefault` touches every page of a fresh output array, so the copy
+out at the end of a prefill does not also pay the kernel's first-touch faults.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
@@ -23,6 +31,8 @@ PARALLEL_MIN_BYTES = 4 << 20
 MAX_THREADS = 8
 
 _pool: ThreadPoolExecutor | None = None
+#: one thread apart from the pool, so that touching an output array never delays a stage
+_toucher: ThreadPoolExecutor | None = None
 
 
 def _workers() -> int:
@@ -76,3 +86,72 @@ def all_finite(a: np.ndarray) -> bool:
 def _finite(x: np.ndarray) -> bool:
     """max and min propagate NaN and keep infinities, and allocate nothing the size of x."""
     return bool(np.isfinite(x.max()) and np.isfinite(x.min()))
+
+
+def stage(dst: np.ndarray, src: np.ndarray, on_done: Callable[[], None]) -> Future[bool]:
+    """Starts dst[...] = src (same shape and dtype) in parallel slices and returns whether src
+    is all finite. A slice that is not finite is zeroed in dst, so whatever reads dst never
+    reads NaN or infinity. `on_done` runs once, when every slice has finished (also when one
+    failed), in the thread that finished last, before the result is set. Small arrays are
+    staged in the calling thread."""
+    if dst.shape != src.shape or dst.dtype != src.dtype:
+        raise ValueError(f"stage: {src.dtype} {src.shape} into {dst.dtype} {dst.shape}")
+    result: Future[bool] = Future()
+    flat = _flat_views(dst, src) if dst.nbytes >= PARALLEL_MIN_BYTES else None
+    if flat is None or _workers() == 1:
+        try:
+            ok = _stage_slice(dst, src)
+        except BaseException as e:
+            on_done()
+            result.set_exception(e)
+        else:
+            on_done()
+            result.set_result(ok)
+        return result
+    d, s = flat
+    parts = [_executor().submit(_stage_slice, d[sl], s[sl]) for sl in _slices(d.size, _workers())]
+    left = [len(parts)]
+    lock = threading.Lock()
+
+    def finished(_: Future[bool]) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        try:
+            on_done()
+        finally:
+            failed = [e for e in (f.exception() for f in parts) if e is not None]
+            if failed:
+                result.set_exception(failed[0])
+            else:
+                result.set_result(all(f.result() for f in parts))
+
+    for f in parts:
+        f.add_done_callback(finished)
+    return result
+
+
+def _stage_slice(d: np.ndarray, s: np.ndarray) -> bool:
+    np.copyto(d, s)
+    if d.size == 0 or _finite(d):  # read back while the slice is still in cache
+        return True
+    d[...] = 0
+    return False
+
+
+def prefault(a: np.ndarray) -> Future[None]:
+    """Writes one byte of every page of a fresh array in a background thread (contents are
+    left undefined, as np.empty's). Wait on the future before writing the array."""
+    done: Future[None] = Future()
+    if a.nbytes < PARALLEL_MIN_BYTES or not a.flags.c_contiguous:
+        done.set_result(None)
+        return done
+    global _toucher
+    if _toucher is None:
+        _toucher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="strata-prefault")
+
+    def touch() -> None:
+        a.reshape(-1).view(np.uint8)[:: mmap.PAGESIZE] = 0
+
+    return _toucher.submit(touch)

@@ -146,6 +146,18 @@ class Consume:
 
 
 @dataclass(frozen=True)
+class ChunkInput:
+    """The chunk's input hidden states reach the device. Every plan holds it once, in its
+    first layer, before any op that reads the hidden states (the checker refuses a LayerBegin
+    or Attention ahead of it). Executors take the input at begin_chunk; the CUDA executor's
+    upload waits here, on the device, for its host pass over the input (the finite check and
+    the copy into pinned memory), so a walk's copy stream starts streaming experts while the
+    host still works on the input."""
+
+    stream: StreamName = field(default="compute", init=False)
+
+
+@dataclass(frozen=True)
 class LayerBegin:
     """RMSNorm, router logits, softmax top-k, counting sort, activation quantize."""
 
@@ -197,7 +209,7 @@ class Logits:
 
 
 Op = (Copy | Record | Wait | Gather | GatherBatch | GatherRouted | Products | Consume
-      | LayerBegin | LayerEnd | Attention | DenseCopy | Logits)
+      | ChunkInput | LayerBegin | LayerEnd | Attention | DenseCopy | Logits)
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from .plan import (
     HOST,
     RESIDENT,
     RING,
+    ChunkInput,
     ChunkPlan,
     Consume,
     Copy,
@@ -230,7 +231,8 @@ def plan_walk(spec: MoESpec, residency: Residency, ring_slots: int, gather_one: 
              if residency.slot(layer, e) is None]
     if attention is not None:  # the first dense layers go before any expert
         b.ops.extend(attention.chunk_ops())
-    b.issue_available()
+    b.issue_available()  # the copies do not wait for the chunk's input
+    b.ops.append(ChunkInput())
     layers = []
     all_experts = list(range(spec.n_experts))
     for layer in range(spec.n_layers):
@@ -256,7 +258,7 @@ def plan_decode(spec: MoESpec, residency: Residency, attention: DenseSchedule) -
     if attention.start is not None:
         raise ValueError(f"a decode plan reads its position on the device; the dense schedule "
                          f"fixes start {attention.start}")
-    ops: list[Op] = list(attention.chunk_ops())
+    ops: list[Op] = [*attention.chunk_ops(), ChunkInput()]
     layers = []
     for layer in range(spec.n_layers):
         ops += attention.layer_ops(layer)
@@ -278,7 +280,7 @@ class StagingPlanner:
     """The staging ring for small chunks: after a layer's routing is known, its routed
     non-resident experts stream through an 8-slot ring; ring state carries across layers.
     One planner per chunk; attention as for plan_walk (the driver runs a layer's
-    `attention_ops` before its routing; the layer's plan records them first)."""
+    `pre_routing_ops` before its routing; the layer's plan records them first)."""
 
     def __init__(self, spec: MoESpec, residency: Residency, gather_one: bool,
                  ring_slots: int = STAGING_RING_SLOTS, tokens: int = 0,
@@ -288,13 +290,21 @@ class StagingPlanner:
         self.attention = attention
         self._b = _RingBuilder(residency, ring_slots, gather_one)
         self.layers: list[LayerPlan] = []
+        self._opened: set[int] = set()  # layers whose pre-routing ops are planned
 
-    def attention_ops(self, layer: int) -> list[Op]:
-        """The ops a whole model's layer runs before its routing (its Attention, and for the
-        first layer the chunk's first dense copies); they open the layer's plan."""
-        if self.attention is None:
-            return []
-        ops = (self.attention.chunk_ops() if layer == 0 else []) + self.attention.layer_ops(layer)
+    def pre_routing_ops(self, layer: int) -> list[Op]:
+        """The ops a layer runs before its routing; they open the layer's plan. The first
+        layer's begin with the chunk's input (and a whole model's first dense copies); a whole
+        model's layer then runs its Attention. plan_layer plans them itself when they were
+        not asked for."""
+        self._opened.add(layer)
+        ops: list[Op] = []
+        if layer == 0 and self.attention is not None:
+            ops += self.attention.chunk_ops()
+        if layer == 0:
+            ops.append(ChunkInput())
+        if self.attention is not None:
+            ops += self.attention.layer_ops(layer)
         self._b.ops.extend(ops)
         return ops
 
@@ -305,6 +315,8 @@ class StagingPlanner:
         if bad:
             raise ValueError(f"layer {layer}: routed expert ids {bad} outside "
                              f"0..{self.spec.n_experts - 1}")
+        if layer not in self._opened:
+            self.pre_routing_ops(layer)
         b = self._b
         b.seq.extend((layer, e) for e in experts if b.residency.slot(layer, e) is None)
         b.ops.append(LayerBegin(layer))

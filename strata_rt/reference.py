@@ -24,14 +24,17 @@ from typing import TYPE_CHECKING, NoReturn
 
 import numpy as np
 
+from .chunk_input import input_not_finite
 from .dense_schedule import DENSE_RING_SLOTS
 from .formats import MMQ_GROUP
+from .host_copy import all_finite
 from .image_cache import ImageCache, capacity_blocks
 from .model import rms_norm, route, silu
 from .plan import (
     HOST,
     RESIDENT,
     Attention,
+    ChunkInput,
     Consume,
     Copy,
     DenseCopy,
@@ -149,6 +152,8 @@ class ReferenceBackend:
 
     # ------------------------------------------------------------------ chunk (Executor)
     def begin_chunk(self, h: np.ndarray, stats: Stats, start: int | None = None) -> None:
+        if not all_finite(h):
+            raise input_not_finite()
         self._h = np.array(h, dtype=np.float32, copy=True)
         self._state = None
         self._stats = stats
@@ -237,9 +242,10 @@ class ReferenceBackend:
             elif isinstance(op, Logits):
                 self._logits = self._whole().logits(h, op.rows)
                 phase = "logits"
-            elif isinstance(op, Record | Wait | Consume):
+            elif isinstance(op, Record | Wait | Consume | ChunkInput):
                 # one thread runs every op in host order: a valid linearisation of any
-                # schedule the checker accepts, so events have nothing left to order
+                # schedule the checker accepts, so events have nothing left to order (and
+                # begin_chunk took the input)
                 continue
             else:
                 raise TypeError(f"unknown plan op {op!r}")

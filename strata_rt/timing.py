@@ -15,9 +15,9 @@ from collections import defaultdict
 from typing import Any
 
 #: phases in the order the table lists them (others follow in order of first appearance)
-PHASES = ("dense qkv", "qk norm+rope", "attention", "dense o", "rmsnorm", "router gemm",
-          "softmax top-k", "sort", "quantize acts", "host grouping", "wait copy", "gather",
-          "gemm gate/up", "swiglu+quantize", "gemm down", "combine", "logits")
+PHASES = ("input", "dense qkv", "qk norm+rope", "attention", "dense o", "rmsnorm",
+          "router gemm", "softmax top-k", "sort", "quantize acts", "host grouping", "wait copy",
+          "gather", "gemm gate/up", "swiglu+quantize", "gemm down", "combine", "logits")
 
 NOTE = ("note: STRATA_PREFILL_TIMING=1 records events between phases and launches plainly "
         "(no CUDA graph), so this run is slower than an uninstrumented one")

@@ -13,7 +13,7 @@ from _device_buffers import download, poisoned, upload
 from strata_rt.activations import quantize_q8_1
 from strata_rt.cuda_engine import ENGINE_SOURCE
 from strata_rt.engine import Engine, EngineConfig, read_dump
-from strata_rt.errors import BudgetError
+from strata_rt.errors import BudgetError, ConfigError
 from strata_rt.formats import MMQ_GROUP
 from strata_rt.model import QWEN3_30B_SPEC, SMALL_SPEC, Model, nmse
 from strata_rt.timing import NOTE
@@ -344,3 +344,25 @@ def test_default_walk_rule_gives_the_staging_bytes(small_model, rng, monkeypatch
     assert ring_stats[0].host_syncs == SMALL_SPEC.n_layers + 1
     assert walk_stats[0].host_syncs == 1
     assert walk[0].tobytes() == ring[0].tobytes()
+
+
+@gpu
+def test_non_finite_input_is_refused_and_the_engine_goes_on(small_model, rng, fixed_walk_rule):
+    """The input's finite check runs in the host pass the device's upload waits for: a walk
+    chunk (threaded pass, its walk already streaming) and a staging chunk holding NaN or
+    infinity raise ConfigError, and the engine then gives the same bytes as before (the
+    gate was left closed, the graph trials and replays unharmed)."""
+    H = SMALL_SPEC.hidden
+    walk, staging = _prompt(rng, 4096, H), _prompt(rng, 300, H)
+    conf = EngineConfig(model=small_model, backend="cuda",
+                        expert_cache=SMALL_SPEC.total_experts // 2)
+    with Engine.open(conf) as eng:
+        want = [eng.prefill(h)[0] for h in (walk, staging, walk)]  # plain, then the graph
+        assert np.array_equal(want[0], want[2])
+        for h, bad in ((walk, np.nan), (staging, np.inf), (walk, -np.inf)):
+            broken = h.copy()
+            broken[int(rng.integers(h.shape[0])), int(rng.integers(H))] = bad
+            with pytest.raises(ConfigError, match="NaN or Inf"):
+                eng.prefill(broken)
+        for h, out in zip((walk, staging, walk), want):
+            assert np.array_equal(eng.prefill(h)[0], out)

@@ -13,7 +13,7 @@ import pytest
 from strata_rt import hazards
 from strata_rt.activations import Q8_1
 from strata_rt.engine import Engine, EngineConfig
-from strata_rt.errors import BudgetError, PlanHazardError
+from strata_rt.errors import BudgetError, ConfigError, PlanHazardError
 from strata_rt.formats import MMQ_GROUP
 from strata_rt.grouped_gemm import TILES as GEMM_TILES
 from strata_rt.memory_plan import chunk_regions, fixed_regions, plan_memory
@@ -183,6 +183,23 @@ class _FakeGraph:
         pass
 
 
+class _FakeGate:
+    """The input gate: enqueues are logged as launches; nothing passes it on the host, so
+    the next chunk's pass finds it open and closes it (InputPass.settle)."""
+
+    def __init__(self, rt):
+        self.rt, self.is_open, self.opened = rt, False, 0
+
+    def enqueue(self, stream):
+        self.rt.launches.append("gate")
+
+    def open(self):
+        self.is_open, self.opened = True, self.opened + 1
+
+    def close(self):
+        self.is_open = False
+
+
 class _FakeRuntime:
     """Records what the backend enqueues; the bounds read-back returns a random routing."""
 
@@ -194,6 +211,7 @@ class _FakeRuntime:
         self.copies = 0
         self.closed = False
         self.arena = None
+        self.gates: list[_FakeGate] = []
 
     def free_bytes(self):
         return 8 * GIB
@@ -206,6 +224,11 @@ class _FakeRuntime:
 
     def pinned(self, sizes):
         return _FakeArena(sizes)
+
+    def gate(self, word):
+        assert word.dtype == np.uint32 and word.size == 1
+        self.gates.append(_FakeGate(self))
+        return self.gates[-1]
 
     def device_arena(self, sizes, budget=None):
         self.arena = _FakeArena(sizes, budget)
@@ -400,3 +423,28 @@ def test_whole_model_control_flow_on_fake_runtime(fake, monkeypatch, dense, fixe
         assert plan is not None and plan.tokens == 188
         with pytest.raises(Exception, match="exceed the context of 2048"):
             eng.prefill(np.zeros(2000, np.int64))
+
+
+def test_chunk_input_waits_at_the_gate(fake, fixed_walk_rule):
+    """Every chunk's upload is enqueued behind the input gate before any kernel reads the
+    hidden states (staging ring and walk); every pass opens the gate, a refused input's
+    too, so a device would never wait forever; the engine goes on after a refusal."""
+    model = Model.synthetic(SMALL_SPEC, 3)
+    cfg = EngineConfig(model=model, backend="cuda", expert_cache=SMALL_SPEC.total_experts // 2)
+    with Engine.open(cfg) as eng:
+        rt = fake["rt"]
+        (gate,) = rt.gates
+        for n, tokens in enumerate((300, 2048), start=1):
+            rt.tokens = tokens
+            rt.launches.clear()
+            eng.prefill(np.ones((tokens, SMALL_SPEC.hidden), np.float32))
+            assert rt.launches[0] == "gate" and rt.launches.count("gate") == 1
+            assert gate.opened == n
+        bad = np.ones((300, SMALL_SPEC.hidden), np.float32)
+        bad[7, 3] = np.nan
+        rt.tokens = 300
+        with pytest.raises(ConfigError, match="NaN or Inf"):
+            eng.prefill(bad)
+        assert gate.opened == 3
+        out, _ = eng.prefill(np.ones((300, SMALL_SPEC.hidden), np.float32))
+        assert gate.opened == 4 and out.shape == (300, SMALL_SPEC.hidden)

@@ -16,6 +16,7 @@ from strata_rt.plan import (
     HOST,
     RESIDENT,
     Attention,
+    ChunkInput,
     ChunkPlan,
     Copy,
     Gather,
@@ -71,7 +72,8 @@ def test_plan_refuses_a_fixed_start(model) -> None:
 
 
 def _one_layer(*ops) -> ChunkPlan:
-    return ChunkPlan(1, "decode", 0, [LayerPlan(0, (LayerBegin(0), *ops, LayerEnd(0)))])
+    return ChunkPlan(1, "decode", 0,
+                     [LayerPlan(0, (ChunkInput(), LayerBegin(0), *ops, LayerEnd(0)))])
 
 
 def test_checker_rules_for_host_reads(model) -> None:

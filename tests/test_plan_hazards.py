@@ -16,11 +16,13 @@ from strata_rt.hazards import check
 from strata_rt.image_cache import ImageCache
 from strata_rt.model import QWEN3_30B_SPEC, MoESpec
 from strata_rt.plan import (
+    ChunkInput,
     ChunkPlan,
     Consume,
     Copy,
     Gather,
     GatherBatch,
+    LayerBegin,
     LayerPlan,
     Products,
     Record,
@@ -99,6 +101,10 @@ def test_every_plan_passes_the_checker(case):
         assert all(0 < len(p.expert_ids) <= MMQ_GROUP for p in products)
         if gather_one:
             assert not any(isinstance(op, GatherBatch) for op in lp.ops)
+    # the input arrives once, in the first layer, before anything reads the hidden states
+    inputs = [i for i, op in plan.ops() if isinstance(op, ChunkInput)]
+    assert len(inputs) == 1 and inputs[0] < len(plan.layers[0].ops)
+    assert inputs[0] < min(i for i, op in plan.ops() if isinstance(op, LayerBegin))
     copies = [op for _, op in plan.ops() if isinstance(op, Copy)]
     assert [c.entry for c in copies] == list(range(len(copies)))
     assert all((c.layer, c.expert) not in residency.pairs for c in copies)
@@ -243,3 +249,40 @@ def test_reject_resident_gather_from_the_wrong_slot():
     plan = _chunk([Gather(0, 0, 0, 2, ("resident", 0))], 1)
     with pytest.raises(PlanHazardError, match=r"resident slot 0.*resides in slot 1"):
         check(plan, res)
+
+
+def test_reject_reading_the_hidden_states_before_the_input():
+    ops = _walk_ops(ring=2)
+    i = _index(ops, lambda op: isinstance(op, ChunkInput))
+    assert i < _index(ops, lambda op: isinstance(op, LayerBegin))
+    late = ops[:i] + ops[i + 1:]
+    late.insert(_index(late, lambda op: isinstance(op, LayerBegin)) + 1, ChunkInput())
+    _reject(late, 2, r"LayerBegin\(layer=0", r"no ChunkInput before it")
+    _reject(ops[:i] + ops[i + 1:], 2, r"no ChunkInput")
+    _reject(ops[: i + 1] + [ChunkInput()] + ops[i + 1:], 2,
+            rf"op #{i + 1} ChunkInput: the chunk's input already arrived at op #{i}")
+
+
+def test_a_layer_checked_alone_follows_the_input():
+    """check(LayerPlan) takes the chunk's input as arrived; a second one is still refused."""
+    spec = _spec(2, 4)
+    res = Residency(2, 4, [(1, e) for e in range(4)], 256)  # layer 1 reads no ring slot
+    plan = plan_walk(spec, res, 3, gather_one=False)
+    check(plan.layers[1], res, ring_slots=3)
+    with pytest.raises(PlanHazardError, match="input already arrived"):
+        check(plan.layers[0], ring_slots=3)
+
+
+def test_staging_planner_opens_the_first_layer_with_the_input():
+    """Asked or not (the driver asks before routing), layer 0's plan begins with ChunkInput
+    and later layers do not hold one."""
+    spec, res = _spec(2, 4), Residency(2, 4, [], 256)
+    for ask in (False, True):
+        planner = StagingPlanner(spec, res, gather_one=False)
+        if ask:
+            assert planner.pre_routing_ops(0) == [ChunkInput()]
+        first = planner.plan_layer(0, [1, 2])
+        second = planner.plan_layer(1, [0])
+        assert first.ops[:2] == (ChunkInput(), LayerBegin(0))
+        assert not any(isinstance(op, ChunkInput) for op in second.ops)
+        check(planner.chunk_plan(), res)

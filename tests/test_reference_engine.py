@@ -310,3 +310,31 @@ def test_default_rule_takes_the_walk_for_a_short_prompt_with_the_same_bytes(
     assert backend.last_plan.mode == "walk" and st_walk.host_syncs == 1
     assert st_ring.host_syncs == SMALL_SPEC.n_layers + 1
     assert walk.tobytes() == ring.tobytes()
+
+
+@pytest.mark.parametrize("prefill", [AUTO_CHUNK_MAX, 128])
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_non_finite_input_is_refused_before_anything_is_kept(small, rng, tmp_path, monkeypatch,
+                                                             prefill, bad):
+    """One chunk (its executor checks it on the way in) or several (the engine checks the
+    whole prompt first): ConfigError, the residual dump of earlier prompts stays whole and
+    where it was, and the engine runs the next prompt as before. A float64 value beyond
+    float32's range becomes infinity on the way in and is refused too."""
+    dump = tmp_path / "d.bin"
+    monkeypatch.setenv("STRATA_PREFILL_DUMP_R", str(dump))
+    h = _hidden(rng, 300)
+    with Engine.open(EngineConfig(model=small, backend="reference", prefill=prefill)) as eng:
+        want, _ = eng.prefill(h)
+        kept = dump.read_bytes()
+        for broken in (h.copy(), h.astype(np.float64)):
+            broken[int(rng.integers(300)), int(rng.integers(SMALL_SPEC.hidden))] = (
+                bad if broken.dtype == np.float32 else 1e300)
+            with pytest.raises(ConfigError, match="prefill input holds NaN or Inf"):
+                eng.prefill(broken)
+            assert dump.read_bytes() == kept
+            assert not dump.with_name(dump.name + ".partial").exists()
+        again, _ = eng.prefill(h)
+    assert again.tobytes() == want.tobytes()
+    pos, _ = read_dump(dump, SMALL_SPEC.hidden)  # the two prompts that ran, nothing else
+    assert pos.tolist() == 2 * list(range(0, 300, DUMP_STRIDE))
+    assert dump.read_bytes()[: len(kept)] == kept

@@ -4,6 +4,8 @@ call returned."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -294,3 +296,41 @@ def test_device_arena_budget_and_allocation_errors(rt):
         rt.device_arena({"x": 2 * MIB}, budget=1 * MIB)
     with pytest.raises(BudgetError, match=r"needs .* MiB, free .* MiB"):
         rt.alloc(4 * rt.total_bytes())
+
+
+@pytest.mark.parametrize("captured", [False, True], ids=["plain", "graph"])
+def test_host_gate_holds_a_stream_until_opened(rt, s, mod, rng, captured):
+    """The input gate's protocol: work behind the gate waits (plain or replayed from a graph)
+    until the host opens it, reads what the host wrote before opening, and the stream closes
+    the gate behind it, so the next pass waits again."""
+    pinned = rt.pinned({"data": 4096 * 4, "gate": 4})
+    data, gate = pinned.view("data", np.float32), rt.gate(pinned.view("gate", np.uint32))
+    dev = rt.alloc(data.nbytes)
+    k = mod.kernel("affine", "Pffi")
+
+    def enqueue():
+        gate.enqueue(s)
+        rt.memcpy_htod(dev.ptr, data, s)
+        k.launch((16, 1, 1), (256, 1, 1), s, (dev.ptr, 2.0, 1.0, 4096))
+
+    graph = None
+    if captured:
+        with rt.capture(s) as graph:
+            enqueue()
+    for _ in range(2):
+        data[:] = np.nan  # poisoned until the host pass
+        graph.launch(s) if graph is not None else enqueue()
+        time.sleep(0.05)
+        assert not s.done() and not gate.is_open
+        x = rng.integers(-50, 50, 4096).astype(np.float32)
+        data[:] = x
+        gate.open()
+        s.synchronize()
+        assert not gate.is_open, "the stream closes the gate behind it"
+        assert np.array_equal(download(rt, s, dev.ptr, data.nbytes, np.float32), x * 2 + 1)
+
+
+def test_host_gate_refuses_a_word_of_another_shape(rt):
+    pinned = rt.pinned({"two": 8})
+    with pytest.raises(StrataError, match="one uint32 word"):
+        rt.gate(pinned.view("two", np.uint32))

@@ -16,6 +16,7 @@ import numpy as np
 
 from ..errors import CudaUnavailableError, StrataError
 from .compile import Defines, compile_cubin
+from .gate import HostGate
 from .graph import Graph, capture
 from .memory import DeviceArena, DeviceBuffer, PinnedArena
 from .module import Module
@@ -144,6 +145,10 @@ class Runtime:
         """`with rt.capture(s) as g: ...enqueue on s...` then `g.launch(s)` replays it."""
         with capture(self, stream, mode) as graph:
             yield graph
+
+    def gate(self, word: np.ndarray) -> HostGate:
+        """A gate streams wait at until the host opens it, on one uint32 of pinned memory."""
+        return HostGate(word)
 
     # ---------------------------------------------------------------- memory
     def pinned(self, sizes: Mapping[str, int]) -> PinnedArena:

@@ -8,12 +8,12 @@ cost of a fixed schedule such as the streamed walk.
 from __future__ import annotations
 
 import ctypes
-import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from ..errors import StrataError
+from .driver_api import check_call, libcuda
 
 if TYPE_CHECKING:
     from .context import DriverContext
@@ -22,34 +22,6 @@ if TYPE_CHECKING:
 #: CUstreamCaptureMode values: "thread_local" refuses unsafe calls (allocation, sync) made by
 #: this thread during capture; "global" by any thread; "relaxed" refuses none.
 CAPTURE_MODES = {"global": 0, "thread_local": 1, "relaxed": 2}
-
-
-@functools.lru_cache(maxsize=1)
-def _libcuda() -> ctypes.CDLL:
-    lib = ctypes.CDLL("libcuda.so.1")
-    vp, u64 = ctypes.c_void_p, ctypes.c_ulonglong
-    for name, argtypes in (
-        ("cuStreamBeginCapture_v2", [vp, ctypes.c_int]),
-        ("cuStreamEndCapture", [vp, ctypes.POINTER(vp)]),
-        ("cuGraphInstantiateWithFlags", [ctypes.POINTER(vp), vp, u64]),
-        ("cuGraphLaunch", [vp, vp]),
-        ("cuGraphExecDestroy", [vp]),
-        ("cuGraphDestroy", [vp]),
-        ("cuStreamIsCapturing", [vp, ctypes.POINTER(ctypes.c_int)]),
-        ("cuGetErrorString", [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]),
-    ):
-        fn = getattr(lib, name)
-        fn.argtypes = argtypes
-        fn.restype = ctypes.c_int
-    return lib
-
-
-def _check(code: int, call: str) -> None:
-    if code != 0:
-        text = ctypes.c_char_p()
-        _libcuda().cuGetErrorString(code, ctypes.byref(text))
-        msg = text.value.decode() if text.value else "unknown error"
-        raise StrataError(f"{call} failed: CUDA error {code} ({msg})")
 
 
 class Graph:
@@ -65,22 +37,22 @@ class Graph:
 
     def _instantiate(self, graph: ctypes.c_void_p) -> None:
         exec_ = ctypes.c_void_p()
-        code = _libcuda().cuGraphInstantiateWithFlags(ctypes.byref(exec_), graph, 0)
+        code = libcuda().cuGraphInstantiateWithFlags(ctypes.byref(exec_), graph, 0)
         if code != 0:
-            _libcuda().cuGraphDestroy(graph)
-            _check(code, f"cuGraphInstantiateWithFlags for graph {self.name!r}")
+            libcuda().cuGraphDestroy(graph)
+            check_call(code, f"cuGraphInstantiateWithFlags for graph {self.name!r}")
         self._graph, self._exec = graph, exec_
 
     def launch(self, stream: Stream) -> None:
         if self._exec is None:
             raise StrataError(f"graph {self.name!r} is not ready: launch it after its capture "
                               "block has exited (and before the runtime closes)")
-        _check(_libcuda().cuGraphLaunch(self._exec, stream.handle),
+        check_call(libcuda().cuGraphLaunch(self._exec, stream.handle),
                f"cuGraphLaunch of graph {self.name!r}")
 
     def free(self) -> None:
         if self._exec is not None:
-            lib = _libcuda()
+            lib = libcuda()
             lib.cuGraphExecDestroy(self._exec)
             lib.cuGraphDestroy(self._graph)
             self._exec = self._graph = None
@@ -90,7 +62,7 @@ def is_capturing(stream: Stream) -> bool:
     """Whether work enqueued on `stream` is being recorded into a graph now (then nothing may
     allocate or synchronize)."""
     status = ctypes.c_int()
-    _check(_libcuda().cuStreamIsCapturing(stream.handle, ctypes.byref(status)),
+    check_call(libcuda().cuStreamIsCapturing(stream.handle, ctypes.byref(status)),
            f"cuStreamIsCapturing on stream {stream.name!r}")
     return status.value != 0
 
@@ -102,9 +74,9 @@ def capture(runtime: DriverContext, stream: Stream, mode: str = "thread_local") 
     error inside the block the capture is ended and discarded so the stream stays usable."""
     if mode not in CAPTURE_MODES:
         raise StrataError(f"capture mode {mode!r}; allowed: {', '.join(CAPTURE_MODES)}")
-    lib = _libcuda()
+    lib = libcuda()
     result = Graph(runtime, stream.name)
-    _check(lib.cuStreamBeginCapture_v2(stream.handle, CAPTURE_MODES[mode]),
+    check_call(lib.cuStreamBeginCapture_v2(stream.handle, CAPTURE_MODES[mode]),
            f"cuStreamBeginCapture_v2 on stream {stream.name!r}")
     graph = ctypes.c_void_p()
     try:
@@ -113,7 +85,7 @@ def capture(runtime: DriverContext, stream: Stream, mode: str = "thread_local") 
         if lib.cuStreamEndCapture(stream.handle, ctypes.byref(graph)) == 0 and graph.value:
             lib.cuGraphDestroy(graph)
         raise
-    _check(lib.cuStreamEndCapture(stream.handle, ctypes.byref(graph)),
+    check_call(lib.cuStreamEndCapture(stream.handle, ctypes.byref(graph)),
            f"cuStreamEndCapture on stream {stream.name!r} (was the capture invalidated by a "
            "synchronizing call or a wait on an event recorded outside it?)")
     result._instantiate(graph)

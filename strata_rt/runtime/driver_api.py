@@ -1,0 +1,48 @@
+"""The CUDA driver API calls pycuda does not offer, loaded once through ctypes: graph capture
+and replay (strata_rt.runtime.graph), device addresses of pinned host memory (hostmap) and
+stream memory operations (gate). pycuda's context is current on the calling thread, so these
+calls act in it."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+from ..errors import StrataError
+
+_vp, _u64, _u32 = ctypes.c_void_p, ctypes.c_ulonglong, ctypes.c_uint
+#: name -> argument types; every call returns a CUresult
+_SIGNATURES: dict[str, list[type]] = {
+    "cuStreamBeginCapture_v2": [_vp, ctypes.c_int],
+    "cuStreamEndCapture": [_vp, ctypes.POINTER(_vp)],
+    "cuGraphInstantiateWithFlags": [ctypes.POINTER(_vp), _vp, _u64],
+    "cuGraphLaunch": [_vp, _vp],
+    "cuGraphExecDestroy": [_vp],
+    "cuGraphDestroy": [_vp],
+    "cuStreamIsCapturing": [_vp, ctypes.POINTER(ctypes.c_int)],
+    "cuGetErrorString": [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)],
+    "cuMemHostGetDevicePointer_v2": [ctypes.POINTER(_u64), _vp, _u32],
+    # stream, device address of a 32-bit word, value, flags
+    "cuStreamWaitValue32_v2": [_vp, _u64, _u32, _u32],
+    "cuStreamWriteValue32_v2": [_vp, _u64, _u32, _u32],
+}
+
+
+@functools.lru_cache(maxsize=1)
+def libcuda() -> ctypes.CDLL:
+    """libcuda with the argument and result types of the calls above set."""
+    lib = ctypes.CDLL("libcuda.so.1")
+    for name, argtypes in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes = argtypes
+        fn.restype = ctypes.c_int
+    return lib
+
+
+def check_call(code: int, call: str) -> None:
+    """Raises StrataError naming `call` and the CUDA error when `code` is not success."""
+    if code != 0:
+        text = ctypes.c_char_p()
+        libcuda().cuGetErrorString(code, ctypes.byref(text))
+        msg = text.value.decode() if text.value else "unknown error"
+        raise StrataError(f"{call} failed: CUDA error {code} ({msg})")
