@@ -1,18 +1,15 @@
 """The CUDA executor: runs the chunk driver's plans on one GPU.
 
-Memory. Every expert blob sits in one page-locked host arena (the ExpertStore, pinned on the
-runtime the engine opened first); one device arena holds the router and norm weights, the
-resident expert slots, the ring, the group buffers of MMQ_GROUP experts and one chunk's
-activations. Its size is fixed at open by memory_plan.plan_memory: the chunk's buffers first
-(the largest chunk up to 8,192 tokens for `prefill: auto`), then as many resident experts as the
-rest of the budget holds (or the count the config fixes). With `image_cache_mib`, room for
-group images of resident experts comes before both (strata_rt.image_cache); the blocks are
-filled once at open by the format's own gather.
+Memory. Expert blobs sit in one page-locked host arena (the ExpertStore); one device arena,
+sized at open by memory_plan.plan_memory, holds the router and norm weights, the resident
+slots, the ring, the group buffers and one chunk's activations: the chunk first (up to 8,192
+tokens for `prefill: auto`), then as many resident experts as the budget holds (or the count
+the config fixes). `image_cache_mib` room (strata_rt.image_cache) comes before both; its blocks
+are filled once at open by the format's own gather.
 
-Execution. Each plan op becomes one driver call on the stream the op names. On the staging ring
-a layer's routing runs on the GPU and its per-expert row bounds come back on a stream of their
-own (so the read-back never queues behind expert copies); on the streamed walk every kernel
-reads row bounds from device memory and nothing comes back until the chunk ends, so the
+Execution. Each plan op becomes one driver call on the stream the op names. The staging ring
+reads each layer's row bounds back on a stream of their own (never queued behind copies); the
+walk's kernels read them on the device and nothing comes back until the chunk ends, so the
 driver can capture the whole walk as a CUDA graph (`capture`). The chunk's input reaches the
 device at its ChunkInput op, behind a gate its host pass opens (strata_rt.chunk_input).
 """
