@@ -48,6 +48,7 @@ from .config_whole import (
 from .engine_config import BACKENDS, EngineConfig
 from .errors import ConfigError
 from .image_cache import ImageCacheSetting, check_setting
+from .lanes import LanesSetting, parse_lanes
 from .memory_plan import MemoryPlan
 from .model import MoESpec
 from .prompts import Prompt, read_token_file
@@ -88,6 +89,8 @@ class Config:
     ring_mib: float | None = None
     #: room for group images of resident experts (strata_rt.image_cache): MiB or "all"
     image_cache_mib: ImageCacheSetting = None
+    #: compute lanes (strata_rt.lanes); None: STRATA_COMPUTE_LANES, else auto
+    compute_lanes: LanesSetting | None = None
     profile: Path | None = None
     repeats: int = 1
     seed: int = 0
@@ -192,6 +195,7 @@ class Config:
             prefill=self.prefill if plan is None else plan.tokens,
             ring_bytes=self.ring_bytes,
             image_cache_mib=self.image_cache_mib,
+            compute_lanes=self.compute_lanes,
             profile=None if self.profile is None else str(self.profile),
             dump_r=None if self.output.dump_r is None else str(self.output.dump_r),
         )
@@ -247,6 +251,13 @@ def validate(doc: Any, base_dir: Path, source: Path | None = None,
               "`expert_cache` or `vram_reserve_mib` with it")
         image_cache_mib = None
 
+    compute_lanes = None
+    if doc.get("compute_lanes") is not None:
+        try:
+            compute_lanes = parse_lanes(doc["compute_lanes"], "compute_lanes")
+        except ConfigError as e:
+            p.items.extend(e.problems)
+
     prompts = check_prompts(p, doc, base_dir, geom.hidden if geom else None,
                             whole.vocab if whole is not None else None)
     if whole is not None:
@@ -297,7 +308,8 @@ def validate(doc: Any, base_dir: Path, source: Path | None = None,
     assert geom is not None and fmt is not None
     return Config(source=source, spec=replace(geom, format=fmt.name), backend=backend,
                   prefill=prefill, prompts=tuple(prompts), gguf=gguf, model_seed=model_seed,
-                  ring_mib=ring_mib, image_cache_mib=image_cache_mib, profile=profile,
+                  ring_mib=ring_mib, image_cache_mib=image_cache_mib,
+                  compute_lanes=compute_lanes, profile=profile,
                   repeats=repeats, seed=seed,
                   output=output, whole=whole, whole_options=whole_options, context=context,
                   dense=dense, generate_tokens=generate_tokens, **budget)

@@ -39,8 +39,8 @@ if TYPE_CHECKING:
 
 BUDGET_KEYS = ("expert_cache", "vram_reserve_mib", "vram_budget_mib")
 TOP_KEYS = ("model", "format", "backend", *BUDGET_KEYS, "prefill", "context", "dense",
-            "ring_mib", "image_cache_mib", "profile", "prompts", "repeats", "seed", "generate",
-            "output")
+            "ring_mib", "image_cache_mib", "compute_lanes", "profile", "prompts", "repeats",
+            "seed", "generate", "output")
 _MODEL_KEYS = ("gguf", "synthetic")
 _SYNTHETIC_KEYS = ("n_layers", "hidden", "ffn", "n_experts", "top_k", "seed", "rms_eps",
                    *WHOLE_KEYS)

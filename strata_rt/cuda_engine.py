@@ -11,12 +11,13 @@ Execution. Each plan op becomes one driver call on the stream the op names. The 
 reads each layer's row bounds back on a stream of their own (never queued behind copies); the
 walk's kernels read them on the device and nothing comes back until the chunk ends, so the
 driver can capture the whole walk as a CUDA graph (`capture`). The chunk's input reaches the
-device at its ChunkInput op, behind a gate its host pass opens (strata_rt.chunk_input).
-"""
+device at its ChunkInput op, behind a gate its host pass opens (strata_rt.chunk_input). A
+second compute lane (strata_rt.lanes) brings its own stream and group buffers."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -28,8 +29,9 @@ from .device_state import DeviceState
 from .errors import StrataError
 from .formats import FormatKernels
 from .image_cache import ImageCache, block_bytes, capacity_blocks
+from .lanes import chunk_lanes, walk_rows_hint
 from .layer_kernels import ENGINE_SOURCE, LayerKernels
-from .memory_plan import DEFAULT_RESERVE_MIB, plan_memory
+from .memory_plan import DEFAULT_RESERVE_MIB, lane_buffers, plan_lanes, plan_memory
 from .plan import (
     HOST,
     RESIDENT,
@@ -61,9 +63,9 @@ if TYPE_CHECKING:
     from .cuda_whole import CudaWhole
     from .driver import HostContext, Replay
     from .engine_config import EngineConfig
-    from .model import Model, MoESpec
+    from .model import Model
     from .qwen3.weights import Qwen3Model
-    from .runtime import Graph, PinnedArena, Runtime
+    from .runtime import Graph, PinnedArena, Runtime, Stream
     from .store import ExpertStore
 
 __all__ = ["ENGINE_SOURCE", "CudaBackend", "CudaContext", "walk_rows_hint"]
@@ -144,8 +146,10 @@ class CudaBackend:
             whole_sizes = WholeSizing(self.whole.spec, self.kv_capacity, False,
                                       gemm_impl_from_env())
         image_room = capacity_blocks(cfg.image_cache_mib, spec, lay)
-        mp = plan_memory(spec, lay, self.fmt.activation, available, rings.total, cfg.prefill,
-                         fixed_res, routing, whole_sizes, cfg.dense, image_room)
+        assert cfg.compute_lanes is not None, "EngineConfig.resolve() sets compute_lanes"
+        self.lanes, mp = plan_lanes(cfg.compute_lanes, fixed_res, spec.total_experts, partial(
+            plan_memory, spec, lay, self.fmt.activation, available, rings.total, cfg.prefill,
+            fixed_res, routing, whole_sizes, cfg.dense, image_room))
         #: dense ring slots when a whole model's dense weights stream (the driver plans them)
         self.dense_ring = DENSE_RING_SLOTS if mp.dense_stream else None
         if residency is None:
@@ -161,7 +165,7 @@ class CudaBackend:
         self.memory = mp
         dev = self.dev = DeviceState(rt, mp.regions, max(available, 0),
                                      self.tokens * spec.hidden * 4,
-                                     (spec.n_layers, spec.n_experts + 1))
+                                     (spec.n_layers, spec.n_experts + 1), self.lanes)
         self.kernels = LayerKernels(rt, spec, self.fmt.activation, dev.ptr, routing)
         # poison everything first: a read of bytes nobody wrote shows up as NaN, not as luck
         rt.memset_d8(dev.arena.base_ptr, 0xFF, dev.arena.total, dev.copy)
@@ -200,6 +204,9 @@ class CudaBackend:
 
     def max_chunk_tokens(self) -> int:
         return self.tokens
+
+    def lanes_for(self, tokens: int) -> int:
+        return chunk_lanes(self.lanes, tokens, self.spec, self.timing)
 
     def _fill_images(self) -> None:
         """Each cached group's images, written by the format's own gather from the resident
@@ -270,12 +277,10 @@ class CudaBackend:
 
     def capture(self, ops: Iterable[Op]) -> Graph:
         dev = self._device()
-        with self.rt.capture(dev.compute) as graph:
-            dev.fork.record(dev.compute)  # the copy stream joins the capture
-            dev.copy.wait(dev.fork)
+        with self.rt.capture(dev.compute) as graph, dev.joined():
             self.execute(ops, Stats(), None)
-            dev.join.record(dev.copy)
-            dev.compute.wait(dev.join)
+        graph.upload(dev.compute)  # now, not inside the first replay the driver times
+        dev.compute.synchronize()
         return graph
 
     def replay(self, replay: Replay) -> None:
@@ -331,17 +336,22 @@ class CudaBackend:
             self._mark("wait copy")
         dev.streams[op.stream].wait(dev.event(op.event))
 
-    def _op_gather(self, op: Gather) -> None:
+    def _lane(self, op: Gather | GatherBatch | GatherRouted | Products
+              ) -> tuple[Stream, int, int]:
+        """The op's compute lane: its stream and its group buffers (gate/up, down)."""
         dev = self._device()
+        gu, dn = lane_buffers(op.stream)
+        return dev.streams[op.stream], dev.ptr[gu], dev.ptr[dn]
+
+    def _op_gather(self, op: Gather) -> None:
+        s, gu, dn = self._lane(op)
         self._mark("gather")
-        self.fk.gather(dev.compute, self._src_ptr(op), op.pos, dev.ptr["gate_up_buf"],
-                       dev.ptr["down_buf"])
+        self.fk.gather(s, self._src_ptr(op), op.pos, gu, dn)
 
     def _op_gather_batch(self, op: GatherBatch) -> None:
-        dev = self._device()
+        s, gu, dn = self._lane(op)
         self._mark("gather")
-        self.fk.gather_batch(dev.compute, [self._src_ptr(g) for g in op.gathers],
-                             op.first_pos, dev.ptr["gate_up_buf"], dev.ptr["down_buf"])
+        self.fk.gather_batch(s, [self._src_ptr(g) for g in op.gathers], op.first_pos, gu, dn)
 
     @property
     def routed_gathers(self) -> bool:
@@ -349,15 +359,14 @@ class CudaBackend:
         return type(self.fk).gather_routed is not FormatKernels.gather_routed
 
     def _op_gather_routed(self, op: GatherRouted) -> None:
-        dev = self._device()
         if self._store_dev is None:  # the host store's device address, looked up once
             self._store_dev = host_device_pointer(self.store.arena)
         srcs = [self._store_dev + self.store.offset(g.layer, g.expert) if g.src[0] == HOST
                 else self._src_ptr(g) for g in op.gathers]
         first = op.gathers[0]
+        s, gu, dn = self._lane(op)
         self._mark("gather")
-        self.fk.gather_routed(dev.compute, srcs, dev.ptr["gate_up_buf"], dev.ptr["down_buf"],
-                              self._bounds_ptr(first.layer), first.expert)
+        self.fk.gather_routed(s, srcs, gu, dn, self._bounds_ptr(first.layer), first.expert)
 
     def _op_layer_begin(self, op: LayerBegin) -> None:
         dev = self._device()
@@ -372,8 +381,7 @@ class CudaBackend:
         self.rt.memcpy_htod(dev.ptr["x"], dev.io[: self._T * self.spec.hidden], dev.compute)
 
     def _op_products(self, op: Products) -> None:
-        dev = self._device()
-        spec, p, s = self.spec, dev.ptr, dev.compute
+        spec, p, (s, gu_w, dn_w) = self.spec, self._device().ptr, self._lane(op)
         H, F = spec.hidden, spec.ffn
         ids = op.expert_ids
         lo, hi = ids[0], ids[-1] + 1
@@ -386,7 +394,6 @@ class CudaBackend:
             rows_hint = walk_rows_hint(self._T, spec)
             group_rows = min(self._T * spec.top_k, len(ids) * self._T)
         bounds = self._bounds_ptr(op.layer)
-        gu_w, dn_w = p["gate_up_buf"], p["down_buf"]
         if op.cached is not None:
             gu_block, dn_block = block_bytes(self.lay)
             gu_w = p["image_gate_up"] + op.cached * gu_block
@@ -441,10 +448,3 @@ class CudaBackend:
 def _no_op(op: Op) -> None:
     """Consume is host bookkeeping: the plan's op order already encodes it."""
 
-
-def walk_rows_hint(tokens: int, spec: MoESpec) -> int:
-    """Rows per expert the walk sizes its MMQ grids for, where the counts never reach the host:
-    twice the mean rows per expert (a token picks an expert at most once, so never more than
-    tokens). A busier expert is still covered, by fewer blocks looping over its tiles; sizing
-    for the worst case (all tokens) launched 8x more blocks, nearly all of them exiting."""
-    return max(1, min(tokens, -(-2 * tokens * spec.top_k // spec.n_experts)))

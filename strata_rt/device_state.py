@@ -5,11 +5,14 @@ list of attribute names has to be kept in step with the code that creates them."
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .chunk_input import InputPass
+from .plan import LANES
 
 if TYPE_CHECKING:
     from .runtime import Event, Runtime, Stream
@@ -17,12 +20,14 @@ if TYPE_CHECKING:
 
 class DeviceState:
     def __init__(self, rt: Runtime, regions: dict[str, int], budget: int, io_bytes: int,
-                 bounds_shape: tuple[int, int]):
+                 bounds_shape: tuple[int, int], lanes: int = 1):
         self.compute = rt.stream("compute")
         self.copy = rt.stream("copy")
         #: routed-set read-backs go on their own stream, never behind the copies of blobs
         self.readback = rt.stream("readback")
         self.streams: dict[str, Stream] = {"compute": self.compute, "copy": self.copy}
+        for lane in LANES[1:lanes]:  # the other compute lanes (strata_rt.lanes)
+            self.streams[lane] = rt.stream(lane)
         self.arena = rt.device_arena(regions, budget=budget)
         self.ptr: dict[str, int] = {name: self.arena.ptr(name) for name in regions}
         n_bounds = bounds_shape[0] * bounds_shape[1]
@@ -43,6 +48,21 @@ class DeviceState:
         if ev is None:
             ev = self._events[key] = self._rt.event(f"{key[0]}[{key[1]}]")
         return ev
+
+    @contextmanager
+    def joined(self) -> Iterator[None]:
+        """Every other stream waits for the compute stream's work so far on entry, and the
+        compute stream for theirs on exit: what a graph capture on the compute stream needs
+        to take in the copies and the other lane (a stream must join a capture through an
+        event recorded inside it before its work is captured, and rejoin before it ends)."""
+        others = [s for s in self.streams.values() if s is not self.compute]
+        self.fork.record(self.compute)
+        for s in others:
+            s.wait(self.fork)
+        yield
+        for s in others:
+            self.join.record(s)
+            self.compute.wait(self.join)
 
     def close(self) -> None:
         self.__dict__.clear()

@@ -90,6 +90,9 @@ class Executor(Protocol):
     #: slots of the dense ring when a whole model's dense weights stream; None: resident
     #: (or MoE layers alone)
     dense_ring: int | None
+    def lanes_for(self, tokens: int) -> int:
+        """Compute lanes a chunk of `tokens` is planned with (strata_rt.lanes)."""
+
     @property
     def routed_gathers(self) -> bool:
         """Whether GatherRouted runs here (the format's kernels skip unrouted experts on the
@@ -246,7 +249,7 @@ class ChunkDriver:
     def _run_staging(self, T: int, stats: Stats, start: int | None) -> None:
         ex = self.executor
         planner = StagingPlanner(self.spec, self.residency, self.gather_one, tokens=T,
-                                 attention=self._schedule(start))
+                                 attention=self._schedule(start), lanes=ex.lanes_for(T))
         checker = (hazards.Checker(STAGING_RING_SLOTS, self.residency)
                    if self.check_plan else None)
         for layer in range(self.spec.n_layers):
@@ -296,7 +299,8 @@ class ChunkDriver:
             else:
                 plan = plan_walk(self.spec, self.residency, self.executor.walk_slots,
                                  gather_one, tokens=T, attention=self._schedule(start),
-                                 images=self.executor.images)
+                                 images=self.executor.images,
+                                 lanes=self.executor.lanes_for(T))
             if self.check_plan:
                 hazards.check(plan, self.residency, images=self.executor.images)
             self._walk_plans[key] = (plan, op_counts(op for _, op in plan.ops()))

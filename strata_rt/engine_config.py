@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from . import env
 from .errors import ConfigError
 from .image_cache import ImageCacheSetting, check_setting, parse_setting
+from .lanes import LanesSetting, parse_lanes
 from .residency import RoutingProfile
 from .routing_kernels import ROUTINGS
 
@@ -46,6 +47,9 @@ class EngineConfig:
     #: (strata_rt.image_cache): MiB, "all" (room for every group), or None
     #: (STRATA_IMAGE_CACHE_MIB, else none)
     image_cache_mib: ImageCacheSetting = None
+    #: compute lanes (strata_rt.lanes): "auto", "1" or "2"; None: STRATA_COMPUTE_LANES, else
+    #: auto (two when every expert is resident)
+    compute_lanes: LanesSetting | None = None
     profile: str | None = None
     gather_one: bool | None = None
     #: chunks of at least this many tokens take the walk; None: decided by the routed share
@@ -92,6 +96,11 @@ class EngineConfig:
         why = check_setting(self.image_cache_mib)
         if why is not None:
             problems.append(f"image_cache_mib: got {self.image_cache_mib!r}; {why}")
+        if self.compute_lanes is not None:
+            try:
+                self.compute_lanes = parse_lanes(self.compute_lanes)
+            except ConfigError as e:
+                problems.extend(e.problems)
         if self.ring_bytes is not None and self.ring_bytes <= 0:
             problems.append(f"ring_bytes: got {self.ring_bytes!r}; allowed: a positive size")
         if problems:
@@ -112,4 +121,7 @@ class EngineConfig:
             self.routing = env.choice("STRATA_ROUTING", ROUTINGS[0])
         if self.image_cache_mib is None:
             self.image_cache_mib = parse_setting(env.text("STRATA_IMAGE_CACHE_MIB"))
+        if self.compute_lanes is None:
+            self.compute_lanes = parse_lanes(env.choice("STRATA_COMPUTE_LANES", "auto"),
+                                             "STRATA_COMPUTE_LANES")
         return self

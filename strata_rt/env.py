@@ -72,6 +72,12 @@ SWITCHES: dict[str, Switch] = {
                "resident without gathering them (for formats that dequantize in the gather, "
                "~1.2 GB of fp16 per layer of the 30B shape; results are bit-identical). The "
                "`image_cache_mib` config key sets it per run; default: none."),
+        Switch("STRATA_COMPUTE_LANES", "choice:auto,1,2",
+               "compute lanes when the config gives no `compute_lanes`: 2 puts every other "
+               "group of 16 experts on a second compute stream with its own group buffers, so "
+               "two groups' gathers and GEMMs overlap (chunks up to 512 rows per expert in the "
+               "walk's sizing); auto (the default) takes two when every expert is resident, "
+               "else one; results are bit-identical."),
         Switch("STRATA_CUDA_GRAPH", "flag",
                "0: launch the streamed walk kernel by kernel instead of replaying a CUDA graph."),
         Switch("STRATA_KERNEL_CACHE", "outdir",

@@ -8,6 +8,7 @@ allocates with, without importing anything that needs CUDA.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -15,6 +16,8 @@ from .activations import Activation
 from .errors import BudgetError
 from .formats import MMQ_GROUP, ExpertLayout
 from .image_cache import block_bytes
+from .lanes import LanesSetting, allocated_lanes
+from .plan import LANES, StreamName, lane_index
 from .planner import AUTO_CHUNK_MAX, RESERVE_AUTO_CHUNK_MAX
 from .routing_kernels import workspace_bytes
 from .runtime.memory import mib, plan_regions, regions_total
@@ -50,23 +53,34 @@ def chunk_regions(spec: MoESpec, activation: Activation, tokens: int,
     }
 
 
+def lane_buffers(stream: StreamName) -> tuple[str, str]:
+    """The regions of a compute lane's group buffers (gate/up images, down images)."""
+    suffix = "" if lane_index(stream) == 0 else str(lane_index(stream) + 1)
+    return f"gate_up_buf{suffix}", f"down_buf{suffix}"
+
+
 def fixed_regions(spec: MoESpec, layout: ExpertLayout, ring_slots: int,
-                  routing: str = "tensor", image_blocks: int = 0) -> dict[str, int]:
+                  routing: str = "tensor", image_blocks: int = 0,
+                  lanes: int = 1) -> dict[str, int]:
     """Device bytes that do not depend on the chunk or the residency (the router weights are
     fp16 for the tensor-core routing, float32 for the fp32 kernels; image_blocks: room of the
-    image cache, strata_rt.image_cache)."""
+    image cache, strata_rt.image_cache; lanes: compute lanes, each with its group buffers)."""
     L, H, E = spec.n_layers, spec.hidden, spec.n_experts
     images = {}
     if image_blocks:
         gu, dn = block_bytes(layout)
         images = {"image_gate_up": image_blocks * gu, "image_down": image_blocks * dn}
+    buffers = {}
+    for lane in LANES[:lanes]:
+        gu_name, dn_name = lane_buffers(lane)
+        buffers[gu_name] = MMQ_GROUP * layout.gate_up_image_bytes
+        buffers[dn_name] = MMQ_GROUP * layout.down_image_bytes
     return {**images,
         "router": L * E * H * (2 if routing == "tensor" else 4),
         "norm": L * H * 4,
         "bounds": L * (E + 1) * 4,
         "ring": ring_slots * layout.slot_bytes,
-        "gate_up_buf": MMQ_GROUP * layout.gate_up_image_bytes,
-        "down_buf": MMQ_GROUP * layout.down_image_bytes,
+        **buffers,
     }
 
 
@@ -90,13 +104,13 @@ class MemoryPlan:
 def plan_memory(spec: MoESpec, layout: ExpertLayout, activation: Activation, available: int,
                 ring_slots: int, prefill: str | int, n_resident: int | None,
                 routing: str = "tensor", whole: WholeSizing | None = None,
-                dense: str = "auto", image_blocks: int = 0) -> MemoryPlan:
+                dense: str = "auto", image_blocks: int = 0, lanes: int = 1) -> MemoryPlan:
     """plan_memory_for with a whole model's dense policy applied: "resident", "stream", or
     "auto" (resident when that plan fits, else streamed; a plan that fits either way keeps
     them resident, which copies nothing per chunk)."""
     def plan(w: WholeSizing | None) -> MemoryPlan:
         return plan_memory_for(spec, layout, activation, available, ring_slots, prefill,
-                               n_resident, routing, w, image_blocks)
+                               n_resident, routing, w, image_blocks, lanes)
 
     if whole is None or dense == "resident":
         return plan(whole)
@@ -111,7 +125,8 @@ def plan_memory(spec: MoESpec, layout: ExpertLayout, activation: Activation, ava
 def plan_memory_for(spec: MoESpec, layout: ExpertLayout, activation: Activation,
                     available: int, ring_slots: int, prefill: str | int,
                     n_resident: int | None, routing: str = "tensor",
-                    whole: WholeSizing | None = None, image_blocks: int = 0) -> MemoryPlan:
+                    whole: WholeSizing | None = None, image_blocks: int = 0,
+                    lanes: int = 1) -> MemoryPlan:
     """Sizes the device arena within `available` bytes.
 
     n_resident fixed (expert_cache): the residency is placed first and `prefill: auto` takes
@@ -121,8 +136,9 @@ def plan_memory_for(spec: MoESpec, layout: ExpertLayout, activation: Activation,
     even the chunk asked for (or, for auto, one step of AUTO_CHUNK_STEP tokens) cannot fit.
     whole: a whole model's sizing adds its dense weights, head, RoPE tables, KV cache and
     per-chunk attention buffers (strata_rt.whole_memory). image_blocks: room of the image
-    cache, a fixed region placed before the chunk and the resident experts."""
-    fixed = fixed_regions(spec, layout, ring_slots, routing, image_blocks)
+    cache, a fixed region placed before the chunk and the resident experts. lanes: compute
+    lanes, each holding its own group buffers (strata_rt.lanes)."""
+    fixed = fixed_regions(spec, layout, ring_slots, routing, image_blocks, lanes)
     if whole is not None:
         fixed.update(whole_fixed_regions(whole))
     slot = layout.slot_bytes
@@ -161,7 +177,8 @@ def plan_memory_for(spec: MoESpec, layout: ExpertLayout, activation: Activation,
         raise BudgetError(
             f"device memory: {what} needs {mib(first.total)} MiB ({first.describe()}), "
             f"{mib(max(available, 0))} MiB available after the reserve; lower `prefill`, "
-            "`ring_mib`, `expert_cache` or `image_cache_mib`, or lower `vram_reserve_mib`")
+            "`ring_mib`, `expert_cache` or `image_cache_mib`, or lower `vram_reserve_mib`"
+            + ("; `compute_lanes: 1` drops the second lane's group buffers" if lanes > 1 else ""))
     if n_resident is not None:
         return first
     spare = available - first.total
@@ -169,3 +186,17 @@ def plan_memory_for(spec: MoESpec, layout: ExpertLayout, activation: Activation,
     while resident > 0 and plan(tokens, resident).total > available:
         resident -= 1  # alignment padding can cost the last slot
     return plan(tokens, resident)
+
+
+def plan_lanes(setting: LanesSetting, n_resident: int | None, total_experts: int,
+               plan: Callable[[int], MemoryPlan]) -> tuple[int, MemoryPlan]:
+    """The compute lanes an engine opens with and its memory plan; plan(lanes) is
+    plan_memory for that many lanes. Under auto the second lane's buffers are planned first
+    and kept only when every expert then resides (strata_rt.lanes.allocated_lanes);
+    n_resident: the fixed residency, or None when the plan derives it."""
+    lanes = 1 if setting == "1" else 2
+    mp = plan(lanes)
+    resident = mp.n_resident if n_resident is None else n_resident
+    if allocated_lanes(setting, resident >= total_experts) < lanes:
+        lanes, mp = 1, plan(1)
+    return lanes, mp

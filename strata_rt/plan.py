@@ -5,6 +5,16 @@ so it carries everything each needs and nothing about CUDA. Each op says which s
 enqueued on: "copy" (host blob -> ring slot), "compute" (norm, routing, gathers, products,
 combine) or "host" (the issuer/consumer bookkeeping that has no GPU work).
 
+Compute lanes: a plan may put every other group's gathers and products on a second compute
+stream, "compute2", with its own set of group buffers (LANES; lane i gathers into and multiplies
+from set i). A launch of 16 experts leaves part of the GPU idle in its last wave and between
+launches; two independent groups in flight fill those gaps, and a gather (memory bound) runs
+beside the other lane's GEMMs (tensor bound). The layer orders the lanes with two events:
+`Record((LANE_FORK, layer), "compute")` after its LayerBegin, waited on by "compute2" before
+its first Products of the layer (its gathers read no routing, so they may run ahead), and
+`Record((LANE_JOIN, layer), "compute2")` after its last Products, waited on by "compute" before
+the LayerEnd that combines the rows both lanes wrote.
+
 A whole model (strata_rt.qwen3) adds two compute ops: `Attention(layer)` opens each layer
 (its RMSNorm, q/k/v projections, q/k norms and RoPE, the KV-cache append, causal attention and
 the output projection added into the residual) and `Logits(rows)` closes the chunk (final norm
@@ -27,7 +37,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
-StreamName = Literal["copy", "compute", "host"]
+StreamName = Literal["copy", "compute", "compute2", "host"]
+#: the compute lanes in order; lane i owns group-buffer set i
+LANES: tuple[StreamName, ...] = ("compute", "compute2")
 #: ("copied", slot) or ("used", slot)
 EventKey = tuple[str, int]
 #: ("resident", resident slot index), ("ring", ring slot) or ("host", 0): the blob read over
@@ -38,6 +50,8 @@ COPIED = "copied"
 USED = "used"
 DENSE_COPIED = "dense_copied"
 DENSE_USED = "dense_used"
+LANE_FORK = "lane_fork"
+LANE_JOIN = "lane_join"
 RESIDENT = "resident"
 RING = "ring"
 HOST = "host"
@@ -57,6 +71,19 @@ def dense_copied(slot: int) -> EventKey:
 
 def dense_used(slot: int) -> EventKey:
     return (DENSE_USED, slot)
+
+
+def lane_fork(layer: int) -> EventKey:
+    return (LANE_FORK, layer)
+
+
+def lane_join(layer: int) -> EventKey:
+    return (LANE_JOIN, layer)
+
+
+def lane_index(stream: StreamName) -> int:
+    """The group-buffer set of a compute lane."""
+    return LANES.index(stream)
 
 
 @dataclass(frozen=True)
@@ -86,7 +113,8 @@ class Wait:
 
 @dataclass(frozen=True)
 class Gather:
-    """Copy one expert's images into position `pos` of the group buffers.
+    """Copy one expert's images into position `pos` of the group buffers of its lane
+    (`stream`, one of LANES).
 
     `entry` is the ring entry the gather expects in a ring slot (None for a resident
     source); it lets the checker name the copy the gather depends on."""
@@ -97,17 +125,18 @@ class Gather:
     expert: int
     src: Source
     entry: int | None = None
-    stream: StreamName = field(default="compute", init=False)
+    stream: StreamName = "compute"
 
 
 @dataclass(frozen=True)
 class GatherBatch:
-    """One launch doing `gathers` (consecutive positions from first_pos, same group)."""
+    """One launch doing `gathers` (consecutive positions from first_pos, same group, all on
+    this op's lane)."""
 
     group: int
     first_pos: int
     gathers: tuple[Gather, ...]
-    stream: StreamName = field(default="compute", init=False)
+    stream: StreamName = "compute"
 
 
 @dataclass(frozen=True)
@@ -125,16 +154,16 @@ class GatherRouted:
 
 @dataclass(frozen=True)
 class Products:
-    """MMQ gate/up, SwiGLU + quantize, MMQ down over the group buffers; position p holds
-    expert_ids[p]. `cached`: the image-cache block holding these experts' images
-    (strata_rt.image_cache), which the products read in place of the group buffers (no
-    gather precedes them); None: the group buffers."""
+    """MMQ gate/up, SwiGLU + quantize, MMQ down over the group buffers of its lane
+    (`stream`, one of LANES); position p holds expert_ids[p]. `cached`: the image-cache block
+    holding these experts' images (strata_rt.image_cache), which the products read in place
+    of the group buffers (no gather precedes them); None: the group buffers."""
 
     layer: int
     group: int
     expert_ids: tuple[int, ...]
     cached: int | None = None
-    stream: StreamName = field(default="compute", init=False)
+    stream: StreamName = "compute"
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,11 @@ Both planners share one builder, so the issuer/consumer rules of the streaming d
   first" alternative to refusing to batch on a ring smaller than two groups: it can neither
   starve the issuer nor recycle a slot before the batch read it.
 
-A plan assumes both streams are idle at its start: executors synchronise at the end of every
+With two compute lanes (plan.LANES), group g is gathered and multiplied on lane g % 2: its
+ring waits and `used` records go on that lane, and the layer forks and joins the lanes around
+its products (plan.py says how).
+
+A plan assumes its streams are idle at its start: executors synchronise at the end of every
 chunk (the output is read back), so a chunk's entries restart at 0.
 """
 
@@ -26,6 +30,7 @@ from typing import TYPE_CHECKING
 from .formats import MMQ_GROUP
 from .plan import (
     HOST,
+    LANES,
     RESIDENT,
     RING,
     ChunkInput,
@@ -41,8 +46,11 @@ from .plan import (
     Op,
     Products,
     Record,
+    StreamName,
     Wait,
     copied,
+    lane_fork,
+    lane_join,
     used,
 )
 
@@ -123,10 +131,16 @@ def ring_sizes(ring_bytes: int | None, slot_bytes: int, n_streamed: int) -> Ring
 class _RingBuilder:
     """Ring state and op emission shared by the walk and the staging planner."""
 
-    def __init__(self, residency: Residency, ring_slots: int, gather_one: bool):
+    def __init__(self, residency: Residency, ring_slots: int, gather_one: bool,
+                 lanes: int = 1):
         if ring_slots < 1:
             raise ValueError(f"ring_slots={ring_slots}: the ring needs at least one slot")
+        if not 1 <= lanes <= len(LANES):
+            raise ValueError(f"lanes={lanes}: a plan has 1..{len(LANES)} compute lanes")
         self.residency = residency
+        self.lanes = lanes
+        self.lane: StreamName = LANES[0]       # the lane of the group being planned
+        self.forked: set[StreamName] = set()   # lanes that waited for this layer's fork
         self.ring = ring_slots
         self.batch = not gather_one
         self.seq: list[tuple[int, int]] = []   # entry -> (layer, expert)
@@ -152,7 +166,7 @@ class _RingBuilder:
     def _release(self, gathers: Sequence[Gather]) -> None:
         ring = [g for g in gathers if g.src[0] == RING]
         for g in ring:
-            self.ops.append(Record(used(g.src[1]), "compute"))
+            self.ops.append(Record(used(g.src[1]), self.lane))
         if ring:
             last = max(_ring_entry(g) for g in ring)
             self.ops.append(Consume(last))
@@ -164,13 +178,13 @@ class _RingBuilder:
             return
         batch = tuple(self.pending)
         self.pending = []
-        self.ops.append(GatherBatch(batch[0].group, batch[0].pos, batch))
+        self.ops.append(GatherBatch(batch[0].group, batch[0].pos, batch, self.lane))
         self._release(batch)
 
     def gather(self, group: int, pos: int, layer: int, expert: int) -> None:
         slot = self.residency.slot(layer, expert)
         if slot is not None:
-            g = Gather(group, pos, layer, expert, (RESIDENT, slot))
+            g = Gather(group, pos, layer, expert, (RESIDENT, slot), stream=self.lane)
         else:
             k = self.next_entry
             if k >= len(self.seq) or self.seq[k] != (layer, expert):
@@ -182,23 +196,42 @@ class _RingBuilder:
                 self.flush()
                 self.issue_available()
             assert k < self.issued, "issuer cannot reach the entry the consumer needs"
-            self.ops.append(Wait(copied(k % self.ring), "compute"))
-            g = Gather(group, pos, layer, expert, (RING, k % self.ring), k)
+            self.ops.append(Wait(copied(k % self.ring), self.lane))
+            g = Gather(group, pos, layer, expert, (RING, k % self.ring), k, self.lane)
         if self.batch:
             self.pending.append(g)
         else:
             self.ops.append(g)
             self._release([g])
 
+    def begin_layer(self, layer: int) -> None:
+        """The layer's routing, and the fork the other lanes' products wait for."""
+        self.ops.append(LayerBegin(layer))
+        self.forked = set()
+        if self.lanes > 1:
+            self.ops.append(Record(lane_fork(layer), LANES[0]))
+
     def group(self, layer: int, group: int, experts: Sequence[int],
               cached: int | None = None) -> None:
-        if cached is not None:  # the images are already on the device: nothing to gather
-            self.ops.append(Products(layer, group, tuple(int(e) for e in experts), cached))
-            return
-        for pos, e in enumerate(experts):
-            self.gather(group, pos, layer, e)
-        self.flush()
-        self.ops.append(Products(layer, group, tuple(int(e) for e in experts)))
+        """Group `group`'s gathers and products, on lane group % lanes."""
+        self.lane = LANES[group % self.lanes]
+        ids = tuple(int(e) for e in experts)
+        if cached is None:  # (cached: the images are already on the device, nothing to gather)
+            for pos, e in enumerate(experts):
+                self.gather(group, pos, layer, e)
+            self.flush()
+        if self.lane != LANES[0] and self.lane not in self.forked:
+            self.ops.append(Wait(lane_fork(layer), self.lane))
+            self.forked.add(self.lane)
+        self.ops.append(Products(layer, group, ids, cached, self.lane))
+
+    def end_layer(self, layer: int) -> None:
+        """Joins the lanes that multiplied in this layer, then the combine."""
+        for lane in LANES[1:]:
+            if lane in self.forked:
+                self.ops.append(Record(lane_join(layer), lane))
+                self.ops.append(Wait(lane_join(layer), LANES[0]))
+        self.ops.append(LayerEnd(layer))
 
     def take_ops(self) -> tuple[Op, ...]:
         ops, self.ops = tuple(self.ops), []
@@ -218,15 +251,16 @@ def _groups(experts: Sequence[int]) -> list[list[int]]:
 
 def plan_walk(spec: MoESpec, residency: Residency, ring_slots: int, gather_one: bool,
               tokens: int = 0, attention: DenseSchedule | None = None,
-              images: ImageCache | None = None) -> ChunkPlan:
+              images: ImageCache | None = None, lanes: int = 1) -> ChunkPlan:
     """The streamed walk: every non-resident expert of every layer, layer-major ascending,
     streamed through the ring; every expert of a layer is gathered (groups are ids
     [16g, 16g+16)) so the schedule does not depend on routing and experts without rows cost an
     early exit in the products. attention: a whole model's chunk (each layer opens with its
     Attention, and streamed dense weights with their copies), None for MoE layers alone.
     images: the engine's image cache; a group it holds is multiplied from its block, with no
-    gather (its experts are resident, so no ring entry is involved)."""
-    b = _RingBuilder(residency, ring_slots, gather_one)
+    gather (its experts are resident, so no ring entry is involved). lanes: compute lanes the
+    groups alternate over (1 or 2)."""
+    b = _RingBuilder(residency, ring_slots, gather_one, lanes)
     b.seq = [(layer, e) for layer in range(spec.n_layers) for e in range(spec.n_experts)
              if residency.slot(layer, e) is None]
     if attention is not None:  # the first dense layers go before any expert
@@ -238,10 +272,10 @@ def plan_walk(spec: MoESpec, residency: Residency, ring_slots: int, gather_one: 
     for layer in range(spec.n_layers):
         if attention is not None:
             b.ops.extend(attention.layer_ops(layer))
-        b.ops.append(LayerBegin(layer))
+        b.begin_layer(layer)
         for g, experts in enumerate(_groups(all_experts)):
             b.group(layer, g, experts, None if images is None else images.index(layer, g))
-        b.ops.append(LayerEnd(layer))
+        b.end_layer(layer)
         layers.append(LayerPlan(layer, b.take_ops()))
     return ChunkPlan(tokens, "walk", ring_slots, layers)
 
@@ -279,16 +313,16 @@ def plan_decode(spec: MoESpec, residency: Residency, attention: DenseSchedule) -
 class StagingPlanner:
     """The staging ring for small chunks: after a layer's routing is known, its routed
     non-resident experts stream through an 8-slot ring; ring state carries across layers.
-    One planner per chunk; attention as for plan_walk (the driver runs a layer's
+    One planner per chunk; attention and lanes as for plan_walk (the driver runs a layer's
     `pre_routing_ops` before its routing; the layer's plan records them first)."""
 
     def __init__(self, spec: MoESpec, residency: Residency, gather_one: bool,
                  ring_slots: int = STAGING_RING_SLOTS, tokens: int = 0,
-                 attention: DenseSchedule | None = None):
+                 attention: DenseSchedule | None = None, lanes: int = 1):
         self.spec = spec
         self.tokens = tokens
         self.attention = attention
-        self._b = _RingBuilder(residency, ring_slots, gather_one)
+        self._b = _RingBuilder(residency, ring_slots, gather_one, lanes)
         self.layers: list[LayerPlan] = []
         self._opened: set[int] = set()  # layers whose pre-routing ops are planned
 
@@ -319,11 +353,11 @@ class StagingPlanner:
             self.pre_routing_ops(layer)
         b = self._b
         b.seq.extend((layer, e) for e in experts if b.residency.slot(layer, e) is None)
-        b.ops.append(LayerBegin(layer))
+        b.begin_layer(layer)
         b.issue_available()
         for g, group in enumerate(_groups(experts)):
             b.group(layer, g, group)
-        b.ops.append(LayerEnd(layer))
+        b.end_layer(layer)
         lp = LayerPlan(layer, b.take_ops())
         self.layers.append(lp)
         return lp

@@ -29,6 +29,7 @@ from .dense_schedule import DENSE_RING_SLOTS
 from .formats import MMQ_GROUP
 from .host_copy import all_finite
 from .image_cache import ImageCache, capacity_blocks
+from .lanes import allocated_lanes, chunk_lanes
 from .model import rms_norm, route, silu
 from .plan import (
     HOST,
@@ -48,6 +49,7 @@ from .plan import (
     Products,
     Record,
     Wait,
+    lane_index,
 )
 from .planner import ring_sizes
 from .reference_attention import ReferenceDense
@@ -132,15 +134,20 @@ class ReferenceBackend:
         rings = ring_sizes(cfg.ring_bytes, slot, self.spec.total_experts - self.residency.n_slots)
         self.walk_slots = rings.walk
         self.ring = np.full((rings.total, slot), _POISON, np.uint8)
-        self.gu_buf = np.full((MMQ_GROUP, self.lay.gate_up_image_bytes), _POISON, np.uint8)
-        self.dn_buf = np.full((MMQ_GROUP, self.lay.down_image_bytes), _POISON, np.uint8)
+        #: group buffers of each compute lane (plan.LANES): lane i gathers into set i
+        self.lanes = allocated_lanes(cfg.compute_lanes or "auto", self.residency.n_slots
+                                     >= self.spec.total_experts)
+        self.gu_bufs = np.full((self.lanes, MMQ_GROUP, self.lay.gate_up_image_bytes), _POISON,
+                               np.uint8)
+        self.dn_bufs = np.full((self.lanes, MMQ_GROUP, self.lay.down_image_bytes), _POISON,
+                               np.uint8)
         self.images = ImageCache.choose(self.spec, self.residency, capacity_blocks(
             cfg.image_cache_mib, self.spec, self.lay))
         if cfg.image_cache_mib:
             self.images.report(self.spec, self.lay)
         n_blocks = len(self.images.blocks)
-        self.image_gu = np.full((n_blocks, *self.gu_buf.shape), _POISON, np.uint8)
-        self.image_dn = np.full((n_blocks, *self.dn_buf.shape), _POISON, np.uint8)
+        self.image_gu = np.full((n_blocks, *self.gu_bufs.shape[1:]), _POISON, np.uint8)
+        self.image_dn = np.full((n_blocks, *self.dn_bufs.shape[1:]), _POISON, np.uint8)
         for b, pos, slot in self.images.fills(self.spec, self.residency):
             self.image_gu[b, pos], self.image_dn[b, pos] = self.fmt.images(
                 self.resident[slot][: self.lay.blob_bytes], self.spec.hidden, self.spec.ffn)
@@ -170,6 +177,9 @@ class ReferenceBackend:
 
     def execute(self, ops: Iterable[Op], stats: Stats, counts: np.ndarray | None) -> None:
         self._execute(ops, self._h, stats)
+
+    def lanes_for(self, tokens: int) -> int:
+        return chunk_lanes(self.lanes, tokens, self.spec)
 
     def capture(self, ops: Iterable[Op]) -> NoReturn:
         raise NotImplementedError("the reference backend replays nothing")
@@ -285,8 +295,8 @@ class ReferenceBackend:
         else:
             src = self.resident[idx] if kind == RESIDENT else self.ring[idx]
         gu, dn = self.fmt.images(src[: self.lay.blob_bytes], self.spec.hidden, self.spec.ffn)
-        self.gu_buf[g.pos] = gu
-        self.dn_buf[g.pos] = dn
+        self.gu_bufs[lane_index(g.stream), g.pos] = gu
+        self.dn_bufs[lane_index(g.stream), g.pos] = dn
 
     def _products(self, op: Products) -> None:
         st, fmt, spec = self._state, self.fmt, self.spec
@@ -302,7 +312,8 @@ class ReferenceBackend:
         # that slice equals slicing the whole layer's activations
         b = np.clip(st.bounds.astype(np.int64) - lo, 0, hi - lo).astype(np.int32)
         F = spec.ffn
-        gu_buf, dn_buf = ((self.gu_buf, self.dn_buf) if op.cached is None else
+        lane = lane_index(op.stream)
+        gu_buf, dn_buf = ((self.gu_bufs[lane], self.dn_bufs[lane]) if op.cached is None else
                           (self.image_gu[op.cached], self.image_dn[op.cached]))
         gu = fmt.mmq_reference(gu_buf[:n], ids, fmt.prepare_activations(st.x_sorted[lo:hi]),
                                b, 2 * F, spec.hidden)
@@ -332,5 +343,6 @@ class ReferenceBackend:
     def close(self) -> None:
         """Drops the slot and group buffers (the engine never calls a closed backend)."""
         empty = np.empty((0, 0), np.uint8)
-        self.resident = self.ring = self.gu_buf = self.dn_buf = empty
+        self.resident = self.ring = empty
+        self.gu_bufs = self.dn_bufs = np.empty((0, 0, 0), np.uint8)
         self.image_gu = self.image_dn = np.empty((0, 0, 0), np.uint8)

@@ -366,3 +366,27 @@ def test_non_finite_input_is_refused_and_the_engine_goes_on(small_model, rng, fi
                 eng.prefill(broken)
         for h, out in zip((walk, staging, walk), want):
             assert np.array_equal(eng.prefill(h)[0], out)
+
+
+@gpu
+@pytest.mark.parametrize("cache,images", [("all", None), ("all", "all"), ("half", None)])
+def test_two_lanes_give_the_same_bytes(small_model, rng, cache, images, fixed_walk_rule):
+    """Staging and walk chunks (each walk run three times: plain launches, the graph trial,
+    then the faster) on two compute lanes against one: the same bytes, and the plans really
+    used the second lane."""
+    total = SMALL_SPEC.total_experts
+    experts = total if cache == "all" else total // 2
+    prompts = [_prompt(rng, n, SMALL_SPEC.hidden) for n in (200, 1024, 2048)]
+    runs = [prompts[0], *[prompts[1]] * 3, *[prompts[2]] * 3]
+    got = {}
+    for lanes in ("1", "2"):
+        conf = EngineConfig(model=small_model, backend="cuda", expert_cache=experts,
+                            compute_lanes=lanes, image_cache_mib=images, check_plan=True)
+        with Engine.open(conf) as eng:
+            assert eng.backend.lanes == int(lanes)
+            outs = [eng.prefill(h)[0] for h in runs]
+            streams = {op.stream for _, op in eng.driver.last_plan.ops()}
+        assert ("compute2" in streams) == (lanes == "2")
+        got[lanes] = outs
+    for i, (a, b) in enumerate(zip(got["1"], got["2"])):
+        assert a.tobytes() == b.tobytes(), f"run {i} differs between one and two lanes"

@@ -3,17 +3,16 @@ fake runtime (launch sequences, counters, graph capture, the trace, open/close o
 model's dense launches). The same backend on a GPU: tests/test_cuda_engine.py."""
 
 
-import contextlib
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 import pytest
+from _fake_runtime import install
 
 from strata_rt import hazards
 from strata_rt.activations import Q8_1
 from strata_rt.engine import Engine, EngineConfig
-from strata_rt.errors import BudgetError, ConfigError, PlanHazardError
+from strata_rt.errors import BudgetError, ConfigError
 from strata_rt.formats import MMQ_GROUP
 from strata_rt.grouped_gemm import TILES as GEMM_TILES
 from strata_rt.memory_plan import chunk_regions, fixed_regions, plan_memory
@@ -109,172 +108,9 @@ def test_check_plan_clean_on_qwen3_30b_shape(rng):
 
 
 # ============================================================================ CPU: fake runtime
-class _FakeEvent:
-    def __init__(self, name):
-        self.name, self.recorded, self.timing = name, False, False
-
-    def record(self, stream):
-        self.recorded = True
-        stream.log.append(("record", self.name))
-
-    def synchronize(self):
-        assert self.recorded
-
-    def elapsed_ms(self, later):
-        return 0.25
-
-
-class _FakeStream:
-    def __init__(self, name):
-        self.name, self.handle, self.log = name, id(self), []
-
-    def wait(self, ev):
-        if not ev.recorded:
-            raise PlanHazardError(f"{self.name} waits on never-recorded {ev.name}")
-        self.log.append(("wait", ev.name))
-
-    def synchronize(self):
-        pass
-
-
-class _FakeKernel:
-    def __init__(self, rt, name, types):
-        self.rt, self.name, self.types = rt, name, types
-
-    def launch(self, grid, block, stream, args, shared=0):
-        assert len(args) == len(self.types), (self.name, len(args), self.types)
-        assert all(isinstance(a, (int, float, np.integer)) for a in args), (self.name, args)
-        assert min(grid) >= 1 and min(block) >= 1, (self.name, grid, block)
-        self.rt.launches.append(self.name)
-
-
-class _FakeModule:
-    def __init__(self, rt, source):
-        self.rt, self.text = rt, Path(source).read_text()
-
-    def kernel(self, name, types):
-        return _FakeKernel(self.rt, name, types)
-
-
-class _FakeArena:
-    def __init__(self, sizes, budget=None, base=1 << 36):
-        self.regions = plan_regions(sizes, budget=budget)
-        self.total = regions_total(self.regions)
-        self.base_ptr = base
-        self._host = np.zeros(self.total, np.uint8)
-
-    def ptr(self, name):
-        return self.base_ptr + self.regions[name][0]
-
-    def view(self, name, dtype=np.uint8, shape=None):
-        off, size = self.regions[name]
-        arr = self._host[off: off + size].view(dtype)
-        return arr if shape is None else arr.reshape(shape)
-
-
-class _FakeGraph:
-    def __init__(self, rt):
-        self.rt = rt
-
-    def launch(self, stream):
-        self.rt.launches.append("graph")
-
-    def free(self):
-        pass
-
-
-class _FakeGate:
-    """The input gate: enqueues are logged as launches; nothing passes it on the host, so
-    the next chunk's pass finds it open and closes it (InputPass.settle)."""
-
-    def __init__(self, rt):
-        self.rt, self.is_open, self.opened = rt, False, 0
-
-    def enqueue(self, stream):
-        self.rt.launches.append("gate")
-
-    def open(self):
-        self.is_open, self.opened = True, self.opened + 1
-
-    def close(self):
-        self.is_open = False
-
-
-class _FakeRuntime:
-    """Records what the backend enqueues; the bounds read-back returns a random routing."""
-
-    arch = "sm_90"
-
-    def __init__(self, rng, spec):
-        self.rng, self.spec = rng, spec
-        self.launches: list[str] = []
-        self.copies = 0
-        self.closed = False
-        self.arena = None
-        self.gates: list[_FakeGate] = []
-
-    def free_bytes(self):
-        return 8 * GIB
-
-    def stream(self, name):
-        return _FakeStream(name)
-
-    def event(self, name, timing=False):
-        return _FakeEvent(name)
-
-    def pinned(self, sizes):
-        return _FakeArena(sizes)
-
-    def gate(self, word):
-        assert word.dtype == np.uint32 and word.size == 1
-        self.gates.append(_FakeGate(self))
-        return self.gates[-1]
-
-    def device_arena(self, sizes, budget=None):
-        self.arena = _FakeArena(sizes, budget)
-        return self.arena
-
-    def module(self, source, defines=None):
-        return _FakeModule(self, source)
-
-    def memcpy_htod(self, dst, host, stream):
-        self.copies += 1
-
-    def memcpy_dtoh(self, host, src, stream):
-        if host.dtype == np.int32:  # row bounds: a random routing of self.tokens tokens
-            E = self.spec.n_experts
-            for row in host.reshape(-1, E + 1):
-                counts = self.rng.multinomial(self.tokens * self.spec.top_k, np.ones(E) / E)
-                row[0] = 0
-                row[1:] = np.cumsum(counts)
-
-    def memset_d8(self, ptr, byte, nbytes, stream):
-        pass
-
-    @contextlib.contextmanager
-    def capture(self, stream):
-        before = len(self.launches)
-        yield _FakeGraph(self)
-        del self.launches[before:]  # captured work does not run
-
-    def close(self):
-        self.closed = True
-
-
 @pytest.fixture
 def fake(monkeypatch, rng):
-    import strata_rt.runtime as runtime_pkg
-
-    holder = {}
-
-    def open_fake(device=0):
-        holder["rt"] = _FakeRuntime(rng, SMALL_SPEC)
-        return holder["rt"]
-
-    monkeypatch.setattr(runtime_pkg.Runtime, "open", staticmethod(open_fake))
-    monkeypatch.delenv("STRATA_CUDA_GRAPH", raising=False)
-    monkeypatch.setenv("STRATA_F16_GEMM", "own")  # the fake runs no library kernels
-    return holder
+    return install(monkeypatch, rng, SMALL_SPEC)
 
 
 @pytest.mark.parametrize("gather_one", [False, True])

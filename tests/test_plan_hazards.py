@@ -1,10 +1,12 @@
 """Planners and the hazard checker, on the CPU: every plan the planners emit passes the checker
-(property tests over routings, chunk sizes, ring sizes, residency sets and gather modes), and
-hand-built broken plans are rejected with messages naming the slot and the ops."""
+(property tests over routings, chunk sizes, ring sizes, residency sets, gather modes and one or
+two compute lanes), and hand-built broken plans are rejected with messages naming the slot or
+the layer, the lane and the ops."""
 
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -16,6 +18,11 @@ from strata_rt.hazards import check
 from strata_rt.image_cache import ImageCache
 from strata_rt.model import QWEN3_30B_SPEC, MoESpec
 from strata_rt.plan import (
+    COPIED,
+    LANE_FORK,
+    LANE_JOIN,
+    LANES,
+    RING,
     ChunkInput,
     ChunkPlan,
     Consume,
@@ -23,11 +30,14 @@ from strata_rt.plan import (
     Gather,
     GatherBatch,
     LayerBegin,
+    LayerEnd,
     LayerPlan,
     Products,
     Record,
     Wait,
     copied,
+    lane_fork,
+    lane_join,
     used,
 )
 from strata_rt.planner import (
@@ -68,21 +78,72 @@ def scenarios(draw):
     return spec, residency, tokens, gather_one, ring, routed, images
 
 
-def _build(spec, residency, tokens, gather_one, ring, routed, images) -> ChunkPlan:
+def _build(spec, residency, tokens, gather_one, ring, routed, images, lanes=1) -> ChunkPlan:
     if tokens >= FIXED_RULE_TOKENS:
-        return plan_walk(spec, residency, ring, gather_one, tokens, images=images)
-    planner = StagingPlanner(spec, residency, gather_one, tokens=tokens)
+        return plan_walk(spec, residency, ring, gather_one, tokens, images=images, lanes=lanes)
+    planner = StagingPlanner(spec, residency, gather_one, tokens=tokens, lanes=lanes)
     for layer, experts in enumerate(routed):
         planner.plan_layer(layer, experts)
     return planner.chunk_plan()
 
 
+def _launches(ops):
+    """(launch, its gathers) for every gather launch among `ops`."""
+    for op in ops:
+        if isinstance(op, GatherBatch):
+            yield op, op.gathers
+        elif isinstance(op, Gather):
+            yield op, (op,)
+
+
+def _assert_lane_structure(plan: ChunkPlan, lanes: int) -> None:
+    """What a plan of `lanes` lanes looks like, independently of the checker: group g gathers
+    and multiplies on lane g % lanes; a layer whose second lane multiplies forks it once,
+    before its first Products there, and joins it once, right before the combine; a ring
+    wait is on the lane of the gather that reads the slot next."""
+    ops = _flat(plan)
+    assert all(op.stream in ("copy", "host", *LANES[:lanes]) for op in ops)
+    for launch, gathers in _launches(ops):
+        assert {g.stream for g in gathers} == {launch.stream}
+        assert launch.stream == LANES[gathers[0].group % lanes]
+    for i, op in enumerate(ops):
+        if isinstance(op, Wait) and op.event[0] == COPIED:
+            launch = next(launch for launch, gathers in _launches(ops[i + 1:])
+                          if any(g.src == (RING, op.event[1]) for g in gathers))
+            assert launch.stream == op.stream, (i, op, launch)
+    for lp in plan.layers:
+        layer, lops = lp.layer, list(lp.ops)
+        assert all(p.stream == LANES[p.group % lanes] for p in lops if isinstance(p, Products))
+        lane_events = [op for op in lops if isinstance(op, Record | Wait)
+                       and op.event[0] in (LANE_FORK, LANE_JOIN)]
+        if lanes == 1:
+            assert not lane_events
+            continue
+        begin = lops.index(LayerBegin(layer))
+        assert lops[begin + 1] == Record(lane_fork(layer), "compute")
+        second = [i for i, op in enumerate(lops) if isinstance(op, Products)
+                  and op.stream == "compute2"]
+        forks = [i for i, op in enumerate(lops) if isinstance(op, Wait)
+                 and op.event[0] == LANE_FORK]
+        joined = (Record(lane_join(layer), "compute2"), Wait(lane_join(layer), "compute"),
+                  LayerEnd(layer))
+        if not second:  # (a staging layer routing one group only)
+            assert not forks and lane_events == [Record(lane_fork(layer), "compute")]
+            continue
+        assert forks == [i for i in forks if lops[i] == Wait(lane_fork(layer), "compute2")]
+        assert len(forks) == 1 and begin < forks[0] < second[0]
+        assert tuple(lops[-3:]) == joined and second[-1] < len(lops) - 3
+        assert len(lane_events) == 4  # the fork pair and the join pair, once each
+
+
+@pytest.mark.parametrize("lanes", [1, 2])
 @settings(deadline=None)  # examples per run: the hypothesis profile (conftest: 2,000 / 20,000)
 @given(scenarios())
-def test_every_plan_passes_the_checker(case):
+def test_every_plan_passes_the_checker(lanes, case):
     spec, residency, tokens, gather_one, ring, routed, images = case
-    plan = _build(*case)
+    plan = _build(*case, lanes=lanes)
     check(plan, residency, images=images)
+    _assert_lane_structure(plan, lanes)
     # what the plan does, independently of the checker
     for lp in plan.layers:
         gathered = [g for op in lp.ops for g in (
@@ -111,36 +172,43 @@ def test_every_plan_passes_the_checker(case):
     assert plan.ring_slots == (ring if plan.mode == "walk" else STAGING_RING_SLOTS)
 
 
-def test_staging_batch_flushes_before_reusing_a_slot():
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_staging_batch_flushes_before_reusing_a_slot(lanes):
     """16 routed non-resident experts on the 8-slot ring: the batch is launched in parts so
     no slot is refilled before the batch that reads it ran."""
     spec = _spec(2, 32)
     res = Residency(2, 32, [], 256)
-    planner = StagingPlanner(spec, res, gather_one=False)
+    planner = StagingPlanner(spec, res, gather_one=False, lanes=lanes)
     planner.plan_layer(0, range(16))
     planner.plan_layer(1, range(5, 30))
     plan = planner.chunk_plan()
     check(plan, res)
+    _assert_lane_structure(plan, lanes)
     batches = [op for _, op in plan.ops() if isinstance(op, GatherBatch)]
     assert len(batches) > 4  # 4 groups, at least one split
     assert max(len(b.gathers) for b in batches) <= STAGING_RING_SLOTS
 
 
-def test_walk_small_ring_batches_without_starving():
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_walk_small_ring_batches_without_starving(lanes):
     spec = _spec(2, 32)
     res = Residency(2, 32, [(0, 3), (1, 17)], 256)
     for ring in (1, 5, 31, 32, 64):
-        check(plan_walk(spec, res, ring, gather_one=False), res)
+        plan = plan_walk(spec, res, ring, gather_one=False, lanes=lanes)
+        check(plan, res)
+        _assert_lane_structure(plan, lanes)
 
 
-def test_qwen3_30b_shape_walk_plan_is_clean():
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_qwen3_30b_shape_walk_plan_is_clean(lanes):
     spec = QWEN3_30B_SPEC
     slot = 1_806_336
     res = Residency(spec.n_layers, spec.n_experts,
                     [(layer, e) for layer in range(spec.n_layers) for e in range(40)], slot)
     ring = walk_ring_slots(None, slot, spec.total_experts - res.n_slots)
-    plan = plan_walk(spec, res, ring, gather_one=False, tokens=8192)
+    plan = plan_walk(spec, res, ring, gather_one=False, tokens=8192, lanes=lanes)
     check(plan, res)
+    _assert_lane_structure(plan, lanes)
     assert plan.count(Copy) == spec.total_experts - res.n_slots
 
 
@@ -286,3 +354,127 @@ def test_staging_planner_opens_the_first_layer_with_the_input():
         assert first.ops[:2] == (ChunkInput(), LayerBegin(0))
         assert not any(isinstance(op, ChunkInput) for op in second.ops)
         check(planner.chunk_plan(), res)
+
+
+# ------------------------------------------------------------------------ broken two-lane plans
+def _lane_ops(n_layers: int = 1, resident: bool = True, ring: int = 2,
+              gather_one: bool = True) -> list:
+    """A two-lane walk over 32 experts (group 0 on compute, group 1 on compute2). Resident by
+    default: then no copy links the lanes, so only the lane events order them, and dropping
+    one is a hazard the checker must see (a streamed plan may stay ordered through the copy
+    stream, which the checker rightly accepts)."""
+    spec = _spec(n_layers, 32)
+    pairs = [(layer, e) for layer in range(n_layers) for e in range(32)] if resident else []
+    return _flat(plan_walk(spec, Residency(n_layers, 32, pairs, 256), ring, gather_one,
+                           lanes=2))
+
+
+def _on_second_lane(op) -> bool:
+    return getattr(op, "stream", None) == "compute2"
+
+
+def test_reject_products_on_the_second_lane_without_the_fork():
+    ops = _lane_ops()
+    check(_chunk(ops, 2))
+    ops.remove(Wait(lane_fork(0), "compute2"))
+    _reject(ops, 2, r"layer 0: op #\d+ Products\(layer 0, group 1\) on compute2 may read the "
+            r"layer's routing before op #1 LayerBegin\(layer 0\)",
+            r"no Wait\(lane_fork\[0\]\) on compute2")
+    # nor may it run in a layer that has not begun
+    late = [op for op in _lane_ops() if not isinstance(op, LayerBegin)]
+    _reject(late, 2, r"layer 0: op #\d+ Products\(layer 0, group 1\) on compute2 reads the "
+            r"layer's routing, but no LayerBegin\(layer 0\)")
+
+
+def test_reject_a_fork_that_does_not_follow_the_layers_routing():
+    """Layer 1's second lane must wait for a fork recorded after layer 1's LayerBegin: the
+    previous layer's fork, or one recorded ahead of the routing, leaves it free to read the
+    routing before it is written; a wait ahead of the fork's record waits for nothing."""
+    ops = _lane_ops(n_layers=2)
+    fork = ops.index(Wait(lane_fork(1), "compute2"))
+    begin = ops.index(LayerBegin(1))
+    want = (r"layer 1: op #\d+ Products\(layer 1, group 1\) on compute2 may read the layer's "
+            rf"routing before op #{begin} LayerBegin\(layer 1\)")
+    _reject(ops[:fork] + [Wait(lane_fork(0), "compute2")] + ops[fork + 1:], 2, want)
+    early = list(ops)
+    early.insert(begin, early.pop(begin + 1))  # Record(lane_fork[1]) before LayerBegin(1)
+    assert early[begin] == Record(lane_fork(1), "compute")
+    _reject(early, 2, r"layer 1: op #\d+ Products\(layer 1, group 1\) on compute2",
+            r"Wait\(lane_fork\[1\]\) on compute2 joins a Record\(lane_fork\[1\]\) issued "
+            r"on compute after op #\d+")
+    ahead = ops[:fork] + ops[fork + 1:]
+    ahead.insert(begin, Wait(lane_fork(1), "compute2"))
+    _reject(ahead, 2, rf"layer 1: op #{begin} Wait\(lane_fork\[1\]\) on compute2 waits on an "
+            "event that was never recorded")
+
+
+def test_reject_a_combine_without_the_join():
+    ops = _lane_ops()
+    ops.remove(Wait(lane_join(0), "compute"))
+    products = _index(ops, lambda op: isinstance(op, Products) and _on_second_lane(op))
+    _reject(ops, 2, rf"layer 0: op #{len(ops) - 1} LayerEnd\(layer 0\) combines rows that op "
+            rf"#{products} Products\(layer 0, group 1\) on compute2 may still be writing",
+            r"no Wait\(lane_join\[0\]\) on compute joins a Record\(lane_join\[0\]\) "
+            "issued on compute2")
+    # products after the combine: their rows are never read
+    ops = _lane_ops()
+    end = ops.pop()
+    ops.insert(_index(ops, lambda op: isinstance(op, Products)) + 1, end)
+    _reject(ops, 2, r"layer 0: op #\d+ Products\(layer 0, group 1\) on compute2 runs after "
+            r"op #\d+ LayerEnd\(layer 0\)")
+
+
+def test_reject_a_ring_wait_on_the_other_lane():
+    """Group 1 gathers on compute2, so compute2 must wait for the copy it reads."""
+    ops = _lane_ops(resident=False)
+    g = _index(ops, lambda op: isinstance(op, Gather) and _on_second_lane(op))
+    assert ops[g - 1] == Wait(copied(ops[g].src[1]), "compute2")
+    ops[g - 1] = Wait(ops[g - 1].event, "compute")
+    s, k = ops[g].src[1], ops[g].entry
+    _reject(ops, 2, rf"slot {s}: op #{g} Gather\(layer 0, expert 16, group 1 pos 0, ring slot "
+            rf"{s}, entry {k}\) on compute2 may read before op #\d+ Copy\(entry {k}",
+            rf"no Wait\(copied\[{s}\]\) on compute2")
+
+
+def test_reject_used_recorded_on_the_other_lane():
+    """The gather reads its slot on compute2; a `used` record on compute does not cover it,
+    so the copy refilling the slot may overwrite the expert while the gather reads it."""
+    ops = _lane_ops(resident=False, ring=1)
+    g = _index(ops, lambda op: isinstance(op, Gather) and _on_second_lane(op))
+    assert ops[g + 1] == Record(used(0), "compute2")
+    ops[g + 1] = Record(used(0), "compute")
+    _reject(ops, 1, r"slot 0: op #\d+ Copy\(entry 17, layer 0, expert 17 -> slot 0\) "
+            rf"refills the slot while op #{g} Gather\(layer 0, expert 16, .*\) on compute2",
+            r"Record\(used\[0\]\) issued on compute2 after")
+
+
+def test_reject_products_reading_the_other_lanes_buffers():
+    """Each lane multiplies from its own group buffers: group 1 gathered on compute is not in
+    compute2's."""
+    ops = [replace(op, stream="compute") if isinstance(op, Gather) and op.group == 1 else op
+           for op in _lane_ops()]
+    first = _index(ops, lambda op: isinstance(op, Gather) and op.group == 1)
+    _reject(ops, 2, r"Products\(layer 0, group 1\) on compute2 reads position 0 as expert 16, "
+            r"but that position of compute2's group buffers was never gathered",
+            rf"op #{first} gathered it on compute")
+
+
+def test_reject_a_batch_member_on_another_lane():
+    ops = _lane_ops(gather_one=False)
+    b = _index(ops, lambda op: isinstance(op, GatherBatch) and _on_second_lane(op))
+    members = list(ops[b].gathers)
+    members[3] = replace(members[3], stream="compute")
+    ops[b] = replace(ops[b], gathers=tuple(members))
+    _reject(ops, 2, rf"op #{b} GatherBatch\(group 1, positions 0..15\) on compute2: member 3 "
+            r"Gather\(layer 0, expert 19, group 1 pos 3, resident slot 19\) names lane "
+            r"compute, not the launch's compute2")
+
+
+def test_reject_events_and_launches_off_the_gpu_streams():
+    _reject([Record(copied(0), "host")], 1, r"op #0 Record\(copied\[0\]\) on host: stream "
+            r"must be one of copy, compute, compute2")
+    _reject([Record(copied(0), "copy"), Wait(copied(0), "host")], 1,
+            r"op #1 Wait\(copied\[0\]\) on host: stream must be one of")
+    _reject([Gather(0, 0, 0, 2, ("resident", 0), stream="copy")], 1,
+            r"op #0 Gather\(.*\) on copy: gathers and products run on a compute lane "
+            r"\(compute, compute2\), not on copy")

@@ -236,6 +236,9 @@ def test_graph_capture_and_replay(rt, s, mod, rng):
         k.launch(grid, (256, 1, 1), s, (dx.ptr, 1.0, -3.0, n))
     assert np.array_equal(download(rt, s, dx.ptr, 4 * n, np.float32), x), \
         "captured work must not run during capture"
+    graph.upload(s)
+    assert np.array_equal(download(rt, s, dx.ptr, 4 * n, np.float32), x), \
+        "an upload must not run the work"
     graph.launch(s)
     graph.launch(s)
     want = x

@@ -17,6 +17,7 @@ _SIGNATURES: dict[str, list[type]] = {
     "cuStreamEndCapture": [_vp, ctypes.POINTER(_vp)],
     "cuGraphInstantiateWithFlags": [ctypes.POINTER(_vp), _vp, _u64],
     "cuGraphLaunch": [_vp, _vp],
+    "cuGraphUpload": [_vp, _vp],
     "cuGraphExecDestroy": [_vp],
     "cuGraphDestroy": [_vp],
     "cuStreamIsCapturing": [_vp, ctypes.POINTER(ctypes.c_int)],

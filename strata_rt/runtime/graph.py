@@ -50,6 +50,15 @@ class Graph:
         check_call(libcuda().cuGraphLaunch(self._exec, stream.handle),
                f"cuGraphLaunch of graph {self.name!r}")
 
+    def upload(self, stream: Stream) -> None:
+        """Puts the graph's work on the device ahead of its first launch (asynchronous on
+        `stream`), so the first launch costs what every later one does: the engine times one
+        replay against plain launches to choose between them."""
+        if self._exec is None:
+            raise StrataError(f"graph {self.name!r} is not ready to upload")
+        check_call(libcuda().cuGraphUpload(self._exec, stream.handle),
+                   f"cuGraphUpload of graph {self.name!r}")
+
     def free(self) -> None:
         if self._exec is not None:
             lib = libcuda()

@@ -1,0 +1,190 @@
+"""A recording stand-in for strata_rt.runtime.Runtime: the CUDA backend's control flow
+(launch sequences, streams, events, graph capture, the input gate) is tested on the CPU with
+it. tests/test_cuda_engine_cpu.py and tests/test_lanes.py install it with `install`."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import numpy as np
+
+from strata_rt.errors import PlanHazardError
+from strata_rt.runtime.memory import plan_regions, regions_total
+
+GIB = 1 << 30
+
+
+class FakeEvent:
+    def __init__(self, name):
+        self.name, self.recorded, self.timing = name, False, False
+
+    def record(self, stream):
+        self.recorded = True
+        stream.log.append(("record", self.name))
+
+    def synchronize(self):
+        assert self.recorded
+
+    def elapsed_ms(self, later):
+        return 0.25
+
+
+class FakeStream:
+    def __init__(self, name):
+        self.name, self.handle, self.log = name, id(self), []
+
+    def wait(self, ev):
+        if not ev.recorded:
+            raise PlanHazardError(f"{self.name} waits on never-recorded {ev.name}")
+        self.log.append(("wait", ev.name))
+
+    def synchronize(self):
+        pass
+
+
+class FakeKernel:
+    def __init__(self, rt, name, types):
+        self.rt, self.name, self.types = rt, name, types
+
+    def launch(self, grid, block, stream, args, shared=0):
+        assert len(args) == len(self.types), (self.name, len(args), self.types)
+        assert all(isinstance(a, (int, float, np.integer)) for a in args), (self.name, args)
+        assert min(grid) >= 1 and min(block) >= 1, (self.name, grid, block)
+        self.rt.launches.append(self.name)
+        self.rt.launched_on.append((self.name, stream.name, tuple(args)))
+
+
+class FakeModule:
+    def __init__(self, rt, source):
+        self.rt, self.text = rt, Path(source).read_text()
+
+    def kernel(self, name, types):
+        return FakeKernel(self.rt, name, types)
+
+
+class FakeArena:
+    def __init__(self, sizes, budget=None, base=1 << 36):
+        self.regions = plan_regions(sizes, budget=budget)
+        self.total = regions_total(self.regions)
+        self.base_ptr = base
+        self._host = np.zeros(self.total, np.uint8)
+
+    def ptr(self, name):
+        return self.base_ptr + self.regions[name][0]
+
+    def view(self, name, dtype=np.uint8, shape=None):
+        off, size = self.regions[name]
+        arr = self._host[off: off + size].view(dtype)
+        return arr if shape is None else arr.reshape(shape)
+
+
+class FakeGraph:
+    def __init__(self, rt):
+        self.rt = rt
+
+    def launch(self, stream):
+        self.rt.launches.append("graph")
+
+    def upload(self, stream):
+        self.uploaded = True
+
+    def free(self):
+        pass
+
+
+class FakeGate:
+    """The input gate: enqueues are logged as launches; nothing passes it on the host, so
+    the next chunk's pass finds it open and closes it (InputPass.settle)."""
+
+    def __init__(self, rt):
+        self.rt, self.is_open, self.opened = rt, False, 0
+
+    def enqueue(self, stream):
+        self.rt.launches.append("gate")
+
+    def open(self):
+        self.is_open, self.opened = True, self.opened + 1
+
+    def close(self):
+        self.is_open = False
+
+
+class FakeRuntime:
+    """Records what the backend enqueues; the bounds read-back returns a random routing."""
+
+    arch = "sm_90"
+
+    def __init__(self, rng, spec):
+        self.rng, self.spec = rng, spec
+        self.launches: list[str] = []
+        #: (kernel, stream name, arguments) of every kernel launch
+        self.launched_on: list[tuple[str, str, tuple]] = []
+        self.copies = 0
+        self.closed = False
+        self.arena = None
+        self.gates: list[FakeGate] = []
+
+    def free_bytes(self):
+        return 8 * GIB
+
+    def stream(self, name):
+        return FakeStream(name)
+
+    def event(self, name, timing=False):
+        return FakeEvent(name)
+
+    def pinned(self, sizes):
+        return FakeArena(sizes)
+
+    def gate(self, word):
+        assert word.dtype == np.uint32 and word.size == 1
+        self.gates.append(FakeGate(self))
+        return self.gates[-1]
+
+    def device_arena(self, sizes, budget=None):
+        self.arena = FakeArena(sizes, budget)
+        return self.arena
+
+    def module(self, source, defines=None):
+        return FakeModule(self, source)
+
+    def memcpy_htod(self, dst, host, stream):
+        self.copies += 1
+
+    def memcpy_dtoh(self, host, src, stream):
+        if host.dtype == np.int32:  # row bounds: a random routing of self.tokens tokens
+            E = self.spec.n_experts
+            for row in host.reshape(-1, E + 1):
+                counts = self.rng.multinomial(self.tokens * self.spec.top_k, np.ones(E) / E)
+                row[0] = 0
+                row[1:] = np.cumsum(counts)
+
+    def memset_d8(self, ptr, byte, nbytes, stream):
+        pass
+
+    @contextlib.contextmanager
+    def capture(self, stream):
+        before = len(self.launches)
+        yield FakeGraph(self)
+        del self.launches[before:]  # captured work does not run
+
+    def close(self):
+        self.closed = True
+
+
+def install(monkeypatch, rng, spec) -> dict:
+    """Runtime.open returns a FakeRuntime (kept in the returned dict under "rt"); the CUTLASS
+    library stays out (the fake runs no library kernels)."""
+    import strata_rt.runtime as runtime_pkg
+
+    holder: dict = {}
+
+    def open_fake(device=0):
+        holder["rt"] = FakeRuntime(rng, spec)
+        return holder["rt"]
+
+    monkeypatch.setattr(runtime_pkg.Runtime, "open", staticmethod(open_fake))
+    monkeypatch.delenv("STRATA_CUDA_GRAPH", raising=False)
+    monkeypatch.setenv("STRATA_F16_GEMM", "own")
+    return holder
