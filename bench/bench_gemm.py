@@ -17,6 +17,15 @@ expert. Per prompt length, CUDA events around whole phases (median of --reps aft
   forced (own and CUTLASS);
 - effective TFLOPS = 2 * rows * (2*ffn*hidden + hidden*ffn) / time, rows = tokens * 8, for the
   GEMMs alone and with the dequant gather;
+- the same GEMMs as the engine issues them (bench/engine_order.py): group by group (gate/up of
+  group g, then its down into an output of its own, the walk's hint), captured once as a CUDA
+  graph and replayed, on one compute lane and on two (group g on lane g % 2, lane 2 forked off
+  the benchmark stream and joined back inside the capture), and the form the engine picks for
+  the prompt (strata_rt.lanes.chunk_lanes, lanes allocated as when every expert is resident).
+  The plain figures above launch all 8 gate/up then all 8 down one by one on one stream, which
+  pays each launch's host cost and leaves the GPU idle in each launch's last wave; the engine's
+  replayed graph and second lane remove much of that (SwiGLU between the two GEMMs is left out
+  here as in the plain figures);
 - torch (bf16, weights resident): torch.bmm on per-expert batches padded to the busiest expert,
   torch._grouped_mm on the same ragged routing, and a dense torch.matmul of the same FLOPs.
 torch runs first in its own context and is done before the strata_rt Runtime opens.
@@ -46,6 +55,7 @@ from bench_mmq import (  # noqa: E402
     tflops,
     torch_event_timer,
 )
+from engine_order import EngineOrder, lanes_text, layer_spec  # noqa: E402
 
 from strata_rt.cutlass_gemm import CUTLASS_TILES  # noqa: E402
 from strata_rt.formats import MMQ_GROUP  # noqa: E402
@@ -146,6 +156,9 @@ class LayerBench:
                 rt.memcpy_dtod(buf.ptr + r0 * k * 2, buf.ptr,
                                min(POOL_ROWS, max_rows - r0) * k * 2, stream)
         self.out = rt.alloc(max_rows * max(m for m, _ in self.shapes.values()) * 4)
+        #: the down GEMM's output in engine order (the engine's down_out: two lanes in flight
+        #: never write the same bytes)
+        self.out_down = rt.alloc(max_rows * self.hidden * 4)
         self.bounds = rt.alloc((EXPERTS + 1) * 4)
         self.counts = np.zeros(EXPERTS, np.int64)
 
@@ -180,24 +193,35 @@ class LayerBench:
             return walk_hint(walk_tokens)
         return int(self.counts[g * MMQ_GROUP: (g + 1) * MMQ_GROUP].max())
 
+    def launch(self, stream, part: str, g: int, hint: int, tile: str | None = None,
+               out: int | None = None) -> None:
+        """Group g's grouped GEMM launch of one part."""
+        m, k = self.shapes[part]
+        ids = tuple(range(g * MMQ_GROUP, (g + 1) * MMQ_GROUP))
+        self.gg.gemm(stream, self.group_ptr(part, g), ids, self.acts[part].ptr, self.bounds.ptr,
+                     self.out.ptr if out is None else out, m, k, hint, tile=tile)
+
     def gemm(self, part: str, tile: str | None = None, walk_tokens: int | None = None) -> None:
         """The layer's 8 grouped GEMM launches of one part."""
-        m, k = self.shapes[part]
         for g in range(N_GROUPS):
-            ids = tuple(range(g * MMQ_GROUP, (g + 1) * MMQ_GROUP))
-            self.gg.gemm(self.s, self.group_ptr(part, g), ids, self.acts[part].ptr,
-                         self.bounds.ptr, self.out.ptr, m, k, self.hint(g, walk_tokens),
-                         tile=tile)
+            self.launch(self.s, part, g, self.hint(g, walk_tokens), tile)
+
+    def engine_group(self, stream, g: int, tokens: int) -> None:
+        """Group g's products as the engine's walk issues them on its lane: gate/up, then down
+        (into out_down), both sized by the walk's hint."""
+        self.launch(stream, "gate_up", g, walk_hint(tokens))
+        self.launch(stream, "down", g, walk_hint(tokens), out=self.out_down.ptr)
 
     def free(self) -> None:
-        for buf in (self.slots, self.out, self.bounds, *self.bufs.values(),
+        for buf in (self.slots, self.out, self.out_down, self.bounds, *self.bufs.values(),
                     *self.acts.values()):
             buf.free()
 
 
 def bench_model(lb: LayerBench, counts: dict[int, np.ndarray], tiles: list[str], reps: int,
-                timer) -> dict:
+                timer, eo: EngineOrder) -> dict:
     lay, img = lb.lay, lb.img
+    spec = layer_spec(lb.hidden, lb.ffn, EXPERTS, TOP_K)
     scratch = lb.rt.alloc(EXPERTS * img["gate_up"])
     res: dict = {"dequant": {
         "read_bytes": EXPERTS * lay.blob_bytes,
@@ -230,6 +254,9 @@ def bench_model(lb: LayerBench, counts: dict[int, np.ndarray], tiles: list[str],
                    walk_tflops=layer_tflops(rows, lb.hidden, lb.ffn, walk_ms),
                    layer_ms=gemm_ms + res["dequant"]["batched_ms"])
         row["layer_tflops"] = layer_tflops(rows, lb.hidden, lb.ffn, row["layer_ms"])
+        # {graph_1_lane, graph_2_lanes, engine}: {"ms", "tflops"} (+ "lanes" for engine)
+        row["engine_order"] = eo.measure(lambda s, g, t=t: lb.engine_group(s, g, t), N_GROUPS,
+                                         reps, t, spec, 2.0 * rows * 3 * lb.hidden * lb.ffn)
         res["tokens"][t] = row
     return res
 
@@ -251,10 +278,11 @@ def strata_phase(models: list[str], counts: dict[int, np.ndarray], tiles: list[s
     if not res["cutlass"]:
         tiles[:] = [t for t in tiles if not t.startswith("cutlass_")]
     max_rows = max(int(c.sum()) for c in counts.values())
+    eo = EngineOrder(rt, s, timer)
     for model in models:
         lb = LayerBench(rt, s, gg, model, max_rows, rng)
         try:
-            res[model] = bench_model(lb, counts, tiles, reps, timer)
+            res[model] = bench_model(lb, counts, tiles, reps, timer, eo)
         finally:
             s.synchronize()
             lb.free()
@@ -269,6 +297,16 @@ def _short(name: str) -> str:
 
 def _cell(ms: float, rows: int, m: int, k: int) -> str:
     return f"{ms:.3f} / {tflops(rows, m, k, ms):.0f}"
+
+
+def _engine_cells(eo: dict | None) -> list[str]:
+    """graph 1 lane, graph 2 lanes, engine: 'TFLOPS (ms)', the engine's 'TFLOPS (lanes)'."""
+    if eo is None:
+        return ["-"] * 3
+    e = eo["engine"]
+    return ([f"{eo[key]['tflops']:.0f} ({eo[key]['ms']:.3f} ms)"
+             for key in ("graph_1_lane", "graph_2_lanes")]
+            + [f"{e['tflops']:.0f} ({lanes_text(e)})"])
 
 
 def tables(res: dict, models: list[str], tiles: list[str]) -> str:
@@ -302,11 +340,14 @@ def tables(res: dict, models: list[str], tiles: list[str]) -> str:
                                  f"({','.join(_short(a) for a in c['auto_tiles'])}) | "
                                  + " | ".join(cells) + " |")
     lines += ["", "Whole MoE layer, effective TFLOPS = 2 * rows * 3 * hidden * ffn / time "
-              "(torch: bf16, weights resident):", "",
+              "(torch: bf16, weights resident). graph 1 lane / 2 lanes: the walk-hint GEMMs in "
+              "engine order (group by group, gate/up then down), one CUDA graph replayed (the "
+              "replay's ms beside); engine (lanes): the form chunk_lanes picks:", "",
               "| model | tokens | rows/expert min-max | dequant ms | GEMM gate/up ms | GEMM down ms "
-              "| GEMM TFLOPS | walk-hint GEMM TFLOPS | dequant + GEMM TFLOPS | torch.bmm padded "
+              "| GEMM TFLOPS | walk-hint GEMM TFLOPS | graph 1 lane TFLOPS | graph 2 lanes TFLOPS "
+              "| engine (lanes) TFLOPS | dequant + GEMM TFLOPS | torch.bmm padded "
               "| torch._grouped_mm | dense bf16 matmul |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for model in models:
         name = MODELS[model][0]
         d = st[model]["dequant"]
@@ -317,11 +358,12 @@ def tables(res: dict, models: list[str], tiles: list[str]) -> str:
                 v = p.get(f"{key}_tflops")
                 return "-" if v is None or v != v else f"{v:.0f}"
 
-            lines.append(
-                f"| {name} | {t} | {r['rows_min']}-{r['rows_max']} | {d['batched_ms']:.3f} | "
-                f"{r['parts']['gate_up']['auto_ms']:.3f} | {r['parts']['down']['auto_ms']:.3f} | "
-                f"{r['gemm_tflops']:.0f} | {r['walk_tflops']:.0f} | {r['layer_tflops']:.0f} | "
-                f"{peer('bmm')} | {peer('grouped_mm')} | {peer('dense')} |")
+            cells = [f"{r['rows_min']}-{r['rows_max']}", f"{d['batched_ms']:.3f}",
+                     f"{r['parts']['gate_up']['auto_ms']:.3f}",
+                     f"{r['parts']['down']['auto_ms']:.3f}", f"{r['gemm_tflops']:.0f}",
+                     f"{r['walk_tflops']:.0f}", *_engine_cells(r.get("engine_order")),
+                     f"{r['layer_tflops']:.0f}", peer("bmm"), peer("grouped_mm"), peer("dense")]
+            lines.append(f"| {name} | {t} | " + " | ".join(cells) + " |")
     errors = {f"{m}/{t}": p["grouped_mm_error"] for m in models
               for t, p in tq.get(m, {}).items() if "grouped_mm_error" in p}
     if errors:

@@ -21,7 +21,10 @@ of all 128 experts' blocks to bf16 (what the peers pay per streamed layer). Then
 torch.matmul and torch._int_mm int8 at 8192^3, (d) llama.cpp's figures from the project's
 design notes (constants measured on the same kind of H200, not here). Then gather_batch
 bandwidth against a device-to-device copy of the same bytes, for each gather kind (byte copy,
-dequantizing).
+dequantizing). Last, f16_gemm's layer in the engine's issue order (bench/engine_order.py), not
+every gather, then 8 gate/up, then 8 down launched one by one: group by group ([its gather,]
+gate/up, down, the same rows_hint) on lane g % lanes, captured once as a CUDA graph and
+replayed, on one lane and on two, and the lanes the engine picks (strata_rt.lanes.chunk_lanes).
 
 torch runs first, in its own (primary) context, and is done before the strata_rt Runtime opens;
 the two never share memory, so their contexts cannot interfere.
@@ -41,11 +44,15 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "bench" / "peers"))
+
+from engine_order import EngineOrder, forms_table, layer_spec  # noqa: E402
 
 from strata_rt.activations import ActivationKernels  # noqa: E402
 from strata_rt.formats import MMQ_GROUP  # noqa: E402
 from strata_rt.quants.iq3_xxs import IQ3XXS  # noqa: E402
+from strata_rt.quants.iq3_xxs_device import F16_GEMM  # noqa: E402
 
 #: every STRATA_MMQ_KERNEL variant of IQ3_XXS (the exact ones, f16_gemm, f16_fused)
 VARIANTS = IQ3XXS().mmq_variants()
@@ -248,17 +255,17 @@ def strata_phase(blobs: np.ndarray, counts_by_t: dict[int, np.ndarray], variants
     dn_buf = rt.alloc(EXPERTS * max(v.down_image_bytes for v in lays.values()))
     kerns = {v: f.kernels(rt, lays[v]) for v, f in fmts.items()}
 
-    def gather_groups(v: str, batched: bool) -> None:
+    def gather_groups(v: str, batched: bool, stream=s, groups=range(n_groups)) -> None:
         kern, vl = kerns[v], lays[v]
-        for g in range(n_groups):
+        for g in groups:
             gu = gu_buf.ptr + g * MMQ_GROUP * vl.gate_up_image_bytes
             dn = dn_buf.ptr + g * MMQ_GROUP * vl.down_image_bytes
             srcs = [slots.ptr + (g * MMQ_GROUP + p) * lay.slot_bytes for p in range(MMQ_GROUP)]
             if batched:
-                kern.gather_batch(s, srcs, 0, gu, dn)
+                kern.gather_batch(stream, srcs, 0, gu, dn)
             else:
                 for p, src in enumerate(srcs):
-                    kern.gather(s, src, p, gu, dn)
+                    kern.gather(stream, src, p, gu, dn)
 
     nbytes = EXPERTS * lay.blob_bytes
     dtod_dst = rt.alloc(nbytes)
@@ -289,6 +296,11 @@ def strata_phase(blobs: np.ndarray, counts_by_t: dict[int, np.ndarray], variants
             for a, act in kinds.items() for part, (m, k) in PARTS.items()}
     out = rt.alloc(max_rows * max(m for m, _ in PARTS.values()) * 4)
     bounds = rt.alloc((EXPERTS + 1) * 4)
+    # engine order: down writes an output of its own (the engine's down_out), so two lanes in
+    # flight never write the same bytes
+    out_down = rt.alloc(max_rows * HIDDEN * 4)
+    outs = {"gate_up": out.ptr, "down": out_down.ptr}
+    eo, spec = EngineOrder(rt, s, timer), layer_spec(HIDDEN, FFN, EXPERTS, TOP_K)
 
     for t, counts in counts_by_t.items():
         rows = int(counts.sum())
@@ -323,6 +335,24 @@ def strata_phase(blobs: np.ndarray, counts_by_t: dict[int, np.ndarray], variants
             row["layer+gather"] = {"ms": with_gather,
                                    "tflops": tflops(rows, 1, 3 * HIDDEN * FFN, with_gather)}
             res["mmq"][t][v] = row
+            if v != F16_GEMM:
+                continue
+
+            def group(stream, g: int, gather: bool, v=v, kern=kern, vl=vl, a=a,
+                      counts=counts) -> None:  # group g on its lane: [gather,] gate/up, down
+                if gather:
+                    gather_groups(v, True, stream, (g,))
+                ids = tuple(range(g * MMQ_GROUP, (g + 1) * MMQ_GROUP))
+                for part, buf, img in (("gate_up", gu_buf, vl.gate_up_image_bytes),
+                                       ("down", dn_buf, vl.down_image_bytes)):
+                    kern.mmq(stream, buf.ptr + g * MMQ_GROUP * img, ids, abuf[(a, part)].ptr,
+                             bounds.ptr, outs[part], *PARTS[part], int(counts[list(ids)].max()))
+
+            # {"layer", "layer+gather"}: {graph_1_lane, graph_2_lanes, engine}
+            row["engine_order"] = {
+                key: eo.measure(lambda st, g, gather=gather: group(st, g, gather), n_groups,
+                                reps, t, spec, 2.0 * rows * 3 * HIDDEN * FFN)
+                for key, gather in (("layer", False), ("layer+gather", True))}
     s.synchronize()
     rt.close()
     return res
@@ -409,6 +439,13 @@ def table(res: dict, variants: list[str]) -> str:
             f"{gb / dtod * 1e3:.0f} GB/s (bytes copied); batched/DtoD = "
             f"{dtod / g['batched_ms']:.2f}; fallbacks {g['fallbacks']}")
     lines.append(f"torch after Runtime.open: {res.get('interop', '-')}")
+    eng = [([str(t), part], r[F16_GEMM][part], r[F16_GEMM]["engine_order"][part])
+           for t, r in res["strata"]["mmq"].items() if "engine_order" in r.get(F16_GEMM, {})
+           for part in ("layer", "layer+gather")]
+    if eng:
+        lines += forms_table(f"{F16_GEMM} as the engine issues it (group by group on the group's "
+                             "lane, [gather,] gate/up, down; one CUDA graph replayed; engine: "
+                             "the lanes chunk_lanes picks), ms / TFLOPS:", ["tokens", "part"], eng)
     return "\n".join(lines)
 
 
