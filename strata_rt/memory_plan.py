@@ -191,12 +191,25 @@ def plan_memory_for(spec: MoESpec, layout: ExpertLayout, activation: Activation,
 def plan_lanes(setting: LanesSetting, n_resident: int | None, total_experts: int,
                plan: Callable[[int], MemoryPlan]) -> tuple[int, MemoryPlan]:
     """The compute lanes an engine opens with and its memory plan; plan(lanes) is
-    plan_memory for that many lanes. Under auto the second lane's buffers are planned first
-    and kept only when every expert then resides (strata_rt.lanes.allocated_lanes);
-    n_resident: the fixed residency, or None when the plan derives it."""
-    lanes = 1 if setting == "1" else 2
-    mp = plan(lanes)
-    resident = mp.n_resident if n_resident is None else n_resident
-    if allocated_lanes(setting, resident >= total_experts) < lanes:
-        lanes, mp = 1, plan(1)
-    return lanes, mp
+    plan_memory for that many lanes, n_resident the fixed residency (None: the plan derives
+    it). "1" and "2" are taken as given (a second lane that does not fit is a BudgetError).
+    Under auto the second lane's buffers are kept only where they cost nothing else: every
+    expert resides with one lane (strata_rt.lanes.allocated_lanes), and the plan with two
+    lanes still fits, with the same chunk and every expert resident."""
+    if setting != "auto":
+        lanes = int(setting)
+        return lanes, plan(lanes)
+    one = plan(1)
+
+    def all_resident(mp: MemoryPlan) -> bool:
+        return (mp.n_resident if n_resident is None else n_resident) >= total_experts
+
+    if allocated_lanes(setting, all_resident(one)) < 2:
+        return 1, one
+    try:
+        two = plan(2)
+    except BudgetError:
+        return 1, one
+    if two.tokens < one.tokens or not all_resident(two):
+        return 1, one
+    return 2, two

@@ -97,6 +97,32 @@ def test_plan_lanes_under_each_setting():
     assert lanes == 1 and mp.n_resident == total  # not a resident slot given up for a lane
 
 
+def test_auto_never_gives_up_a_chunk_token_or_a_fit_for_a_lane():
+    """Where a second lane's buffers do not fit, or would shorten `prefill: auto`'s chunk,
+    auto keeps one lane and the one-lane plan."""
+    from strata_rt.registry import registry
+
+    lay = registry()["iq3_xxs"].layout(SMALL_SPEC.hidden, SMALL_SPEC.ffn)
+    total = SMALL_SPEC.total_experts
+    need = _plan(lay, 8 * GIB, total)(1).total  # a 1,024-token chunk beside every expert
+    with pytest.raises(BudgetError):
+        _plan(lay, need, total)(2)
+    lanes, mp = plan_lanes("auto", total, total, _plan(lay, need, total))
+    assert lanes == 1 and mp.tokens == 1024
+
+    def auto_chunk(available):
+        def plan(lanes):
+            return plan_memory(SMALL_SPEC, lay, Q8_1, available, 8, "auto", total, lanes=lanes)
+        return plan
+
+    full = auto_chunk(8 * GIB)(1)
+    lanes, mp = plan_lanes("auto", total, total, auto_chunk(full.total))
+    assert mp.tokens == full.tokens
+    assert lanes == 1  # a second lane there would have cost chunk tokens
+    lanes, mp = plan_lanes("auto", total, total, auto_chunk(8 * GIB))
+    assert lanes == 2 and mp.tokens == full.tokens
+
+
 def test_a_second_lane_that_does_not_fit_says_how_to_drop_it():
     from strata_rt.registry import registry
 
