@@ -31,7 +31,7 @@ from .formats import FormatKernels
 from .image_cache import ImageCache, block_bytes, capacity_blocks
 from .lanes import chunk_lanes, walk_rows_hint
 from .layer_kernels import ENGINE_SOURCE, LayerKernels
-from .memory_plan import DEFAULT_RESERVE_MIB, lane_buffers, plan_lanes, plan_memory
+from .memory_plan import DEFAULT_RESERVE_MIB, plan_lanes, plan_memory
 from .plan import (
     HOST,
     RESIDENT,
@@ -339,9 +339,7 @@ class CudaBackend:
     def _lane(self, op: Gather | GatherBatch | GatherRouted | Products
               ) -> tuple[Stream, int, int]:
         """The op's compute lane: its stream and its group buffers (gate/up, down)."""
-        dev = self._device()
-        gu, dn = lane_buffers(op.stream)
-        return dev.streams[op.stream], dev.ptr[gu], dev.ptr[dn]
+        return self._device().lanes[op.stream]
 
     def _op_gather(self, op: Gather) -> None:
         s, gu, dn = self._lane(op)

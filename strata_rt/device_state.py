@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .chunk_input import InputPass
+from .memory_plan import lane_buffers
 from .plan import LANES
 
 if TYPE_CHECKING:
@@ -30,6 +31,11 @@ class DeviceState:
             self.streams[lane] = rt.stream(lane)
         self.arena = rt.device_arena(regions, budget=budget)
         self.ptr: dict[str, int] = {name: self.arena.ptr(name) for name in regions}
+        #: each compute lane's stream and group buffers (gate/up, down), looked up once
+        self.lanes: dict[str, tuple[Stream, int, int]] = {}
+        for lane in LANES[:lanes]:
+            gate_up, down = lane_buffers(lane)
+            self.lanes[lane] = (self.streams[lane], self.ptr[gate_up], self.ptr[down])
         n_bounds = bounds_shape[0] * bounds_shape[1]
         self.host = rt.pinned({"io": io_bytes, "bounds": n_bounds * 4, "gate": 4})
         self.io = self.host.view("io", np.float32)
