@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_mmq import median_ms, runtime_event_timer, tflops, torch_event_timer  # noqa: E402
+from mmq_common import median_ms, runtime_event_timer, tflops, torch_event_timer  # noqa: E402
 
 from strata_rt.dense_kernels import GEMM_IMPLS, DenseKernels, workspace_bytes  # noqa: E402
 

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_mmq import (  # noqa: E402
+from mmq_common import (  # noqa: E402
     EXPERTS,
     FFN,
     HIDDEN,
@@ -43,6 +43,7 @@ from bench_mmq import (  # noqa: E402
     tflops,
     torch_event_timer,
 )
+from mmq_torch import bmm_phase  # noqa: E402
 
 from strata_rt.activations import ActivationKernels  # noqa: E402
 from strata_rt.errors import FormatError  # noqa: E402
@@ -92,16 +93,7 @@ def torch_phase(blobs: dict[str, np.ndarray], counts_by_t: dict[int, np.ndarray]
         w = {"gate_up": torch.from_numpy(np.stack([np.vstack(m[:2]).T for m in mats])),
              "down": torch.from_numpy(np.stack([m[2].T for m in mats]))}
         w = {p: t.to(dev, torch.bfloat16)[pick].contiguous() for p, t in w.items()}
-        res["bmm"][name] = {}
-        for t, counts in counts_by_t.items():
-            cap = int(counts.max())
-            row = {}
-            for part, (m, k) in PARTS.items():
-                xp = torch.randn(EXPERTS, cap, k, device=dev, dtype=torch.bfloat16)
-                ms = median_ms(lambda xp=xp, wp=w[part]: torch.bmm(xp, wp), reps, timer)
-                row[part] = {"ms": ms, "tflops": tflops(t * TOP_K, m, k, ms)}
-                del xp
-            res["bmm"][name][t] = row
+        res["bmm"][name] = bmm_phase(torch, w, counts_by_t, reps, timer)
         del w
     torch.cuda.synchronize()
     torch.cuda.empty_cache()

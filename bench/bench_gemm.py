@@ -46,7 +46,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_mmq import (  # noqa: E402
+from engine_order import EngineOrder, lanes_text, layer_spec  # noqa: E402
+from mmq_common import (  # noqa: E402
     EXPERTS,
     TOP_K,
     median_ms,
@@ -55,7 +56,6 @@ from bench_mmq import (  # noqa: E402
     tflops,
     torch_event_timer,
 )
-from engine_order import EngineOrder, lanes_text, layer_spec  # noqa: E402
 
 from strata_rt.cutlass_gemm import CUTLASS_TILES  # noqa: E402
 from strata_rt.formats import MMQ_GROUP  # noqa: E402

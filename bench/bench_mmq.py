@@ -34,11 +34,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -48,179 +45,37 @@ sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "bench" / "peers"))
 
 from engine_order import EngineOrder, forms_table, layer_spec  # noqa: E402
+from mmq_common import (  # noqa: E402
+    EXPERTS,
+    FFN,
+    HIDDEN,
+    PARTS,
+    TOP_K,
+    UNIQUE,
+    median_ms,
+    routing,
+    runtime_event_timer,
+    tflops,
+)
+from mmq_torch import interop_check, torch_phase  # noqa: E402
 
 from strata_rt.activations import ActivationKernels  # noqa: E402
 from strata_rt.formats import MMQ_GROUP  # noqa: E402
+from strata_rt.fused_gemm import F16_FUSED  # noqa: E402
 from strata_rt.quants.iq3_xxs import IQ3XXS  # noqa: E402
 from strata_rt.quants.iq3_xxs_device import F16_GEMM  # noqa: E402
 
+#: the variants also timed in the engine's issue order (f16_fused's "layer" there is what its
+#: products cost when they read resident slots in place, with no gather)
+ENGINE_ORDER_VARIANTS = (F16_GEMM, F16_FUSED)
 #: every STRATA_MMQ_KERNEL variant of IQ3_XXS (the exact ones, f16_gemm, f16_fused)
 VARIANTS = IQ3XXS().mmq_variants()
 
-HIDDEN, FFN, EXPERTS, TOP_K = 2048, 768, 128, 8
-PARTS = {"gate_up": (2 * FFN, HIDDEN), "down": (HIDDEN, FFN)}  # (m, k)
-#: distinct expert blobs; the 128 experts cycle through them (content does not change speed)
-UNIQUE = 8
 #: llama.cpp's CUDA MMQ (MUL_MAT_ID, IQ3_XXS) on an H200, as measured on the same kind of H200 (project design notes)
 LLAMA_CPP_TFLOPS = {512: (34, 37), 2048: (70, 79), 8192: (74, 95)}
 LLAMA_CPP_SOURCE = "llama.cpp ggml CUDA MMQ, IQ3_XXS, measured on the same kind of H200 (design notes)"
 
 
-def routing(rng: np.random.Generator, tokens: int) -> np.ndarray:
-    """Rows per expert for top-8 routing with log-normal expert popularity (sigma 0.45, Gumbel
-    top-k): busy experts get about 2-3x the mean, quiet ones a third of it."""
-    logp = rng.normal(0.0, 0.45, EXPERTS)
-    scores = logp[None, :] + rng.gumbel(size=(tokens, EXPERTS))
-    top = np.argpartition(-scores, TOP_K, axis=1)[:, :TOP_K]
-    return np.bincount(top.reshape(-1), minlength=EXPERTS).astype(np.int64)
-
-
-def tflops(rows: int, m: int, k: int, ms: float) -> float:
-    return 2.0 * rows * m * k / (ms * 1e-3) / 1e12
-
-
-def median_ms(run, reps: int, timer) -> float:
-    for _ in range(2):
-        run()
-    return statistics.median(timer(run) for _ in range(reps))
-
-
-def torch_event_timer(torch: Any) -> Callable[[Callable[[], Any]], float]:
-    """fn -> milliseconds between two CUDA events around it on torch's current stream."""
-    def timer(fn: Callable[[], Any]) -> float:
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        return a.elapsed_time(b)
-
-    return timer
-
-
-def runtime_event_timer(rt: Any, stream: Any) -> Callable[[Callable[[], Any]], float]:
-    """fn -> milliseconds between two strata_rt events around it on `stream`."""
-    ev = [rt.event("t0", timing=True), rt.event("t1", timing=True)]
-
-    def timer(fn: Callable[[], Any]) -> float:
-        ev[0].record(stream)
-        fn()
-        ev[1].record(stream)
-        return ev[0].elapsed_ms(ev[1])
-
-    return timer
-
-
-# ------------------------------------------------------------------------------ torch side
-def torch_phase(blobs: np.ndarray, counts_by_t: dict[int, np.ndarray], reps: int) -> dict:
-    import torch
-    from torch_moe import _tables, dequantize_iq3_xxs
-
-    dev = torch.device("cuda")
-    res: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
-
-    timer = torch_event_timer(torch)
-
-    def dense(dtype, op) -> float:
-        n = 8192
-        if dtype == torch.int8:
-            a = torch.randint(-128, 127, (n, n), device=dev, dtype=dtype)
-            b = torch.randint(-128, 127, (n, n), device=dev, dtype=dtype)
-        else:
-            a = torch.randn(n, n, device=dev, dtype=dtype)
-            b = torch.randn(n, n, device=dev, dtype=dtype)
-        return tflops(n, n, n, median_ms(lambda: op(a, b), reps, timer))
-
-    res["dense_bf16_tflops"] = dense(torch.bfloat16, torch.matmul)
-    res["dense_int8_tops"] = dense(torch.int8, torch._int_mm)
-
-    grid, signs = _tables(dev)
-    lay = IQ3XXS().layout(HIDDEN, FFN)
-    raw = torch.from_numpy(blobs).to(dev)
-    gu = dequantize_iq3_xxs(raw[:, : lay.gate_up_bytes].reshape(UNIQUE, 2 * FFN, -1), grid,
-                            signs).to(torch.bfloat16)
-    dn = dequantize_iq3_xxs(raw[:, lay.down_offset:].reshape(UNIQUE, HIDDEN, -1), grid,
-                            signs).to(torch.bfloat16)
-    cycle = torch.arange(EXPERTS) % UNIQUE
-    # as dequantized: [experts, m, k], one row per output (the grouped arm's K-major operand)
-    w_mk = {"gate_up": gu[cycle], "down": dn[cycle]}
-    # bmm's operand: [experts, k, m] contiguous
-    w = {part: t.transpose(1, 2).contiguous() for part, t in w_mk.items()}
-    del gu, dn
-    res["dequant"] = dequant_phase(torch, raw[cycle], grid, signs, reps, timer)
-    del raw
-    res["bmm"] = {}
-    for t, counts in counts_by_t.items():
-        cap = int(counts.max())
-        row = {}
-        for part, (m, k) in PARTS.items():
-            xp = torch.randn(EXPERTS, cap, k, device=dev, dtype=torch.bfloat16)
-            ms = median_ms(lambda xp=xp, wp=w[part]: torch.bmm(xp, wp), reps, timer)
-            row[part] = {"ms": ms, "tflops": tflops(t * TOP_K, m, k, ms)}
-            del xp
-        res["bmm"][t] = row
-    del w
-    res["grouped"] = grouped_phase(torch, w_mk, counts_by_t, reps, timer)
-    del w_mk
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    return res
-
-
-def dequant_phase(torch: Any, raw: Any, grid: Any, signs: Any, reps: int, timer) -> dict:
-    """The peers' per-layer dequantization: all 128 experts' blocks (uint8 [128, blob]) to
-    bf16 gate/up and down, by torch_moe's dequantizer torch.compile'd as the peers run it
-    (eager, with the reason, where compiling fails)."""
-    from torch_moe import dequantize_iq3_xxs
-
-    lay = IQ3XXS().layout(HIDDEN, FFN)
-    n = raw.shape[0]
-    gu_raw = raw[:, : lay.gate_up_bytes].reshape(n, 2 * FFN, -1)
-    dn_raw = raw[:, lay.down_offset:].reshape(n, HIDDEN, -1)
-    mode = "torch.compile"
-    deq = torch.compile(dequantize_iq3_xxs, dynamic=False)
-
-    def run() -> None:
-        deq(gu_raw, grid, signs, torch.bfloat16)
-        deq(dn_raw, grid, signs, torch.bfloat16)
-
-    try:
-        run()  # compiles both shapes outside the timing
-    except Exception as e:  # noqa: BLE001 - any compiler failure means: time it eager
-        mode = f"eager (torch.compile failed: {type(e).__name__}: {e})"
-        deq = dequantize_iq3_xxs
-    return {"ms": median_ms(run, reps, timer), "mode": mode, "experts": n,
-            "read_bytes": int(raw.numel()),
-            "written_bytes": 2 * n * 3 * HIDDEN * FFN}
-
-
-def grouped_phase(torch: Any, w_mk: dict, counts_by_t: dict[int, np.ndarray], reps: int,
-                  timer) -> dict:
-    """torch._grouped_mm over the ragged per-expert row runs (no padding), one call per part,
-    as the grouped peer calls it; {"unavailable": reason} when torch cannot run it here."""
-    from torch_grouped import GroupedMMUnavailable, grouped_products, probe
-
-    dev = w_mk["down"].device
-    try:
-        path = probe(dev, [(k, m) for m, k in PARTS.values()])
-    except GroupedMMUnavailable as e:
-        return {"unavailable": str(e)}
-    out: dict = {"path": path, "rows": {}}
-    for t, counts in counts_by_t.items():
-        rows = int(counts.sum())
-        offs = torch.tensor(np.cumsum(counts), dtype=torch.int32, device=dev)
-        row = {}
-        for part, (m, k) in PARTS.items():
-            x = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)
-            ms = median_ms(lambda x=x, wp=w_mk[part], offs=offs: grouped_products(
-                x, wp, offs, torch._grouped_mm), reps, timer)
-            row[part] = {"ms": ms, "tflops": tflops(rows, m, k, ms)}
-            del x
-        out["rows"][t] = row
-    return out
-
-
-# ------------------------------------------------------------------------------ strata side
 def gather_kind(fmt) -> str:
     """What a variant's gather does: f16_gemm dequantizes into fp16 images; the exact kernels
     and f16_fused (which decodes blocks in its main loop) copy blob bytes."""
@@ -335,7 +190,7 @@ def strata_phase(blobs: np.ndarray, counts_by_t: dict[int, np.ndarray], variants
             row["layer+gather"] = {"ms": with_gather,
                                    "tflops": tflops(rows, 1, 3 * HIDDEN * FFN, with_gather)}
             res["mmq"][t][v] = row
-            if v != F16_GEMM:
+            if v not in ENGINE_ORDER_VARIANTS:
                 continue
 
             def group(stream, g: int, gather: bool, v=v, kern=kern, vl=vl, a=a,
@@ -356,22 +211,6 @@ def strata_phase(blobs: np.ndarray, counts_by_t: dict[int, np.ndarray], variants
     s.synchronize()
     rt.close()
     return res
-
-
-def interop_check() -> str:
-    """Whether torch still runs after a strata_rt Runtime opened its context (same process)."""
-    import torch
-
-    from strata_rt.runtime import Runtime
-
-    rt = Runtime.open()
-    try:
-        v = (torch.ones(1024, device="cuda") * 2).sum().item()
-        return f"ok (torch op after Runtime.open gave {v})"
-    except Exception as e:  # noqa: BLE001 - reported, not raised: it is what we measure
-        return f"failed: {type(e).__name__}: {e}"
-    finally:
-        rt.close()
 
 
 def peer_cell(parts: dict | None, part: str, rows: int, dequant_ms: float | None) -> str:
@@ -439,13 +278,14 @@ def table(res: dict, variants: list[str]) -> str:
             f"{gb / dtod * 1e3:.0f} GB/s (bytes copied); batched/DtoD = "
             f"{dtod / g['batched_ms']:.2f}; fallbacks {g['fallbacks']}")
     lines.append(f"torch after Runtime.open: {res.get('interop', '-')}")
-    eng = [([str(t), part], r[F16_GEMM][part], r[F16_GEMM]["engine_order"][part])
-           for t, r in res["strata"]["mmq"].items() if "engine_order" in r.get(F16_GEMM, {})
-           for part in ("layer", "layer+gather")]
+    eng = [([v, str(t), part], r[v][part], r[v]["engine_order"][part])
+           for v in ENGINE_ORDER_VARIANTS for t, r in res["strata"]["mmq"].items()
+           if "engine_order" in r.get(v, {}) for part in ("layer", "layer+gather")]
     if eng:
-        lines += forms_table(f"{F16_GEMM} as the engine issues it (group by group on the group's "
-                             "lane, [gather,] gate/up, down; one CUDA graph replayed; engine: "
-                             "the lanes chunk_lanes picks), ms / TFLOPS:", ["tokens", "part"], eng)
+        lines += forms_table("as the engine issues it (group by group on the group's lane, "
+                             "[gather,] gate/up, down; one CUDA graph replayed; engine: the "
+                             "lanes chunk_lanes picks), ms / TFLOPS:",
+                             ["variant", "tokens", "part"], eng)
     return "\n".join(lines)
 
 

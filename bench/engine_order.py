@@ -1,5 +1,5 @@
 """A MoE layer's per-group work timed as the engine issues it (shared by bench_gemm.py and
-bench_mmq.py; imports neither).
+bench_mmq.py; imports neither, only their shared mmq_common.py).
 
 The engine does not launch a layer's 8 gate/up GEMMs and then its 8 down GEMMs on one stream:
 it walks the groups of 16 experts in order, and group g's gather (when the experts are not
@@ -13,7 +13,7 @@ the second a stream of its own forked at the start and joined at the end inside 
 as the engine's DeviceState.joined does), plus the form the engine picks for the chunk
 (strata_rt.lanes.chunk_lanes with both lane buffer sets allocated, as when every expert is
 resident). Each replay is timed with the caller's event timer on the benchmark stream: median
-of `reps` after 2 warm-up replays (bench_mmq.median_ms's rule).
+of `reps` after WARMUPS warm-up replays (mmq_common.median_ms's rule).
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from mmq_common import WARMUPS  # noqa: E402
+
 from strata_rt.lanes import chunk_lanes  # noqa: E402
 from strata_rt.model import MoESpec  # noqa: E402
 from strata_rt.runtime.graph import capture  # noqa: E402
 
-#: warm-up replays before the timed ones (as bench_mmq.median_ms)
-WARMUPS = 2
 #: the lane counts measured, with their JSON keys and table headers
 FORMS = {1: ("graph_1_lane", "graph 1 lane"), 2: ("graph_2_lanes", "graph 2 lanes")}
 

@@ -320,7 +320,13 @@ class IQ3XXSDequantF16(F16ImagesVariant, IQ3XXS):
     """IQ3_XXS blobs multiplied as fp16 images on fp16 activations (see the module doc)."""
 
     description = ("IQ3_XXS, f16_gemm: dequantizing gather into fp16 images, grouped fp16 GEMM "
-                   "with fp32 accumulation over the whole K, fp16 activations")
+                   "with fp32 accumulation over the whole K, fp16 activations; short chunks "
+                   "read resident experts in place (the GEMM decoding blocks in its main loop)")
+    #: up to this rows hint (512 tokens on the Qwen3 shapes) the products of resident experts
+    #: decode their blocks in place (strata_rt.fused_gemm), which skips writing and reading
+    #: 1.2 GB of fp16 images per layer; beyond it the fp16 GEMM's speed pays for the gather
+    #: (bench/notes.md W32)
+    in_place_max_rows = 64
 
     def __init__(self) -> None:
         from .iq3_xxs_device import F16_GEMM
@@ -335,8 +341,10 @@ class IQ3XXSDequantF16(F16ImagesVariant, IQ3XXS):
         return dequant_iq3_images(blob, hidden, ffn)
 
     def kernel_sources(self) -> list[Path]:
-        """The dequantizing gather; the GEMM is kernels/common/gemm_f16.cu (shared)."""
-        return [KERNELS_ROOT / self.kernel_dir / "dequant.cu"]
+        """The dequantizing gather and the GEMM that reads native blocks in place; the fp16
+        GEMM is kernels/common/gemm_f16.cu (shared)."""
+        return [KERNELS_ROOT / self.kernel_dir / "dequant.cu",
+                KERNELS_ROOT / self.kernel_dir / "fused.cu"]
 
     def kernels_class(self) -> type[FormatKernels]:
         from .iq3_xxs_f16 import IQ3XXSDequantF16Kernels

@@ -31,6 +31,7 @@ import numpy as np
 
 from strata_rt.errors import FormatError
 from strata_rt.formats import ExpertLayout, FormatKernels, QuantFormat
+from strata_rt.fused_gemm import FusedGemm
 from strata_rt.grouped_gemm import GroupedGemm
 
 from .iq3_xxs_grid import GRID
@@ -87,6 +88,9 @@ class IQ3XXSDequantF16Kernels(FormatKernels):
     def __init__(self, fmt: QuantFormat, runtime: Runtime, layout: ExpertLayout):
         super().__init__(fmt, runtime, layout)
         self._gg = GroupedGemm(runtime)
+        #: the GEMM that decodes native blocks in its main loop: products of experts read in
+        #: place from their resident slots (short chunks), the same bytes as gather + mmq
+        self._fg = FusedGemm(runtime)
         #: batches that fell back to per-expert launches (never: kept for NativeKernels' API)
         self.fallbacks = 0
 
@@ -106,3 +110,7 @@ class IQ3XXSDequantF16Kernels(FormatKernels):
     def mmq(self, stream, weights: int, expert_ids: tuple[int, ...], acts: int, bounds: int,
             out: int, m: int, k: int, rows_hint: int) -> None:
         self._gg.gemm(stream, weights, expert_ids, acts, bounds, out, m, k, rows_hint)
+
+    def mmq_in_place(self, stream, sources: list[int], expert_ids: tuple[int, ...], acts: int,
+                     bounds: int, out: int, m: int, k: int, rows_hint: int) -> None:
+        self._fg.gemm_at(stream, sources, expert_ids, acts, bounds, out, m, k, rows_hint)

@@ -80,6 +80,10 @@ class IQ3XXSFusedKernels(NativeKernels):
             out: int, m: int, k: int, rows_hint: int) -> None:
         self._fg.gemm(stream, weights, expert_ids, acts, bounds, out, m, k, rows_hint)
 
+    def mmq_in_place(self, stream, sources: list[int], expert_ids: tuple[int, ...], acts: int,
+                     bounds: int, out: int, m: int, k: int, rows_hint: int) -> None:
+        self._fg.gemm_at(stream, sources, expert_ids, acts, bounds, out, m, k, rows_hint)
+
 
 class FusedF16Variant:
     """What the f16_fused variant changes in an IQ3_XXS format object (mixed in before IQ3XXS):
@@ -96,6 +100,9 @@ class FusedF16Variant:
         "IQ3_XXS, f16_fused: byte-copy gathers of the native blocks, GEMM dequantizing them in "
         "its main loop (fp16 weights, fp16 activations, fp32 accumulation over the whole K); "
         "same bytes as f16_gemm")
+    #: the products are the same kernel whether the blocks were copied or not, so resident
+    #: experts are always read in place (no byte-copy gather) whatever the chunk
+    in_place_max_rows: ClassVar[int] = 1 << 30
     variant: str
 
     def __init__(self) -> None:

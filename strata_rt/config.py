@@ -48,6 +48,7 @@ from .config_whole import (
 from .engine_config import BACKENDS, EngineConfig
 from .errors import ConfigError
 from .image_cache import ImageCacheSetting, check_setting
+from .in_place import InPlaceSetting, parse_in_place
 from .lanes import LanesSetting, parse_lanes
 from .memory_plan import MemoryPlan
 from .model import MoESpec
@@ -91,6 +92,9 @@ class Config:
     image_cache_mib: ImageCacheSetting = None
     #: compute lanes (strata_rt.lanes); None: STRATA_COMPUTE_LANES, else auto
     compute_lanes: LanesSetting | None = None
+    #: products of resident experts read in place (strata_rt.in_place); None:
+    #: STRATA_IN_PLACE, else auto
+    in_place: InPlaceSetting | None = None
     profile: Path | None = None
     repeats: int = 1
     seed: int = 0
@@ -196,6 +200,7 @@ class Config:
             ring_bytes=self.ring_bytes,
             image_cache_mib=self.image_cache_mib,
             compute_lanes=self.compute_lanes,
+            in_place=self.in_place,
             profile=None if self.profile is None else str(self.profile),
             dump_r=None if self.output.dump_r is None else str(self.output.dump_r),
         )
@@ -251,12 +256,8 @@ def validate(doc: Any, base_dir: Path, source: Path | None = None,
               "`expert_cache` or `vram_reserve_mib` with it")
         image_cache_mib = None
 
-    compute_lanes = None
-    if doc.get("compute_lanes") is not None:
-        try:
-            compute_lanes = parse_lanes(doc["compute_lanes"], "compute_lanes")
-        except ConfigError as e:
-            p.items.extend(e.problems)
+    compute_lanes = p.parsed(doc, "compute_lanes", parse_lanes)
+    in_place = p.parsed(doc, "in_place", parse_in_place)
 
     prompts = check_prompts(p, doc, base_dir, geom.hidden if geom else None,
                             whole.vocab if whole is not None else None)
@@ -309,7 +310,7 @@ def validate(doc: Any, base_dir: Path, source: Path | None = None,
     return Config(source=source, spec=replace(geom, format=fmt.name), backend=backend,
                   prefill=prefill, prompts=tuple(prompts), gguf=gguf, model_seed=model_seed,
                   ring_mib=ring_mib, image_cache_mib=image_cache_mib,
-                  compute_lanes=compute_lanes, profile=profile,
+                  compute_lanes=compute_lanes, in_place=in_place, profile=profile,
                   repeats=repeats, seed=seed,
                   output=output, whole=whole, whole_options=whole_options, context=context,
                   dense=dense, generate_tokens=generate_tokens, **budget)

@@ -15,9 +15,9 @@ from __future__ import annotations
 import difflib
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import env
 from .config_whole import WHOLE_KEYS
@@ -39,8 +39,8 @@ if TYPE_CHECKING:
 
 BUDGET_KEYS = ("expert_cache", "vram_reserve_mib", "vram_budget_mib")
 TOP_KEYS = ("model", "format", "backend", *BUDGET_KEYS, "prefill", "context", "dense",
-            "ring_mib", "image_cache_mib", "compute_lanes", "profile", "prompts", "repeats",
-            "seed", "generate", "output")
+            "ring_mib", "image_cache_mib", "compute_lanes", "in_place", "profile", "prompts",
+            "repeats", "seed", "generate", "output")
 _MODEL_KEYS = ("gguf", "synthetic")
 _SYNTHETIC_KEYS = ("n_layers", "hidden", "ffn", "n_experts", "top_k", "seed", "rms_eps",
                    *WHOLE_KEYS)
@@ -54,6 +54,9 @@ OUTPUT_FILE_KEYS = ("dump_r", "json")
 GGUF_STAGED_LAYERS: int | None = 1
 
 
+T = TypeVar("T")
+
+
 class Problems:
     """Collects every problem with its key path so validation reports them all at once."""
 
@@ -63,6 +66,17 @@ class Problems:
     def add(self, path: str, value: Any, allowed: str) -> None:
         shown = "(missing)" if value is MISSING else f"got {value!r}"
         self.items.append(f"{path}: {shown}; {allowed}")
+
+    def parsed(self, doc: dict, key: str, parse: Callable[[object, str], T]) -> T | None:
+        """doc[key] through `parse` (value, key) -> setting; None when the key is absent, or
+        when parse refuses it (its ConfigError's problems are collected here)."""
+        if doc.get(key) is None:
+            return None
+        try:
+            return parse(doc[key], key)
+        except ConfigError as e:
+            self.items.extend(e.problems)
+            return None
 
     def unknown_keys(self, path: str, doc: dict, known: tuple[str, ...]) -> None:
         for key in doc:

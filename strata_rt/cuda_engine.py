@@ -12,7 +12,8 @@ reads each layer's row bounds back on a stream of their own (never queued behind
 walk's kernels read them on the device and nothing comes back until the chunk ends, so the
 driver can capture the whole walk as a CUDA graph (`capture`). The chunk's input reaches the
 device at its ChunkInput op, behind a gate its host pass opens (strata_rt.chunk_input). A
-second compute lane (strata_rt.lanes) brings its own stream and group buffers."""
+second compute lane (strata_rt.lanes) brings its own stream and group buffers. Short chunks
+read fully resident groups in place, with no gather (strata_rt.in_place)."""
 
 from __future__ import annotations
 
@@ -23,12 +24,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import env
+from .cuda_context import CudaContext
 from .dense_kernels import gemm_impl_from_env
 from .dense_schedule import DENSE_RING_SLOTS
 from .device_state import DeviceState
 from .errors import StrataError
 from .formats import FormatKernels
 from .image_cache import ImageCache, block_bytes, capacity_blocks
+from .in_place import InPlaceSetting, check_in_place, chunk_in_place, resident_parts
 from .lanes import chunk_lanes, walk_rows_hint
 from .layer_kernels import ENGINE_SOURCE, LayerKernels
 from .memory_plan import DEFAULT_RESERVE_MIB, plan_lanes, plan_memory
@@ -65,39 +68,10 @@ if TYPE_CHECKING:
     from .engine_config import EngineConfig
     from .model import Model
     from .qwen3.weights import Qwen3Model
-    from .runtime import Graph, PinnedArena, Runtime, Stream
+    from .runtime import Graph, Stream
     from .store import ExpertStore
 
 __all__ = ["ENGINE_SOURCE", "CudaBackend", "CudaContext", "walk_rows_hint"]
-
-
-class CudaContext:
-    """The Runtime a CUDA engine runs on, opened before anything else so that whatever fails
-    later (a profile file, the budget) closes it, and the pinned memory it lends the store."""
-
-    def __init__(self) -> None:
-        from .runtime import Runtime
-
-        self.rt: Runtime | None = Runtime.open()
-        self._pinned: list[PinnedArena] = []
-
-    def runtime(self) -> Runtime:
-        if self.rt is None:
-            raise StrataError("the CUDA context is closed")
-        return self.rt
-
-    def host_alloc(self, nbytes: int) -> np.ndarray:
-        """The ExpertStore's memory: one page-locked arena (copies to the ring then run at
-        full PCIe speed)."""
-        arena = self.runtime().pinned({"store": nbytes})
-        self._pinned.append(arena)
-        return arena.view("store")
-
-    def close(self) -> None:
-        self._pinned.clear()
-        rt, self.rt = self.rt, None
-        if rt is not None:
-            rt.close()
 
 
 class CudaBackend:
@@ -135,6 +109,8 @@ class CudaBackend:
         assert routing is not None, "EngineConfig.resolve() sets routing"
         # kernels first: a format without kernels fails before any memory is taken
         self.fk = self.fmt.kernels(rt, lay)
+        self.in_place: InPlaceSetting = cfg.in_place or "auto"
+        check_in_place(self.in_place, self.fmt)
         reserve = cfg.vram_reserve_mib if cfg.vram_reserve_mib is not None else DEFAULT_RESERVE_MIB
         available = rt.free_bytes() - int(reserve * MIB)
         slot = lay.slot_bytes
@@ -207,6 +183,9 @@ class CudaBackend:
 
     def lanes_for(self, tokens: int) -> int:
         return chunk_lanes(self.lanes, tokens, self.spec, self.timing)
+
+    def in_place_for(self, tokens: int) -> bool:
+        return chunk_in_place(self.in_place, self.fmt, tokens, self.spec)
 
     def _fill_images(self) -> None:
         """Each cached group's images, written by the format's own gather from the resident
@@ -379,7 +358,9 @@ class CudaBackend:
         self.rt.memcpy_htod(dev.ptr["x"], dev.io[: self._T * self.spec.hidden], dev.compute)
 
     def _op_products(self, op: Products) -> None:
-        spec, p, (s, gu_w, dn_w) = self.spec, self._device().ptr, self._lane(op)
+        spec, p, (s, gu_buf, dn_buf) = self.spec, self._device().ptr, self._lane(op)
+        gu_w: int | list[int] = gu_buf
+        dn_w: int | list[int] = dn_buf
         H, F = spec.hidden, spec.ffn
         ids = op.expert_ids
         lo, hi = ids[0], ids[-1] + 1
@@ -392,17 +373,20 @@ class CudaBackend:
             rows_hint = walk_rows_hint(self._T, spec)
             group_rows = min(self._T * spec.top_k, len(ids) * self._T)
         bounds = self._bounds_ptr(op.layer)
-        if op.cached is not None:
+        mmq: Callable[..., None] = self.fk.mmq
+        if op.slots is not None:  # in place: each expert's parts where its slot holds them
+            mmq = self.fk.mmq_in_place
+            gu_w, dn_w = resident_parts(p["resident"], op.slots, self.lay)
+        elif op.cached is not None:
             gu_block, dn_block = block_bytes(self.lay)
             gu_w = p["image_gate_up"] + op.cached * gu_block
             dn_w = p["image_down"] + op.cached * dn_block
         self._mark("gemm gate/up")
-        self.fk.mmq(s, gu_w, ids, p["act_hidden"], bounds, p["gate_up_out"], 2 * F, H,
-                    rows_hint)
+        mmq(s, gu_w, ids, p["act_hidden"], bounds, p["gate_up_out"], 2 * F, H, rows_hint)
         self._mark("swiglu+quantize")
         self.kernels.swiglu(s, bounds, lo, hi, group_rows)
         self._mark("gemm down")
-        self.fk.mmq(s, dn_w, ids, p["act_ffn"], bounds, p["down_out"], H, F, rows_hint)
+        mmq(s, dn_w, ids, p["act_ffn"], bounds, p["down_out"], H, F, rows_hint)
 
     def _whole_ops(self) -> CudaWhole:
         if self._whole is None:

@@ -93,6 +93,9 @@ class Executor(Protocol):
     def lanes_for(self, tokens: int) -> int:
         """Compute lanes a chunk of `tokens` is planned with (strata_rt.lanes)."""
 
+    def in_place_for(self, tokens: int) -> bool:
+        """Whether a chunk of `tokens` reads resident groups in place (strata_rt.in_place)."""
+
     @property
     def routed_gathers(self) -> bool:
         """Whether GatherRouted runs here (the format's kernels skip unrouted experts on the
@@ -249,7 +252,8 @@ class ChunkDriver:
     def _run_staging(self, T: int, stats: Stats, start: int | None) -> None:
         ex = self.executor
         planner = StagingPlanner(self.spec, self.residency, self.gather_one, tokens=T,
-                                 attention=self._schedule(start), lanes=ex.lanes_for(T))
+                                 attention=self._schedule(start), lanes=ex.lanes_for(T),
+                                 in_place=ex.in_place_for(T))
         checker = (hazards.Checker(STAGING_RING_SLOTS, self.residency)
                    if self.check_plan else None)
         for layer in range(self.spec.n_layers):
@@ -295,12 +299,14 @@ class ChunkDriver:
             T, gather_one, start = key
             if key == DECODE_KEY:
                 attention = DenseSchedule(self.spec.n_layers, None, self.executor.dense_ring)
-                plan = plan_decode(self.spec, self.residency, attention)
+                plan = plan_decode(self.spec, self.residency, attention,
+                                   self.executor.in_place_for(1))
             else:
                 plan = plan_walk(self.spec, self.residency, self.executor.walk_slots,
                                  gather_one, tokens=T, attention=self._schedule(start),
                                  images=self.executor.images,
-                                 lanes=self.executor.lanes_for(T))
+                                 lanes=self.executor.lanes_for(T),
+                                 in_place=self.executor.in_place_for(T))
             if self.check_plan:
                 hazards.check(plan, self.residency, images=self.executor.images)
             self._walk_plans[key] = (plan, op_counts(op for _, op in plan.ops()))

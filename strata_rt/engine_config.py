@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from . import env
 from .errors import ConfigError
 from .image_cache import ImageCacheSetting, check_setting, parse_setting
+from .in_place import InPlaceSetting, parse_in_place
 from .lanes import LanesSetting, parse_lanes
 from .residency import RoutingProfile
 from .routing_kernels import ROUTINGS
@@ -50,6 +51,9 @@ class EngineConfig:
     #: compute lanes (strata_rt.lanes): "auto", "1" or "2"; None: STRATA_COMPUTE_LANES, else
     #: auto (two when every expert is resident)
     compute_lanes: LanesSetting | None = None
+    #: products of resident experts read in place (strata_rt.in_place): "auto", "on" or
+    #: "off"; None: STRATA_IN_PLACE, else auto
+    in_place: InPlaceSetting | None = None
     profile: str | None = None
     gather_one: bool | None = None
     #: chunks of at least this many tokens take the walk; None: decided by the routed share
@@ -101,6 +105,11 @@ class EngineConfig:
                 self.compute_lanes = parse_lanes(self.compute_lanes)
             except ConfigError as e:
                 problems.extend(e.problems)
+        if self.in_place is not None:
+            try:
+                self.in_place = parse_in_place(self.in_place)
+            except ConfigError as e:
+                problems.extend(e.problems)
         if self.ring_bytes is not None and self.ring_bytes <= 0:
             problems.append(f"ring_bytes: got {self.ring_bytes!r}; allowed: a positive size")
         if problems:
@@ -124,4 +133,7 @@ class EngineConfig:
         if self.compute_lanes is None:
             self.compute_lanes = parse_lanes(env.choice("STRATA_COMPUTE_LANES", "auto"),
                                              "STRATA_COMPUTE_LANES")
+        if self.in_place is None:
+            self.in_place = parse_in_place(env.choice("STRATA_IN_PLACE", "auto"),
+                                           "STRATA_IN_PLACE")
         return self

@@ -78,6 +78,13 @@ SWITCHES: dict[str, Switch] = {
                "two groups' gathers and GEMMs overlap (chunks up to 512 rows per expert in the "
                "walk's sizing); auto (the default) takes two when every expert is resident, "
                "else one; results are bit-identical."),
+        Switch("STRATA_IN_PLACE", "choice:auto,on,off",
+               "products of groups whose experts are all resident, when the config gives no "
+               "`in_place`: on reads each expert's blocks where they lie (its resident slot) "
+               "with a GEMM that decodes them in its main loop, so nothing is gathered; off "
+               "always gathers first; auto (the default) reads in place while the chunk's rows "
+               "per expert stay within the format's in_place_max_rows (IQ3_XXS f16_gemm: 64, "
+               "about 512 tokens on the Qwen3 shapes). Results are bit-identical."),
         Switch("STRATA_CUDA_GRAPH", "flag",
                "0: launch the streamed walk kernel by kernel instead of replaying a CUDA graph."),
         Switch("STRATA_KERNEL_CACHE", "outdir",

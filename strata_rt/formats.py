@@ -111,6 +111,11 @@ class QuantFormat:
     dim_multiple: ClassVar[int] = 256
     #: one line for `strata plugins`
     description: ClassVar[str] = ""
+    #: rows per expert (the walk's rows hint, strata_rt.lanes.walk_rows_hint) up to which a
+    #: chunk's products read resident experts in place (FormatKernels.mmq_in_place) instead of
+    #: gathering them first; 0: never (the kernels have no mmq_in_place). Reading in place must
+    #: give the gathered path's bytes, so the engine may choose per chunk (strata_rt.in_place)
+    in_place_max_rows: ClassVar[int] = 0
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """Turns an activation given by name into its object; an unknown name is left for the
@@ -316,6 +321,11 @@ class FormatKernels:
         kernel reads exact counts from bounds and loops over row tiles, so every rows_hint >= 1
         is correct (the streamed walk passes an estimate: its counts never reach the host).
 
+    mmq_in_place(stream, sources, expert_ids, acts, bounds, out, m, k, rows_hint): optional
+        (formats with in_place_max_rows > 0); mmq with position p's part of the expert read
+        where it lies, at sources[p] (its resident slot plus the part's offset in the blob),
+        so no gather precedes the products; the same bytes as gathering, then mmq.
+
     The MMQ kernel ABI every format follows (strata_rt.launchers.launch_mmq launches it; the
     conformance suite checks it against the compiled kernel's parameters):
         kernel(Ids16 ids, weights, acts, bounds, out, int m, int k)
@@ -350,3 +360,10 @@ class FormatKernels:
     def mmq(self, stream, weights: int, expert_ids: tuple[int, ...], acts: int, bounds: int,
             out: int, m: int, k: int, rows_hint: int) -> None:
         raise NotImplementedError
+
+    def mmq_in_place(self, stream, sources: list[int], expert_ids: tuple[int, ...], acts: int,
+                     bounds: int, out: int, m: int, k: int, rows_hint: int) -> None:
+        from .errors import PluginError
+
+        raise PluginError(f"format {self.fmt.name} cannot read experts in place (its "
+                          "in_place_max_rows is 0); its products read the group buffers")

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .errors import FormatError
-from .launchers import MMQ_ARG_TYPES, MmqTile, launch_mmq, pick_by_rows
+from .formats import MMQ_GROUP, ids16
+from .launchers import MMQ_ARG_TYPES, MmqTile, check_aligned, grid_rows, launch_mmq, pick_by_rows
 from .resources import KERNELS_ROOT
 
 if TYPE_CHECKING:
@@ -78,6 +79,15 @@ TILES = (
     FusedTile("iq3_fused_m64", 64, 8, 3, 1),
 )
 TILES_BY_NAME = {t.name: t for t in TILES}
+#: the in-place twin of each tile (FUSED_AT_KERNEL in fused.cu): the same kernel body, with
+#: position p's image at its own address (a Ptrs16 of 16 pointers before the expert ids)
+AT_PREFIX = "iq3_fused_at_"
+AT_ARG_TYPES = "P" * MMQ_GROUP + MMQ_ARG_TYPES.replace("P", "", 1)
+
+
+def at_name(tile: FusedTile) -> str:
+    """The in-place kernel of a tile: iq3_fused_m32 -> iq3_fused_at_m32."""
+    return AT_PREFIX + tile.name.rsplit("_", 1)[1]
 #: (largest rows_hint, tile) in order; beyond the last bound the last tile. First guesses, to
 #: be set from a bench sweep: the smallest tile holding an expert's rows reads its weights
 #: once and wastes the fewest zero rows.
@@ -104,6 +114,7 @@ class FusedGemm:
         self.runtime = runtime
         mod = runtime.module(FUSED_SOURCE)
         self._kernels = {t.name: mod.kernel(t.name, MMQ_ARG_TYPES) for t in TILES}
+        self._at = {t.name: mod.kernel(at_name(t), AT_ARG_TYPES) for t in TILES}
 
     def gemm(self, stream, weights: int, expert_ids: tuple[int, ...], acts: int, bounds: int,
              out: int, m: int, k: int, rows_hint: int, *, tile: str | None = None) -> None:
@@ -114,3 +125,30 @@ class FusedGemm:
         chosen = pick_by_rows(TILE_RULE, TILES_BY_NAME, rows_hint, tile, "fused IQ3_XXS")
         launch_mmq(self._kernels[chosen.name], chosen.launch, "IQ3_XXS f16_fused", stream,
                    weights, expert_ids, acts, bounds, out, m, k, rows_hint)
+
+    def gemm_at(self, stream, sources: list[int], expert_ids: tuple[int, ...], acts: int,
+                bounds: int, out: int, m: int, k: int, rows_hint: int, *,
+                tile: str | None = None) -> None:
+        """gemm with position p's native image read at sources[p] (e.g. the expert's resident
+        slot plus the part's offset in the blob), so no gather precedes it. The same tile,
+        block order and arithmetic as gemm, hence the same bytes. Each image must start on 16
+        bytes and span native_image_bytes(m, k), a multiple of 16 (the kernel reads whole
+        16-byte chunks around each block)."""
+        chosen = pick_by_rows(TILE_RULE, TILES_BY_NAME, rows_hint, tile, "fused IQ3_XXS")
+        ids = ids16(expert_ids)
+        if len(sources) != len(expert_ids):
+            raise FormatError(f"{len(sources)} image addresses for {len(expert_ids)} experts")
+        t = chosen.launch
+        if m <= 0 or k <= 0 or m % t.m or k % t.k_multiple:
+            raise FormatError(f"IQ3_XXS in-place GEMM needs m % {t.m} == 0 and k % "
+                              f"{t.k_multiple} == 0; got m={m}, k={k}")
+        if native_image_bytes(m, k) % 16:
+            raise FormatError(f"an IQ3_XXS image of {m} x {k} takes {native_image_bytes(m, k)} "
+                              "bytes, not a multiple of 16: it cannot be read in place")
+        check_aligned({"acts": acts, "out": out,
+                       **{f"image {p}": int(a) for p, a in enumerate(sources)}})
+        ptrs = [int(a) for a in sources] + [0] * (MMQ_GROUP - len(sources))
+        self._at[chosen.name].launch(
+            grid=(m // t.m, len(expert_ids), grid_rows(rows_hint, t.rows)),
+            block=(t.threads, 1, 1), stream=stream,
+            args=(*ptrs, *ids, acts, bounds, out, m, k), shared=t.shared)

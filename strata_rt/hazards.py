@@ -26,7 +26,8 @@ with their index in the chunk's op list):
   a second ChunkInput;
 - Products reading a position of its lane's group buffers that does not hold the expert it
   names (each lane has its own set: an expert gathered on another lane is not there), or an
-  image-cache block that does not hold its layer's group (or holds a non-resident expert);
+  image-cache block that does not hold its layer's group (or holds a non-resident expert), or
+  resident slots read in place that do not hold its experts (strata_rt.hazard_sources);
 - (compute lanes) a Products or GatherRouted off the first lane, reading its layer's routing,
   that its layer's LayerBegin does not happen before (no Wait on a lane_fork recorded after
   it), or that no LayerBegin of its layer precedes; a LayerEnd combining rows that a Products
@@ -42,8 +43,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, NoReturn
 
 from .errors import PlanHazardError
-from .formats import MMQ_GROUP
 from .hazard_messages import Clock, Occupant, describe, event_subject
+from .hazard_sources import cached_problem, in_place_problem
 from .plan import (
     HOST,
     LANE_FORK,
@@ -342,8 +343,11 @@ class Checker:
                        "has already read the layer's rows: products belong before it")
         self._reads_routing(i, op, op.layer, now)
         self.multiplied.setdefault(op.layer, []).append((now, i, op))
-        if op.cached is not None:
-            self._cached_products(i, op, op.cached)
+        if op.slots is not None or op.cached is not None:
+            why = (in_place_problem(i, op, op.slots, self.residency) if op.slots is not None
+                   else cached_problem(i, op, op.cached or 0, self.images, self.residency))
+            if why is not None:
+                self._fail(why)
             return
         for p, e in enumerate(op.expert_ids):
             have = self.buffers[op.stream].get(p)
@@ -363,27 +367,6 @@ class Checker:
                 return (f"; op #{have[3]} gathered it on {lane}, and each lane multiplies "
                         "only what it gathered into its own buffers")
         return ""
-
-    def _cached_products(self, i: int, op: Products, block: int) -> None:
-        """A block holds group g's experts 16g.. by position, filled once at open from
-        resident slots: the op must name that block, those experts, and resident ones."""
-        what = f"op #{i} {describe(op)} reads image block {block}"
-        cache = self.images
-        if cache is None or not 0 <= block < len(cache.blocks):
-            held = "no image cache" if cache is None else f"{len(cache.blocks)} blocks"
-            self._fail(f"{what}, but the engine has {held}")
-        if cache.blocks[block] != (op.layer, op.group):
-            layer, group = cache.blocks[block]
-            self._fail(f"{what}, which holds layer {layer} group {group}")
-        first = op.group * MMQ_GROUP
-        if op.expert_ids != tuple(range(first, first + len(op.expert_ids))):
-            self._fail(f"{what} as experts {list(op.expert_ids)}; a block holds experts "
-                       f"{first}.. by position")
-        if self.residency is not None:
-            streamed = [e for e in op.expert_ids if self.residency.slot(op.layer, e) is None]
-            if streamed:
-                self._fail(f"{what}, but experts {streamed} are not resident: their images "
-                           "were never cached")
 
     def _dense_copy(self, i: int, op: DenseCopy) -> None:
         now = self._tick("copy")

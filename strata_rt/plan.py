@@ -157,13 +157,17 @@ class Products:
     """MMQ gate/up, SwiGLU + quantize, MMQ down over the group buffers of its lane
     (`stream`, one of LANES); position p holds expert_ids[p]. `cached`: the image-cache block
     holding these experts' images (strata_rt.image_cache), which the products read in place
-    of the group buffers (no gather precedes them); None: the group buffers."""
+    of the group buffers (no gather precedes them); None: the group buffers. `slots`: the
+    resident slot of each position's expert, whose blob the products read where it lies
+    (FormatKernels.mmq_in_place; no gather precedes them either, and the lane's group buffers
+    are left alone); None: the group buffers or the image cache."""
 
     layer: int
     group: int
     expert_ids: tuple[int, ...]
     cached: int | None = None
     stream: StreamName = "compute"
+    slots: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)

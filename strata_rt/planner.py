@@ -132,13 +132,14 @@ class _RingBuilder:
     """Ring state and op emission shared by the walk and the staging planner."""
 
     def __init__(self, residency: Residency, ring_slots: int, gather_one: bool,
-                 lanes: int = 1):
+                 lanes: int = 1, in_place: bool = False):
         if ring_slots < 1:
             raise ValueError(f"ring_slots={ring_slots}: the ring needs at least one slot")
         if not 1 <= lanes <= len(LANES):
             raise ValueError(f"lanes={lanes}: a plan has 1..{len(LANES)} compute lanes")
         self.residency = residency
         self.lanes = lanes
+        self.in_place = in_place               # products read resident groups in place
         self.lane: StreamName = LANES[0]       # the lane of the group being planned
         self.forked: set[StreamName] = set()   # lanes that waited for this layer's fork
         self.ring = ring_slots
@@ -213,17 +214,23 @@ class _RingBuilder:
 
     def group(self, layer: int, group: int, experts: Sequence[int],
               cached: int | None = None) -> None:
-        """Group `group`'s gathers and products, on lane group % lanes."""
+        """Group `group`'s gathers and products, on lane group % lanes. A group held by the
+        image cache, or (in_place) one whose experts are all resident, gathers nothing."""
         self.lane = LANES[group % self.lanes]
         ids = tuple(int(e) for e in experts)
-        if cached is None:  # (cached: the images are already on the device, nothing to gather)
+        slots = None
+        if cached is None and self.in_place:
+            held = [self.residency.slot(layer, e) for e in ids]
+            if all(s is not None for s in held):
+                slots = tuple(int(s) for s in held if s is not None)
+        if cached is None and slots is None:
             for pos, e in enumerate(experts):
                 self.gather(group, pos, layer, e)
             self.flush()
         if self.lane != LANES[0] and self.lane not in self.forked:
             self.ops.append(Wait(lane_fork(layer), self.lane))
             self.forked.add(self.lane)
-        self.ops.append(Products(layer, group, ids, cached, self.lane))
+        self.ops.append(Products(layer, group, ids, cached, self.lane, slots))
 
     def end_layer(self, layer: int) -> None:
         """Joins the lanes that multiplied in this layer, then the combine."""
@@ -251,7 +258,8 @@ def _groups(experts: Sequence[int]) -> list[list[int]]:
 
 def plan_walk(spec: MoESpec, residency: Residency, ring_slots: int, gather_one: bool,
               tokens: int = 0, attention: DenseSchedule | None = None,
-              images: ImageCache | None = None, lanes: int = 1) -> ChunkPlan:
+              images: ImageCache | None = None, lanes: int = 1,
+              in_place: bool = False) -> ChunkPlan:
     """The streamed walk: every non-resident expert of every layer, layer-major ascending,
     streamed through the ring; every expert of a layer is gathered (groups are ids
     [16g, 16g+16)) so the schedule does not depend on routing and experts without rows cost an
@@ -259,8 +267,9 @@ def plan_walk(spec: MoESpec, residency: Residency, ring_slots: int, gather_one: 
     Attention, and streamed dense weights with their copies), None for MoE layers alone.
     images: the engine's image cache; a group it holds is multiplied from its block, with no
     gather (its experts are resident, so no ring entry is involved). lanes: compute lanes the
-    groups alternate over (1 or 2)."""
-    b = _RingBuilder(residency, ring_slots, gather_one, lanes)
+    groups alternate over (1 or 2). in_place: a group of resident experts is multiplied from
+    their slots, with no gather (strata_rt.in_place decides per chunk)."""
+    b = _RingBuilder(residency, ring_slots, gather_one, lanes, in_place)
     b.seq = [(layer, e) for layer in range(spec.n_layers) for e in range(spec.n_experts)
              if residency.slot(layer, e) is None]
     if attention is not None:  # the first dense layers go before any expert
@@ -280,7 +289,8 @@ def plan_walk(spec: MoESpec, residency: Residency, ring_slots: int, gather_one: 
     return ChunkPlan(tokens, "walk", ring_slots, layers)
 
 
-def plan_decode(spec: MoESpec, residency: Residency, attention: DenseSchedule) -> ChunkPlan:
+def plan_decode(spec: MoESpec, residency: Residency, attention: DenseSchedule,
+                in_place: bool = False) -> ChunkPlan:
     """A whole model's one-token step with the routed set kept on the device: per layer its
     Attention (dense copies as `attention` schedules them; its start None, so the position is
     read on the device), the routing, one GatherRouted per group of 16 experts (resident ones
@@ -288,7 +298,8 @@ def plan_decode(spec: MoESpec, residency: Residency, attention: DenseSchedule) -
     the device) and the products, which exit early for experts without rows. No Copy and no
     expert ring: the plan is the same at every position and for every routed set, so one
     captured replay serves every step, where the staging ring reads each layer's routed set
-    back to the host and plans after it."""
+    back to the host and plans after it. in_place: a group whose experts are all resident
+    gathers nothing; its products read the routed experts' slots in place."""
     if attention.start is not None:
         raise ValueError(f"a decode plan reads its position on the device; the dense schedule "
                          f"fixes start {attention.start}")
@@ -298,11 +309,13 @@ def plan_decode(spec: MoESpec, residency: Residency, attention: DenseSchedule) -
         ops += attention.layer_ops(layer)
         ops.append(LayerBegin(layer))
         for g, experts in enumerate(_groups(list(range(spec.n_experts)))):
-            members = []
-            for pos, e in enumerate(experts):
-                slot = residency.slot(layer, e)
-                src = (HOST, 0) if slot is None else (RESIDENT, slot)
-                members.append(Gather(g, pos, layer, e, src))
+            held = [residency.slot(layer, e) for e in experts]
+            if in_place and all(s is not None for s in held):
+                slots = tuple(int(s) for s in held if s is not None)
+                ops.append(Products(layer, g, tuple(experts), slots=slots))
+                continue
+            members = [Gather(g, pos, layer, e, (HOST, 0) if s is None else (RESIDENT, s))
+                       for pos, (e, s) in enumerate(zip(experts, held))]
             ops += [GatherRouted(g, tuple(members)), Products(layer, g, tuple(experts))]
         ops.append(LayerEnd(layer))
         layers.append(LayerPlan(layer, tuple(ops)))
@@ -313,16 +326,17 @@ def plan_decode(spec: MoESpec, residency: Residency, attention: DenseSchedule) -
 class StagingPlanner:
     """The staging ring for small chunks: after a layer's routing is known, its routed
     non-resident experts stream through an 8-slot ring; ring state carries across layers.
-    One planner per chunk; attention and lanes as for plan_walk (the driver runs a layer's
-    `pre_routing_ops` before its routing; the layer's plan records them first)."""
+    One planner per chunk; attention, lanes and in_place as for plan_walk (the driver runs a
+    layer's `pre_routing_ops` before its routing; the layer's plan records them first)."""
 
     def __init__(self, spec: MoESpec, residency: Residency, gather_one: bool,
                  ring_slots: int = STAGING_RING_SLOTS, tokens: int = 0,
-                 attention: DenseSchedule | None = None, lanes: int = 1):
+                 attention: DenseSchedule | None = None, lanes: int = 1,
+                 in_place: bool = False):
         self.spec = spec
         self.tokens = tokens
         self.attention = attention
-        self._b = _RingBuilder(residency, ring_slots, gather_one, lanes)
+        self._b = _RingBuilder(residency, ring_slots, gather_one, lanes, in_place)
         self.layers: list[LayerPlan] = []
         self._opened: set[int] = set()  # layers whose pre-routing ops are planned
 

@@ -29,6 +29,7 @@ from .dense_schedule import DENSE_RING_SLOTS
 from .formats import MMQ_GROUP
 from .host_copy import all_finite
 from .image_cache import ImageCache, capacity_blocks
+from .in_place import InPlaceSetting, check_in_place, chunk_in_place
 from .lanes import allocated_lanes, chunk_lanes
 from .model import rms_norm, route, silu
 from .plan import (
@@ -137,6 +138,8 @@ class ReferenceBackend:
         #: group buffers of each compute lane (plan.LANES): lane i gathers into set i
         self.lanes = allocated_lanes(cfg.compute_lanes or "auto", self.residency.n_slots
                                      >= self.spec.total_experts)
+        self.in_place: InPlaceSetting = cfg.in_place or "auto"
+        check_in_place(self.in_place, self.fmt)
         self.gu_bufs = np.full((self.lanes, MMQ_GROUP, self.lay.gate_up_image_bytes), _POISON,
                                np.uint8)
         self.dn_bufs = np.full((self.lanes, MMQ_GROUP, self.lay.down_image_bytes), _POISON,
@@ -180,6 +183,9 @@ class ReferenceBackend:
 
     def lanes_for(self, tokens: int) -> int:
         return chunk_lanes(self.lanes, tokens, self.spec)
+
+    def in_place_for(self, tokens: int) -> bool:
+        return chunk_in_place(self.in_place, self.fmt, tokens, self.spec)
 
     def capture(self, ops: Iterable[Op]) -> NoReturn:
         raise NotImplementedError("the reference backend replays nothing")
@@ -313,8 +319,12 @@ class ReferenceBackend:
         b = np.clip(st.bounds.astype(np.int64) - lo, 0, hi - lo).astype(np.int32)
         F = spec.ffn
         lane = lane_index(op.stream)
-        gu_buf, dn_buf = ((self.gu_bufs[lane], self.dn_bufs[lane]) if op.cached is None else
-                          (self.image_gu[op.cached], self.image_dn[op.cached]))
+        if op.slots is not None:  # read in place: each expert's images from its resident slot
+            gu_buf, dn_buf = self._slot_images(op.slots)
+        elif op.cached is not None:
+            gu_buf, dn_buf = self.image_gu[op.cached], self.image_dn[op.cached]
+        else:
+            gu_buf, dn_buf = self.gu_bufs[lane], self.dn_bufs[lane]
         gu = fmt.mmq_reference(gu_buf[:n], ids, fmt.prepare_activations(st.x_sorted[lo:hi]),
                                b, 2 * F, spec.hidden)
         mid = np.zeros((hi - lo, F), dtype=np.float32)
@@ -326,6 +336,13 @@ class ReferenceBackend:
         for e in ids:
             r0, r1 = int(b[e]), int(b[e + 1])
             st.out_sorted[lo + r0: lo + r1] = dn[r0:r1]
+
+    def _slot_images(self, slots: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+        """The images the products see of resident slots read in place (the format's images,
+        as its gather would have written them)."""
+        parts = [self.fmt.images(self.resident[s][: self.lay.blob_bytes], self.spec.hidden,
+                                 self.spec.ffn) for s in slots]
+        return np.stack([gu for gu, _ in parts]), np.stack([dn for _, dn in parts])
 
     def _combine(self, h: np.ndarray) -> None:
         st = self._state

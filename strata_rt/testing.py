@@ -255,22 +255,30 @@ def _device_activations(s: Subject, x: np.ndarray) -> Any:
     return acts
 
 
-def run_gpu_mmq(s: Subject, c: GroupCase, rows_hint: int) -> np.ndarray:
+def run_gpu_mmq(s: Subject, c: GroupCase, rows_hint: int, in_place: bool = False
+                ) -> np.ndarray:
     """Gathers the case's blobs to positions 0..n-1 with the format's gather, encodes the
     activations on the device, runs the MMQ into a NaN-poisoned output; returns it raw
-    (uint8 [rows, m*4])."""
+    (uint8 [rows, m*4]). in_place: no gather; mmq_in_place reads each blob in its slot."""
+    from .in_place import resident_parts
+
     rt, lay = s.require_gpu(), c.fmt.layout(c.hidden, c.ffn)
     k = s.kernels_for(lay)
     src = s.upload_slots(c.blobs, lay)
     gu, dn, _, _ = s.group_buffers(lay)
-    for p in range(len(c.blobs)):
+    for p in range(0 if in_place else len(c.blobs)):
         k.gather(s.stream, src.ptr + p * lay.slot_bytes, p, gu.ptr, dn.ptr)
     acts = _device_activations(s, c.x)
     bounds = s.upload(c.bounds)
     out = rt.alloc(max(c.rows * c.m * 4, 16))
     rt.memset_d8(out.ptr, POISON, out.nbytes, s.stream)
-    k.mmq(s.stream, gu.ptr if c.part == "gate_up" else dn.ptr, c.expert_ids, acts.ptr,
-          bounds.ptr, out.ptr, c.m, c.k, rows_hint)
+    if in_place:
+        parts = resident_parts(src.ptr, tuple(range(len(c.blobs))), lay)
+        k.mmq_in_place(s.stream, parts[0 if c.part == "gate_up" else 1], c.expert_ids,
+                       acts.ptr, bounds.ptr, out.ptr, c.m, c.k, rows_hint)
+    else:
+        k.mmq(s.stream, gu.ptr if c.part == "gate_up" else dn.ptr, c.expert_ids, acts.ptr,
+              bounds.ptr, out.ptr, c.m, c.k, rows_hint)
     raw = s.download(out.ptr, c.rows * c.m * 4).reshape(c.rows, c.m * 4)
     _free(src, gu, dn, acts, bounds, out)
     return raw
@@ -312,6 +320,22 @@ def check_gpu_mmq(row_case: RowCase) -> Callable[[Subject], str]:
     return check
 
 
+def check_gpu_mmq_in_place(s: Subject) -> str:
+    """A format that reads experts in place (in_place_max_rows > 0) gives gather + mmq's
+    bytes from the slots, for every row case."""
+    if s.fmt.in_place_max_rows <= 0:
+        raise ConformanceSkip("the format does not read experts in place")
+    for rc in ROW_CASES:
+        for part in ("gate_up", "down"):
+            c = s.case(rc, part)
+            want = run_gpu_mmq(s, c, c.rows_hint())
+            for hint in (c.rows_hint(), 1):
+                got = run_gpu_mmq(s, c, hint, in_place=True)
+                assert np.array_equal(got, want), (f"{rc.name} {part}: mmq_in_place (rows_hint "
+                                                   f"{hint}) differs from gather + mmq")
+    return f"{len(ROW_CASES)} row cases x 2 parts: the bytes of gather + mmq"
+
+
 # ---------------------------------------------------------------------------- running
 
 
@@ -341,6 +365,7 @@ _CASES = (
     Case("gpu_gather", True, check_gpu_gather),
     Case("gpu_gather_batch", True, check_gpu_gather_batch),
     *(Case(f"gpu_mmq_{rc.name}", True, check_gpu_mmq(rc)) for rc in ROW_CASES),
+    Case("gpu_mmq_in_place", True, check_gpu_mmq_in_place),
 )
 
 

@@ -16,6 +16,7 @@ from strata_rt.engine import Engine, EngineConfig, read_dump
 from strata_rt.errors import BudgetError, ConfigError
 from strata_rt.formats import MMQ_GROUP
 from strata_rt.model import QWEN3_30B_SPEC, SMALL_SPEC, Model, nmse
+from strata_rt.plan import Products
 from strata_rt.timing import NOTE
 
 MIB = 1 << 20
@@ -390,3 +391,30 @@ def test_two_lanes_give_the_same_bytes(small_model, rng, cache, images, fixed_wa
         got[lanes] = outs
     for i, (a, b) in enumerate(zip(got["1"], got["2"])):
         assert a.tobytes() == b.tobytes(), f"run {i} differs between one and two lanes"
+
+
+@gpu
+@pytest.mark.parametrize("cache,lanes", [("all", "2"), ("half", "1"), ("all", "1")])
+def test_in_place_products_give_the_same_bytes(small_model, rng, cache, lanes,
+                                               fixed_walk_rule):
+    """Products reading resident experts in place (no gather) against gathering first, on
+    staging and walk chunks (each walk run three times: plain launches, the graph trial, then
+    the faster) and a residency with streamed experts: the same bytes, and the plans really
+    read slots in place (or, off, never)."""
+    total = SMALL_SPEC.total_experts
+    experts = total if cache == "all" else total // 2
+    prompts = [_prompt(rng, n, SMALL_SPEC.hidden) for n in (200, 1024, 2048)]
+    runs = [prompts[0], *[prompts[1]] * 3, *[prompts[2]] * 3]
+    got = {}
+    for setting in ("off", "on", "auto"):
+        conf = EngineConfig(model=small_model, backend="cuda", expert_cache=experts,
+                            compute_lanes=lanes, in_place=setting, check_plan=True)
+        with Engine.open(conf) as eng:
+            outs = [eng.prefill(h)[0] for h in runs]
+            in_place = [op for _, op in eng.driver.walk_plan(2048)[0].ops()
+                        if isinstance(op, Products) and op.slots is not None]
+        assert bool(in_place) == (setting == "on"), setting
+        got[setting] = outs
+    for setting in ("on", "auto"):
+        for i, (a, b) in enumerate(zip(got["off"], got[setting])):
+            assert a.tobytes() == b.tobytes(), f"run {i}: in_place {setting} differs from off"

@@ -27,6 +27,7 @@ from strata_rt.fused_gemm import (
     TILES,
     TILES_BY_NAME,
     FusedGemm,
+    at_name,
     native_image_bytes,
     pick_tile,
 )
@@ -94,8 +95,10 @@ def test_tiles_fit_the_hardware():
 @pytest.mark.skipif(not nvcc_available(), reason="nvcc not found")
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_kernels_fit_their_register_budget(tmp_path, arch):
-    """Every tile keeps its min_blocks per SM without spilling (ptxas -v)."""
-    assert_fits_registers(FUSED_SOURCE, arch, TILES_BY_NAME, tmp_path)
+    """Every tile, and its in-place twin, keeps its min_blocks per SM without spilling
+    (ptxas -v); the source defines exactly those kernels."""
+    assert_fits_registers(FUSED_SOURCE, arch,
+                          {**TILES_BY_NAME, **{at_name(t): t for t in TILES}}, tmp_path)
 
 
 def test_pick_tile_covers_short_prompts():
@@ -172,7 +175,42 @@ def test_reference_is_f16_gemm_reference_on_the_decoded_blocks(rng, part):
 def _recording() -> tuple[FusedGemm, dict[str, RecordingKernel]]:
     fg = FusedGemm.__new__(FusedGemm)  # the launch logic without a device
     fg._kernels = {t.name: RecordingKernel() for t in TILES}
+    fg._at = {t.name: RecordingKernel() for t in TILES}
     return fg, fg._kernels
+
+
+@pytest.mark.parametrize("hint,tile,rows_tiles", [
+    (1, "iq3_fused_m16", 1), (20, "iq3_fused_m32", 1), (300, "iq3_fused_m64", 5)])
+def test_in_place_launch_geometry_and_arguments(hint, tile, rows_tiles):
+    """gemm_at: the tile gemm would take, its in-place twin launched with the 16 image
+    addresses (unused ones 0) before the expert ids; gemm's kernels untouched."""
+    fg, kern = _recording()
+    srcs = [1 << 20, 7 << 20, 3 << 20]
+    fg.gemm_at(None, srcs, (3, 5, 9), 8192, 12288, 16384, 1536, 2048, hint)
+    (call,) = fg._at[tile].calls
+    assert call.grid == (1536 // 128, 3, rows_tiles) and call.block == (256, 1, 1)
+    assert call.shared == TILES_BY_NAME[tile].smem
+    assert call.args == (*srcs, *([0] * 13), 3, 5, 9, *([-1] * 13), 8192, 12288, 16384, 1536,
+                         2048)
+    assert sum(len(k.calls) for k in fg._at.values()) == 1
+    assert not any(k.calls for k in kern.values())
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"sources": [1 << 20]}, "1 image addresses for 2 experts"),
+    ({"sources": [1 << 20, (2 << 20) + 8]}, "image 1"),
+    ({"m": 1000}, "m=1000"),
+    ({"k": 2048 + 64}, "k=2112"),
+    ({"acts": 8200}, "acts"),
+    ({"expert_ids": (2, -1)}, "-1"),
+])
+def test_in_place_argument_checks(change, match):
+    fg, _ = _recording()
+    args = {"stream": None, "sources": [1 << 20, 2 << 20], "expert_ids": (1, 2), "acts": 8192,
+            "bounds": 12288, "out": 16384, "m": 1536, "k": 2048, "rows_hint": 16, **change}
+    with pytest.raises(FormatError, match=match):
+        fg.gemm_at(**args)
+    assert not any(k.calls for k in fg._at.values())
 
 
 @pytest.mark.parametrize("hint,tile,rows_tiles", [
@@ -264,6 +302,8 @@ def _launch(rt, s, run, rows: int, m: int) -> np.ndarray:
 @pytest.mark.gpu
 @pytest.mark.parametrize("hidden,ffn,part,counts,ids", FUSED_CASES)
 def test_gpu_fused_is_f16_gemm_byte_for_byte(rt, rng, hidden, ffn, part, counts, ids):
+    """The fused kernel on group-buffer images and its in-place twin on images scattered
+    over separate allocations: every tile and rows_hint gives f16_gemm's bytes."""
     m, k = _parts(hidden, ffn)[part]
     bounds = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
     rows = int(bounds[-1])
@@ -282,15 +322,26 @@ def test_gpu_fused_is_f16_gemm_byte_for_byte(rt, rng, hidden, ffn, part, counts,
     bufs = [upload(rt, s, a) for a in (native, f16, x if rows else np.zeros(8, np.float16),
                                        bounds)]
     d_native, d_f16, d_x, d_bounds = (b.ptr for b in bufs)
+    # in place: each image in an allocation of its own, allocated last position first, so
+    # the addresses are neither contiguous nor in position order
+    apart = [upload(rt, s, native[p]) for p in reversed(range(len(ids)))][::-1]
+    bufs += apart
     try:
         def fused(hint, tile=None):
             return _launch(rt, s, lambda out: fg.gemm(s, d_native, ids, d_x, d_bounds, out, m, k,
                                                       hint, tile=tile), rows, m)
 
+        def in_place(hint, tile=None):
+            return _launch(rt, s, lambda out: fg.gemm_at(s, [b.ptr for b in apart], ids, d_x,
+                                                         d_bounds, out, m, k, hint, tile=tile),
+                           rows, m)
+
         baseline = _launch(rt, s, lambda out: gg.gemm(s, d_f16, ids, d_x, d_bounds, out, m, k,
                                                       exact_rows), rows, m)
         outs = [fused(h) for h in (exact_rows, 1, 4 * exact_rows + 100)]
         outs += [fused(exact_rows, t.name) for t in TILES] + [fused(exact_rows)]  # + a repeat
+        outs += [in_place(h) for h in (exact_rows, 1)]
+        outs += [in_place(exact_rows, t.name) for t in TILES]
     finally:
         for b in bufs:
             b.free()

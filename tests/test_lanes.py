@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import yaml
 from _fake_runtime import install
+from _settings import check_engine_setting, check_yaml_key, run_reference
 
 from strata_rt.activations import Q8_1
-from strata_rt.config import load_config
 from strata_rt.engine import Engine, EngineConfig
 from strata_rt.errors import BudgetError, ConfigError
 from strata_rt.formats import MMQ_GROUP
@@ -134,48 +133,18 @@ def test_a_second_lane_that_does_not_fit_says_how_to_drop_it():
 
 # ---------------------------------------------------------------------------- settings
 def test_engine_config_reads_the_setting_and_the_environment(monkeypatch):
-    spec = SMALL_SPEC
-    assert EngineConfig(model=spec).resolve().compute_lanes == "auto"
-    assert EngineConfig(model=spec, compute_lanes="1").resolve().compute_lanes == "1"
-    monkeypatch.setenv("STRATA_COMPUTE_LANES", "2")
-    assert EngineConfig(model=spec).resolve().compute_lanes == "2"
-    assert EngineConfig(model=spec, compute_lanes="1").resolve().compute_lanes == "1"
-    with pytest.raises(ConfigError, match="compute_lanes"):
-        EngineConfig(model=spec, compute_lanes="4").resolve()  # type: ignore[arg-type]
-    monkeypatch.setenv("STRATA_COMPUTE_LANES", "3")
-    with pytest.raises(ConfigError, match="STRATA_COMPUTE_LANES"):
-        EngineConfig(model=spec).resolve()
+    check_engine_setting(monkeypatch, "compute_lanes", "STRATA_COMPUTE_LANES", "auto", "1", "2",
+                         "4", "3")
 
 
 def test_yaml_key(tmp_path):
-    doc = {"model": {"synthetic": {"n_layers": 2, "hidden": 512, "ffn": 256, "n_experts": 32,
-                                   "top_k": 4}},
-           "format": "iq3_xxs", "backend": "reference", "expert_cache": 32, "prompts": [200],
-           "compute_lanes": 2}
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(doc))
-    cfg = load_config(path)
-    assert cfg.compute_lanes == "2"
-    assert cfg.engine_config().compute_lanes == "2"
-    path.write_text(yaml.safe_dump({**doc, "compute_lanes": "many"}))
-    with pytest.raises(ConfigError, match="compute_lanes: got 'many'"):
-        load_config(path)
+    check_yaml_key(tmp_path, "compute_lanes", 2, "2", "many")
 
 
 # ---------------------------------------------------------------------------- reference bytes
 @pytest.fixture(scope="module")
 def small() -> Model:
     return Model.synthetic(SMALL_SPEC, 77)
-
-
-def _run(model, prompts, **cfg):
-    outs, plans = [], []
-    with Engine.open(EngineConfig(model=model, backend="reference", check_plan=True,
-                                  **cfg)) as eng:
-        for h in prompts:
-            outs.append(eng.prefill(h)[0])
-            plans.append(eng.driver.last_plan)
-    return outs, plans
 
 
 def _lanes_used(plan) -> set[str]:
@@ -188,8 +157,8 @@ def test_reference_bytes_do_not_depend_on_lanes(small, rng, cache, fixed_walk_ru
     own group buffers, poisoned until gathered) give the bytes of one."""
     prompts = [rng.standard_normal((n, SMALL_SPEC.hidden), dtype=np.float32)
                for n in (200, 1100)]
-    one, plans1 = _run(small, prompts, expert_cache=cache, compute_lanes="1")
-    two, plans2 = _run(small, prompts, expert_cache=cache, compute_lanes="2")
+    one, plans1 = run_reference(small, prompts, expert_cache=cache, compute_lanes="1")
+    two, plans2 = run_reference(small, prompts, expert_cache=cache, compute_lanes="2")
     for a, b in zip(one, two):
         assert a.tobytes() == b.tobytes()
     assert all(_lanes_used(p) == {LANES[0]} for p in plans1)
@@ -198,8 +167,8 @@ def test_reference_bytes_do_not_depend_on_lanes(small, rng, cache, fixed_walk_ru
 
 def test_auto_plans_two_lanes_when_every_expert_is_resident(small, rng, fixed_walk_rule):
     h = rng.standard_normal((1100, SMALL_SPEC.hidden), dtype=np.float32)
-    _, (full,) = _run(small, [h], expert_cache=SMALL_SPEC.total_experts)
-    _, (part,) = _run(small, [h], expert_cache=10)
+    _, (full,) = run_reference(small, [h], expert_cache=SMALL_SPEC.total_experts)
+    _, (part,) = run_reference(small, [h], expert_cache=10)
     assert _lanes_used(full) == set(LANES) and _lanes_used(part) == {LANES[0]}
     forks = [op for _, op in full.ops() if isinstance(op, Wait) and op.event == lane_fork(0)]
     assert len(forks) == 1 and forks[0].stream == LANES[1]

@@ -240,15 +240,20 @@ __device__ __forceinline__ void fused_tile(const uint8_t* __restrict__ img,
     __syncthreads();  // the next row tile's prologue overwrites the stages
 }
 
+// Position p's native image: at weights + p * image bytes in a group buffer, or at srcs.v[p]
+// (the in-place entry points: each expert's blob read where it lies, e.g. its resident slot,
+// with no gather before the product).
+struct Ptrs16 { const uint8_t* v[16]; };
+
 template <class C>
-__device__ __forceinline__ void fused_grouped(const uint8_t* __restrict__ weights,
-                                              const Ids16& ids, const __half* __restrict__ acts,
-                                              const int* __restrict__ bounds,
-                                              float* __restrict__ out, int m, int k)
+__device__ __forceinline__ void fused_expert(const uint8_t* __restrict__ img,
+                                             const GroupedBlock& blk,
+                                             const __half* __restrict__ acts,
+                                             const int* __restrict__ bounds,
+                                             float* __restrict__ out, int m, int k)
 {
     require_dynamic_smem(C::SMEM);
-    const GroupedBlock blk = grouped_block(ids);  // the same block order as gemm_f16.cu
-    const int e = blk.expert, xt = blk.weight_tile, zt = blk.row_tile, pos = blk.pos;
+    const int e = blk.expert, xt = blk.weight_tile, zt = blk.row_tile;
     const unsigned gz = gridDim.z;
     if (e < 0) return;
     const int r_beg = bounds[e], r_end = bounds[e + 1];
@@ -258,9 +263,34 @@ __device__ __forceinline__ void fused_grouped(const uint8_t* __restrict__ weight
     for (int i = threadIdx.x; i < 256; i += C::THREADS) s_grid[i] = IQ3XXS_GRID[i];
     __syncthreads();
 
-    const uint8_t* img = weights + (size_t)pos * m * ((size_t)(k / IQF_VALUES) * IQF_BLOCK);
     for (int row0 = r_beg + zt * C::BM; row0 < r_end; row0 += gz * C::BM)
         fused_tile<C>(img, acts, out, m, k, xt * C::BN, row0, min(C::BM, r_end - row0), s_grid);
+}
+
+template <class C>
+__device__ __forceinline__ void fused_grouped(const uint8_t* __restrict__ weights,
+                                              const Ids16& ids, const __half* __restrict__ acts,
+                                              const int* __restrict__ bounds,
+                                              float* __restrict__ out, int m, int k)
+{
+    const GroupedBlock blk = grouped_block(ids);  // the same block order as gemm_f16.cu
+    const uint8_t* img =
+        weights + (size_t)blk.pos * m * ((size_t)(k / IQF_VALUES) * IQF_BLOCK);
+    fused_expert<C>(img, blk, acts, bounds, out, m, k);
+}
+
+template <class C>
+__device__ __forceinline__ void fused_grouped_at(const Ptrs16& srcs, const Ids16& ids,
+                                                 const __half* __restrict__ acts,
+                                                 const int* __restrict__ bounds,
+                                                 float* __restrict__ out, int m, int k)
+{
+    const GroupedBlock blk = grouped_block(ids);
+    if (blk.expert < 0) return;
+    const uint8_t* img = nullptr;  // srcs.v[blk.pos] by selects, as grouped_block finds the id
+#pragma unroll
+    for (int i = 0; i < 16; ++i) img = i == blk.pos ? srcs.v[i] : img;
+    fused_expert<C>(img, blk, acts, bounds, out, m, k);
 }
 
 // name, BM, WARPS (BN = 16 * WARPS), STAGES, min blocks per SM. strata_rt/fused_gemm.py lists
@@ -272,6 +302,17 @@ __device__ __forceinline__ void fused_grouped(const uint8_t* __restrict__ weight
         fused_grouped<FusedCfg<BM, WARPS, STAGES>>(weights, ids, acts, bounds, out, m, k);      \
     }
 
+// The in-place twin of a FUSED_KERNEL: the same tile, position p's image at srcs.v[p].
+#define FUSED_AT_KERNEL(NAME, BM, WARPS, STAGES, MINB)                                           \
+    extern "C" __global__ void __launch_bounds__(FusedCfg<BM, WARPS, STAGES>::THREADS, MINB)    \
+    NAME(Ptrs16 srcs, Ids16 ids, const __half* __restrict__ acts,                               \
+         const int* __restrict__ bounds, float* __restrict__ out, int m, int k) {               \
+        fused_grouped_at<FusedCfg<BM, WARPS, STAGES>>(srcs, ids, acts, bounds, out, m, k);      \
+    }
+
 FUSED_KERNEL(iq3_fused_m16, 16, 8, 4, 2)
 FUSED_KERNEL(iq3_fused_m32, 32, 8, 3, 2)
 FUSED_KERNEL(iq3_fused_m64, 64, 8, 3, 1)
+FUSED_AT_KERNEL(iq3_fused_at_m16, 16, 8, 4, 2)
+FUSED_AT_KERNEL(iq3_fused_at_m32, 32, 8, 3, 2)
+FUSED_AT_KERNEL(iq3_fused_at_m64, 64, 8, 3, 1)
