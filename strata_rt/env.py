@@ -83,8 +83,8 @@ SWITCHES: dict[str, Switch] = {
                "`in_place`: on reads each expert's blocks where they lie (its resident slot) "
                "with a GEMM that decodes them in its main loop, so nothing is gathered; off "
                "always gathers first; auto (the default) reads in place while the chunk's rows "
-               "per expert stay within the format's in_place_max_rows (IQ3_XXS f16_gemm: 64, "
-               "about 512 tokens on the Qwen3 shapes). Results are bit-identical."),
+               "per expert stay within the format's in_place_max_rows (IQ3_XXS f16_gemm: 136, "
+               "up to 1,088 tokens on the Qwen3 shapes). Results are bit-identical."),
         Switch("STRATA_CUDA_GRAPH", "flag",
                "0: launch the streamed walk kernel by kernel instead of replaying a CUDA graph."),
         Switch("STRATA_KERNEL_CACHE", "outdir",
