@@ -249,12 +249,17 @@ def test_cuda_outputs_do_not_change_a_bit(rng, fmt):
     prompts = [prompts[0], prompts[1], prompts[0], prompts[1], prompts[2]]
     for resident in (spec.total_experts, spec.total_experts // 2):
         runs = {}
-        for room in (None, ALL):
+        # in_place off: without the cache, short chunks would gather nothing either; the
+        # third run has the cache and the groups it does not hold read in place
+        for room, in_place in ((None, "off"), (ALL, "off"), (ALL, "auto")):
             conf = EngineConfig(model=model, backend="cuda", expert_cache=resident,
-                                image_cache_mib=room, check_plan=True)
+                                image_cache_mib=room, in_place=in_place, check_plan=True)
             with Engine.open(conf) as eng:
-                runs[room] = ([eng.prefill(h) for h in prompts], eng.backend.images)
-        (plain, none), (cached, cache) = runs[None], runs[ALL]
+                runs[(room, in_place)] = ([eng.prefill(h) for h in prompts],
+                                          eng.backend.images)
+        (plain, none), (cached, cache) = runs[(None, "off")], runs[(ALL, "off")]
+        for (a, _), (b, _) in zip(plain, runs[(ALL, "auto")][0]):
+            assert a.tobytes() == b.tobytes(), "the cache beside in-place products differs"
         assert none.blocks == () and len(cache.blocks) > 0
         if resident == spec.total_experts:
             assert len(cache.blocks) == spec.n_layers * GROUPS

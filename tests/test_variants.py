@@ -220,7 +220,10 @@ def test_gpu_conformance_of_the_default_variants(rt, fmt):
     report = run_conformance(fmt, runtime=rt)
     print(report)
     assert report.ok, str(report)
-    assert not [r.name for r in report.results if r.status == "skip"], str(report)
+    # every check runs, but the in-place one for a format that does not read in place
+    skipped = [r.name for r in report.results if r.status == "skip"
+               and not (r.name == "gpu_mmq_in_place" and fmt.in_place_max_rows == 0)]
+    assert not skipped, str(report)
 
 
 @pytest.mark.gpu
