@@ -14,6 +14,8 @@ from strata_rt.activations import Q8_1
 from strata_rt.engine import Engine, EngineConfig
 from strata_rt.errors import BudgetError, ConfigError
 from strata_rt.formats import MMQ_GROUP
+from strata_rt.fused_gemm import TILES as FUSED_TILES
+from strata_rt.fused_gemm import at_name
 from strata_rt.grouped_gemm import TILES as GEMM_TILES
 from strata_rt.memory_plan import chunk_regions, fixed_regions, plan_memory
 from strata_rt.model import QWEN3_30B_SPEC, SMALL_SPEC, Model
@@ -126,9 +128,12 @@ def test_backend_control_flow_on_fake_runtime(fake, gather_one, fixed_walk_rule)
         rt.tokens = 300
         _, st = eng.prefill(h)
         assert st.host_syncs == spec.n_layers + 1  # one routed-set read-back per layer
-        # the default IQ3_XXS variant: grouped fp16 GEMMs after dequantizing gathers
+        # the default IQ3_XXS variant: grouped fp16 GEMMs after dequantizing gathers, and the
+        # fused kernels' in-place twins for groups whose experts are all resident
         gemms = {t.name for t in GEMM_TILES}
-        assert st.mmq_launches == sum(n in gemms for n in rt.launches)
+        in_place = {at_name(t) for t in FUSED_TILES}
+        assert st.mmq_launches == sum(n in gemms | in_place for n in rt.launches)
+        assert any(n in in_place for n in rt.launches) and any(n in gemms for n in rt.launches)
         assert rt.launches.count("route_scatter") == spec.n_layers
         assert st.gathers_launched == rt.launches.count("iq3_dequant_gather")
         assert st.experts_streamed > 0
