@@ -76,8 +76,9 @@ class IQ3XXS(QuantFormat):
     roundtrip_nmse = 0.05
     description = ("GGUF IQ3_XXS, 3.06 bits/weight: experts keep the GGUF's bytes; default "
                    "f16_gemm (dequantizing gather to fp16 images, grouped fp16 GEMM on fp16 "
-                   "activations); f16_pipe, f16, int8, int8_occ2: exact MMQ on q8_1 "
-                   "activations; batched gathers")
+                   "activations; on short chunks resident experts are read in place, no "
+                   "gather); f16_fused (blocks decoded inside the GEMM); f16_pipe, f16, int8, "
+                   "int8_occ2: exact MMQ on q8_1 activations; batched gathers")
 
     def __init__(self, variant: str | None = None):
         """`variant`: the exact MMQ kernel this object's launchers run (default f16_pipe, the
