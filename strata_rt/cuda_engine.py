@@ -31,7 +31,7 @@ from .device_state import DeviceState
 from .errors import StrataError
 from .formats import FormatKernels
 from .image_cache import ImageCache, block_bytes, capacity_blocks
-from .in_place import InPlaceSetting, check_in_place, chunk_in_place, resident_parts
+from .in_place import check_in_place, chunk_in_place, resident_parts
 from .lanes import chunk_lanes, walk_rows_hint
 from .layer_kernels import ENGINE_SOURCE, LayerKernels
 from .memory_plan import DEFAULT_RESERVE_MIB, plan_lanes, plan_memory
@@ -109,8 +109,7 @@ class CudaBackend:
         assert routing is not None, "EngineConfig.resolve() sets routing"
         # kernels first: a format without kernels fails before any memory is taken
         self.fk = self.fmt.kernels(rt, lay)
-        self.in_place: InPlaceSetting = cfg.in_place or "auto"
-        check_in_place(self.in_place, self.fmt)
+        self.in_place = check_in_place(cfg.in_place, self.fmt)
         reserve = cfg.vram_reserve_mib if cfg.vram_reserve_mib is not None else DEFAULT_RESERVE_MIB
         available = rt.free_bytes() - int(reserve * MIB)
         slot = lay.slot_bytes

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .errors import FormatError
-from .formats import MMQ_GROUP, ids16
-from .launchers import MMQ_ARG_TYPES, MmqTile, check_aligned, grid_rows, launch_mmq, pick_by_rows
+from .formats import MMQ_GROUP
+from .launchers import MMQ_ARG_TYPES, MmqTile, launch_mmq, pick_by_rows
 from .resources import KERNELS_ROOT
 
 if TYPE_CHECKING:
@@ -135,20 +135,10 @@ class FusedGemm:
         bytes and span native_image_bytes(m, k), a multiple of 16 (the kernel reads whole
         16-byte chunks around each block)."""
         chosen = pick_by_rows(TILE_RULE, TILES_BY_NAME, rows_hint, tile, "fused IQ3_XXS")
-        ids = ids16(expert_ids)
         if len(sources) != len(expert_ids):
             raise FormatError(f"{len(sources)} image addresses for {len(expert_ids)} experts")
-        t = chosen.launch
-        if m <= 0 or k <= 0 or m % t.m or k % t.k_multiple:
-            raise FormatError(f"IQ3_XXS in-place GEMM needs m % {t.m} == 0 and k % "
-                              f"{t.k_multiple} == 0; got m={m}, k={k}")
         if native_image_bytes(m, k) % 16:
             raise FormatError(f"an IQ3_XXS image of {m} x {k} takes {native_image_bytes(m, k)} "
                               "bytes, not a multiple of 16: it cannot be read in place")
-        check_aligned({"acts": acts, "out": out,
-                       **{f"image {p}": int(a) for p, a in enumerate(sources)}})
-        ptrs = [int(a) for a in sources] + [0] * (MMQ_GROUP - len(sources))
-        self._at[chosen.name].launch(
-            grid=(m // t.m, len(expert_ids), grid_rows(rows_hint, t.rows)),
-            block=(t.threads, 1, 1), stream=stream,
-            args=(*ptrs, *ids, acts, bounds, out, m, k), shared=t.shared)
+        launch_mmq(self._at[chosen.name], chosen.launch, "IQ3_XXS in-place", stream, 0,
+                   expert_ids, acts, bounds, out, m, k, rows_hint, images=sources)

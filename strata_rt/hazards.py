@@ -343,11 +343,15 @@ class Checker:
                        "has already read the layer's rows: products belong before it")
         self._reads_routing(i, op, op.layer, now)
         self.multiplied.setdefault(op.layer, []).append((now, i, op))
+        # products reading no group buffer: resident slots in place, or an image block
+        why = None
+        if op.slots is not None:
+            why = in_place_problem(i, op, op.slots, self.residency)
+        elif op.cached is not None:
+            why = cached_problem(i, op, op.cached, self.images, self.residency)
+        if why is not None:
+            self._fail(why)
         if op.slots is not None or op.cached is not None:
-            why = (in_place_problem(i, op, op.slots, self.residency) if op.slots is not None
-                   else cached_problem(i, op, op.cached or 0, self.images, self.residency))
-            if why is not None:
-                self._fail(why)
             return
         for p, e in enumerate(op.expert_ids):
             have = self.buffers[op.stream].get(p)

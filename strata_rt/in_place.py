@@ -41,12 +41,14 @@ def parse_in_place(value: object, where: str = "in_place") -> InPlaceSetting:
     return text  # type: ignore[return-value]
 
 
-def check_in_place(setting: InPlaceSetting, fmt: QuantFormat) -> None:
-    """Refuses `on` for a format whose kernels cannot read experts in place (nothing falls
-    back silently)."""
+def check_in_place(setting: InPlaceSetting | None, fmt: QuantFormat) -> InPlaceSetting:
+    """The setting an executor runs with (None: auto); refuses `on` for a format whose kernels
+    cannot read experts in place (nothing falls back silently)."""
+    setting = setting or "auto"
     if setting == "on" and fmt.in_place_max_rows <= 0:
         raise ConfigError(f"in_place: on, but format {fmt.name} ({type(fmt).__name__}) cannot "
                           "read experts in place; use auto or off")
+    return setting
 
 
 def chunk_in_place(setting: InPlaceSetting, fmt: QuantFormat, tokens: int,

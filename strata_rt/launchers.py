@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
@@ -80,16 +81,24 @@ def grid_rows(rows_hint: int, tile_rows: int) -> int:
 
 def launch_mmq(kernel: Any, tile: MmqTile, fmt_name: str, stream: Any, weights: int,
                expert_ids: tuple[int, ...], acts: int, bounds: int, out: int, m: int, k: int,
-               rows_hint: int) -> None:
-    """One grouped MMQ launch under the common ABI, after the host-side checks."""
+               rows_hint: int, *, images: Sequence[int] | None = None) -> None:
+    """One grouped MMQ launch under the common ABI, after the host-side checks. `images`: the
+    in-place form (FormatKernels.mmq_in_place) instead of `weights` (then unused): the address
+    of each position's image, passed as 16 pointers (unused ones 0) before the expert ids."""
     ids = ids16(expert_ids)
     if m <= 0 or k <= 0 or m % tile.m or k % tile.k_multiple:
         raise FormatError(f"{fmt_name} MMQ needs m % {tile.m} == 0 and k % {tile.k_multiple} "
                           f"== 0; got m={m}, k={k}")
-    check_aligned({"weights": weights, "acts": acts, "out": out})
+    if images is None:
+        check_aligned({"weights": weights, "acts": acts, "out": out})
+        args: tuple[int, ...] = (*ids, weights, acts, bounds, out, m, k)
+    else:
+        check_aligned({"acts": acts, "out": out,
+                       **{f"image {p}": int(a) for p, a in enumerate(images)}})
+        table = [int(a) for a in images] + [0] * (MMQ_GROUP - len(images))
+        args = (*table, *ids, acts, bounds, out, m, k)
     kernel.launch(grid=(m // tile.m, len(expert_ids), grid_rows(rows_hint, tile.rows)),
-                  block=(tile.threads, 1, 1), stream=stream,
-                  args=(*ids, weights, acts, bounds, out, m, k), shared=tile.shared)
+                  block=(tile.threads, 1, 1), stream=stream, args=args, shared=tile.shared)
 
 
 T = TypeVar("T")

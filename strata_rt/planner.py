@@ -218,11 +218,8 @@ class _RingBuilder:
         image cache, or (in_place) one whose experts are all resident, gathers nothing."""
         self.lane = LANES[group % self.lanes]
         ids = tuple(int(e) for e in experts)
-        slots = None
-        if cached is None and self.in_place:
-            held = [self.residency.slot(layer, e) for e in ids]
-            if all(s is not None for s in held):
-                slots = tuple(int(s) for s in held if s is not None)
+        slots = (resident_slots(self.residency, layer, ids)
+                 if cached is None and self.in_place else None)
         if cached is None and slots is None:
             for pos, e in enumerate(experts):
                 self.gather(group, pos, layer, e)
@@ -250,6 +247,19 @@ def _ring_entry(g: Gather) -> int:
     if entry is None:  # the builder names the entry of every ring gather it emits
         raise AssertionError(f"ring gather without an entry: {g!r}")
     return entry
+
+
+def resident_slots(residency: Residency, layer: int, experts: Sequence[int]
+                   ) -> tuple[int, ...] | None:
+    """The resident slot of each of a group's experts, or None when any of them streams: the
+    slots a group's products read in place (plan.Products.slots)."""
+    slots = []
+    for e in experts:
+        slot = residency.slot(layer, e)
+        if slot is None:
+            return None
+        slots.append(int(slot))
+    return tuple(slots)
 
 
 def _groups(experts: Sequence[int]) -> list[list[int]]:
@@ -309,13 +319,15 @@ def plan_decode(spec: MoESpec, residency: Residency, attention: DenseSchedule,
         ops += attention.layer_ops(layer)
         ops.append(LayerBegin(layer))
         for g, experts in enumerate(_groups(list(range(spec.n_experts)))):
-            held = [residency.slot(layer, e) for e in experts]
-            if in_place and all(s is not None for s in held):
-                slots = tuple(int(s) for s in held if s is not None)
+            slots = resident_slots(residency, layer, experts) if in_place else None
+            if slots is not None:
                 ops.append(Products(layer, g, tuple(experts), slots=slots))
                 continue
-            members = [Gather(g, pos, layer, e, (HOST, 0) if s is None else (RESIDENT, s))
-                       for pos, (e, s) in enumerate(zip(experts, held))]
+            members = []
+            for pos, e in enumerate(experts):
+                slot = residency.slot(layer, e)
+                src = (HOST, 0) if slot is None else (RESIDENT, slot)
+                members.append(Gather(g, pos, layer, e, src))
             ops += [GatherRouted(g, tuple(members)), Products(layer, g, tuple(experts))]
         ops.append(LayerEnd(layer))
         layers.append(LayerPlan(layer, tuple(ops)))

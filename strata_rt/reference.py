@@ -29,7 +29,7 @@ from .dense_schedule import DENSE_RING_SLOTS
 from .formats import MMQ_GROUP
 from .host_copy import all_finite
 from .image_cache import ImageCache, capacity_blocks
-from .in_place import InPlaceSetting, check_in_place, chunk_in_place
+from .in_place import check_in_place, chunk_in_place
 from .lanes import allocated_lanes, chunk_lanes
 from .model import rms_norm, route, silu
 from .plan import (
@@ -138,8 +138,7 @@ class ReferenceBackend:
         #: group buffers of each compute lane (plan.LANES): lane i gathers into set i
         self.lanes = allocated_lanes(cfg.compute_lanes or "auto", self.residency.n_slots
                                      >= self.spec.total_experts)
-        self.in_place: InPlaceSetting = cfg.in_place or "auto"
-        check_in_place(self.in_place, self.fmt)
+        self.in_place = check_in_place(cfg.in_place, self.fmt)
         self.gu_bufs = np.full((self.lanes, MMQ_GROUP, self.lay.gate_up_image_bytes), _POISON,
                                np.uint8)
         self.dn_bufs = np.full((self.lanes, MMQ_GROUP, self.lay.down_image_bytes), _POISON,
@@ -152,8 +151,7 @@ class ReferenceBackend:
         self.image_gu = np.full((n_blocks, *self.gu_bufs.shape[1:]), _POISON, np.uint8)
         self.image_dn = np.full((n_blocks, *self.dn_bufs.shape[1:]), _POISON, np.uint8)
         for b, pos, slot in self.images.fills(self.spec, self.residency):
-            self.image_gu[b, pos], self.image_dn[b, pos] = self.fmt.images(
-                self.resident[slot][: self.lay.blob_bytes], self.spec.hidden, self.spec.ffn)
+            self.image_gu[b, pos], self.image_dn[b, pos] = self._images(self.resident[slot])
         self._state: _LayerState | None = None
         self._h = np.empty((0, self.spec.hidden), np.float32)
         self._stats = Stats()
@@ -300,7 +298,7 @@ class ReferenceBackend:
             src = self.store.arena[off: off + self.store.slot_bytes]
         else:
             src = self.resident[idx] if kind == RESIDENT else self.ring[idx]
-        gu, dn = self.fmt.images(src[: self.lay.blob_bytes], self.spec.hidden, self.spec.ffn)
+        gu, dn = self._images(src)
         self.gu_bufs[lane_index(g.stream), g.pos] = gu
         self.dn_bufs[lane_index(g.stream), g.pos] = dn
 
@@ -337,11 +335,14 @@ class ReferenceBackend:
             r0, r1 = int(b[e]), int(b[e + 1])
             st.out_sorted[lo + r0: lo + r1] = dn[r0:r1]
 
+    def _images(self, slot: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The format's images of the blob a slot holds (what its gather writes)."""
+        return self.fmt.images(slot[: self.lay.blob_bytes], self.spec.hidden, self.spec.ffn)
+
     def _slot_images(self, slots: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
         """The images the products see of resident slots read in place (the format's images,
         as its gather would have written them)."""
-        parts = [self.fmt.images(self.resident[s][: self.lay.blob_bytes], self.spec.hidden,
-                                 self.spec.ffn) for s in slots]
+        parts = [self._images(self.resident[s]) for s in slots]
         return np.stack([gu for gu, _ in parts]), np.stack([dn for _, dn in parts])
 
     def _combine(self, h: np.ndarray) -> None:

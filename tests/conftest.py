@@ -125,6 +125,17 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
                 report.sections.append(("rng seed", f"seed={value} (replay: --seed {value})"))
 
 
+@pytest.fixture
+def fake(monkeypatch: pytest.MonkeyPatch, rng: np.random.Generator) -> dict:
+    """The recording fake CUDA runtime (tests/_fake_runtime.py) installed for SMALL_SPEC: the
+    CUDA backend's control flow on a machine without a GPU."""
+    from _fake_runtime import install
+
+    from strata_rt.model import SMALL_SPEC
+
+    return install(monkeypatch, rng, SMALL_SPEC)
+
+
 @pytest.fixture(scope="module")
 def golden_models() -> dict:
     """The tiny seeded whole models of tests/tools/make_qwen3_golden.py by case name (the models

@@ -7,7 +7,6 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from _fake_runtime import install
 
 from strata_rt import hazards
 from strata_rt.activations import Q8_1
@@ -110,11 +109,6 @@ def test_check_plan_clean_on_qwen3_30b_shape(rng):
 
 
 # ============================================================================ CPU: fake runtime
-@pytest.fixture
-def fake(monkeypatch, rng):
-    return install(monkeypatch, rng, SMALL_SPEC)
-
-
 @pytest.mark.parametrize("gather_one", [False, True])
 def test_backend_control_flow_on_fake_runtime(fake, gather_one, fixed_walk_rule):
     model = Model.synthetic(SMALL_SPEC, 3)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _fake_runtime import install
 from _settings import check_engine_setting, check_yaml_key, run_reference
 
 from strata_rt import hazards
@@ -248,11 +247,6 @@ def test_on_is_refused_at_open_for_an_exact_variant(small, monkeypatch):
 
 
 # ---------------------------------------------------------------------------- CUDA backend
-@pytest.fixture
-def fake(monkeypatch, rng):
-    return install(monkeypatch, rng, SMALL_SPEC)
-
-
 def test_cuda_backend_launches_the_in_place_kernel_on_the_slots(fake, fixed_walk_rule):
     """A short walk with every expert resident: no gather launch, and each group's two
     products run the in-place kernel with the addresses of its experts' slot parts."""

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _fake_runtime import install
 from _settings import check_engine_setting, check_yaml_key, run_reference
 
 from strata_rt.activations import Q8_1
@@ -175,11 +174,6 @@ def test_auto_plans_two_lanes_when_every_expert_is_resident(small, rng, fixed_wa
 
 
 # ---------------------------------------------------------------------------- CUDA backend
-@pytest.fixture
-def fake(monkeypatch, rng):
-    return install(monkeypatch, rng, SMALL_SPEC)
-
-
 def test_cuda_backend_puts_each_group_on_its_lane(fake, fixed_walk_rule):
     """Two lanes on the recording runtime: a walk's gathers and GEMMs alternate between the
     compute streams group by group, each lane's gathers write its own buffers and its GEMMs
