@@ -1,20 +1,21 @@
-"""Per-layer routing cost: the engine's kernels (kernels/common/engine.cu) against the routing
-kernels (kernels/common/routing.cu), kernel by kernel, on the Qwen3-30B-A3B and
-Qwen3-235B-A22B router shapes.
+"""Per-layer routing cost of the three routing chains of the CUDA backend, kernel by kernel, on
+the Qwen3-30B-A3B and Qwen3-235B-A22B router shapes: "fp32" (kernels/common/engine.cu: float32
+logits on CUDA cores), "f16" (kernels/common/routing.cu: fp16 operands on tensor cores) and
+"exact" (kernels/common/routing_exact.cu: split operands on tensor cores, the canonical picks
+proven or re-ranked per token; the default).
 
     python bench/bench_routing.py [--tokens 254,2048,8192] [--shapes 30b,235b] [--reps 15]
                                   [--inner 20] [--json PATH]
 
 Each cell is GPU time per launch: `inner` back-to-back launches captured in one CUDA graph
 (so the Python launch cost never starves the GPU), replayed between two timing events; the
-median of `reps` replays after two warm-ups. "sort" is expert_bounds + expert_scatter (old)
-or route_tile_scan + route_scatter (new); "total" is router GEMM + top-k + sort, the issue's
-routing measure (rmsnorm_rows, which both keep, is shown beside it). "sequence" times the
-whole chain replayed as one graph. The router GEMM is also timed with every tile of GEMM_TILES
-whose K step divides the hidden size (second table, "router GEMM by tile"; "gemm_us_by_tile" in
-the JSON), whichever the rule picks. Inputs: xn from rmsnorm_rows on random hidden states, a
-random router (std 2/sqrt(hidden)); the picks of the old and new chains are compared
-(fraction of tokens whose expert set differs) and the new sort is checked against its ids.
+median of `reps` replays after two warm-ups. "total" is router GEMM + top-k + sort, the routing
+measure (rmsnorm_rows, which all keep, is shown beside it); "sequence" times a chain replayed
+as one graph. The exact chain's split GEMM is also timed with every tile whose K step divides
+the hidden size (second table). Inputs: xn from rmsnorm_rows on random hidden states, a random
+router (std 2/sqrt(hidden)); each chain's picks are compared with the canonical ones
+(routing_exact.route_exact: fraction of tokens whose expert set differs), the exact chain's ids
+and sort must equal them exactly, and the tokens its top-k re-ranked are counted.
 """
 
 from __future__ import annotations
@@ -31,12 +32,21 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from strata_rt.resources import KERNELS_ROOT  # noqa: E402
+from strata_rt.routing_exact import (  # noqa: E402
+    SPLIT_TILES,
+    ExactRoutingKernels,
+    exact_bound,
+    route_exact,
+    router_norms,
+    router_scale,
+    split_router,
+    split_tile,
+)
 from strata_rt.routing_kernels import (  # noqa: E402
-    GEMM_TILES,
     RoutingKernels,
     counting_sort_ref,
+    exact_workspace,
     gemm_tile,
-    gemm_tiles_for,
     router_f16,
     workspace_bytes,
 )
@@ -46,7 +56,9 @@ ENGINE_SOURCE = KERNELS_ROOT / "common" / "engine.cu"
 SHAPES = {"30b": (2048, 128, 8), "235b": (4096, 128, 8)}
 #: the engine's launch shapes (cuda_engine.py)
 ROUTER_TILE, TOPK_THREADS, SCATTER_THREADS, ROW_THREADS = 64, 128, 1024, 256
-TARGET_US = 60
+#: the issue's ceilings for the exact chain (GEMM + top-k + sort) at 8K tokens
+TARGET_US = {"30b": 60, "235b": 120}
+CHAINS = ("fp32", "f16", "exact")
 
 
 def bench_shape(rt, shape: str, tokens: int, reps: int, inner: int,
@@ -61,7 +73,7 @@ def bench_shape(rt, shape: str, tokens: int, reps: int, inner: int,
     k_topk = eng.kernel("topk_softmax", "PiiiPP")
     k_bounds = eng.kernel("expert_bounds", "PiiP")
     k_scatter = eng.kernel("expert_scatter", "PiiPPP")
-    rk = RoutingKernels(rt)
+    rk, ex = RoutingKernels(rt), ExactRoutingKernels(rt)
 
     x = rng.standard_normal((T, H), dtype=np.float32)
     w = (1 + 0.1 * rng.standard_normal(H)).astype(np.float32)
@@ -79,37 +91,45 @@ def bench_shape(rt, shape: str, tokens: int, reps: int, inner: int,
         return bufs[name].ptr
 
     px, pw, pr, pr16 = up("x", x), up("w", w), up("router", router), up("r16", router_f16(router))
+    psplit = up("split", split_router(router[None])[0])
     xn, logits = alloc("xn", T * H * 4), alloc("logits", T * E * 4)
-    o = {n: alloc("old_" + n, T * K * 4) for n in ("ids", "w", "st", "ro")}
-    n = {n: alloc("new_" + n, T * K * 4) for n in ("ids", "w", "st", "ro")}
-    ob, nb = alloc("old_b", (E + 1) * 4), alloc("new_b", (E + 1) * 4)
-    ws = alloc("ws", workspace_bytes(T, E))
+    out = {c: {n: alloc(f"{c}_{n}", T * K * 4) for n in ("ids", "w", "st", "ro")}
+           for c in CHAINS}
+    bnd = {c: alloc(f"{c}_b", (E + 1) * 4) for c in CHAINS}
+    ws_f16, ws_ex = alloc("ws", workspace_bytes(T, E, "f16")), alloc("wsx", workspace_bytes(T, E))
+    xnorm, counter = exact_workspace(ws_ex, T, E)
+    sigma, norms = router_scale(router), router_norms(router)
+    tile16, tilex = gemm_tile(T, H), split_tile(T, H)
+    o, n, x_ = out["fp32"], out["f16"], out["exact"]
+
+    def exact_topk(tile):
+        ex.topk(s, logits=logits, xnorm=xnorm, xn=xn, router32=psplit + E * H * 4, tokens=T,
+                hidden=H, n_experts=E, top_k=K, bound=exact_bound(norms, H, SPLIT_TILES[tile]),
+                ids=x_["ids"], weights=x_["w"], masks=ws_ex)
 
     launches = {
         "rmsnorm": lambda: k_norm.launch((T, 1, 1), (ROW_THREADS, 1, 1), s,
                                          (px, pw, xn, H, 1e-6)),
-        "old router": lambda: k_router.launch((-(-T // ROUTER_TILE), -(-E // ROUTER_TILE), 1),
-                                              (256, 1, 1), s, (xn, pr, logits, T, H, E)),
-        "old top-k": lambda: k_topk.launch((-(-T // TOPK_THREADS), 1, 1), (TOPK_THREADS, 1, 1),
-                                           s, (logits, T, E, K, o["ids"], o["w"])),
-        "old sort": lambda: (
-            k_bounds.launch((1, 1, 1), (SCATTER_THREADS, 1, 1), s, (o["ids"], T * K, E, ob),
-                            shared=E * 4),
+        "fp32 GEMM": lambda: k_router.launch((-(-T // ROUTER_TILE), -(-E // ROUTER_TILE), 1),
+                                             (256, 1, 1), s, (xn, pr, logits, T, H, E)),
+        "fp32 top-k": lambda: k_topk.launch((-(-T // TOPK_THREADS), 1, 1), (TOPK_THREADS, 1, 1),
+                                            s, (logits, T, E, K, o["ids"], o["w"])),
+        "fp32 sort": lambda: (
+            k_bounds.launch((1, 1, 1), (SCATTER_THREADS, 1, 1), s, (o["ids"], T * K, E,
+                                                                    bnd["fp32"]), shared=E * 4),
             k_scatter.launch((E, 1, 1), (SCATTER_THREADS, 1, 1), s,
-                             (o["ids"], T * K, K, ob, o["st"], o["ro"]))),
-        **{f"new GEMM {tile}": (lambda tile=tile: rk.logits(s, xn, pr16, logits, T, H, E, tile))
-           for tile in gemm_tiles_for(H)},
-        "new top-k": lambda: rk.topk(s, logits, T, E, K, n["ids"], n["w"], ws),
-        "new sort": lambda: rk.sort(s, n["ids"], T, E, K, ws, nb, n["st"], n["ro"]),
+                             (o["ids"], T * K, K, bnd["fp32"], o["st"], o["ro"]))),
+        "f16 GEMM": lambda: rk.logits(s, xn, pr16, logits, T, H, E, tile16),
+        "f16 top-k": lambda: rk.topk(s, logits, T, E, K, n["ids"], n["w"], ws_f16),
+        "f16 sort": lambda: rk.sort(s, n["ids"], T, E, K, ws_f16, bnd["f16"], n["st"], n["ro"]),
+        **{f"exact GEMM {t}": (lambda t=t: ex.logits(s, xn, psplit, logits, xnorm, T, H, E,
+                                                     sigma, t))
+           for t, tl in SPLIT_TILES.items() if tl.fits(H)},
+        "exact top-k": lambda: exact_topk(tilex),
+        "exact sort": lambda: rk.sort(s, x_["ids"], T, E, K, ws_ex, bnd["exact"], x_["st"],
+                                      x_["ro"]),
     }
-    # correctness first: old chain, then new chain, both from the same xn
-    launches["rmsnorm"]()
-    launches["old router"]()
-    launches["old top-k"]()
-    launches["old sort"]()
-    rk.route(s, xn=xn, router16=pr16, logits=logits, ids=n["ids"], weights=n["w"], bounds=nb,
-             sorted_token=n["st"], row_of=n["ro"], workspace=ws, tokens=T, hidden=H,
-             n_experts=E, top_k=K)
+    launches["exact GEMM"] = launches[f"exact GEMM {tilex}"]
 
     def down(ptr, count):
         host = np.empty(count, np.int32)
@@ -117,12 +137,33 @@ def bench_shape(rt, shape: str, tokens: int, reps: int, inner: int,
         s.synchronize()
         return host
 
-    old_ids, new_ids = down(o["ids"], T * K).reshape(T, K), down(n["ids"], T * K).reshape(T, K)
-    flips = float((np.sort(old_ids, 1) != np.sort(new_ids, 1)).any(axis=1).mean())
-    want = counting_sort_ref(new_ids, E)
-    sort_ok = (np.array_equal(down(nb, E + 1), want[0])
-               and np.array_equal(down(n["st"], T * K), want[1])
-               and np.array_equal(down(n["ro"], T * K), want[2]))
+    # correctness first: each chain from the same xn, its GEMM right before its top-k
+    launches["rmsnorm"]()
+    for c in CHAINS:
+        if c == "exact":
+            rt.memset_d8(counter, 0, 4, s)
+            launches["exact GEMM"]()
+            ex.topk(s, logits=logits, xnorm=xnorm, xn=xn, router32=psplit + E * H * 4,
+                    tokens=T, hidden=H, n_experts=E, top_k=K,
+                    bound=exact_bound(norms, H, SPLIT_TILES[tilex]), ids=x_["ids"],
+                    weights=x_["w"], masks=ws_ex, rechecked=counter)
+        else:
+            launches[f"{c} GEMM"]()
+            launches[f"{c} top-k"]()
+        launches[f"{c} sort"]()
+    ids = {c: down(out[c]["ids"], T * K).reshape(T, K) for c in CHAINS}
+    rechecked = int(down(counter, 1)[0])
+    xn_host = np.empty(T * H, np.float32)
+    rt.memcpy_dtoh(xn_host, xn, s)
+    s.synchronize()
+    canonical, _ = route_exact(xn_host.reshape(T, H), router, K)
+    differ = {c: float((np.sort(ids[c], 1) != np.sort(canonical, 1)).any(axis=1).mean())
+              for c in CHAINS}
+    want = counting_sort_ref(ids["exact"], E)
+    sort_ok = (np.array_equal(ids["exact"], canonical)
+               and np.array_equal(down(bnd["exact"], E + 1), want[0])
+               and np.array_equal(down(x_["st"], T * K), want[1])
+               and np.array_equal(down(x_["ro"], T * K), want[2]))
 
     def time_us(fn) -> float:
         for _ in range(2):
@@ -139,60 +180,52 @@ def bench_shape(rt, shape: str, tokens: int, reps: int, inner: int,
         graph.free()
         return statistics.median(samples[2:])
 
-    us = {name: time_us(fn) for name, fn in launches.items()}
-    tile = gemm_tile(T, H)
-    us["old total"] = us["old router"] + us["old top-k"] + us["old sort"]
-    us["new GEMM"] = us[f"new GEMM {tile}"]
-    us["new total"] = us["new GEMM"] + us["new top-k"] + us["new sort"]
-
-    def old_seq():
-        for name in ("old router", "old top-k", "old sort"):
-            launches[name]()
-
-    def new_seq():
-        for name in (f"new GEMM {tile}", "new top-k", "new sort"):
-            launches[name]()
-
-    us["old sequence"] = time_us(old_seq)
-    us["new sequence"] = time_us(new_seq)
+    us = {name: time_us(fn) for name, fn in launches.items() if name != "exact GEMM"}
+    us["exact GEMM"] = us[f"exact GEMM {tilex}"]
+    for c in CHAINS:
+        us[f"{c} total"] = us[f"{c} GEMM"] + us[f"{c} top-k"] + us[f"{c} sort"]
+        names = [f"{c} GEMM", f"{c} top-k", f"{c} sort"]
+        us[f"{c} sequence"] = time_us(lambda names=names: [launches[m]() for m in names])
     for b in bufs.values():
         b.free()
     return {"shape": shape, "hidden": H, "experts": E, "top_k": K, "tokens": T,
-            "gemm_tile": tile, "us": us,
-            "gemm_us_by_tile": {t: us[f"new GEMM {t}"] for t in gemm_tiles_for(H)},
-            "set_flips_vs_old": flips, "sort_ok": sort_ok}
+            "gemm_tile": tilex, "f16_tile": tile16, "us": us,
+            "gemm_us_by_tile": {t: us[f"exact GEMM {t}"] for t in SPLIT_TILES
+                                if f"exact GEMM {t}" in us},
+            "picks_differ_from_canonical": differ, "rechecked": rechecked, "sort_ok": sort_ok}
 
 
 def table(rows: list[dict]) -> str:
-    cols = ["rmsnorm", "old router", "old top-k", "old sort", "old total", "new GEMM",
-            "new top-k", "new sort", "new total"]
-    lines = ["| shape | tokens | " + " | ".join(cols) + " | speedup | sequence old / new "
-             "| other GEMM tile | picks differ | sort |",
+    cols = ["rmsnorm"] + [f"{c} {p}" for c in ("fp32", "f16") for p in ("total",)] + [
+        "exact GEMM", "exact top-k", "exact sort", "exact total"]
+    lines = ["| shape | tokens | " + " | ".join(cols) + " | target | exact vs fp32 / f16 "
+             "| picks differ from canonical: fp32 / f16 / exact | re-ranked tokens | sort |",
              "|---" * (len(cols) + 7) + "|"]
     for r in rows:
-        u = r["us"]
-        other = [t for t in r["gemm_us_by_tile"] if t != r["gemm_tile"]]
+        u, d = r["us"], r["picks_differ_from_canonical"]
         cells = [f"{u[c]:.1f}" for c in cols]
-        cells[cols.index("new GEMM")] += f" ({r['gemm_tile']})"
-        mark = "" if u["new total"] <= TARGET_US else " (over target)"
+        cells[cols.index("exact GEMM")] += f" ({r['gemm_tile']})"
+        target = TARGET_US[r["shape"]]
+        mark = "ok" if u["exact total"] <= target else "over"
         lines.append(
-            f"| {r['shape']} | {r['tokens']} | " + " | ".join(cells) + mark
-            + f" | {u['old total'] / u['new total']:.1f}x"
-            + f" | {u['old sequence']:.1f} / {u['new sequence']:.1f}"
-            + " | " + ", ".join(f"{t} {u[f'new GEMM {t}']:.1f}" for t in other)
-            + f" | {100 * r['set_flips_vs_old']:.2f}% | {'ok' if r['sort_ok'] else 'WRONG'} |")
+            f"| {r['shape']} | {r['tokens']} | " + " | ".join(cells)
+            + f" | <= {target} {mark} | {u['fp32 total'] / u['exact total']:.2f}x / "
+            f"{u['f16 total'] / u['exact total']:.2f}x"
+            + f" | {100 * d['fp32']:.2f}% / {100 * d['f16']:.2f}% / {100 * d['exact']:.2f}%"
+            + f" | {r['rechecked']} ({100 * r['rechecked'] / r['tokens']:.1f}%)"
+            + f" | {'ok' if r['sort_ok'] else 'WRONG'} |")
     return "\n".join(lines)
 
 
 def tile_table(rows: list[dict]) -> str:
-    """Router GEMM microseconds per launch by tile: the rule's pick marked *, a tile whose K
+    """Split GEMM microseconds per launch by tile: the rule's pick marked *, a tile whose K
     step does not divide the hidden size shown as -, the fastest named last."""
-    lines = ["| shape | tokens | " + " | ".join(GEMM_TILES) + " | fastest |",
-             "|---" * (len(GEMM_TILES) + 3) + "|"]
+    lines = ["| shape | tokens | " + " | ".join(SPLIT_TILES) + " | fastest |",
+             "|---" * (len(SPLIT_TILES) + 3) + "|"]
     for r in rows:
         by_tile = r["gemm_us_by_tile"]
         cells = [f"{by_tile[t]:.1f}" + (" *" if t == r["gemm_tile"] else "")
-                 if t in by_tile else "-" for t in GEMM_TILES]
+                 if t in by_tile else "-" for t in SPLIT_TILES]
         best = min(by_tile, key=by_tile.__getitem__)
         lines.append(f"| {r['shape']} | {r['tokens']} | " + " | ".join(cells)
                      + f" | {best} {by_tile[best]:.1f} |")
@@ -224,9 +257,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         a.json.write_text(json.dumps({"device": device, "rows": rows}, indent=1))
     print(f"\nRouting per layer on {device}: microseconds per launch (CUDA graph, median of "
-          f"{a.reps}); target: new total <= {TARGET_US} us at 8K tokens.\n")
+          f"{a.reps}); targets for the exact chain at 8K tokens: 30b <= 60, 235b <= 120 us.\n")
     print(table(rows))
-    print("\nRouter GEMM by tile: microseconds per launch (* the tile the rule picks).\n")
+    print("\nExact routing's split GEMM by tile: microseconds per launch (* the rule's pick).\n")
     print(tile_table(rows))
     return 0 if all(r["sort_ok"] for r in rows) else 1
 

@@ -63,7 +63,7 @@ class EngineConfig:
     dump_r: str | None = None
     #: a Chrome/Perfetto trace file of the streams (STRATA_PREFILL_TRACE); implies timing
     trace: str | None = None
-    #: CUDA routing kernels: "tensor" (tensor-core router GEMM, warp top-k) or "fp32"
+    #: CUDA routing kernels (routing_kernels.ROUTINGS): "exact" (default), "f16" or "fp32"
     routing: str | None = None
     #: called as progress(chunk, n_chunks, layer, n_layers) after each layer
     progress: Callable[[int, int, int, int], None] | None = None

@@ -96,10 +96,11 @@ SWITCHES: dict[str, Switch] = {
         Switch("STRATA_DISABLE_PLUGINS", "str",
                "comma-separated plugin names to leave out (as `enabled: false` in "
                "plugins.yaml does); `strata plugins` shows what is disabled."),
-        Switch("STRATA_ROUTING", "choice:tensor,fp32",
-               "router kernels of the CUDA backend: tensor (router GEMM on tensor cores with "
-               "fp16 operands, top-k one warp per token; the default) or fp32 (CUDA-core "
-               "float32 logits, one thread per token: the wave-1 kernels)."),
+        Switch("STRATA_ROUTING", "choice:exact,f16,fp32",
+               "router kernels of the CUDA backend: exact (the default: the experts the "
+               "canonical float64 logits pick, near-ties included, from split-operand "
+               "tensor-core logits proven or re-ranked per token), f16 (fp16 operands on "
+               "tensor cores: fast, near-ties may flip) or fp32 (CUDA-core float32 logits)."),
         Switch("STRATA_DENSE_GEMM", "choice:cublas,own",
                "a whole model's dense projections and output head: cublas (cuBLAS GemmEx, the "
                "default) or own (the project's fp16 GEMM, whose bytes do not depend on the "

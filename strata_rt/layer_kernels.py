@@ -2,12 +2,13 @@
 logits, softmax top-k, counting sort by expert) with the activation encoding of the sorted rows,
 SwiGLU with re-encoding, and the weighted combine into the residual.
 
-Routing comes in two kernel sets (STRATA_ROUTING): "tensor" (kernels/common/routing.cu: the
-router GEMM on tensor cores with fp16 operands and float32 accumulation, softmax top-k one warp
-per token, a deterministic counting sort in two launches) and "fp32" (kernels/common/engine.cu:
-float32 logits on CUDA cores, one thread per token). Both sort rows the same way (tokens
-ascending inside an expert); their logits differ by fp16 rounding, so an expert choice can
-differ at near-ties (measured in tests/test_routing_kernels.py).
+Routing comes in three kernel sets (STRATA_ROUTING): "exact" (the default: the canonical picks
+of strata_rt/routing_exact.py, whatever the near-ties: a split-operand tensor-core GEMM and a
+warp top-k that proves its order or re-ranks the candidates in float64), "f16"
+(kernels/common/routing.cu: the router GEMM on tensor cores with fp16 operands, so a near-tie
+can flip) and "fp32" (kernels/common/engine.cu: float32 logits on CUDA cores, one thread per
+token). "exact" and "f16" share the deterministic two-launch counting sort; all three sort rows
+the same way (tokens ascending inside an expert).
 
 Everything here is the part of a layer that is not a format's gather or matmul; the CUDA
 executor calls it with device addresses and never sees launch shapes.
@@ -22,7 +23,21 @@ import numpy as np
 
 from .activations import Activation, ActivationKernels
 from .resources import KERNELS_ROOT
-from .routing_kernels import RoutingKernels, check_routing_shape, router_f16
+from .routing_exact import (
+    SPLIT_TILES,
+    ExactBound,
+    ExactRoutingKernels,
+    exact_bound,
+    router_norms,
+    split_router,
+    split_tile,
+)
+from .routing_kernels import (
+    RoutingKernels,
+    check_routing_shape,
+    exact_workspace,
+    router_f16,
+)
 
 if TYPE_CHECKING:
     from .model import MoESpec
@@ -47,15 +62,21 @@ class LayerKernels:
 
     `ptr` maps region names of the device arena to addresses: x, xn, norm, router, logits,
     topk_ids, topk_w, sorted_token, row_of, act_hidden, act_ffn, gate_up_out, down_out, and
-    route_ws for the tensor routing."""
+    route_ws for the exact and f16 routings."""
 
     def __init__(self, rt: Runtime, spec: MoESpec, activation: Activation, ptr: dict[str, int],
-                 routing: str = "tensor"):
+                 routing: str = "exact"):
         self.spec, self.activation, self.ptr, self.routing = spec, activation, ptr, routing
         self._routing: RoutingKernels | None = None
-        if routing == "tensor":
+        self._exact: ExactRoutingKernels | None = None
+        #: per layer: sigma of the split router and the bound's router terms, by tile name
+        self._sigma: list[float] = []
+        self._bounds: list[dict[str, ExactBound]] = []
+        if routing != "fp32":
             check_routing_shape(spec.hidden, spec.n_experts, spec.top_k)
             self._routing = RoutingKernels(rt)
+        if routing == "exact":
+            self._exact = ExactRoutingKernels(rt)
         mod = rt.module(ENGINE_SOURCE)
         self._norm = mod.kernel("rmsnorm_rows", "PPPif")
         self._router = mod.kernel("router_logits", "PPPiii")
@@ -67,8 +88,15 @@ class LayerKernels:
         self._acts = ActivationKernels(rt)
 
     def router_weights(self, router: np.ndarray) -> np.ndarray:
-        """The host array to upload into the `router` region (fp16 for the tensor routing)."""
-        return router_f16(router) if self._routing is not None else router
+        """The host array to upload into the `router` region [L, E, H] in the routing's device
+        form; for "exact" also the per-layer scale and bound terms the launches take."""
+        if self.routing == "exact":
+            norms = [router_norms(w) for w in router]
+            self._sigma = [n.sigma for n in norms]
+            self._bounds = [{name: exact_bound(n, self.spec.hidden, tile)
+                             for name, tile in SPLIT_TILES.items()} for n in norms]
+            return split_router(router)
+        return router_f16(router) if self.routing == "f16" else router
 
     def route(self, stream: Stream, layer: int, tokens: int, bounds: int, mark: Mark) -> None:
         """RMSNorm, router logits, top-k, counting sort and the hidden activations of one
@@ -82,10 +110,13 @@ class LayerKernels:
                                 float(spec.rms_eps)))
         if self._routing is not None:
             rk = self._routing
-            mark("router gemm")
-            rk.logits(stream, p["xn"], p["router"] + layer * E * H * 2, p["logits"], T, H, E)
-            mark("softmax top-k")
-            rk.topk(stream, p["logits"], T, E, K, p["topk_ids"], p["topk_w"], p["route_ws"])
+            if self._exact is not None:
+                self._route_exact(stream, layer, T, mark)
+            else:
+                mark("router gemm")
+                rk.logits(stream, p["xn"], p["router"] + layer * E * H * 2, p["logits"], T, H, E)
+                mark("softmax top-k")
+                rk.topk(stream, p["logits"], T, E, K, p["topk_ids"], p["topk_w"], p["route_ws"])
             mark("sort")
             rk.sort(stream, p["topk_ids"], T, E, K, p["route_ws"], bounds, p["sorted_token"],
                     p["row_of"])
@@ -94,6 +125,22 @@ class LayerKernels:
         mark("quantize acts")
         self._acts.launch(self.activation, stream, p["xn"], H, p["sorted_token"],
                           p["act_hidden"], T * K, H)
+
+    def _route_exact(self, stream: Stream, layer: int, T: int, mark: Mark) -> None:
+        assert self._exact is not None and self._bounds, "router_weights() ran at open"
+        spec, p = self.spec, self.ptr
+        H, E, K = spec.hidden, spec.n_experts, spec.top_k
+        router = p["router"] + layer * E * H * 8
+        xnorm, _ = exact_workspace(p["route_ws"], T, E)
+        tile = split_tile(T, H)
+        mark("router gemm")
+        self._exact.logits(stream, p["xn"], router, p["logits"], xnorm, T, H, E,
+                           self._sigma[layer], tile)
+        mark("softmax top-k")
+        self._exact.topk(stream, logits=p["logits"], xnorm=xnorm, xn=p["xn"],
+                         router32=router + E * H * 4, tokens=T, hidden=H, n_experts=E, top_k=K,
+                         bound=self._bounds[layer][tile], ids=p["topk_ids"],
+                         weights=p["topk_w"], masks=p["route_ws"])
 
     def _route_fp32(self, stream: Stream, layer: int, T: int, bounds: int, mark: Mark) -> None:
         spec, p = self.spec, self.ptr

@@ -19,7 +19,7 @@ from .image_cache import block_bytes
 from .lanes import LanesSetting, allocated_lanes
 from .plan import LANES, StreamName, lane_index
 from .planner import AUTO_CHUNK_MAX, RESERVE_AUTO_CHUNK_MAX
-from .routing_kernels import workspace_bytes
+from .routing_kernels import ROUTER_BYTES, workspace_bytes
 from .runtime.memory import mib, plan_regions, regions_total
 from .whole_memory import WholeSizing, whole_chunk_regions, whole_fixed_regions
 
@@ -33,11 +33,11 @@ DEFAULT_RESERVE_MIB = 512
 
 
 def chunk_regions(spec: MoESpec, activation: Activation, tokens: int,
-                  routing: str = "tensor") -> dict[str, int]:
+                  routing: str = "exact") -> dict[str, int]:
     """Device bytes of one chunk's buffers (all sorted rows are tokens * top_k)."""
     T, H, F, E, K = tokens, spec.hidden, spec.ffn, spec.n_experts, spec.top_k
     rows = T * K
-    extra = {"route_ws": workspace_bytes(T, E)} if routing == "tensor" else {}
+    extra = {"route_ws": workspace_bytes(T, E, routing)} if routing != "fp32" else {}
     return {**extra,
         "x": T * H * 4,
         "xn": T * H * 4,
@@ -60,10 +60,10 @@ def lane_buffers(stream: StreamName) -> tuple[str, str]:
 
 
 def fixed_regions(spec: MoESpec, layout: ExpertLayout, ring_slots: int,
-                  routing: str = "tensor", image_blocks: int = 0,
+                  routing: str = "exact", image_blocks: int = 0,
                   lanes: int = 1) -> dict[str, int]:
-    """Device bytes that do not depend on the chunk or the residency (the router weights are
-    fp16 for the tensor-core routing, float32 for the fp32 kernels; image_blocks: room of the
+    """Device bytes that do not depend on the chunk or the residency (the router weights take
+    routing_kernels.ROUTER_BYTES[routing] bytes each; image_blocks: room of the
     image cache, strata_rt.image_cache; lanes: compute lanes, each with its group buffers)."""
     L, H, E = spec.n_layers, spec.hidden, spec.n_experts
     images = {}
@@ -76,7 +76,7 @@ def fixed_regions(spec: MoESpec, layout: ExpertLayout, ring_slots: int,
         buffers[gu_name] = MMQ_GROUP * layout.gate_up_image_bytes
         buffers[dn_name] = MMQ_GROUP * layout.down_image_bytes
     return {**images,
-        "router": L * E * H * (2 if routing == "tensor" else 4),
+        "router": L * E * H * ROUTER_BYTES[routing],
         "norm": L * H * 4,
         "bounds": L * (E + 1) * 4,
         "ring": ring_slots * layout.slot_bytes,
@@ -103,7 +103,7 @@ class MemoryPlan:
 
 def plan_memory(spec: MoESpec, layout: ExpertLayout, activation: Activation, available: int,
                 ring_slots: int, prefill: str | int, n_resident: int | None,
-                routing: str = "tensor", whole: WholeSizing | None = None,
+                routing: str = "exact", whole: WholeSizing | None = None,
                 dense: str = "auto", image_blocks: int = 0, lanes: int = 1) -> MemoryPlan:
     """plan_memory_for with a whole model's dense policy applied: "resident", "stream", or
     "auto" (resident when that plan fits, else streamed; a plan that fits either way keeps
@@ -124,7 +124,7 @@ def plan_memory(spec: MoESpec, layout: ExpertLayout, activation: Activation, ava
 
 def plan_memory_for(spec: MoESpec, layout: ExpertLayout, activation: Activation,
                     available: int, ring_slots: int, prefill: str | int,
-                    n_resident: int | None, routing: str = "tensor",
+                    n_resident: int | None, routing: str = "exact",
                     whole: WholeSizing | None = None, image_blocks: int = 0,
                     lanes: int = 1) -> MemoryPlan:
     """Sizes the device arena within `available` bytes.

@@ -31,7 +31,7 @@ from .host_copy import all_finite
 from .image_cache import ImageCache, capacity_blocks
 from .in_place import check_in_place, chunk_in_place
 from .lanes import allocated_lanes, chunk_lanes
-from .model import rms_norm, route, silu
+from .model import rms_norm, silu
 from .plan import (
     HOST,
     RESIDENT,
@@ -55,6 +55,7 @@ from .plan import (
 from .planner import ring_sizes
 from .reference_attention import ReferenceDense
 from .residency import Residency
+from .routing_exact import route_exact
 from .stats import Stats
 from .store import ExpertStore, numpy_alloc
 from .timing import format_table
@@ -275,7 +276,7 @@ class ReferenceBackend:
         t0 = time.perf_counter()
         spec = self.spec
         xn = rms_norm(h, self.model.norm[layer], spec.rms_eps)
-        ids, w = route(xn, self.model.router[layer], spec.top_k)
+        ids, w = route_exact(xn, self.model.router[layer], spec.top_k)
         stats.add_routing(layer, ids, spec.n_experts)
         self.routes.append(ids)
         self._state = _LayerState(layer, xn, ids, w, spec.n_experts, spec.hidden)

@@ -35,9 +35,13 @@ if TYPE_CHECKING:
 
 
 ROUTING_SOURCE = KERNELS_ROOT / "common" / "routing.cu"
-#: routing kernels of the CUDA backend (STRATA_ROUTING), the default first: these ("tensor"),
-#: or engine.cu's float32 CUDA-core kernels ("fp32")
-ROUTINGS = ("tensor", "fp32")
+#: routing kernels of the CUDA backend (STRATA_ROUTING), the default first: "exact" (the
+#: canonical picks of routing_exact.py: split-operand tensor-core logits, proven or re-ranked),
+#: "f16" (these kernels: fp16 operands, near-ties may flip) or "fp32" (engine.cu's float32
+#: CUDA-core kernels)
+ROUTINGS = ("exact", "f16", "fp32")
+#: device bytes per router weight: split fp16 hi/lo + float32 for the re-check, fp16, float32
+ROUTER_BYTES = {"exact": 8, "f16": 2, "fp32": 4}
 #: tokens per sort tile (one bit each of a 32-bit mask); the top-k block covers one tile
 ROUTE_TILE = 32
 MAX_EXPERTS = 512
@@ -122,10 +126,29 @@ def n_tiles(tokens: int) -> int:
     return -(-tokens // ROUTE_TILE)
 
 
-def workspace_bytes(tokens: int, n_experts: int) -> int:
+def sort_workspace_bytes(tokens: int, n_experts: int) -> int:
     """Device bytes the sort needs beside its outputs for chunks of up to `tokens` tokens:
     tile masks and tile offsets (uint32/int32 [n_experts, tiles]) and per-expert totals."""
     return (2 * n_experts * n_tiles(tokens) + n_experts) * 4
+
+
+def workspace_bytes(tokens: int, n_experts: int, routing: str = "exact") -> int:
+    """The route_ws region of a routing: the sort's workspace, and for "exact" the token norms
+    (float32 [T], 16-byte aligned) and a re-check counter after it (exact_workspace); "fp32"
+    needs none."""
+    if routing == "fp32":
+        return 0
+    sort = sort_workspace_bytes(tokens, n_experts)
+    if routing == "f16":
+        return sort
+    return -(-sort // 16) * 16 + -(-tokens * 4 // 16) * 16 + 16
+
+
+def exact_workspace(workspace: int, tokens: int, n_experts: int) -> tuple[int, int]:
+    """(xnorm, counter) device addresses inside an exact routing's workspace (workspace_bytes
+    for at least `tokens` tokens; the sort's part comes first)."""
+    xnorm = workspace + -(-sort_workspace_bytes(tokens, n_experts) // 16) * 16
+    return xnorm, xnorm + -(-tokens * 4 // 16) * 16
 
 
 def gemm_tiles_for(hidden: int) -> list[str]:

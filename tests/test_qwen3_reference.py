@@ -156,6 +156,7 @@ def test_each_wrong_convention_breaks_parity(golden, variant, monkeypatch):
         cls = _NormAfterRope
     elif variant == "top_k_not_renormalised":
         monkeypatch.setattr(qref, "route", _route_without_renormalising)
+        monkeypatch.setattr(qref, "route_exact", _route_without_renormalising)
     elif variant == "kv_heads_interleaved":
         cls = _KvHeadsInterleaved
     else:

@@ -189,7 +189,7 @@ def test_shape_checks_name_every_problem():
 
 def test_workspace_and_tile_choice():
     assert n_tiles(1) == 1 and n_tiles(32) == 1 and n_tiles(33) == 2
-    assert workspace_bytes(8192, 128) == (2 * 128 * 256 + 128) * 4
+    assert workspace_bytes(8192, 128, "f16") == (2 * 128 * 256 + 128) * 4
     for hidden in (2048, 4096):
         assert gemm_tile(254, hidden) == "m16k128" and gemm_tile(2048, hidden) == "m16k128"
         assert gemm_tile(2049, hidden) == "m64k128" and gemm_tile(8192, hidden) == "m64k128"

@@ -20,6 +20,7 @@
 #include <stdint.h>
 
 #include "common/mma.cuh"
+#include "common/route_keys.cuh"
 
 #define ROUTE_TILE 32
 #define F16_LIMIT 65504.0f
@@ -209,16 +210,6 @@ router_logits_f16_m64k128(const float* __restrict__ xn, const __half* __restrict
 }
 
 // ---------------------------------------------------------------------------- top-k softmax
-// Order-preserving map of float32 onto uint32 (larger float -> larger key).
-__device__ __forceinline__ unsigned float_key(float v) {
-    const unsigned u = __float_as_uint(__fadd_rn(v, 0.0f));  // -0 -> +0: equal logits tie
-    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
-
-__device__ __forceinline__ float key_float(unsigned k) {
-    return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
-}
-
 // One warp per token, 32 tokens (one sort tile) per block of 1024 threads. Lane L holds the
 // logits of experts L, L+32, ... (NPL of them). Pick j is the largest logit not yet picked,
 // ties to the lower expert id (two warp reductions: max key, then min id among the holders);

@@ -27,6 +27,7 @@ import numpy.typing as npt
 from ..errors import BudgetError, ConfigError
 from ..model import Model, rms_norm, route, silu
 from ..prompts import check_token_ids
+from ..routing_exact import route_exact
 from .spec import Qwen3Spec
 from .weights import DenseTensor, Qwen3Model
 
@@ -112,7 +113,9 @@ def moe_block(moe: Model, layer: int, h: np.ndarray, experts: dict | None = None
     dt = h.dtype
     spec = moe.spec
     xn = rms_norm(h, moe.norm[layer], spec.rms_eps)
-    ids, w = route(xn, moe.router[layer].astype(dt), spec.top_k)
+    # float32 runs route as the engine does (the canonical picks); float64 is a yardstick
+    ids, w = (route_exact(xn, moe.router[layer], spec.top_k) if dt == np.float32
+              else route(xn, moe.router[layer].astype(dt), spec.top_k))
     y = np.zeros_like(h)
     cache = {} if experts is None else experts
     for e in np.unique(ids):

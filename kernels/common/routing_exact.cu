@@ -1,0 +1,413 @@
+// Exact routing: the top-k experts (and their order, ties to the lower id) that the canonical
+// float64 logits pick, at tensor-core speed. Two launches replace routing.cu's GEMM and top-k
+// (its scan and scatter sort the result):
+//
+// 1. router_logits_split_<tile>: approximate logits on tensor cores from split operands.
+//    x = xh + 2^-11 xl and w' = w / sigma = wh + 2^-11 wl, each part fp16 (xl and wl are the
+//    rounding residuals scaled up by 2^11, so they keep 11 significant bits where fp16 would
+//    flush them); three mma products per fragment, xh wh + 2^-11 (xh wl + xl wh), carry about
+//    22 of float32's 24 bits. The xh wh products of one K step accumulate in fresh registers and
+//    are then added to the running sum with one round-to-nearest float32 add, which bounds the
+//    tensor cores' own accumulation error by one K step's worth. The same pass writes each
+//    token's norm |x|_2 (+inf when a value is beyond fp16's range or not finite), from which the
+//    launcher's constants give a rigorous bound B(t) = c1 |x|_2 + c0 on |approx - canonical| for
+//    every logit of the token (routing_exact.py derives c1 and c0).
+// 2. topk_exact_w<NPL>: one warp per token ranks the approximate logits. Where every gap between
+//    consecutive picks 0..k (the k+1-th included) exceeds 2 B(t), the approximate order is the
+//    canonical one, proven by the bound. Otherwise the warp recomputes the canonical logit of
+//    every candidate that could still be among the top k (approximate logit within 2 B(t) of the
+//    k-th) and ranks those. Weights: float32 softmax of the approximate logits over all experts,
+//    renormalised over the picks.
+//
+// The canonical logit of token t and expert e, the routing's definition (routing_exact.py's
+// numpy twin computes the same bits): lane l of 32 sums x[c] * w[c] for c = l, l + 32, ... in
+// ascending c in float64 (each product of two float32 values is exact in float64), then the 32
+// partial sums meet in an xor tree (offsets 16, 8, 4, 2, 1).
+//
+// Every output is a fixed function of the inputs and does not depend on the chunk a token sits in.
+
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#include "common/mma.cuh"
+#include "common/route_keys.cuh"
+
+#define ROUTE_TILE 32
+#define F16_LIMIT 65504.0f
+#define LO_SCALE 2048.0f              // 2^11: the residual's scale-up
+#define LO_UNSCALE 4.8828125e-4f      // 2^-11
+
+// x -> (fp16 hi, fp16 scaled residual); `bad` set when x cannot be split (beyond fp16's range,
+// NaN): such a token's approximate logits are not trusted (its norm becomes +inf).
+__device__ __forceinline__ void split_f16(float x, __half& hi, __half& lo, bool& bad) {
+    bad = bad || !(fabsf(x) <= F16_LIMIT);
+    const float xc = fabsf(x) <= F16_LIMIT ? x : 0.0f;
+    hi = __float2half_rn(xc);
+    lo = __float2half_rn(__fmul_rn(__fsub_rn(xc, __half2float(hi)), LO_SCALE));
+}
+
+__device__ __forceinline__ unsigned pack_h2(__half a, __half b) {
+    const __half2 h = __halves2half2(a, b);
+    return *reinterpret_cast<const unsigned*>(&h);
+}
+
+// logits[t, e] = sigma * (xh wh + 2^-11 (xh wl + xl wh)) over c; xnorm[t] = |x_t|_2 (blocks with
+// blockIdx.y == 0 write it). router_split: wh [E, H] fp16, then wl [E, H] fp16. Block tile BM
+// tokens x BN experts, WARPS_M x WARPS_N warps, K steps of BK through a STAGES-deep cp.async
+// ring; x lands float32 and is split once per K step into the Ah / Al tiles every warp reads.
+template <int BM, int BN, int WARPS_M, int WARPS_N, int BK, int STAGES>
+__device__ __forceinline__ void router_gemm_split(const float* __restrict__ xn,
+                                                  const __half* __restrict__ router_split,
+                                                  float* __restrict__ logits,
+                                                  float* __restrict__ xnorm, int tokens,
+                                                  int hidden, int n_experts, float sigma) {
+    constexpr int THREADS = WARPS_M * WARPS_N * 32;
+    constexpr int WM = BM / WARPS_M, WN = BN / WARPS_N;
+    constexpr int MT = WM / 16, NT = WN / 8;
+    constexpr int AS = BK + 8;  // floats per fp32 A row
+    constexpr int BS = BK + 8;  // halves per fp16 row (an odd number of 16-byte units)
+    constexpr int V4 = BK / 4;  // float4s per A row and K step: the lanes sharing a row
+    constexpr int PER = BM * V4 / THREADS;  // float4s each thread splits per K step
+    static_assert(WM * WARPS_M == BM && WN * WARPS_N == BN, "warps must tile the block");
+    static_assert(MT >= 1 && WM % 16 == 0 && NT % 2 == 0 && WN % 16 == 0, "warp tile shape");
+    static_assert(BK % 16 == 0 && 32 % V4 == 0 && PER * THREADS == BM * V4, "K step");
+    static_assert(STAGES >= 2, "the ring refills one stage while it reads another");
+    static_assert(STAGES * (BM * AS * 4 + 2 * BN * BS * 2) + 2 * BM * BS * 2 <= 227 * 1024,
+                  "shared memory per block");
+    extern __shared__ __align__(16) unsigned char smem[];
+    float* As = reinterpret_cast<float*>(smem);
+    __half* Bh = reinterpret_cast<__half*>(As + STAGES * BM * AS);
+    __half* Bl = Bh + STAGES * BN * BS;
+    __half* Ah = Bl + STAGES * BN * BS;
+    __half* Al = Ah + BM * BS;
+
+    const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int wm = warp / WARPS_N, wn = warp % WARPS_N;
+    const int g = lane >> 2, q = lane & 3;
+    const int steps = hidden / BK;
+    const size_t lo_off = (size_t)n_experts * hidden;
+
+    auto load = [&](int stage, int step) {
+        const int k0 = step * BK;
+        float* a = As + stage * BM * AS;
+        for (int i = threadIdx.x; i < BM * V4; i += THREADS) {
+            const int r = i / V4, c = (i % V4) * 4;
+            const int t = m0 + r;
+            const float* src = t < tokens ? xn + (size_t)t * hidden + k0 + c : xn;
+            cp_async16(a + r * AS + c, src, t < tokens ? 16 : 0);
+        }
+        __half* bh = Bh + stage * BN * BS;
+        __half* bl = Bl + stage * BN * BS;
+        for (int i = threadIdx.x; i < BN * (BK / 8); i += THREADS) {
+            const int r = i / (BK / 8), c = (i % (BK / 8)) * 8;
+            const int e = n0 + r;
+            const size_t at = e < n_experts ? (size_t)e * hidden + k0 + c : 0;
+            cp_async16(bh + r * BS + c, router_split + at, e < n_experts ? 16 : 0);
+            cp_async16(bl + r * BS + c, router_split + lo_off + at, e < n_experts ? 16 : 0);
+        }
+    };
+
+    float acc[MT][NT][4], part[MT][NT][4], cross[MT][NT][4];
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int v = 0; v < 4; ++v) acc[i][j][v] = cross[i][j][v] = 0.0f;
+    float sq[PER];
+    bool bad[PER];
+#pragma unroll
+    for (int p = 0; p < PER; ++p) {
+        sq[p] = 0.0f;
+        bad[p] = false;
+    }
+
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < steps) load(s, s);
+        cp_async_commit();
+    }
+    for (int step = 0; step < steps; ++step) {
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();  // stage `step` landed for all; stage step-1 is free to refill
+        const int next = step + STAGES - 1;
+        if (next < steps) load(next % STAGES, next);
+        cp_async_commit();
+
+        const float* a32 = As + (step % STAGES) * BM * AS;
+#pragma unroll
+        for (int p = 0; p < PER; ++p) {
+            const int i = threadIdx.x + p * THREADS;
+            const int r = i / V4, c = (i % V4) * 4;
+            const float4 v = *reinterpret_cast<const float4*>(a32 + r * AS + c);
+            __half h0, h1, h2, h3, l0, l1, l2, l3;
+            split_f16(v.x, h0, l0, bad[p]);
+            split_f16(v.y, h1, l1, bad[p]);
+            split_f16(v.z, h2, l2, bad[p]);
+            split_f16(v.w, h3, l3, bad[p]);
+            sq[p] = __fmaf_rn(v.x, v.x, sq[p]);
+            sq[p] = __fmaf_rn(v.y, v.y, sq[p]);
+            sq[p] = __fmaf_rn(v.z, v.z, sq[p]);
+            sq[p] = __fmaf_rn(v.w, v.w, sq[p]);
+            *reinterpret_cast<uint2*>(Ah + r * BS + c) = make_uint2(pack_h2(h0, h1), pack_h2(h2, h3));
+            *reinterpret_cast<uint2*>(Al + r * BS + c) = make_uint2(pack_h2(l0, l1), pack_h2(l2, l3));
+        }
+        __syncthreads();  // Ah and Al complete for every warp
+
+#pragma unroll
+        for (int i = 0; i < MT; ++i)
+#pragma unroll
+            for (int j = 0; j < NT; ++j)
+#pragma unroll
+                for (int v = 0; v < 4; ++v) part[i][j][v] = 0.0f;
+        const __half* ah = Ah + (wm * WM) * BS;
+        const __half* al = Al + (wm * WM) * BS;
+        const __half* bh = Bh + (step % STAGES) * BN * BS + (wn * WN) * BS;
+        const __half* bl = Bl + (step % STAGES) * BN * BS + (wn * WN) * BS;
+#pragma unroll
+        for (int kk = 0; kk < BK; kk += 16) {
+            unsigned afh[MT][4], afl[MT][4];
+#pragma unroll
+            for (int i = 0; i < MT; ++i) {
+                const int off = (i * 16 + (lane & 15)) * BS + kk + (lane >> 4) * 8;
+                ldmatrix_x4(afh[i], ah + off);
+                ldmatrix_x4(afl[i], al + off);
+            }
+#pragma unroll
+            for (int j = 0; j < NT; j += 2) {
+                const int mat = lane >> 3;
+                const int off = ((j + (mat >> 1)) * 8 + (lane & 7)) * BS + kk + (mat & 1) * 8;
+                unsigned bfh[4], bfl[4];
+                ldmatrix_x4(bfh, bh + off);
+                ldmatrix_x4(bfl, bl + off);
+#pragma unroll
+                for (int i = 0; i < MT; ++i) {
+                    mma_f16_16x8x16(part[i][j], afh[i], bfh[0], bfh[1], part[i][j]);
+                    mma_f16_16x8x16(part[i][j + 1], afh[i], bfh[2], bfh[3], part[i][j + 1]);
+                    mma_f16_16x8x16(cross[i][j], afh[i], bfl[0], bfl[1], cross[i][j]);
+                    mma_f16_16x8x16(cross[i][j + 1], afh[i], bfl[2], bfl[3], cross[i][j + 1]);
+                    mma_f16_16x8x16(cross[i][j], afl[i], bfh[0], bfh[1], cross[i][j]);
+                    mma_f16_16x8x16(cross[i][j + 1], afl[i], bfh[2], bfh[3], cross[i][j + 1]);
+                }
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < MT; ++i)
+#pragma unroll
+            for (int j = 0; j < NT; ++j)
+#pragma unroll
+                for (int v = 0; v < 4; ++v) acc[i][j][v] = __fadd_rn(acc[i][j][v], part[i][j][v]);
+    }
+    cp_async_wait<0>();
+
+#pragma unroll
+    for (int i = 0; i < MT; ++i) {
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+            const int e = n0 + wn * WN + j * 8 + 2 * q;
+            const int t = m0 + wm * WM + i * 16 + g;
+            if (e >= n_experts) continue;
+            float out[4];
+#pragma unroll
+            for (int v = 0; v < 4; ++v)
+                out[v] = __fmul_rn(__fadd_rn(acc[i][j][v], __fmul_rn(cross[i][j][v], LO_UNSCALE)),
+                                   sigma);
+            if (t < tokens)
+                *reinterpret_cast<float2*>(logits + (size_t)t * n_experts + e) =
+                    make_float2(out[0], out[1]);
+            if (t + 8 < tokens)
+                *reinterpret_cast<float2*>(logits + (size_t)(t + 8) * n_experts + e) =
+                    make_float2(out[2], out[3]);
+        }
+    }
+
+    // token norms: the V4 lanes that split one row reduce their partial sums in a fixed xor tree
+    if (blockIdx.y != 0) return;
+#pragma unroll
+    for (int p = 0; p < PER; ++p) {
+        float s = bad[p] ? __int_as_float(0x7f800000) : sq[p];
+#pragma unroll
+        for (int o = V4 / 2; o > 0; o >>= 1) s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, o));
+        const int i = threadIdx.x + p * THREADS;
+        const int t = m0 + i / V4;
+        if (i % V4 == 0 && t < tokens) xnorm[t] = __fsqrt_rn(s);
+    }
+}
+
+// Tiles (routing_exact.py: SPLIT_TILES, SPLIT_TILE_RULE); every tile gives the same bytes, since
+// each logit is the same chain of mma steps and K-step sums whatever block computes it.
+// Dynamic shared memory: STAGES * (BM * (BK + 8) * 4 + 2 * BN * (BK + 8) * 2) + 2 * BM * (BK + 8) * 2.
+#define SPLIT_KERNEL(NAME, BM, BN, WM_, WN_, BK, STAGES, MINB)                                \
+    extern "C" __global__ void __launch_bounds__(WM_ * WN_ * 32, MINB)                        \
+        router_logits_split_##NAME(const float* __restrict__ xn,                              \
+                                   const __half* __restrict__ router_split,                   \
+                                   float* __restrict__ logits, float* __restrict__ xnorm,     \
+                                   int tokens, int hidden, int n_experts, float sigma) {      \
+        router_gemm_split<BM, BN, WM_, WN_, BK, STAGES>(xn, router_split, logits, xnorm,     \
+                                                        tokens, hidden, n_experts, sigma);    \
+    }
+SPLIT_KERNEL(m64, 64, 128, 2, 4, 64, 3, 1)
+SPLIT_KERNEL(m64n64, 64, 64, 2, 2, 64, 3, 1)
+SPLIT_KERNEL(m32, 32, 128, 1, 4, 64, 3, 1)
+SPLIT_KERNEL(m16, 16, 64, 1, 4, 64, 3, 2)
+SPLIT_KERNEL(m16k128, 16, 64, 1, 4, 128, 2, 2)
+
+// ---------------------------------------------------------------------------- exact top-k
+// The canonical logit (see the top of this file): lane l sums c = l, l + 32, ... in float64.
+__device__ __forceinline__ double canonical_logit(const float* __restrict__ x,
+                                                  const float* __restrict__ w, int hidden,
+                                                  int lane) {
+    double acc = 0.0;
+#pragma unroll 4
+    for (int c = lane; c < hidden; c += 32)
+        acc = __fma_rn((double)__ldg(x + c), (double)__ldg(w + c), acc);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) acc = __dadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, o));
+    return acc;
+}
+
+__device__ __forceinline__ unsigned long long warp_max_u64(unsigned long long v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const unsigned long long u = __shfl_xor_sync(0xffffffffu, v, o);
+        v = u > v ? u : v;
+    }
+    return v;
+}
+
+// Picks `picks` experts by descending key, ties to the lower id; lane j < picks gets pick j's id
+// and key. key[i] belongs to expert lane + 32 i; key 0 marks an expert that is not a candidate.
+template <int NPL, typename Key>
+__device__ __forceinline__ void warp_pick(const Key (&key)[NPL], int n_experts, int picks,
+                                          int lane, int& my_id, Key& my_key) {
+    unsigned taken = 0u;
+    for (int j = 0; j < picks; ++j) {
+        int best = -1;
+        Key best_key = 0;
+#pragma unroll
+        for (int i = 0; i < NPL; ++i) {
+            const bool avail = lane + 32 * i < n_experts && !((taken >> i) & 1u) && key[i] != 0;
+            if (avail && (best < 0 || key[i] > best_key)) {
+                best = i;
+                best_key = key[i];
+            }
+        }
+        Key kmax;
+        if constexpr (sizeof(Key) == 8)
+            kmax = warp_max_u64(best >= 0 ? best_key : 0ull);
+        else
+            kmax = __reduce_max_sync(0xffffffffu, best >= 0 ? best_key : 0u);
+        const unsigned cand =
+            best >= 0 && best_key == kmax ? (unsigned)(lane + 32 * best) : 0xffffffffu;
+        const unsigned win = __reduce_min_sync(0xffffffffu, cand);
+        if (best >= 0 && cand == win) taken |= 1u << best;
+        if (lane == j) {
+            my_id = (int)win;
+            my_key = kmax;
+        }
+    }
+}
+
+// One warp per token, 32 tokens (one sort tile) per block of 1024 threads; as routing.cu's
+// top-k (ids, weights, tile masks), with the certainty check and the canonical re-ranking above.
+// bound: B(t) = c1 * xnorm[t] + c0. `rechecked` (may be null) counts re-ranked tokens.
+template <int NPL>
+__device__ __forceinline__ void topk_exact_warp(
+    const float* __restrict__ logits, const float* __restrict__ xnorm,
+    const float* __restrict__ xn, const float* __restrict__ router32, int tokens, int hidden,
+    int n_experts, int top_k, double c1, double c0, int* __restrict__ ids,
+    float* __restrict__ weights, unsigned* __restrict__ masks, int n_tiles,
+    int* __restrict__ rechecked) {
+    __shared__ unsigned tile_mask[32 * NPL];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int e = threadIdx.x; e < n_experts; e += blockDim.x) tile_mask[e] = 0u;
+    __syncthreads();
+
+    const int t = blockIdx.x * ROUTE_TILE + warp;
+    if (t < tokens) {
+        const float* l = logits + (size_t)t * n_experts;
+        float v[NPL];
+        unsigned key[NPL];
+#pragma unroll
+        for (int i = 0; i < NPL; ++i) {
+            const int e = lane + 32 * i;
+            v[i] = e < n_experts ? l[e] : 0.0f;
+            // an approximate logit never maps to key 0 (that is the NaN pattern 0xffffffff)
+            key[i] = e < n_experts ? max(float_key(v[i]), 1u) : 0u;
+        }
+        const int picks = min(top_k + 1, n_experts);
+        int my_id = 0;
+        unsigned my_key = 0u;
+        warp_pick<NPL, unsigned>(key, n_experts, picks, lane, my_id, my_key);
+        const unsigned top_key = __shfl_sync(0xffffffffu, my_key, 0);
+
+        // certain iff every gap between picks j and j+1 (j < top_k, within the picks) > 2B
+        const float norm = xnorm[t];
+        const double bound = c1 * (double)norm + c0;
+        const unsigned next_key = __shfl_down_sync(0xffffffffu, my_key, 1);
+        const bool close = lane + 1 < picks &&
+                           !((double)key_float(my_key) - (double)key_float(next_key) > 2.0 * bound);
+        const bool unsure = !(norm >= 1e-15f && norm <= 1e30f);
+        if (__any_sync(0xffffffffu, close) || unsure) {
+            const double kth = (double)key_float(__shfl_sync(0xffffffffu, my_key, top_k - 1));
+            const double thresh = unsure ? __longlong_as_double(0xfff0000000000000ll) : kth - 2.0 * bound;
+            const float* x = xn + (size_t)t * hidden;
+            unsigned long long ex[NPL];
+#pragma unroll
+            for (int i = 0; i < NPL; ++i) {
+                ex[i] = 0ull;
+                const int e = lane + 32 * i;
+                const bool cand = e < n_experts && (unsure || (double)v[i] >= thresh);
+                unsigned bal = __ballot_sync(0xffffffffu, cand);
+                while (bal) {
+                    const int src = __ffs(bal) - 1;
+                    bal &= bal - 1;
+                    const double L =
+                        canonical_logit(x, router32 + (size_t)(src + 32 * i) * hidden, hidden, lane);
+                    if (lane == src) ex[i] = max(double_key(L), 1ull);
+                }
+            }
+            unsigned long long my_ex = 0ull;
+            warp_pick<NPL, unsigned long long>(ex, n_experts, top_k, lane, my_id, my_ex);
+            if (lane == 0 && rechecked != nullptr) atomicAdd(rechecked, 1);
+        }
+
+        // float32 softmax of the approximate logits, renormalised over the k picks
+        const float m = key_float(top_key);
+        float s = 0.0f;
+#pragma unroll
+        for (int i = 0; i < NPL; ++i)
+            if (lane + 32 * i < n_experts) s = __fadd_rn(s, expf(v[i] - m));
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, o));
+        const float p = lane < top_k ? __fdiv_rn(expf(__fadd_rn(l[my_id], 0.0f) - m), s) : 0.0f;
+        float sum_top = 0.0f;
+        for (int j = 0; j < top_k; ++j)
+            sum_top = __fadd_rn(sum_top, __shfl_sync(0xffffffffu, p, j));
+        if (lane < top_k) {
+            ids[(size_t)t * top_k + lane] = my_id;
+            weights[(size_t)t * top_k + lane] = __fdiv_rn(p, sum_top);
+            atomicOr(&tile_mask[my_id], 1u << (t & (ROUTE_TILE - 1)));
+        }
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < n_experts; e += blockDim.x)
+        masks[(size_t)e * n_tiles + blockIdx.x] = tile_mask[e];
+}
+
+#define TOPK_EXACT_KERNEL(NPL)                                                                 \
+    extern "C" __global__ void __launch_bounds__(1024) topk_exact_w##NPL(                      \
+        const float* __restrict__ logits, const float* __restrict__ xnorm,                     \
+        const float* __restrict__ xn, const float* __restrict__ router32, int tokens,          \
+        int hidden, int n_experts, int top_k, double c1, double c0, int* __restrict__ ids,     \
+        float* __restrict__ weights, unsigned* __restrict__ masks, int n_tiles,                \
+        int* __restrict__ rechecked) {                                                         \
+        topk_exact_warp<NPL>(logits, xnorm, xn, router32, tokens, hidden, n_experts, top_k,    \
+                             c1, c0, ids, weights, masks, n_tiles, rechecked);                 \
+    }
+TOPK_EXACT_KERNEL(1)
+TOPK_EXACT_KERNEL(2)
+TOPK_EXACT_KERNEL(4)
+TOPK_EXACT_KERNEL(8)
+TOPK_EXACT_KERNEL(16)

@@ -1,0 +1,284 @@
+"""Exact routing (strata_rt/routing_exact.py, kernels/common/routing_exact.cu): the definition
+and its fast CPU path on the CPU; on a GPU, the kernels' picks against the definition on random
+and adversarial inputs (near-ties down to exact ties), the bound the proof rests on, the
+weights, every tile's bytes and chunk independence, outputs poisoned first."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+from _device_buffers import download, poisoned, upload
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from strata_rt.routing_exact import (
+    EXACT_SOURCE,
+    SPLIT_TILE_RULE,
+    SPLIT_TILES,
+    ExactRoutingKernels,
+    canonical_logits,
+    exact_bound,
+    rank,
+    route_exact,
+    router_norms,
+    router_scale,
+    softmax_weights,
+    split_router,
+    split_tile,
+)
+from strata_rt.routing_kernels import (
+    RoutingKernels,
+    counting_sort_ref,
+    exact_workspace,
+    workspace_bytes,
+)
+
+gpu = pytest.mark.gpu
+
+#: (hidden, n_experts, top_k): the issue's tiny model, mid-size, Qwen3-30B and 235B routers
+SHAPES = [(256, 8, 2), (1024, 64, 8), (2048, 128, 8), (4096, 128, 8)]
+
+
+def _loop_canonical(x: np.ndarray, w: np.ndarray) -> float:
+    """The definition written out: 32 lanes, each a sequential float64 sum, then the xor tree."""
+    lanes = [0.0] * 32
+    for c in range(x.size):
+        lanes[c % 32] += float(x[c]) * float(w[c])
+    o = 16
+    while o:
+        lanes = [lanes[i] + lanes[i ^ o] for i in range(32)]
+        o //= 2
+    return lanes[0]
+
+
+def _inputs(rng, tokens, hidden, n_experts):
+    xn = rng.standard_normal((tokens, hidden), dtype=np.float32)
+    router = (rng.standard_normal((n_experts, hidden)) * 2 / np.sqrt(hidden)).astype(np.float32)
+    return xn, router
+
+
+def near_tie_router(rng, hidden, n_experts):
+    """Experts in pairs whose rows differ by a relative 1e-6 ... 1e-9 or not at all, so every
+    token's top-k boundary cuts near-ties (and exact ties, which go to the lower id)."""
+    base = (rng.standard_normal((n_experts // 2, hidden)) * 2 / np.sqrt(hidden)).astype(np.float32)
+    eps = np.array([1e-6, -1e-6, 3e-7, 1e-7, -1e-8, 1e-9, 0.0, 0.0], np.float64)
+    twin = base.astype(np.float64) * (1 + np.resize(eps, n_experts // 2))[:, None]
+    router = np.empty((n_experts, hidden), np.float32)
+    router[0::2], router[1::2] = base, twin.astype(np.float32)
+    return router
+
+
+def adversarial_tokens(rng, tokens, hidden):
+    """Random rows plus: all zeros (every logit ties), a value beyond fp16's range, values in
+    fp16's subnormal range, and one token repeated (the same picks wherever it sits)."""
+    xn = rng.standard_normal((tokens, hidden), dtype=np.float32)
+    if tokens >= 5:
+        xn[0] = 0.0
+        xn[1, 3] = 1.0e5
+        xn[2] *= np.float32(1e-6)
+        xn[4] = xn[3]
+    return xn
+
+
+# ============================================================================ CPU
+@settings(max_examples=25, deadline=None)
+@given(hidden=st.sampled_from([32, 64, 96, 256]), seed=st.integers(0, 2**32 - 1))
+def test_canonical_logits_are_the_written_definition(hidden, seed):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((3, hidden), dtype=np.float32)
+    w = rng.standard_normal((4, hidden), dtype=np.float32)
+    got = canonical_logits(x, w, block=2)
+    for t in range(3):
+        for e in range(4):
+            assert got[t, e] == _loop_canonical(x[t], w[e])
+
+
+def test_canonical_logits_pad_a_hidden_size_off_the_lanes():
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((2, 40), dtype=np.float32)
+    w = rng.standard_normal((3, 40), dtype=np.float32)
+    got = canonical_logits(x, w)
+    assert got[1, 2] == _loop_canonical(x[1], w[2])
+
+
+@pytest.mark.parametrize("hidden,n_experts,top_k", SHAPES[:3])
+def test_fast_path_equals_the_definition_on_near_ties(hidden, n_experts, top_k):
+    rng = np.random.default_rng(hidden)
+    x = adversarial_tokens(rng, 64, hidden)
+    w = near_tie_router(rng, hidden, n_experts)
+    ids, weights = route_exact(x, w, top_k)
+    want = rank(canonical_logits(x, w), top_k)
+    np.testing.assert_array_equal(ids, want)
+    np.testing.assert_array_equal(ids[0], np.arange(top_k))  # all ties: the lowest ids
+    np.testing.assert_array_equal(ids[3], ids[4])
+    np.testing.assert_allclose(weights.sum(axis=1), 1.0, rtol=1e-6)
+
+
+def test_exact_ties_go_to_the_lower_id_and_minus_zero_ties_plus_zero():
+    lg = np.array([[0.0, -0.0, 1.0, 1.0]])
+    np.testing.assert_array_equal(rank(lg, 4), [[2, 3, 0, 1]])
+    w = np.array([[1.0, 0.0], [1.0, 0.0], [0.5, 0.0]], np.float32)
+    ids, _ = route_exact(np.array([[2.0, 1.0]], np.float32), w, 2)
+    np.testing.assert_array_equal(ids, [[0, 1]])
+
+
+def test_weights_are_the_float32_softmax_renormalised():
+    lg = np.array([[1.0, 3.0, 2.0, -1.0]], np.float32)
+    w = softmax_weights(lg, np.array([[1, 2]]))
+    p = np.exp(lg - lg.max()) / np.exp(lg - lg.max()).sum()
+    np.testing.assert_allclose(w, [[p[0, 1] / (p[0, 1] + p[0, 2]), p[0, 2] / (p[0, 1] + p[0, 2])]],
+                               rtol=1e-6)
+
+
+def test_split_router_layout_and_scale():
+    rng = np.random.default_rng(2)
+    w = (rng.standard_normal((2, 4, 64)) * 3).astype(np.float32)
+    b = split_router(w)
+    assert b.shape == (2, 8 * 4 * 64) and b.dtype == np.uint8
+    for layer in range(2):
+        sigma = router_scale(w[layer])
+        assert 0.5 < np.abs(w[layer]).max() / sigma <= 1.0
+        hi = b[layer, :512].view(np.float16).reshape(4, 64).astype(np.float64)
+        lo = b[layer, 512:1024].view(np.float16).reshape(4, 64).astype(np.float64)
+        np.testing.assert_array_equal(b[layer, 1024:].view(np.float32).reshape(4, 64), w[layer])
+        rel = np.abs((hi + lo / 2048) * sigma - w[layer]) / np.abs(w[layer])
+        assert rel.max() <= 2.0 ** -22
+
+
+def test_bound_grows_with_the_k_step_and_the_router():
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((8, 2048)).astype(np.float32)
+    n = router_norms(w)
+    small = exact_bound(n, 2048, SPLIT_TILES["m16"])
+    big = exact_bound(n, 2048, SPLIT_TILES["m16k128"])
+    assert 0 < small.c1 < big.c1
+    assert exact_bound(router_norms(w * 4), 2048, SPLIT_TILES["m16"]).c1 > 3.9 * small.c1
+
+
+def test_tile_table_comes_from_the_kernel_source():
+    src = EXACT_SOURCE.read_text()
+    rows = re.findall(r"^SPLIT_KERNEL\((\w+),", src, flags=re.M)
+    assert rows and set(rows) == set(SPLIT_TILES)
+    for t in SPLIT_TILES.values():
+        assert t.shared <= 227 * 1024
+    assert split_tile(1, 4096) == "m16k128" and split_tile(9000, 4096) == "m64"
+    assert split_tile(100, 1088) == "m16"
+    assert SPLIT_TILE_RULE[-1][0] is None
+
+
+def test_workspace_holds_the_norms_after_the_sort():
+    ws = 0x10000
+    xnorm, counter = exact_workspace(ws, 1000, 128)
+    assert xnorm % 16 == 0 and counter >= xnorm + 4000
+    assert counter + 4 <= ws + workspace_bytes(1000, 128, "exact")
+    assert workspace_bytes(1000, 128, "f16") < workspace_bytes(1000, 128, "exact")
+    assert workspace_bytes(1000, 128, "fp32") == 0
+
+
+# ============================================================================ GPU
+def _run(rt, s, ex, rk, xn, router, top_k, tile=None):
+    """Split GEMM, exact top-k and the sort on poisoned outputs; every output on the host."""
+    T, H = xn.shape
+    E = router.shape[0]
+    tile = tile or split_tile(T, H)
+    dx, dr = upload(rt, s, xn), upload(rt, s, split_router(router[None])[0])
+    ws = poisoned(rt, s, workspace_bytes(T, E, "exact"))
+    xnorm, counter = exact_workspace(ws.ptr, T, E)
+    rt.memset_d8(counter, 0, 4, s)
+    out = {"logits": poisoned(rt, s, T * E * 4), "ids": poisoned(rt, s, T * top_k * 4),
+           "weights": poisoned(rt, s, T * top_k * 4), "bounds": poisoned(rt, s, (E + 1) * 4),
+           "sorted_token": poisoned(rt, s, T * top_k * 4),
+           "row_of": poisoned(rt, s, T * top_k * 4)}
+    ex.logits(s, dx.ptr, dr.ptr, out["logits"].ptr, xnorm, T, H, E, router_scale(router), tile)
+    bound = exact_bound(router_norms(router), H, SPLIT_TILES[tile])
+    ex.topk(s, logits=out["logits"].ptr, xnorm=xnorm, xn=dx.ptr, router32=dr.ptr + E * H * 4,
+            tokens=T, hidden=H, n_experts=E, top_k=top_k, bound=bound, ids=out["ids"].ptr,
+            weights=out["weights"].ptr, masks=ws.ptr, rechecked=counter)
+    rk.sort(s, out["ids"].ptr, T, E, top_k, ws.ptr, out["bounds"].ptr,
+            out["sorted_token"].ptr, out["row_of"].ptr)
+    shapes = {"logits": (np.float32, (T, E)), "ids": (np.int32, (T, top_k)),
+              "weights": (np.float32, (T, top_k)), "bounds": (np.int32, (E + 1,)),
+              "sorted_token": (np.int32, (T * top_k,)), "row_of": (np.int32, (T * top_k,))}
+    got = {k: download(rt, s, out[k], *shapes[k]) for k in shapes}
+    host = np.empty(T * 4, np.uint8)
+    rt.memcpy_dtoh(host, xnorm, s)
+    s.synchronize()
+    got["xnorm"] = host.view(np.float32).copy()
+    got["rechecked"] = _read_int(rt, s, counter)
+    got["bound"] = bound
+    return got
+
+
+def _read_int(rt, s, ptr):
+    h = np.empty(4, np.uint8)
+    rt.memcpy_dtoh(h, ptr, s)
+    s.synchronize()
+    return int(h.view(np.int32)[0])
+
+
+@pytest.fixture
+def kernels(rt):
+    return ExactRoutingKernels(rt), RoutingKernels(rt), rt.stream("exact routing test")
+
+
+@gpu
+@pytest.mark.parametrize("kind", ["random", "near_ties"])
+@pytest.mark.parametrize("tokens", [1, 7, 300, 4100])
+@pytest.mark.parametrize("hidden,n_experts,top_k", SHAPES)
+def test_gpu_picks_the_canonical_experts(rt, kernels, hidden, n_experts, top_k, tokens, kind):
+    ex, rk, s = kernels
+    rng = np.random.default_rng(tokens * 7 + hidden)
+    if kind == "random":
+        xn, router = _inputs(rng, tokens, hidden, n_experts)
+    else:
+        xn = adversarial_tokens(rng, tokens, hidden)
+        router = near_tie_router(rng, hidden, n_experts)
+    got = _run(rt, s, ex, rk, xn, router, top_k)
+    want_ids, want_w = route_exact(xn, router, top_k)
+    np.testing.assert_array_equal(got["ids"], want_ids)
+    np.testing.assert_allclose(got["weights"], want_w, rtol=2e-5, atol=1e-7)
+    for name, arr in zip(("bounds", "sorted_token", "row_of"),
+                         counting_sort_ref(got["ids"], n_experts), strict=True):
+        np.testing.assert_array_equal(got[name], arr, err_msg=name)
+    # the proof's premise: every finite token's logits within B(t) of the float64 product
+    x64 = xn.astype(np.float64)
+    ref = x64 @ router.astype(np.float64).T
+    ok = np.isfinite(got["xnorm"])
+    b = got["bound"].c1 * got["xnorm"][ok].astype(np.float64) + got["bound"].c0
+    err = np.abs(got["logits"][ok].astype(np.float64) - ref[ok])
+    assert (err <= b[:, None]).all(), f"max err / bound {(err / b[:, None]).max():.3f}"
+    np.testing.assert_allclose(got["xnorm"][ok], np.sqrt((x64[ok] ** 2).sum(axis=1)), rtol=1e-5)
+    if kind == "near_ties" and tokens >= 5:
+        assert not np.isfinite(got["xnorm"][1])  # beyond fp16: always re-ranked
+        assert got["rechecked"] >= 2
+    print(f"{kind} T={tokens} H={hidden} E={n_experts}: re-ranked {got['rechecked']} of "
+          f"{tokens}; max err/bound {(err / b[:, None]).max():.3f}")
+
+
+@gpu
+@pytest.mark.parametrize("tile", list(SPLIT_TILES))
+def test_gpu_every_tile_and_chunk_gives_the_same_bytes(rt, kernels, tile):
+    ex, rk, s = kernels
+    rng = np.random.default_rng(5)
+    xn, router = _inputs(rng, 1000, 4096, 128)
+    whole = _run(rt, s, ex, rk, xn, router, 8, "m64")
+    got = _run(rt, s, ex, rk, xn, router, 8, tile)
+    for k in ("logits", "ids", "weights", "xnorm"):
+        assert got[k].tobytes() == whole[k].tobytes(), k
+    part = _run(rt, s, ex, rk, xn[967:], router, 8, tile)
+    for k in ("logits", "ids", "weights", "xnorm"):
+        assert part[k].tobytes() == whole[k][967:].tobytes(), k
+
+
+@gpu
+def test_gpu_recheck_rate_on_random_tokens_is_small(rt, kernels):
+    """Random tokens on the 30B router: the proof settles nearly every token without a
+    re-ranking (the re-ranked share is the exact routing's extra cost)."""
+    ex, rk, s = kernels
+    rng = np.random.default_rng(6)
+    xn, router = _inputs(rng, 8192, 2048, 128)
+    got = _run(rt, s, ex, rk, xn, router, 8)
+    assert got["rechecked"] <= 0.2 * 8192, got["rechecked"]
+    print(f"re-ranked {got['rechecked']} of 8192 tokens")
