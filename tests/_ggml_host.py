@@ -72,17 +72,21 @@ class HostDecoder:
         self.lib.ggml_host_decode.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_longlong,
                                               ctypes.c_void_p]
         self.lib.ggml_host_decode.restype = ctypes.c_int
+        self.lib.ggml_host_decode_chunks.argtypes = self.lib.ggml_host_decode.argtypes
+        self.lib.ggml_host_decode_chunks.restype = ctypes.c_int
         self.lib.ggml_host_traits.argtypes = [ctypes.c_int] + [ctypes.POINTER(ctypes.c_int)] * 3
         self.lib.ggml_host_traits.restype = ctypes.c_int
 
-    def decode(self, t: GgmlType, raw: np.ndarray) -> np.ndarray:
-        """float32 values of whole blocks of t (raw: uint8, any shape), as the device decodes."""
+    def decode(self, t: GgmlType, raw: np.ndarray, chunks: bool = False) -> np.ndarray:
+        """float32 values of whole blocks of t (raw: uint8, any shape), pair by pair
+        (pair_at) or, with `chunks`, 8 values per step as the gather decodes (chunk8_at)."""
         src = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1)
         n = src.size // t.block_bytes * t.block_values
         out = np.empty(n, dtype=np.float32)
-        rc = self.lib.ggml_host_decode(t.type_id, src.ctypes.data, n, out.ctypes.data)
+        fn = self.lib.ggml_host_decode_chunks if chunks else self.lib.ggml_host_decode
+        rc = fn(t.type_id, src.ctypes.data, n, out.ctypes.data)
         if rc != 0:
-            raise ValueError(f"ggml_host_decode({t.name}, {n} values) returned {rc}")
+            raise ValueError(f"{fn.__name__}({t.name}, {n} values) returned {rc}")
         return out
 
     def traits(self) -> list[tuple[int, int, int]]:

@@ -99,6 +99,8 @@ def test_harness_refuses_unknown_types_and_partial_blocks(dec):
                                     out.ctypes.data) == -2
     assert dec.lib.ggml_host_decode(ggml_type("F16").type_id, raw.ctypes.data, 3,
                                     out.ctypes.data) == -2
+    assert dec.lib.ggml_host_decode_chunks(ggml_type("F16").type_id, raw.ctypes.data, 4,
+                                           out.ctypes.data) == -2
 
 
 # ------------------------------------------------------------------------- bit-exactness
@@ -114,6 +116,7 @@ def test_random_blocks_decode_bit_exact(dec, rng, name):
     if t.name not in ("F32", "F16", "BF16"):
         assert np.isfinite(want).all() or t.name == "MXFP4"  # MXFP4's 2^127 * 12 is inf
     assert_bits_equal(t, dec.decode(t, raw), want, "random blocks")
+    assert_bits_equal(t, dec.decode(t, raw, chunks=True), want, "random blocks, gather path")
 
 
 @needs_nvcc
@@ -140,7 +143,9 @@ def test_gguf_quantized_blocks_decode_bit_exact(dec, rng, t):
     per_row = max(t.block_values, 32)
     raw = gguf_quantize(t, quantize_source(rng, nblocks, per_row))
     assert raw is not None
-    assert_bits_equal(t, dec.decode(t, raw), reference(t, raw), "gguf-quantized blocks")
+    want = reference(t, raw)
+    assert_bits_equal(t, dec.decode(t, raw), want, "gguf-quantized blocks")
+    assert_bits_equal(t, dec.decode(t, raw, chunks=True), want, "gguf-quantized, gather path")
 
 
 def test_gguf_quantizes_the_types_it_is_known_to():

@@ -36,4 +36,23 @@ template <Type T> GGML_HD Pair pair_at(const uint8_t* src, long long v) {
     return D::pair(src + (v / D::block_values) * D::block_bytes, (int)(v % D::block_values));
 }
 
+// Values 8c .. 8c + 7 of a run of blocks as four pairs: what one gather thread writes (one
+// 16-byte store). Every block holds 1 or a multiple of 8 values, so the 8 share one block (or
+// are 8 consecutive 1-value blocks) and the block is addressed once.
+template <Type T> GGML_HD void chunk8_at(const uint8_t* src, long long c, Pair (&out)[4]) {
+    using D = Decode<T>;
+    static_assert(D::block_values == 1 || D::block_values % 8 == 0, "8 values per block");
+    if (D::block_values == 1) {
+        const uint8_t* b = src + 8 * c * D::block_bytes;
+GGML_UNROLL
+        for (int p = 0; p < 4; ++p) out[p] = D::pair(b + 2 * p * D::block_bytes, 0);
+    } else {
+        const long long v = 8 * c;
+        const uint8_t* b = src + (v / D::block_values) * D::block_bytes;
+        const int i = (int)(v % D::block_values);
+GGML_UNROLL
+        for (int p = 0; p < 4; ++p) out[p] = D::pair(b, i + 2 * p);
+    }
+}
+
 }  // namespace ggml

@@ -25,7 +25,9 @@
 #define GGML_SUB(a, b) __fsub_rn((a), (b))
 // tables live in device global memory (cached reads that tolerate divergent indices)
 #define GGML_TABLE static __device__ const
+#define GGML_UNROLL _Pragma("unroll")
 #else
+#define GGML_UNROLL
 #define GGML_MUL(a, b) ((a) * (b))
 #define GGML_ADD(a, b) ((a) + (b))
 #define GGML_SUB(a, b) ((a) - (b))

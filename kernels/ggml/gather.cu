@@ -46,11 +46,12 @@ __device__ __forceinline__ void ggml_gather(const GgmlSrcs16& srcs, uint8_t* dst
     const long long chunks = values / GGML_GATHER_VALUES;
     const long long step = (long long)gridDim.x * blockDim.x;
     for (long long c = (long long)blockIdx.x * blockDim.x + threadIdx.x; c < chunks; c += step) {
+        ggml::Pair v[4];
+        ggml::chunk8_at<T>(src, c, v);
         unsigned w[4];
 #pragma unroll
         for (int p = 0; p < 4; ++p) {
-            const ggml::Pair v = ggml::pair_at<T>(src, GGML_GATHER_VALUES * c + 2 * p);
-            const __half2 h = __floats2half2_rn(v.x, v.y);  // v.x in the low half
+            const __half2 h = __floats2half2_rn(v[p].x, v[p].y);  // value 8c + 2p: low half
             w[p] = *reinterpret_cast<const unsigned*>(&h);
         }
         out[c] = make_uint4(w[0], w[1], w[2], w[3]);

@@ -15,6 +15,19 @@ int decode_run(const uint8_t* src, long long nvalues, float* out) {
     return 0;
 }
 
+template <ggml::Type T>
+int decode_chunks(const uint8_t* src, long long nvalues, float* out) {
+    for (long long c = 0; c < nvalues / 8; ++c) {
+        ggml::Pair p[4];
+        ggml::chunk8_at<T>(src, c, p);
+        for (int k = 0; k < 4; ++k) {
+            out[8 * c + 2 * k] = p[k].x;
+            out[8 * c + 2 * k + 1] = p[k].y;
+        }
+    }
+    return 0;
+}
+
 }  // namespace
 
 // Decodes nvalues values (even, whole blocks) of type type_id from src into out.
@@ -25,6 +38,21 @@ extern "C" int ggml_host_decode(int type_id, const uint8_t* src, long long nvalu
     case id:                                                               \
         if (nvalues < 0 || nvalues % 2 || nvalues % qk) return -2;         \
         return decode_run<ggml::Type::name>(src, nvalues, out);
+        GGML_TYPES(GGML_CASE)
+#undef GGML_CASE
+    }
+    return -1;
+}
+
+// As ggml_host_decode through the gather's path (chunk8_at: 8 values per step); nvalues must
+// also be a multiple of 8.
+extern "C" int ggml_host_decode_chunks(int type_id, const uint8_t* src, long long nvalues,
+                                       float* out) {
+    switch (type_id) {
+#define GGML_CASE(name, id, qk, nbytes)                                            \
+    case id:                                                                       \
+        if (nvalues < 0 || nvalues % 8 || nvalues % qk) return -2;                 \
+        return decode_chunks<ggml::Type::name>(src, nvalues, out);
         GGML_TYPES(GGML_CASE)
 #undef GGML_CASE
     }
