@@ -70,6 +70,15 @@ def test_generated_headers_match_their_sources():
         "tables.cuh is stale: run python kernels/ggml/make_tables.py"
 
 
+def test_iq3_xxs_grid_matches_the_iq3_xxs_format():
+    """The IQ3_XXS grid is generated twice (the format's from quants/iq3_xxs_grid.py, this one
+    from the package): both say the same."""
+    from strata_rt.quants.iq3_xxs_grid import GRID
+
+    gen = _make_tables()
+    assert gen._words(gen._grid("IQ3_XXS"), 8) == [int(w) for w in GRID]
+
+
 def test_table_lists_every_type_once_with_gguf_geometry():
     import gguf
 
