@@ -19,7 +19,8 @@ from strata_rt.ggml_gather import (
     images_reference,
 )
 from strata_rt.ggml_types import TYPES, ggml_type
-from strata_rt.runtime.compile import compile_cubin, nvcc_available
+from strata_rt.resources import KERNELS_ROOT
+from strata_rt.runtime.compile import compile_cubin, kernel_jobs, nvcc_available
 
 
 class _Kernel:
@@ -55,6 +56,13 @@ def test_gather_compiles_one_kernel_per_type(arch):
     cubin = compile_cubin(GATHER_SOURCE, arch).read_bytes()
     names = set(re.findall(rb"ggml_gather_([A-Z0-9_]+?)\x00", cubin))
     assert {t.name.encode() for t in TYPES} <= names
+
+
+def test_check_kernels_compiles_the_ggml_sources():
+    """`strata check-kernels` (and the installed wheel's check) covers kernels/ggml too."""
+    ggml = sorted(p for owner, p in kernel_jobs([]) if owner == "ggml")
+    assert GATHER_SOURCE.resolve() in ggml
+    assert ggml == sorted(p.resolve() for p in (KERNELS_ROOT / "ggml").glob("*.cu"))
 
 
 def test_launch_arguments_and_grid():
