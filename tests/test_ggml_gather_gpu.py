@@ -156,6 +156,45 @@ def test_gate_and_up_of_different_types_fill_one_image(rt, gg, rng):
     assert_image(up_t, out[stride + half:2 * stride], up, ffn, hidden)
 
 
+def test_iq3_xxs_images_equal_the_iq3_xxs_format_gather(rt, gg, rng, monkeypatch):
+    """On IQ3_XXS expert blobs, two launches (the gate/up range, then the down range) give the
+    bytes of the format's own dequantizing gather (GroupedGemm.dequant_gather_iq3): the images
+    a format built on this gather would hand the grouped GEMM are the ones it gets today."""
+    from strata_rt.grouped_gemm import GroupedGemm, fp16_image_layout
+    from strata_rt.quants.iq3_xxs import IQ3XXS
+
+    monkeypatch.setenv("STRATA_F16_GEMM", "own")  # the gather alone: no CUTLASS build
+    t = ggml_type("IQ3_XXS")
+    hidden, ffn, n = 512, 256, 5
+    lay = fp16_image_layout(IQ3XXS().layout(hidden, ffn))
+    blobs = [random_blocks(rng, t, lay.blob_bytes // t.block_bytes).reshape(-1)
+             for _ in range(n)]
+    src = np.concatenate(blobs)
+    stream = rt.stream("test")
+    gu0 = np.full(16 * lay.gate_up_image_bytes, POISON, np.uint8)
+    dn0 = np.full(16 * lay.down_image_bytes, POISON, np.uint8)
+    host = (src, gu0, dn0, gu0, dn0)
+    bufs = [rt.alloc(a.nbytes) for a in host]
+    got = [np.empty_like(a) for a in host[1:]]
+    try:
+        for b, a in zip(bufs, host):
+            rt.memcpy_htod(b.ptr, a, stream)
+        srcs = [bufs[0].ptr + i * lay.blob_bytes for i in range(n)]
+        GroupedGemm(rt).dequant_gather_iq3(stream, srcs, 2, bufs[1].ptr, bufs[2].ptr, lay)
+        gg.gather(stream, t, [s + lay.gate_up_offset for s in srcs], bufs[3].ptr, 2 * ffn,
+                  hidden, first_pos=2, image_stride=lay.gate_up_image_bytes)
+        gg.gather(stream, t, [s + lay.down_offset for s in srcs], bufs[4].ptr, hidden, ffn,
+                  first_pos=2, image_stride=lay.down_image_bytes)
+        for h, b in zip(got, bufs[1:]):
+            rt.memcpy_dtoh(h, b.ptr, stream)
+        stream.synchronize()
+    finally:
+        for b in bufs:
+            b.free()
+    assert np.array_equal(got[0], got[2]) and np.array_equal(got[1], got[3])
+    assert not np.array_equal(got[0], gu0)  # something was written
+
+
 def test_gather_refuses_bad_geometry_and_alignment(rt, gg):
     stream = rt.stream("test")
     with pytest.raises(FormatError, match="whole number"):
