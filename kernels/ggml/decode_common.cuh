@@ -7,8 +7,9 @@
 // rounding instead of two), so the device side spells each operation with its explicit
 // round-to-nearest intrinsic, which the compiler never fuses; the host side is a plain
 // expression, built with contraction off (-ffp-contract=off, as the CPU test builds it).
-// (Today's formulas multiply an fp16 scale by small integers, so their products are exact and
-// only a final add rounds; the rule keeps that from depending on it.)
+// (Every product in today's formulas is exact, an fp16 scale times small integers, so only a
+// final add rounds and contraction could not change a value yet; the rule keeps a future
+// formula from depending on that.)
 #pragma once
 
 #include <stdint.h>
