@@ -222,12 +222,14 @@ class KernelOwner(Protocol):
 
 
 def kernel_jobs(owners: Iterable[KernelOwner]) -> list[tuple[str, Path]]:
-    """(owner, source) for every .cu under kernels/common (owner "common") and kernels/model
-    (owner "model": the whole model's attention and dense kernels) and every owner's sources,
-    each source once (the first owner that lists it)."""
+    """(owner, source) for every .cu under kernels/common (owner "common"), kernels/model
+    (owner "model": the whole model's attention and dense kernels) and kernels/ggml (owner
+    "ggml": the GGML types' decoders and dequantizing gather) and every owner's sources, each
+    source once (the first owner that lists it)."""
     jobs = {p.resolve(): "common" for p in sorted((KERNELS_ROOT / "common").glob("*.cu"))}
-    for p in sorted((KERNELS_ROOT / "model").glob("*.cu")):
-        jobs.setdefault(p.resolve(), "model")
+    for folder in ("model", "ggml"):
+        for p in sorted((KERNELS_ROOT / folder).glob("*.cu")):
+            jobs.setdefault(p.resolve(), folder)
     for owner in owners:
         for p in owner.kernel_sources():
             jobs.setdefault(Path(p).resolve(), owner.name)

@@ -1,0 +1,185 @@
+"""The GGML decoders (kernels/ggml/) on the CPU, in CI without a GPU: built by nvcc as host code
+and compared with gguf.quants.dequantize byte for byte, for every type, on thousands of random
+blocks (finite scales, edge scales first), on blocks the package's quantizer writes where it
+can, on IQ3_XXS blocks of the project's own quantizer, and on unconstrained bytes (NaN-aware:
+a NaN or infinite scale). Also: the generated headers match their sources, and the compiled
+traits match the Python table. Skipped, with the reason, only where nvcc is absent."""
+
+from __future__ import annotations
+
+import importlib.util
+import warnings
+
+import numpy as np
+import pytest
+from _ggml_blocks import QUANTIZABLE, gguf_quantize, quantize_source, random_blocks
+from _ggml_host import SOURCE_DIR, HostDecoder, host_decoder
+
+from strata_rt.errors import FormatError
+from strata_rt.ggml_types import BY_ID, NAMES, TYPES, GgmlType, ggml_type
+from strata_rt.runtime.compile import nvcc_available
+
+needs_nvcc = pytest.mark.skipif(not nvcc_available(), reason="nvcc not found (PATH or "
+                                "STRATA_NVCC): the host build of the decoders needs it")
+#: blocks per type of the random-bytes tests (values for the 1-value float types)
+BLOCKS = 4096
+FLOAT_VALUES = 1 << 16
+IDS = [t.name for t in TYPES]
+
+
+@pytest.fixture(scope="module")
+def dec() -> HostDecoder:
+    return host_decoder()
+
+
+def reference(t: GgmlType, raw: np.ndarray) -> np.ndarray:
+    """gguf.quants.dequantize of whole blocks, flat float32 (its NaN warnings silenced)."""
+    cols = t.block_values if t.block_values > 1 else 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return t.dequantize(raw, cols).reshape(-1)
+
+
+def blocks_for(rng: np.random.Generator, t: GgmlType, finite: bool = True) -> np.ndarray:
+    return random_blocks(rng, t, BLOCKS if t.block_values > 1 else FLOAT_VALUES, finite)
+
+
+def assert_bits_equal(t: GgmlType, got: np.ndarray, want: np.ndarray, what: str) -> None:
+    assert got.shape == want.shape
+    bad = np.flatnonzero(got.view(np.uint32) != want.view(np.uint32))
+    assert bad.size == 0, (
+        f"{t.name} {what}: {bad.size} of {got.size} values differ; first at value {bad[0]} "
+        f"(block {bad[0] // t.block_values}): got {got[bad[0]]!r} ({got.view(np.uint32)[bad[0]]:#x}), "
+        f"gguf {want[bad[0]]!r} ({want.view(np.uint32)[bad[0]]:#x})")
+
+
+# ------------------------------------------------------------------------- the one table
+def _make_tables():
+    spec = importlib.util.spec_from_file_location("ggml_make_tables", SOURCE_DIR / "make_tables.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_generated_headers_match_their_sources():
+    gen = _make_tables()
+    assert (SOURCE_DIR / "traits.cuh").read_text() == gen.render_traits(), \
+        "traits.cuh is stale: run python kernels/ggml/make_tables.py"
+    assert (SOURCE_DIR / "tables.cuh").read_text() == gen.render_tables(), \
+        "tables.cuh is stale: run python kernels/ggml/make_tables.py"
+
+
+def test_iq3_xxs_grid_matches_the_iq3_xxs_format():
+    """The IQ3_XXS grid is generated twice (the format's from quants/iq3_xxs_grid.py, this one
+    from the package): both say the same."""
+    from strata_rt.quants.iq3_xxs_grid import GRID
+
+    gen = _make_tables()
+    assert gen._words(gen._grid("IQ3_XXS"), 8) == [int(w) for w in GRID]
+
+
+def test_table_lists_every_type_once_with_gguf_geometry():
+    import gguf
+
+    assert len(NAMES) == 23 and len(set(NAMES)) == 23 and len(BY_ID) == 23
+    for t in TYPES:
+        assert gguf.GGML_QUANT_SIZES[t.qtype] == (t.block_values, t.block_bytes)
+        assert ggml_type(t.name) is ggml_type(t.type_id) is ggml_type(t.qtype) is t
+    assert (ggml_type("Q4_K").block_values, ggml_type("Q4_K").block_bytes) == (256, 144)
+    assert ggml_type("MXFP4").row_bytes(64) == 34
+    with pytest.raises(FormatError, match="no decoder"):
+        ggml_type("TQ1_0")
+    with pytest.raises(FormatError, match="whole number"):
+        ggml_type("Q6_K").row_bytes(300)
+
+
+@needs_nvcc
+def test_compiled_traits_match_the_table(dec):
+    assert dec.traits() == [(t.type_id, t.block_values, t.block_bytes) for t in TYPES]
+
+
+@needs_nvcc
+def test_harness_refuses_unknown_types_and_partial_blocks(dec):
+    raw = np.zeros(256, np.uint8)
+    out = np.empty(256, np.float32)
+    assert dec.lib.ggml_host_decode(35, raw.ctypes.data, 32, out.ctypes.data) == -1
+    assert dec.lib.ggml_host_decode(ggml_type("Q4_0").type_id, raw.ctypes.data, 16,
+                                    out.ctypes.data) == -2
+    assert dec.lib.ggml_host_decode(ggml_type("F16").type_id, raw.ctypes.data, 3,
+                                    out.ctypes.data) == -2
+    assert dec.lib.ggml_host_decode_chunks(ggml_type("F16").type_id, raw.ctypes.data, 4,
+                                           out.ctypes.data) == -2
+
+
+# ------------------------------------------------------------------------- bit-exactness
+@needs_nvcc
+@pytest.mark.parametrize("name", IDS)
+def test_random_blocks_decode_bit_exact(dec, rng, name):
+    """Random bytes with finite fp16 scales (the edge patterns in the first blocks): every
+    float32 bit equals the package's. The float types take every bit pattern, NaN included
+    (the host keeps NaN payloads as numpy does)."""
+    t = ggml_type(name)
+    raw = blocks_for(rng, t)
+    want = reference(t, raw)
+    if t.name not in ("F32", "F16", "BF16"):
+        assert np.isfinite(want).all() or t.name == "MXFP4"  # MXFP4's 2^127 * 12 is inf
+    assert_bits_equal(t, dec.decode(t, raw), want, "random blocks")
+    assert_bits_equal(t, dec.decode(t, raw, chunks=True), want, "random blocks, gather path")
+
+
+@needs_nvcc
+@pytest.mark.parametrize("name", IDS)
+def test_unconstrained_bytes_decode_nan_aware(dec, rng, name):
+    """Any bytes, NaN and infinite scales too: NaN exactly where the package has NaN, every
+    other value bit for bit (a NaN's payload and sign may differ: numpy's vectorized loops pick
+    either operand's NaN)."""
+    t = ggml_type(name)
+    raw = blocks_for(rng, t, finite=False)
+    want = reference(t, raw)
+    got = dec.decode(t, raw)
+    nan = np.isnan(want)
+    assert np.array_equal(np.isnan(got), nan)
+    assert_bits_equal(t, got[~nan], want[~nan], "unconstrained bytes")
+
+
+@needs_nvcc
+@pytest.mark.parametrize("t", QUANTIZABLE, ids=[t.name for t in QUANTIZABLE])
+def test_gguf_quantized_blocks_decode_bit_exact(dec, rng, t):
+    """Blocks written by gguf.quants.quantize (for the types it can quantize) from weights at
+    scales 1e-6..1e4, an all-zero block and a constant block among them."""
+    nblocks = BLOCKS if t.block_values > 1 else FLOAT_VALUES // 32
+    per_row = max(t.block_values, 32)
+    raw = gguf_quantize(t, quantize_source(rng, nblocks, per_row))
+    assert raw is not None
+    want = reference(t, raw)
+    assert_bits_equal(t, dec.decode(t, raw), want, "gguf-quantized blocks")
+    assert_bits_equal(t, dec.decode(t, raw, chunks=True), want, "gguf-quantized, gather path")
+
+
+def test_gguf_quantizes_the_types_it_is_known_to():
+    """What the tests above cover with real quantizer output; the K-quants and i-quants have a
+    dequantizer only in the package (their random-bytes tests stand in)."""
+    names = {t.name for t in QUANTIZABLE}
+    assert {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "MXFP4"} <= names
+
+
+@needs_nvcc
+def test_project_quantized_iq3_xxs_blocks_decode_bit_exact(dec, rng):
+    """IQ3_XXS blocks of the project's own quantizer (quants/iq3_xxs_quantize.py)."""
+    from strata_rt.quants.iq3_xxs import IQ3XXS
+
+    t = ggml_type("IQ3_XXS")
+    w = quantize_source(rng, 64, 256).reshape(16, 1024)
+    raw = np.asarray(IQ3XXS().quantize(w), dtype=np.uint8)
+    assert raw.size == 64 * t.block_bytes
+    assert_bits_equal(t, dec.decode(t, raw), reference(t, raw), "project-quantized blocks")
+
+
+@needs_nvcc
+def test_pairs_of_one_value_types_span_two_blocks(dec):
+    """F16's pair (v, v + 1) reads two consecutive 2-byte blocks: the last value is not lost."""
+    t = ggml_type("F16")
+    vals = np.array([1.5, -2.0, 65504.0, 2.0 ** -24], dtype=np.float16)
+    got = dec.decode(t, vals.view(np.uint8))
+    assert np.array_equal(got, vals.astype(np.float32))
