@@ -97,14 +97,14 @@ def bench_shape(rt, shape: str, tokens: int, reps: int, inner: int,
            for c in CHAINS}
     bnd = {c: alloc(f"{c}_b", (E + 1) * 4) for c in CHAINS}
     ws_f16, ws_ex = alloc("ws", workspace_bytes(T, E, "f16")), alloc("wsx", workspace_bytes(T, E))
-    xnorm, counter = exact_workspace(ws_ex, T, E)
+    parts = exact_workspace(ws_ex, T, E)
     sigma, norms = router_scale(router), router_norms(router)
     tile16, tilex = gemm_tile(T, H), split_tile(T, H)
     o, n, x_ = out["fp32"], out["f16"], out["exact"]
 
     def exact_topk(tile):
-        ex.topk(s, logits=logits, xnorm=xnorm, xn=xn, router32=psplit + E * H * 4, tokens=T,
-                hidden=H, n_experts=E, top_k=K, bound=exact_bound(norms, H, SPLIT_TILES[tile]),
+        ex.topk(s, logits=logits, xn=xn, router32=psplit + E * H * 4, ws=parts, tokens=T,
+                hidden=H, n_experts=E, top_k=K, bound=exact_bound(norms, H),
                 ids=x_["ids"], weights=x_["w"], masks=ws_ex)
 
     launches = {
@@ -122,7 +122,7 @@ def bench_shape(rt, shape: str, tokens: int, reps: int, inner: int,
         "f16 GEMM": lambda: rk.logits(s, xn, pr16, logits, T, H, E, tile16),
         "f16 top-k": lambda: rk.topk(s, logits, T, E, K, n["ids"], n["w"], ws_f16),
         "f16 sort": lambda: rk.sort(s, n["ids"], T, E, K, ws_f16, bnd["f16"], n["st"], n["ro"]),
-        **{f"exact GEMM {t}": (lambda t=t: ex.logits(s, xn, psplit, logits, xnorm, T, H, E,
+        **{f"exact GEMM {t}": (lambda t=t: ex.logits(s, xn, psplit, logits, parts, T, H, E,
                                                      sigma, t))
            for t, tl in SPLIT_TILES.items() if tl.fits(H)},
         "exact top-k": lambda: exact_topk(tilex),
@@ -140,19 +140,11 @@ def bench_shape(rt, shape: str, tokens: int, reps: int, inner: int,
     # correctness first: each chain from the same xn, its GEMM right before its top-k
     launches["rmsnorm"]()
     for c in CHAINS:
-        if c == "exact":
-            rt.memset_d8(counter, 0, 4, s)
-            launches["exact GEMM"]()
-            ex.topk(s, logits=logits, xnorm=xnorm, xn=xn, router32=psplit + E * H * 4,
-                    tokens=T, hidden=H, n_experts=E, top_k=K,
-                    bound=exact_bound(norms, H, SPLIT_TILES[tilex]), ids=x_["ids"],
-                    weights=x_["w"], masks=ws_ex, rechecked=counter)
-        else:
-            launches[f"{c} GEMM"]()
-            launches[f"{c} top-k"]()
+        launches[f"{c} GEMM"]()
+        launches[f"{c} top-k"]()
         launches[f"{c} sort"]()
     ids = {c: down(out[c]["ids"], T * K).reshape(T, K) for c in CHAINS}
-    rechecked = int(down(counter, 1)[0])
+    rechecked = int(down(parts.n_rerank, 1)[0])
     xn_host = np.empty(T * H, np.float32)
     rt.memcpy_dtoh(xn_host, xn, s)
     s.synchronize()

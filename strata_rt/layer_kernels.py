@@ -24,7 +24,6 @@ import numpy as np
 from .activations import Activation, ActivationKernels
 from .resources import KERNELS_ROOT
 from .routing_exact import (
-    SPLIT_TILES,
     ExactBound,
     ExactRoutingKernels,
     exact_bound,
@@ -69,9 +68,9 @@ class LayerKernels:
         self.spec, self.activation, self.ptr, self.routing = spec, activation, ptr, routing
         self._routing: RoutingKernels | None = None
         self._exact: ExactRoutingKernels | None = None
-        #: per layer: sigma of the split router and the bound's router terms, by tile name
+        #: per layer: sigma of the split router and the bound on its logits' error
         self._sigma: list[float] = []
-        self._bounds: list[dict[str, ExactBound]] = []
+        self._bounds: list[ExactBound] = []
         if routing != "fp32":
             check_routing_shape(spec.hidden, spec.n_experts, spec.top_k)
             self._routing = RoutingKernels(rt)
@@ -93,8 +92,7 @@ class LayerKernels:
         if self.routing == "exact":
             norms = [router_norms(w) for w in router]
             self._sigma = [n.sigma for n in norms]
-            self._bounds = [{name: exact_bound(n, self.spec.hidden, tile)
-                             for name, tile in SPLIT_TILES.items()} for n in norms]
+            self._bounds = [exact_bound(n, self.spec.hidden) for n in norms]
             return split_router(router)
         return router_f16(router) if self.routing == "f16" else router
 
@@ -131,15 +129,15 @@ class LayerKernels:
         spec, p = self.spec, self.ptr
         H, E, K = spec.hidden, spec.n_experts, spec.top_k
         router = p["router"] + layer * E * H * 8
-        xnorm, _ = exact_workspace(p["route_ws"], T, E)
+        ws = exact_workspace(p["route_ws"], T, E)
         tile = split_tile(T, H)
         mark("router gemm")
-        self._exact.logits(stream, p["xn"], router, p["logits"], xnorm, T, H, E,
+        self._exact.logits(stream, p["xn"], router, p["logits"], ws, T, H, E,
                            self._sigma[layer], tile)
         mark("softmax top-k")
-        self._exact.topk(stream, logits=p["logits"], xnorm=xnorm, xn=p["xn"],
-                         router32=router + E * H * 4, tokens=T, hidden=H, n_experts=E, top_k=K,
-                         bound=self._bounds[layer][tile], ids=p["topk_ids"],
+        self._exact.topk(stream, logits=p["logits"], xn=p["xn"], router32=router + E * H * 4,
+                         ws=ws, tokens=T, hidden=H, n_experts=E, top_k=K,
+                         bound=self._bounds[layer], ids=p["topk_ids"],
                          weights=p["topk_w"], masks=p["route_ws"])
 
     def _route_fp32(self, stream: Stream, layer: int, T: int, bounds: int, mark: Mark) -> None:

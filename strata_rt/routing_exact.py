@@ -34,6 +34,7 @@ import numpy as np
 from .resources import KERNELS_ROOT
 from .routing_kernels import (
     HIDDEN_MULTIPLE,
+    ExactWorkspace,
     RoutingShapeError,
     check_routing_shape,
     n_tiles,
@@ -47,6 +48,8 @@ EXACT_SOURCE = KERNELS_ROOT / "common" / "routing_exact.cu"
 CANONICAL_LANES = 32
 F16_LIMIT = 65504.0
 LO_SCALE = 2.0 ** 11
+#: columns whose xh wh products the split GEMM sums in fresh registers (routing_exact.cu)
+CHUNK_K = 64
 #: tokens' norms below this (or not finite) are not trusted: every expert is re-ranked
 NORM_FLOOR = 1e-15
 _TOPK_NPL = (1, 2, 4, 8, 16)
@@ -68,10 +71,10 @@ class SplitTile(NamedTuple):
 
     @property
     def shared(self) -> int:
-        """Dynamic shared memory: the ring of float32 x and fp16 hi/lo router tiles, and the K
-        step's x split into fp16 hi and lo tiles; rows padded by 8 values."""
+        """Dynamic shared memory: the ring of float32 x and fp16 hi/lo router tiles, and two
+        buffers of a K step's x split into fp16 hi and lo tiles; rows padded by 8 values."""
         row = self.bk + 8
-        return self.stages * (self.bm * row * 4 + 2 * self.bn * row * 2) + 2 * self.bm * row * 2
+        return self.stages * (self.bm * row * 4 + 2 * self.bn * row * 2) + 4 * self.bm * row * 2
 
     def fits(self, hidden: int) -> bool:
         return hidden % self.bk == 0
@@ -227,19 +230,20 @@ class ExactBound(NamedTuple):
     c0: float
 
 
-def exact_bound(norms: RouterNorms, hidden: int, tile: SplitTile) -> ExactBound:
-    """The bound for one layer (its router's norms) under `tile`'s K step. Terms, relative to
+def exact_bound(norms: RouterNorms, hidden: int) -> ExactBound:
+    """The bound for one layer (its router's norms); every tile sums the same chain. Terms, relative to
     S = sum_c |x_c||w'_c| <= |x|_2 max_e |w'_e|_2 (w' = w / sigma):
     - the split: x and w' each within 2^-22 relative (+2^-36 absolute, fp16 subnormals) of
       their two parts, and the dropped product of residuals: 2^-20 S + 2^-35 (|x|_1 + |w'|_1);
     - the tensor cores: an mma of 16 exact products and an accumulator, assumed to lose up to
-      17 units of 2^-23 of its largest term, over the BK/16 mma of one K step: 17 BK/16 2^-23 S;
-    - the running float32 sum of H/BK K steps and the final combine: (H/BK + 1) 2^-24 S;
+      17 units of 2^-23 of its largest term, over the 4 mma of one chunk of 64 columns:
+      17 * 4 * 2^-23 S;
+    - the running float32 sum of H/64 chunks and the final combine: (H/64 + 1) 2^-24 S;
     - the residual products' own sum (H/8 mma on terms up to 2 S), scaled by 2^-11: H 2^-31 S;
     - |x|_2 computed in float32 (H 2^-23 relative) and the canonical sum's float64 error.
     A 1% margin on top."""
     H = hidden
-    kappa = (2.0 ** -20 + 17 * (tile.bk // 16) * 2.0 ** -23 + (H // tile.bk + 1) * 2.0 ** -24
+    kappa = (2.0 ** -20 + 17 * (CHUNK_K // 16) * 2.0 ** -23 + (H // CHUNK_K + 1) * 2.0 ** -24
              + H * 2.0 ** -31 + H * 2.0 ** -52)
     norm_slack = 1.0 + H * 2.0 ** -23
     c1 = 1.01 * norms.sigma * (kappa * norms.m2 + 2.0 ** -35 * math.sqrt(H)) * norm_slack
@@ -248,21 +252,28 @@ def exact_bound(norms: RouterNorms, hidden: int, tile: SplitTile) -> ExactBound:
 
 
 # ----------------------------------------------------------------------------- launchers
+#: blocks of the re-rank launch at most (each loops over the listed tokens)
+RERANK_BLOCKS = 1056
+
+
 class ExactRoutingKernels:
     """Launchers of kernels/common/routing_exact.cu on one runtime (device addresses; nothing
     synchronizes, so a sequence can be captured in a graph)."""
 
     def __init__(self, runtime: Runtime):
         mod = runtime.module(EXACT_SOURCE)
-        self._gemm = {name: mod.kernel(f"router_logits_split_{name}", "PPPPiiif")
+        self._gemm = {name: mod.kernel(f"router_logits_split_{name}", "PPPPPiiif")
                       for name in SPLIT_TILES}
-        self._topk = {npl: mod.kernel(f"topk_exact_w{npl}", "PPPPiiiiddPPPiP")
+        self._topk = {npl: mod.kernel(f"topk_exact_w{npl}", "PPiiiddPPPiPP")
                       for npl in _TOPK_NPL}
+        self._rerank = {npl: mod.kernel(f"route_rerank_w{npl}", "PPPiiiPPPPPi")
+                        for npl in _TOPK_NPL}
 
-    def logits(self, stream: Stream, xn: int, router: int, logits: int, xnorm: int,
+    def logits(self, stream: Stream, xn: int, router: int, logits: int, ws: ExactWorkspace,
                tokens: int, hidden: int, n_experts: int, sigma: float, tile: str) -> None:
-        """logits float32 [T, E] (within the bound of the canonical ones) and xnorm float32 [T].
-        `router`: the layer's split router (split_router's bytes, 16-byte aligned)."""
+        """logits float32 [T, E] (within the bound of the canonical ones), the token norms and
+        a zeroed re-rank count in `ws`. `router`: the layer's split_router bytes (16-byte
+        aligned)."""
         check_routing_shape(hidden, n_experts, 1, tokens)
         if xn % 16 or router % 16:
             raise RoutingShapeError(f"split GEMM operands must be 16-byte aligned; got xn=0x"
@@ -273,17 +284,22 @@ class ExactRoutingKernels:
                                     f"{hidden} is not a multiple of it")
         self._gemm[tile].launch(grid=(-(-tokens // t.bm), -(-n_experts // t.bn), 1),
                                 block=(t.threads, 1, 1), stream=stream, shared=t.shared,
-                                args=(xn, router, logits, xnorm, tokens, hidden, n_experts,
-                                      float(sigma)))
+                                args=(xn, router, logits, ws.xnorm, ws.n_rerank, tokens, hidden,
+                                      n_experts, float(sigma)))
 
-    def topk(self, stream: Stream, *, logits: int, xnorm: int, xn: int, router32: int,
+    def topk(self, stream: Stream, *, logits: int, xn: int, router32: int, ws: ExactWorkspace,
              tokens: int, hidden: int, n_experts: int, top_k: int, bound: ExactBound,
-             ids: int, weights: int, masks: int, rechecked: int = 0) -> None:
-        """ids int32 [T, k] (the canonical picks), weights float32 [T, k], tile masks."""
+             ids: int, weights: int, masks: int) -> None:
+        """ids int32 [T, k] (the canonical picks), weights float32 [T, k] and the tile masks:
+        the warp top-k settles what the bound proves, the re-rank launch the rest."""
         check_routing_shape(HIDDEN_MULTIPLE, n_experts, top_k, tokens)
         npl = next(n for n in _TOPK_NPL if 32 * n >= n_experts)
-        self._topk[npl].launch(grid=(n_tiles(tokens), 1, 1), block=(1024, 1, 1),
-                               stream=stream,
-                               args=(logits, xnorm, xn, router32, tokens, hidden, n_experts,
-                                     top_k, float(bound.c1), float(bound.c0), ids, weights,
-                                     masks, n_tiles(tokens), rechecked))
+        nt = n_tiles(tokens)
+        self._topk[npl].launch(grid=(nt, 1, 1), block=(1024, 1, 1), stream=stream,
+                               args=(logits, ws.xnorm, tokens, n_experts, top_k,
+                                     float(bound.c1), float(bound.c0), ids, weights, masks, nt,
+                                     ws.n_rerank, ws.rerank))
+        self._rerank[npl].launch(grid=(min(tokens, RERANK_BLOCKS), 1, 1), block=(256, 1, 1),
+                                 stream=stream,
+                                 args=(logits, xn, router32, hidden, n_experts, top_k,
+                                       ws.n_rerank, ws.rerank, ids, weights, masks, nt))

@@ -132,23 +132,35 @@ def sort_workspace_bytes(tokens: int, n_experts: int) -> int:
     return (2 * n_experts * n_tiles(tokens) + n_experts) * 4
 
 
+#: bytes of one entry of the exact routing's re-rank list (routing_exact.cu's struct Rerank)
+RERANK_ENTRY_BYTES = 16
+
+
 def workspace_bytes(tokens: int, n_experts: int, routing: str = "exact") -> int:
     """The route_ws region of a routing: the sort's workspace, and for "exact" the token norms
-    (float32 [T], 16-byte aligned) and a re-check counter after it (exact_workspace); "fp32"
+    (float32 [T]), the re-rank count and the re-rank list after it (exact_workspace); "fp32"
     needs none."""
     if routing == "fp32":
         return 0
     sort = sort_workspace_bytes(tokens, n_experts)
     if routing == "f16":
         return sort
-    return -(-sort // 16) * 16 + -(-tokens * 4 // 16) * 16 + 16
+    return -(-sort // 16) * 16 + -(-tokens * 4 // 16) * 16 + 16 + RERANK_ENTRY_BYTES * tokens
 
 
-def exact_workspace(workspace: int, tokens: int, n_experts: int) -> tuple[int, int]:
-    """(xnorm, counter) device addresses inside an exact routing's workspace (workspace_bytes
-    for at least `tokens` tokens; the sort's part comes first)."""
+class ExactWorkspace(NamedTuple):
+    """Device addresses inside an exact routing's workspace, after the sort's part."""
+
+    xnorm: int
+    n_rerank: int
+    rerank: int
+
+
+def exact_workspace(workspace: int, tokens: int, n_experts: int) -> ExactWorkspace:
+    """The exact routing's parts of a workspace of workspace_bytes(>= tokens, n_experts)."""
     xnorm = workspace + -(-sort_workspace_bytes(tokens, n_experts) // 16) * 16
-    return xnorm, xnorm + -(-tokens * 4 // 16) * 16
+    count = xnorm + -(-tokens * 4 // 16) * 16
+    return ExactWorkspace(xnorm, count, count + 16)
 
 
 def gemm_tiles_for(hidden: int) -> list[str]:

@@ -147,14 +147,13 @@ def test_split_router_layout_and_scale():
         assert rel.max() <= 2.0 ** -22
 
 
-def test_bound_grows_with_the_k_step_and_the_router():
+def test_bound_grows_with_the_hidden_size_and_the_router():
     rng = np.random.default_rng(3)
     w = rng.standard_normal((8, 2048)).astype(np.float32)
     n = router_norms(w)
-    small = exact_bound(n, 2048, SPLIT_TILES["m16"])
-    big = exact_bound(n, 2048, SPLIT_TILES["m16k128"])
-    assert 0 < small.c1 < big.c1
-    assert exact_bound(router_norms(w * 4), 2048, SPLIT_TILES["m16"]).c1 > 3.9 * small.c1
+    small = exact_bound(n, 2048)
+    assert 0 < small.c1 < exact_bound(n, 4096).c1
+    assert exact_bound(router_norms(w * 4), 2048).c1 > 3.9 * small.c1
 
 
 def test_tile_table_comes_from_the_kernel_source():
@@ -168,11 +167,12 @@ def test_tile_table_comes_from_the_kernel_source():
     assert SPLIT_TILE_RULE[-1][0] is None
 
 
-def test_workspace_holds_the_norms_after_the_sort():
+def test_workspace_holds_the_norms_and_the_rerank_list_after_the_sort():
     ws = 0x10000
-    xnorm, counter = exact_workspace(ws, 1000, 128)
-    assert xnorm % 16 == 0 and counter >= xnorm + 4000
-    assert counter + 4 <= ws + workspace_bytes(1000, 128, "exact")
+    parts = exact_workspace(ws, 1000, 128)
+    assert parts.xnorm % 16 == 0 and parts.n_rerank >= parts.xnorm + 4000
+    assert parts.rerank % 16 == 0 and parts.rerank > parts.n_rerank
+    assert parts.rerank + 16 * 1000 <= ws + workspace_bytes(1000, 128, "exact")
     assert workspace_bytes(1000, 128, "f16") < workspace_bytes(1000, 128, "exact")
     assert workspace_bytes(1000, 128, "fp32") == 0
 
@@ -185,17 +185,16 @@ def _run(rt, s, ex, rk, xn, router, top_k, tile=None):
     tile = tile or split_tile(T, H)
     dx, dr = upload(rt, s, xn), upload(rt, s, split_router(router[None])[0])
     ws = poisoned(rt, s, workspace_bytes(T, E, "exact"))
-    xnorm, counter = exact_workspace(ws.ptr, T, E)
-    rt.memset_d8(counter, 0, 4, s)
+    parts = exact_workspace(ws.ptr, T, E)
     out = {"logits": poisoned(rt, s, T * E * 4), "ids": poisoned(rt, s, T * top_k * 4),
            "weights": poisoned(rt, s, T * top_k * 4), "bounds": poisoned(rt, s, (E + 1) * 4),
            "sorted_token": poisoned(rt, s, T * top_k * 4),
            "row_of": poisoned(rt, s, T * top_k * 4)}
-    ex.logits(s, dx.ptr, dr.ptr, out["logits"].ptr, xnorm, T, H, E, router_scale(router), tile)
-    bound = exact_bound(router_norms(router), H, SPLIT_TILES[tile])
-    ex.topk(s, logits=out["logits"].ptr, xnorm=xnorm, xn=dx.ptr, router32=dr.ptr + E * H * 4,
+    ex.logits(s, dx.ptr, dr.ptr, out["logits"].ptr, parts, T, H, E, router_scale(router), tile)
+    bound = exact_bound(router_norms(router), H)
+    ex.topk(s, logits=out["logits"].ptr, xn=dx.ptr, router32=dr.ptr + E * H * 4, ws=parts,
             tokens=T, hidden=H, n_experts=E, top_k=top_k, bound=bound, ids=out["ids"].ptr,
-            weights=out["weights"].ptr, masks=ws.ptr, rechecked=counter)
+            weights=out["weights"].ptr, masks=ws.ptr)
     rk.sort(s, out["ids"].ptr, T, E, top_k, ws.ptr, out["bounds"].ptr,
             out["sorted_token"].ptr, out["row_of"].ptr)
     shapes = {"logits": (np.float32, (T, E)), "ids": (np.int32, (T, top_k)),
@@ -203,10 +202,10 @@ def _run(rt, s, ex, rk, xn, router, top_k, tile=None):
               "sorted_token": (np.int32, (T * top_k,)), "row_of": (np.int32, (T * top_k,))}
     got = {k: download(rt, s, out[k], *shapes[k]) for k in shapes}
     host = np.empty(T * 4, np.uint8)
-    rt.memcpy_dtoh(host, xnorm, s)
+    rt.memcpy_dtoh(host, parts.xnorm, s)
     s.synchronize()
     got["xnorm"] = host.view(np.float32).copy()
-    got["rechecked"] = _read_int(rt, s, counter)
+    got["rechecked"] = _read_int(rt, s, parts.n_rerank)
     got["bound"] = bound
     return got
 

@@ -321,8 +321,8 @@ def test_fake_module_kernel_launch_and_shared_opt_in(fake, tmp_path, monkeypatch
         k.launch((1, 1, 1), (32, 1, 1), s, (0,), shared=232448 + 1)
     with pytest.raises(StrataError, match="no kernel 'other'"):
         mod.kernel("other", "P")
-    with pytest.raises(StrataError, match=r"argument codes \['d'\]"):
-        mod.kernel("k", "Pd")
+    with pytest.raises(StrataError, match=r"argument codes \['X'\]"):
+        mod.kernel("k", "PX")
     rt.close()
 
 

@@ -1,23 +1,27 @@
 // Exact routing: the top-k experts (and their order, ties to the lower id) that the canonical
-// float64 logits pick, at tensor-core speed. Two launches replace routing.cu's GEMM and top-k
+// float64 logits pick, at tensor-core speed. Three launches replace routing.cu's GEMM and top-k
 // (its scan and scatter sort the result):
 //
 // 1. router_logits_split_<tile>: approximate logits on tensor cores from split operands.
 //    x = xh + 2^-11 xl and w' = w / sigma = wh + 2^-11 wl, each part fp16 (xl and wl are the
 //    rounding residuals scaled up by 2^11, so they keep 11 significant bits where fp16 would
 //    flush them); three mma products per fragment, xh wh + 2^-11 (xh wl + xl wh), carry about
-//    22 of float32's 24 bits. The xh wh products of one K step accumulate in fresh registers and
-//    are then added to the running sum with one round-to-nearest float32 add, which bounds the
-//    tensor cores' own accumulation error by one K step's worth. The same pass writes each
+//    22 of float32's 24 bits. The xh wh products of every 64 columns (CHUNK_K) accumulate in
+//    fresh registers and are then added to the running sum with one round-to-nearest float32
+//    add, which bounds the tensor cores' own accumulation error by one chunk's worth and makes
+//    every tile's sums the same chain. The same pass writes each
 //    token's norm |x|_2 (+inf when a value is beyond fp16's range or not finite), from which the
 //    launcher's constants give a rigorous bound B(t) = c1 |x|_2 + c0 on |approx - canonical| for
 //    every logit of the token (routing_exact.py derives c1 and c0).
 // 2. topk_exact_w<NPL>: one warp per token ranks the approximate logits. Where every gap between
 //    consecutive picks 0..k (the k+1-th included) exceeds 2 B(t), the approximate order is the
-//    canonical one, proven by the bound. Otherwise the warp recomputes the canonical logit of
-//    every candidate that could still be among the top k (approximate logit within 2 B(t) of the
-//    k-th) and ranks those. Weights: float32 softmax of the approximate logits over all experts,
-//    renormalised over the picks.
+//    canonical one, proven by the bound, and the warp writes the token's outputs. Otherwise the
+//    token joins a list for
+// 3. route_rerank_w<NPL>: a block per listed token computes the canonical logit of every
+//    candidate that could still be among the top k (approximate logit within 2 B(t) of the k-th;
+//    every expert for a token whose x could not be split) and ranks those.
+//    Weights: float32 softmax of the approximate logits over all experts (of the canonical ones
+//    where x could not be split), renormalised over the picks.
 //
 // The canonical logit of token t and expert e, the routing's definition (routing_exact.py's
 // numpy twin computes the same bits): lane l of 32 sums x[c] * w[c] for c = l, l + 32, ... in
@@ -36,6 +40,7 @@
 #define F16_LIMIT 65504.0f
 #define LO_SCALE 2048.0f              // 2^11: the residual's scale-up
 #define LO_UNSCALE 4.8828125e-4f      // 2^-11
+#define CHUNK_K 64                    // the xh wh products of CHUNK_K columns sum in fresh registers
 
 // x -> (fp16 hi, fp16 scaled residual); `bad` set when x cannot be split (beyond fp16's range,
 // NaN): such a token's approximate logits are not trusted (its norm becomes +inf).
@@ -59,7 +64,8 @@ template <int BM, int BN, int WARPS_M, int WARPS_N, int BK, int STAGES>
 __device__ __forceinline__ void router_gemm_split(const float* __restrict__ xn,
                                                   const __half* __restrict__ router_split,
                                                   float* __restrict__ logits,
-                                                  float* __restrict__ xnorm, int tokens,
+                                                  float* __restrict__ xnorm,
+                                                  int* __restrict__ n_rerank, int tokens,
                                                   int hidden, int n_experts, float sigma) {
     constexpr int THREADS = WARPS_M * WARPS_N * 32;
     constexpr int WM = BM / WARPS_M, WN = BN / WARPS_N;
@@ -70,16 +76,15 @@ __device__ __forceinline__ void router_gemm_split(const float* __restrict__ xn,
     constexpr int PER = BM * V4 / THREADS;  // float4s each thread splits per K step
     static_assert(WM * WARPS_M == BM && WN * WARPS_N == BN, "warps must tile the block");
     static_assert(MT >= 1 && WM % 16 == 0 && NT % 2 == 0 && WN % 16 == 0, "warp tile shape");
-    static_assert(BK % 16 == 0 && 32 % V4 == 0 && PER * THREADS == BM * V4, "K step");
+    static_assert(BK % CHUNK_K == 0 && 32 % V4 == 0 && PER * THREADS == BM * V4, "K step");
     static_assert(STAGES >= 2, "the ring refills one stage while it reads another");
-    static_assert(STAGES * (BM * AS * 4 + 2 * BN * BS * 2) + 2 * BM * BS * 2 <= 227 * 1024,
+    static_assert(STAGES * (BM * AS * 4 + 2 * BN * BS * 2) + 4 * BM * BS * 2 <= 227 * 1024,
                   "shared memory per block");
     extern __shared__ __align__(16) unsigned char smem[];
     float* As = reinterpret_cast<float*>(smem);
     __half* Bh = reinterpret_cast<__half*>(As + STAGES * BM * AS);
     __half* Bl = Bh + STAGES * BN * BS;
-    __half* Ah = Bl + STAGES * BN * BS;
-    __half* Al = Ah + BM * BS;
+    __half* Ah = Bl + STAGES * BN * BS;  // two buffers of [hi tile, lo tile], BM x BS each
 
     const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -87,11 +92,17 @@ __device__ __forceinline__ void router_gemm_split(const float* __restrict__ xn,
     const int g = lane >> 2, q = lane & 3;
     const int steps = hidden / BK;
     const size_t lo_off = (size_t)n_experts * hidden;
+    if (n_rerank != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0)
+        *n_rerank = 0;  // the top-k launch after this one counts from zero
 
+    // A: float4 i = threadIdx.x + p * THREADS of every K step is loaded and split by the same
+    // thread, so a thread's own cp.async wait covers what it splits (no barrier needed there)
     auto load = [&](int stage, int step) {
         const int k0 = step * BK;
         float* a = As + stage * BM * AS;
-        for (int i = threadIdx.x; i < BM * V4; i += THREADS) {
+#pragma unroll
+        for (int p = 0; p < PER; ++p) {
+            const int i = threadIdx.x + p * THREADS;
             const int r = i / V4, c = (i % V4) * 4;
             const int t = m0 + r;
             const float* src = t < tokens ? xn + (size_t)t * hidden + k0 + c : xn;
@@ -108,13 +119,6 @@ __device__ __forceinline__ void router_gemm_split(const float* __restrict__ xn,
         }
     };
 
-    float acc[MT][NT][4], part[MT][NT][4], cross[MT][NT][4];
-#pragma unroll
-    for (int i = 0; i < MT; ++i)
-#pragma unroll
-        for (int j = 0; j < NT; ++j)
-#pragma unroll
-            for (int v = 0; v < 4; ++v) acc[i][j][v] = cross[i][j][v] = 0.0f;
     float sq[PER];
     bool bad[PER];
 #pragma unroll
@@ -122,20 +126,10 @@ __device__ __forceinline__ void router_gemm_split(const float* __restrict__ xn,
         sq[p] = 0.0f;
         bad[p] = false;
     }
-
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-        if (s < steps) load(s, s);
-        cp_async_commit();
-    }
-    for (int step = 0; step < steps; ++step) {
-        cp_async_wait<STAGES - 2>();
-        __syncthreads();  // stage `step` landed for all; stage step-1 is free to refill
-        const int next = step + STAGES - 1;
-        if (next < steps) load(next % STAGES, next);
-        cp_async_commit();
-
-        const float* a32 = As + (step % STAGES) * BM * AS;
+    auto split = [&](int stage, int buf) {
+        const float* a32 = As + stage * BM * AS;
+        __half* hi = Ah + buf * 2 * BM * BS;
+        __half* lo = hi + BM * BS;
 #pragma unroll
         for (int p = 0; p < PER; ++p) {
             const int i = threadIdx.x + p * THREADS;
@@ -150,23 +144,48 @@ __device__ __forceinline__ void router_gemm_split(const float* __restrict__ xn,
             sq[p] = __fmaf_rn(v.y, v.y, sq[p]);
             sq[p] = __fmaf_rn(v.z, v.z, sq[p]);
             sq[p] = __fmaf_rn(v.w, v.w, sq[p]);
-            *reinterpret_cast<uint2*>(Ah + r * BS + c) = make_uint2(pack_h2(h0, h1), pack_h2(h2, h3));
-            *reinterpret_cast<uint2*>(Al + r * BS + c) = make_uint2(pack_h2(l0, l1), pack_h2(l2, l3));
+            *reinterpret_cast<uint2*>(hi + r * BS + c) = make_uint2(pack_h2(h0, h1), pack_h2(h2, h3));
+            *reinterpret_cast<uint2*>(lo + r * BS + c) = make_uint2(pack_h2(l0, l1), pack_h2(l2, l3));
         }
-        __syncthreads();  // Ah and Al complete for every warp
+    };
+
+    float acc[MT][NT][4], part[MT][NT][4], cross[MT][NT][4];
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int v = 0; v < 4; ++v) acc[i][j][v] = cross[i][j][v] = 0.0f;
 
 #pragma unroll
-        for (int i = 0; i < MT; ++i)
-#pragma unroll
-            for (int j = 0; j < NT; ++j)
-#pragma unroll
-                for (int v = 0; v < 4; ++v) part[i][j][v] = 0.0f;
-        const __half* ah = Ah + (wm * WM) * BS;
-        const __half* al = Al + (wm * WM) * BS;
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < steps) load(s, s);
+        cp_async_commit();
+    }
+    cp_async_wait<STAGES - 2>();
+    split(0, 0);
+    for (int step = 0; step < steps; ++step) {
+        // every warp is done with step-1's mma (its B stage and split buffer) and with the
+        // split of `step`; B of `step` landed for all (each thread waited for its own part)
+        __syncthreads();
+        const int next = step + STAGES - 1;
+        if (next < steps) load(next % STAGES, next);
+        cp_async_commit();
+
+        const __half* ah = Ah + (step & 1) * 2 * BM * BS + (wm * WM) * BS;
+        const __half* al = ah + BM * BS;
         const __half* bh = Bh + (step % STAGES) * BN * BS + (wn * WN) * BS;
         const __half* bl = Bl + (step % STAGES) * BN * BS + (wn * WN) * BS;
 #pragma unroll
         for (int kk = 0; kk < BK; kk += 16) {
+            if (kk % CHUNK_K == 0) {
+#pragma unroll
+                for (int i = 0; i < MT; ++i)
+#pragma unroll
+                    for (int j = 0; j < NT; ++j)
+#pragma unroll
+                        for (int v = 0; v < 4; ++v) part[i][j][v] = 0.0f;
+            }
             unsigned afh[MT][4], afl[MT][4];
 #pragma unroll
             for (int i = 0; i < MT; ++i) {
@@ -191,13 +210,22 @@ __device__ __forceinline__ void router_gemm_split(const float* __restrict__ xn,
                     mma_f16_16x8x16(cross[i][j + 1], afl[i], bfh[2], bfh[3], cross[i][j + 1]);
                 }
             }
+            if ((kk + 16) % CHUNK_K == 0) {
+#pragma unroll
+                for (int i = 0; i < MT; ++i)
+#pragma unroll
+                    for (int j = 0; j < NT; ++j)
+#pragma unroll
+                        for (int v = 0; v < 4; ++v)
+                            acc[i][j][v] = __fadd_rn(acc[i][j][v], part[i][j][v]);
+            }
         }
-#pragma unroll
-        for (int i = 0; i < MT; ++i)
-#pragma unroll
-            for (int j = 0; j < NT; ++j)
-#pragma unroll
-                for (int v = 0; v < 4; ++v) acc[i][j][v] = __fadd_rn(acc[i][j][v], part[i][j][v]);
+
+        // split step+1 into the other buffer while other warps still multiply
+        if (step + 1 < steps) {
+            cp_async_wait<STAGES - 2>();
+            split((step + 1) % STAGES, (step + 1) & 1);
+        }
     }
     cp_async_wait<0>();
 
@@ -237,15 +265,17 @@ __device__ __forceinline__ void router_gemm_split(const float* __restrict__ xn,
 
 // Tiles (routing_exact.py: SPLIT_TILES, SPLIT_TILE_RULE); every tile gives the same bytes, since
 // each logit is the same chain of mma steps and K-step sums whatever block computes it.
-// Dynamic shared memory: STAGES * (BM * (BK + 8) * 4 + 2 * BN * (BK + 8) * 2) + 2 * BM * (BK + 8) * 2.
+// Dynamic shared memory: STAGES * (BM * (BK + 8) * 4 + 2 * BN * (BK + 8) * 2) + 4 * BM * (BK + 8) * 2.
 #define SPLIT_KERNEL(NAME, BM, BN, WM_, WN_, BK, STAGES, MINB)                                \
     extern "C" __global__ void __launch_bounds__(WM_ * WN_ * 32, MINB)                        \
         router_logits_split_##NAME(const float* __restrict__ xn,                              \
                                    const __half* __restrict__ router_split,                   \
                                    float* __restrict__ logits, float* __restrict__ xnorm,     \
-                                   int tokens, int hidden, int n_experts, float sigma) {      \
+                                   int* __restrict__ n_rerank, int tokens, int hidden,        \
+                                   int n_experts, float sigma) {                              \
         router_gemm_split<BM, BN, WM_, WN_, BK, STAGES>(xn, router_split, logits, xnorm,     \
-                                                        tokens, hidden, n_experts, sigma);    \
+                                                        n_rerank, tokens, hidden, n_experts,  \
+                                                        sigma);                               \
     }
 SPLIT_KERNEL(m64, 64, 128, 2, 4, 64, 3, 1)
 SPLIT_KERNEL(m64n64, 64, 64, 2, 2, 64, 3, 1)
@@ -254,18 +284,13 @@ SPLIT_KERNEL(m16, 16, 64, 1, 4, 64, 3, 2)
 SPLIT_KERNEL(m16k128, 16, 64, 1, 4, 128, 2, 2)
 
 // ---------------------------------------------------------------------------- exact top-k
-// The canonical logit (see the top of this file): lane l sums c = l, l + 32, ... in float64.
-__device__ __forceinline__ double canonical_logit(const float* __restrict__ x,
-                                                  const float* __restrict__ w, int hidden,
-                                                  int lane) {
-    double acc = 0.0;
-#pragma unroll 4
-    for (int c = lane; c < hidden; c += 32)
-        acc = __fma_rn((double)__ldg(x + c), (double)__ldg(w + c), acc);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) acc = __dadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, o));
-    return acc;
-}
+// A token the top-k kernel could not settle, for route_rerank: its canonical candidates are the
+// experts whose approximate logit is >= thresh (every expert when `all` is set).
+struct Rerank {
+    int token;
+    int all;
+    double thresh;
+};
 
 __device__ __forceinline__ unsigned long long warp_max_u64(unsigned long long v) {
 #pragma unroll
@@ -276,19 +301,20 @@ __device__ __forceinline__ unsigned long long warp_max_u64(unsigned long long v)
     return v;
 }
 
-// Picks `picks` experts by descending key, ties to the lower id; lane j < picks gets pick j's id
-// and key. key[i] belongs to expert lane + 32 i; key 0 marks an expert that is not a candidate.
+// Picks `picks` entries by descending key, ties to the lower id; lane j < picks gets pick j's id
+// and key. Entry lane + 32 i has key[i] and id[i]; key 0 marks an entry that is not there.
 template <int NPL, typename Key>
-__device__ __forceinline__ void warp_pick(const Key (&key)[NPL], int n_experts, int picks,
-                                          int lane, int& my_id, Key& my_key) {
+__device__ __forceinline__ void warp_pick(const Key (&key)[NPL], const int (&id)[NPL],
+                                          int picks, int lane, int& my_id, Key& my_key) {
     unsigned taken = 0u;
     for (int j = 0; j < picks; ++j) {
         int best = -1;
         Key best_key = 0;
 #pragma unroll
         for (int i = 0; i < NPL; ++i) {
-            const bool avail = lane + 32 * i < n_experts && !((taken >> i) & 1u) && key[i] != 0;
-            if (avail && (best < 0 || key[i] > best_key)) {
+            const bool avail = !((taken >> i) & 1u) && key[i] != 0;
+            if (avail && (best < 0 || key[i] > best_key ||
+                          (key[i] == best_key && id[i] < id[best]))) {
                 best = i;
                 best_key = key[i];
             }
@@ -298,10 +324,14 @@ __device__ __forceinline__ void warp_pick(const Key (&key)[NPL], int n_experts, 
             kmax = warp_max_u64(best >= 0 ? best_key : 0ull);
         else
             kmax = __reduce_max_sync(0xffffffffu, best >= 0 ? best_key : 0u);
-        const unsigned cand =
-            best >= 0 && best_key == kmax ? (unsigned)(lane + 32 * best) : 0xffffffffu;
-        const unsigned win = __reduce_min_sync(0xffffffffu, cand);
-        if (best >= 0 && cand == win) taken |= 1u << best;
+        int mine = 0x7fffffff;
+#pragma unroll
+        for (int i = 0; i < NPL; ++i)
+            if (i == best && best_key == kmax) mine = id[i];
+        const unsigned win = __reduce_min_sync(0xffffffffu, (unsigned)mine);
+#pragma unroll
+        for (int i = 0; i < NPL; ++i)
+            if (i == best && (unsigned)id[i] == win) taken |= 1u << i;
         if (lane == j) {
             my_id = (int)win;
             my_key = kmax;
@@ -309,16 +339,41 @@ __device__ __forceinline__ void warp_pick(const Key (&key)[NPL], int n_experts, 
     }
 }
 
-// One warp per token, 32 tokens (one sort tile) per block of 1024 threads; as routing.cu's
-// top-k (ids, weights, tile masks), with the certainty check and the canonical re-ranking above.
-// bound: B(t) = c1 * xnorm[t] + c0. `rechecked` (may be null) counts re-ranked tokens.
+// float32 softmax of v over the experts (lane l sums l, l + 32, ... then an xor tree), taken at
+// each lane's pick and renormalised over the k picks in pick order; m is the largest v.
+template <int NPL>
+__device__ __forceinline__ float pick_weight(const float (&v)[NPL], int n_experts, int top_k,
+                                             float m, int my_id, int lane) {
+    float s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < NPL; ++i)
+        if (lane + 32 * i < n_experts) s = __fadd_rn(s, expf(v[i] - m));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, o));
+    float mine = 0.0f;  // the pick's value, from the lane that holds it
+#pragma unroll
+    for (int i = 0; i < NPL; ++i) {
+        const float vi = __shfl_sync(0xffffffffu, v[i], my_id & 31);
+        if (i == (my_id >> 5)) mine = vi;
+    }
+    const float p = lane < top_k ? __fdiv_rn(expf(__fadd_rn(mine, 0.0f) - m), s) : 0.0f;
+    float sum_top = 0.0f;
+    for (int j = 0; j < top_k; ++j) sum_top = __fadd_rn(sum_top, __shfl_sync(0xffffffffu, p, j));
+    return __fdiv_rn(p, sum_top);
+}
+
+// One warp per token, 32 tokens (one sort tile) per block of 1024 threads. Ranks the approximate
+// logits (picks 0..k; ties to the lower id). Certain (every gap between consecutive picks
+// j, j+1 for j < k exceeds 2 B(t), B(t) = c1 * xnorm[t] + c0): writes ids, weights (float32
+// softmax of the approximate logits) and the tile mask bits as routing.cu's top-k does.
+// Otherwise the token goes to `rerank` (count at *n_rerank, which the split GEMM zeroed) and
+// route_rerank writes its outputs.
 template <int NPL>
 __device__ __forceinline__ void topk_exact_warp(
-    const float* __restrict__ logits, const float* __restrict__ xnorm,
-    const float* __restrict__ xn, const float* __restrict__ router32, int tokens, int hidden,
+    const float* __restrict__ logits, const float* __restrict__ xnorm, int tokens,
     int n_experts, int top_k, double c1, double c0, int* __restrict__ ids,
     float* __restrict__ weights, unsigned* __restrict__ masks, int n_tiles,
-    int* __restrict__ rechecked) {
+    int* __restrict__ n_rerank, Rerank* __restrict__ rerank) {
     __shared__ unsigned tile_mask[32 * NPL];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     for (int e = threadIdx.x; e < n_experts; e += blockDim.x) tile_mask[e] = 0u;
@@ -329,9 +384,11 @@ __device__ __forceinline__ void topk_exact_warp(
         const float* l = logits + (size_t)t * n_experts;
         float v[NPL];
         unsigned key[NPL];
+        int id[NPL];
 #pragma unroll
         for (int i = 0; i < NPL; ++i) {
             const int e = lane + 32 * i;
+            id[i] = e;
             v[i] = e < n_experts ? l[e] : 0.0f;
             // an approximate logit never maps to key 0 (that is the NaN pattern 0xffffffff)
             key[i] = e < n_experts ? max(float_key(v[i]), 1u) : 0u;
@@ -339,10 +396,8 @@ __device__ __forceinline__ void topk_exact_warp(
         const int picks = min(top_k + 1, n_experts);
         int my_id = 0;
         unsigned my_key = 0u;
-        warp_pick<NPL, unsigned>(key, n_experts, picks, lane, my_id, my_key);
-        const unsigned top_key = __shfl_sync(0xffffffffu, my_key, 0);
+        warp_pick<NPL, unsigned>(key, id, picks, lane, my_id, my_key);
 
-        // certain iff every gap between picks j and j+1 (j < top_k, within the picks) > 2B
         const float norm = xnorm[t];
         const double bound = c1 * (double)norm + c0;
         const unsigned next_key = __shfl_down_sync(0xffffffffu, my_key, 1);
@@ -351,44 +406,18 @@ __device__ __forceinline__ void topk_exact_warp(
         const bool unsure = !(norm >= 1e-15f && norm <= 1e30f);
         if (__any_sync(0xffffffffu, close) || unsure) {
             const double kth = (double)key_float(__shfl_sync(0xffffffffu, my_key, top_k - 1));
-            const double thresh = unsure ? __longlong_as_double(0xfff0000000000000ll) : kth - 2.0 * bound;
-            const float* x = xn + (size_t)t * hidden;
-            unsigned long long ex[NPL];
-#pragma unroll
-            for (int i = 0; i < NPL; ++i) {
-                ex[i] = 0ull;
-                const int e = lane + 32 * i;
-                const bool cand = e < n_experts && (unsure || (double)v[i] >= thresh);
-                unsigned bal = __ballot_sync(0xffffffffu, cand);
-                while (bal) {
-                    const int src = __ffs(bal) - 1;
-                    bal &= bal - 1;
-                    const double L =
-                        canonical_logit(x, router32 + (size_t)(src + 32 * i) * hidden, hidden, lane);
-                    if (lane == src) ex[i] = max(double_key(L), 1ull);
-                }
+            if (lane == 0) {
+                const int slot = atomicAdd(n_rerank, 1);
+                rerank[slot] = Rerank{t, unsure ? 1 : 0, kth - 2.0 * bound};
             }
-            unsigned long long my_ex = 0ull;
-            warp_pick<NPL, unsigned long long>(ex, n_experts, top_k, lane, my_id, my_ex);
-            if (lane == 0 && rechecked != nullptr) atomicAdd(rechecked, 1);
-        }
-
-        // float32 softmax of the approximate logits, renormalised over the k picks
-        const float m = key_float(top_key);
-        float s = 0.0f;
-#pragma unroll
-        for (int i = 0; i < NPL; ++i)
-            if (lane + 32 * i < n_experts) s = __fadd_rn(s, expf(v[i] - m));
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, o));
-        const float p = lane < top_k ? __fdiv_rn(expf(__fadd_rn(l[my_id], 0.0f) - m), s) : 0.0f;
-        float sum_top = 0.0f;
-        for (int j = 0; j < top_k; ++j)
-            sum_top = __fadd_rn(sum_top, __shfl_sync(0xffffffffu, p, j));
-        if (lane < top_k) {
-            ids[(size_t)t * top_k + lane] = my_id;
-            weights[(size_t)t * top_k + lane] = __fdiv_rn(p, sum_top);
-            atomicOr(&tile_mask[my_id], 1u << (t & (ROUTE_TILE - 1)));
+        } else {
+            const float m = key_float(__shfl_sync(0xffffffffu, my_key, 0));
+            const float w = pick_weight<NPL>(v, n_experts, top_k, m, my_id, lane);
+            if (lane < top_k) {
+                ids[(size_t)t * top_k + lane] = my_id;
+                weights[(size_t)t * top_k + lane] = w;
+                atomicOr(&tile_mask[my_id], 1u << (t & (ROUTE_TILE - 1)));
+            }
         }
     }
     __syncthreads();
@@ -398,16 +427,140 @@ __device__ __forceinline__ void topk_exact_warp(
 
 #define TOPK_EXACT_KERNEL(NPL)                                                                 \
     extern "C" __global__ void __launch_bounds__(1024) topk_exact_w##NPL(                      \
-        const float* __restrict__ logits, const float* __restrict__ xnorm,                     \
-        const float* __restrict__ xn, const float* __restrict__ router32, int tokens,          \
-        int hidden, int n_experts, int top_k, double c1, double c0, int* __restrict__ ids,     \
+        const float* __restrict__ logits, const float* __restrict__ xnorm, int tokens,         \
+        int n_experts, int top_k, double c1, double c0, int* __restrict__ ids,                 \
         float* __restrict__ weights, unsigned* __restrict__ masks, int n_tiles,                \
-        int* __restrict__ rechecked) {                                                         \
-        topk_exact_warp<NPL>(logits, xnorm, xn, router32, tokens, hidden, n_experts, top_k,    \
-                             c1, c0, ids, weights, masks, n_tiles, rechecked);                 \
+        int* __restrict__ n_rerank, Rerank* __restrict__ rerank) {                             \
+        topk_exact_warp<NPL>(logits, xnorm, tokens, n_experts, top_k, c1, c0, ids, weights,    \
+                             masks, n_tiles, n_rerank, rerank);                                \
     }
 TOPK_EXACT_KERNEL(1)
 TOPK_EXACT_KERNEL(2)
 TOPK_EXACT_KERNEL(4)
 TOPK_EXACT_KERNEL(8)
 TOPK_EXACT_KERNEL(16)
+
+// ---------------------------------------------------------------------------- re-ranking
+#define RERANK_WARPS 8
+#define RERANK_UNROLL 16
+
+// The canonical logit of x and w (see the top of this file), by one warp: lane l's sequential
+// float64 sum over c = l, l + 32, ..., then the xor tree. The unrolled loads keep RERANK_UNROLL
+// of the lane's elements in flight; the sum still adds them in ascending c.
+__device__ __forceinline__ double canonical_logit(const float* __restrict__ x,
+                                                  const float* __restrict__ w, int hidden,
+                                                  int lane) {
+    double acc = 0.0;
+    int c = lane;
+    for (; c + 32 * (RERANK_UNROLL - 1) < hidden; c += 32 * RERANK_UNROLL) {
+        float xs[RERANK_UNROLL], ws[RERANK_UNROLL];
+#pragma unroll
+        for (int u = 0; u < RERANK_UNROLL; ++u) {
+            xs[u] = __ldg(x + c + 32 * u);
+            ws[u] = __ldg(w + c + 32 * u);
+        }
+#pragma unroll
+        for (int u = 0; u < RERANK_UNROLL; ++u) acc = __fma_rn((double)xs[u], (double)ws[u], acc);
+    }
+    for (; c < hidden; c += 32) acc = __fma_rn((double)__ldg(x + c), (double)__ldg(w + c), acc);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) acc = __dadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, o));
+    return acc;
+}
+
+// Block b re-ranks the tokens rerank[b], rerank[b + gridDim.x], ...: the warps compute the
+// canonical logits of the token's candidates, warp 0 picks the top k of them by canonical logit
+// (ties to the lower id) and writes ids, weights (float32 softmax of the approximate logits, or
+// of the canonical ones for a token with `all` set: then every expert is a candidate) and the
+// tile mask bits. n_experts <= 32 * NPL.
+template <int NPL>
+__device__ __forceinline__ void rerank_block(
+    const float* __restrict__ logits, const float* __restrict__ xn,
+    const float* __restrict__ router32, int hidden, int n_experts, int top_k,
+    const int* __restrict__ n_rerank, const Rerank* __restrict__ rerank,
+    int* __restrict__ ids, float* __restrict__ weights, unsigned* __restrict__ masks,
+    int n_tiles) {
+    __shared__ float val[32 * NPL];
+    __shared__ double canon[32 * NPL];
+    __shared__ int cand[32 * NPL];
+    __shared__ int n_cand;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int n = *n_rerank;
+    for (int j = blockIdx.x; j < n; j += gridDim.x) {
+        const Rerank r = rerank[j];
+        const int t = r.token;
+        __syncthreads();  // the previous token's reads of the shared arrays are done
+        if (threadIdx.x == 0) n_cand = 0;
+        for (int e = threadIdx.x; e < n_experts; e += blockDim.x) {
+            val[e] = logits[(size_t)t * n_experts + e];
+            canon[e] = 0.0;
+        }
+        __syncthreads();
+        for (int e = threadIdx.x; e < n_experts; e += blockDim.x)
+            if (r.all || (double)val[e] >= r.thresh) cand[atomicAdd(&n_cand, 1)] = e;
+        __syncthreads();
+        const float* x = xn + (size_t)t * hidden;
+        for (int c = warp; c < n_cand; c += RERANK_WARPS) {
+            const int e = cand[c];
+            const double L = canonical_logit(x, router32 + (size_t)e * hidden, hidden, lane);
+            if (lane == 0) {
+                canon[e] = L;
+                if (r.all) val[e] = __double2float_rn(L);
+            }
+        }
+        __syncthreads();
+        if (warp == 0) {
+            unsigned long long key[NPL];
+            int id[NPL];
+            float v[NPL];
+            // each lane holds experts lane + 32 i; key 0: not a candidate
+#pragma unroll
+            for (int i = 0; i < NPL; ++i) {
+                const int e = lane + 32 * i;
+                id[i] = e;
+                v[i] = e < n_experts ? val[e] : 0.0f;
+                key[i] = 0ull;
+            }
+            for (int c = 0; c < n_cand; ++c) {
+                const int e = cand[c];
+                if ((e & 31) == lane) {
+#pragma unroll
+                    for (int i = 0; i < NPL; ++i)
+                        if (i == (e >> 5)) key[i] = max(double_key(canon[e]), 1ull);
+                }
+            }
+            int my_id = 0;
+            unsigned long long my_key = 0ull;
+            warp_pick<NPL, unsigned long long>(key, id, top_k, lane, my_id, my_key);
+            float m = -__int_as_float(0x7f800000);
+#pragma unroll
+            for (int i = 0; i < NPL; ++i)
+                if (lane + 32 * i < n_experts) m = fmaxf(m, v[i]);
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+            const float w = pick_weight<NPL>(v, n_experts, top_k, m, my_id, lane);
+            if (lane < top_k) {
+                ids[(size_t)t * top_k + lane] = my_id;
+                weights[(size_t)t * top_k + lane] = w;
+                atomicOr(&masks[(size_t)my_id * n_tiles + t / ROUTE_TILE],
+                         1u << (t & (ROUTE_TILE - 1)));
+            }
+        }
+    }
+}
+
+#define RERANK_KERNEL(NPL)                                                                     \
+    extern "C" __global__ void __launch_bounds__(RERANK_WARPS * 32) route_rerank_w##NPL(       \
+        const float* __restrict__ logits, const float* __restrict__ xn,                        \
+        const float* __restrict__ router32, int hidden, int n_experts, int top_k,              \
+        const int* __restrict__ n_rerank, const Rerank* __restrict__ rerank,                   \
+        int* __restrict__ ids, float* __restrict__ weights, unsigned* __restrict__ masks,      \
+        int n_tiles) {                                                                         \
+        rerank_block<NPL>(logits, xn, router32, hidden, n_experts, top_k, n_rerank, rerank,    \
+                          ids, weights, masks, n_tiles);                                       \
+    }
+RERANK_KERNEL(1)
+RERANK_KERNEL(2)
+RERANK_KERNEL(4)
+RERANK_KERNEL(8)
+RERANK_KERNEL(16)

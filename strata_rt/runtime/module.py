@@ -19,7 +19,8 @@ if TYPE_CHECKING:
 #: Dynamic shared memory a kernel may use without opting in.
 DEFAULT_SHARED_LIMIT = 48 * 1024
 #: Argument codes of `Module.kernel` (struct codes pycuda's prepare understands).
-ARG_CODES = {"P": "pointer", "i": "int32", "I": "uint32", "f": "float32", "q": "int64"}
+ARG_CODES = {"P": "pointer", "i": "int32", "I": "uint32", "f": "float32", "d": "float64",
+             "q": "int64"}
 
 
 class Kernel:
