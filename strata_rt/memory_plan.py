@@ -79,6 +79,8 @@ def fixed_regions(spec: MoESpec, layout: ExpertLayout, ring_slots: int,
         "router": L * E * H * (2 if routing == "tensor" else 4),
         "norm": L * H * 4,
         "bounds": L * (E + 1) * 4,
+        # one word: the earliest (layer << 32 | row) whose RMSNorm input is not finite
+        "nonfinite": 8,
         "ring": ring_slots * layout.slot_bytes,
         **buffers,
     }
