@@ -278,8 +278,10 @@ class Engine:
         the prompt (the backend knows only the row in the chunk, which starts at `offset`)."""
         try:
             return self.driver.run_chunk(h, stats, **kw)
-        except NonFiniteError as e:
-            raise e.shifted(offset) from None
+        except NonFiniteError as e:  # the weights may be the cause: a GGUF is named too
+            src = self.config.model.get("gguf") if isinstance(self.config.model, dict) else None
+            raise e.shifted(offset, None if src is None else
+                            f"{e.source} of {Path(src).name}") from None
 
     def _open_backend(self) -> Backend:
         if self.backend is None:

@@ -216,6 +216,12 @@ class ReferenceBackend:
 
     # ------------------------------------------------------------------ ops
     def _execute(self, ops: Iterable[Op], h: np.ndarray, stats: Stats) -> None:
+        # values that leave float32's range are refused by the checks at each step (naming
+        # the layer and row), not reported as numpy's warnings
+        with np.errstate(over="ignore", invalid="ignore"):
+            self._execute_ops(ops, h, stats)
+
+    def _execute_ops(self, ops: Iterable[Op], h: np.ndarray, stats: Stats) -> None:
         for op in ops:
             t0 = time.perf_counter()
             if isinstance(op, Copy):

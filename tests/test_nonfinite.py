@@ -125,6 +125,7 @@ def test_strata_run_names_the_prompt_file_and_writes_no_result(tmp_path, capsys)
     assert main(["-q", "run", str(config)]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err
-    assert err[0].startswith("strata run: prompt 1/1 (3 tokens (h.npy)): layer 0, position 1:")
+    assert err[0].startswith("strata run: prompt 1/1 (3 tokens (h.npy)): prefill: layer 0, "
+                             "position 1:")
     assert "Traceback" not in err[0]
     assert not (tmp_path / "out.json").exists()

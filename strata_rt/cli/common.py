@@ -149,7 +149,7 @@ def measure(engine: Any, hidden, progress: Progress | None, label: str):
     try:
         out, stats = engine.prefill(hidden)
     except NonFiniteError as e:  # named by the prompt it came from
-        raise e.shifted(0, source=label) from None
+        raise e.shifted(0, source=f"{label}: {e.source}") from None
     finally:
         if progress is not None:
             progress.end()
