@@ -35,6 +35,7 @@ from .in_place import check_in_place, chunk_in_place, resident_parts
 from .lanes import chunk_lanes, walk_rows_hint
 from .layer_kernels import ENGINE_SOURCE, LayerKernels
 from .memory_plan import DEFAULT_RESERVE_MIB, plan_lanes, plan_memory
+from .nonfinite import NonFiniteError
 from .plan import (
     HOST,
     RESIDENT,
@@ -61,6 +62,9 @@ from .runtime.memory import MIB
 from .stats import Stats
 from .timing import PhaseTimer
 from .whole_memory import WholeSizing
+
+#: the RMSNorm flag word when no row was flagged (rmsnorm_rows lowers it with atomicMin)
+NO_ROW = (1 << 64) - 1
 
 if TYPE_CHECKING:
     from .cuda_whole import CudaWhole
@@ -205,6 +209,7 @@ class CudaBackend:
         dev = self._device()
         if self._timer is not None and stats.chunk_index == 0:
             self._timer.reset()
+        self.rt.memset_d8(dev.ptr["nonfinite"], 0xFF, 8, dev.compute)  # no row flagged yet
         dev.input.start(dev.io[: T * self.spec.hidden].reshape(T, self.spec.hidden), h)
         if start is not None and self._whole is not None:
             self._whole.set_position(dev.compute, start)
@@ -217,8 +222,15 @@ class CudaBackend:
             self._timer.end_chunk()
         io = dev.io[: self._T * self.spec.hidden].reshape(self._T, self.spec.hidden)
         self.rt.memcpy_dtoh(io, dev.ptr["x"], dev.compute)
+        dev.nonfinite_host[0] = NO_ROW  # what the copy below overwrites
+        self.rt.memcpy_dtoh(dev.nonfinite_host, dev.ptr["nonfinite"], dev.compute)
         dev.compute.synchronize()
         dev.input.finish()
+        flagged = int(dev.nonfinite_host[0])
+        if flagged != NO_ROW:
+            raise NonFiniteError("the RMSNorm before the MoE", flagged >> 32,
+                                 flagged & 0xFFFFFFFF, "overflows or holds NaN/Inf: the sum "
+                                 "of squares of the row is not finite (checked on the device)")
         if self._timer is not None and stats.chunk_index == stats.n_chunks - 1:
             for phase, ms in self._timer.totals_ms.items():
                 stats.phase_s[phase] += ms / 1e3

@@ -37,11 +37,14 @@ class DeviceState:
             gate_up, down = lane_buffers(lane)
             self.lanes[lane] = (self.streams[lane], self.ptr[gate_up], self.ptr[down])
         n_bounds = bounds_shape[0] * bounds_shape[1]
-        self.host = rt.pinned({"io": io_bytes, "bounds": n_bounds * 4, "gate": 4})
+        self.host = rt.pinned({"io": io_bytes, "bounds": n_bounds * 4, "gate": 4,
+                               "nonfinite": 8})
         self.io = self.host.view("io", np.float32)
         #: the chunk's input: the host pass into `io`, and the gate the upload waits at
         self.input = InputPass(rt.gate(self.host.view("gate", np.uint32)), self.compute)
         self.bounds_host = self.host.view("bounds", np.int32).reshape(bounds_shape)
+        #: the RMSNorm's flag word, read back after each chunk (all ones: every row finite)
+        self.nonfinite_host = self.host.view("nonfinite", np.uint64)
         self.routed = rt.event("routed")
         self.fork = rt.event("walk fork")
         self.join = rt.event("walk join")

@@ -43,6 +43,7 @@ from .errors import ConfigError
 from .formats import QuantFormat
 from .host_copy import all_finite, copy_into, prefault
 from .model import Model
+from .nonfinite import NonFiniteError, check_finite
 from .plan import LogitRows
 from .planner import AUTO_CHUNK_MAX
 from .prompts import check_token_ids
@@ -257,15 +258,30 @@ class Engine:
             stats.chunk_index = c
             rows: LogitRows | None = "all" if all_logits else (
                 "last" if c == n_chunks - 1 else None)
-            out = self.driver.run_chunk(h[lo:hi], stats, start=first + lo, logits=rows)
+            out = self._chunk(h[lo:hi], stats, first + lo, start=first + lo, logits=rows)
             if rows is not None:
-                logits.append(np.array(backend.take_logits(), dtype=np.float32))
+                chunk_logits = np.array(backend.take_logits(), dtype=np.float32)
+                # every backend's logits come back to the host: checked there (vocab floats
+                # a row), named by the position they belong to
+                at = np.arange(first + lo, first + hi) if rows == "all" else [first + hi - 1]
+                check_finite(chunk_logits, "the logits", None, np.asarray(at))
+                logits.append(chunk_logits)
             self.kv_length = first + hi
             stats.chunks += 1
             if partial is not None:
                 dump_residual(partial, out, first + lo)
         self._finish(stats, partial, t0, T)
         return (np.concatenate(logits) if all_logits else logits[-1][0]), stats
+
+    def _chunk(self, h: np.ndarray, stats: Stats, offset: int, **kw: Any) -> np.ndarray:
+        """driver.run_chunk, with a non-finite intermediate value named by its position in
+        the prompt (the backend knows only the row in the chunk, which starts at `offset`)."""
+        try:
+            return self.driver.run_chunk(h, stats, **kw)
+        except NonFiniteError as e:  # the weights may be the cause: a GGUF is named too
+            src = self.config.model.get("gguf") if isinstance(self.config.model, dict) else None
+            raise e.shifted(offset, None if src is None else
+                            f"{e.source} of {Path(src).name}") from None
 
     def _open_backend(self) -> Backend:
         if self.backend is None:
@@ -317,7 +333,7 @@ class Engine:
             if hi <= lo:
                 break
             stats.chunk_index = c
-            result = self.driver.run_chunk(h[lo:hi], stats)
+            result = self._chunk(h[lo:hi], stats, lo)
             touched.result()
             copy_into(out[lo:hi], result)
             stats.chunks += 1

@@ -60,8 +60,9 @@ class LayerKernels:
     """Prepared launches of engine.cu (and the activation kernels) for one model shape.
 
     `ptr` maps region names of the device arena to addresses: x, xn, norm, router, logits,
-    topk_ids, topk_w, sorted_token, row_of, act_hidden, act_ffn, gate_up_out, down_out, and
-    route_ws for the exact and f16 routings."""
+    topk_ids, topk_w, sorted_token, row_of, act_hidden, act_ffn, gate_up_out, down_out,
+    nonfinite (the RMSNorm's flag word: the earliest layer << 32 | row whose sum of squares
+    is not finite) and route_ws for the exact and f16 routings."""
 
     def __init__(self, rt: Runtime, spec: MoESpec, activation: Activation, ptr: dict[str, int],
                  routing: str = "exact"):
@@ -77,7 +78,7 @@ class LayerKernels:
         if routing == "exact":
             self._exact = ExactRoutingKernels(rt)
         mod = rt.module(ENGINE_SOURCE)
-        self._norm = mod.kernel("rmsnorm_rows", "PPPif")
+        self._norm = mod.kernel("rmsnorm_rows", "PPPifPi")
         self._router = mod.kernel("router_logits", "PPPiii")
         self._topk = mod.kernel("topk_softmax", "PiiiPP")
         self._bounds = mod.kernel("expert_bounds", "PiiP")
@@ -105,7 +106,7 @@ class LayerKernels:
         mark("rmsnorm")
         self._norm.launch(grid=(T, 1, 1), block=(ROW_THREADS, 1, 1), stream=stream,
                           args=(p["x"], p["norm"] + layer * H * 4, p["xn"], H,
-                                float(spec.rms_eps)))
+                                float(spec.rms_eps), p["nonfinite"], layer))
         if self._routing is not None:
             rk = self._routing
             if self._exact is not None:

@@ -79,6 +79,8 @@ def fixed_regions(spec: MoESpec, layout: ExpertLayout, ring_slots: int,
         "router": L * E * H * ROUTER_BYTES[routing],
         "norm": L * H * 4,
         "bounds": L * (E + 1) * 4,
+        # one word: the earliest (layer << 32 | row) whose RMSNorm input is not finite
+        "nonfinite": 8,
         "ring": ring_slots * layout.slot_bytes,
         **buffers,
     }

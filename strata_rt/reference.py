@@ -9,7 +9,10 @@ gives wrong numbers here too, so this backend also tests what the planners emit.
 Arithmetic: routing in float32 (RMSNorm, router logits, softmax, top-k with ties to the lower
 id, renormalised weights); gate/up and down through `fmt.mmq_reference` on activations from
 `fmt.prepare_activations`; SwiGLU in float32, re-quantized for down; the combine in float32 in
-top-k order (descending probability); residual add in float32.
+top-k order (descending probability); residual add in float32. Every RMSNorm's input is
+checked first (NaN, infinity, or a mean square that overflows and would normalise the row to
+zeros), and so are the router's softmax and the residual after each attention and MoE block:
+a value that left float32's range is a NonFiniteError naming the layer and the row.
 
 Memory: without `expert_cache` the reference backend keeps no expert resident (it has no VRAM
 to measure), so every expert streams. The image cache (`image_cache_mib`) is host arrays here,
@@ -32,6 +35,7 @@ from .image_cache import ImageCache, capacity_blocks
 from .in_place import check_in_place, chunk_in_place
 from .lanes import allocated_lanes, chunk_lanes
 from .model import rms_norm, silu
+from .nonfinite import check_finite, check_rms_input
 from .plan import (
     HOST,
     RESIDENT,
@@ -213,6 +217,12 @@ class ReferenceBackend:
 
     # ------------------------------------------------------------------ ops
     def _execute(self, ops: Iterable[Op], h: np.ndarray, stats: Stats) -> None:
+        # values that leave float32's range are refused by the checks at each step (naming
+        # the layer and row), not reported as numpy's warnings
+        with np.errstate(over="ignore", invalid="ignore"):
+            self._execute_ops(ops, h, stats)
+
+    def _execute_ops(self, ops: Iterable[Op], h: np.ndarray, stats: Stats) -> None:
         for op in ops:
             t0 = time.perf_counter()
             if isinstance(op, Copy):
@@ -251,10 +261,14 @@ class ReferenceBackend:
                 if start is None:
                     raise RuntimeError(f"Attention of layer {op.layer} reads the chunk's "
                                        "position, but begin_chunk was given none")
+                check_rms_input(h, "the RMSNorm before attention", op.layer)
                 self._whole().attention(op.layer, h, start)
+                check_finite(h, "the residual after attention", op.layer)
                 self._start = start
                 phase = "attention"
             elif isinstance(op, Logits):
+                rows = None if op.rows == "all" else np.array([h.shape[0] - 1])
+                check_rms_input(h if rows is None else h[-1:], "the final RMSNorm", None, rows)
                 self._logits = self._whole().logits(h, op.rows)
                 phase = "logits"
             elif isinstance(op, Record | Wait | Consume | ChunkInput):
@@ -275,8 +289,11 @@ class ReferenceBackend:
     def _begin(self, layer: int, h: np.ndarray, stats: Stats) -> None:
         t0 = time.perf_counter()
         spec = self.spec
-        xn = rms_norm(h, self.model.norm[layer], spec.rms_eps)
-        ids, w = route_exact(xn, self.model.router[layer], spec.top_k)
+        check_rms_input(h, "the RMSNorm before the MoE", layer)
+        with np.errstate(over="ignore", invalid="ignore"):  # a non-finite route is refused
+            xn = rms_norm(h, self.model.norm[layer], spec.rms_eps)
+            ids, w = route_exact(xn, self.model.router[layer], spec.top_k)
+        check_finite(w, "the router's softmax (its logits overflow float32 or are NaN)", layer)
         stats.add_routing(layer, ids, spec.n_experts)
         self.routes.append(ids)
         self._state = _LayerState(layer, xn, ids, w, spec.n_experts, spec.hidden)
@@ -355,9 +372,11 @@ class ReferenceBackend:
         flat[st.order] = st.out_sorted
         out = flat.reshape(h.shape[0], top_k, -1)
         y = np.zeros_like(h)
-        for k in range(top_k):
-            y += st.w[:, k, None] * out[:, k]
-        h += y
+        with np.errstate(over="ignore", invalid="ignore"):  # refused just below
+            for k in range(top_k):
+                y += st.w[:, k, None] * out[:, k]
+            h += y
+        check_finite(h, "the residual after the MoE", st.layer)
 
     def close(self) -> None:
         """Drops the slot and group buffers (the engine never calls a closed backend)."""

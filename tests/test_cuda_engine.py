@@ -16,6 +16,7 @@ from strata_rt.engine import Engine, EngineConfig, read_dump
 from strata_rt.errors import BudgetError, ConfigError
 from strata_rt.formats import MMQ_GROUP
 from strata_rt.model import QWEN3_30B_SPEC, SMALL_SPEC, Model, nmse
+from strata_rt.nonfinite import NonFiniteError
 from strata_rt.plan import Products
 from strata_rt.timing import NOTE
 
@@ -77,6 +78,44 @@ def _down(rt, s, buf, dtype, shape):
 
 
 @gpu
+def test_rmsnorm_flags_the_first_row_whose_squares_overflow(rt, rng):
+    """Rows of 3e38 (finite, but their squares are not) and NaN lower the flag word to
+    (layer << 32 | the lowest such row); the other rows are normalised as ever."""
+    mod, s = _launch_setup(rt)
+    T, H = 300, 512
+    x = rng.standard_normal((T, H), dtype=np.float32)
+    x[217, 9] = 3e38
+    x[250, 0] = np.nan
+    w = np.ones(H, np.float32)
+    dx, dw, xn, flag = upload(rt, s, x), upload(rt, s, w), poisoned(rt, s, x.nbytes), \
+        poisoned(rt, s, 8)
+    mod.kernel("rmsnorm_rows", "PPPifPi").launch((T, 1, 1), (256, 1, 1), s,
+                                                 (dx.ptr, dw.ptr, xn.ptr, H, 1e-6, flag.ptr, 7))
+    assert int(_down(rt, s, flag, np.uint64, (1,))[0]) == (7 << 32) | 217
+    g = _down(rt, s, xn, np.float32, (T, H))
+    x64 = x[:200].astype(np.float64)
+    np.testing.assert_allclose(g[:200], x64 / np.sqrt(np.mean(x64 ** 2, axis=1, keepdims=True)
+                                                      + 1e-6), rtol=1e-5, atol=1e-6)
+
+
+@gpu
+def test_cuda_engine_refuses_an_rmsnorm_overflow_by_layer_and_position(small_model, rng):
+    """The device check end to end: a 3e38 row in the third 64-token chunk is an error naming
+    layer 0 and its position in the prompt, not the prompt handed back."""
+    h = _prompt(rng, 200, SMALL_SPEC.hidden)
+    h[150, 3] = 3e38
+    with Engine.open(EngineConfig(model=small_model, backend="cuda", expert_cache=32,
+                                  prefill=64)) as eng:
+        with pytest.raises(NonFiniteError) as info:
+            eng.prefill(h)
+        assert (info.value.layer, info.value.position) == (0, 150)
+        assert "checked on the device" in str(info.value)
+        h[150, 3] = 1.0
+        out, _ = eng.prefill(h)  # the flag is reset for the next prompt
+        assert np.isfinite(out).all()
+
+
+@gpu
 @pytest.mark.parametrize("T,H,E,K", [(200, 512, 32, 4), (1500, 2048, 128, 8)])
 def test_routing_kernels_match_numpy(rt, rng, T, H, E, K):
     mod, s = _launch_setup(rt)
@@ -89,8 +128,10 @@ def test_routing_kernels_match_numpy(rt, rng, T, H, E, K):
     ids, wts = poisoned(rt, s, T * K * 4), poisoned(rt, s, T * K * 4)
     bounds, st, ro = (poisoned(rt, s, (E + 1) * 4), poisoned(rt, s, T * K * 4),
                       poisoned(rt, s, T * K * 4))
-    mod.kernel("rmsnorm_rows", "PPPif").launch((T, 1, 1), (256, 1, 1), s,
-                                               (dx.ptr, dw.ptr, xn.ptr, H, 1e-6))
+    flag = poisoned(rt, s, 8)
+    mod.kernel("rmsnorm_rows", "PPPifPi").launch((T, 1, 1), (256, 1, 1), s,
+                                                 (dx.ptr, dw.ptr, xn.ptr, H, 1e-6, flag.ptr, 5))
+    assert int(_down(rt, s, flag, np.uint64, (1,))[0]) == (1 << 64) - 1, "finite rows flagged"
     mod.kernel("router_logits", "PPPiii").launch((-(-T // 64), -(-E // 64), 1), (256, 1, 1), s,
                                                  (xn.ptr, dr.ptr, logits.ptr, T, H, E))
     mod.kernel("topk_softmax", "PiiiPP").launch((-(-T // 128), 1, 1), (128, 1, 1), s,

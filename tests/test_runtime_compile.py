@@ -205,3 +205,61 @@ def test_check_kernels_reports_each_source_and_arch(counting_nvcc, tmp_path, mon
     assert all(got[("good.cu", a)].ok for a in ("sm_80", "sm_90"))
     bad = got[("bad.cu", "sm_90")]
     assert not bad.ok and "nope" in bad.message and bad.owner == "common"
+
+
+# ---------------------------------------------------------------------------- damaged cache
+
+
+def _damage(path: Path, how: str) -> None:
+    from strata_rt.runtime.compile import seal_path
+
+    data = path.read_bytes()
+    if how == "empty":
+        path.write_bytes(b"")
+    elif how == "flipped":  # one byte past the ELF header: the size and the magic still hold
+        path.write_bytes(data[:64] + bytes([data[64] ^ 0xFF]) + data[65:])
+    elif how == "truncated":
+        path.write_bytes(data[: len(data) // 2])
+    elif how == "unsealed":
+        seal_path(path).unlink()
+    else:
+        raise ValueError(how)
+
+
+@needs_nvcc
+@pytest.mark.parametrize("how", ["empty", "flipped", "truncated", "unsealed"])
+def test_damaged_cached_cubin_is_rebuilt(counting_nvcc, tiny_kernel, how, caplog):
+    from strata_rt.runtime.compile import cache_problem
+
+    first = compile_cubin(tiny_kernel, "sm_90")
+    good = first.read_bytes()
+    assert cache_problem(first) is None
+    _damage(first, how)
+    assert cache_problem(first) is not None
+    with caplog.at_level("WARNING", logger="strata_rt.runtime.compile"):
+        again = compile_cubin(tiny_kernel, "sm_90")
+    assert again == first and counting_nvcc() == 2, "a damaged cubin must be rebuilt"
+    assert again.read_bytes() == good, "the rebuild gives the cubin the cache held before"
+    assert cache_problem(again) is None
+    assert str(first) in caplog.text and "rebuilding" in caplog.text
+    compile_cubin(tiny_kernel, "sm_90")
+    assert counting_nvcc() == 2, "the rebuilt cubin is trusted again"
+
+
+@needs_nvcc
+def test_check_kernels_rebuilds_an_emptied_cache(counting_nvcc, tmp_path, monkeypatch):
+    from strata_rt.runtime import check_kernels
+    from strata_rt.runtime import compile as compile_mod
+
+    common = tmp_path / "kernels" / "common"
+    common.mkdir(parents=True)
+    (common / "good.cu").write_text('extern "C" __global__ void good(int* p) { *p = 1; }\n')
+    monkeypatch.setattr(compile_mod, "KERNELS_ROOT", tmp_path / "kernels")
+    assert all(r.ok for r in check_kernels([], ("sm_90",)))
+    assert counting_nvcc() == 1
+    cubins = list((tmp_path / "cache").glob("*.cubin"))
+    assert len(cubins) == 1
+    cubins[0].write_bytes(b"")  # a cache of 0-byte cubins, as a full disk leaves it
+    assert all(r.ok for r in check_kernels([], ("sm_90",)))
+    assert counting_nvcc() == 2, "check-kernels must rebuild an emptied cubin, not pass it"
+    assert cubins[0].stat().st_size > 0

@@ -35,13 +35,20 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
 }
 
 // xn[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w.  One block per token.
+// A row whose sum of squares is not finite (it holds NaN or Inf, or its squares overflow, which
+// would normalise it to zeros) lowers *bad to (layer << 32 | row): the host reads the earliest
+// such layer and row after the chunk (one word, reset to all ones before it) and refuses the
+// result. The check costs one compare per row.
 extern "C" __global__ void rmsnorm_rows(const float* __restrict__ x, const float* __restrict__ w,
-                                        float* __restrict__ xn, int hidden, float eps) {
+                                        float* __restrict__ xn, int hidden, float eps,
+                                        unsigned long long* __restrict__ bad, int layer) {
     __shared__ float scratch[32];
     const float* row = x + (size_t)blockIdx.x * hidden;
     float ss = 0.0f;
     for (int c = threadIdx.x; c < hidden; c += blockDim.x) ss = fmaf(row[c], row[c], ss);
     ss = block_sum(ss, scratch);
+    if (threadIdx.x == 0 && !isfinite(ss))
+        atomicMin(bad, ((unsigned long long)layer << 32) | blockIdx.x);
     const float r = 1.0f / sqrtf(ss / (float)hidden + eps);
     float* out = xn + (size_t)blockIdx.x * hidden;
     for (int c = threadIdx.x; c < hidden; c += blockDim.x) out[c] = row[c] * r * w[c];

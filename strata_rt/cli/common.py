@@ -18,6 +18,7 @@ from typing import Any
 
 from ..config import Config, load_config
 from ..errors import ConfigError
+from ..nonfinite import NonFiniteError
 from ..paths import output_file_problem, write_text_atomic
 from ..progress import Progress
 
@@ -147,6 +148,8 @@ def measure(engine: Any, hidden, progress: Progress | None, label: str):
     t0 = time.perf_counter()
     try:
         out, stats = engine.prefill(hidden)
+    except NonFiniteError as e:  # named by the prompt it came from
+        raise e.shifted(0, source=f"{label}: {e.source}") from None
     finally:
         if progress is not None:
             progress.end()

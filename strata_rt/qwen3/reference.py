@@ -15,6 +15,10 @@ are; BLAS matmul's does), each query's softmax runs over exactly its own causal 
 over masked padding, which would change the summation), RoPE angles depend only on the
 absolute position, and the KV cache keeps what a longer chunk would have computed.
 
+The per-head RMSNorms of queries and keys refuse an input that holds NaN or infinity or whose
+mean square overflows (NonFiniteError naming the layer and the row), as the backends' norms do:
+such a head would otherwise normalise to zeros and attend uniformly, silently.
+
 float32 is the default; float64 runs the same code in double precision for checks. The
 reference keeps float copies of the weights it touches, so it is for small models.
 """
@@ -26,6 +30,7 @@ import numpy.typing as npt
 
 from ..errors import BudgetError, ConfigError
 from ..model import Model, rms_norm, route, silu
+from ..nonfinite import NonFiniteError, check_rms_input
 from ..prompts import check_token_ids
 from ..routing_exact import route_exact
 from .spec import Qwen3Spec
@@ -171,9 +176,12 @@ class Qwen3Reference:
         cache.reserve(start + T)
         h = self.embed(ids)
         cos, sin = rope_tables(self.spec, np.arange(start, start + T), self.dtype)
-        for layer in range(self.spec.n_layers):
-            h = h + self.attention(layer, h, cache, start, cos, sin)
-            h = h + moe_block(self.model.moe, layer, h, self._experts)
+        try:
+            for layer in range(self.spec.n_layers):
+                h = h + self.attention(layer, h, cache, start, cos, sin)
+                h = h + moe_block(self.model.moe, layer, h, self._experts)
+        except NonFiniteError as e:  # rows of this call -> positions in the cache
+            raise e.shifted(start) from None
         cache.length = start + T
         if all_logits:
             return self.logits(h)
@@ -199,6 +207,11 @@ class Qwen3Reference:
         q = mm(x, self._f(lw.attn_q)).reshape(T, s.n_heads, s.head_dim)
         k = mm(x, self._f(lw.attn_k)).reshape(T, s.n_kv_heads, s.head_dim)
         v = mm(x, self._f(lw.attn_v)).reshape(T, s.n_kv_heads, s.head_dim)
+        heads = np.arange(T)
+        check_rms_input(q.reshape(-1, s.head_dim), "the RMSNorm of the queries", layer,
+                        np.repeat(heads, s.n_heads))
+        check_rms_input(k.reshape(-1, s.head_dim), "the RMSNorm of the keys", layer,
+                        np.repeat(heads, s.n_kv_heads))
         q = apply_rope(rms_norm(q, self._f(lw.attn_q_norm), s.rms_eps), cos, sin)
         k = apply_rope(rms_norm(k, self._f(lw.attn_k_norm), s.rms_eps), cos, sin)
         return q, k, v

@@ -10,6 +10,11 @@ flags and the compiler's version; include roots enter it by their contents, not 
 so two installs of one version share cubins. A stale cubin is therefore never loaded, and a
 second run compiles nothing.
 
+A cached file is trusted only when it matches the seal written beside it at build time (its
+size and sha256, `<name>.seal`): a cache emptied to 0-byte files, cut short by a full disk or
+damaged later is rebuilt, with a warning naming the file, instead of being loaded (or passing
+`check-kernels`). A cubin or library without a seal (an older cache) is rebuilt once too.
+
 This module knows nothing of formats or the registry: `check_kernels` takes anything with a
 name and a list of sources.
 """
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
@@ -39,6 +45,12 @@ BASE_FLAGS = ("-cubin", "-O3", "-std=c++17")
 #: Files that can be #included and therefore take part in the cache key.
 _INCLUDE_SUFFIXES = {".cu", ".cuh", ".h", ".hpp", ".inc"}
 Defines = Mapping[str, "int | float | str | None"]
+#: suffix of the file beside a cached build that records its size and digest
+SEAL_SUFFIX = ".seal"
+#: what every cubin and shared library nvcc writes starts with
+_ELF_MAGIC = b"\x7fELF"
+
+log = logging.getLogger(__name__)
 
 
 def nvcc_path() -> str | None:
@@ -150,7 +162,7 @@ def compile_cubin(source: Path, arch: str, defines: Defines | None = None,
              *extra_flags]
     key = _cache_key(source, text, arch, flags, nvcc_version(nvcc))
     target = cache_dir() / f"{source.stem}-{arch}-{key[:24]}.cubin"
-    if target.exists():
+    if cached_build_ok(target):
         return target
     what = f"{source} for {arch}" + (f" with {' '.join(_define_flags(defines))}"
                                      if defines else "")
@@ -175,13 +187,59 @@ def compile_shared(source: Path, arch: str, include_roots: Mapping[str, bytes]) 
         flags += ["-I", root]
     key = _cache_key(source, text, arch, flags, nvcc_version(nvcc), include_roots)
     target = cache_dir() / f"lib{source.stem}-{arch}-{key[:24]}.so"
-    if target.exists():
+    if cached_build_ok(target):
         return target
     return _build(nvcc, flags, source, target, f"{source} for {arch}")
 
 
+def seal_path(target: Path) -> Path:
+    """The file beside a cached build that records its size and digest."""
+    return target.with_name(target.name + SEAL_SUFFIX)
+
+
+def _seal_text(data: bytes) -> str:
+    return f"{len(data)} {hashlib.sha256(data).hexdigest()}\n"
+
+
+def cache_problem(target: Path) -> str | None:
+    """Why the cached build at `target` cannot be trusted (None: it can, or it is absent).
+
+    Checked: an ELF header, the size and the sha256 the seal recorded when nvcc wrote it."""
+    try:
+        data = target.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return f"cannot read it ({e.strerror or e})"
+    if data[:4] != _ELF_MAGIC:
+        return f"it is not an ELF file ({len(data):,} bytes)"
+    try:
+        sealed = seal_path(target).read_text()
+    except (OSError, UnicodeDecodeError):
+        return f"it has no seal ({seal_path(target).name}), so its bytes cannot be verified"
+    if _seal_text(data) != sealed:
+        size = sealed.split()[0] if sealed.split() else "?"
+        return (f"its size or digest differs from the seal ({len(data):,} bytes; the seal "
+                f"records {size} bytes)")
+    return None
+
+
+def cached_build_ok(target: Path) -> bool:
+    """Whether `target` is a cached build to load as is. A damaged one is reported, and
+    False tells the caller to rebuild it (the rebuild replaces the file and its seal)."""
+    if not target.exists():
+        return False
+    why = cache_problem(target)
+    if why is None:
+        return True
+    log.warning("kernel cache: %s: %s; rebuilding it", target, why)
+    return False
+
+
 def _build(nvcc: str, flags: list[str], source: Path, target: Path, what: str) -> Path:
-    """Runs nvcc into a temporary file beside target, then renames it into place."""
+    """Runs nvcc into a temporary file beside target, seals it (size and digest beside it),
+    then renames it into place: the seal first, so a reader finds either no build, or a build
+    and its own seal (a reader in between finds the old build and a new seal, and rebuilds)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=target.stem, suffix=".tmp", dir=target.parent)
     os.close(fd)
@@ -192,12 +250,30 @@ def _build(nvcc: str, flags: list[str], source: Path, target: Path, what: str) -
             raise KernelBuildError(f"nvcc could not compile {what}:\n"
                                    f"{(done.stdout + done.stderr).strip()}\n"
                                    f"command: {' '.join(cmd)}")
+        data = Path(tmp).read_bytes()
+        if data[:4] != _ELF_MAGIC:
+            raise KernelBuildError(f"nvcc wrote no ELF file for {what} ({len(data):,} bytes; "
+                                   f"command: {' '.join(cmd)})")
         os.chmod(tmp, 0o755 if target.suffix == ".so" else 0o644)
+        _write_seal(target, data)
         os.replace(tmp, target)  # atomic: a reader sees nothing or the whole file
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
+
+
+def _write_seal(target: Path, data: bytes) -> None:
+    """The seal of `data`, written beside `target` through a temporary file and a rename."""
+    fd, tmp = tempfile.mkstemp(prefix=target.stem, suffix=".seal.tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(_seal_text(data))
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, seal_path(target))
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 @dataclass(frozen=True)
