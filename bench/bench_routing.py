@@ -138,13 +138,14 @@ def bench_shape(rt, shape: str, tokens: int, reps: int, inner: int,
         return host
 
     # correctness first: each chain from the same xn, its GEMM right before its top-k
+    rt.memset_d8(parts.reranked_total, 0, 4, s)
     launches["rmsnorm"]()
     for c in CHAINS:
         launches[f"{c} GEMM"]()
         launches[f"{c} top-k"]()
         launches[f"{c} sort"]()
     ids = {c: down(out[c]["ids"], T * K).reshape(T, K) for c in CHAINS}
-    rechecked = int(down(parts.n_rerank, 1)[0])
+    rechecked = int(down(parts.reranked_total, 1)[0])
     xn_host = np.empty(T * H, np.float32)
     rt.memcpy_dtoh(xn_host, xn, s)
     s.synchronize()

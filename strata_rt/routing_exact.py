@@ -266,7 +266,7 @@ class ExactRoutingKernels:
                       for name in SPLIT_TILES}
         self._topk = {npl: mod.kernel(f"topk_exact_w{npl}", "PPiiiddPPPiPP")
                       for npl in _TOPK_NPL}
-        self._rerank = {npl: mod.kernel(f"route_rerank_w{npl}", "PPPiiiPPPPPi")
+        self._rerank = {npl: mod.kernel(f"route_rerank_w{npl}", "PPPiiiiPPPPPi")
                         for npl in _TOPK_NPL}
 
     def logits(self, stream: Stream, xn: int, router: int, logits: int, ws: ExactWorkspace,
@@ -301,5 +301,5 @@ class ExactRoutingKernels:
                                      ws.n_rerank, ws.rerank))
         self._rerank[npl].launch(grid=(min(tokens, RERANK_BLOCKS), 1, 1), block=(256, 1, 1),
                                  stream=stream,
-                                 args=(logits, xn, router32, hidden, n_experts, top_k,
+                                 args=(logits, xn, router32, tokens, hidden, n_experts, top_k,
                                        ws.n_rerank, ws.rerank, ids, weights, masks, nt))

@@ -149,11 +149,17 @@ def workspace_bytes(tokens: int, n_experts: int, routing: str = "exact") -> int:
 
 
 class ExactWorkspace(NamedTuple):
-    """Device addresses inside an exact routing's workspace, after the sort's part."""
+    """Device addresses inside an exact routing's workspace, after the sort's part: the token
+    norms, the re-rank count (int32; the next word counts finished re-rank blocks, the one
+    after it re-ranked tokens over all launches, for tests and benchmarks) and the list."""
 
     xnorm: int
     n_rerank: int
     rerank: int
+
+    @property
+    def reranked_total(self) -> int:
+        return self.n_rerank + 8
 
 
 def exact_workspace(workspace: int, tokens: int, n_experts: int) -> ExactWorkspace:

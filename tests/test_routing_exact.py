@@ -32,6 +32,7 @@ from strata_rt.routing_kernels import (
     RoutingKernels,
     counting_sort_ref,
     exact_workspace,
+    n_tiles,
     workspace_bytes,
 )
 
@@ -186,6 +187,7 @@ def _run(rt, s, ex, rk, xn, router, top_k, tile=None):
     dx, dr = upload(rt, s, xn), upload(rt, s, split_router(router[None])[0])
     ws = poisoned(rt, s, workspace_bytes(T, E, "exact"))
     parts = exact_workspace(ws.ptr, T, E)
+    rt.memset_d8(parts.reranked_total, 0, 4, s)
     out = {"logits": poisoned(rt, s, T * E * 4), "ids": poisoned(rt, s, T * top_k * 4),
            "weights": poisoned(rt, s, T * top_k * 4), "bounds": poisoned(rt, s, (E + 1) * 4),
            "sorted_token": poisoned(rt, s, T * top_k * 4),
@@ -205,7 +207,9 @@ def _run(rt, s, ex, rk, xn, router, top_k, tile=None):
     rt.memcpy_dtoh(host, parts.xnorm, s)
     s.synchronize()
     got["xnorm"] = host.view(np.float32).copy()
-    got["rechecked"] = _read_int(rt, s, parts.n_rerank)
+    got["rechecked"] = _read_int(rt, s, parts.reranked_total)
+    got["listed_now"] = _read_int(rt, s, parts.n_rerank)
+    got["parts"], got["buffers"] = parts, (dx, dr, ws, out)
     got["bound"] = bound
     return got
 
@@ -264,11 +268,33 @@ def test_gpu_every_tile_and_chunk_gives_the_same_bytes(rt, kernels, tile):
     xn, router = _inputs(rng, 1000, 4096, 128)
     whole = _run(rt, s, ex, rk, xn, router, 8, "m64")
     got = _run(rt, s, ex, rk, xn, router, 8, tile)
-    for k in ("logits", "ids", "weights", "xnorm"):
+    # (the token norms, only an input of the bound, are summed in the tile's order)
+    for k in ("logits", "ids", "weights"):
         assert got[k].tobytes() == whole[k].tobytes(), k
     part = _run(rt, s, ex, rk, xn[967:], router, 8, tile)
-    for k in ("logits", "ids", "weights", "xnorm"):
+    for k in ("logits", "ids", "weights"):
         assert part[k].tobytes() == whole[k][967:].tobytes(), k
+    np.testing.assert_allclose(got["xnorm"], whole["xnorm"], rtol=1e-6)
+
+
+@gpu
+def test_gpu_rerank_list_resets_itself(rt, kernels):
+    """Top-k launched again without its GEMM (as a captured graph may): the re-rank list starts
+    from zero each time, so nothing is lost and nothing overflows."""
+    ex, rk, s = kernels
+    rng = np.random.default_rng(9)
+    xn = adversarial_tokens(rng, 300, 1024)
+    router = near_tie_router(rng, 1024, 64)
+    first = _run(rt, s, ex, rk, xn, router, 8)
+    assert first["listed_now"] == 0 and first["rechecked"] == 300  # reset after the re-rank
+    parts, (dx, dr, ws, out) = first["parts"], first["buffers"]
+    rt.memset_d8(out["ids"].ptr, 0xFF, 300 * 8 * 4, s)
+    rt.memset_d8(ws.ptr, 0xFF, 64 * n_tiles(300) * 4, s)  # the tile masks
+    ex.topk(s, logits=out["logits"].ptr, xn=dx.ptr, router32=dr.ptr + 64 * 1024 * 4, ws=parts,
+            tokens=300, hidden=1024, n_experts=64, top_k=8, bound=first["bound"],
+            ids=out["ids"].ptr, weights=out["weights"].ptr, masks=ws.ptr)
+    np.testing.assert_array_equal(download(rt, s, out["ids"], np.int32, (300, 8)), first["ids"])
+    assert _read_int(rt, s, parts.reranked_total) == 600 and _read_int(rt, s, parts.n_rerank) == 0
 
 
 @gpu

@@ -92,8 +92,8 @@ __device__ __forceinline__ void router_gemm_split(const float* __restrict__ xn,
     const int g = lane >> 2, q = lane & 3;
     const int steps = hidden / BK;
     const size_t lo_off = (size_t)n_experts * hidden;
-    if (n_rerank != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0)
-        *n_rerank = 0;  // the top-k launch after this one counts from zero
+    if (n_rerank != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x < 2)
+        n_rerank[threadIdx.x] = 0;  // the top-k launch after this one lists from zero
 
     // A: float4 i = threadIdx.x + p * THREADS of every K step is loaded and split by the same
     // thread, so a thread's own cp.async wait covers what it splits (no barrier needed there)
@@ -366,8 +366,10 @@ __device__ __forceinline__ float pick_weight(const float (&v)[NPL], int n_expert
 // logits (picks 0..k; ties to the lower id). Certain (every gap between consecutive picks
 // j, j+1 for j < k exceeds 2 B(t), B(t) = c1 * xnorm[t] + c0): writes ids, weights (float32
 // softmax of the approximate logits) and the tile mask bits as routing.cu's top-k does.
-// Otherwise the token goes to `rerank` (count at *n_rerank, which the split GEMM zeroed) and
-// route_rerank writes its outputs.
+// Otherwise the token goes to `rerank` (count at n_rerank[0]: zeroed by the split GEMM and
+// again by route_rerank when it is done, with n_rerank[1] its count of finished blocks;
+// n_rerank[2] counts listed tokens across launches and is never reset here) and route_rerank
+// writes its outputs.
 template <int NPL>
 __device__ __forceinline__ void topk_exact_warp(
     const float* __restrict__ logits, const float* __restrict__ xnorm, int tokens,
@@ -407,8 +409,10 @@ __device__ __forceinline__ void topk_exact_warp(
         if (__any_sync(0xffffffffu, close) || unsure) {
             const double kth = (double)key_float(__shfl_sync(0xffffffffu, my_key, top_k - 1));
             if (lane == 0) {
-                const int slot = atomicAdd(n_rerank, 1);
-                rerank[slot] = Rerank{t, unsure ? 1 : 0, kth - 2.0 * bound};
+                const int slot = atomicAdd(n_rerank, 1);  // < tokens: each token is listed once
+                if (slot < tokens) rerank[slot] = Rerank{t, unsure ? 1 : 0, kth - 2.0 * bound};
+                atomicAdd(n_rerank + 2, 1);  // a running total for tests and benchmarks
+
             }
         } else {
             const float m = key_float(__shfl_sync(0xffffffffu, my_key, 0));
@@ -476,8 +480,8 @@ __device__ __forceinline__ double canonical_logit(const float* __restrict__ x,
 template <int NPL>
 __device__ __forceinline__ void rerank_block(
     const float* __restrict__ logits, const float* __restrict__ xn,
-    const float* __restrict__ router32, int hidden, int n_experts, int top_k,
-    const int* __restrict__ n_rerank, const Rerank* __restrict__ rerank,
+    const float* __restrict__ router32, int tokens, int hidden, int n_experts, int top_k,
+    int* __restrict__ n_rerank, const Rerank* __restrict__ rerank,
     int* __restrict__ ids, float* __restrict__ weights, unsigned* __restrict__ masks,
     int n_tiles) {
     __shared__ float val[32 * NPL];
@@ -485,7 +489,7 @@ __device__ __forceinline__ void rerank_block(
     __shared__ int cand[32 * NPL];
     __shared__ int n_cand;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int n = *n_rerank;
+    const int n = min(*n_rerank, tokens);
     for (int j = blockIdx.x; j < n; j += gridDim.x) {
         const Rerank r = rerank[j];
         const int t = r.token;
@@ -547,17 +551,27 @@ __device__ __forceinline__ void rerank_block(
             }
         }
     }
+    // the last block to finish (every block read the count above) zeroes the count and itself,
+    // so the next top-k launch lists from zero whoever launches it
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        if (atomicAdd(n_rerank + 1, 1) == (int)gridDim.x - 1) {
+            n_rerank[0] = 0;
+            n_rerank[1] = 0;
+        }
+    }
 }
 
 #define RERANK_KERNEL(NPL)                                                                     \
     extern "C" __global__ void __launch_bounds__(RERANK_WARPS * 32) route_rerank_w##NPL(       \
         const float* __restrict__ logits, const float* __restrict__ xn,                        \
-        const float* __restrict__ router32, int hidden, int n_experts, int top_k,              \
-        const int* __restrict__ n_rerank, const Rerank* __restrict__ rerank,                   \
+        const float* __restrict__ router32, int tokens, int hidden, int n_experts, int top_k,  \
+        int* __restrict__ n_rerank, const Rerank* __restrict__ rerank,                         \
         int* __restrict__ ids, float* __restrict__ weights, unsigned* __restrict__ masks,      \
         int n_tiles) {                                                                         \
-        rerank_block<NPL>(logits, xn, router32, hidden, n_experts, top_k, n_rerank, rerank,    \
-                          ids, weights, masks, n_tiles);                                       \
+        rerank_block<NPL>(logits, xn, router32, tokens, hidden, n_experts, top_k, n_rerank,    \
+                          rerank, ids, weights, masks, n_tiles);                               \
     }
 RERANK_KERNEL(1)
 RERANK_KERNEL(2)
