@@ -27,8 +27,8 @@ from strata_rt.cutlass_gemm import (
 )
 from strata_rt.errors import FormatError, KernelBuildError
 from strata_rt.grouped_gemm import CUTLASS_MIN_ROWS, TILES, GroupedGemm, gemm_reference
+from strata_rt.numerics import nmse
 from strata_rt.runtime.compile import nvcc_available
-from strata_rt.testing import nmse
 
 GEMM_NMSE = 1e-6
 # ------------------------------------------------------------------------------ CPU
