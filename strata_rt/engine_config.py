@@ -3,9 +3,10 @@ left None filled from the environment.
 
 Every environment switch that changes what the engine does is read here and nowhere below:
 the engine, the chunk driver, the executors, the kernel launchers and the GEMMs take the
-resolved fields as plain values, so one EngineConfig says everything a run depends on and a
-changed field (an in-process A/B) takes effect without touching the environment. A field set
-by the caller beats its switch. (env.py lists the process switches read elsewhere.)
+resolved fields as plain values, so one EngineConfig says everything a run depends on, and
+a field the driver reads on every chunk (gather_one, walk_min_tokens, decode) can change
+between prompts of an open engine without touching the environment. A field set by the
+caller beats its switch. (env.py lists the process switches read elsewhere.)
 
 Its own module because the engine, the chunk driver and both backends read it: here it depends
 on none of them, so none of them depends on another through it.
