@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -139,7 +138,6 @@ def main(argv: list[str] | None = None) -> int:
     cfg = cfg.with_prompt_lengths([int(n) for n in args.prompts.split(",")])
     if args.backend:
         cfg = cfg.with_backend(args.backend)
-    saved = os.environ.get(SWITCH)
     records: list[dict[str, Any]] = []
     given = sys.argv[1:] if argv is None else argv
     doc: dict[str, Any] = {"command": " ".join(["bench/bench_acceptance.py", *given]),
@@ -171,11 +169,6 @@ def main(argv: list[str] | None = None) -> int:
         if not records:
             raise
         doc["interrupted"] = True
-    finally:
-        if saved is None:
-            os.environ.pop(SWITCH, None)
-        else:
-            os.environ[SWITCH] = saved
     doc["table"] = markdown_table(["prompt tokens", "one ms (each run)", "batch ms (each run)",
                                    "change %", "tokens/s (one / batch)",
                                    f"greedy {args.greedy} agree"],

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import statistics
 import sys
 import time
@@ -335,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         with open_regime(base, whole, resident, timing) as engine:
             opened = time.perf_counter() - t
             for path in args.path_list:
-                os.environ["STRATA_DECODE"] = path
+                engine.config.decode = path  # the driver reads it on every step
                 result, step_stats = run_regime(engine, ids, args.steps, args.warmups)
                 rec = summarise(f"{name} {path}", engine, result, step_stats, ceilings)
                 rec["path"], rec["open_s"] = path, opened

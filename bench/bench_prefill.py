@@ -121,7 +121,6 @@ def run_ours(model: Model, regime: str, prompts, inputs, args) -> tuple[dict, di
                       file=sys.stderr)
             print(f"ours {regime} {p.tokens}: A {[round(t * 1e3, 1) for t in r['A_s']]} ms, "
                   f"B {[round(t * 1e3, 1) for t in r['B_s']]} ms", file=sys.stderr)
-    os.environ.pop(SWITCH, None)
     return rows, {"resident_mask": mask, "resident": int(mask.sum())}
 
 

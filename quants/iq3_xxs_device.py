@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from strata_rt import env
 from strata_rt.errors import FormatError
 from strata_rt.formats import ExpertLayout, QuantFormat
 from strata_rt.launchers import MMQ_ARG_TYPES, MmqTile, NativeKernels, launch_mmq
@@ -39,17 +38,6 @@ MMQ_THREADS = 256
 _A_STRIDE = 304
 _SUB_BYTES = {"f16": 64, "int8": 32}  # by weight encoding (the variant's name up to "_")
 _PAD = {"f16": 64, "int8": 32}
-
-
-def pick_variant(name: str | None = None) -> str:
-    """The exact MMQ kernel `name`, else STRATA_MMQ_KERNEL, else the fastest measured, checked:
-    for tools that run the exact kernels outside an engine. The launchers take their variant
-    from the format object (IQ3XXS.for_variant), not from the environment."""
-    chosen = name or env.text("STRATA_MMQ_KERNEL") or MMQ_VARIANTS[0]
-    if chosen not in MMQ_VARIANTS:
-        raise FormatError(f"IQ3_XXS MMQ variant {chosen!r} (STRATA_MMQ_KERNEL) is unknown; "
-                          f"valid: {', '.join(MMQ_VARIANTS)}")
-    return chosen
 
 
 def mmq_smem_bytes(variant: str, tile_rows: int) -> int:

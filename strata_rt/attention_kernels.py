@@ -93,12 +93,6 @@ def _check_aligned(**pointers: int) -> None:
 
 
 # ----------------------------------------------------------------------------- numpy twins
-def nmse(got: np.ndarray, want: np.ndarray) -> float:
-    """sum (got - want)^2 / sum want^2, in float64."""
-    g, w = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    return float(np.sum((g - w) ** 2) / max(np.sum(w * w), 1e-300))
-
-
 def rope_cos_sin(spec: Qwen3Spec, context: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The float32 tables the kernels read: cos and sin [context, head_dim/2] of positions
     0..context-1 (strata_rt.qwen3.reference.rope_tables)."""

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import env
 from .config_whole import WHOLE_KEYS
+from .engine_config import mmq_kernel_switch
 from .errors import ConfigError, FormatError
 from .gguf_io import read_header
 from .hostmem import format_bytes, shortfall
@@ -206,7 +207,7 @@ def check_format(p: Problems, doc: dict, geom: MoESpec | None,
         p.add("format", name, f"expected a loaded format: {loaded} (see `strata plugins`)")
         return None
     fmt = reg[name]
-    kernel = env.text("STRATA_MMQ_KERNEL")  # read only by the CUDA kernels: checked here too
+    kernel = mmq_kernel_switch()  # run only by the CUDA kernels: checked here too
     if kernel is not None and kernel not in fmt.mmq_variants():
         p.add("STRATA_MMQ_KERNEL (environment)", kernel,
               f"format {name} offers {', '.join(fmt.mmq_variants())}")
@@ -317,7 +318,7 @@ def device_memory_plan(spec: MoESpec, fmt: QuantFormat, chunk_tokens: int,
     budget must hold. The ring is sized as the backend sizes it before the residency is known
     (every expert streaming), an upper bound of the ring it allocates once it is. whole: a
     whole model's sizing, whose dense part the budget holds first (`dense`: its policy)."""
-    fmt = fmt.for_variant(env.text("STRATA_MMQ_KERNEL"))  # the images the engine will hold
+    fmt = fmt.for_variant(mmq_kernel_switch())  # the images the engine will hold
     lay = fmt.layout(spec.hidden, spec.ffn)
     ring_slots = ring_sizes(ring_bytes, lay.slot_bytes, spec.total_experts).total
     routing = env.choice("STRATA_ROUTING", ROUTINGS[0])

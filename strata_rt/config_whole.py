@@ -14,8 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .dense_kernels import gemm_impl_from_env
-from .engine_config import DENSE_POLICIES
+from .engine_config import DENSE_POLICIES, dense_gemm_switch
 from .errors import ConfigError
 from .qwen3.gguf_full import read_qwen3_spec
 from .qwen3.spec import Qwen3Spec
@@ -120,7 +119,7 @@ def whole_sizing(whole: Qwen3Spec | None, context: int | None) -> WholeSizing | 
     """How a whole model's device memory is sized (dense GEMM from STRATA_DENSE_GEMM)."""
     if whole is None:
         return None
-    return WholeSizing(whole, context or whole.context, False, gemm_impl_from_env())
+    return WholeSizing(whole, context or whole.context, False, dense_gemm_switch())
 
 
 #: bytes per value of the dense types a synthetic whole model may store

@@ -23,9 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import env
 from .cuda_context import CudaContext
-from .dense_kernels import gemm_impl_from_env
 from .dense_schedule import DENSE_RING_SLOTS
 from .device_state import DeviceState
 from .errors import StrataError
@@ -98,7 +96,11 @@ class CudaBackend:
         self.spec, self.fmt, self.lay = model.spec, model.fmt, model.layout
         self.blob_bytes = self.lay.blob_bytes
         self.timing = bool(cfg.timing)
-        self.can_capture = env.flag("STRATA_CUDA_GRAPH", default=True) and not self.timing
+        self.can_capture = bool(cfg.cuda_graph) and not self.timing
+        assert cfg.f16_gemm is not None, "EngineConfig.resolve() sets f16_gemm"
+        #: every grouped fp16 GEMM prepared on this runtime (the format's kernels, the own
+        #: dense GEMM) takes the config's policy from it
+        self.rt.f16_gemm = cfg.f16_gemm
         self.dev: DeviceState | None = None
         try:
             self._open(residency)
@@ -121,9 +123,10 @@ class CudaBackend:
         rings = ring_sizes(cfg.ring_bytes, slot, spec.total_experts - (fixed_res or 0))
         whole_sizes = None
         if self.whole is not None:
+            assert cfg.dense_gemm is not None, "EngineConfig.resolve() sets dense_gemm"
             self.kv_capacity = cfg.context or self.whole.spec.context
             whole_sizes = WholeSizing(self.whole.spec, self.kv_capacity, False,
-                                      gemm_impl_from_env())
+                                      cfg.dense_gemm)
         image_room = capacity_blocks(cfg.image_cache_mib, spec, lay)
         assert cfg.compute_lanes is not None, "EngineConfig.resolve() sets compute_lanes"
         self.lanes, mp = plan_lanes(cfg.compute_lanes, fixed_res, spec.total_experts, partial(

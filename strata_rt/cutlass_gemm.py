@@ -299,9 +299,10 @@ _opened: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def cutlass_for(runtime: Runtime) -> CutlassGemm | None:
     """The runtime's CutlassGemm (one per runtime, shared by every GroupedGemm), or None when
-    STRATA_F16_GEMM says `own` or, under `auto`, the device or the headers do not allow it (a
-    warning says which, once per runtime). `cutlass` makes that an error instead."""
-    mode = env.choice("STRATA_F16_GEMM", "auto")
+    the runtime's f16_gemm policy (an engine's EngineConfig.f16_gemm, from STRATA_F16_GEMM) says
+    `own` or, under `auto`, the device or the headers do not allow it (a warning says which,
+    once per runtime). `cutlass` makes that an error instead."""
+    mode = getattr(runtime, "f16_gemm", "auto")  # a test's stand-in runtime may not have one
     if mode == "own":
         return None
     if getattr(runtime, "arch", None) == RUNS_ON and runtime in _opened:

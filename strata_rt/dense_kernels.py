@@ -5,7 +5,7 @@ Precision (the wave-2 dataflow): fp16 weights and activations into tensor cores,
 accumulation, the residual stream x float32. A projection writes fp16 (q/k/v, the next kernel's
 input) or adds its fp32 result into x (the o projection) or writes fp32 (logits).
 
-Two GEMM implementations, same contract (`gemm_impl`, STRATA_DENSE_GEMM):
+Two GEMM implementations, same contract (`gemm_impl`: EngineConfig.dense_gemm, STRATA_DENSE_GEMM):
 - "cublas" (default): cublasGemmEx, fastest; the same bytes run after run, but a row's bytes
   may change with the number of rows in the call (cuBLAS picks kernels and split-K by shape),
   so prefilling a prompt in other chunk sizes can change the logits in the last bits.
@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from . import env
 from .cublas import WORKSPACE_BYTES, Cublas
 from .errors import StrataError
 from .grouped_gemm import K_MULTIPLE, TILE_N, GroupedGemm
@@ -69,12 +68,6 @@ def workspace_bytes(gemm_impl: str, max_rows: int, max_n_out: int) -> int:
     _check_impl(gemm_impl)
     return WORKSPACE_BYTES if gemm_impl == "cublas" else own_workspace_bytes(max_rows,
                                                                               max_n_out)
-
-
-def gemm_impl_from_env() -> str:
-    """The implementation STRATA_DENSE_GEMM names (cublas|own), "cublas" when unset; a value
-    outside the choices is a ConfigError naming the switch."""
-    return env.choice("STRATA_DENSE_GEMM", "cublas")
 
 
 def _check_impl(gemm_impl: str) -> None:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from . import env, hazards
+from . import hazards
 from .dense_schedule import DenseSchedule
 from .image_cache import ImageCache
 from .plan import (
@@ -226,10 +226,10 @@ class ChunkDriver:
 
     @property
     def decodes_routed(self) -> bool:
-        """Whether a whole model's one-token step runs the decode plan (STRATA_DECODE=routed,
-        the default, on an executor whose format gathers routed experts) rather than the
-        staging ring."""
-        return self.executor.routed_gathers and env.choice("STRATA_DECODE", "routed") == "routed"
+        """Whether a whole model's one-token step runs the decode plan (the config's decode
+        "routed", the default, on an executor whose format gathers routed experts) rather than
+        the staging ring. Read on every step, so a changed field takes the next step."""
+        return self.executor.routed_gathers and self.cfg.decode == "routed"
 
     def _run_decode(self, stats: Stats) -> None:
         """A one-token step from the decode plan (planned once; replayed as a CUDA graph when

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import env, hostmem
+from . import hostmem
 from .chunk_input import input_not_finite
 from .driver import Backend, ChunkDriver, HostContext
 from .engine_config import EngineConfig
@@ -68,11 +68,10 @@ log = logging.getLogger(__name__)
 DUMP_STRIDE = 64
 
 
-def check_mmq_kernel(fmt: QuantFormat) -> None:
-    """Refuses a STRATA_MMQ_KERNEL the format does not offer. Only the CUDA kernels of a
-    format with variants read the switch, so without this check a typo would be ignored
-    silently on the reference backend and for every other format."""
-    kernel = env.text("STRATA_MMQ_KERNEL")
+def check_mmq_kernel(fmt: QuantFormat, kernel: str | None) -> None:
+    """Refuses an MMQ variant (EngineConfig.mmq_kernel, STRATA_MMQ_KERNEL) the format does not
+    offer. Only the CUDA kernels of a format with variants run it, so without this check a
+    typo would be ignored silently on the reference backend and for every other format."""
     variants = fmt.mmq_variants()
     if kernel is not None and kernel not in variants:
         raise ConfigError(f"STRATA_MMQ_KERNEL={kernel!r}: format {fmt.name} offers "
@@ -165,8 +164,8 @@ class Engine:
         cfg = config if isinstance(config, EngineConfig) else EngineConfig(**config)
         cfg.resolve()
         model, whole = load_model(cfg.model)
-        check_mmq_kernel(model.fmt)
-        model = with_variant(model, env.text("STRATA_MMQ_KERNEL"))
+        check_mmq_kernel(model.fmt, cfg.mmq_kernel)
+        model = with_variant(model, cfg.mmq_kernel)
         spec, slot = model.spec, model.layout.slot_bytes
         hostmem.require(spec.n_layers * spec.n_experts * slot, "the expert store",
                         f"{spec.n_layers} layers x {spec.n_experts} experts x "

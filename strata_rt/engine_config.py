@@ -1,6 +1,13 @@
 """EngineConfig: what an engine is opened with, validated in one place, with every switch
 left None filled from the environment.
 
+Every environment switch that changes what the engine does is read here and nowhere below:
+the engine, the chunk driver, the executors, the kernel launchers and the GEMMs take the
+resolved fields as plain values, so one EngineConfig says everything a run depends on, and
+a field the driver reads on every chunk (gather_one, walk_min_tokens, decode) can change
+between prompts of an open engine without touching the environment. A field set by the
+caller beats its switch. (env.py lists the process switches read elsewhere.)
+
 Its own module because the engine, the chunk driver and both backends read it: here it depends
 on none of them, so none of them depends on another through it.
 """
@@ -25,6 +32,22 @@ if TYPE_CHECKING:
 
 BACKENDS = ("auto", "cuda", "reference")
 DENSE_POLICIES = ("auto", "resident", "stream")
+#: the choices of the switches resolved into fields of the same meaning (env.py lists them)
+DECODES = env.choices("STRATA_DECODE")
+DENSE_GEMMS = env.choices("STRATA_DENSE_GEMM")
+F16_GEMMS = env.choices("STRATA_F16_GEMM")
+
+
+def mmq_kernel_switch() -> str | None:
+    """STRATA_MMQ_KERNEL, or None when unset: what `mmq_kernel` resolves to, also read by a
+    run config's checks, which size the images the engine will hold before it opens."""
+    return env.text("STRATA_MMQ_KERNEL")
+
+
+def dense_gemm_switch() -> str:
+    """STRATA_DENSE_GEMM ("cublas" when unset): what `dense_gemm` resolves to, also read by a
+    run config's checks, which size a whole model's dense workspace before the engine opens."""
+    return env.choice("STRATA_DENSE_GEMM", DENSE_GEMMS[0])
 
 
 @dataclass
@@ -32,7 +55,8 @@ class EngineConfig:
     """model: what strata_rt.whole_model.load_model takes (MoE layers alone or a whole
     model). context: KV-cache positions of a whole model (None: the model's context length). expert_cache fixes the number of resident experts;
     otherwise the backend derives it (cuda: free VRAM minus vram_reserve_mib; reference: none
-    resident). gather_one / check_plan / timing / dump_r default to the environment switches."""
+    resident). Every field a switch can set (gather_one, check_plan, timing, dump_r, decode, ...)
+    defaults to that switch: `resolve` fills it."""
 
     model: Model | Qwen3Model | MoESpec | dict[str, Any]
     backend: str = "auto"
@@ -65,6 +89,18 @@ class EngineConfig:
     trace: str | None = None
     #: CUDA routing kernels (routing_kernels.ROUTINGS): "exact" (default), "f16" or "fp32"
     routing: str | None = None
+    #: the format's MMQ variant (STRATA_MMQ_KERNEL); None after resolve: the format's default
+    mmq_kernel: str | None = None
+    #: a whole model's one-token steps: "routed" (the decode plan, where the format's gathers
+    #: offer it) or "staging" (the staging ring); None: STRATA_DECODE, else routed
+    decode: str | None = None
+    #: CUDA graphs for the walk and the decode step; None: STRATA_CUDA_GRAPH, else on
+    cuda_graph: bool | None = None
+    #: a whole model's dense GEMM: "cublas" or "own"; None: STRATA_DENSE_GEMM, else cublas
+    dense_gemm: str | None = None
+    #: the grouped fp16 GEMM: "auto", "cutlass" or "own" (strata_rt.cutlass_gemm.cutlass_for);
+    #: None: STRATA_F16_GEMM, else auto
+    f16_gemm: str | None = None
     #: called as progress(chunk, n_chunks, layer, n_layers) after each layer
     progress: Callable[[int, int, int, int], None] | None = None
     _profile: RoutingProfile | None = field(default=None, repr=False)
@@ -112,6 +148,11 @@ class EngineConfig:
                 problems.extend(e.problems)
         if self.ring_bytes is not None and self.ring_bytes <= 0:
             problems.append(f"ring_bytes: got {self.ring_bytes!r}; allowed: a positive size")
+        for name, allowed in (("decode", DECODES), ("dense_gemm", DENSE_GEMMS),
+                              ("f16_gemm", F16_GEMMS)):
+            value = getattr(self, name)
+            if value is not None and value not in allowed:
+                problems.append(f"{name}: got {value!r}; allowed: {', '.join(allowed)}")
         if problems:
             raise ConfigError(problems, source="engine config")
         if self.gather_one is None:
@@ -136,4 +177,14 @@ class EngineConfig:
         if self.in_place is None:
             self.in_place = parse_in_place(env.choice("STRATA_IN_PLACE", "auto"),
                                            "STRATA_IN_PLACE")
+        if self.mmq_kernel is None:
+            self.mmq_kernel = mmq_kernel_switch()
+        if self.decode is None:
+            self.decode = env.choice("STRATA_DECODE", DECODES[0])
+        if self.cuda_graph is None:
+            self.cuda_graph = env.flag("STRATA_CUDA_GRAPH", default=True)
+        if self.dense_gemm is None:
+            self.dense_gemm = dense_gemm_switch()
+        if self.f16_gemm is None:
+            self.f16_gemm = env.choice("STRATA_F16_GEMM", F16_GEMMS[0])
         return self

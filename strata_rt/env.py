@@ -1,10 +1,29 @@
 """The one list of environment switches strata_rt reads (the README mirrors it).
 
 Reading switches in one place keeps them discoverable and makes a typo in a value an error
-instead of a silent default. A switch is read where it is used, which may be only on one
-backend or only for one format, so `validate_all` (the CLI calls it at startup) parses every
-switch that is set, on every backend, and warns about a `STRATA_*` name that is no switch at
-all, naming the closest one.
+instead of a silent default. `validate_all` (the CLI calls it at startup) parses every switch
+that is set, whatever the backend and format, and warns about a `STRATA_*` name that is no
+switch at all, naming the closest one.
+
+Where each is read (tests/test_switches.py holds every module to it):
+
+- engine switches, everything that changes what an engine does, are resolved once when an
+  engine opens, in strata_rt/engine_config.py (EngineConfig.resolve; a field the caller set
+  beats its switch), and passed down as plain fields: the driver, the executors, the kernel
+  launchers, the GEMMs and the formats never read the environment. They are
+  STRATA_PREFILL_GATHER_ONE, STRATA_PREFILL_TIMING, STRATA_PREFILL_DUMP_R,
+  STRATA_PREFILL_TRACE, STRATA_WALK_MIN_TOKENS, STRATA_CHECK_PLAN, STRATA_MMQ_KERNEL,
+  STRATA_DECODE, STRATA_IMAGE_CACHE_MIB, STRATA_COMPUTE_LANES, STRATA_IN_PLACE,
+  STRATA_CUDA_GRAPH, STRATA_ROUTING, STRATA_DENSE_GEMM and STRATA_F16_GEMM. A run config's
+  checks (config_schema.py, config_whole.py) size the engine before it exists: they take
+  STRATA_MMQ_KERNEL and STRATA_DENSE_GEMM through engine_config's readers, and
+  config_schema.py reads STRATA_ROUTING for the router's buffers.
+- process switches, which say where the process finds its tools and plugins or which checks
+  it runs rather than what an engine computes, stay where they are used: STRATA_KERNEL_CACHE
+  and STRATA_NVCC in runtime/compile.py, STRATA_PLUGINS and STRATA_DISABLE_PLUGINS in
+  registry.py (the CLI's `--plugins` sets STRATA_PLUGINS in cli/__init__.py),
+  STRATA_HOST_MEMORY_CHECK in hostmem.py, STRATA_CUTLASS_DIR in cutlass_gemm.py. Outside this
+  list, cublas.py reads CUDA_HOME and CUDA_PATH to find the CUDA toolkit's libcublas.
 """
 
 from __future__ import annotations
@@ -190,6 +209,15 @@ def choice(name: str, default: str) -> str:
     """A switch that names one of a fixed set (its kind "choice:a,b"); default when unset."""
     value = _checked(name)
     return default if value is None else value
+
+
+def choices(name: str) -> tuple[str, ...]:
+    """The names a choice switch accepts (its kind "choice:a,b"), its default first, so a
+    config field of the same meaning checks against the same list."""
+    kind = SWITCHES[name].kind
+    if not kind.startswith("choice:"):
+        raise KeyError(f"{name} is a {kind} switch, not a choice")
+    return tuple(kind[7:].split(","))
 
 
 def integer(name: str) -> int | None:

@@ -19,7 +19,6 @@ import numpy as np
 
 from .errors import ConfigError, GGUFError, StrataError
 from .formats import ExpertLayout, QuantFormat
-from .numerics import nmse  # noqa: F401  (re-exported: tests and benchmarks import it here)
 
 #: bytes of distinct synthetic blobs generated at most; larger models tile them (see synthetic)
 SYNTHETIC_POOL_BYTES = 64 << 20

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 import sys
 import traceback
 from collections.abc import Iterable
@@ -98,10 +97,7 @@ def read_plugins_yaml(path: Path) -> list[PluginEntry]:
 
 def disabled_from_env() -> list[str]:
     """The plugin names in STRATA_DISABLE_PLUGINS (comma-separated; blanks ignored)."""
-    if DISABLE_SWITCH in env.SWITCHES:
-        value = env.text(DISABLE_SWITCH)
-    else:  # env.py lists every switch; until it lists this one, read the variable directly
-        value = os.environ.get(DISABLE_SWITCH)
+    value = env.text(DISABLE_SWITCH)
     return [n.strip() for n in (value or "").split(",") if n.strip()]
 
 

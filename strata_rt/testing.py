@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from .runtime import Runtime
 
 __all__ = ["FLOAT64_NMSE", "KERNEL_NMSE", "Case", "CaseResult", "ConformanceSkip", "GroupCase",
-           "Report", "RowCase", "Subject", "conformance_cases", "make_case", "nmse",
+           "Report", "RowCase", "Subject", "conformance_cases", "make_case",
            "run_conformance"]
 
 #: NMSE every format's matmul reference must reach against float64 (issue contract).

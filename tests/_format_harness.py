@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from strata_rt.numerics import nmse
 from strata_rt.testing_groups import GroupCase, make_case
 
-__all__ = ["GroupCase", "make_case", "nmse", "run_mmq", "untouched", "upload"]
+__all__ = ["GroupCase", "make_case", "run_mmq", "untouched", "upload"]
 
 NAN_BITS = np.uint32(0x7FC00000)
 

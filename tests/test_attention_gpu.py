@@ -25,11 +25,11 @@ from strata_rt.attention_kernels import (
     attend_shared_bytes,
     attention_reference,
     check_attention_shape,
-    nmse,
     qk_norm_rope_reference,
     rope_cos_sin,
 )
 from strata_rt.errors import ConfigError
+from strata_rt.numerics import nmse
 from strata_rt.qwen3.spec import Qwen3Spec
 from strata_rt.resources import KERNELS_ROOT
 from strata_rt.runtime.compile import kernel_jobs

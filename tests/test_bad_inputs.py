@@ -241,7 +241,7 @@ def test_unknown_switch_names_the_closest(tmp_path: Path, capsys, monkeypatch) -
 
 
 @pytest.mark.parametrize("name, value, words", [
-    ("STRATA_CUDA_GRAPH", "yes", "expected 0 or 1"),  # read by the CUDA backend only
+    ("STRATA_CUDA_GRAPH", "yes", "expected 0 or 1"),  # used by the CUDA backend only
     ("STRATA_HOST_MEMORY_CHECK", "off", "expected 0 or 1"),
     ("STRATA_WALK_MIN_TOKENS", "0", "expected a positive whole number"),
     ("STRATA_NVCC", "/nonexistent/nvcc", "no such program"),

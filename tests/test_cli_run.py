@@ -95,7 +95,10 @@ def test_bench_ab_table_and_json(tmp_path: Path, capsys) -> None:
     assert doc["switch"] == "STRATA_PREFILL_GATHER_ONE" and doc["hardware"]
     row = doc["rows"][0]
     assert row["tokens"] == 20 and len(row["a_s"]) == len(row["b_s"]) == 2
-    assert "STRATA_PREFILL_GATHER_ONE" not in os.environ  # restored
+    # the arms flip the open engine's config field, which the driver reads on every chunk:
+    # A and B launched different gathers, and the environment was never touched
+    assert doc["arms_differ"] is True
+    assert "STRATA_PREFILL_GATHER_ONE" not in os.environ
 
 
 def test_output_path_that_is_a_directory(tmp_path: Path, capsys) -> None:

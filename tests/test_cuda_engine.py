@@ -15,8 +15,9 @@ from strata_rt.cuda_engine import ENGINE_SOURCE
 from strata_rt.engine import Engine, EngineConfig, read_dump
 from strata_rt.errors import BudgetError, ConfigError
 from strata_rt.formats import MMQ_GROUP
-from strata_rt.model import QWEN3_30B_SPEC, SMALL_SPEC, Model, nmse
+from strata_rt.model import QWEN3_30B_SPEC, SMALL_SPEC, Model
 from strata_rt.nonfinite import NonFiniteError
+from strata_rt.numerics import nmse
 from strata_rt.plan import Products
 from strata_rt.timing import NOTE
 

@@ -27,8 +27,8 @@ from strata_rt.cutlass_gemm import (
 )
 from strata_rt.errors import FormatError, KernelBuildError
 from strata_rt.grouped_gemm import CUTLASS_MIN_ROWS, TILES, GroupedGemm, gemm_reference
+from strata_rt.numerics import nmse
 from strata_rt.runtime.compile import nvcc_available
-from strata_rt.testing import nmse
 
 GEMM_NMSE = 1e-6
 # ------------------------------------------------------------------------------ CPU
@@ -69,23 +69,22 @@ def test_headers_from_a_checkout(tmp_path, monkeypatch):
 
 
 class _FakeRuntime:
-    def __init__(self, arch: str):
-        self.arch = arch
+    def __init__(self, arch: str, f16_gemm: str = "auto"):
+        self.arch, self.f16_gemm = arch, f16_gemm
 
 
 def test_policy(monkeypatch, tmp_path, caplog):
-    monkeypatch.setenv("STRATA_F16_GEMM", "own")
-    assert cutlass_for(_FakeRuntime("sm_90")) is None  # type: ignore[arg-type]
-    monkeypatch.setenv("STRATA_F16_GEMM", "auto")
+    """The runtime's f16_gemm policy (an engine's EngineConfig.f16_gemm) decides; the
+    environment's STRATA_F16_GEMM is the engine config's business, never read here."""
+    monkeypatch.setenv("STRATA_F16_GEMM", "cutlass")  # ignored: only the runtime's policy counts
+    assert cutlass_for(_FakeRuntime("sm_90", "own")) is None  # type: ignore[arg-type]
     assert cutlass_for(_FakeRuntime("sm_80")) is None  # type: ignore[arg-type]
     assert not caplog.records, "no warning where CUTLASS is simply not for this GPU"
-    monkeypatch.setenv("STRATA_F16_GEMM", "cutlass")
     with pytest.raises(KernelBuildError, match="sm_90 only; this device is sm_80"):
-        cutlass_for(_FakeRuntime("sm_80"))  # type: ignore[arg-type]
+        cutlass_for(_FakeRuntime("sm_80", "cutlass"))  # type: ignore[arg-type]
     monkeypatch.setenv("STRATA_CUTLASS_DIR", str(tmp_path))  # no headers there
     with pytest.raises(KernelBuildError, match="pip install nvidia-cutlass"):
-        cutlass_for(_FakeRuntime("sm_90"))  # type: ignore[arg-type]
-    monkeypatch.setenv("STRATA_F16_GEMM", "auto")
+        cutlass_for(_FakeRuntime("sm_90", "cutlass"))  # type: ignore[arg-type]
     assert cutlass_for(_FakeRuntime("sm_90")) is None  # type: ignore[arg-type]
     assert "own mma.sync kernels serve every size" in caplog.text
 

@@ -127,3 +127,23 @@ def test_decode_switch_is_validated(monkeypatch) -> None:
     monkeypatch.setenv("STRATA_DECODE", "graph")
     with pytest.raises(ConfigError, match="STRATA_DECODE"):
         env.validate_all()
+
+
+def test_decode_field_beats_the_switch_and_takes_the_next_step(model, monkeypatch) -> None:
+    """EngineConfig.decode over STRATA_DECODE; changed on an open engine (an in-process
+    comparison of the two paths), the next step takes it, with the same logits."""
+    monkeypatch.setenv("STRATA_DECODE", "staging")
+    ids = np.random.default_rng(4).integers(0, SPEC.vocab, 37)
+    conf = {"model": model, "backend": "reference", "prefill": 64, "expert_cache": 24,
+            "decode": "routed"}
+    with Engine.open(conf) as eng:
+        logits, _ = eng.prefill(ids)
+        token = np.array([int(logits.argmax())])
+        routed, _ = eng.prefill(token)
+        assert eng.driver.last_plan.mode == "decode"
+        eng.config.decode = "staging"
+        eng.reset()  # the same prompt and step again, the step on the staging ring
+        eng.prefill(ids)
+        staged, _ = eng.prefill(token)
+        assert eng.driver.last_plan.mode == "staging"
+    assert np.array_equal(routed, staged)

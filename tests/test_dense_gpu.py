@@ -18,7 +18,7 @@ from strata_rt.dense_kernels import (
     rmsnorm_f16_reference,
     workspace_bytes,
 )
-from strata_rt.testing import nmse
+from strata_rt.numerics import nmse
 
 #: fp32-accumulated GEMM vs float64 on the same fp16 inputs (K <= 8192: the rounding of the
 #: fp32 sums stays near 1e-11; a transposed or mis-strided operand gives ~1)

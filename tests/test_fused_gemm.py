@@ -32,6 +32,7 @@ from strata_rt.fused_gemm import (
     pick_tile,
 )
 from strata_rt.grouped_gemm import GroupedGemm, gemm_reference
+from strata_rt.numerics import nmse
 from strata_rt.quants.iq3_xxs import IQ3XXS, IQ3XXSDequantF16, IQ3XXSFusedF16
 from strata_rt.quants.iq3_xxs_f16 import dequant_iq3_images
 from strata_rt.quants.iq3_xxs_fused import (
@@ -41,7 +42,6 @@ from strata_rt.quants.iq3_xxs_fused import (
     native_images_to_f16,
 )
 from strata_rt.runtime.compile import nvcc_available
-from strata_rt.testing import nmse
 from strata_rt.testing_abi import Recorder
 
 IQ3 = IQ3XXS()

@@ -39,11 +39,11 @@ from strata_rt.grouped_gemm import (
     gemm_reference,
     pick_tile,
 )
+from strata_rt.numerics import nmse
 from strata_rt.quants.fp16 import FP16
 from strata_rt.quants.iq3_xxs import IQ3XXS
 from strata_rt.quants.iq3_xxs_f16 import dequant_iq3_images
 from strata_rt.runtime.compile import nvcc_available
-from strata_rt.testing import nmse
 
 IQ3 = IQ3XXS()
 #: kernel vs float64 product of the same fp16 inputs. Measured bound to be recorded from the

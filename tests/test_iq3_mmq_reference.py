@@ -9,16 +9,15 @@ import re
 
 import numpy as np
 import pytest
-from _format_harness import nmse
 from _iq3_blocks import QWEN3_30B, SMALL, case, group_of
 
 from strata_rt.errors import FormatError
+from strata_rt.numerics import nmse
 from strata_rt.quants.iq3_xxs import IQ3XXS
 from strata_rt.quants.iq3_xxs_device import (
     MMQ_TILES,
     MMQ_VARIANTS,
     mmq_smem_bytes,
-    pick_variant,
     tile_rows_for,
 )
 from strata_rt.resources import KERNELS_ROOT
@@ -85,14 +84,14 @@ def test_grid_header_is_current_generator_output():
     assert gen.HEADER.read_text() == gen.render(gen.grid_words())
 
 
-def test_variant_selection(monkeypatch):
-    monkeypatch.delenv("STRATA_MMQ_KERNEL", raising=False)
-    assert pick_variant() == MMQ_VARIANTS[0]
-    monkeypatch.setenv("STRATA_MMQ_KERNEL", "int8")
-    assert pick_variant() == "int8"
-    monkeypatch.setenv("STRATA_MMQ_KERNEL", "bf16x")
+def test_variant_selection():
+    """The exact kernels' object runs the fastest measured variant unless told another, and
+    refuses a name that is none of them; for_variant reaches every variant by name."""
+    assert IQ3XXS().variant == MMQ_VARIANTS[0]
+    assert IQ3XXS("int8").variant == "int8"
+    assert IQ3XXS().for_variant("int8").variant == "int8"  # type: ignore[attr-defined]
     with pytest.raises(FormatError, match="bf16x.*valid: " + ", ".join(MMQ_VARIANTS)):
-        pick_variant()
+        IQ3XXS("bf16x")
     assert IQ3XXS().mmq_variants() == ("f16_gemm", *MMQ_VARIANTS, "f16_fused")
 
 

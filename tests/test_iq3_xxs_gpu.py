@@ -9,12 +9,13 @@ import logging
 
 import numpy as np
 import pytest
-from _format_harness import nmse, run_mmq, untouched, upload
+from _format_harness import run_mmq, untouched, upload
 from _iq3_blocks import QWEN3_30B, SMALL, case, group_of
 
 from strata_rt.errors import FormatError
 from strata_rt.formats import ExpertLayout
 from strata_rt.launchers import NativeKernels
+from strata_rt.numerics import nmse
 from strata_rt.quants.iq3_xxs import IQ3XXS
 from strata_rt.quants.iq3_xxs_device import MMQ_VARIANTS, IQ3XXSKernels
 

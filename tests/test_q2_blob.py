@@ -8,12 +8,13 @@ import textwrap
 
 import numpy as np
 import pytest
-from _format_harness import make_case, nmse
+from _format_harness import make_case
 
 from strata_rt.activations import Q8_1
 from strata_rt.errors import FormatError, PluginError
 from strata_rt.formats import FormatKernels, first_misaligned
 from strata_rt.launchers import check_aligned
+from strata_rt.numerics import nmse
 from strata_rt.quants import q2_blob
 from strata_rt.quants.q2_blob import Planes, Q2Blob, Q2Kernels
 from strata_rt.registry import QuantRegistry

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from strata_rt.errors import BudgetError, ConfigError
-from strata_rt.model import nmse, reference_moe_f64, route
+from strata_rt.model import reference_moe_f64, route
+from strata_rt.numerics import nmse
 from strata_rt.qwen3 import (
     QWEN3_30B_A3B,
     QWEN3_235B_A22B,

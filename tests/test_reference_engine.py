@@ -15,7 +15,8 @@ from strata_rt import driver as driver_mod
 from strata_rt import planner as planner_mod
 from strata_rt.engine import DUMP_STRIDE, Engine, EngineConfig, read_dump
 from strata_rt.errors import ConfigError, PlanHazardError
-from strata_rt.model import SMALL_SPEC, Model, nmse, reference_moe_f64, rms_norm, route
+from strata_rt.model import SMALL_SPEC, Model, reference_moe_f64, rms_norm, route
+from strata_rt.numerics import nmse
 from strata_rt.plan import ChunkPlan, LayerPlan, Wait
 from strata_rt.planner import AUTO_CHUNK_MAX
 from strata_rt.residency import RoutingProfile

@@ -15,13 +15,14 @@ import re
 
 import numpy as np
 import pytest
-from _format_harness import make_case, nmse, run_mmq, untouched
+from _format_harness import make_case, run_mmq, untouched
 from _iq3_blocks import QWEN3_30B, SMALL, group_of
 
 from strata_rt.activations import F16, Q8_1
 from strata_rt.errors import FormatError
 from strata_rt.formats import QuantFormat
 from strata_rt.grouped_gemm import TILES_BY_NAME, fp16_image_layout, gemm_reference
+from strata_rt.numerics import nmse
 from strata_rt.quants.fp16 import FP16, FP16GemmKernels, FP16Kernels
 from strata_rt.quants.iq3_xxs import IQ3XXS, IQ3XXSDequantF16
 from strata_rt.quants.iq3_xxs_device import MMQ_VARIANTS, VARIANTS, IQ3XXSKernels

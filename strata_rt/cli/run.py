@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -29,9 +28,9 @@ from .common import (
 log = logging.getLogger(__name__)
 
 #: the 0/1 switches `bench --ab` may flip, with the engine config field each is resolved into
-#: at open: only these are read again per prompt. The others (STRATA_CUDA_GRAPH,
-#: STRATA_CHECK_PLAN, STRATA_PREFILL_TIMING) are taken once at open, so flipping them between
-#: prompts would time the same code twice.
+#: at open: only these fields are read again on every chunk, so the bench flips the field.
+#: The others (STRATA_CUDA_GRAPH, STRATA_CHECK_PLAN, STRATA_PREFILL_TIMING) are taken once at
+#: open, so flipping them between prompts would time the same code twice.
 AB_SWITCHES = {"STRATA_PREFILL_GATHER_ONE": "gather_one"}
 
 
@@ -42,9 +41,9 @@ GENERATE_FIELDS = ("generated", "stop", "decode_s", "decode_tokens_per_s", "host
 
 
 def set_switch(engine: Any, name: str, value: str) -> None:
-    """Flips an A/B switch between prefills of one open engine: the environment (for code
-    that reads it per call) and the engine config field it was resolved into at open."""
-    os.environ[name] = value
+    """Flips an A/B switch between prefills of one open engine: the engine config field it
+    was resolved into at open, which the chunk driver reads on every chunk (nothing below the
+    engine config reads the environment, so the environment is left as it is)."""
     setattr(engine.config, AB_SWITCHES[name], value == "1")
 
 
@@ -189,7 +188,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
     cfg = load(args)
     target = output_arg("--json", args.json) if args.json else cfg.output.json or output_arg(
         "--json (default)", f"strata-bench-{Path(args.config).stem}.json")
-    saved = os.environ.get(switch)
     runs: dict[int, dict[str, list[float]]] = {}
     doc: dict[str, Any] = {"command": " ".join(sys.argv), "config": str(cfg.source),
                            "switch": switch, "a": f"{switch}=0", "b": f"{switch}=1",
@@ -231,11 +229,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if "backend" not in doc:
             raise
         interrupted = True
-    finally:
-        if saved is None:
-            os.environ.pop(switch, None)
-        else:
-            os.environ[switch] = saved
     rows, records = bench_results(cfg, runs)
     table = markdown_table(["prompt tokens", "A ms (each run)", "B ms (each run)", "change %",
                             "tokens/s (A / B, median)"], rows)

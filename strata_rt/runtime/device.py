@@ -57,6 +57,11 @@ def cuda_available(device: int = 0) -> tuple[bool, str]:
 class Runtime:
     """Owns a CUDA context and everything allocated through it; `close` frees it all."""
 
+    #: the grouped fp16 GEMM's policy for the GEMMs prepared on this runtime, "auto", "cutlass"
+    #: or "own" (strata_rt.cutlass_gemm.cutlass_for): an engine sets its config's f16_gemm
+    #: here before it prepares any, so the GEMMs inside a format's kernels take it too
+    f16_gemm: str = "auto"
+
     def __init__(self, drv, device: int):
         self.drv = drv
         self.device_index = device
