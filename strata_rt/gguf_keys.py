@@ -91,7 +91,7 @@ def rules(arch: str) -> dict[str, Rule]:
 def shown(kv: KeyValue) -> str:
     """A key's value as a message shows it, with its GGUF type: "nan (float32)"."""
     if kv.type == ARRAY:
-        return f"an {kv.type_name} ({kv.count:,} values)"
+        return f"an {kv.type_name} ({kv.count:,} value{'' if kv.count == 1 else 's'})"
     v = kv.value
     if kv.type == 6:
         v = float(str(np.float32(v)))  # float32's shortest decimal form: 1e-06, not 9.99e-07

@@ -86,9 +86,10 @@ def tensor_problems(infos: list[tuple[str, tuple[int, ...], int, int]], data_sta
             continue
         nbytes = nbytes_of(dims, block, type_bytes)
         if nbytes > size:
-            problems.append(f"tensor {name} has dims {list(dims)} of {qt.name}: {nbytes:,} "
-                            f"bytes, more than the whole file ({size:,} bytes); its dims are "
-                            "wrong (or the file is truncated)")
+            many = f"{nbytes:,} bytes" if nbytes < 1 << 64 else "more than 2^64 bytes"
+            problems.append(f"tensor {name} has dims {list(dims)} of {qt.name}: {many}, more "
+                            f"than the whole file ({size:,} bytes); its dims are wrong (or the "
+                            "file is truncated)")
             continue
         if off % alignment:
             problems.append(f"tensor {name} starts at offset {off:,} of the data section, not "
@@ -103,8 +104,12 @@ def tensor_problems(infos: list[tuple[str, tuple[int, ...], int, int]], data_sta
     short = [(name, lo, lo + n) for name, _, _, lo, n in placed
              if lo + n > size and name not in involved]
     for name, lo, hi in short[:MAX_LISTED]:
-        problems.append(f"the file is truncated: tensor {name} needs bytes {lo:,}..{hi:,} "
-                        f"({hi - lo:,} bytes); the file has {size:,} bytes")
+        if lo < size:
+            problems.append(f"the file is truncated: tensor {name} needs bytes {lo:,}..{hi:,} "
+                            f"({hi - lo:,} bytes); the file has {size:,} bytes")
+        else:
+            problems.append(f"tensor {name} starts at byte {lo:,}, past the end of the file "
+                            f"({size:,} bytes): the file is truncated or the offset is wrong")
     if len(short) > MAX_LISTED:
         problems.append(f"{len(short) - MAX_LISTED} more tensors end past the file's "
                         f"{size:,} bytes")
