@@ -15,8 +15,13 @@ import yaml
 from strata_rt.cli import main
 from strata_rt.errors import GGUFError
 from strata_rt.gguf_header import ARRAY, STRING
-from strata_rt.qwen3 import TINY_SPEC, Qwen3Model, read_qwen3_gguf, read_qwen3_spec
-from strata_rt.qwen3 import write_qwen3_gguf
+from strata_rt.qwen3 import (
+    TINY_SPEC,
+    Qwen3Model,
+    read_qwen3_gguf,
+    read_qwen3_spec,
+    write_qwen3_gguf,
+)
 from strata_rt.tokenizer_vocab import TokenizerVocab, synthetic_vocab
 from tests._gguf_bytes import F32, I32, U8, U32, Doc
 
