@@ -26,7 +26,7 @@ from . import gguf_checks
 from .errors import GGUFError
 from .file_kinds import not_a_file, open_regular
 from .gguf_header import Header, parse
-from .gguf_keys import check_keys, number
+from .gguf_keys import check_keys, number, unsupported
 
 ARCH = "qwen3moe"
 #: (name suffix, spec field) of the integer keys a MoE file must carry
@@ -121,7 +121,7 @@ def read_header(path: Path) -> tuple[Header, dict[str, Any]]:
         dims[name] = number(header, f"{arch}.{suffix}")
     eps = number(header, f"{arch}.{EPS_KEY}")
     dims["rms_eps"] = DEFAULT_RMS_EPS if eps is None else eps
-    problems = []
+    problems = unsupported(header, arch)
     if dims["top_k"] > dims["n_experts"]:
         problems.append(f"key {arch}.expert_used_count = {dims['top_k']} exceeds "
                         f"{arch}.expert_count = {dims['n_experts']}")

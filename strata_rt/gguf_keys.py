@@ -75,6 +75,11 @@ def rules(arch: str) -> dict[str, Rule]:
         f"{a}.attention.layer_norm_rms_epsilon": Rule("float", 0, 1, True, True,
                                                       "Qwen3: 1e-6"),
         f"{a}.rope.freq_base": Rule("float", 1, 1e12, True, False, "Qwen3: 1e+06"),
+        f"{a}.rope.scaling.type": Rule("string"),
+        f"{a}.rope.scaling.factor": Rule("float", 0, 1e6, True),
+        f"{a}.rope.scale_linear": Rule("float", 0, 1e6, True),
+        f"{a}.expert_weights_norm": Rule("bool"),
+        f"{a}.expert_gating_func": _int(1, 1, "1 = softmax, the routing strata_rt runs"),
         TOKENIZER + "model": Rule("string"),
         TOKENIZER + "pre": Rule("string"),
         TOKENIZER + "tokens": Rule("strings"),
@@ -83,8 +88,11 @@ def rules(arch: str) -> dict[str, Rule]:
         TOKENIZER + "bos_token_id": _int(0, big),
         TOKENIZER + "eos_token_id": _int(0, big),
         TOKENIZER + "padding_token_id": _int(0, big),
+        TOKENIZER + "unknown_token_id": _int(0, big),
+        TOKENIZER + "seperator_token_id": _int(0, big),
         TOKENIZER + "add_bos_token": Rule("bool"),
         TOKENIZER + "add_eos_token": Rule("bool"),
+        "tokenizer.chat_template": Rule("string"),
     }
 
 
@@ -139,6 +147,25 @@ def check_keys(header: Header) -> list[str]:
             bad = problem(kv, rule)
             if bad is not None:
                 out.append(bad)
+    return out
+
+
+def unsupported(header: Header, arch: str) -> list[str]:
+    """Keys of the right type whose value asks for math strata_rt does not do: running the
+    file anyway would give other logits than llama.cpp, with no error."""
+    out = []
+    scaling = header.keys.get(f"{arch}.rope.scaling.type")
+    if scaling is not None and scaling.value not in ("none", ""):
+        out.append(f"key {arch}.rope.scaling.type = {scaling.value!r}; strata_rt runs plain "
+                   "RoPE (no scaling), so this file's logits would differ from the model's")
+    linear = number(header, f"{arch}.rope.scale_linear")
+    if linear is not None and linear != 1:
+        out.append(f"key {arch}.rope.scale_linear = {linear}; strata_rt runs plain RoPE "
+                   "(scale 1)")
+    norm = header.keys.get(f"{arch}.expert_weights_norm")
+    if norm is not None and norm.value is False:
+        out.append(f"key {arch}.expert_weights_norm = False; strata_rt renormalises the top-k "
+                   "expert weights (Qwen3-MoE), so this file would route differently")
     return out
 
 

@@ -23,7 +23,7 @@ from strata_rt.qwen3 import (
     write_qwen3_gguf,
 )
 from strata_rt.tokenizer_vocab import TokenizerVocab, synthetic_vocab
-from tests._gguf_bytes import F32, I32, U8, U32, Doc
+from tests._gguf_bytes import BOOL, F32, I32, U8, U32, Doc
 
 A = "qwen3moe."
 T = "tokenizer.ggml."
@@ -73,6 +73,16 @@ CASES: dict[str, tuple[Callable[[Doc], Doc], str]] = {
     "shared experts": (key(A + "expert_shared_count", U32, 2),
                        "expert_shared_count = 2 (uint32); expected the integer 0 (strata_rt "
                        "runs no shared expert)"),
+    "rope scaling yarn": (key(A + "rope.scaling.type", STRING, "yarn"),
+                          "key qwen3moe.rope.scaling.type = 'yarn'; strata_rt runs plain RoPE"),
+    "rope scale_linear": (key(A + "rope.scale_linear", F32, 0.25),
+                          "key qwen3moe.rope.scale_linear = 0.25; strata_rt runs plain RoPE"),
+    "top-k weights not renormalised": (key(A + "expert_weights_norm", BOOL, False),
+                                       "key qwen3moe.expert_weights_norm = False"),
+    "sigmoid gating": (key(A + "expert_gating_func", U32, 2),
+                       "expert_gating_func = 2 (uint32); expected the integer 1"),
+    "chat template uint32": (key("tokenizer.chat_template", U32, 7),
+                             "key tokenizer.chat_template = 7 (uint32); expected a string"),
     "tokens not strings": (key(T + "tokens", ARRAY, list(range(512)), I32),
                            f"key {T}tokens = an array of int32 (512 values); expected an "
                            "array of strings"),
@@ -136,7 +146,11 @@ def test_the_tokenizer_refuses_its_keys_of_the_wrong_type(doc, tmp_path, case):
 
 
 def test_the_good_file_opens(doc, tmp_path, model):
-    path = doc.copy().write(tmp_path / "good.gguf")
+    """With the keys a downloaded file may carry at their harmless values, too."""
+    d = doc.copy().set(A + "rope.scaling.type", STRING, "none")
+    d.set(A + "expert_weights_norm", BOOL, True).set(A + "rope.dimension_count", U32, 64)
+    d.set(A + "expert_gating_func", U32, 1).set("tokenizer.chat_template", STRING, "{{x}}")
+    path = d.write(tmp_path / "good.gguf")
     assert read_qwen3_spec(path) == (TINY_SPEC, False)
     assert len(TokenizerVocab.from_gguf(path)) == TINY_SPEC.vocab
     assert read_qwen3_gguf(path, "fp16").digest() == model.digest()
