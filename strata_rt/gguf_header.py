@@ -177,7 +177,10 @@ class _Walker:
         self.pos += n
         return v
 
-    def string(self, what: str) -> str:
+    def string(self, what: str, strict: bool = True) -> str:
+        """A length-prefixed string; `strict=False` (values of keys) keeps undecodable bytes
+        as U+FFFD, so a stray byte in a description does not refuse the file (a key that is
+        used then fails its own check)."""
         at = self.pos
         n = self.scalar("Q", 8)
         if n > self.size - self.pos:
@@ -188,6 +191,8 @@ class _Walker:
         try:
             return raw.decode("utf-8")
         except UnicodeDecodeError:
+            if not strict:
+                return raw.decode("utf-8", "replace")
             raise _Fatal(f"{what} at byte {at:,} is not valid UTF-8 ({raw[:24]!r})") from None
 
     def value(self, name: str, t: int) -> KeyValue:
@@ -200,7 +205,7 @@ class _Walker:
                 v = bool(v)
             return KeyValue(name, t, v)
         if t == STRING:
-            return KeyValue(name, t, self.string(f"the string value of key {name}"))
+            return KeyValue(name, t, self.string(f"the string value of key {name}", False))
         if t != ARRAY:
             raise _Fatal(f"key {name} has value type id {t}, which GGUF does not define "
                          "(0-12)")

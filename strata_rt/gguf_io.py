@@ -95,7 +95,8 @@ def _layers_present(header: Header) -> list[int]:
     found = set()
     for t in header.tensors:
         parts = t.name.split(".", 2)
-        if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit():
+        if len(parts) == 3 and parts[0] == "blk" and parts[1].isascii() and \
+                parts[1].isdigit():
             found.add(int(parts[1]))
     return sorted(found)
 
@@ -110,6 +111,10 @@ def read_header(path: Path) -> tuple[Header, dict[str, Any]]:
     if kv is None:
         raise GGUFError(f"{path}: key general.architecture is missing; expected e.g. {ARCH!r}")
     arch = kv.value
+    if not (0 < len(arch) <= 64 and arch.isprintable()):
+        raise GGUFError(f"{path}: key general.architecture = {arch[:40]!r}"
+                        f"{'...' if len(arch) > 40 else ''} ({len(arch):,} characters); "
+                        f"expected an architecture name such as {ARCH!r}")
     dims: dict[str, Any] = {"arch": arch}
     missing = [f"{arch}.{s}" for s, _ in DIM_KEYS if f"{arch}.{s}" not in header.keys]
     if missing:

@@ -93,6 +93,12 @@ CASES: dict[str, tuple[Callable[[Doc], Doc], str]] = {
     "epsilon NaN": (key(EPS, F32, math.nan), f"key {EPS} = nan (float32)"),
     "architecture uint32": (key("general.architecture", U32, 5),
                             "key general.architecture = 5 (uint32); expected a string"),
+    "architecture of a million characters": (
+        key("general.architecture", STRING, "q" * 1_000_000),
+        "(1,000,000 characters); expected an architecture name such as 'qwen3moe'"),
+    "a layer number that is not ASCII": (tensor("blk.0.ffn_norm.weight", 0,
+                                                "blk.\u00b2.ffn_norm.weight"),
+                                         "tensor blk.0.ffn_norm.weight is missing"),
     "architecture missing": (lambda d: d.drop("general.architecture"),
                              "key general.architecture is missing"),
     "ffn huge": (key(A + "expert_feed_forward_length", U64, 2**40),
@@ -233,6 +239,11 @@ def test_every_byte_flip_of_the_header_is_a_clear_message_or_a_good_file(doc, tm
             scan_moe(path)
         except GGUFError as e:
             assert str(e).startswith(f"{path}: "), (at, str(e))
+
+
+def test_a_stray_byte_in_an_unused_string_does_not_refuse_the_file(doc, tmp_path):
+    path = doc.copy().set("general.name", STRING, b"caf\xe9").write(tmp_path / "n.gguf")
+    assert scan_moe(path).problems == []
 
 
 # ---------------------------------------------------------------------------- not files
