@@ -46,7 +46,8 @@ MAX_DIMS = 4
 #: more keys or tensors than any model has; a header claiming more is refused before the walk
 MAX_KEYS = 1 << 16
 MAX_TENSORS = 1 << 20
-#: strings in one array key (tokenizers hold about 150,000 tokens and as many merges)
+#: strings in all array keys together (a tokenizer holds about 150,000 tokens and as many
+#: merges); walking each costs a step, so this bounds the time a header of empty strings takes
 MAX_STRINGS = 1 << 22
 _PLAIN = {0: np.float32, 1: np.float16, 24: np.int8, 25: np.int16, 26: np.int32, 27: np.int64,
           28: np.float64}
@@ -166,6 +167,7 @@ def _beyond(detail: str) -> _Fatal:
 class _Walker:
     def __init__(self, buf: Any, size: int):
         self.buf, self.size, self.pos = buf, size, 0
+        self.strings = 0  # strings in array keys so far
 
     def need(self, n: int) -> None:
         if n < 0 or self.pos + n > self.size:
@@ -220,9 +222,11 @@ class _Walker:
                 raise _beyond(f"key {name}: the array at byte {at:,} claims {count:,} "
                               f"strings; the {left:,} bytes left in the file hold at most "
                               f"{left // 8:,}")
-            if count > MAX_STRINGS:
-                raise _Fatal(f"key {name} holds {count:,} strings; strata_rt reads at most "
-                             f"{MAX_STRINGS:,} in one key (a tokenizer has about 150,000)")
+            self.strings += count
+            if self.strings > MAX_STRINGS:
+                raise _Fatal(f"key {name} holds {count:,} strings, {self.strings:,} with the "
+                             f"array keys before it; strata_rt reads at most {MAX_STRINGS:,} "
+                             "(a tokenizer has about 150,000 tokens and as many merges)")
             start = self.pos
             for _ in range(count):
                 n = self.scalar("Q", 8)

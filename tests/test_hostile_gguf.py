@@ -116,6 +116,11 @@ CASES: dict[str, tuple[Callable[[Doc], Doc], str]] = {
                       "claims 9,223,372,036,854,775,808 uint8 values"),
     "2^40 strings": (key(A + "x", ARRAY, payload=struct.pack("<IQ", STRING, 2**40)),
                      "claims 1,099,511,627,776 strings"),
+    "5 million empty strings": (
+        key(A + "x", ARRAY, payload=struct.pack("<IQ", STRING, 5_000_000)
+            + bytes(8 * 5_000_000)),
+        "key qwen3moe.x holds 5,000,000 strings, 5,000,000 with the array keys before it; "
+        "strata_rt reads at most 4,194,304"),
     "string past the file": (key("general.name", STRING, payload=struct.pack("<Q", 2**60)),
                              "the string value of key general.name at byte"),
     "key name not UTF-8": (key(b"\xff\xfeoops", U32, 1), "is not valid UTF-8"),
