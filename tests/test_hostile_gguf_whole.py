@@ -6,6 +6,7 @@ prefill), as one GGUFError naming the file and the key, exit code 1 from `strata
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Callable
 from pathlib import Path
 
@@ -101,8 +102,33 @@ CASES: dict[str, tuple[Callable[[Doc], Doc], str]] = {
 }
 
 
+def poke(name: str, at: int, data: bytes) -> Callable[[Doc], Doc]:
+    """Bytes written `at` bytes into tensor `name`'s data."""
+    def change(d: Doc) -> Doc:
+        lo = d.tensor(name)[3] + at
+        d.data = d.data[:lo] + data + d.data[lo + len(data):]
+        return d
+    return change
+
+
+NAN32 = struct.pack("<f", math.nan)
+ROW = TINY_SPEC.hidden * 4  # bytes of one F32 row of a [.., hidden] matrix
+#: NaN/Inf in dense weights: the keys are fine (read_qwen3_spec opens the file), the load fails
+VALUES: dict[str, tuple[Callable[[Doc], Doc], str]] = {
+    "NaN in an embedding row": (poke("token_embd.weight", 7 * ROW + 12, NAN32),
+                                "tensor token_embd.weight: NaN or Inf in the weights of 1 "
+                                "row(s): row 7 (1 of 256)"),
+    "Inf in attn_q": (poke("blk.1.attn_q.weight", 3 * ROW, struct.pack("<f", math.inf)),
+                      "tensor blk.1.attn_q.weight: NaN or Inf in the weights of 1 row(s): "
+                      "row 3"),
+    "NaN in the output norm": (poke("output_norm.weight", 40, NAN32),
+                               "tensor output_norm.weight: NaN or Inf in the weights of 1 "
+                               "row(s): row 0 (1 of 256)"),
+}
+
+
 def hostile(doc: Doc, tmp_path: Path, case: str) -> tuple[Path, str]:
-    change, want = CASES[case]
+    change, want = {**CASES, **VALUES}[case]
     return change(doc.copy()).write(tmp_path / "bad.gguf"), want
 
 
@@ -123,7 +149,27 @@ def test_library_refuses_at_open(doc, tmp_path, case):
         read_qwen3_gguf(path, "fp16")
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", sorted(VALUES))
+def test_nan_in_dense_weights_is_refused_at_load(doc, tmp_path, case):
+    path, want = hostile(doc, tmp_path, case)
+    assert read_qwen3_spec(path)[0] == TINY_SPEC
+    with pytest.raises(GGUFError) as e:
+        read_qwen3_gguf(path, "fp16")
+    assert str(e.value).startswith(f"{path}: ") and want in str(e.value), str(e.value)
+
+
+def test_nan_in_a_quantized_dense_scale_names_the_row(tmp_path, model):
+    q8 = model.with_dense_types({"attn_v": "Q8_0"})
+    d = Doc.of(write_qwen3_gguf(tmp_path / "q.gguf", q8))
+    row = TINY_SPEC.hidden // 32 * 34  # Q8_0: 34-byte blocks of 32 values
+    path = poke("blk.0.attn_v.weight", 5 * row, struct.pack("<e", math.nan))(d).write(
+        tmp_path / "bad.gguf")
+    with pytest.raises(GGUFError, match=r"tensor blk\.0\.attn_v\.weight: NaN or Inf in the "
+                                        r"fp16 block scale d of 1 row\(s\): row 5 \(1 of 8\)"):
+        read_qwen3_gguf(path, "fp16")
+
+
+@pytest.mark.parametrize("case", sorted(CASES) + sorted(VALUES))
 def test_inspect_and_run_exit_1(doc, tmp_path, capsys, case):
     path, want = hostile(doc, tmp_path, case)
     code, err = cli(["inspect", str(path)], capsys)

@@ -20,8 +20,9 @@ import numpy as np
 
 from ..errors import ConfigError, GGUFError
 from ..formats import QuantFormat
+from ..gguf_checks import check_dense
 from ..gguf_header import Header
-from ..gguf_io import read_header, write_moe_gguf
+from ..gguf_io import problems_error, read_header, write_moe_gguf
 from ..gguf_keys import TOKENIZER, number
 from ..model import Model
 from .spec import Qwen3Spec
@@ -175,9 +176,17 @@ def _dense(path: Path, spec: Qwen3Spec, t, role: str) -> DenseTensor:
     return DenseTensor(t.name, shape, qt, data)
 
 
-def read_qwen3_gguf(path: str | Path, fmt: QuantFormat | str) -> Qwen3Model:
-    """Loads a whole qwen3moe GGUF: dense weights as stored (memory-mapped), experts
-    converted to `fmt` by the MoE loader (raw copy when the file's type is fmt's own)."""
+def dense_problems(dense: DenseWeights) -> list[str]:
+    """NaN/Inf in the dense weights (gguf_checks.check_dense), one line per tensor."""
+    all_t = [t for t in (dense.token_embd, dense.output_norm, dense.output) if t is not None]
+    all_t += [getattr(lw, r) for lw in dense.layers for r in LAYER_ROLES]
+    found = (check_dense(t.name, t.data, int(t.type), t.shape) for t in all_t)
+    return [p for p in found if p is not None]
+
+
+def read_qwen3_dense(path: str | Path) -> tuple[Qwen3Spec, DenseWeights]:
+    """The spec and the dense weights (memory-mapped, shapes and types checked; values not
+    yet: see dense_problems)."""
     path = Path(path)
     header, dims, tensors = _open(path)
     spec = _spec(header, path, dims, tensors)
@@ -204,14 +213,26 @@ def read_qwen3_gguf(path: str | Path, fmt: QuantFormat | str) -> Qwen3Model:
     assert token_embd is not None and output_norm is not None  # find raised if missing
     layers = tuple(LayerWeights(**{r: get(r, i) for r in LAYER_ROLES})
                    for i in range(spec.n_layers))
+    return spec, DenseWeights(token_embd, output_norm, glob["output"], layers)
+
+
+def read_qwen3_gguf(path: str | Path, fmt: QuantFormat | str) -> Qwen3Model:
+    """Loads a whole qwen3moe GGUF: dense weights as stored (memory-mapped) and checked for
+    NaN/Inf, experts converted to `fmt` by the MoE loader (raw copy when the file's type is
+    fmt's own)."""
+    path = Path(path)
+    spec, dense = read_qwen3_dense(path)
+    problems = dense_problems(dense)
+    if problems:
+        raise problems_error(path, problems)
     fmt = resolve_format(fmt)
     moe = Model.from_gguf(path, fmt)
-    types = sorted({t.type_name for t in (*glob.values(), *(getattr(lw, r) for lw in layers
-                                                             for r in LAYER_ROLES)) if t})
+    types = sorted({t.type_name for t in (dense.token_embd, dense.output_norm, dense.output,
+                                          *(getattr(lw, r) for lw in dense.layers
+                                            for r in LAYER_ROLES)) if t})
     log.info("%s: %s; dense tensors %s%s; experts as %s", path, spec, ", ".join(types),
-             " (output tied to token_embd)" if glob["output"] is None else "", fmt.name)
-    return Qwen3Model(spec, DenseWeights(token_embd, output_norm,
-                                         glob["output"], layers), moe)
+             " (output tied to token_embd)" if dense.output is None else "", fmt.name)
+    return Qwen3Model(spec, dense, moe)
 
 
 # ---------------------------------------------------------------------------- writing
