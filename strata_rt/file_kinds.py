@@ -37,6 +37,8 @@ def not_a_file(path: str | Path) -> str | None:
     p = os.fspath(path)
     try:
         st = os.stat(p)
+    except ValueError:  # os.stat refuses the string itself
+        return "is not a valid path (it holds a NUL character)"
     except OSError as e:
         if e.errno == errno.ELOOP:
             return "is a symlink loop (following its links never reaches a file)"

@@ -293,6 +293,11 @@ def test_a_path_that_is_not_a_file_is_named_and_never_read(tmp_path, capsys, kin
         assert code == 1 and f"{path}: " in err and want in err, err
 
 
+def test_a_nul_in_a_config_model_path_is_named(tmp_path, capsys):
+    code, err = cli(["run", run_config(tmp_path, Path("m\0.gguf"))], capsys)
+    assert code == 1 and "is not a valid path (it holds a NUL character)" in err
+
+
 def test_a_missing_file_is_called_missing(tmp_path, capsys):
     code, err = cli(["inspect", str(tmp_path / "absent.gguf")], capsys)
     assert code == 1 and "absent.gguf: no such GGUF file" in err
