@@ -23,7 +23,7 @@ from . import env
 from .config_whole import WHOLE_KEYS
 from .engine_config import mmq_kernel_switch
 from .errors import ConfigError, FormatError
-from .gguf_io import read_header
+from .gguf_io import read_header, refuse_special
 from .hostmem import format_bytes, shortfall
 from .memory_plan import MemoryPlan, plan_memory
 from .model import SYNTHETIC_POOL_BYTES, MoESpec
@@ -172,6 +172,9 @@ def check_model(p: Problems, doc: dict, base: Path) -> tuple[MoESpec | None, Pat
               "n_experts, top_k, seed, rms_eps}`")
         return None, None, 0
     if has == ["gguf"]:
+        if isinstance(model["gguf"], str) and model["gguf"]:
+            # a FIFO, device or symlink loop is refused before anything opens it (exit 1)
+            refuse_special(base / Path(model["gguf"]).expanduser())
         gguf = file_path(p, "model.gguf", model["gguf"], base, must_exist=True)
         if gguf is None:
             return None, None, 0

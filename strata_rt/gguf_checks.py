@@ -173,6 +173,45 @@ def check_norm(name: str, layer: int, norm: np.ndarray) -> list[str]:
             f"column(s) {listed}{more}"]
 
 
+#: bytes of a dense tensor checked at once (bounds the temporaries of a large embedding)
+DENSE_CHUNK_BYTES = 64 << 20
+
+
+def check_dense(name: str, data: np.ndarray, ggml_type: int, shape: tuple[int, ...]
+                ) -> str | None:
+    """One dense weight as a DenseTensor holds it (float values, or uint8 rows of blocks),
+    `shape` logical (rows outermost): the problem line naming its rows with NaN/Inf, or None.
+    A NaN in one embedding row or attention weight loads silently and makes every logit that
+    touches it NaN; checked in chunks of rows, so a 1 GiB embedding needs no 1 GiB copy."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    qt = GGMLQuantizationType(int(ggml_type))
+    block_bytes = GGML_QUANT_SIZES[qt][1]
+    rows = shape[0] if len(shape) > 1 else 1
+    flat = np.ascontiguousarray(data).reshape(rows, -1)
+    row_bytes = flat.nbytes // rows
+    step = max(1, DENSE_CHUNK_BYTES // max(row_bytes, 1))
+    counts = np.zeros(rows, np.int64)
+    size, what = 0, "weights"
+    for lo in range(0, rows, step):
+        part = flat[lo: lo + step]
+        found = bad_counts(part.reshape(-1).view(np.uint8), int(qt), part.shape[0],
+                           block_bytes)
+        if found is None:
+            if not dequantizable(int(qt)):
+                return None  # the loader refuses the type itself
+            vals = np.asarray(dequantize(part, qt)).reshape(part.shape[0], -1)
+            found = ((~np.isfinite(vals)).sum(axis=1), vals.shape[1], "dequantized weights")
+        counts[lo: lo + part.shape[0]], size, what = found
+    hit = np.flatnonzero(counts)
+    if hit.size == 0:
+        return None
+    listed = ", ".join(f"row {int(r)} ({int(counts[r]):,} of {size:,})" for r in hit[:MAX_NAMED])
+    more = f" and {hit.size - MAX_NAMED} more" if hit.size > MAX_NAMED else ""
+    return f"tensor {name}: NaN or Inf in the {what} of {hit.size} row(s): {listed}{more}"
+
+
 def check_expert_bytes(name: str, layer: int, raw: np.ndarray, ggml_type: int,
                        shape: tuple[int, ...], first_expert: int = 0) -> str | None:
     """One expert tensor (or a run of its experts): raw uint8 bytes, `shape` the logical

@@ -13,8 +13,8 @@ This module depends on nothing above it (not on the model): the model imports it
 
 from __future__ import annotations
 
-import math
 import mmap
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +24,9 @@ import numpy as np
 
 from . import gguf_checks
 from .errors import GGUFError
+from .file_kinds import not_a_file, open_regular
+from .gguf_header import Header, parse
+from .gguf_keys import check_keys, number, unsupported
 
 ARCH = "qwen3moe"
 #: (name suffix, spec field) of the integer keys a MoE file must carry
@@ -33,8 +36,8 @@ DIM_KEYS = (("block_count", "n_layers"), ("embedding_length", "hidden"),
 EPS_KEY = "attention.layer_norm_rms_epsilon"
 DEFAULT_RMS_EPS = 1e-6
 EXPERT_PARTS = ("gate", "up", "down")
-#: tensors of one truncated file listed one by one; the rest are counted
-MAX_LISTED = 10
+#: problems of one file listed one by one; the rest are counted
+MAX_PROBLEMS = 20
 
 
 def tensor_names(layer: int) -> dict[str, str]:
@@ -54,135 +57,88 @@ def _type_name(t: int) -> str:
 
 
 def problems_error(path: Path, problems: list[str]) -> GGUFError:
-    """One GGUFError for all of a file's problems (one line each)."""
+    """One GGUFError for all of a file's problems (one line each; the first MAX_PROBLEMS and
+    a count of the rest: a broken count must not print a million lines)."""
     if len(problems) == 1:
         return GGUFError(f"{path}: {problems[0]}")
-    lines = "\n".join(f"  - {p}" for p in problems)
-    return GGUFError(f"{path}: {len(problems)} problems:\n{lines}")
+    shown = problems[:MAX_PROBLEMS]
+    lines = "\n".join(f"  - {p}" for p in shown)
+    more = (f"\n  ... and {len(problems) - MAX_PROBLEMS:,} more"
+            if len(problems) > MAX_PROBLEMS else "")
+    first = f" (the first {MAX_PROBLEMS})" if more else ""
+    return GGUFError(f"{path}: {len(problems):,} problems{first}:\n{lines}{more}")
 
 
 # ---------------------------------------------------------------------------- the reader
-class _ShortRead(Exception):
-    def __init__(self, end: int):
-        self.end = end
+def refuse_special(path: Path) -> None:
+    """GGUFError for a model path that is a FIFO, a device, a socket, a symlink loop or a
+    dangling link, named as such, before anything opens it. A missing file and a directory
+    are left to the caller (a config reports them with its other problems)."""
+    why = not_a_file(path)
+    if why is not None and why not in ("no such file", "is a directory"):
+        raise GGUFError(f"{path}: {why}; expected a GGUF file")
 
 
-class _BadTensors(Exception):
-    def __init__(self, problems: list[str]):
-        self.problems = problems
-
-
-def _reader_class() -> type:
-    """GGUFReader that checks every range against the file size before numpy sees it: the
-    plain reader turns a truncated file into "cannot reshape array of size ..." or "index 0 is
-    out of bounds"; this one names the tensor, the bytes it needs and the bytes there are."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
-
-    class Reader(GGUFReader):
-        def _get(self, offset, dtype, count=1, override_order=None):
-            end = int(offset) + np.dtype(dtype).itemsize * int(count)
-            if int(count) < 0 or end > len(self.data):
-                raise _ShortRead(end)
-            return super()._get(offset, dtype, count, override_order)
-
-        def _build_tensors(self, start_offs, fields):
-            size, bad, short = len(self.data), [], []
-            for f in fields:
-                _, name_data, _, dims, raw_type, offset = f.parts
-                name = bytes(name_data).decode("utf-8", "replace")
-                try:
-                    qt = GGMLQuantizationType(int(raw_type[0]))
-                    block, type_bytes = GGML_QUANT_SIZES[qt]
-                except (ValueError, KeyError):
-                    bad.append(f"tensor {name} has type id {int(raw_type[0])}, which this gguf "
-                               "package does not know")
-                    continue
-                shape = [int(d) for d in dims]
-                if shape and shape[0] % block:
-                    bad.append(f"tensor {name}: rows of {shape[0]} values are not a multiple "
-                               f"of the {qt.name} block of {block}")
-                    continue
-                lo = int(start_offs) + int(offset[0])
-                hi = lo + math.prod(shape) // block * type_bytes
-                if hi > size:
-                    short.append((name, lo, hi))
-            for name, lo, hi in short[:MAX_LISTED]:
-                bad.append(f"the file is truncated: tensor {name} needs bytes {lo:,}..{hi:,} "
-                           f"({hi - lo:,} bytes); the file has {size:,} bytes")
-            if len(short) > MAX_LISTED:
-                bad.append(f"{len(short) - MAX_LISTED} more tensors end past the file's "
-                           f"{size:,} bytes")
-            if bad:
-                raise _BadTensors(bad)
-            super()._build_tensors(start_offs, fields)
-
-    return Reader
-
-
-def open_reader(path: Path) -> Any:
-    """The gguf package's reader (memory-mapped) with every failure as a GGUFError."""
-    if path.is_dir():
-        raise GGUFError(f"{path}: is a directory; expected a GGUF file")
-    if not path.exists():
-        raise GGUFError(f"{path}: no such GGUF file")
-    try:
-        size = path.stat().st_size
-        if size == 0:
-            raise GGUFError(f"{path}: the file is empty (0 bytes); expected a GGUF file")
-        return _reader_class()(str(path))
-    except _ShortRead as e:
-        raise GGUFError(f"{path}: not a readable GGUF file: its header is cut short (reading "
-                        f"its keys and tensor list needs {e.end:,} bytes; the file has "
-                        f"{size:,} bytes)") from None
-    except _BadTensors as e:
-        raise problems_error(path, e.problems) from None
-    except OSError as e:
-        raise GGUFError(f"{path}: cannot read it: {e.strerror or e}") from None
-    except Exception as e:  # the gguf package raises bare ValueError/KeyError on bad headers
-        raise GGUFError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
-
-
-def _field(reader: Any, name: str) -> Any:
-    f = reader.fields.get(name)
-    return None if f is None else f.contents()
-
-
-def read_header(path: Path) -> tuple[Any, dict[str, Any]]:
-    """Opens the file (memory-mapped) and reads the MoE dims; returns (reader, dims) with dims
-    keyed by MoESpec field names plus "arch"."""
+def open_reader(path: Path) -> Header:
+    """The file's header (memory-mapped), refused with one GGUFError listing every problem
+    of its structure, its tensor list and its keys (gguf_header, gguf_tensors, gguf_keys)."""
     path = Path(path)
-    reader = open_reader(path)
-    arch = _field(reader, "general.architecture")
-    if not isinstance(arch, str):
+    header = parse(path)
+    problems = check_keys(header) + header.problems
+    if problems:
+        raise problems_error(path, problems)
+    return header
+
+
+def _layers_present(header: Header) -> list[int]:
+    """Sorted layer numbers N of the file's blk.N.* tensors."""
+    found = set()
+    for t in header.tensors:
+        parts = t.name.split(".", 2)
+        if len(parts) == 3 and parts[0] == "blk" and parts[1].isascii() and \
+                parts[1].isdigit():
+            found.add(int(parts[1]))
+    return sorted(found)
+
+
+def read_header(path: Path) -> tuple[Header, dict[str, Any]]:
+    """Opens the file (memory-mapped) and reads the MoE dims; returns (header, dims) with
+    dims keyed by MoESpec field names plus "arch". Every key is type- and range-checked and
+    the layer count is checked against the layers the tensors hold."""
+    path = Path(path)
+    header = open_reader(path)
+    kv = header.keys.get("general.architecture")
+    if kv is None:
         raise GGUFError(f"{path}: key general.architecture is missing; expected e.g. {ARCH!r}")
+    arch = kv.value
+    if not (0 < len(arch) <= 64 and arch.isprintable()):
+        raise GGUFError(f"{path}: key general.architecture = {arch[:40]!r}"
+                        f"{'...' if len(arch) > 40 else ''} ({len(arch):,} characters); "
+                        f"expected an architecture name such as {ARCH!r}")
     dims: dict[str, Any] = {"arch": arch}
-    problems, missing = [], []
-    for suffix, name in DIM_KEYS:
-        key = f"{arch}.{suffix}"
-        v = _field(reader, key)
-        if v is None:
-            missing.append(key)
-        elif isinstance(v, list | str | bool) or int(v) != v or int(v) <= 0:
-            problems.append(f"key {key} = {v!r}; expected a positive integer")
-        else:
-            dims[name] = int(v)
+    missing = [f"{arch}.{s}" for s, _ in DIM_KEYS if f"{arch}.{s}" not in header.keys]
     if missing:
-        problems.insert(0, f"key{'s' if len(missing) > 1 else ''} {', '.join(missing)} "
+        raise GGUFError(f"{path}: key{'s' if len(missing) > 1 else ''} {', '.join(missing)} "
                         f"{'are' if len(missing) > 1 else 'is'} missing (an MoE GGUF of "
                         f"architecture {arch!r} needs "
                         f"{', '.join(arch + '.' + s for s, _ in DIM_KEYS)})")
+    for suffix, name in DIM_KEYS:
+        dims[name] = number(header, f"{arch}.{suffix}")
+    eps = number(header, f"{arch}.{EPS_KEY}")
+    dims["rms_eps"] = DEFAULT_RMS_EPS if eps is None else eps
+    problems = unsupported(header, arch)
+    if dims["top_k"] > dims["n_experts"]:
+        problems.append(f"key {arch}.expert_used_count = {dims['top_k']} exceeds "
+                        f"{arch}.expert_count = {dims['n_experts']}")
+    layers = _layers_present(header)
+    if layers and layers[-1] + 1 != dims["n_layers"] or not layers:
+        held = (f"tensors of layers blk.{layers[0]} .. blk.{layers[-1]} ({len(layers):,} "
+                "layers)" if layers else "no blk.N tensors")
+        problems.append(f"key {arch}.block_count = {dims['n_layers']:,}, but the file holds "
+                        f"{held}: the count must match the layers present")
     if problems:
         raise problems_error(path, problems)
-    eps = _field(reader, f"{arch}.{EPS_KEY}")
-    # stored as float32: take its shortest decimal form so 1e-6 reads back as 1e-6
-    dims["rms_eps"] = DEFAULT_RMS_EPS if eps is None else float(str(np.float32(eps)))
-    if not dims["rms_eps"] > 0 or not math.isfinite(dims["rms_eps"]):
-        raise GGUFError(f"{path}: key {arch}.{EPS_KEY} = {dims['rms_eps']}; expected a "
-                        "number > 0")
-    if dims["top_k"] > dims["n_experts"]:
-        raise GGUFError(f"{path}: key {arch}.expert_used_count = {dims['top_k']} exceeds "
-                        f"{arch}.expert_count = {dims['n_experts']}")
-    return reader, dims
+    return header, dims
 
 
 # ---------------------------------------------------------------------------- tensors
@@ -213,8 +169,14 @@ class FileMap:
     layer-by-layer copy holds about one layer of the file at a time."""
 
     def __init__(self, path: Path):
-        with open(path, "rb") as f:
-            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        try:
+            fd, _ = open_regular(path)  # never blocks: a FIFO swapped in is refused
+        except ValueError as e:
+            raise GGUFError(f"{path}: {e}; expected a GGUF file") from None
+        try:
+            self._map = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        finally:
+            os.close(fd)
         self.path = path
 
     def bytes(self, ref: TensorRef) -> np.ndarray:
@@ -282,16 +244,19 @@ def scan_moe(path: Path) -> MoEFile:
     Expert values are checked separately (`gguf_checks.check_experts`): that reads the whole
     file."""
     path = Path(path)
-    reader, dims = read_header(path)
+    header, dims = read_header(path)
     arch = dims.pop("arch")
     L, H, F, E = dims["n_layers"], dims["hidden"], dims["ffn"], dims["n_experts"]
     want = {"router": (E, H), "norm": (H,), "gate": (E, F, H), "up": (E, F, H),
             "down": (E, H, F)}
-    tensors = {t.name: t for t in reader.tensors}
-    router = np.zeros((L, E, H), np.float32)
-    norm = np.zeros((L, H), np.float32)
-    moe = MoEFile(path, arch, dims, router, norm, [])
-    for t in reader.tensors:
+    tensors = {t.name: t for t in header.tensors}
+    # router and norm arrays are allocated per layer, from tensors whose shape matched the
+    # keys (so their size is bounded by the file's), never from the keys alone
+    routers: list[np.ndarray] = []
+    norms: list[np.ndarray] = []
+    moe = MoEFile(path, arch, dims, np.zeros((0, E, H), np.float32),
+                  np.zeros((0, H), np.float32), [])
+    for t in header.tensors:
         moe.tensors[t.name] = TensorRef.of(t)
         if "_exps." in t.name:
             k = _type_name(t.tensor_type)
@@ -300,8 +265,8 @@ def scan_moe(path: Path) -> MoEFile:
         names = tensor_names(layer)
         refs: dict[str, TensorRef] = {}
         for part, name in names.items():
-            t = tensors.get(name)
-            if t is None:
+            info = tensors.get(name)
+            if info is None:
                 moe.problems.append(f"tensor {name} is missing ({arch}.block_count = {L} says "
                                     f"layer {layer} exists)")
                 continue
@@ -309,15 +274,18 @@ def scan_moe(path: Path) -> MoEFile:
             bad = _shape_problem(name, part, ref.shape, want[part], arch, dims)
             if bad is not None:
                 moe.problems.append(bad)
-            elif part == "router":
-                if _read_float(t, router[layer], moe.problems):
-                    moe.problems += gguf_checks.check_router(name, layer, router[layer])
-            elif part == "norm":
-                if _read_float(t, norm[layer], moe.problems):
-                    moe.problems += gguf_checks.check_norm(name, layer, norm[layer])
+            elif part in ("router", "norm"):
+                out = np.empty(want[part], np.float32)
+                if _read_float(info, out, moe.problems):
+                    check = gguf_checks.check_router if part == "router" else \
+                        gguf_checks.check_norm
+                    moe.problems += check(name, layer, out)
+                    (routers if part == "router" else norms).append(out)
             else:
                 refs[part] = ref
         moe.experts.append(refs if len(refs) == len(EXPERT_PARTS) else None)
+    if len(routers) == L and len(norms) == L:
+        moe.router, moe.norm = np.stack(routers), np.stack(norms)
     return moe
 
 

@@ -149,20 +149,13 @@ class TokenizerVocab:
     def from_gguf(cls, path: str | Path) -> TokenizerVocab:
         """Reads and checks the tokenizer keys; a GGUFError names each missing or invalid
         key (and what is allowed)."""
-        from gguf import GGUFReader
+        from .gguf_io import open_reader
 
         path = Path(path)
-        try:
-            reader = GGUFReader(str(path), "r")
-        except FileNotFoundError:
-            raise GGUFError(f"{path}: no such file") from None
-        except (ValueError, OSError) as e:
-            raise GGUFError(f"{path}: not a readable GGUF file ({e})") from None
-        fields = reader.fields
+        header = open_reader(path)  # every key type-checked, every count against the file
 
         def get(name: str) -> Any:
-            f = fields.get(KEY + name)
-            return None if f is None else f.contents()
+            return header.value(KEY + name)
 
         missing = [KEY + k for k in ("model", "tokens") if get(k) is None]
         if missing:

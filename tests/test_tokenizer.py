@@ -279,7 +279,7 @@ def test_a_duplicate_token_is_named(tmp_path):
 
 
 def test_files_that_are_not_ggufs(tmp_path):
-    with pytest.raises(GGUFError, match="no such file"):
+    with pytest.raises(GGUFError, match="no such GGUF file"):
         Tokenizer.from_gguf(tmp_path / "absent.gguf")
     (tmp_path / "junk.gguf").write_bytes(b"not a gguf at all" * 10)
     with pytest.raises(GGUFError, match="not a readable GGUF"):

@@ -48,6 +48,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
               "`vram_budget_mib` and the config sizes the split as the CUDA backend allocates it")
     # the same checks `run` makes at load, over every expert tensor, all problems listed
     problems = moe.problems + _unreadable_types(moe, registry())
+    if whole is not None:  # dense weights: NaN/Inf, as the whole-model loader checks them
+        from ..qwen3.gguf_full import dense_problems, read_qwen3_dense
+
+        problems += dense_problems(read_qwen3_dense(path)[1])
     eta = Eta(f"{path.name}: checking expert tensors", g.n_layers, "layers")
     try:
         problems += check_experts(moe, gguf_io.FileMap(path), on_layer=lambda _: eta.advance(1))

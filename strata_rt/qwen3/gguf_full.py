@@ -20,7 +20,10 @@ import numpy as np
 
 from ..errors import ConfigError, GGUFError
 from ..formats import QuantFormat
-from ..gguf_io import read_header, write_moe_gguf
+from ..gguf_checks import check_dense
+from ..gguf_header import Header
+from ..gguf_io import problems_error, read_header, write_moe_gguf
+from ..gguf_keys import TOKENIZER, number
 from ..model import Model
 from .spec import Qwen3Spec
 from .weights import (
@@ -60,69 +63,84 @@ def spec_keys(spec: Qwen3Spec, arch: str = ARCH) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------- reading
-def _open(path: Path) -> tuple[Any, dict[str, Any], dict[str, Any]]:
-    reader, dims = read_header(path)
+def _open(path: Path) -> tuple[Header, dict[str, Any], dict[str, Any]]:
+    header, dims = read_header(path)
     if dims["arch"] != ARCH:
         raise GGUFError(f"{path}: general.architecture = {dims['arch']!r}; the whole-model "
                         f"loader takes {ARCH!r} files (Qwen3-MoE)")
-    return reader, dims, {t.name: t for t in reader.tensors}
+    return header, dims, {t.name: t for t in header.tensors}
 
 
-def _key(reader, path: Path, name: str, kind: type, default: Any = None) -> Any:
-    f = reader.fields.get(name)
-    if f is None:
+def _key(header: Header, path: Path, name: str, default: Any = None) -> Any:
+    """A key's value (type and range already checked at open), the default when absent."""
+    v = number(header, name)
+    if v is None:
         if default is None:
             raise GGUFError(f"{path}: key {name} is missing (a whole {ARCH} model needs it)")
         return default
-    v = f.contents()
-    if kind is int:
-        if isinstance(v, list | str | bool) or int(v) != v or int(v) <= 0:
-            raise GGUFError(f"{path}: key {name} = {v!r}; expected a positive integer")
-        return int(v)
-    if isinstance(v, list | str | bool) or not float(v) > 0:
-        raise GGUFError(f"{path}: key {name} = {v!r}; expected a number > 0")
-    return float(str(np.float32(v)))  # stored as float32: its shortest decimal form
+    return v
 
 
-def _spec(reader, path: Path, dims: dict[str, Any], tensors: dict[str, Any]) -> Qwen3Spec:
+def _spec(header: Header, path: Path, dims: dict[str, Any], tensors: dict[str, Any]
+          ) -> Qwen3Spec:
     a = ARCH
-    n_heads = _key(reader, path, f"{a}.attention.head_count", int)
-    n_kv = _key(reader, path, f"{a}.attention.head_count_kv", int)
+    n_heads = _key(header, path, f"{a}.attention.head_count")
+    n_kv = _key(header, path, f"{a}.attention.head_count_kv")
     # llama.cpp's rule when key_length is absent: hidden / heads
-    head_dim = _key(reader, path, f"{a}.attention.key_length", int,
+    head_dim = _key(header, path, f"{a}.attention.key_length",
                     default=max(1, dims["hidden"] // n_heads))
-    v_len = _key(reader, path, f"{a}.attention.value_length", int, default=head_dim)
+    v_len = _key(header, path, f"{a}.attention.value_length", default=head_dim)
     if v_len != head_dim:
         raise GGUFError(f"{path}: key {a}.attention.value_length = {v_len} differs from "
                         f"{a}.attention.key_length = {head_dim}; Qwen3-MoE uses one head size")
+    rope_dims = number(header, f"{a}.rope.dimension_count")
+    if rope_dims is not None and rope_dims != head_dim:
+        raise GGUFError(f"{path}: key {a}.rope.dimension_count = {rope_dims} but heads have "
+                        f"{head_dim} dims; strata_rt rotates whole heads (Qwen3)")
     embd = tensors.get(tensor_name("token_embd"))
     if embd is None:
         raise GGUFError(f"{path}: tensor {tensor_name('token_embd')} is missing")
-    vocab = int(embd.shape[-1]) if len(embd.shape) == 2 else 0
-    key_vocab = reader.fields.get(f"{a}.vocab_size")
-    if key_vocab is not None and vocab and int(key_vocab.contents()) != vocab:
-        raise GGUFError(f"{path}: key {a}.vocab_size = {key_vocab.contents()} but tensor "
+    if len(embd.shape) != 2:
+        raise GGUFError(f"{path}: tensor {embd.name} has {len(embd.shape)} dims "
+                        f"{list(reversed(embd.shape))}; expected [vocabulary, hidden]")
+    vocab = int(embd.shape[-1])
+    key_vocab = number(header, f"{a}.vocab_size")
+    if key_vocab is not None and key_vocab != vocab:
+        raise GGUFError(f"{path}: key {a}.vocab_size = {key_vocab} but tensor "
                         f"{embd.name} holds {vocab} rows")
-    theta = _key(reader, path, f"{a}.rope.freq_base", float, default=DEFAULT_ROPE_THETA)
-    if reader.fields.get(f"{a}.rope.freq_base") is None:
+    check_vocabulary(header, path, embd.name, vocab)
+    theta = _key(header, path, f"{a}.rope.freq_base", default=DEFAULT_ROPE_THETA)
+    if f"{a}.rope.freq_base" not in header.keys:
         log.info("%s: no %s.rope.freq_base key; using llama.cpp's default %g", path, a, theta)
     try:
         return Qwen3Spec(n_layers=dims["n_layers"], hidden=dims["hidden"], n_heads=n_heads,
-                         n_kv_heads=n_kv, head_dim=head_dim, vocab=max(vocab, 1),
+                         n_kv_heads=n_kv, head_dim=head_dim, vocab=vocab,
                          ffn=dims["ffn"], n_experts=dims["n_experts"], top_k=dims["top_k"],
                          rope_theta=theta, rms_eps=dims["rms_eps"],
-                         context=_key(reader, path, f"{a}.context_length", int))
+                         context=_key(header, path, f"{a}.context_length"))
     except ConfigError as e:
         raise GGUFError(f"{path}: the keys do not describe a valid model: "
                         f"{'; '.join(e.problems)}") from None
+
+
+def check_vocabulary(header: Header, path: Path, embd_name: str, rows: int) -> None:
+    """The tokenizer's token count (and the ids it names) against the embedding's rows, at
+    load: a mismatch would surface only at the first id past the shorter of the two."""
+    tokens = header.keys.get(TOKENIZER + "tokens")
+    if tokens is None:
+        return
+    if tokens.count != rows:
+        raise GGUFError(f"{path}: key {TOKENIZER}tokens holds {tokens.count:,} tokens but "
+                        f"tensor {embd_name} has {rows:,} rows; the vocabulary and the "
+                        "embedding must be the same size")
 
 
 def read_qwen3_spec(path: str | Path) -> tuple[Qwen3Spec, bool]:
     """The model's dimensions from the keys (vocabulary from token_embd) and whether its
     output head is tied, without reading any weight."""
     path = Path(path)
-    reader, dims, tensors = _open(path)
-    return _spec(reader, path, dims, tensors), tensor_name("output") not in tensors
+    header, dims, tensors = _open(path)
+    return _spec(header, path, dims, tensors), tensor_name("output") not in tensors
 
 
 def _why(spec: Qwen3Spec, role: str) -> str:
@@ -158,12 +176,20 @@ def _dense(path: Path, spec: Qwen3Spec, t, role: str) -> DenseTensor:
     return DenseTensor(t.name, shape, qt, data)
 
 
-def read_qwen3_gguf(path: str | Path, fmt: QuantFormat | str) -> Qwen3Model:
-    """Loads a whole qwen3moe GGUF: dense weights as stored (memory-mapped), experts
-    converted to `fmt` by the MoE loader (raw copy when the file's type is fmt's own)."""
+def dense_problems(dense: DenseWeights) -> list[str]:
+    """NaN/Inf in the dense weights (gguf_checks.check_dense), one line per tensor."""
+    all_t = [t for t in (dense.token_embd, dense.output_norm, dense.output) if t is not None]
+    all_t += [getattr(lw, r) for lw in dense.layers for r in LAYER_ROLES]
+    found = (check_dense(t.name, t.data, int(t.type), t.shape) for t in all_t)
+    return [p for p in found if p is not None]
+
+
+def read_qwen3_dense(path: str | Path) -> tuple[Qwen3Spec, DenseWeights]:
+    """The spec and the dense weights (memory-mapped, shapes and types checked; values not
+    yet: see dense_problems)."""
     path = Path(path)
-    reader, dims, tensors = _open(path)
-    spec = _spec(reader, path, dims, tensors)
+    header, dims, tensors = _open(path)
+    spec = _spec(header, path, dims, tensors)
 
     def find(role: str, layer: int | None = None, optional: bool = False
              ) -> DenseTensor | None:
@@ -187,14 +213,26 @@ def read_qwen3_gguf(path: str | Path, fmt: QuantFormat | str) -> Qwen3Model:
     assert token_embd is not None and output_norm is not None  # find raised if missing
     layers = tuple(LayerWeights(**{r: get(r, i) for r in LAYER_ROLES})
                    for i in range(spec.n_layers))
+    return spec, DenseWeights(token_embd, output_norm, glob["output"], layers)
+
+
+def read_qwen3_gguf(path: str | Path, fmt: QuantFormat | str) -> Qwen3Model:
+    """Loads a whole qwen3moe GGUF: dense weights as stored (memory-mapped) and checked for
+    NaN/Inf, experts converted to `fmt` by the MoE loader (raw copy when the file's type is
+    fmt's own)."""
+    path = Path(path)
+    spec, dense = read_qwen3_dense(path)
+    problems = dense_problems(dense)
+    if problems:
+        raise problems_error(path, problems)
     fmt = resolve_format(fmt)
     moe = Model.from_gguf(path, fmt)
-    types = sorted({t.type_name for t in (*glob.values(), *(getattr(lw, r) for lw in layers
-                                                             for r in LAYER_ROLES)) if t})
+    types = sorted({t.type_name for t in (dense.token_embd, dense.output_norm, dense.output,
+                                          *(getattr(lw, r) for lw in dense.layers
+                                            for r in LAYER_ROLES)) if t})
     log.info("%s: %s; dense tensors %s%s; experts as %s", path, spec, ", ".join(types),
-             " (output tied to token_embd)" if glob["output"] is None else "", fmt.name)
-    return Qwen3Model(spec, DenseWeights(token_embd, output_norm,
-                                         glob["output"], layers), moe)
+             " (output tied to token_embd)" if dense.output is None else "", fmt.name)
+    return Qwen3Model(spec, dense, moe)
 
 
 # ---------------------------------------------------------------------------- writing

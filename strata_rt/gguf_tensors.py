@@ -1,0 +1,117 @@
+"""Checks of a GGUF tensor list as a whole: where each tensor's bytes lie, before any is read.
+
+Two expert tensors pointing at one byte range load and run, one layer computing with another
+layer's weights; an offset off the file's alignment reads every value shifted by a few bytes;
+dims a corrupt header makes huge read as "the file is truncated". Each of these is a problem
+named here, from the tensor list alone: an unknown type, rows that are not whole blocks, a
+dimension of 0, an offset off the alignment, two tensors sharing bytes (the dims of the first
+are named: a tensor running into the next one is usually a wrong dim), a tensor larger than the
+whole file, and data past the end of the file (truncation, up to MAX_LISTED named).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+#: tensors named one by one in one kind of problem; the rest are counted
+MAX_LISTED = 10
+
+
+def _spans_overlap(spans: list[tuple[int, int, str]], dims: dict[str, tuple[int, ...]],
+                   types: dict[str, str]) -> tuple[list[str], set[str]]:
+    """Problems for tensors sharing bytes, one per tensor that others run into; and the
+    names involved."""
+    hits: dict[str, list[tuple[str, int]]] = {}
+    end, owner = -1, ""
+    for lo, hi, name in sorted(spans):
+        if lo < end:
+            hits.setdefault(owner, []).append((name, lo))
+        if hi > end:
+            end, owner = hi, name
+    span = {name: (lo, hi) for lo, hi, name in spans}
+    problems, involved = [], set()
+    for first, others in hits.items():
+        lo, hi = span[first]
+        names = ", ".join(n for n, _ in others[:MAX_LISTED])
+        more = f" and {len(others) - MAX_LISTED} more" if len(others) > MAX_LISTED else ""
+        problems.append(
+            f"tensors share bytes: tensor {first} (dims {list(dims[first])} of {types[first]}, "
+            f"bytes {lo:,}..{hi:,}) overlaps tensor{'s' if len(others) > 1 else ''} {names}"
+            f"{more} (from byte {others[0][1]:,}); each tensor needs bytes of its own, else "
+            "one is read as the other (a wrong offset or dim)")
+        involved.add(first)
+        involved.update(n for n, _ in others)
+    return problems, involved
+
+
+#: (name, dims innermost first, GGMLQuantizationType, absolute offset, bytes)
+Placed = tuple[str, tuple[int, ...], Any, int, int]
+
+
+def nbytes_of(shape: tuple[int, ...], block: int, type_bytes: int) -> int:
+    """Bytes of a tensor of `shape` (Python ints: no overflow however absurd the dims)."""
+    return math.prod(shape) // block * type_bytes
+
+
+def tensor_problems(infos: list[tuple[str, tuple[int, ...], int, int]], data_start: int,
+                    alignment: int, size: int) -> tuple[list[Placed], list[str]]:
+    """infos: (name, dims innermost first, ggml type id, offset in the data section) as the
+    header lists them. -> (the tensors that passed, every problem)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    problems: list[str] = []
+    seen: set[str] = set()
+    placed: list[Placed] = []
+    for name, dims, t, off in infos:
+        if name in seen:
+            problems.append(f"tensor {name} appears twice in the tensor list (which one holds "
+                            "is ambiguous)")
+            continue
+        seen.add(name)
+        try:
+            qt = GGMLQuantizationType(t)
+            block, type_bytes = GGML_QUANT_SIZES[qt]
+        except (ValueError, KeyError):
+            problems.append(f"tensor {name} has type id {t}, which this gguf package does not "
+                            "know")
+            continue
+        if 0 in dims:
+            problems.append(f"tensor {name} has dims {list(dims)}; every dimension must be at "
+                            "least 1")
+            continue
+        if dims[0] % block:
+            problems.append(f"tensor {name}: rows of {dims[0]} values are not a multiple of the "
+                            f"{qt.name} block of {block}")
+            continue
+        nbytes = nbytes_of(dims, block, type_bytes)
+        if nbytes > size:
+            many = f"{nbytes:,} bytes" if nbytes < 1 << 64 else "more than 2^64 bytes"
+            problems.append(f"tensor {name} has dims {list(dims)} of {qt.name}: {many}, more "
+                            f"than the whole file ({size:,} bytes); its dims are wrong (or the "
+                            "file is truncated)")
+            continue
+        if off % alignment:
+            problems.append(f"tensor {name} starts at offset {off:,} of the data section, not "
+                            f"a multiple of the file's alignment ({alignment}): its values "
+                            "would be read shifted")
+            continue
+        placed.append((name, dims, qt, data_start + off, nbytes))
+    overlap, involved = _spans_overlap(
+        [(lo, lo + n, name) for name, _, _, lo, n in placed],
+        {p[0]: p[1] for p in placed}, {p[0]: p[2].name for p in placed})
+    problems += overlap
+    short = [(name, lo, lo + n) for name, _, _, lo, n in placed
+             if lo + n > size and name not in involved]
+    for name, lo, hi in short[:MAX_LISTED]:
+        if lo < size:
+            problems.append(f"the file is truncated: tensor {name} needs bytes {lo:,}..{hi:,} "
+                            f"({hi - lo:,} bytes); the file has {size:,} bytes")
+        else:
+            problems.append(f"tensor {name} starts at byte {lo:,}, past the end of the file "
+                            f"({size:,} bytes): the file is truncated or the offset is wrong")
+    if len(short) > MAX_LISTED:
+        problems.append(f"{len(short) - MAX_LISTED} more tensors end past the file's "
+                        f"{size:,} bytes")
+    ok = [p for p in placed if p[3] + p[4] <= size and p[0] not in involved]
+    return ok, problems
