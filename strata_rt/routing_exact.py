@@ -300,6 +300,6 @@ class ExactRoutingKernels:
                                      float(bound.c1), float(bound.c0), ids, weights, masks, nt,
                                      ws.n_rerank, ws.rerank))
         self._rerank[npl].launch(grid=(min(tokens, RERANK_BLOCKS), 1, 1), block=(256, 1, 1),
-                                 stream=stream,
+                                 stream=stream, shared=hidden * 4,
                                  args=(logits, xn, router32, tokens, hidden, n_experts, top_k,
                                        ws.n_rerank, ws.rerank, ids, weights, masks, nt))

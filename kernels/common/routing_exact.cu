@@ -451,28 +451,28 @@ TOPK_EXACT_KERNEL(16)
 // The canonical logit of x and w (see the top of this file), by one warp: lane l's sequential
 // float64 sum over c = l, l + 32, ..., then the xor tree. The unrolled loads keep RERANK_UNROLL
 // of the lane's elements in flight; the sum still adds them in ascending c.
-__device__ __forceinline__ double canonical_logit(const float* __restrict__ x,
-                                                  const float* __restrict__ w, int hidden,
-                                                  int lane) {
+__device__ __forceinline__ double canonical_logit(const float* x, const float* __restrict__ w,
+                                                  int hidden, int lane) {
     double acc = 0.0;
     int c = lane;
     for (; c + 32 * (RERANK_UNROLL - 1) < hidden; c += 32 * RERANK_UNROLL) {
-        float xs[RERANK_UNROLL], ws[RERANK_UNROLL];
+        float xv[RERANK_UNROLL], wv[RERANK_UNROLL];
 #pragma unroll
         for (int u = 0; u < RERANK_UNROLL; ++u) {
-            xs[u] = __ldg(x + c + 32 * u);
-            ws[u] = __ldg(w + c + 32 * u);
+            xv[u] = x[c + 32 * u];
+            wv[u] = __ldg(w + c + 32 * u);
         }
 #pragma unroll
-        for (int u = 0; u < RERANK_UNROLL; ++u) acc = __fma_rn((double)xs[u], (double)ws[u], acc);
+        for (int u = 0; u < RERANK_UNROLL; ++u) acc = __fma_rn((double)xv[u], (double)wv[u], acc);
     }
-    for (; c < hidden; c += 32) acc = __fma_rn((double)__ldg(x + c), (double)__ldg(w + c), acc);
+    for (; c < hidden; c += 32) acc = __fma_rn((double)x[c], (double)__ldg(w + c), acc);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) acc = __dadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, o));
     return acc;
 }
 
-// Block b re-ranks the tokens rerank[b], rerank[b + gridDim.x], ...: the warps compute the
+// Block b re-ranks the tokens rerank[b], rerank[b + gridDim.x], ...: the token's x is staged in
+// dynamic shared memory (hidden floats: the launcher's `shared`), the warps compute the
 // canonical logits of the token's candidates, warp 0 picks the top k of them by canonical logit
 // (ties to the lower id) and writes ids, weights (float32 softmax of the approximate logits, or
 // of the canonical ones for a token with `all` set: then every expert is a candidate) and the
@@ -488,6 +488,7 @@ __device__ __forceinline__ void rerank_block(
     __shared__ double canon[32 * NPL];
     __shared__ int cand[32 * NPL];
     __shared__ int n_cand;
+    extern __shared__ __align__(16) float xs[];  // the token's x (hidden floats)
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int n = min(*n_rerank, tokens);
     for (int j = blockIdx.x; j < n; j += gridDim.x) {
@@ -502,8 +503,11 @@ __device__ __forceinline__ void rerank_block(
         __syncthreads();
         for (int e = threadIdx.x; e < n_experts; e += blockDim.x)
             if (r.all || (double)val[e] >= r.thresh) cand[atomicAdd(&n_cand, 1)] = e;
+        for (int c = threadIdx.x * 4; c < hidden; c += blockDim.x * 4)  // x once per token
+            *reinterpret_cast<float4*>(xs + c) =
+                *reinterpret_cast<const float4*>(xn + (size_t)t * hidden + c);
         __syncthreads();
-        const float* x = xn + (size_t)t * hidden;
+        const float* x = xs;
         for (int c = warp; c < n_cand; c += RERANK_WARPS) {
             const int e = cand[c];
             const double L = canonical_logit(x, router32 + (size_t)e * hidden, hidden, lane);

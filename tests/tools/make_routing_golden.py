@@ -4,8 +4,10 @@ models whose routers are large enough that the routing decides the output.
 The routing parity test (tests/test_routing_parity_gpu.py) runs each model on the CUDA backend
 and needs, per case and prompt (7, 64 and 300 tokens, each from an empty KV cache): the float32
 logits of `Qwen3MoeForCausalLM` at every position, the same model's float64 top-2 margin at
-every position (argmax must agree wherever it exceeds 1e-3), and 24 greedy tokens after the
-64-token prompt. The models come from our GGUF writer and are read back through the plain gguf
+every position (argmax must agree wherever it exceeds 1e-3), the float64 run's routing gap at
+every position (over the layers, the smallest gap between the k-th and k+1-th router logit,
+relative to the token's router-logit RMS: where it is tiny, any upstream rounding may pick
+another expert), and 24 greedy tokens after the 64-token prompt. The models come from our GGUF writer and are read back through the plain gguf
 package, exactly as make_qwen3_golden.py does (its hf_model_from_gguf), so transformers sees
 the file's weights.
 
@@ -101,14 +103,27 @@ def main() -> None:
             hf = hf_model_from_gguf(path)
         hf.config._experts_implementation = "eager"  # the grouped kernels take no float64
         del model
+        router_logits: list[np.ndarray] = []
+        for layer in hf.model.layers:  # the float64 run's router logits, layer by layer
+            layer.mlp.gate.register_forward_hook(
+                lambda _m, _i, out: router_logits.append(out[0].detach().numpy().copy()))
+        k = case["spec"]["top_k"]
         for tokens in PROMPTS:
             ids = prompt_ids(case, tokens)
             with torch.no_grad():
                 x = torch.from_numpy(ids.astype(np.int64))[None]
                 logits = hf(x).logits[0].to(torch.float32).numpy()
                 hf.to(torch.float64)
+                router_logits.clear()
                 l64 = hf(x).logits[0].numpy()
                 hf.to(torch.float32)
+            gaps = []
+            for rl in router_logits:  # gap at the top-k boundary / the token's logit RMS
+                srt = np.sort(rl, axis=-1)
+                gaps.append((srt[:, -k] - srt[:, -k - 1]) / np.sqrt((rl * rl).mean(axis=-1)))
+            np.save(args.out / f"{name}.p{tokens}.route_gap.npy",
+                    np.min(gaps, axis=0).astype(np.float32))
+            router_logits.clear()
             top2 = np.sort(l64, axis=-1)[:, -2:]
             np.save(args.out / f"{name}.p{tokens}.logits.npy", logits)
             np.save(args.out / f"{name}.p{tokens}.margin.npy",
