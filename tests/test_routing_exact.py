@@ -163,7 +163,7 @@ def test_tile_table_comes_from_the_kernel_source():
     assert rows and set(rows) == set(SPLIT_TILES)
     for t in SPLIT_TILES.values():
         assert t.shared <= 227 * 1024
-    assert split_tile(1, 4096) == "m16k128" and split_tile(9000, 4096) == "m64"
+    assert split_tile(1, 4096) == "m16" and split_tile(9000, 4096) == "m64"
     assert split_tile(100, 1088) == "m16"
     assert SPLIT_TILE_RULE[-1][0] is None
 
