@@ -105,13 +105,14 @@ def measure_ceilings(blob_bytes: int) -> tuple[dict[str, float], str | None]:
 def step_read_bytes(engine: Engine, position: float) -> dict[str, float]:
     """Bytes a one-token step at `position` must read from device memory, by part: the top_k
     routed experts' blobs of every layer, the dense layer slots (fp16 Wqkv and Wo, norms), the
-    router (fp16 for the tensor routing, else fp32) and the MoE norms, the output head (fp16
+    router (fp16 hi and lo parts for the exact routing, whose float32 rows a re-ranked token
+    reads too; fp16 for the f16 routing; else float32) and the MoE norms, the output head (fp16
     Wout and its norm) and the keys and values of positions 0..position (fp16)."""
     whole = engine.qwen3_spec
     assert whole is not None
     spec, layout = engine.model.spec, engine.model.layout
     L, H = spec.n_layers, spec.hidden
-    router_bytes = 2 if engine.config.routing == "tensor" else 4
+    router_bytes = {"exact": 4, "f16": 2}.get(engine.config.routing or "exact", 4)
     return {
         "experts": float(L * spec.top_k * layout.blob_bytes),
         "dense": float(L * DenseSlot.of(whole).nbytes),
