@@ -35,6 +35,7 @@ from .resources import KERNELS_ROOT
 from .routing_kernels import (
     HIDDEN_MULTIPLE,
     ExactWorkspace,
+    GemmTile,
     RoutingShapeError,
     check_routing_shape,
     n_tiles,
@@ -55,19 +56,9 @@ NORM_FLOOR = 1e-15
 _TOPK_NPL = (1, 2, 4, 8, 16)
 
 
-class SplitTile(NamedTuple):
-    """One instantiation router_gemm_split<BM, BN, WARPS_M, WARPS_N, BK, STAGES>."""
-
-    bm: int
-    bn: int
-    warps_m: int
-    warps_n: int
-    bk: int
-    stages: int
-
-    @property
-    def threads(self) -> int:
-        return self.warps_m * self.warps_n * 32
+class SplitTile(GemmTile):
+    """One instantiation router_gemm_split<BM, BN, WARPS_M, WARPS_N, BK, STAGES>: the fp16
+    router GEMM's tile fields, with the split's shared memory."""
 
     @property
     def shared(self) -> int:
@@ -75,9 +66,6 @@ class SplitTile(NamedTuple):
         buffers of a K step's x split into fp16 hi and lo tiles; rows padded by 8 values."""
         row = self.bk + 8
         return self.stages * (self.bm * row * 4 + 2 * self.bn * row * 2) + 4 * self.bm * row * 2
-
-    def fits(self, hidden: int) -> bool:
-        return hidden % self.bk == 0
 
 
 def _tiles_of_source() -> dict[str, SplitTile]:
