@@ -106,7 +106,8 @@ def main() -> None:
         router_logits: list[np.ndarray] = []
         for layer in hf.model.layers:  # the float64 run's router logits, layer by layer
             layer.mlp.gate.register_forward_hook(
-                lambda _m, _i, out: router_logits.append(out[0].detach().numpy().copy()))
+                lambda _m, _i, out, sink=router_logits: sink.append(
+                    out[0].detach().numpy().copy()))
         k = case["spec"]["top_k"]
         for tokens in PROMPTS:
             ids = prompt_ids(case, tokens)
