@@ -157,8 +157,8 @@ def data_end_problem(placed: list[Placed], data_start: int, alignment: int, size
     padded = end + (data_start - end) % alignment
     if size <= padded:
         return None
+    pad = f", {padded:,} with the padding to the alignment" if padded > end else ""
     return (f"the file holds {size - padded:,} bytes past its last tensor ({name} ends at byte "
-            f"{end:,}, {padded:,} padded to the alignment of {alignment}; the file has "
-            f"{size:,} bytes): the data section does not start where the alignment "
+            f"{end:,}{pad}; the file has {size:,} bytes): the data section does not start where the alignment "
             f"({alignment}) puts it (byte {data_start:,}), so every tensor would be read "
             "shifted; key general.alignment is wrong, or bytes were added to the file")
