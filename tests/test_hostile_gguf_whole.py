@@ -230,6 +230,9 @@ TOKENIZER: dict[str, tuple[Callable[[Doc], Doc], str]] = {
     "a NUL in the pre-tokenizer's name": (key(T + "pre", STRING, "qwen2\0"),
                                           f"{T}pre = 'qwen2\\x00' is a pre-tokenizer strata_rt "
                                           "does not know"),
+    "a pre-tokenizer name of a megabyte": (key(T + "pre", STRING, "q" * 1_000_000),
+                                           f"{T}pre = '{'q' * 60}'... (1,000,000 characters) "
+                                           "is a pre-tokenizer strata_rt does not know"),
 }
 
 
@@ -245,7 +248,7 @@ def test_inspect_builds_the_tokenizer_generate_would(doc, tmp_path, capsys, case
     assert str(e.value).startswith(f"{path}: ") and want in str(e.value), str(e.value)
     code, err = cli(["inspect", str(path)], capsys)
     assert code == 1 and err.startswith(f"strata inspect: {path}: ") and want in err, err
-    assert "\0" not in err
+    assert "\0" not in err and len(err) < 2000
 
 
 def test_inspect_names_the_tokenizer_it_built(doc, tmp_path, capsys):
