@@ -258,3 +258,18 @@ def test_inspect_names_the_tokenizer_it_built(doc, tmp_path, capsys):
     bare.keys = [k for k in bare.keys if not str(k[0]).startswith(T)]
     assert main(["inspect", str(bare.write(tmp_path / "bare.gguf"))]) == 0
     assert "tokenizer: none (no tokenizer.ggml.* keys" in capsys.readouterr().out
+
+
+def test_without_the_tokenizers_library_inspect_checks_the_keys(doc, tmp_path, capsys,
+                                                                 monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "tokenizers" else real(name, *a))
+    assert main(["inspect", str(doc.copy().write(tmp_path / "good.gguf"))]) == 0
+    assert "(keys checked; not built: the `tokenizers` library is missing)" in \
+        capsys.readouterr().out
+    path = TOKENIZER["a token not UTF-8"][0](doc.copy()).write(tmp_path / "bad.gguf")
+    code, err = cli(["inspect", str(path)], capsys)
+    assert code == 1 and "string 7 is not valid UTF-8" in err
