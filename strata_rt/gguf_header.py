@@ -5,9 +5,12 @@ dimension counts, dims, offsets. A reader that believes them loops 2^63 times, a
 a corrupt length asks for, or maps a tensor onto another tensor's bytes. This parser checks
 every count and length against the bytes left in the file before it reads or allocates by it,
 walks the header once, and then checks the tensor list as a whole: known types, whole blocks,
-sane dims, offsets on the file's alignment, data inside the file, no two tensors sharing a
-byte, no two tensors or keys of one name. The file is opened without blocking and mapped
-read-only; tensor data is viewed from the map, never copied here.
+sane dims, offsets on the file's alignment, data inside the file and ending where the file
+does (an edited alignment reads every tensor shifted), no two tensors sharing a byte, no two
+tensors or keys of one name. Names are printable (a newline or a terminal escape in a name
+would forge lines of a message), tensor names shorter than ggml's 64 bytes. The file is
+opened without blocking and mapped read-only; tensor data is viewed from the map, never
+copied here.
 
 The result (Header) holds typed values: the GGUF type of each key is kept, so the key checks
 (strata_rt.gguf_keys) can refuse a float where a count belongs. Structural damage that stops
@@ -20,6 +23,7 @@ from __future__ import annotations
 import mmap
 import os
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,7 +32,8 @@ import numpy as np
 
 from .errors import GGUFError
 from .file_kinds import not_a_file, open_regular
-from .gguf_tensors import tensor_problems
+from .gguf_problems import Problems
+from .gguf_tensors import data_end_problem, tensor_problems
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
@@ -49,6 +54,8 @@ MAX_TENSORS = 1 << 20
 #: strings in all array keys together (a tokenizer holds about 150,000 tokens and as many
 #: merges); walking each costs a step, so this bounds the time a header of empty strings takes
 MAX_STRINGS = 1 << 22
+#: ggml's GGML_MAX_NAME: a tensor name is shorter (llama.cpp refuses a longer one)
+MAX_TENSOR_NAME = 64
 _PLAIN = {0: np.float32, 1: np.float16, 24: np.int8, 25: np.int16, 26: np.int32, 27: np.int64,
           28: np.float64}
 
@@ -119,7 +126,7 @@ class Header:
     data_start: int
     keys: dict[str, KeyValue]
     tensors: list[TensorInfo]
-    problems: list[str]
+    problems: Problems
     buf: Any = field(default=None, repr=False)
 
     def value(self, name: str) -> Any:
@@ -141,8 +148,9 @@ class Header:
                 try:
                     out.append(raw.decode("utf-8"))
                 except UnicodeDecodeError:
+                    more = "..." if len(raw) > 24 else ""
                     raise GGUFError(f"{self.path}: key {name}: string {i} is not valid UTF-8 "
-                                    f"({raw[:24]!r}...)") from None
+                                    f"({raw[:24]!r}{more})") from None
             return out
         code, size = SCALARS[kv.elem_type][1:]
         vals = np.frombuffer(self.buf, np.dtype("<" + code), kv.count, kv.start)
@@ -164,6 +172,15 @@ def _beyond(detail: str) -> _Fatal:
     return _Fatal(f"its header is cut short or corrupt: {detail}")
 
 
+def _said(what: str | Callable[[], str]) -> str:
+    return what if isinstance(what, str) else what()
+
+
+#: the rest of a tensor entry after its name and dimension count, by dimension count: the
+#: dims, the ggml type id, the offset
+_ENTRY_TAIL = {n: struct.Struct(f"<{n}QIQ") for n in range(1, 5)}
+
+
 class _Walker:
     def __init__(self, buf: Any, size: int):
         self.buf, self.size, self.pos = buf, size, 0
@@ -179,14 +196,15 @@ class _Walker:
         self.pos += n
         return v
 
-    def string(self, what: str, strict: bool = True) -> str:
+    def string(self, what: str | Callable[[], str], strict: bool = True) -> str:
         """A length-prefixed string; `strict=False` (values of keys) keeps undecodable bytes
         as U+FFFD, so a stray byte in a description does not refuse the file (a key that is
-        used then fails its own check)."""
+        used then fails its own check). `what` names it in a message (a callable is called
+        only then: a million tensor names cost no million messages)."""
         at = self.pos
         n = self.scalar("Q", 8)
         if n > self.size - self.pos:
-            raise _beyond(f"{what} at byte {at:,} claims {n:,} bytes; only "
+            raise _beyond(f"{_said(what)} at byte {at:,} claims {n:,} bytes; only "
                           f"{self.size - self.pos:,} bytes are left in the file")
         raw = bytes(self.buf[self.pos: self.pos + n])
         self.pos += n
@@ -195,7 +213,8 @@ class _Walker:
         except UnicodeDecodeError:
             if not strict:
                 return raw.decode("utf-8", "replace")
-            raise _Fatal(f"{what} at byte {at:,} is not valid UTF-8 ({raw[:24]!r})") from None
+            raise _Fatal(f"{_said(what)} at byte {at:,} is not valid UTF-8 "
+                         f"({raw[:24]!r})") from None
 
     def value(self, name: str, t: int) -> KeyValue:
         if t in SCALARS:
@@ -262,7 +281,25 @@ def _count(w: _Walker, what: str, least: int, cap: int) -> int:
     return n
 
 
-def _walk(w: _Walker) -> tuple[int, dict[str, KeyValue], list[tuple], list[str]]:
+def _name(w: _Walker, kind: str, i: int, cap: int | None = None) -> str:
+    """A key or tensor name: UTF-8 (strict), printable, at most `cap` bytes. Names go into
+    every message about their key or tensor, so a newline or a terminal escape in one would
+    forge lines of the message, and a megabyte name would fill it."""
+    def what() -> str:
+        return f"the name of {kind} {i}"
+
+    at = w.pos
+    name = w.string(what)
+    if cap is not None and w.pos - at - 8 >= cap:
+        raise _Fatal(f"{what()} at byte {at:,} is {w.pos - at - 8:,} bytes long "
+                     f"({name[:40]!r}...); ggml reads names of at most {cap - 1} bytes")
+    if not name.isprintable():
+        raise _Fatal(f"{what()} at byte {at:,} holds a control character ({name[:60]!r}); "
+                     "names are printable text")
+    return name
+
+
+def _walk(w: _Walker) -> tuple[int, dict[str, KeyValue], list[tuple], Problems]:
     w.need(4)
     magic = bytes(w.buf[0:4])
     if magic != MAGIC:
@@ -278,9 +315,9 @@ def _walk(w: _Walker) -> tuple[int, dict[str, KeyValue], list[tuple], list[str]]
     n_tensors = _count(w, "tensors", 8 + 4 + 4 + 8, MAX_TENSORS)
     n_keys = _count(w, "keys", 8 + 4 + 1, MAX_KEYS)
     keys: dict[str, KeyValue] = {}
-    problems: list[str] = []
+    problems = Problems()
     for i in range(n_keys):
-        name = w.string(f"the name of key {i}")
+        name = _name(w, "key", i)
         t = w.scalar("I", 4)
         kv = w.value(name, t)
         if name in keys:
@@ -290,16 +327,15 @@ def _walk(w: _Walker) -> tuple[int, dict[str, KeyValue], list[tuple], list[str]]
     infos = []
     for i in range(n_tensors):
         at = w.pos
-        name = w.string(f"the name of tensor {i}")
+        name = _name(w, "tensor", i, MAX_TENSOR_NAME)
         n_dims = w.scalar("I", 4)
         if n_dims > MAX_DIMS or n_dims == 0:
             raise _Fatal(f"tensor {name} (entry {i}, byte {at:,}) has {n_dims:,} dimensions; "
                          f"strata_rt reads tensors of 1 to {MAX_DIMS}")
-        w.need(8 * n_dims)
-        dims = struct.unpack_from(f"<{n_dims}Q", w.buf, w.pos)
-        w.pos += 8 * n_dims
-        ggml_type = w.scalar("I", 4)
-        offset = w.scalar("Q", 8)
+        tail = _ENTRY_TAIL[n_dims]
+        w.need(tail.size)
+        *dims, ggml_type, offset = tail.unpack_from(w.buf, w.pos)
+        w.pos += tail.size
         infos.append((name, tuple(dims), ggml_type, offset))
     return version, keys, infos, problems
 
@@ -351,7 +387,16 @@ def parse(path: str | Path) -> Header:
     except _Fatal as e:
         raise GGUFError(f"{path}: not a readable GGUF file: {e}") from None
     data_start = w.pos + (-w.pos) % alignment
-    placed, more = tensor_problems(infos, data_start, alignment, size)
+    if infos and data_start >= size and "general.alignment" in keys:
+        raise GGUFError(f"{path}: not a readable GGUF file: with key general.alignment = "
+                        f"{alignment:,} its data section would start at byte {data_start:,}, "
+                        f"past the end of the file ({size:,} bytes): the alignment is wrong "
+                        "(or the file is cut short)")
+    moved = data_start - (w.pos + (-w.pos) % DEFAULT_ALIGNMENT)
+    placed, more = tensor_problems(infos, data_start, alignment, size, max(moved, 0))
+    if not more:
+        end = data_end_problem(placed, data_start, alignment, size)
+        more += [] if end is None else [end]
     tensors = [TensorInfo(name, dims, qt, lo, n, buf) for name, dims, qt, lo, n in placed]
     return Header(path, size, version, alignment, data_start, keys, tensors, problems + more,
                   buf)

@@ -26,7 +26,8 @@ from . import gguf_checks
 from .errors import GGUFError
 from .file_kinds import not_a_file, open_regular
 from .gguf_header import Header, parse
-from .gguf_keys import check_keys, number, unsupported
+from .gguf_keys import check_keys, number, split_problem, unsupported
+from .gguf_problems import MAX_PROBLEMS, Problems
 
 ARCH = "qwen3moe"
 #: (name suffix, spec field) of the integer keys a MoE file must carry
@@ -36,8 +37,6 @@ DIM_KEYS = (("block_count", "n_layers"), ("embedding_length", "hidden"),
 EPS_KEY = "attention.layer_norm_rms_epsilon"
 DEFAULT_RMS_EPS = 1e-6
 EXPERT_PARTS = ("gate", "up", "down")
-#: problems of one file listed one by one; the rest are counted
-MAX_PROBLEMS = 20
 
 
 def tensor_names(layer: int) -> dict[str, str]:
@@ -56,17 +55,17 @@ def _type_name(t: int) -> str:
         return f"type {int(t)}"
 
 
-def problems_error(path: Path, problems: list[str]) -> GGUFError:
+def problems_error(path: Path, problems: Problems | list[str]) -> GGUFError:
     """One GGUFError for all of a file's problems (one line each; the first MAX_PROBLEMS and
     a count of the rest: a broken count must not print a million lines)."""
-    if len(problems) == 1:
-        return GGUFError(f"{path}: {problems[0]}")
-    shown = problems[:MAX_PROBLEMS]
+    total = len(problems)
+    shown = list(problems)[:MAX_PROBLEMS]
+    if total == 1:
+        return GGUFError(f"{path}: {shown[0]}")
     lines = "\n".join(f"  - {p}" for p in shown)
-    more = (f"\n  ... and {len(problems) - MAX_PROBLEMS:,} more"
-            if len(problems) > MAX_PROBLEMS else "")
+    more = f"\n  ... and {total - MAX_PROBLEMS:,} more" if total > MAX_PROBLEMS else ""
     first = f" (the first {MAX_PROBLEMS})" if more else ""
-    return GGUFError(f"{path}: {len(problems):,} problems{first}:\n{lines}{more}")
+    return GGUFError(f"{path}: {total:,} problems{first}:\n{lines}{more}")
 
 
 # ---------------------------------------------------------------------------- the reader
@@ -84,6 +83,9 @@ def open_reader(path: Path) -> Header:
     of its structure, its tensor list and its keys (gguf_header, gguf_tensors, gguf_keys)."""
     path = Path(path)
     header = parse(path)
+    split = split_problem(header)
+    if split is not None:  # a shard's keys and tensors are a part of a model's: say so first
+        raise GGUFError(f"{path}: {split}")
     problems = check_keys(header) + header.problems
     if problems:
         raise problems_error(path, problems)
@@ -207,14 +209,14 @@ class MoEFile:
     experts: list[dict[str, TensorRef] | None]
     tensors: dict[str, TensorRef] = field(default_factory=dict)  # every tensor of the file
     types: dict[str, int] = field(default_factory=dict)  # expert tensor type -> count
-    problems: list[str] = field(default_factory=list)
+    problems: Problems = field(default_factory=Problems)
 
     def raise_problems(self) -> None:
         if self.problems:
             raise problems_error(self.path, self.problems)
 
 
-def _read_float(t: Any, out: np.ndarray, problems: list[str]) -> bool:
+def _read_float(t: Any, out: np.ndarray, problems: Problems) -> bool:
     from gguf.quants import dequantize
 
     if not gguf_checks.dequantizable(int(t.tensor_type)):

@@ -8,11 +8,21 @@ rule (integers of an integer type within a range, floats finite within a range, 
 bools, arrays of the right element type) before anything uses it, and every broken key is
 named with its value, its type and what is allowed. Keys the file leaves out are not problems
 here: the loaders say which they need.
+
+Float ranges are plausible ones, not merely positive: an RMS epsilon of 5e-324 (a subnormal)
+is finite and above zero, yet no model was trained with it, and it stands for a damaged byte.
+float32 values are compared in their shortest decimal form, so 1e-12 stored as float32 is
+1e-12, not 9.9999998e-13 below the bound.
+
+A shard of a split GGUF (`split.count` > 1, as llama.cpp's gguf-split writes them) holds a
+part of a model's tensors; `split_problem` says so and names the shards, before any other key
+is looked at (the later shards carry no architecture).
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +31,10 @@ import numpy as np
 from .gguf_header import ARRAY, FLOAT_TYPES, INTEGER_TYPES, STRING, Header, KeyValue
 
 TOKENIZER = "tokenizer.ggml."
+#: llama.cpp's split keys (uint16 shard number from 0, uint16 shard count)
+SPLIT_NO, SPLIT_COUNT = "split.no", "split.count"
+#: how gguf-split names shard N of M: <prefix>-0000N-of-0000M.gguf
+SHARD_NAME = re.compile(r"^(?P<prefix>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
 
 @dataclass(frozen=True)
@@ -72,12 +86,11 @@ def rules(arch: str) -> dict[str, Rule]:
         f"{a}.attention.key_length": _int(1, 1 << 12),
         f"{a}.attention.value_length": _int(1, 1 << 12),
         f"{a}.rope.dimension_count": _int(1, 1 << 12),
-        f"{a}.attention.layer_norm_rms_epsilon": Rule("float", 0, 1, True, True,
-                                                      "Qwen3: 1e-6"),
+        f"{a}.attention.layer_norm_rms_epsilon": Rule("float", 1e-12, 0.1, note="Qwen3: 1e-6"),
         f"{a}.rope.freq_base": Rule("float", 1, 1e12, True, False, "Qwen3: 1e+06"),
         f"{a}.rope.scaling.type": Rule("string"),
-        f"{a}.rope.scaling.factor": Rule("float", 0, 1e6, True),
-        f"{a}.rope.scale_linear": Rule("float", 0, 1e6, True),
+        f"{a}.rope.scaling.factor": Rule("float", 1e-3, 1e6),
+        f"{a}.rope.scale_linear": Rule("float", 1e-3, 1e6),
         f"{a}.expert_weights_norm": Rule("bool"),
         f"{a}.expert_gating_func": _int(1, 1, "1 = softmax, the routing strata_rt runs"),
         TOKENIZER + "model": Rule("string"),
@@ -93,6 +106,8 @@ def rules(arch: str) -> dict[str, Rule]:
         TOKENIZER + "add_bos_token": Rule("bool"),
         TOKENIZER + "add_eos_token": Rule("bool"),
         "tokenizer.chat_template": Rule("string"),
+        SPLIT_COUNT: _int(1, 65_535),
+        SPLIT_NO: _int(0, 65_534),
     }
 
 
@@ -117,7 +132,7 @@ def problem(kv: KeyValue, rule: Rule) -> str | None:
     elif rule.kind == "float":
         if kv.type not in FLOAT_TYPES | INTEGER_TYPES:
             return bad
-        v = float(kv.value)
+        v = float(str(np.float32(kv.value))) if kv.type == 6 else float(kv.value)
         if not math.isfinite(v) or (v <= rule.lo if rule.open_lo else v < rule.lo) or \
                 (v >= rule.hi if rule.open_hi else v > rule.hi):
             return bad
@@ -148,6 +163,33 @@ def check_keys(header: Header) -> list[str]:
             if bad is not None:
                 out.append(bad)
     return out
+
+
+def split_problem(header: Header) -> str | None:
+    """What a shard of a split GGUF is, naming the shards a run needs merged; None for a
+    whole file (no `split.count`, or a count of 1)."""
+    count_kv, no_kv = header.keys.get(SPLIT_COUNT), header.keys.get(SPLIT_NO)
+    if count_kv is None:
+        return None
+    for kv in (count_kv, no_kv):
+        bad = None if kv is None else problem(kv, rules("")[kv.name])
+        if bad is not None:
+            return bad
+    count = int(count_kv.value)
+    if count == 1:
+        return None
+    no = None if no_kv is None else int(no_kv.value)
+    if no is not None and no >= count:
+        return (f"key {SPLIT_NO} = {no} but {SPLIT_COUNT} = {count}: shard numbers run "
+                f"0..{count - 1}")
+    which = "a shard" if no is None else f"shard {no + 1} of {count}"
+    m = SHARD_NAME.match(header.path.name)
+    prefix = m["prefix"] if m else header.path.name.removesuffix(".gguf")
+    first, last = (f"{prefix}-{i:05d}-of-{count:05d}.gguf" for i in (1, count))
+    return (f"a split GGUF: this file is {which} (key {SPLIT_COUNT} = {count}), and "
+            f"strata_rt reads a model from one file; the model needs all {count} shards, "
+            f"{first} .. {last}: merge them with `llama-gguf-split --merge {first} "
+            f"{prefix}.gguf` and give the merged file")
 
 
 def unsupported(header: Header, arch: str) -> list[str]:

@@ -48,6 +48,14 @@ QWEN_SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 QWEN_USER_DEFINED = ("<think>", "</think>")
 
 
+def quoted(v: Any) -> str:
+    """A key's value in a message: quoted (a NUL or an escape shows as such) and cut at 60
+    characters (a file's megabyte string must not fill the message)."""
+    if isinstance(v, str) and len(v) > 60:
+        return repr(v[:60]) + f"... ({len(v):,} characters)"
+    return repr(v)
+
+
 @lru_cache(maxsize=1)
 def byte_to_unicode() -> dict[int, str]:
     """GPT-2's byte-to-unicode map: printable bytes stand for themselves, the other 68 bytes
@@ -105,10 +113,10 @@ class TokenizerVocab:
         out: list[str] = []
         n = len(self.tokens)
         if self.model not in MODELS:
-            out.append(f"{KEY}model = {self.model!r}; strata_rt reads "
+            out.append(f"{KEY}model = {quoted(self.model)}; strata_rt reads "
                        f"{', '.join(map(repr, MODELS))} (byte-level BPE) only")
         if self.pre not in PRE_TOKENIZERS:
-            out.append(f"{KEY}pre = {self.pre!r} is a pre-tokenizer strata_rt does not know "
+            out.append(f"{KEY}pre = {quoted(self.pre)} is a pre-tokenizer strata_rt does not know "
                        f"(known: {', '.join(sorted(PRE_TOKENIZERS))})")
         if n == 0:
             out.append(f"{KEY}tokens is empty")
@@ -164,7 +172,7 @@ class TokenizerVocab:
                             "can be prefilled from token ids only)")
         model = get("model")
         if model not in MODELS:
-            raise GGUFError(f"{path}: {KEY}model = {model!r}; strata_rt reads "
+            raise GGUFError(f"{path}: {KEY}model = {quoted(model)}; strata_rt reads "
                             f"{', '.join(map(repr, MODELS))} (byte-level BPE) only")
         pre = get("pre")
         if pre is None:
@@ -172,7 +180,7 @@ class TokenizerVocab:
                             f"pre-tokenizer (known: {', '.join(sorted(PRE_TOKENIZERS))})")
         merges = get("merges")
         if merges is None:
-            raise GGUFError(f"{path}: key {KEY}merges is missing (a {model!r} tokenizer "
+            raise GGUFError(f"{path}: key {KEY}merges is missing (a {quoted(model)} tokenizer "
                             "needs its BPE merges)")
         tokens = tuple(str(t) for t in get("tokens"))
         types = get("token_type")

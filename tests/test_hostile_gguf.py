@@ -85,7 +85,7 @@ CASES: dict[str, tuple[Callable[[Doc], Doc], str]] = {
                             "block_count = 999992 (uint32); expected an integer 1..65,536"),
     "block_count short of the layers": (key(A + "block_count", U32, 1), "block_count = 1, but"),
     "epsilon string": (key(EPS, STRING, "1e-6"),
-                       f"key {EPS} = '1e-6' (string); expected a finite number (0, 1)"),
+                       f"key {EPS} = '1e-6' (string); expected a finite number [1e-12, 0.1]"),
     "epsilon array": (key(EPS, ARRAY, [1e-6], F32),
                       f"key {EPS} = an array of float32 (1 value); expected a finite number"),
     "epsilon zero": (key(EPS, F32, 0.0), f"key {EPS} = 0.0 (float32)"),

@@ -200,3 +200,76 @@ def test_the_good_file_opens(doc, tmp_path, model):
     assert read_qwen3_spec(path) == (TINY_SPEC, False)
     assert len(TokenizerVocab.from_gguf(path)) == TINY_SPEC.vocab
     assert read_qwen3_gguf(path, "fp16").digest() == model.digest()
+
+
+# ---------------------------------------------------------------------------- the tokenizer
+def tokens(change: Callable[[list], object]) -> Callable[[Doc], Doc]:
+    """The token list (as bytes) changed in place by `change`."""
+    def apply(d: Doc) -> Doc:
+        toks = [t.encode() for t in synthetic_vocab(TINY_SPEC.vocab).tokens]
+        change(toks)
+        return d.set(T + "tokens", ARRAY, toks, STRING)
+    return apply
+
+
+def merges(first: str) -> Callable[[Doc], Doc]:
+    return lambda d: d.set(T + "merges", ARRAY,
+                           [first, *synthetic_vocab(TINY_SPEC.vocab).merges[1:]], STRING)
+
+
+#: what `generate` refuses when it builds the tokenizer (and `run` does, to print text): the
+#: keys are of the right types and counts, so only building the tokenizer finds these
+TOKENIZER: dict[str, tuple[Callable[[Doc], Doc], str]] = {
+    "a token not UTF-8": (tokens(lambda t: t.__setitem__(7, b"\xff\xfe")),
+                          f"key {T}tokens: string 7 is not valid UTF-8 (b'\\xff\\xfe')"),
+    "a token twice": (tokens(lambda t: t.__setitem__(101, t[100])),
+                      "token '§' appears twice in the vocabulary (ids 100 and 101)"),
+    "a merge of two tokens and a half": (merges("a b c"),
+                                         "merge 0 is 'a b c'; a merge is two tokens joined by "
+                                         "one space"),
+    "a NUL in the pre-tokenizer's name": (key(T + "pre", STRING, "qwen2\0"),
+                                          f"{T}pre = 'qwen2\\x00' is a pre-tokenizer strata_rt "
+                                          "does not know"),
+    "a pre-tokenizer name of a megabyte": (key(T + "pre", STRING, "q" * 1_000_000),
+                                           f"{T}pre = '{'q' * 60}'... (1,000,000 characters) "
+                                           "is a pre-tokenizer strata_rt does not know"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TOKENIZER))
+def test_inspect_builds_the_tokenizer_generate_would(doc, tmp_path, capsys, case):
+    from strata_rt.tokenizer import Tokenizer, TokenizerError
+
+    change, want = TOKENIZER[case]
+    path = change(doc.copy()).write(tmp_path / "bad.gguf")
+    assert read_qwen3_spec(path)[0] == TINY_SPEC  # the keys themselves pass
+    with pytest.raises((GGUFError, TokenizerError)) as e:
+        Tokenizer.from_gguf(path)
+    assert str(e.value).startswith(f"{path}: ") and want in str(e.value), str(e.value)
+    code, err = cli(["inspect", str(path)], capsys)
+    assert code == 1 and err.startswith(f"strata inspect: {path}: ") and want in err, err
+    assert "\0" not in err and len(err) < 2000
+
+
+def test_inspect_names_the_tokenizer_it_built(doc, tmp_path, capsys):
+    assert main(["inspect", str(doc.copy().write(tmp_path / "good.gguf"))]) == 0
+    assert "tokenizer: gpt2 (pre qwen2), 512 tokens" in capsys.readouterr().out
+    bare = doc.copy()
+    bare.keys = [k for k in bare.keys if not str(k[0]).startswith(T)]
+    assert main(["inspect", str(bare.write(tmp_path / "bare.gguf"))]) == 0
+    assert "tokenizer: none (no tokenizer.ggml.* keys" in capsys.readouterr().out
+
+
+def test_without_the_tokenizers_library_inspect_checks_the_keys(doc, tmp_path, capsys,
+                                                                 monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "tokenizers" else real(name, *a))
+    assert main(["inspect", str(doc.copy().write(tmp_path / "good.gguf"))]) == 0
+    assert "(keys checked; not built: the `tokenizers` library is missing)" in \
+        capsys.readouterr().out
+    path = TOKENIZER["a token not UTF-8"][0](doc.copy()).write(tmp_path / "bad.gguf")
+    code, err = cli(["inspect", str(path)], capsys)
+    assert code == 1 and "string 7 is not valid UTF-8" in err

@@ -40,14 +40,17 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(f"bytes per expert in the file (layer 0): {per_expert:,} "
               f"({per_expert / MIB:.2f} MiB)")
     whole = _whole_model(path, moe.tensors, args.budget_gib)
+    tokenizer_problems: list[str] = []
     if whole is not None:
         print(whole[0])
+        line, tokenizer_problems = _tokenizer(path)
+        print(line)
     print(_formats_table(g, registry(), args.budget_gib, whole[1] if whole else 0))
     if args.budget_gib is not None:
         print("a budget also holds one chunk's buffers and the ring: give it to a run as "
               "`vram_budget_mib` and the config sizes the split as the CUDA backend allocates it")
     # the same checks `run` makes at load, over every expert tensor, all problems listed
-    problems = moe.problems + _unreadable_types(moe, registry())
+    problems = moe.problems + _unreadable_types(moe, registry()) + tokenizer_problems
     if whole is not None:  # dense weights: NaN/Inf, as the whole-model loader checks them
         from ..qwen3.gguf_full import dense_problems, read_qwen3_dense
 
@@ -108,6 +111,41 @@ def _whole_model(path: Path, tensors: dict, budget_gib: float | None
     return "\n".join(lines), held
 
 
+def _tokenizer(path: Path) -> tuple[str, list[str]]:
+    """The whole model's tokenizer line and its problems. `generate` builds the tokenizer
+    from the file's keys (and `run` does, to print generated text), refusing what it cannot
+    read: a token that is not UTF-8, an unknown model or pre-tokenizer, bad token types or ids,
+    a token twice, merges that do not fit the tokens. The same checks run here, so a file that
+    passes inspect does not fail there. A file with no tokenizer keys is not a problem: it is
+    prefilled from token ids."""
+    import importlib.util
+
+    from .. import gguf_io
+    from ..errors import GGUFError
+    from ..tokenizer import Tokenizer, TokenizerError
+    from ..tokenizer_vocab import ADDED_TYPES, KEY, TokenizerVocab
+
+    def problem(e: Exception) -> list[str]:
+        msg = str(e)
+        return [msg.removeprefix(f"{path}: ")]
+
+    if not any(k.startswith(KEY) for k in gguf_io.open_reader(path).keys):
+        return "tokenizer: none (no tokenizer.ggml.* keys: prompts are token ids only)", []
+    try:
+        vocab = TokenizerVocab.from_gguf(path)
+    except GGUFError as e:
+        return "tokenizer: unreadable (below)", problem(e)
+    line = (f"tokenizer: {vocab.model} (pre {vocab.pre}), {len(vocab):,} tokens, "
+            f"{len(vocab.merges):,} merges, {len(vocab.ids_of_type(*ADDED_TYPES)):,} added")
+    if importlib.util.find_spec("tokenizers") is None:
+        return line + " (keys checked; not built: the `tokenizers` library is missing)", []
+    try:
+        Tokenizer(vocab, source=str(path))
+    except TokenizerError as e:
+        return "tokenizer: cannot be built (below)", problem(e)
+    return line, []
+
+
 def _unreadable_types(moe, reg) -> list[str]:
     """Expert tensors no loaded format can use: not its own GGUF type, and not a type the
     gguf package dequantizes (run refuses them at load, naming the format)."""
@@ -151,8 +189,8 @@ shows the MoE geometry, the tensor types, bytes per expert in the file and in ev
 format, and how many experts a VRAM budget holds; for a whole-model file (token_embd.weight
 present) also the dense weights by type, their bf16 size and the KV cache per 1K tokens; then
 runs the checks `strata run` makes at load (every tensor present and shaped to the keys; no
-NaN/Inf in router, norms or experts) and lists every problem, with the exit code `run` gives
-for a bad GGUF."""
+NaN/Inf in router, norms or experts; a whole model's tokenizer builds) and lists every
+problem, with the exit code `run` gives for a bad GGUF."""
 
 def register(command) -> None:
     """Adds this module's subcommands; `command(name, help, epilog)` makes a parser."""
