@@ -71,7 +71,7 @@ class LayerKernels:
         self._exact: ExactRoutingKernels | None = None
         #: per layer: sigma of the split router and the bound on its logits' error
         self._sigma: list[float] = []
-        self._bounds: list[ExactBound] = []
+        self._logit_bounds: list[ExactBound] = []
         if routing != "fp32":
             check_routing_shape(spec.hidden, spec.n_experts, spec.top_k)
             self._routing = RoutingKernels(rt)
@@ -93,7 +93,7 @@ class LayerKernels:
         if self.routing == "exact":
             norms = [router_norms(w) for w in router]
             self._sigma = [n.sigma for n in norms]
-            self._bounds = [exact_bound(n, self.spec.hidden) for n in norms]
+            self._logit_bounds = [exact_bound(n, self.spec.hidden) for n in norms]
             return split_router(router)
         return router_f16(router) if self.routing == "f16" else router
 
@@ -126,7 +126,7 @@ class LayerKernels:
                           p["act_hidden"], T * K, H)
 
     def _route_exact(self, stream: Stream, layer: int, T: int, mark: Mark) -> None:
-        assert self._exact is not None and self._bounds, "router_weights() ran at open"
+        assert self._exact is not None and self._logit_bounds, "router_weights() ran at open"
         spec, p = self.spec, self.ptr
         H, E, K = spec.hidden, spec.n_experts, spec.top_k
         router = p["router"] + layer * E * H * 8
@@ -138,7 +138,7 @@ class LayerKernels:
         mark("softmax top-k")
         self._exact.topk(stream, logits=p["logits"], xn=p["xn"], router32=router + E * H * 4,
                          ws=ws, tokens=T, hidden=H, n_experts=E, top_k=K,
-                         bound=self._bounds[layer], ids=p["topk_ids"],
+                         bound=self._logit_bounds[layer], ids=p["topk_ids"],
                          weights=p["topk_w"], masks=p["route_ws"])
 
     def _route_fp32(self, stream: Stream, layer: int, T: int, bounds: int, mark: Mark) -> None:
