@@ -17,8 +17,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import yaml
-
 from .config_schema import (
     BUDGET_KEYS,
     TOP_KEYS,
@@ -49,12 +47,14 @@ from .engine_config import BACKENDS, EngineConfig
 from .errors import ConfigError
 from .image_cache import ImageCacheSetting, check_setting
 from .in_place import InPlaceSetting, parse_in_place
+from .input_files import CONFIG_LIMIT, InputFileError, read_text
 from .lanes import LanesSetting, parse_lanes
 from .memory_plan import MemoryPlan
 from .model import MoESpec
 from .prompts import Prompt, read_token_file
 from .residency import RoutingProfile
 from .runtime.memory import MIB
+from .yaml_input import YamlProblem, load_yaml
 
 if TYPE_CHECKING:
     from .formats import QuantFormat
@@ -320,12 +320,10 @@ def load_config(path: str | Path, registry: QuantRegistry | None = None) -> Conf
     """Reads and validates a YAML run config; ConfigError names the file and every problem."""
     path = Path(path)
     try:
-        doc = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"no such config file: {path}", source=str(path)) from None
-    except OSError as e:  # a directory, no permission, an I/O error
-        raise ConfigError(f"cannot read the config file: {e.strerror or e}",
-                          source=str(path)) from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"not valid YAML: {e}", source=str(path)) from None
+        doc = load_yaml(read_text(path, CONFIG_LIMIT, "YAML run config"))
+    except InputFileError as e:
+        raise ConfigError(f"cannot read the config file: {e.why}" if e.why != "no such file"
+                          else f"no such config file: {path}", source=str(path)) from None
+    except YamlProblem as e:
+        raise ConfigError(str(e), source=str(path)) from None
     return validate(doc, path.resolve().parent, source=path, registry=registry)

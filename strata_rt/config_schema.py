@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import reprlib
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -23,7 +24,8 @@ from . import env
 from .config_whole import WHOLE_KEYS
 from .errors import ConfigError, FormatError
 from .gguf_io import read_header
-from .hostmem import format_bytes, shortfall
+from .hostmem import MAX_MACHINE, format_bytes, shortfall
+from .input_files import regular_file_problem
 from .memory_plan import MemoryPlan, plan_memory
 from .model import SYNTHETIC_POOL_BYTES, MoESpec
 from .paths import output_dir_problem, output_file_problem
@@ -64,7 +66,7 @@ class Problems:
         self.items: list[str] = []
 
     def add(self, path: str, value: Any, allowed: str) -> None:
-        shown = "(missing)" if value is MISSING else f"got {value!r}"
+        shown = "(missing)" if value is MISSING else f"got {shown_value(value)}"
         self.items.append(f"{path}: {shown}; {allowed}")
 
     def parsed(self, doc: dict, key: str, parse: Callable[[object, str], T]) -> T | None:
@@ -89,6 +91,17 @@ class Problems:
 
 
 MISSING = object()
+
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlevel, _SHOWN.maxdict, _SHOWN.maxlist, _SHOWN.maxstring = 3, 6, 8, 120
+_SHOWN.maxother = 120
+
+
+def shown_value(value: Any) -> str:
+    """A value as a problem message shows it: its repr, bounded in length and depth (a YAML
+    list of a million prompts, or a path of 100,000 characters, would otherwise fill the
+    message)."""
+    return _SHOWN.repr(value)
 
 
 def join(path: str, key: str) -> str:
@@ -129,6 +142,9 @@ def positive_number(p: Problems, doc: dict, key: str, unit: str,
         bound = ">= 0" if zero_ok else "> 0"
         p.add(key, v, f"expected a number {bound} ({unit})")
         return None
+    if unit == "MiB" and v * MIB > MAX_MACHINE:
+        p.add(key, v, f"more than any machine holds (at most {MAX_MACHINE // MIB:,} MiB)")
+        return None
     return float(v)
 
 
@@ -148,13 +164,23 @@ def file_path(p: Problems, path: str, v: Any, base: Path, must_exist: bool) -> P
     if not isinstance(v, str) or not v:
         p.add(path, v, "expected a file path (string)")
         return None
-    resolved = (base / Path(v).expanduser()).resolve()
-    if must_exist and resolved.is_dir():
-        p.add(path, v, f"is a directory ({resolved}); expected a file")
+    if "\0" in v:
+        p.add(path, v, "a path cannot hold a NUL character")
         return None
-    if must_exist and not resolved.is_file():
-        p.add(path, v, f"no such file ({resolved})")
+    try:
+        resolved = (base / Path(v).expanduser()).resolve()
+    except (OSError, RuntimeError) as e:  # a symlink loop on the way (RuntimeError < 3.13)
+        p.add(path, v, f"cannot be resolved: {getattr(e, 'strerror', None) or e}")
         return None
+    if must_exist:
+        why = regular_file_problem(resolved)
+        if why is not None:
+            if why.startswith("is a directory"):
+                why = f"is a directory ({resolved}); expected a file"
+            else:
+                why = f"{why} ({resolved})"
+            p.add(path, v, why)
+            return None
     return resolved
 
 

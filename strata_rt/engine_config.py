@@ -7,8 +7,11 @@ on none of them, so none of them depends on another through it.
 
 from __future__ import annotations
 
+import difflib
+import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import env
@@ -27,7 +30,7 @@ BACKENDS = ("auto", "cuda", "reference")
 DENSE_POLICIES = ("auto", "resident", "stream")
 
 
-@dataclass
+@dataclass(init=False)
 class EngineConfig:
     """model: what strata_rt.whole_model.load_model takes (MoE layers alone or a whole
     model). context: KV-cache positions of a whole model (None: the model's context length). expert_cache fixes the number of resident experts;
@@ -69,10 +72,42 @@ class EngineConfig:
     progress: Callable[[int, int, int, int], None] | None = None
     _profile: RoutingProfile | None = field(default=None, repr=False)
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # noqa: D107 (see _check_keys)
+        _check_keys(kwargs, len(args))
+        _dataclass_init(self, *args, **kwargs)
+
     def load_profile(self) -> RoutingProfile | None:
         if self.profile is not None and self._profile is None:
             self._profile = RoutingProfile.load(self.profile)
         return self._profile
+
+    def _output_problems(self) -> list[str]:
+        """The dump and trace paths (given, or from the environment), checked before the
+        engine opens: regular files or new names only, none of them the model's GGUF."""
+        from .paths import output_collisions, output_file_problem
+
+        outputs = {}
+        for key, switch in (("dump_r", "STRATA_PREFILL_DUMP_R"),
+                            ("trace", "STRATA_PREFILL_TRACE")):
+            value = getattr(self, key)
+            value = env.text(switch) if value is None else value
+            if value is None:
+                continue
+            if not isinstance(value, str | os.PathLike) or not str(value):
+                return [f"{key}: got {value!r}; allowed: a file path"]
+            outputs[key] = Path(value)
+        problems = []
+        if "dump_r" in outputs:
+            outputs["dump_r (its .partial file)"] = Path(f"{outputs['dump_r']}.partial")
+        for key, path in outputs.items():
+            why = output_file_problem(path)
+            if why is not None:
+                problems.append(f"{key}: got {str(path)!r}; {why}")
+        gguf = self.model.get("gguf") if isinstance(self.model, dict) else None
+        inputs = {"the model's GGUF file": Path(gguf)} if isinstance(gguf, str) else {}
+        if self.profile is not None:
+            inputs["the routing profile"] = Path(self.profile)
+        return problems + output_collisions(outputs, inputs)
 
     def resolve(self) -> EngineConfig:
         """Validates, and fills switches left None from the environment."""
@@ -110,8 +145,11 @@ class EngineConfig:
                 self.in_place = parse_in_place(self.in_place)
             except ConfigError as e:
                 problems.extend(e.problems)
-        if self.ring_bytes is not None and self.ring_bytes <= 0:
+        if self.ring_bytes is not None and (isinstance(self.ring_bytes, bool) or not
+                                            isinstance(self.ring_bytes, int)
+                                            or self.ring_bytes <= 0):
             problems.append(f"ring_bytes: got {self.ring_bytes!r}; allowed: a positive size")
+        problems += self._output_problems()
         if problems:
             raise ConfigError(problems, source="engine config")
         if self.gather_one is None:
@@ -137,3 +175,32 @@ class EngineConfig:
             self.in_place = parse_in_place(env.choice("STRATA_IN_PLACE", "auto"),
                                            "STRATA_IN_PLACE")
         return self
+
+
+@dataclass
+class _Fields(EngineConfig):
+    """EngineConfig's fields with the dataclass's own __init__, which EngineConfig.__init__
+    calls once the keywords are known (dataclass(init=False) keeps the class's own)."""
+
+
+_dataclass_init = _Fields.__init__
+_FIELDS = tuple(f.name for f in fields(EngineConfig))
+_KNOWN = tuple(name for name in _FIELDS if not name.startswith("_"))
+
+
+def _check_keys(kwargs: dict[str, Any], n_positional: int) -> None:
+    """EngineConfig(**settings) with a key it does not have is a ConfigError naming the key
+    and the closest field (TypeError's traceback otherwise), as in a run config."""
+    problems = []
+    if n_positional > 1:
+        problems.append(f"got {n_positional} positional arguments; give the model, then "
+                        "keywords")
+    for key in kwargs:
+        if key not in _FIELDS:
+            close = difflib.get_close_matches(str(key), _KNOWN, n=1)
+            hint = f"did you mean `{close[0]}`? " if close else ""
+            problems.append(f"{key}: unknown key; {hint}known keys: {', '.join(_KNOWN)}")
+    if n_positional == 0 and "model" not in kwargs:
+        problems.append("model: (missing); required: a model, its spec or a model dict")
+    if problems:
+        raise ConfigError(problems, source="engine config")
