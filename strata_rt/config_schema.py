@@ -116,8 +116,13 @@ def is_number(v: Any) -> bool:
     return (is_int(v) or isinstance(v, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
+#: the largest whole number a config key takes unless it says less: beyond it a size is no
+#: run's (and numpy's int64 arithmetic would overflow)
+MAX_INT = 1 << 53
+
+
 def integer(p: Problems, doc: dict, path: str, key: str, *, minimum: int,
-            default: Any = MISSING) -> Any:
+            default: Any = MISSING, maximum: int = MAX_INT) -> Any:
     v = doc.get(key, MISSING)
     if v is MISSING:
         if default is MISSING:
@@ -129,6 +134,9 @@ def integer(p: Problems, doc: dict, path: str, key: str, *, minimum: int,
     if v < minimum:
         what = "a size must be positive" if minimum == 1 else f"must be >= {minimum}"
         p.add(join(path, key), v, f"{what} (integer >= {minimum})")
+        return None
+    if v > maximum:
+        p.add(join(path, key), v, f"expected an integer {minimum}..{maximum:,}")
         return None
     return v
 
@@ -212,8 +220,8 @@ def check_model(p: Problems, doc: dict, base: Path) -> tuple[MoESpec | None, Pat
     dims = {k: integer(p, syn, "model.synthetic", k, minimum=1) for k in _SYNTHETIC_REQUIRED}
     seed = integer(p, syn, "model.synthetic", "seed", minimum=0, default=0)
     eps = syn.get("rms_eps", 1e-6)
-    if not is_number(eps) or eps <= 0:
-        p.add("model.synthetic.rms_eps", eps, "expected a number > 0 (e.g. 1e-6)")
+    if not is_number(eps) or not 0 < eps <= 1:
+        p.add("model.synthetic.rms_eps", eps, "expected a number > 0 and <= 1 (e.g. 1e-6)")
         eps = None
     if None in dims.values() or eps is None:
         return None, None, seed

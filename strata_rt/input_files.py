@@ -85,7 +85,7 @@ def regular_file_problem(path: str | Path) -> str | None:
     return None
 
 
-def read_bytes(path: str | Path, limit: int, what: str = "file") -> bytes:
+def read_bytes(path: str | Path, limit: int, what: str = "a file") -> bytes:
     """The bytes of a regular file of at most `limit` bytes; InputFileError otherwise (its
     kind, its size against the limit, or the error reading it). Never blocks on a FIFO and
     never reads more than limit + 1 bytes."""
@@ -103,7 +103,7 @@ def read_bytes(path: str | Path, limit: int, what: str = "file") -> bytes:
         if kind is not None:
             raise InputFileError(path, f"is {kind}; expected a regular file")
         if st.st_size > limit:
-            raise InputFileError(path, f"is {st.st_size:,} bytes; a {what} is at most "
+            raise InputFileError(path, f"is {st.st_size:,} bytes; {what} is at most "
                                        f"{limit:,} bytes")
         chunks, total = [], 0
         while total <= limit:
@@ -117,12 +117,12 @@ def read_bytes(path: str | Path, limit: int, what: str = "file") -> bytes:
     finally:
         os.close(fd)
     if total > limit:  # grew while being read (or a size the file system does not report)
-        raise InputFileError(path, f"holds more than {limit:,} bytes; a {what} is at most "
+        raise InputFileError(path, f"holds more than {limit:,} bytes; {what} is at most "
                                    f"{limit:,} bytes")
     return b"".join(chunks)
 
 
-def decode_text(data: bytes, path: str | Path, what: str = "text") -> str:
+def decode_text(data: bytes, path: str | Path, what: str = "a UTF-8 text file") -> str:
     """UTF-8 text, or InputFileError calling the bytes binary (a NUL byte) or naming the
     first byte that is not UTF-8."""
     if b"\0" in data:
@@ -133,10 +133,10 @@ def decode_text(data: bytes, path: str | Path, what: str = "text") -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise InputFileError(Path(path), f"is not UTF-8 text (byte {e.start:,}: "
-                                         f"{e.reason}); expected {what} in UTF-8") from None
+                                         f"{e.reason}); expected {what}") from None
 
 
-def read_text(path: str | Path, limit: int, what: str = "text") -> str:
+def read_text(path: str | Path, limit: int, what: str = "a UTF-8 text file") -> str:
     """read_bytes, then decode_text."""
     return decode_text(read_bytes(path, limit, what), path, what)
 

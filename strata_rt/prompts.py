@@ -135,7 +135,7 @@ def read_token_file(path: Path, vocab_size: int | None = None) -> np.ndarray:
         flat = np.asarray(ids).reshape(-1)
     else:
         try:
-            words = read_text(path, DATA_LIMIT, "token file").replace(",", " ").split()
+            words = read_text(path, DATA_LIMIT, "a token file").replace(",", " ").split()
         except InputFileError as e:
             raise ConfigError(f"{path}: {e.why}") from None
         bad = next((i for i, w in enumerate(words) if not _ASCII_INT.fullmatch(w)), None)

@@ -54,7 +54,7 @@ class RoutingProfile:
         1.5 or 1e30 are refused, not rounded or overflowed; a key given twice is refused."""
         p = Path(path)
         try:
-            doc = json.loads(read_text(p, DATA_LIMIT, "routing profile (JSON)"),
+            doc = json.loads(read_text(p, DATA_LIMIT, "a routing profile (JSON)"),
                              object_pairs_hook=_unique_keys, parse_constant=_no_constant)
             if not isinstance(doc, dict):
                 raise ValueError(f"expected a JSON object, found {type(doc).__name__}")

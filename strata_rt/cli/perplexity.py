@@ -5,16 +5,20 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
+from .. import interrupts
 from ..errors import ConfigError
 from .common import (
+    check_outputs,
     hardware_line,
     load,
     markdown_table,
     open_engine,
     output_arg,
     progress_for,
+    whole_number,
     write_json,
 )
 from .generate import model_tokenizer, read_text
@@ -37,12 +41,13 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
     if args.ctx is not None and args.ctx < 2:
         raise ConfigError(f"--ctx: got {args.ctx}; a window needs at least 2 tokens",
                           source="command line")
-    target = output_arg("--json", args.json) if args.json else None
+    target = output_arg("--json", args.json) if args.json is not None else None
     text = read_text("--file", args.file)
     if not text:
         raise ConfigError(f"--file: {args.file} is empty; perplexity needs text",
                           source="command line")
     cfg = load(args)
+    check_outputs(cfg, {"--json": target}, {"the --file": Path(args.file).expanduser()})
     progress = progress_for(args)
     with open_engine(cfg, progress) as engine:
         session = EngineSession(engine)
@@ -72,9 +77,9 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
                             "file": str(args.file), "backend": backend,
                             "hardware": hardware_line(), **result.as_dict()})
     if result.interrupted:
-        print(f"strata perplexity: interrupted after {len(result.windows)} window(s); the "
-              "perplexity above covers those", file=sys.stderr)
-        return 130
+        print(f"strata perplexity: {interrupts.how()} after {len(result.windows)} window(s); "
+              "the perplexity above covers those", file=sys.stderr)
+        return interrupts.exit_code()
     return 0
 
 
@@ -96,7 +101,7 @@ def register(command) -> None:
     p = command("perplexity", "perplexity of a text file over non-overlapping windows", EPILOG)
     p.add_argument("config", help="YAML run config of a whole model (see configs/)")
     p.add_argument("--file", required=True, metavar="TEXT", help="UTF-8 text file to score")
-    p.add_argument("--ctx", type=int, metavar="N",
+    p.add_argument("--ctx", type=whole_number, metavar="N",
                    help=f"tokens per window (default {DEFAULT_CTX} or the model's context if "
                         "smaller; 2 to the context)")
     p.add_argument("--backend", choices=("cuda", "reference"), help="override `backend`")
