@@ -74,7 +74,7 @@ class EngineConfig:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:  # noqa: D107 (see _check_keys)
         _check_keys(kwargs, len(args))
-        _dataclass_init(self, *args, **kwargs)
+        _dataclass_init(self, *args, **kwargs)  # type: ignore[arg-type]
 
     def load_profile(self) -> RoutingProfile | None:
         if self.profile is not None and self._profile is None:

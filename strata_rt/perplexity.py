@@ -30,6 +30,7 @@ import numpy as np
 from .errors import ConfigError, StrataError
 from .generate import LogitsSession
 from .progress import Progress
+from .prompts import integer_ids
 
 log = logging.getLogger(__name__)
 
@@ -148,9 +149,7 @@ def perplexity(session: LogitsSession, token_ids: Sequence[int] | np.ndarray, ct
     """Perplexity of token_ids over non-overlapping windows of ctx tokens (see the module's
     docstring). `progress` labels each window (the engine draws its per-layer line). Ctrl-C
     after the first window returns the finished ones, marked interrupted."""
-    ids = np.asarray(token_ids).reshape(-1)
-    if ids.size and not np.issubdtype(ids.dtype, np.integer):
-        raise ConfigError(f"token ids must be integers, got {ids.dtype}", source="perplexity")
+    ids = integer_ids(token_ids, "perplexity")
     ids = ids.astype(np.int64)
     check_ctx(ctx, session.context, int(ids.size))
     spans = windows_of(len(ids), int(ctx))

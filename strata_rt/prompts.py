@@ -102,10 +102,26 @@ def token_id_problem(ids: np.ndarray, vocab_size: int | None = None) -> str | No
     return None
 
 
+def integer_ids(token_ids: Any, source: str) -> np.ndarray:
+    """Token ids (any integer dtype, flattened) or ConfigError: strings, floats, booleans,
+    ragged lists and ids beyond int64 are refused here, with words, not numpy's traceback."""
+    try:
+        ids = np.asarray(token_ids).reshape(-1)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"token ids must be integers ({e})", source=source) from None
+    if ids.size and not np.issubdtype(ids.dtype, np.integer):
+        raise ConfigError(f"token ids must be integers, got {ids.dtype}", source=source)
+    return ids
+
+
 def check_token_ids(token_ids: Any, vocab: int, source: str = "prefill") -> np.ndarray:
     """int64 [T] token ids, refused unless a non-empty 1-D integer array inside the vocabulary
     (what a whole model's prefill takes, on every backend and in the numpy model)."""
-    ids = np.asarray(token_ids)
+    try:
+        ids = np.asarray(token_ids)
+    except (ValueError, TypeError) as e:  # ragged lists, objects numpy cannot hold
+        raise ConfigError(f"token ids must be a non-empty 1-D integer array ({e})",
+                          source=source) from None
     if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
         raise ConfigError(f"token ids must be a non-empty 1-D integer array, got shape "
                           f"{ids.shape} of {ids.dtype}", source=source)

@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 import yaml
-from yaml.nodes import MappingNode, Node, SequenceNode
+from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 #: levels of nested lists and mappings a document may have (configs use about five)
 MAX_DEPTH = 64
@@ -42,7 +42,7 @@ class _Loader(yaml.SafeLoader):
         super().__init__(stream)
         self._depth = 0
 
-    def compose_node(self, parent: Node | None, index: Any) -> Node:
+    def compose_node(self, parent: Node | None, index: Any) -> Node | None:
         self._depth += 1
         try:
             if self._depth > MAX_DEPTH:
@@ -76,11 +76,11 @@ class _Loader(yaml.SafeLoader):
                               "(with `_` separators or base-60 `:` parts); write the number "
                               "with digits only, or quote it to mean text")
 
-    def construct_yaml_int(self, node: Node) -> int:  # type: ignore[override]
+    def construct_yaml_int(self, node: ScalarNode) -> int:
         self._plain_number(node, "number")
         return super().construct_yaml_int(node)
 
-    def construct_yaml_float(self, node: Node) -> float:  # type: ignore[override]
+    def construct_yaml_float(self, node: ScalarNode) -> float:
         self._plain_number(node, "number")
         return super().construct_yaml_float(node)
 
