@@ -175,18 +175,21 @@ def file_path(p: Problems, path: str, v: Any, base: Path, must_exist: bool) -> P
     if "\0" in v:
         p.add(path, v, "a path cannot hold a NUL character")
         return None
+    given = base / Path(v).expanduser()
     try:
-        resolved = (base / Path(v).expanduser()).resolve()
+        resolved = given.resolve()
     except (OSError, RuntimeError) as e:  # a symlink loop on the way (RuntimeError < 3.13)
-        p.add(path, v, f"cannot be resolved: {getattr(e, 'strerror', None) or e}")
+        why = regular_file_problem(given) or f"cannot be resolved: {e}"
+        p.add(path, v, why if "symlink loop" in why else f"cannot be resolved: {e}")
         return None
     if must_exist:
         why = regular_file_problem(resolved)
         if why is not None:
+            shown = shown_value(str(resolved))[1:-1]
             if why.startswith("is a directory"):
-                why = f"is a directory ({resolved}); expected a file"
+                why = f"is a directory ({shown}); expected a file"
             else:
-                why = f"{why} ({resolved})"
+                why = f"{why} ({shown})"
             p.add(path, v, why)
             return None
     return resolved
