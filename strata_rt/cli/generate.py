@@ -177,7 +177,7 @@ the prompt left. Stops at the model's EOS token (--ignore-eos: always -n tokens)
 the prompt only and prints its timing. Prompt + -n tokens must fit the model's context.
 Special tokens written in the prompt (<|im_start|>) become their ids; a <|...|> the vocabulary
 lacks is an error (--no-special reads them as plain text). Ctrl-C keeps what was produced and
-prints the summary (exit 130)."""
+prints the summary (exit 130; SIGTERM the same, exit 143)."""
 
 
 def register(command) -> None:

@@ -93,7 +93,8 @@ window from all positions' logits (log-softmax in float64). A last window shorte
 is kept when it has 2 tokens or more. Prints each window's mean NLL and perplexity and the
 total, exp(total NLL / predicted tokens). The text is read as plain text: <|...|> markup is
 scored as characters. llama.cpp's perplexity scores only the second half of each window, so
-its figures are not comparable one to one. Ctrl-C keeps the finished windows (exit 130)."""
+its figures are not comparable one to one. Ctrl-C keeps the finished windows (exit 130;
+SIGTERM the same, exit 143)."""
 
 
 def register(command) -> None:

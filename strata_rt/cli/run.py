@@ -308,8 +308,8 @@ prints the model, the resident experts, then per prompt: tokens, time, tokens/s,
 bytes streamed, achieved PCIe GB/s. A whole-model config with `generate: {tokens: N}` also
 prints the N greedy tokens after each prompt (ids, and text when the model has a tokenizer;
 not part of the prompt's time) and its JSON runs carry `generated_ids`. Progress goes to stderr
-on long prompts. The JSON is rewritten after each prompt; Ctrl-C prints and keeps the finished
-prompts (exit 130)."""
+on long prompts. Each prompt's row is printed as it finishes and the JSON rewritten; Ctrl-C
+keeps the finished prompts (exit 130), as SIGTERM does (exit 143)."""
 
 EPILOG_BENCH = """examples:
   strata bench configs/qwen3-30b-a3b-stream.yaml
