@@ -128,8 +128,17 @@ def output_collisions(outputs: dict[str, Path], inputs: dict[str, Path]) -> list
 def output_dir_problem(path: Path) -> str | None:
     """Why `path` cannot be used (or created) as a folder for output files, or None."""
     path = Path(path)
-    if _exists(path):
-        return _probe(path) if path.is_dir() else "is a file, not a folder"
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return "is a symlink loop (following its links never reaches a folder)"
+        st = None
+    if st is not None:
+        if stat.S_ISDIR(st.st_mode):
+            return _probe(path)
+        kind = kind_name(st.st_mode)
+        return f"is {kind or 'a file'}, not a folder"
     return _creatable(path)
 
 

@@ -292,6 +292,18 @@ def test_sizes_no_machine_holds(tmp_path, capsys, change, words) -> None:
     refused(capsys, ["run", str(write(tmp_path, yaml.safe_dump(doc)))], words)
 
 
+@pytest.mark.parametrize("where", ["top", "synthetic"])
+def test_a_context_beyond_any_model(tmp_path, capsys, where) -> None:
+    doc = yaml.safe_load(TINY_TEXT)
+    doc["model"]["synthetic"].update(n_heads=4, n_kv_heads=2, head_dim=64, vocab=512)
+    if where == "top":
+        doc["context"] = 10 ** 20
+    else:
+        doc["model"]["synthetic"]["context"] = 10 ** 20
+    refused(capsys, ["run", str(write(tmp_path, yaml.safe_dump(doc)))],
+            "context: got 100000000000000000000;")
+
+
 def test_rms_eps_beyond_one_is_refused(tmp_path, capsys) -> None:
     doc = yaml.safe_load(TINY_TEXT)
     doc["model"]["synthetic"]["rms_eps"] = 1e308  # normalised to inf: every output NaN

@@ -272,3 +272,16 @@ def test_a_profile_is_written_whole(tmp_path, monkeypatch) -> None:
     with pytest.raises(OSError):
         RoutingProfile(np.zeros((2, 8), np.int64)).save(out)
     assert out.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["p.json"]
+
+
+def test_output_folders_name_what_they_are(tmp_path, capsys, monkeypatch) -> None:
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    code, out, err = cli(capsys, "run", str(config(tmp_path, output={"dir": str(pipe)})))
+    assert (code, out) == (2, "") and "output.dir: got" in err
+    assert "is a FIFO (named pipe), not a folder" in err
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    monkeypatch.setenv("STRATA_KERNEL_CACHE", str(tmp_path / "a"))
+    code, out, err = cli(capsys, "plugins")
+    assert code == 2 and "STRATA_KERNEL_CACHE" in err and "is a symlink loop" in err
