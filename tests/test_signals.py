@@ -122,6 +122,20 @@ def test_sigterm_during_generate_keeps_the_tokens(tmp_path, capsys, monkeypatch)
     assert out.split("\n")[0].split() == [str(t) for t in doc["ids"]]
 
 
+def test_sigterm_during_a_prefill_leaves_the_dump_marked_partial(tmp_path, capsys,
+                                                                 monkeypatch) -> None:
+    from strata_rt import engine
+
+    dump = tmp_path / "r.bin"
+    monkeypatch.setenv("STRATA_PREFILL_DUMP_R", str(dump))
+    sigterm_on_call(monkeypatch, engine, "dump_residual", 2)  # prompt 2's only chunk
+    code, _, err = cli(capsys, "run", str(config(tmp_path)))
+    assert code == 143 and "after 1 of 3 prompt runs" in err
+    assert not dump.exists()  # nothing that looks whole
+    positions, _ = engine.read_dump(tmp_path / "r.bin.partial", 256)
+    assert positions.tolist() == [0]  # prompt 1's dumped row, kept
+
+
 def test_a_second_sigterm_lets_the_results_be_written(tmp_path, capsys, monkeypatch) -> None:
     real = run.write_json
     sigterm_on_call(monkeypatch, run, "measure", 2)
