@@ -13,11 +13,11 @@ the prompts in prompts.py; this module holds the validated objects and what deri
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .config_outputs import check_output, input_paths, output_collisions
 from .config_schema import (
     BUDGET_KEYS,
     TOP_KEYS,
@@ -27,7 +27,6 @@ from .config_schema import (
     check_format,
     check_generate,
     check_model,
-    check_output,
     check_prompts,
     device_memory_plan,
     file_path,
@@ -52,7 +51,6 @@ from .input_files import CONFIG_LIMIT, InputFileError, read_text
 from .lanes import LanesSetting, parse_lanes
 from .memory_plan import MemoryPlan
 from .model import MoESpec
-from .paths import output_collisions
 from .prompts import Prompt, read_token_file
 from .residency import RoutingProfile
 from .runtime.memory import MIB
@@ -216,21 +214,6 @@ class Config:
 MAX_TOKENS = 1 << 31
 #: runs per prompt: more is a typo, not a measurement (it would run for ever)
 MAX_REPEATS = 1_000_000
-
-
-def input_paths(source: Path | None, gguf: Path | None, prompts: Sequence[Prompt],
-                profile: Path | None) -> dict[str, Path]:
-    """What a run reads, by what it is: the config, the model, the prompt and profile files
-    and the plugin list in use."""
-    from . import env
-    from .resources import BUILTIN_PLUGINS_YAML
-
-    found = {"the config file": source, "the model's GGUF file": gguf,
-             "the routing profile": profile,
-             "the plugin list": Path(env.text("STRATA_PLUGINS") or BUILTIN_PLUGINS_YAML)}
-    for pr in prompts:
-        found[f"the file of prompts[{pr.index}]"] = pr.token_file or pr.hidden_file
-    return {what: path for what, path in found.items() if path is not None}
 
 
 def validate(doc: Any, base_dir: Path, source: Path | None = None,

@@ -6,8 +6,8 @@ in one pass. Besides the schema they check what would otherwise fail late, after
 prompts had run: the prompt files' contents, the output paths, the host memory the run will
 allocate and the STRATA_MMQ_KERNEL variant against the chosen format.
 
-Paths in a config are relative to the config file's directory; `output.json` and
-`output.dump_r` are relative to `output.dir` when that is set.
+Paths in a config are relative to the config file's directory (the outputs' checks:
+config_outputs.py).
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from .hostmem import MAX_MACHINE, format_bytes, shortfall
 from .input_files import regular_file_problem
 from .memory_plan import MemoryPlan, plan_memory
 from .model import SYNTHETIC_POOL_BYTES, MoESpec
-from .paths import output_dir_problem, output_file_problem
 from .planner import AUTO_CHUNK_MAX, ring_sizes
 from .prompts import Prompt, hidden_file_problem, read_token_file
 from .routing_kernels import ROUTINGS
@@ -49,7 +48,6 @@ _SYNTHETIC_KEYS = ("n_layers", "hidden", "ffn", "n_experts", "top_k", "seed", "r
 _SYNTHETIC_REQUIRED = ("n_layers", "hidden", "ffn", "n_experts", "top_k")
 _PROMPT_KEYS = ("file", "hidden_file")
 _GENERATE_KEYS = ("tokens",)
-OUTPUT_FILE_KEYS = ("dump_r", "json")
 
 #: layers of GGUF expert bytes held in host memory while the store is filled: the loader copies
 #: from the file's memory map a tensor at a time (measured: store + less than one layer)
@@ -179,8 +177,8 @@ def file_path(p: Problems, path: str, v: Any, base: Path, must_exist: bool) -> P
     try:
         resolved = given.resolve()
     except (OSError, RuntimeError) as e:  # a symlink loop on the way (RuntimeError < 3.13)
-        why = regular_file_problem(given) or f"cannot be resolved: {e}"
-        p.add(path, v, why if "symlink loop" in why else f"cannot be resolved: {e}")
+        loop = regular_file_problem(given) or ""
+        p.add(path, v, loop if "symlink loop" in loop else f"cannot be resolved: {e}")
         return None
     if must_exist:
         why = regular_file_problem(resolved)
@@ -434,26 +432,3 @@ def host_memory_problem(spec: MoESpec, fmt: QuantFormat, gguf: bool,
     shown = [f"{k} {format_bytes(v)}" for k, v in parts.items() if v]
     shown[0] += f" = {spec.n_layers} layers x {spec.n_experts} experts x {slot}"
     return shortfall(sum(parts.values()), "the run", ", ".join(shown))
-
-
-def check_output(p: Problems, out_doc: dict, base: Path) -> dict[str, Path | None]:
-    """output.dir / .json / .dump_r, each checked to be writable before the run starts."""
-    p.unknown_keys("output", out_doc, ("dir", *OUTPUT_FILE_KEYS))
-    out_dir = None
-    if out_doc.get("dir") is not None:
-        out_dir = file_path(p, "output.dir", out_doc["dir"], base, must_exist=False)
-        why = None if out_dir is None else output_dir_problem(out_dir)
-        if why is not None:
-            p.add("output.dir", out_doc["dir"], f"{why} ({out_dir})")
-        if out_dir is None or why is not None:
-            return {}  # the files are under the folder: nothing more to say about them
-    files: dict[str, Path | None] = {"dir": out_dir}
-    for key in OUTPUT_FILE_KEYS:
-        if out_doc.get(key) is None:
-            continue
-        target = file_path(p, f"output.{key}", out_doc[key], out_dir or base, must_exist=False)
-        why = None if target is None else output_file_problem(target)
-        if why is not None:
-            p.add(f"output.{key}", out_doc[key], f"{why} ({target})")
-        files[key] = target
-    return files
