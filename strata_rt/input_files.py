@@ -20,7 +20,7 @@ from pathlib import Path
 #: a run config or a plugins.yaml: far larger than any real one, small enough to read at once
 CONFIG_LIMIT = 16 << 20
 #: a token file, a routing profile or a prompt given on the command line
-DATA_LIMIT = 256 << 20
+DATA_LIMIT = 16 << 20
 #: a text to score (`strata perplexity --file`): 16M tokens or so, hours of windows; its
 #: tokens are held as Python ints (28 bytes each), so the bound is the memory's too
 TEXT_LIMIT = 64 << 20

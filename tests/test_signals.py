@@ -206,9 +206,10 @@ def children(pid: int) -> list[int]:
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads /proc (Linux)")
-def test_conversion_workers_end_with_their_parent(tmp_path) -> None:
-    """SIGTERM while two workers convert: the parent exits at once (not after the experts in
-    flight), and the workers are gone within 2 s of the signal."""
+@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_conversion_workers_end_with_their_parent(tmp_path, signum, code) -> None:
+    """SIGTERM or Ctrl-C while two workers convert: the parent exits at once (not after the
+    experts in flight), and the workers are gone within 2 s of the signal."""
     sys.path.insert(0, str(ROOT / "tests"))
     from test_gguf_model import _mixed_file
 
@@ -238,12 +239,12 @@ def test_conversion_workers_end_with_their_parent(tmp_path) -> None:
     assert len(pids) == 2, errors
     time.sleep(1.0)  # converting by now
     sent = time.monotonic()
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signum)
     out = proc.stdout.read()
     proc.wait(timeout=30)
     while any(Path(f"/proc/{p}").exists() for p in pids) and time.monotonic() - sent < 10:
         time.sleep(0.02)
     gone_after = time.monotonic() - sent
-    assert proc.returncode == 143 and out.strip() == "interrupted", errors
+    assert proc.returncode == code and out.strip() == "interrupted", errors
     assert not any(Path(f"/proc/{p}").exists() for p in pids)
     assert gone_after < 2.0
