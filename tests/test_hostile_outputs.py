@@ -233,6 +233,23 @@ def test_each_row_is_printed_as_its_prompt_finishes(tmp_path, capsys, monkeypatc
     assert sum(line.startswith("|  ") for line in out.splitlines()) == 1
 
 
+def test_bench_rows_are_printed_as_prompts_finish(tmp_path, capsys, monkeypatch) -> None:
+    real = run.measure
+    printed: list[str] = []
+
+    def measure(engine, hidden, progress, label):
+        printed.append(capsys.readouterr().out)
+        return real(engine, hidden, progress, label)
+
+    monkeypatch.setattr(run, "measure", measure)
+    code, _, err = cli(capsys, "bench", str(config(tmp_path)), "--json",
+                       str(tmp_path / "ab.json"))
+    assert code == 0, err
+    so_far = "".join(printed[:7])  # 2 warm-ups, 2 pairs of prompt 1, then prompt 2 starts
+    assert [line.split("|")[1].strip() for line in so_far.splitlines()
+            if line.startswith("| ")] == ["prompt tokens", "16"]
+
+
 def test_a_full_disk_keeps_what_is_out(tmp_path, capsys, monkeypatch) -> None:
     target = tmp_path / "run.json"
     real = common.write_text_atomic

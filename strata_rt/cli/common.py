@@ -95,9 +95,12 @@ class StreamedTable:
         self.headers = headers
         self.widths = [max(len(h), w) for h, w in zip(headers, widths or [0] * len(headers))]
         self.rows = 0
+        #: print the header before the next row (the first, or one after other output)
+        self.header_due = True
 
     def add(self, row: list[Any]) -> None:
-        if self.rows == 0:
+        if self.header_due:
+            self.header_due = False
             print("| " + " | ".join(h.ljust(w) for h, w in zip(self.headers, self.widths))
                   + " |")
             print("|" + "|".join("-" * (w + 2) for w in self.widths) + "|")

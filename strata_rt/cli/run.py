@@ -54,6 +54,8 @@ def set_switch(engine: Any, name: str, value: str) -> None:
 
 RUN_HEADERS = ["prompt", "repeat", "tokens", "time ms", "tokens/s", "experts streamed",
                "streamed MiB", "PCIe GB/s"]
+BENCH_HEADERS = ["prompt tokens", "A ms (each run)", "B ms (each run)", "change %",
+                 "tokens/s (A / B, median)"]
 #: room for the figures of long prompts, so the rows printed as they finish line up
 RUN_WIDTHS = [6, 6, 7, 10, 9, 16, 12, 9]
 
@@ -150,6 +152,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                     if stats.phase_table:
                         print(f"prompt {prompt.index + 1} ({prompt.tokens} tokens), repeat "
                               f"{rep + 1}:\n{stats.phase_table}", flush=True)
+                        table.header_due = True  # the next row starts the table again
                     if target is not None and len(records) < total:
                         write_json(target, {**doc, "complete": False, "runs": records},
                                    final=False)
@@ -203,6 +206,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         target = cfg.output.json or output_arg(
             "--json (default)", f"strata-bench-{Path(args.config).stem}.json")
     check_outputs(cfg, {"--json": target})
+    streamed = StreamedTable(BENCH_HEADERS)
     saved = os.environ.get(switch)
     runs: dict[int, dict[str, list[float]]] = {}
     doc: dict[str, Any] = {"command": " ".join(sys.argv), "config": str(cfg.source),
@@ -238,6 +242,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                     for arm, value in arms:
                         set_switch(engine, switch, value)
                         times[arm].append(measure(engine, h, None, "")[2])
+                streamed.add(bench_results(cfg, {prompt.index: times})[0][0])
                 if prompt is not cfg.prompts[-1]:
                     write_json(target, {**doc, "complete": False,
                                         "rows": bench_results(cfg, runs)[1]}, final=False)
@@ -251,10 +256,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         else:
             os.environ[switch] = saved
     rows, records = bench_results(cfg, runs)
-    table = markdown_table(["prompt tokens", "A ms (each run)", "B ms (each run)", "change %",
-                            "tokens/s (A / B, median)"], rows)
+    for row in rows[streamed.rows:]:  # a prompt cut short after a finished pair
+        streamed.add(row)
+    table = markdown_table(BENCH_HEADERS, rows)
     if rows:
-        print(table)
         print("time: host clock around each prefill call; change % = (median B - median A) / A")
     write_json(target, {**doc, "complete": not interrupted, "rows": records, "table": table})
     if interrupted:
