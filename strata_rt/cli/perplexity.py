@@ -11,10 +11,10 @@ from typing import Any
 from .. import interrupts
 from ..errors import ConfigError
 from .common import (
+    StreamedTable,
     check_outputs,
     hardware_line,
     load,
-    markdown_table,
     open_engine,
     output_arg,
     progress_for,
@@ -29,14 +29,18 @@ DEFAULT_CTX = 512
 TABLE_WINDOWS = 32
 
 
-def window_rows(result: Any) -> list[list[Any]]:
-    return [[i + 1, w.start, w.tokens, f"{w.nll / w.predicted:.4f}", f"{w.perplexity:,.4f}",
-             f"{w.seconds:.2f}"] for i, w in enumerate(result.windows)]
+WINDOW_HEADERS = ["window", "first token", "tokens", "mean NLL", "perplexity", "seconds"]
+
+
+def window_row(i: int, w: Any) -> list[Any]:
+    return [i + 1, w.start, w.tokens, f"{w.nll / w.predicted:.4f}", f"{w.perplexity:,.4f}",
+            f"{w.seconds:.2f}"]
+
 
 
 def cmd_perplexity(args: argparse.Namespace) -> int:
     from ..generate import EngineSession
-    from ..perplexity import check_ctx, perplexity
+    from ..perplexity import check_ctx, perplexity, windows_of
 
     if args.ctx is not None and args.ctx < 2:
         raise ConfigError(f"--ctx: got {args.ctx}; a window needs at least 2 tokens",
@@ -59,12 +63,13 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
         # a corpus is text: control-token markup in it is scored as the characters it is
         ids = tokenizer.encode(text, parse_special=False)
         check_ctx(ctx, session.context, len(ids))
-        result = perplexity(session, ids, ctx, progress)
+        # each window's row as it finishes: a later failure or a signal loses none
+        table = StreamedTable(WINDOW_HEADERS, [6, 11, 6, 8, 10, 7]) \
+            if len(windows_of(len(ids), ctx)) <= TABLE_WINDOWS else None
+        result = perplexity(session, ids, ctx, progress, on_window=None if table is None
+                            else lambda i, w: table.add(window_row(i, w)))
         backend = engine.config.backend
-    if len(result.windows) <= TABLE_WINDOWS:
-        print(markdown_table(["window", "first token", "tokens", "mean NLL", "perplexity",
-                              "seconds"], window_rows(result)))
-    elif result.windows:
+    if table is None and result.windows:
         each = sorted(w.perplexity for w in result.windows)
         print(f"{len(each)} windows: perplexity from {each[0]:,.4f} to {each[-1]:,.4f} "
               f"(median {each[len(each) // 2]:,.4f}); --json keeps every window's values")
