@@ -393,3 +393,14 @@ def test_stdout_that_cannot_encode_the_text(tmp_path) -> None:
     proc = strata("profile", str(cfg), "--out", str(out), env={"PYTHONIOENCODING": "ascii"})
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
     assert "pr\\xf8file.json" in proc.stdout and out.is_file()
+
+
+@pytest.mark.parametrize("kind, words", [
+    ("fifo", "is a FIFO (named pipe); expected a GGUF file"),
+    ("device", "is a character device; expected a GGUF file"),
+    ("loop", "is a symlink loop (following its links never reaches a file); expected a GGUF"),
+])
+def test_inspect_names_what_the_file_is(tmp_path, capsys, kind, words) -> None:
+    path = {"fifo": lambda: fifo(tmp_path), "device": lambda: Path("/dev/zero"),
+            "loop": lambda: symlink_loop(tmp_path)}[kind]()
+    refused(capsys, ["inspect", str(path)], f"strata inspect: {path}: {words}", code=1)
