@@ -3,10 +3,11 @@ strict where the plain one is silent or unbounded.
 
 - Nesting: the composer recurses once per level, so a file nested a few thousand levels deep
   ended in RecursionError. Nesting deeper than MAX_DEPTH is refused with the line.
-- Aliases: anchors and aliases share nodes, so nine lines can stand for a billion values
-  ("billion laughs"). Nothing in strata_rt walks a document with that in mind (the problem
-  messages print values), so a document whose values, aliases expanded, exceed MAX_NODES,
-  or whose alias refers to itself, is refused before anything is built from it.
+- Size and aliases: anchors and aliases share nodes, so nine lines can stand for a billion
+  values ("billion laughs"). Nothing in strata_rt walks a document with that in mind (the
+  problem messages print values), so a document of more than MAX_NODES values, or standing
+  for more with its aliases expanded, or whose alias refers to itself, is refused before
+  anything is built from it.
 - Duplicate keys: the plain loader keeps the last one, so `format: fp16` above a forgotten
   `format: iq3_xxs` silently ran the other format. A key given twice is refused, naming both
   lines (keys brought in by a `<<` merge may still be overridden: that is what merges are).
@@ -23,8 +24,9 @@ from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 #: levels of nested lists and mappings a document may have (configs use about five)
 MAX_DEPTH = 64
-#: values a document may stand for with its aliases expanded
-MAX_NODES = 1_000_000
+#: values a document may hold, and stand for with its aliases expanded (a config holds a
+#: few dozen; a parsed value costs PyYAML a few hundred bytes)
+MAX_NODES = 100_000
 
 _MERGE = "tag:yaml.org,2002:merge"
 
@@ -41,14 +43,19 @@ class _Loader(yaml.SafeLoader):
     def __init__(self, stream: str):
         super().__init__(stream)
         self._depth = 0
+        self._nodes = 0
 
     def compose_node(self, parent: Node | None, index: Any) -> Node | None:
         self._depth += 1
+        self._nodes += 1
         try:
+            mark = self.peek_event().start_mark
             if self._depth > MAX_DEPTH:
-                mark = self.peek_event().start_mark
                 raise YamlProblem(f"line {mark.line + 1}: nested more than {MAX_DEPTH} levels "
                                   "deep; a config is a few levels of keys and lists")
+            if self._nodes > MAX_NODES:
+                raise YamlProblem(f"line {mark.line + 1}: more than {MAX_NODES:,} values; a "
+                                  "config holds a few dozen")
             return super().compose_node(parent, index)
         finally:
             self._depth -= 1
