@@ -17,9 +17,9 @@ import os
 import stat
 from pathlib import Path
 
-#: a run config or a plugins.yaml: hundreds of times a real one (a few KiB), and what the
-#: YAML parser (pure Python) reads in a second or two
-CONFIG_LIMIT = 1 << 20
+#: a run config or a plugins.yaml: a hundred times a real one (a few KiB), and what the
+#: YAML parser (pure Python, about 100 KiB/s on a loaded core) reads in a few seconds
+CONFIG_LIMIT = 256 << 10
 #: a token file, a routing profile or a prompt given on the command line
 DATA_LIMIT = 16 << 20
 #: a text to score (`strata perplexity --file`): 16M tokens or so, hours of windows; its
