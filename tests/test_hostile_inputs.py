@@ -319,6 +319,11 @@ def test_rms_eps_beyond_one_is_refused(tmp_path, capsys) -> None:
             "model.synthetic.rms_eps: got 1e+308; expected a number > 0 and <= 1")
 
 
+def test_pairs_beyond_any_measurement(tmp_path, capsys) -> None:
+    refused(capsys, ["bench", str(write(tmp_path, TINY_TEXT)), "--pairs", str(10 ** 20)],
+            "--pairs: got 100000000000000000000; expected 1..10,000")
+
+
 def test_budget_gib_beyond_any_device(tmp_path, capsys) -> None:
     refused(capsys, ["inspect", str(tmp_path / "m.gguf"), "--budget-gib", "1e308"],
             "--budget-gib: got 1e+308; expected a VRAM size in GiB > 0 and at most")

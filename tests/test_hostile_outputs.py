@@ -302,3 +302,20 @@ def test_output_folders_name_what_they_are(tmp_path, capsys, monkeypatch) -> Non
     monkeypatch.setenv("STRATA_KERNEL_CACHE", str(tmp_path / "a"))
     code, out, err = cli(capsys, "plugins")
     assert code == 2 and "STRATA_KERNEL_CACHE" in err and "is a symlink loop" in err
+
+
+def test_a_dump_through_a_symlink_writes_its_target(tmp_path, capsys, monkeypatch) -> None:
+    from strata_rt.engine import read_dump
+
+    target = tmp_path / "dumps" / "r.bin"
+    target.parent.mkdir()
+    target.write_bytes(b"old")
+    link = tmp_path / "r.bin"
+    link.symlink_to(target)
+    monkeypatch.setenv("STRATA_PREFILL_DUMP_R", str(link))
+    code, _, err = cli(capsys, "run", str(config(tmp_path)))
+    assert code == 0, err
+    assert link.is_symlink() and os.readlink(link) == str(target)
+    positions, _ = read_dump(target, 256)
+    assert positions.tolist() == [0, 0]  # position 0 of each of the two prompts
+    assert sorted(p.name for p in target.parent.iterdir()) == ["r.bin"]

@@ -54,6 +54,8 @@ def set_switch(engine: Any, name: str, value: str) -> None:
 
 RUN_HEADERS = ["prompt", "repeat", "tokens", "time ms", "tokens/s", "experts streamed",
                "streamed MiB", "PCIe GB/s"]
+#: A, B pairs per prompt: more is a typo, not a measurement (it would run for days)
+MAX_PAIRS = 10_000
 BENCH_HEADERS = ["prompt tokens", "A ms (each run)", "B ms (each run)", "change %",
                  "tokens/s (A / B, median)"]
 #: room for the figures of long prompts, so the rows printed as they finish line up
@@ -197,8 +199,9 @@ def bench_results(cfg: Any, runs: dict[int, dict[str, list[float]]]
 
 def cmd_bench(args: argparse.Namespace) -> int:
     switch = args.ab
-    if args.pairs < 1:
-        raise ConfigError(f"--pairs: got {args.pairs}; expected >= 1", source="command line")
+    if not 1 <= args.pairs <= MAX_PAIRS:
+        raise ConfigError(f"--pairs: got {args.pairs}; expected 1..{MAX_PAIRS:,}",
+                          source="command line")
     cfg = load(args)
     if args.json is not None:
         target = output_arg("--json", args.json)
