@@ -81,6 +81,7 @@ def check_whole(p: Problems, doc: dict, geom: MoESpec | None, gguf: Path | None
     if options["dense_type"] not in DENSE_TYPES:
         p.add("model.synthetic.dense_type", options["dense_type"],
               f"allowed: {', '.join(DENSE_TYPES)}")
+        options["dense_type"] = "F32"  # the run is refused; the sizes are still estimated
     fields = {k: syn[k] for k in WHOLE_REQUIRED + ("rope_theta", "context") if k in syn}
     context = fields.get("context")
     if isinstance(context, int) and context > MAX_CONTEXT:

@@ -312,6 +312,15 @@ def test_a_context_beyond_any_model(tmp_path, capsys, where) -> None:
             "context: got 100000000000000000000;")
 
 
+@pytest.mark.parametrize("value", [[], {"a": 1}, [1, [2]]])
+def test_a_list_where_a_name_belongs(tmp_path, capsys, value) -> None:
+    doc = yaml.safe_load(TINY_TEXT)
+    doc["model"]["synthetic"].update(n_heads=4, n_kv_heads=2, head_dim=64, vocab=512,
+                                     dense_type=value)
+    refused(capsys, ["run", str(write(tmp_path, yaml.safe_dump(doc)))],
+            "model.synthetic.dense_type: got")
+
+
 def test_rms_eps_beyond_one_is_refused(tmp_path, capsys) -> None:
     doc = yaml.safe_load(TINY_TEXT)
     doc["model"]["synthetic"]["rms_eps"] = 1e308  # normalised to inf: every output NaN
