@@ -81,6 +81,24 @@ class EngineConfig:
             self._profile = RoutingProfile.load(self.profile)
         return self._profile
 
+    def _type_problems(self) -> list[str]:
+        """The fields a library caller may fill with anything: each of its kind, or None."""
+        problems = []
+        if self.profile is not None and not isinstance(self.profile, str | os.PathLike):
+            problems.append(f"profile: got {self.profile!r}; allowed: a file path")
+        v = self.vram_reserve_mib
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int | float)
+                              or not 0 <= v <= 1 << 30):
+            problems.append(f"vram_reserve_mib: got {v!r}; allowed: MiB from 0 to "
+                            "1,073,741,824 (1 PiB)")
+        w = self.walk_min_tokens
+        if w is not None and not _whole(w, 1, 1 << 31):
+            problems.append(f"walk_min_tokens: got {w!r}; allowed: a number of tokens >= 1")
+        for name in ("gather_one", "check_plan", "timing"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                problems.append(f"{name}: got {getattr(self, name)!r}; allowed: true or false")
+        return problems
+
     def _output_problems(self) -> list[str]:
         """The dump and trace paths (given, or from the environment), checked before the
         engine opens: regular files or new names only, none of them the model's GGUF."""
@@ -114,22 +132,17 @@ class EngineConfig:
         problems = []
         if self.backend not in BACKENDS:
             problems.append(f"backend: got {self.backend!r}; allowed: {', '.join(BACKENDS)}")
-        if not (self.prefill == "auto" or (isinstance(self.prefill, int)
-                                           and not isinstance(self.prefill, bool)
-                                           and self.prefill > 0)):
+        if not (self.prefill == "auto" or _whole(self.prefill, 1, 1 << 31)):
             problems.append(f"prefill: got {self.prefill!r}; allowed: \"auto\" or a positive "
-                            "number of tokens")
-        if self.expert_cache is not None and (not isinstance(self.expert_cache, int)
-                                              or self.expert_cache < 0):
+                            "number of tokens (at most 2^31)")
+        if self.expert_cache is not None and not _whole(self.expert_cache, 0, 1 << 40):
             problems.append(f"expert_cache: got {self.expert_cache!r}; allowed: an integer "
                             ">= 0")
         if self.routing is not None and self.routing not in ROUTINGS:
             problems.append(f"routing: got {self.routing!r}; allowed: {', '.join(ROUTINGS)}")
-        if self.context is not None and (isinstance(self.context, bool)
-                                         or not isinstance(self.context, int)
-                                         or self.context < 1):
+        if self.context is not None and not _whole(self.context, 1, 1 << 24):
             problems.append(f"context: got {self.context!r}; allowed: a positive number of "
-                            "tokens")
+                            "tokens (at most 16,777,216)")
         if self.dense not in DENSE_POLICIES:
             problems.append(f"dense: got {self.dense!r}; allowed: {', '.join(DENSE_POLICIES)}")
         why = check_setting(self.image_cache_mib)
@@ -145,11 +158,12 @@ class EngineConfig:
                 self.in_place = parse_in_place(self.in_place)
             except ConfigError as e:
                 problems.extend(e.problems)
-        if self.ring_bytes is not None and (isinstance(self.ring_bytes, bool) or not
-                                            isinstance(self.ring_bytes, int)
-                                            or self.ring_bytes <= 0):
-            problems.append(f"ring_bytes: got {self.ring_bytes!r}; allowed: a positive size")
-        problems += self._output_problems()
+        if self.ring_bytes is not None and not _whole(self.ring_bytes, 1, 1 << 50):
+            problems.append(f"ring_bytes: got {self.ring_bytes!r}; allowed: a positive size "
+                            "(at most 1 PiB)")
+        problems += self._type_problems()
+        if not problems:
+            problems += self._output_problems()
         if problems:
             raise ConfigError(problems, source="engine config")
         if self.gather_one is None:
@@ -175,6 +189,11 @@ class EngineConfig:
             self.in_place = parse_in_place(env.choice("STRATA_IN_PLACE", "auto"),
                                            "STRATA_IN_PLACE")
         return self
+
+
+def _whole(v: object, lo: int, hi: int) -> bool:
+    """Whether v is an int (not a bool) in lo..hi."""
+    return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
 
 
 @dataclass

@@ -382,6 +382,22 @@ def test_engine_config_with_an_unknown_key() -> None:
     assert EngineConfig(model={}, prefill=64).prefill == 64
 
 
+@pytest.mark.parametrize("field, value", [
+    ("profile", 7), ("profile", ["p.json"]), ("vram_reserve_mib", float("nan")),
+    ("vram_reserve_mib", 1e308), ("walk_min_tokens", True), ("gather_one", "yes"),
+    ("expert_cache", True), ("expert_cache", 2 ** 70), ("context", 2 ** 70),
+    ("prefill", 2 ** 70), ("ring_bytes", 2 ** 70), ("dump_r", 3), ("trace", ["t.json"]),
+])
+def test_engine_config_fields_of_the_wrong_kind(field, value) -> None:
+    """What a library caller fills in is checked as a config is: a ConfigError naming the
+    field, never a TypeError (or an overflow) from deep inside the engine."""
+    from strata_rt.model import MoESpec
+
+    spec = MoESpec(2, 256, 256, 8, 2, format="iq3_xxs")
+    with pytest.raises(ConfigError, match=f"{field}: got"):
+        EngineConfig(model={"spec": spec}, backend="reference", **{field: value}).resolve()
+
+
 def test_an_empty_config_path(capsys) -> None:
     refused(capsys, ["run", ""], "no config file given")
 
