@@ -167,6 +167,7 @@ def test_outputs_that_are_the_model_or_a_prompt_file(tmp_path, capsys, monkeypat
 
 
 @pytest.mark.parametrize("case", ["output.json is the config", "dump_r is json",
+                                  "json is the dump's partial file",
                                   "profile --out is the profile", "bench json is a prompt"])
 def test_more_collisions(tmp_path, capsys, case) -> None:
     toks = tmp_path / "t.txt"
@@ -180,6 +181,10 @@ def test_more_collisions(tmp_path, capsys, case) -> None:
     elif case == "dump_r is json":
         args = ["run", str(config(tmp_path, output={"json": "r.bin", "dump_r": "r.bin"}))]
         words = "is the path output.json also writes"
+    elif case == "json is the dump's partial file":
+        args = ["run", str(config(tmp_path, output={"dump_r": "r.bin"})), "--json",
+                str(tmp_path / "r.bin.partial")]
+        words = "output.dump_r (its .partial file): got"
     elif case == "profile --out is the profile":
         args = ["profile", str(config(tmp_path, profile=str(profile))), "--out", str(profile)]
         words = "--out: got"

@@ -151,6 +151,9 @@ def check_outputs(cfg: Config, outputs: dict[str, Path | None],
         value = env.text(switch)
         if value is not None:
             outs[f"{switch} (environment)"] = Path(value).expanduser()
+    for label, path in list(outs.items()):  # a dump is written as <path>.partial first
+        if "dump_r" in label.lower():
+            outs[f"{label.split(' ')[0]} (its .partial file)"] = Path(f"{path}.partial")
     problems = output_collisions(outs, {**cfg.input_paths(), **(inputs or {})})
     if problems:
         raise ConfigError(problems, source="command line")
