@@ -53,7 +53,8 @@ def _creatable(folder: Path) -> str | None:
     while not _exists(ancestor) and ancestor != ancestor.parent:
         ancestor = ancestor.parent
     if not ancestor.is_dir():
-        return f"{ancestor} is a file, so no folder can be created under it"
+        kind = kind_name(os.stat(ancestor).st_mode) if _exists(ancestor) else None
+        return f"{ancestor} is {kind or 'a file'}, so no folder can be created under it"
     return _probe(ancestor)
 
 

@@ -215,6 +215,10 @@ def test_the_plugin_list_names_what_it_is(tmp_path, capsys, kind, words) -> None
         registry(reload=True)
 
 
+def test_an_empty_plugins_option(capsys) -> None:
+    refused(capsys, ["--plugins", "", "plugins"], "--plugins: got ''; expected the path")
+
+
 def test_the_plugin_list_refuses_duplicate_keys(tmp_path) -> None:
     from strata_rt.errors import PluginError
     from strata_rt.registry import read_plugins_yaml

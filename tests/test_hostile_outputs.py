@@ -324,3 +324,11 @@ def test_a_dump_through_a_symlink_writes_its_target(tmp_path, capsys, monkeypatc
     positions, _ = read_dump(target, 256)
     assert positions.tolist() == [0, 0]  # position 0 of each of the two prompts
     assert sorted(p.name for p in target.parent.iterdir()) == ["r.bin"]
+
+
+def test_an_output_under_a_fifo_names_it(tmp_path, capsys) -> None:
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    code, out, err = cli(capsys, "run", str(config(tmp_path)), "--json", str(pipe / "r.json"))
+    assert (code, out) == (2, "")
+    assert f"{pipe} is a FIFO (named pipe), so no folder can be created under it" in err

@@ -11,7 +11,7 @@ import os
 import sys
 
 from .. import __version__, env, interrupts, log
-from ..errors import StrataError
+from ..errors import ConfigError, StrataError
 from . import generate, inspect, perplexity, plugins, run
 from .common import cuda_version, hardware_line
 
@@ -58,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     try:
+        if args.plugins == "":
+            raise ConfigError("--plugins: got ''; expected the path of a plugins.yaml",
+                              source="command line")
         if args.plugins:
             os.environ["STRATA_PLUGINS"] = os.path.abspath(os.path.expanduser(args.plugins))
             from ..registry import registry
