@@ -11,12 +11,13 @@ strict where the plain one is silent or unbounded.
 - Duplicate keys: the plain loader keeps the last one, so `format: fp16` above a forgotten
   `format: iq3_xxs` silently ran the other format. A key given twice is refused, naming both
   lines (keys brought in by a `<<` merge may still be overridden: that is what merges are).
-- Integers: YAML 1.1 reads `1_000` as 1000 and `1:30` as 90 (base 60). Neither is what a
-  reader of a config sees, so numbers written that way are refused.
+- Integers: YAML 1.1 reads `1_000` as 1000, `1:30` as 90 (base 60) and `010` as 8 (octal).
+  None is what a reader of a config sees, so numbers written that way are refused.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import yaml
@@ -29,6 +30,8 @@ MAX_DEPTH = 64
 MAX_NODES = 100_000
 
 _MERGE = "tag:yaml.org,2002:merge"
+#: what YAML 1.1 reads as octal: a leading 0 and more digits (`010` is 8)
+_OCTAL = re.compile(r"[-+]?0[0-7]+")
 
 
 class YamlProblem(Exception):
@@ -79,16 +82,20 @@ class _Loader(yaml.SafeLoader):
     def _plain_number(self, node: Node, what: str) -> None:
         text = str(node.value)
         if "_" in text or ":" in text:
-            raise YamlProblem(f"line {_line(node)}: {text!r} is read by YAML as a {what} "
+            raise YamlProblem(f"line {_line(node)}: {text!r} is read by YAML as {what} "
                               "(with `_` separators or base-60 `:` parts); write the number "
                               "with digits only, or quote it to mean text")
+        if _OCTAL.fullmatch(text):
+            raise YamlProblem(f"line {_line(node)}: {text!r} is read by YAML as an octal "
+                              f"number ({int(text, 8)}); write it without the leading zero, "
+                              "or quote it to mean text")
 
     def construct_yaml_int(self, node: ScalarNode) -> int:
-        self._plain_number(node, "number")
+        self._plain_number(node, "a number")
         return super().construct_yaml_int(node)
 
     def construct_yaml_float(self, node: ScalarNode) -> float:
-        self._plain_number(node, "number")
+        self._plain_number(node, "a number")
         return super().construct_yaml_float(node)
 
 

@@ -75,6 +75,8 @@ def refused(capsys, args: list[str], words: str, code: int = 2) -> str:
     (TINY_TEXT + "format: fp16\n", "duplicate key 'format' (first at line"),
     (TINY_TEXT.replace("seed: 5", "seed: 1_000"), "'1_000' is read by YAML as a number"),
     (TINY_TEXT.replace("seed: 5", "seed: 1:30"), "'1:30' is read by YAML as a number"),
+    (TINY_TEXT.replace("expert_cache: 4", "expert_cache: 010"),
+     "'010' is read by YAML as an octal number (8)"),
     (TINY_TEXT.replace("expert_cache: 4", "expert_cache: 4\nrepeats: 1_0.5"),
      "'1_0.5' is read by YAML as a number"),
     ("prompts: " + "[" * 5000 + "]" * 5000 + "\n", f"nested more than {MAX_DEPTH} levels"),
