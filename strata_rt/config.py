@@ -17,8 +17,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import yaml
-
+from .config_outputs import check_output, input_paths, output_collisions
 from .config_schema import (
     BUDGET_KEYS,
     TOP_KEYS,
@@ -28,7 +27,6 @@ from .config_schema import (
     check_format,
     check_generate,
     check_model,
-    check_output,
     check_prompts,
     device_memory_plan,
     file_path,
@@ -49,12 +47,14 @@ from .engine_config import BACKENDS, EngineConfig
 from .errors import ConfigError
 from .image_cache import ImageCacheSetting, check_setting
 from .in_place import InPlaceSetting, parse_in_place
+from .input_files import CONFIG_LIMIT, InputFileError, read_text
 from .lanes import LanesSetting, parse_lanes
 from .memory_plan import MemoryPlan
 from .model import MoESpec
 from .prompts import Prompt, read_token_file
 from .residency import RoutingProfile
 from .runtime.memory import MIB
+from .yaml_input import YamlProblem, load_yaml
 
 if TYPE_CHECKING:
     from .formats import QuantFormat
@@ -118,6 +118,10 @@ class Config:
     @property
     def ring_bytes(self) -> int | None:
         return None if self.ring_mib is None else int(self.ring_mib * MIB)
+
+    def input_paths(self) -> dict[str, Path]:
+        """The files a run of this config reads, by what they are: no output may be one."""
+        return input_paths(self.source, self.gguf, self.prompts, self.profile)
 
     def with_prompt_lengths(self, lengths: list[int]) -> Config:
         """The config with these prompt lengths (`--prompts`), host memory checked again."""
@@ -206,6 +210,12 @@ class Config:
         )
 
 
+#: a chunk longer than any prompt a machine holds
+MAX_TOKENS = 1 << 31
+#: runs per prompt: more is a typo, not a measurement (it would run for ever)
+MAX_REPEATS = 1_000_000
+
+
 def validate(doc: Any, base_dir: Path, source: Path | None = None,
              registry: QuantRegistry | None = None) -> Config:
     """A parsed YAML document -> Config, or ConfigError listing every problem."""
@@ -231,8 +241,9 @@ def validate(doc: Any, base_dir: Path, source: Path | None = None,
         p.add("backend", backend, f"allowed: {', '.join(BACKENDS)}")
 
     prefill = doc.get("prefill", "auto")
-    if prefill != "auto" and not (is_int(prefill) and prefill >= 1):
-        p.add("prefill", prefill, "expected `auto` or a chunk size in tokens (integer >= 1)")
+    if prefill != "auto" and not (is_int(prefill) and 1 <= prefill <= MAX_TOKENS):
+        p.add("prefill", prefill, "expected `auto` or a chunk size in tokens (integer "
+              f"1..{MAX_TOKENS:,})")
         prefill = None
 
     ring_mib = positive_number(p, doc, "ring_mib", "MiB")
@@ -285,13 +296,16 @@ def validate(doc: Any, base_dir: Path, source: Path | None = None,
     generate_tokens = check_generate(p, doc, whole is not None,
                                      None if whole is None else context or whole.context,
                                      prompts)
-    repeats = integer(p, doc, "", "repeats", minimum=1, default=1)
+    repeats = integer(p, doc, "", "repeats", minimum=1, default=1, maximum=MAX_REPEATS)
     seed = integer(p, doc, "", "seed", minimum=0, default=0)
 
     output = Output()
     out_doc = mapping(p, doc, "", "output", required=False)
     if out_doc is not None:
         output = Output(**check_output(p, out_doc, base_dir))
+        outputs = {f"output.{k}": v for k, v in (("json", output.json),
+                                                 ("dump_r", output.dump_r)) if v is not None}
+        p.items += output_collisions(outputs, input_paths(source, gguf, prompts, profile))
 
     if geom is not None and fmt is not None and prompts and chunk is not None:
         stream = dense == "stream"
@@ -318,14 +332,14 @@ def validate(doc: Any, base_dir: Path, source: Path | None = None,
 
 def load_config(path: str | Path, registry: QuantRegistry | None = None) -> Config:
     """Reads and validates a YAML run config; ConfigError names the file and every problem."""
+    if not str(path):
+        raise ConfigError("no config file given (the path is empty)", source="config")
     path = Path(path)
     try:
-        doc = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"no such config file: {path}", source=str(path)) from None
-    except OSError as e:  # a directory, no permission, an I/O error
-        raise ConfigError(f"cannot read the config file: {e.strerror or e}",
-                          source=str(path)) from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"not valid YAML: {e}", source=str(path)) from None
+        doc = load_yaml(read_text(path, CONFIG_LIMIT, "a YAML run config"))
+    except InputFileError as e:
+        raise ConfigError(f"cannot read the config file: {e.why}" if e.why != "no such file"
+                          else f"no such config file: {path}", source=str(path)) from None
+    except YamlProblem as e:
+        raise ConfigError(str(e), source=str(path)) from None
     return validate(doc, path.resolve().parent, source=path, registry=registry)

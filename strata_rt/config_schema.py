@@ -6,14 +6,15 @@ in one pass. Besides the schema they check what would otherwise fail late, after
 prompts had run: the prompt files' contents, the output paths, the host memory the run will
 allocate and the STRATA_MMQ_KERNEL variant against the chosen format.
 
-Paths in a config are relative to the config file's directory; `output.json` and
-`output.dump_r` are relative to `output.dir` when that is set.
+Paths in a config are relative to the config file's directory (the outputs' checks:
+config_outputs.py).
 """
 
 from __future__ import annotations
 
 import difflib
 import math
+import reprlib
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -24,10 +25,10 @@ from .config_whole import WHOLE_KEYS
 from .engine_config import mmq_kernel_switch
 from .errors import ConfigError, FormatError
 from .gguf_io import read_header, refuse_special
-from .hostmem import format_bytes, shortfall
+from .hostmem import MAX_MACHINE, format_bytes, shortfall
+from .input_files import regular_file_problem
 from .memory_plan import MemoryPlan, plan_memory
 from .model import SYNTHETIC_POOL_BYTES, MoESpec
-from .paths import output_dir_problem, output_file_problem
 from .planner import AUTO_CHUNK_MAX, ring_sizes
 from .prompts import Prompt, hidden_file_problem, read_token_file
 from .routing_kernels import ROUTINGS
@@ -48,7 +49,6 @@ _SYNTHETIC_KEYS = ("n_layers", "hidden", "ffn", "n_experts", "top_k", "seed", "r
 _SYNTHETIC_REQUIRED = ("n_layers", "hidden", "ffn", "n_experts", "top_k")
 _PROMPT_KEYS = ("file", "hidden_file")
 _GENERATE_KEYS = ("tokens",)
-OUTPUT_FILE_KEYS = ("dump_r", "json")
 
 #: layers of GGUF expert bytes held in host memory while the store is filled: the loader copies
 #: from the file's memory map a tensor at a time (measured: store + less than one layer)
@@ -65,7 +65,7 @@ class Problems:
         self.items: list[str] = []
 
     def add(self, path: str, value: Any, allowed: str) -> None:
-        shown = "(missing)" if value is MISSING else f"got {value!r}"
+        shown = "(missing)" if value is MISSING else f"got {shown_value(value)}"
         self.items.append(f"{path}: {shown}; {allowed}")
 
     def parsed(self, doc: dict, key: str, parse: Callable[[object, str], T]) -> T | None:
@@ -91,6 +91,17 @@ class Problems:
 
 MISSING = object()
 
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlevel, _SHOWN.maxdict, _SHOWN.maxlist, _SHOWN.maxstring = 3, 6, 8, 120
+_SHOWN.maxother = 120
+
+
+def shown_value(value: Any) -> str:
+    """A value as a problem message shows it: its repr, bounded in length and depth (a YAML
+    list of a million prompts, or a path of 100,000 characters, would otherwise fill the
+    message)."""
+    return _SHOWN.repr(value)
+
 
 def join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
@@ -104,8 +115,13 @@ def is_number(v: Any) -> bool:
     return (is_int(v) or isinstance(v, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
+#: the largest whole number a config key takes unless it says less: beyond it a size is no
+#: run's (and numpy's int64 arithmetic would overflow)
+MAX_INT = 1 << 53
+
+
 def integer(p: Problems, doc: dict, path: str, key: str, *, minimum: int,
-            default: Any = MISSING) -> Any:
+            default: Any = MISSING, maximum: int = MAX_INT) -> Any:
     v = doc.get(key, MISSING)
     if v is MISSING:
         if default is MISSING:
@@ -118,6 +134,9 @@ def integer(p: Problems, doc: dict, path: str, key: str, *, minimum: int,
         what = "a size must be positive" if minimum == 1 else f"must be >= {minimum}"
         p.add(join(path, key), v, f"{what} (integer >= {minimum})")
         return None
+    if v > maximum:
+        p.add(join(path, key), v, f"expected an integer {minimum}..{maximum:,}")
+        return None
     return v
 
 
@@ -129,6 +148,9 @@ def positive_number(p: Problems, doc: dict, key: str, unit: str,
     if not is_number(v) or v < 0 or (v == 0 and not zero_ok):
         bound = ">= 0" if zero_ok else "> 0"
         p.add(key, v, f"expected a number {bound} ({unit})")
+        return None
+    if unit == "MiB" and v * MIB > MAX_MACHINE:
+        p.add(key, v, f"more than any machine holds (at most {MAX_MACHINE // MIB:,} MiB)")
         return None
     return float(v)
 
@@ -149,13 +171,26 @@ def file_path(p: Problems, path: str, v: Any, base: Path, must_exist: bool) -> P
     if not isinstance(v, str) or not v:
         p.add(path, v, "expected a file path (string)")
         return None
-    resolved = (base / Path(v).expanduser()).resolve()
-    if must_exist and resolved.is_dir():
-        p.add(path, v, f"is a directory ({resolved}); expected a file")
+    if "\0" in v:
+        p.add(path, v, "a path cannot hold a NUL character")
         return None
-    if must_exist and not resolved.is_file():
-        p.add(path, v, f"no such file ({resolved})")
+    given = base / Path(v).expanduser()
+    try:
+        resolved = given.resolve()
+    except (OSError, RuntimeError) as e:  # a symlink loop on the way (RuntimeError < 3.13)
+        loop = regular_file_problem(given) or ""
+        p.add(path, v, loop if "symlink loop" in loop else f"cannot be resolved: {e}")
         return None
+    if must_exist:
+        why = regular_file_problem(resolved)
+        if why is not None:
+            shown = shown_value(str(resolved))[1:-1]
+            if why.startswith("is a directory"):
+                why = f"is a directory ({shown}); expected a file"
+            else:
+                why = f"{why} ({shown})"
+            p.add(path, v, why)
+            return None
     return resolved
 
 
@@ -190,8 +225,8 @@ def check_model(p: Problems, doc: dict, base: Path) -> tuple[MoESpec | None, Pat
     dims = {k: integer(p, syn, "model.synthetic", k, minimum=1) for k in _SYNTHETIC_REQUIRED}
     seed = integer(p, syn, "model.synthetic", "seed", minimum=0, default=0)
     eps = syn.get("rms_eps", 1e-6)
-    if not is_number(eps) or eps <= 0:
-        p.add("model.synthetic.rms_eps", eps, "expected a number > 0 (e.g. 1e-6)")
+    if not is_number(eps) or not 0 < eps <= 1:
+        p.add("model.synthetic.rms_eps", eps, "expected a number > 0 and <= 1 (e.g. 1e-6)")
         eps = None
     if None in dims.values() or eps is None:
         return None, None, seed
@@ -401,26 +436,3 @@ def host_memory_problem(spec: MoESpec, fmt: QuantFormat, gguf: bool,
     shown = [f"{k} {format_bytes(v)}" for k, v in parts.items() if v]
     shown[0] += f" = {spec.n_layers} layers x {spec.n_experts} experts x {slot}"
     return shortfall(sum(parts.values()), "the run", ", ".join(shown))
-
-
-def check_output(p: Problems, out_doc: dict, base: Path) -> dict[str, Path | None]:
-    """output.dir / .json / .dump_r, each checked to be writable before the run starts."""
-    p.unknown_keys("output", out_doc, ("dir", *OUTPUT_FILE_KEYS))
-    out_dir = None
-    if out_doc.get("dir") is not None:
-        out_dir = file_path(p, "output.dir", out_doc["dir"], base, must_exist=False)
-        why = None if out_dir is None else output_dir_problem(out_dir)
-        if why is not None:
-            p.add("output.dir", out_doc["dir"], f"{why} ({out_dir})")
-        if out_dir is None or why is not None:
-            return {}  # the files are under the folder: nothing more to say about them
-    files: dict[str, Path | None] = {"dir": out_dir}
-    for key in OUTPUT_FILE_KEYS:
-        if out_doc.get(key) is None:
-            continue
-        target = file_path(p, f"output.{key}", out_doc[key], out_dir or base, must_exist=False)
-        why = None if target is None else output_file_problem(target)
-        if why is not None:
-            p.add(f"output.{key}", out_doc[key], f"{why} ({target})")
-        files[key] = target
-    return files

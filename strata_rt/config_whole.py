@@ -36,6 +36,9 @@ class Problems(Protocol):
 WHOLE_REQUIRED = ("n_heads", "n_kv_heads", "head_dim", "vocab")
 WHOLE_OPTIONAL = ("rope_theta", "context", "tied", "dense_type", "pool_layers")
 WHOLE_KEYS = WHOLE_REQUIRED + WHOLE_OPTIONAL
+#: KV-cache positions beyond any model's context (larger ones overflowed the sizes)
+MAX_CONTEXT = 1 << 24
+
 #: dense tensor types a synthetic whole model may store (norms stay F32)
 DENSE_TYPES = ("F32", "F16", "BF16", "Q8_0")
 
@@ -77,7 +80,12 @@ def check_whole(p: Problems, doc: dict, geom: MoESpec | None, gguf: Path | None
     if options["dense_type"] not in DENSE_TYPES:
         p.add("model.synthetic.dense_type", options["dense_type"],
               f"allowed: {', '.join(DENSE_TYPES)}")
+        options["dense_type"] = "F32"  # the run is refused; the sizes are still estimated
     fields = {k: syn[k] for k in WHOLE_REQUIRED + ("rope_theta", "context") if k in syn}
+    context = fields.get("context")
+    if isinstance(context, int) and context > MAX_CONTEXT:
+        p.add("model.synthetic.context", context, f"at most {MAX_CONTEXT:,} positions")
+        return None, {}
     try:
         spec = Qwen3Spec(n_layers=geom.n_layers, hidden=geom.hidden, ffn=geom.ffn,
                          n_experts=geom.n_experts, top_k=geom.top_k, rms_eps=geom.rms_eps,
@@ -97,8 +105,9 @@ def check_context(p: Problems, doc: dict, whole: Qwen3Spec | None) -> int | None
     if whole is None:
         p.add("context", v, "only for a whole model (MoE layers alone keep no KV cache)")
         return None
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        p.add("context", v, f"expected KV-cache positions, 1..{whole.context} or more")
+    if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_CONTEXT:
+        p.add("context", v, f"expected KV-cache positions, 1..{whole.context} or more (at "
+              f"most {MAX_CONTEXT:,})")
         return None
     return v
 

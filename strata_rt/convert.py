@@ -22,6 +22,7 @@ import logging
 import math
 import multiprocessing
 import os
+import signal
 import sys
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
@@ -170,9 +171,45 @@ _worker_fmt: QuantFormat | None = None
 _worker_maps: dict[str, FileMap] = {}
 
 
-def _init_worker(fmt: QuantFormat) -> None:
+def _init_worker(fmt: QuantFormat, parent: int | None = None) -> None:
+    """A worker leaves Ctrl-C to its parent (which ends it at once, see _end_workers), and on
+    Linux asks the kernel to send it SIGTERM when the parent dies, however the parent dies
+    (SIGKILL included): no worker outlives the conversion it works for."""
     global _worker_fmt
     _worker_fmt = fmt
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+            if parent is not None and os.getppid() != parent:  # it died before the request
+                os._exit(1)
+        except (OSError, AttributeError):  # no prctl: the parent's _end_workers remains
+            pass
+
+
+#: prctl(2) option: the signal a process receives when its parent exits
+PR_SET_PDEATHSIG = 1
+
+
+def _end_workers(pool: ProcessPoolExecutor) -> None:
+    """Ends the pool's workers now (SIGTERM, then SIGKILL after 1 s) rather than after the
+    experts they are converting (half a minute on large shapes): an interrupted conversion
+    keeps nothing, and Ctrl-C or SIGTERM should end the run at once."""
+    procs = list((getattr(pool, "_processes", None) or {}).values())
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    deadline = time.monotonic() + 1.0
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.kill()
+            proc.join(1.0)
+    pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _worker_task(path: str, src: LayerSource, lo: int, hi: int) -> np.ndarray:
@@ -334,7 +371,7 @@ class GGUFExperts:
         pending: dict[Future, tuple[np.ndarray, int, int]] = {}
         queue = iter(tasks)
         pool = ProcessPoolExecutor(min(workers, len(tasks)), mp_context=ctx,
-                                   initializer=_init_worker, initargs=(self.fmt,))
+                                   initializer=_init_worker, initargs=(self.fmt, os.getpid()))
 
         def submit() -> None:
             task = next(queue, None)
@@ -354,8 +391,11 @@ class GGUFExperts:
                     eta.advance(hi - lo)
                     submit()
         except BrokenProcessPool:
+            _end_workers(pool)
             raise StrataError(f"{self.fm.path}: a conversion worker died (out of memory?); "
                               f"{workers} workers were converting experts to {self.fmt.name}"
                               ) from None
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)
+        except BaseException:  # Ctrl-C, SIGTERM (strata_rt.interrupts), an error of ours
+            _end_workers(pool)
+            raise
+        pool.shutdown(wait=True)

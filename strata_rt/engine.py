@@ -44,6 +44,7 @@ from .formats import QuantFormat
 from .host_copy import all_finite, copy_into, prefault
 from .model import Model
 from .nonfinite import NonFiniteError, check_finite
+from .paths import output_target
 from .plan import LogitRows
 from .planner import AUTO_CHUNK_MAX
 from .prompts import check_token_ids
@@ -149,9 +150,12 @@ class Engine:
         self.driver = ChunkDriver(model.spec, model.fmt, config, backend)
         self.residency: Residency = backend.residency
         self.config.backend = backend_name
-        self._dump = Path(config.dump_r) if config.dump_r else None
+        # a symlink is written through; resolve() refused what is not a regular file
+        self._dump = output_target(config.dump_r) if config.dump_r else None
         if self._dump is not None:
             self._dump.parent.mkdir(parents=True, exist_ok=True)
+            if self._dump.exists():
+                self._dump_partial(self._dump)  # refuses what is no regular file
             self._dump.write_bytes(b"")  # each engine starts its dump afresh
         self.chunk_tokens = self._chunk_tokens()
         #: (label, trace events) of every prompt so far, for STRATA_PREFILL_TRACE
@@ -347,11 +351,23 @@ class Engine:
         """The dump file under its in-progress name (what earlier prefills wrote, moved)."""
         if self._dump is None:
             return None
-        partial = self._dump.with_name(self._dump.name + ".partial")
-        if self._dump.exists():
+        partial = self._dump_partial(self._dump)
+        if self._dump.is_file():
             os.replace(self._dump, partial)
         else:
             partial.write_bytes(b"")
+        return partial
+
+    @staticmethod
+    def _dump_partial(dump: Path) -> Path:
+        """`<dump>.partial`, once both names are regular files or free: only those are ever
+        renamed (a device node given as the dump would be moved away from every process)."""
+        partial = dump.with_name(dump.name + ".partial")
+        for path in (dump, partial):
+            if (path.exists() or path.is_symlink()) and not path.is_file():
+                raise ConfigError(f"{path}: is not a regular file; the residual dump is not "
+                                  "written there (give a new name or a regular file)",
+                                  source="dump_r")
         return partial
 
     def close(self) -> None:

@@ -14,8 +14,11 @@ on none of them, so none of them depends on another through it.
 
 from __future__ import annotations
 
+import difflib
+import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import env
@@ -50,7 +53,7 @@ def dense_gemm_switch() -> str:
     return env.choice("STRATA_DENSE_GEMM", DENSE_GEMMS[0])
 
 
-@dataclass
+@dataclass(init=False)
 class EngineConfig:
     """model: what strata_rt.whole_model.load_model takes (MoE layers alone or a whole
     model). context: KV-cache positions of a whole model (None: the model's context length). expert_cache fixes the number of resident experts;
@@ -105,32 +108,77 @@ class EngineConfig:
     progress: Callable[[int, int, int, int], None] | None = None
     _profile: RoutingProfile | None = field(default=None, repr=False)
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # noqa: D107 (see _check_keys)
+        _check_keys(kwargs, len(args))
+        _dataclass_init(self, *args, **kwargs)  # type: ignore[arg-type]
+
     def load_profile(self) -> RoutingProfile | None:
         if self.profile is not None and self._profile is None:
             self._profile = RoutingProfile.load(self.profile)
         return self._profile
+
+    def _type_problems(self) -> list[str]:
+        """The fields a library caller may fill with anything: each of its kind, or None."""
+        problems = []
+        if self.profile is not None and not isinstance(self.profile, str | os.PathLike):
+            problems.append(f"profile: got {self.profile!r}; allowed: a file path")
+        v = self.vram_reserve_mib
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int | float)
+                              or not 0 <= v <= 1 << 30):
+            problems.append(f"vram_reserve_mib: got {v!r}; allowed: MiB from 0 to "
+                            "1,073,741,824 (1 PiB)")
+        w = self.walk_min_tokens
+        if w is not None and not _whole(w, 1, 1 << 31):
+            problems.append(f"walk_min_tokens: got {w!r}; allowed: a number of tokens >= 1")
+        for name in ("gather_one", "check_plan", "timing"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                problems.append(f"{name}: got {getattr(self, name)!r}; allowed: true or false")
+        return problems
+
+    def _output_problems(self) -> list[str]:
+        """The dump and trace paths (given, or from the environment), checked before the
+        engine opens: regular files or new names only, none of them the model's GGUF."""
+        from .paths import output_collisions, output_file_problem
+
+        outputs = {}
+        for key, switch in (("dump_r", "STRATA_PREFILL_DUMP_R"),
+                            ("trace", "STRATA_PREFILL_TRACE")):
+            value = getattr(self, key)
+            value = env.text(switch) if value is None else value
+            if value is None:
+                continue
+            if not isinstance(value, str | os.PathLike) or not str(value):
+                return [f"{key}: got {value!r}; allowed: a file path"]
+            outputs[key] = Path(value)
+        problems = []
+        if "dump_r" in outputs:
+            outputs["dump_r (its .partial file)"] = Path(f"{outputs['dump_r']}.partial")
+        for key, path in outputs.items():
+            why = output_file_problem(path)
+            if why is not None:
+                problems.append(f"{key}: got {str(path)!r}; {why}")
+        gguf = self.model.get("gguf") if isinstance(self.model, dict) else None
+        inputs = {"the model's GGUF file": Path(gguf)} if isinstance(gguf, str) else {}
+        if self.profile is not None:
+            inputs["the routing profile"] = Path(self.profile)
+        return problems + output_collisions(outputs, inputs)
 
     def resolve(self) -> EngineConfig:
         """Validates, and fills switches left None from the environment."""
         problems = []
         if self.backend not in BACKENDS:
             problems.append(f"backend: got {self.backend!r}; allowed: {', '.join(BACKENDS)}")
-        if not (self.prefill == "auto" or (isinstance(self.prefill, int)
-                                           and not isinstance(self.prefill, bool)
-                                           and self.prefill > 0)):
+        if not (self.prefill == "auto" or _whole(self.prefill, 1, 1 << 31)):
             problems.append(f"prefill: got {self.prefill!r}; allowed: \"auto\" or a positive "
-                            "number of tokens")
-        if self.expert_cache is not None and (not isinstance(self.expert_cache, int)
-                                              or self.expert_cache < 0):
+                            "number of tokens (at most 2^31)")
+        if self.expert_cache is not None and not _whole(self.expert_cache, 0, 1 << 40):
             problems.append(f"expert_cache: got {self.expert_cache!r}; allowed: an integer "
                             ">= 0")
         if self.routing is not None and self.routing not in ROUTINGS:
             problems.append(f"routing: got {self.routing!r}; allowed: {', '.join(ROUTINGS)}")
-        if self.context is not None and (isinstance(self.context, bool)
-                                         or not isinstance(self.context, int)
-                                         or self.context < 1):
+        if self.context is not None and not _whole(self.context, 1, 1 << 24):
             problems.append(f"context: got {self.context!r}; allowed: a positive number of "
-                            "tokens")
+                            "tokens (at most 16,777,216)")
         if self.dense not in DENSE_POLICIES:
             problems.append(f"dense: got {self.dense!r}; allowed: {', '.join(DENSE_POLICIES)}")
         why = check_setting(self.image_cache_mib)
@@ -146,13 +194,17 @@ class EngineConfig:
                 self.in_place = parse_in_place(self.in_place)
             except ConfigError as e:
                 problems.extend(e.problems)
-        if self.ring_bytes is not None and self.ring_bytes <= 0:
-            problems.append(f"ring_bytes: got {self.ring_bytes!r}; allowed: a positive size")
+        if self.ring_bytes is not None and not _whole(self.ring_bytes, 1, 1 << 50):
+            problems.append(f"ring_bytes: got {self.ring_bytes!r}; allowed: a positive size "
+                            "(at most 1 PiB)")
         for name, allowed in (("decode", DECODES), ("dense_gemm", DENSE_GEMMS),
                               ("f16_gemm", F16_GEMMS)):
             value = getattr(self, name)
             if value is not None and value not in allowed:
                 problems.append(f"{name}: got {value!r}; allowed: {', '.join(allowed)}")
+        problems += self._type_problems()
+        if not problems:
+            problems += self._output_problems()
         if problems:
             raise ConfigError(problems, source="engine config")
         if self.gather_one is None:
@@ -188,3 +240,37 @@ class EngineConfig:
         if self.f16_gemm is None:
             self.f16_gemm = env.choice("STRATA_F16_GEMM", F16_GEMMS[0])
         return self
+
+
+def _whole(v: object, lo: int, hi: int) -> bool:
+    """Whether v is an int (not a bool) in lo..hi."""
+    return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+
+
+@dataclass
+class _Fields(EngineConfig):
+    """EngineConfig's fields with the dataclass's own __init__, which EngineConfig.__init__
+    calls once the keywords are known (dataclass(init=False) keeps the class's own)."""
+
+
+_dataclass_init = _Fields.__init__
+_FIELDS = tuple(f.name for f in fields(EngineConfig))
+_KNOWN = tuple(name for name in _FIELDS if not name.startswith("_"))
+
+
+def _check_keys(kwargs: dict[str, Any], n_positional: int) -> None:
+    """EngineConfig(**settings) with a key it does not have is a ConfigError naming the key
+    and the closest field (TypeError's traceback otherwise), as in a run config."""
+    problems = []
+    if n_positional > 1:
+        problems.append(f"got {n_positional} positional arguments; give the model, then "
+                        "keywords")
+    for key in kwargs:
+        if key not in _FIELDS:
+            close = difflib.get_close_matches(str(key), _KNOWN, n=1)
+            hint = f"did you mean `{close[0]}`? " if close else ""
+            problems.append(f"{key}: unknown key; {hint}known keys: {', '.join(_KNOWN)}")
+    if n_positional == 0 and "model" not in kwargs:
+        problems.append("model: (missing); required: a model, its spec or a model dict")
+    if problems:
+        raise ConfigError(problems, source="engine config")

@@ -152,15 +152,15 @@ def problem(name: str, value: str) -> str | None:
     kind = SWITCHES[name].kind
     if kind == "flag" and value not in ("0", "1"):
         return "expected 0 or 1"
-    if kind == "int" and not (value.isdigit() and int(value) >= 1):
+    if kind == "int" and not (value.isascii() and value.isdigit() and int(value) >= 1):
         return "expected a positive whole number"
     if kind == "mib" and value != "all":
         try:
-            ok = 0 <= float(value) < float("inf")
+            ok = 0 <= float(value) <= 1 << 30  # 1 PiB: no machine has more
         except ValueError:
             ok = False
         if not ok:
-            return "expected a number of MiB >= 0, or all"
+            return "expected a number of MiB >= 0 (at most 1,073,741,824: 1 PiB), or all"
     if kind.startswith("choice:") and value not in kind[7:].split(","):
         return f"expected one of {kind[7:].replace(',', ', ')}"
     if kind == "program":

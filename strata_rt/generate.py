@@ -30,6 +30,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from .errors import ConfigError, StrataError
+from .prompts import integer_ids
 from .stats import Stats
 
 log = logging.getLogger(__name__)
@@ -231,9 +232,7 @@ def greedy(session: LogitsSession, prompt_ids: Sequence[int] | np.ndarray, max_n
     """Prefills `prompt_ids` from an empty cache, then produces up to `max_new` tokens, one
     prefill of the last token per step; stops after the EOS token (`eos_id`, None: never).
     `on_token(id)` is called as each token is chosen (streamed output)."""
-    ids = np.asarray(prompt_ids).reshape(-1)
-    if ids.size and not np.issubdtype(ids.dtype, np.integer):
-        raise ConfigError(f"prompt ids must be integers, got {ids.dtype}", source="generate")
+    ids = integer_ids(prompt_ids, "generate")
     check_request(session, int(ids.size), max_new)
     session.reset()
     result = GenerateResult(prompt_tokens=int(ids.size))

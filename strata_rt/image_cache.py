@@ -48,15 +48,19 @@ def groups_per_layer(spec: MoESpec) -> int:
     return -(-spec.n_experts // MMQ_GROUP)
 
 
+#: more device memory than any machine has (1 PiB in MiB): larger sizes overflowed
+MAX_MIB = 1 << 30
+
+
 def check_setting(value: object) -> str | None:
     """None when `value` is a valid setting (None, a number of MiB >= 0, or "all"), else
     what is allowed, in words."""
     if value is None or value == ALL:
         return None
     if (isinstance(value, bool) or not isinstance(value, int | float)
-            or not 0 <= value < float("inf")):
-        return (f"allowed: a number of MiB >= 0, or `{ALL}` (room for the images of every "
-                "group of every layer)")
+            or not 0 <= value <= MAX_MIB):
+        return (f"allowed: a number of MiB >= 0 (at most {MAX_MIB:,}: 1 PiB), or `{ALL}` (room "
+                "for the images of every group of every layer)")
     return None
 
 

@@ -7,15 +7,23 @@ walk up to the nearest existing folder and create (then remove) a probe file in 
 catches read-only mounts and ACLs that permission bits do not show.
 
 `write_text_atomic` writes beside the target and renames, so a file rewritten after every
-prompt is always either the previous complete version or the new one.
+prompt is always either the previous complete version or the new one. Only regular files are
+ever renamed over: a device node given as an output (a copy of /dev/full, /dev/null itself)
+would otherwise be moved aside or replaced, for every process on the machine. So FIFOs,
+devices and sockets are refused as outputs, a symlink is written through (its target
+rewritten, the link kept), and `output_collisions` refuses an output that is a file the run
+reads (its config, model, prompt files) or another of its outputs.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import stat
 import tempfile
 from pathlib import Path
+
+from .input_files import file_id, kind_name
 
 
 def _exists(path: Path) -> bool:
@@ -45,34 +53,93 @@ def _creatable(folder: Path) -> str | None:
     while not _exists(ancestor) and ancestor != ancestor.parent:
         ancestor = ancestor.parent
     if not ancestor.is_dir():
-        return f"{ancestor} is a file, so no folder can be created under it"
+        kind = kind_name(os.stat(ancestor).st_mode) if _exists(ancestor) else None
+        return f"{ancestor} is {kind or 'a file'}, so no folder can be created under it"
     return _probe(ancestor)
 
 
-def output_file_problem(path: Path) -> str | None:
-    """Why `path` cannot be written as a file, or None. A device or pipe that exists
-    (/dev/null, /dev/stdout) is accepted as it is."""
+def output_target(path: str | Path) -> Path:
+    """The file an output path writes: `path` with its symlinks followed (a link is written
+    through, never replaced by a regular file); `path` itself when it is no link."""
     path = Path(path)
-    if path.is_dir():
+    return Path(os.path.realpath(path)) if os.path.islink(path) else path
+
+
+def output_file_problem(path: Path) -> str | None:
+    """Why `path` cannot be written as a results file, or None. Only a regular file (or a
+    new name) is written: a FIFO would block the run, and a device or socket would be renamed
+    away by the atomic write, so they are refused, as is a symlink loop. A symlink is
+    followed: what it points to is checked and written."""
+    path = Path(path)
+    if "\0" in str(path):
+        return "a path cannot hold a NUL character"
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return "is a symlink loop (following its links never reaches a file)"
+        if e.errno == errno.ENAMETOOLONG:
+            return "the path is too long"
+        st = None
+    target = output_target(path)
+    if st is None:
+        return _creatable(target.parent)
+    if stat.S_ISDIR(st.st_mode):
         return "is a directory; give a file path (a name inside it)"
-    if _exists(path):
-        if not path.is_file():
-            return None
-        try:
-            os.close(os.open(path, os.O_WRONLY | os.O_APPEND))  # opens, changes nothing
-        except OSError as e:
-            if e.errno in (errno.EACCES, errno.EPERM):
-                return "no permission to write this file"
-            return f"cannot be written: {e.strerror or e}"
-        return _probe(path.parent)  # rewritten through a temporary name beside it
-    return _creatable(path.parent)
+    if not stat.S_ISREG(st.st_mode):
+        return (f"is {kind_name(st.st_mode)}; results are written to regular files only "
+                "(a new name, or a file to rewrite)")
+    try:
+        os.close(os.open(target, os.O_WRONLY | os.O_APPEND))  # opens, changes nothing
+    except OSError as e:
+        if e.errno in (errno.EACCES, errno.EPERM):
+            return "no permission to write this file"
+        return f"cannot be written: {e.strerror or e}"
+    return _probe(target.parent)  # rewritten through a temporary name beside it
+
+
+def same_file(a: Path, b: Path) -> bool:
+    """Whether two paths name one file: the same inode when both exist (hard links and
+    symlinks included), else the same path once symlinks are followed."""
+    ia, ib = file_id(a), file_id(b)
+    if ia is not None or ib is not None:
+        return ia == ib
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+def output_collisions(outputs: dict[str, Path], inputs: dict[str, Path]) -> list[str]:
+    """One problem per output that names a file the run reads (`inputs`: what -> path) or
+    another output: writing it would destroy the input, or one result the other. Keys are
+    how the user gave each path (`--json: got 'run.yaml'`, `output.dump_r`)."""
+    problems = []
+    seen: list[tuple[str, Path]] = []
+    for label, out in outputs.items():
+        hit = next((f"{what} ({path})" for what, path in inputs.items()
+                    if same_file(out, path)), None)
+        if hit is None:
+            hit = next((f"the path {other} also writes" for other, path in seen
+                        if same_file(out, path)), None)
+        if hit is not None:
+            problems.append(f"{label}: got {str(out)!r}; is {hit}; writing there would "
+                            "destroy it: give another path")
+        seen.append((label, out))
+    return problems
 
 
 def output_dir_problem(path: Path) -> str | None:
     """Why `path` cannot be used (or created) as a folder for output files, or None."""
     path = Path(path)
-    if _exists(path):
-        return _probe(path) if path.is_dir() else "is a file, not a folder"
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return "is a symlink loop (following its links never reaches a folder)"
+        st = None
+    if st is not None:
+        if stat.S_ISDIR(st.st_mode):
+            return _probe(path)
+        kind = kind_name(st.st_mode)
+        return f"is {kind or 'a file'}, not a folder"
     return _creatable(path)
 
 
@@ -83,20 +150,25 @@ def _umask() -> int:
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    """Writes `text` to a temporary file beside `path`, then renames it over `path`. A path
-    that exists and is not a regular file (/dev/null, a pipe) is written directly."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if _exists(path) and not path.is_file():
-        path.write_text(text)
-        return
-    mode = path.stat().st_mode & 0o7777 if _exists(path) else 0o666 & ~_umask()
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    """Writes `text` to a temporary file beside the target, then renames it over the target:
+    a reader (or a run cut short, or a full disk) finds the previous complete version or the
+    new one. A symlink is written through. Anything but a regular file or a new name is never
+    replaced (OSError): output_file_problem refuses those before a run."""
+    target = output_target(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    st = None
+    if _exists(target):
+        st = os.stat(target)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, f"is {kind_name(st.st_mode)}; not replaced by a "
+                          "results file", str(path))
+    mode = st.st_mode & 0o7777 if st is not None else 0o666 & ~_umask()
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
         os.chmod(tmp, mode)
-        os.replace(tmp, path)
+        os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

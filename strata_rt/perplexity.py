@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +30,7 @@ import numpy as np
 from .errors import ConfigError, StrataError
 from .generate import LogitsSession
 from .progress import Progress
+from .prompts import integer_ids
 
 log = logging.getLogger(__name__)
 
@@ -143,14 +144,14 @@ def window_nll(session: LogitsSession, ids: np.ndarray, max_logit_bytes: int = M
 
 
 def perplexity(session: LogitsSession, token_ids: Sequence[int] | np.ndarray, ctx: int,
-               progress: Progress | None = None, max_logit_bytes: int = MAX_LOGIT_BYTES
-               ) -> PerplexityResult:
+               progress: Progress | None = None, max_logit_bytes: int = MAX_LOGIT_BYTES,
+               on_window: Callable[[int, Window], None] | None = None) -> PerplexityResult:
     """Perplexity of token_ids over non-overlapping windows of ctx tokens (see the module's
-    docstring). `progress` labels each window (the engine draws its per-layer line). Ctrl-C
-    after the first window returns the finished ones, marked interrupted."""
-    ids = np.asarray(token_ids).reshape(-1)
-    if ids.size and not np.issubdtype(ids.dtype, np.integer):
-        raise ConfigError(f"token ids must be integers, got {ids.dtype}", source="perplexity")
+    docstring). `progress` labels each window (the engine draws its per-layer line);
+    `on_window(index, window)` is called as each finishes (a caller prints it then, so a
+    later failure loses none). Ctrl-C (or SIGTERM, strata_rt.interrupts) after the first
+    window returns the finished ones, marked interrupted."""
+    ids = integer_ids(token_ids, "perplexity")
     ids = ids.astype(np.int64)
     check_ctx(ctx, session.context, int(ids.size))
     spans = windows_of(len(ids), int(ctx))
@@ -172,6 +173,12 @@ def perplexity(session: LogitsSession, token_ids: Sequence[int] | np.ndarray, ct
                 progress.end()
         w = Window(start=lo, tokens=hi - lo, nll=nll, seconds=time.perf_counter() - t0)
         result.windows.append(w)
+        try:
+            if on_window is not None:
+                on_window(i, w)
+        except KeyboardInterrupt:  # while the caller printed it: the window is kept
+            result.interrupted = True
+            break
         log.debug("window %d/%d: %d tokens, perplexity %.4f (%.2f s)", i + 1, len(spans),
                  w.tokens, w.perplexity, w.seconds)
     session.reset()

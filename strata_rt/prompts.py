@@ -13,6 +13,7 @@ naming the file, the row and the column.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,8 +21,12 @@ from typing import Any
 import numpy as np
 
 from .errors import ConfigError
+from .input_files import DATA_LIMIT, InputFileError, read_text, regular_file_problem
 
 INT64_MAX = (1 << 63) - 1
+#: a token id as a token file writes it: ASCII digits, an optional sign (int() would also take
+#: `1_000`, fullwidth and Arabic-Indic digits)
+_ASCII_INT = re.compile(r"[+-]?[0-9]+")
 #: rows of a hidden-state file checked per step (bounded memory for any file size)
 SCAN_BYTES = 64 << 20
 
@@ -97,10 +102,26 @@ def token_id_problem(ids: np.ndarray, vocab_size: int | None = None) -> str | No
     return None
 
 
+def integer_ids(token_ids: Any, source: str) -> np.ndarray:
+    """Token ids (any integer dtype, flattened) or ConfigError: strings, floats, booleans,
+    ragged lists and ids beyond int64 are refused here, with words, not numpy's traceback."""
+    try:
+        ids = np.asarray(token_ids).reshape(-1)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"token ids must be integers ({e})", source=source) from None
+    if ids.size and not np.issubdtype(ids.dtype, np.integer):
+        raise ConfigError(f"token ids must be integers, got {ids.dtype}", source=source)
+    return ids
+
+
 def check_token_ids(token_ids: Any, vocab: int, source: str = "prefill") -> np.ndarray:
     """int64 [T] token ids, refused unless a non-empty 1-D integer array inside the vocabulary
     (what a whole model's prefill takes, on every backend and in the numpy model)."""
-    ids = np.asarray(token_ids)
+    try:
+        ids = np.asarray(token_ids)
+    except (ValueError, TypeError) as e:  # ragged lists, objects numpy cannot hold
+        raise ConfigError(f"token ids must be a non-empty 1-D integer array ({e})",
+                          source=source) from None
     if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
         raise ConfigError(f"token ids must be a non-empty 1-D integer array, got shape "
                           f"{ids.shape} of {ids.dtype}", source=source)
@@ -117,20 +138,36 @@ def read_token_file(path: Path, vocab_size: int | None = None) -> np.ndarray:
     or newlines between them). ConfigError for anything else, for a negative id, one beyond
     int64 and, given `vocab_size` (a model with an embedding table), one beyond it."""
     if path.suffix == ".npy":
-        ids = np.load(path, mmap_mode="r")
-        if ids.dtype.kind not in "iu":
-            raise ConfigError(f"{path}: token ids must be integers, found dtype {ids.dtype}")
+        why = regular_file_problem(path)
+        if why is not None:
+            raise ConfigError(f"{path}: {why}")
+        try:
+            ids = np.load(path, mmap_mode="r")
+        except ValueError as e:  # not an .npy array (a pickle, another file)
+            raise ConfigError(f"{path}: not a .npy integer array ({e})") from None
+        if not isinstance(ids, np.ndarray) or ids.dtype.kind not in "iu":
+            found = getattr(ids, "dtype", type(ids).__name__)
+            raise ConfigError(f"{path}: token ids must be integers, found dtype {found}")
         flat = np.asarray(ids).reshape(-1)
     else:
         try:
-            flat = np.array([int(t) for t in path.read_text().replace(",", " ").split()],
-                            dtype=object)
-        except ValueError as e:
-            raise ConfigError(f"{path}: token files hold integers: {e}") from None
+            words = read_text(path, DATA_LIMIT, "a token file").replace(",", " ").split()
+        except InputFileError as e:
+            raise ConfigError(f"{path}: {e.why}") from None
+        bad = next((i for i, w in enumerate(words) if not _ASCII_INT.fullmatch(w)), None)
+        if bad is not None:
+            raise ConfigError(f"{path}: token files hold integers written with the digits "
+                              f"0-9: {shown_word(words[bad])} (token {bad}) is not one")
+        flat = np.array([int(w) for w in words], dtype=object)
     why = token_id_problem(flat, vocab_size)
     if why is not None:
         raise ConfigError(f"{path}: {why}")
     return flat.astype(np.int64)
+
+
+def shown_word(word: str) -> str:
+    """A word of a file as a message quotes it: its repr, cut at 40 characters."""
+    return repr(word) if len(word) <= 40 else repr(word[:40]) + "..."
 
 
 def first_nonfinite(arr: np.ndarray) -> tuple[int, int, int] | None:

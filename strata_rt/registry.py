@@ -26,12 +26,13 @@ from importlib import metadata
 from pathlib import Path
 
 import pluggy
-import yaml
 
 from . import env, hookspecs
 from .errors import PluginError
 from .formats import QuantFormat
+from .input_files import CONFIG_LIMIT, InputFileError, read_text
 from .resources import BUILTIN_PLUGINS_YAML
+from .yaml_input import YamlProblem, load_yaml
 
 log = logging.getLogger(__name__)
 
@@ -70,13 +71,15 @@ class LoadedFormat:
 def read_plugins_yaml(path: Path) -> list[PluginEntry]:
     """The entries of a plugins.yaml, in order, disabled ones included."""
     try:
-        doc = yaml.safe_load(path.read_text()) or {}
-    except FileNotFoundError:
-        raise PluginError(f"{path}: plugin list not found") from None
-    except IsADirectoryError:
-        raise PluginError(f"{path}: is a directory; expected a plugins.yaml file") from None
-    except yaml.YAMLError as e:
-        raise PluginError(f"{path}: not valid YAML: {e}") from None
+        doc = load_yaml(read_text(path, CONFIG_LIMIT, "a plugins.yaml")) or {}
+    except InputFileError as e:
+        if e.why == "no such file":
+            raise PluginError(f"{path}: plugin list not found") from None
+        if e.why.startswith("is a directory"):
+            raise PluginError(f"{path}: is a directory; expected a plugins.yaml file") from None
+        raise PluginError(f"{path}: cannot read the plugin list: {e.why}") from None
+    except YamlProblem as e:
+        raise PluginError(f"{path}: {e}") from None
     entries = doc.get("plugins") if isinstance(doc, dict) else None
     if not isinstance(entries, list):
         raise PluginError(f"{path}: expected a top-level `plugins:` list of {{module, enabled}}")

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .errors import ConfigError
+from .input_files import DATA_LIMIT, InputFileError, read_text
 from .runtime.memory import mib
 
 if TYPE_CHECKING:
@@ -39,26 +40,76 @@ class RoutingProfile:
         self.counts = c.astype(np.int64)
 
     def save(self, path: str | Path) -> None:
+        """Writes the profile atomically (a reader never sees half of one); the path was
+        checked as an output before the run (strata_rt.paths)."""
+        from .paths import write_text_atomic
+
         doc = {"kind": "strata_rt routing profile", "n_layers": int(self.counts.shape[0]),
                "n_experts": int(self.counts.shape[1]), "counts": self.counts.tolist()}
-        Path(path).write_text(json.dumps(doc) + "\n")
+        write_text_atomic(Path(path), json.dumps(doc) + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> RoutingProfile:
+        """A profile `save` wrote. Counts are whole numbers 0..2^62 written as JSON integers:
+        1.5 or 1e30 are refused, not rounded or overflowed; a key given twice is refused."""
         p = Path(path)
         try:
-            doc = json.loads(p.read_text())
-            counts = np.asarray(doc["counts"], dtype=np.int64)
-            shape = (int(doc["n_layers"]), int(doc["n_experts"]))
-        except FileNotFoundError:
-            raise ConfigError(f"{p}: no such profile file", source="profile") from None
-        except (ValueError, KeyError, TypeError) as e:
-            raise ConfigError(f"{p}: not a strata_rt routing profile ({e}); write one with "
+            doc = json.loads(read_text(p, DATA_LIMIT, "a routing profile (JSON)"),
+                             object_pairs_hook=_unique_keys, parse_constant=_no_constant)
+            if not isinstance(doc, dict):
+                raise ValueError(f"expected a JSON object, found {type(doc).__name__}")
+            shape = (_count(doc["n_layers"], "n_layers"), _count(doc["n_experts"],
+                                                                  "n_experts"))
+            counts = _counts(doc["counts"])
+        except InputFileError as e:
+            raise ConfigError(f"{p}: no such profile file" if e.why == "no such file"
+                              else f"{p}: {e.why}", source="profile") from None
+        except (ValueError, KeyError, TypeError, RecursionError) as e:
+            why = "nested too deeply" if isinstance(e, RecursionError) else e
+            raise ConfigError(f"{p}: not a strata_rt routing profile ({why}); write one with "
                               "`strata profile`", source="profile") from None
         if counts.shape != shape:
             raise ConfigError(f"{p}: counts have shape {counts.shape}, header says {shape}",
                               source="profile")
         return cls(counts)
+
+
+#: the largest routing count a profile may hold (sums of counts stay inside int64)
+MAX_COUNT = 1 << 62
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"the key {key!r} appears twice")
+        out[key] = value
+    return out
+
+
+def _no_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a count")
+
+
+def _count(v: object, what: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_COUNT:
+        shown = repr(v) if len(repr(v)) <= 40 else repr(v)[:40] + "..."
+        raise ValueError(f"{what} {shown} is not a whole number 0..2^62")
+    return v
+
+
+def _counts(rows: object) -> np.ndarray:
+    """counts [n_layers][n_experts] of JSON integers -> int64, each checked (numpy would
+    truncate 1.5 to 1 and fail on 1e30 with its own words)."""
+    if not isinstance(rows, list) or not all(isinstance(r, list) for r in rows):
+        raise ValueError("counts must be a list of lists (one per layer)")
+    width = len(rows[0]) if rows else 0
+    for i, row in enumerate(rows):
+        if len(row) != width:
+            raise ValueError(f"layer {i} has {len(row)} counts, layer 0 has {width}")
+        for e, v in enumerate(row):
+            _count(v, f"the count of layer {i}, expert {e},")
+    return np.array(rows, dtype=np.int64).reshape(len(rows), width)
 
 
 class Residency:

@@ -12,6 +12,7 @@ slower than a plain one; the table says so.
 from __future__ import annotations
 
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
 #: phases in the order the table lists them (others follow in order of first appearance)
@@ -115,7 +116,6 @@ def write_trace(path: str, prompts: list[tuple[str, list[dict[str, Any]]]]) -> N
     chrome://tracing): one process lane per prompt, a compute and a copy thread in each.
     Written under a temporary name and renamed, so the file is always whole."""
     import json
-    import os
 
     events: list[dict[str, Any]] = []
     for pid, (label, trace) in enumerate(prompts, 1):
@@ -125,10 +125,9 @@ def write_trace(path: str, prompts: list[tuple[str, list[dict[str, Any]]]]) -> N
                            "args": {"name": f"{name} stream"}})
         for ev in trace:
             events.append({**ev, "pid": pid, "tid": 1 if ev["tid"] == "compute" else 2})
-    tmp = f"{path}.partial"
-    with open(tmp, "w") as f:
-        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
-    os.replace(tmp, path)
+    from .paths import write_text_atomic  # never renames over what is not a regular file
+
+    write_text_atomic(Path(path), json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
 
 
 def format_table(totals_ms: dict[str, float], counts: dict[str, int] | None = None,

@@ -60,7 +60,8 @@ def test_path_problems(tmp_path: Path) -> None:
     (tmp_path / "afile").write_text("x")
     assert output_file_problem(tmp_path / "new" / "deeper" / "r.json") is None
     assert output_file_problem(tmp_path / "afile") is None  # rewritten
-    assert output_file_problem(Path(os.devnull)) is None
+    assert output_file_problem(Path(os.devnull)).startswith(
+        "is a character device; results are written to regular files only")
     assert output_file_problem(tmp_path).startswith("is a directory")
     assert output_file_problem(tmp_path / "afile" / "sub" / "r.json") == (
         f"{tmp_path / 'afile'} is a file, so no folder can be created under it")
@@ -80,7 +81,8 @@ def test_atomic_write_keeps_mode_and_leaves_no_temporary(tmp_path: Path) -> None
     write_text_atomic(target, "two")
     assert target.read_text() == "two" and target.stat().st_mode & 0o777 == 0o640
     assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
-    write_text_atomic(Path(os.devnull), "ignored")  # not replaced by a regular file
+    with pytest.raises(OSError, match="is a character device; not replaced"):
+        write_text_atomic(Path(os.devnull), "ignored")  # never renamed over
     assert Path(os.devnull).is_char_device()
 
 

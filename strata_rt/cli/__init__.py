@@ -2,17 +2,16 @@
 through `register(command)`; this module builds the top-level parser, configures logging
 (`-v`, `-q`), checks the environment switches and turns errors into one message and an exit
 code: 2 for what the user gave (config, switches, paths, memory), 1 for what failed while
-running, 130 for Ctrl-C."""
+running, 130 for Ctrl-C, 143 for SIGTERM (strata_rt.interrupts)."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import sys
-from pathlib import Path
 
-from .. import __version__, env, log
-from ..errors import StrataError
+from .. import __version__, env, interrupts, log
+from ..errors import ConfigError, StrataError
 from . import generate, inspect, perplexity, plugins, run
 from .common import cuda_version, hardware_line
 
@@ -47,15 +46,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # text the terminal's encoding lacks (a model's output, a file name) is shown escaped,
+    # not a UnicodeEncodeError after the run
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
     args = build_parser().parse_args(argv)
-    with log.configured(args.verbose - args.quiet):
+    with log.configured(args.verbose - args.quiet), interrupts.signals_as_interrupts():
         return _run(args)
 
 
 def _run(args: argparse.Namespace) -> int:
     try:
+        if args.plugins == "":
+            raise ConfigError("--plugins: got ''; expected the path of a plugins.yaml",
+                              source="command line")
         if args.plugins:
-            os.environ["STRATA_PLUGINS"] = str(Path(args.plugins).resolve())
+            os.environ["STRATA_PLUGINS"] = os.path.abspath(os.path.expanduser(args.plugins))
             from ..registry import registry
 
             registry(reload=True)
@@ -65,16 +72,21 @@ def _run(args: argparse.Namespace) -> int:
         print(f"strata {args.command}: {e}", file=sys.stderr)
         return e.exit_code
     except MemoryError as e:  # what a check before the allocation did not foresee
-        print(f"strata {args.command}: out of host memory: {e or 'allocation failed'}",
+        print(f"strata {args.command}: out of host memory: "
+              f"{str(e) or 'an allocation failed (the run needed more than this host had)'}",
               file=sys.stderr)
         return 2
+    except BrokenPipeError:  # stdout closed by its reader (`strata run ... | head`)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # the exit's flush goes nowhere, quietly
+        return 1
     except OSError as e:  # a full disk, an I/O error (paths are checked before the run)
         where = e.filename if e.filename is not None else args.command
         print(f"strata: {where}: {e.strerror or e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(f"strata {args.command}: interrupted", file=sys.stderr)
-        return 130
+        print(f"strata {args.command}: {interrupts.how()}", file=sys.stderr)
+        return interrupts.exit_code()
 
 
 __all__ = ["build_parser", "cuda_version", "hardware_line", "main"]

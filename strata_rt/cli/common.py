@@ -19,7 +19,7 @@ from typing import Any
 from ..config import Config, load_config
 from ..errors import ConfigError
 from ..nonfinite import NonFiniteError
-from ..paths import output_file_problem, write_text_atomic
+from ..paths import output_collisions, output_file_problem, same_file, write_text_atomic
 from ..progress import Progress
 
 GiB = 1 << 30
@@ -57,11 +57,22 @@ def hardware_line() -> str:
             f"x{f[5]}), {f[6]}; {cpu}")
 
 
+_ASCII_INT = re.compile(r"[+-]?[0-9]+")
+
+
+def whole_number(text: str) -> int:
+    """An argparse type: an integer written with the ASCII digits 0-9 (int() also takes
+    `1_000`, fullwidth and Arabic-Indic digits, which a reader of the command does not see
+    as the number it becomes)."""
+    if not _ASCII_INT.fullmatch(text.strip()):
+        raise argparse.ArgumentTypeError(f"got {text!r}; expected a whole number written "
+                                         "with the digits 0-9")
+    return int(text)
+
+
 def parse_prompts(text: str) -> list[int]:
-    try:
-        lengths = [int(x) for x in text.replace(" ", "").split(",") if x]
-    except ValueError:
-        lengths = []
+    words = [x for x in text.replace(" ", "").split(",") if x]
+    lengths = [int(x) for x in words] if all(_ASCII_INT.fullmatch(x) for x in words) else []
     if not lengths or min(lengths) < 1:
         raise ConfigError(f"--prompts: got {text!r}; expected comma-separated token counts "
                           ">= 1, e.g. 254,1030", source="command line")
@@ -77,6 +88,32 @@ def load(args: argparse.Namespace) -> Config:
     return cfg
 
 
+class StreamedTable:
+    """A Markdown table printed a row at a time, as each result finishes (a later failure or
+    a signal then loses none): columns as wide as their headers or `widths`."""
+
+    def __init__(self, headers: list[str], widths: list[int] | None = None):
+        self.headers = headers
+        self.widths = [max(len(h), w) for h, w in zip(headers, widths or [0] * len(headers))]
+        self.rows = 0
+        #: print the header before the next row (the first, or one after other output)
+        self.header_due = True
+
+    def add(self, row: list[Any]) -> None:
+        if self.header_due:
+            self.header_due = False
+            print("| " + " | ".join(h.ljust(w) for h, w in zip(self.headers, self.widths))
+                  + " |")
+            print("|" + "|".join("-" * (w + 2) for w in self.widths) + "|")
+        print("| " + " | ".join(_cell(str(c), w) for c, w in zip(row, self.widths)) + " |",
+              flush=True)
+        self.rows += 1
+
+
+def _cell(c: str, w: int) -> str:  # numbers right, words left
+    return c.rjust(w) if c[:1].isdigit() or c[:1] in "+-" else c.ljust(w)
+
+
 def markdown_table(headers: list[str], rows: list[list[Any]]) -> str:
     """A Markdown table (readable as text, pastes into the README)."""
     cells = [[str(c) for c in r] for r in rows]
@@ -84,20 +121,43 @@ def markdown_table(headers: list[str], rows: list[list[Any]]) -> str:
               for i, h in enumerate(headers)]
     line = "| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths)) + " |"
     rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
-    def cell(c: str, w: int) -> str:  # numbers right, words left
-        return c.rjust(w) if c[:1].isdigit() or c[:1] in "+-" else c.ljust(w)
-
-    body = ["| " + " | ".join(cell(c, w) for c, w in zip(r, widths)) + " |" for r in cells]
+    body = ["| " + " | ".join(_cell(c, w) for c, w in zip(r, widths)) + " |" for r in cells]
     return "\n".join([line, rule, *body])
 
 
 def output_arg(option: str, value: str | Path) -> Path:
     """A file path given on the command line for results, checked before the run."""
+    if not str(value):
+        raise ConfigError(f"{option}: got ''; expected a file path", source="command line")
     path = Path(value).expanduser()
     why = output_file_problem(path)
     if why is not None:
         raise ConfigError(f"{option}: got {str(value)!r}; {why}", source="command line")
     return path
+
+
+def check_outputs(cfg: Config, outputs: dict[str, Path | None],
+                  inputs: dict[str, Path] | None = None) -> None:
+    """Refuses (exit 2, before the run) an output that is a file the run reads (the config,
+    the model, a prompt or profile file, the plugin list, `inputs` of the command) or that
+    another output of the run also writes: writing it would destroy that file."""
+    from .. import env
+
+    outs = {label: path for label, path in outputs.items() if path is not None}
+    for key in ("json", "dump_r"):
+        path = getattr(cfg.output, key)
+        if path is not None and not any(same_file(path, p) for p in outs.values()):
+            outs.setdefault(f"output.{key}", path)
+    for switch in ("STRATA_PREFILL_DUMP_R", "STRATA_PREFILL_TRACE"):
+        value = env.text(switch)
+        if value is not None:
+            outs[f"{switch} (environment)"] = Path(value).expanduser()
+    for label, path in list(outs.items()):  # a dump is written as <path>.partial first
+        if "dump_r" in label.lower():
+            outs[f"{label.split(' ')[0]} (its .partial file)"] = Path(f"{path}.partial")
+    problems = output_collisions(outs, {**cfg.input_paths(), **(inputs or {})})
+    if problems:
+        raise ConfigError(problems, source="command line")
 
 
 def display_path(path: str | Path) -> str:
@@ -114,7 +174,11 @@ def write_json(path: Path, doc: dict, final: bool = True) -> None:
     """Writes the JSON through a temporary file and a rename: a reader (or a run cut short)
     finds the previous complete version or this one. Rewritten after each prompt with
     final=False, so finished results are on disk whatever happens next."""
-    write_text_atomic(path, json.dumps(doc, indent=2, default=str) + "\n")
+    try:
+        write_text_atomic(path, json.dumps(doc, indent=2, default=str) + "\n")
+    except OSError as e:  # a full disk: the version written before stays whole
+        kept = "; the file keeps the results written before" if path.exists() else ""
+        raise OSError(e.errno, f"{e.strerror or e}{kept}", str(path)) from None
     if final:
         log.info("wrote %s", path)
     else:

@@ -15,9 +15,21 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .. import interrupts
 from ..errors import ConfigError, GGUFError
+from ..input_files import DATA_LIMIT, TEXT_LIMIT, InputFileError, check_utf8
+from ..input_files import read_text as input_text
 from ..runtime.memory import MIB
-from .common import hardware_line, load, open_engine, output_arg, progress_for, write_json
+from .common import (
+    check_outputs,
+    hardware_line,
+    load,
+    open_engine,
+    output_arg,
+    progress_for,
+    whole_number,
+    write_json,
+)
 
 log = logging.getLogger(__name__)
 
@@ -25,22 +37,27 @@ log = logging.getLogger(__name__)
 SPECIAL_LIKE = re.compile(r"<\|[^<>|\s]{1,64}\|>")
 
 
-def read_text(option: str, value: str) -> str:
-    """The UTF-8 text of a file named on the command line (ConfigError when it cannot be)."""
-    path = Path(value).expanduser()
-    if not path.exists():
-        raise ConfigError(f"{option}: {value}: no such file", source="command line")
-    if path.is_dir():
-        raise ConfigError(f"{option}: {value} is a folder; expected a UTF-8 text file",
-                          source="command line")
+def read_text(option: str, value: str, limit: int = TEXT_LIMIT) -> str:
+    """The UTF-8 text of a file named on the command line (ConfigError naming the option and
+    what the path is when it cannot be: missing, a folder, a FIFO or device, binary, not
+    UTF-8, larger than `limit`)."""
     try:
-        return path.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{option}: {value} is not UTF-8 text (byte {e.start}: {e.reason})",
-                          source="command line") from None
-    except OSError as e:
-        raise ConfigError(f"{option}: {value}: cannot read it ({e.strerror or e})",
-                          source="command line") from None
+        return input_text(Path(value).expanduser(), limit, "a UTF-8 text file")
+    except InputFileError as e:
+        why = e.why
+        if why.startswith("is a directory"):
+            why = "is a folder; expected a UTF-8 text file"
+        sep = " " if why.startswith("is ") else ": "
+        raise ConfigError(f"{option}: {value}{sep}{why}", source="command line") from None
+
+
+def command_text(option: str, text: str) -> str:
+    """Text given as an argument, refused (exit 2) unless it is valid UTF-8 (bytes the
+    locale could not decode reach Python as lone surrogates)."""
+    why = check_utf8(text, option)
+    if why is not None:
+        raise ConfigError(why, source="command line")
+    return text
 
 
 def model_tokenizer(engine: Any):
@@ -96,10 +113,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.tokens < 0:
         raise ConfigError(f"-n: got {args.tokens}; expected a number of new tokens >= 0 (0 "
                           "prefills the prompt only)", source="command line")
-    target = output_arg("--json", args.json) if args.json else None
-    text = args.prompt if args.prompt is not None else read_text("--prompt-file",
-                                                                 args.prompt_file)
+    target = output_arg("--json", args.json) if args.json is not None else None
+    text = command_text("--prompt", args.prompt) if args.prompt is not None else read_text(
+        "--prompt-file", args.prompt_file, DATA_LIMIT)
     cfg = load(args)
+    check_outputs(cfg, {"--json": target}, {} if args.prompt_file is None else {
+        "the --prompt-file": Path(args.prompt_file).expanduser()})
     progress = progress_for(args)
     out = sys.stdout
     with open_engine(cfg, progress) as engine:
@@ -137,9 +156,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
                             "eos_id": eos, "complete": result.stop != "interrupted",
                             **result.as_dict()})
     if result.stop == "interrupted":
-        print(f"strata generate: interrupted after {len(result.ids)} of {args.tokens} tokens",
-              file=sys.stderr)
-        return 130
+        print(f"strata generate: {interrupts.how()} after {len(result.ids)} of {args.tokens} "
+              "tokens", file=sys.stderr)
+        return interrupts.exit_code()
     return 0
 
 
@@ -158,7 +177,7 @@ the prompt left. Stops at the model's EOS token (--ignore-eos: always -n tokens)
 the prompt only and prints its timing. Prompt + -n tokens must fit the model's context.
 Special tokens written in the prompt (<|im_start|>) become their ids; a <|...|> the vocabulary
 lacks is an error (--no-special reads them as plain text). Ctrl-C keeps what was produced and
-prints the summary (exit 130)."""
+prints the summary (exit 130; SIGTERM the same, exit 143)."""
 
 
 def register(command) -> None:
@@ -169,7 +188,7 @@ def register(command) -> None:
     src.add_argument("--prompt", metavar="TEXT", help="the prompt text")
     src.add_argument("--prompt-file", metavar="FILE", help="read the prompt from a UTF-8 file "
                      "(as is, final newline included)")
-    p.add_argument("-n", "--tokens", type=int, default=24, metavar="N",
+    p.add_argument("-n", "--tokens", type=whole_number, default=24, metavar="N",
                    help="new tokens to generate (default 24; 0: prefill only)")
     p.add_argument("--ids", action="store_true", help="print token ids instead of text")
     p.add_argument("--ignore-eos", action="store_true",
@@ -182,4 +201,4 @@ def register(command) -> None:
     p.set_defaults(func=cmd_generate)
 
 
-__all__ = ["model_tokenizer", "read_text", "register"]
+__all__ = ["command_text", "model_tokenizer", "read_text", "register"]

@@ -6,9 +6,13 @@ import argparse
 import math
 from pathlib import Path
 
-from ..errors import ConfigError, StrataError
+from ..errors import ConfigError, GGUFError, StrataError
+from ..input_files import regular_file_problem
 from ..runtime.memory import MIB
 from .common import GiB, markdown_table
+
+#: a budget beyond any device (1 PiB): larger ones overflowed the byte counts
+MAX_BUDGET_GIB = 1 << 20
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -19,10 +23,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from ..registry import registry
 
     if args.budget_gib is not None and not (math.isfinite(args.budget_gib)
-                                            and args.budget_gib > 0):
+                                            and 0 < args.budget_gib <= MAX_BUDGET_GIB):
         raise ConfigError(f"--budget-gib: got {args.budget_gib:g}; expected a VRAM size in "
-                          "GiB > 0, e.g. 24", source="command line")
+                          f"GiB > 0 and at most {MAX_BUDGET_GIB:,} (1 PiB), e.g. 24",
+                          source="command line")
     path = Path(args.file)
+    why = regular_file_problem(path)  # a FIFO would block the read, a device never end
+    if why is not None and not why.startswith("is a directory") and why != "no such file":
+        raise GGUFError(f"{path}: {why.split('; expected')[0]}; expected a GGUF file")
     moe = gguf_io.scan_moe(path)  # a file it cannot read at all raises here
     g = MoESpec(**moe.dims)
     print(f"{args.file}: architecture {moe.arch}")

@@ -5,16 +5,20 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
+from .. import interrupts
 from ..errors import ConfigError
 from .common import (
+    StreamedTable,
+    check_outputs,
     hardware_line,
     load,
-    markdown_table,
     open_engine,
     output_arg,
     progress_for,
+    whole_number,
     write_json,
 )
 from .generate import model_tokenizer, read_text
@@ -25,24 +29,29 @@ DEFAULT_CTX = 512
 TABLE_WINDOWS = 32
 
 
-def window_rows(result: Any) -> list[list[Any]]:
-    return [[i + 1, w.start, w.tokens, f"{w.nll / w.predicted:.4f}", f"{w.perplexity:,.4f}",
-             f"{w.seconds:.2f}"] for i, w in enumerate(result.windows)]
+WINDOW_HEADERS = ["window", "first token", "tokens", "mean NLL", "perplexity", "seconds"]
+
+
+def window_row(i: int, w: Any) -> list[Any]:
+    return [i + 1, w.start, w.tokens, f"{w.nll / w.predicted:.4f}", f"{w.perplexity:,.4f}",
+            f"{w.seconds:.2f}"]
+
 
 
 def cmd_perplexity(args: argparse.Namespace) -> int:
     from ..generate import EngineSession
-    from ..perplexity import check_ctx, perplexity
+    from ..perplexity import check_ctx, perplexity, windows_of
 
     if args.ctx is not None and args.ctx < 2:
         raise ConfigError(f"--ctx: got {args.ctx}; a window needs at least 2 tokens",
                           source="command line")
-    target = output_arg("--json", args.json) if args.json else None
+    target = output_arg("--json", args.json) if args.json is not None else None
     text = read_text("--file", args.file)
     if not text:
         raise ConfigError(f"--file: {args.file} is empty; perplexity needs text",
                           source="command line")
     cfg = load(args)
+    check_outputs(cfg, {"--json": target}, {"the --file": Path(args.file).expanduser()})
     progress = progress_for(args)
     with open_engine(cfg, progress) as engine:
         session = EngineSession(engine)
@@ -54,12 +63,13 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
         # a corpus is text: control-token markup in it is scored as the characters it is
         ids = tokenizer.encode(text, parse_special=False)
         check_ctx(ctx, session.context, len(ids))
-        result = perplexity(session, ids, ctx, progress)
+        # each window's row as it finishes: a later failure or a signal loses none
+        table = StreamedTable(WINDOW_HEADERS, [6, 11, 6, 8, 10, 7]) \
+            if len(windows_of(len(ids), ctx)) <= TABLE_WINDOWS else None
+        result = perplexity(session, ids, ctx, progress, on_window=None if table is None
+                            else lambda i, w: table.add(window_row(i, w)))
         backend = engine.config.backend
-    if len(result.windows) <= TABLE_WINDOWS:
-        print(markdown_table(["window", "first token", "tokens", "mean NLL", "perplexity",
-                              "seconds"], window_rows(result)))
-    elif result.windows:
+    if table is None and result.windows:
         each = sorted(w.perplexity for w in result.windows)
         print(f"{len(each)} windows: perplexity from {each[0]:,.4f} to {each[-1]:,.4f} "
               f"(median {each[len(each) // 2]:,.4f}); --json keeps every window's values")
@@ -72,9 +82,9 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
                             "file": str(args.file), "backend": backend,
                             "hardware": hardware_line(), **result.as_dict()})
     if result.interrupted:
-        print(f"strata perplexity: interrupted after {len(result.windows)} window(s); the "
-              "perplexity above covers those", file=sys.stderr)
-        return 130
+        print(f"strata perplexity: {interrupts.how()} after {len(result.windows)} window(s); "
+              "the perplexity above covers those", file=sys.stderr)
+        return interrupts.exit_code()
     return 0
 
 
@@ -88,7 +98,8 @@ window from all positions' logits (log-softmax in float64). A last window shorte
 is kept when it has 2 tokens or more. Prints each window's mean NLL and perplexity and the
 total, exp(total NLL / predicted tokens). The text is read as plain text: <|...|> markup is
 scored as characters. llama.cpp's perplexity scores only the second half of each window, so
-its figures are not comparable one to one. Ctrl-C keeps the finished windows (exit 130)."""
+its figures are not comparable one to one. Ctrl-C keeps the finished windows (exit 130;
+SIGTERM the same, exit 143)."""
 
 
 def register(command) -> None:
@@ -96,7 +107,7 @@ def register(command) -> None:
     p = command("perplexity", "perplexity of a text file over non-overlapping windows", EPILOG)
     p.add_argument("config", help="YAML run config of a whole model (see configs/)")
     p.add_argument("--file", required=True, metavar="TEXT", help="UTF-8 text file to score")
-    p.add_argument("--ctx", type=int, metavar="N",
+    p.add_argument("--ctx", type=whole_number, metavar="N",
                    help=f"tokens per window (default {DEFAULT_CTX} or the model's context if "
                         "smaller; 2 to the context)")
     p.add_argument("--backend", choices=("cuda", "reference"), help="override `backend`")

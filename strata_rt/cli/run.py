@@ -10,9 +10,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .. import interrupts
 from ..errors import ConfigError
 from ..runtime.memory import MIB
 from .common import (
+    StreamedTable,
+    check_outputs,
     describe,
     hardware_line,
     load,
@@ -22,6 +25,7 @@ from .common import (
     output_arg,
     progress_for,
     resident_count,
+    whole_number,
     write_json,
 )
 
@@ -47,6 +51,16 @@ def set_switch(engine: Any, name: str, value: str) -> None:
     setattr(engine.config, AB_SWITCHES[name], value == "1")
 
 
+RUN_HEADERS = ["prompt", "repeat", "tokens", "time ms", "tokens/s", "experts streamed",
+               "streamed MiB", "PCIe GB/s"]
+#: A, B pairs per prompt: more is a typo, not a measurement (it would run for days)
+MAX_PAIRS = 10_000
+BENCH_HEADERS = ["prompt tokens", "A ms (each run)", "B ms (each run)", "change %",
+                 "tokens/s (A / B, median)"]
+#: room for the figures of long prompts, so the rows printed as they finish line up
+RUN_WIDTHS = [6, 6, 7, 10, 9, 16, 12, 9]
+
+
 def run_row(prompt: Any, rep: int, wall: float, s: dict, gbps: float, backend: str
             ) -> list[Any]:
     return [prompt.index + 1, rep + 1, prompt.tokens, f"{wall * 1e3:.1f}",
@@ -54,9 +68,11 @@ def run_row(prompt: Any, rep: int, wall: float, s: dict, gbps: float, backend: s
             f"{s['bytes_streamed'] / MIB:,.1f}", f"{gbps:.2f}" if backend == "cuda" else "-"]
 
 
-def interrupted_note(command: str, done: int, total: int, what: str) -> None:
-    print(f"strata {command}: interrupted after {done} of {total} {what}; the results above "
-          "are the finished ones", file=sys.stderr)
+def interrupted_note(command: str, done: int, total: int, what: str) -> int:
+    """Says how many finished (after Ctrl-C or SIGTERM); -> the exit code (130, 143)."""
+    print(f"strata {command}: {interrupts.how()} after {done} of {total} {what}; the results "
+          "above are the finished ones", file=sys.stderr)
+    return interrupts.exit_code()
 
 
 def run_tokenizer(engine: Any) -> Any:
@@ -98,9 +114,10 @@ def generate_after(engine: Any, logits: Any, n: int, tokenizer: Any, progress: A
 
 def cmd_run(args: argparse.Namespace) -> int:
     cfg = load(args)
-    target = output_arg("--json", args.json) if args.json else cfg.output.json
+    target = output_arg("--json", args.json) if args.json is not None else cfg.output.json
+    check_outputs(cfg, {"--json": target if args.json is not None else None})
     progress = progress_for(args)
-    rows: list[list[Any]] = []
+    table = StreamedTable(RUN_HEADERS, RUN_WIDTHS)
     records: list[dict] = []
     total = cfg.repeats * len(cfg.prompts)
     doc: dict[str, Any] = {"command": " ".join(sys.argv), "config": str(cfg.source)}
@@ -124,7 +141,6 @@ def cmd_run(args: argparse.Namespace) -> int:
                     logits, stats, wall = measure(engine, h, progress, label)
                     s = stats.as_dict()
                     gbps = s["bytes_streamed"] / wall / 1e9 if wall > 0 else 0.0
-                    rows.append(run_row(prompt, rep, wall, s, gbps, backend))
                     record = {"prompt": prompt.index, "repeat": rep, "tokens": prompt.tokens,
                               "wall_s": wall, "tokens_per_s": prompt.tokens / wall,
                               "pcie_gb_s": gbps, "stats": s, "phase_table": stats.phase_table}
@@ -133,9 +149,11 @@ def cmd_run(args: argparse.Namespace) -> int:
                             engine, logits, n_new, tokenizer, progress,
                             f"prompt {prompt.index + 1}, repeat {rep + 1}"))
                     records.append(record)
+                    table.add(run_row(prompt, rep, wall, s, gbps, backend))
                     if stats.phase_table:
                         print(f"prompt {prompt.index + 1} ({prompt.tokens} tokens), repeat "
                               f"{rep + 1}:\n{stats.phase_table}", flush=True)
+                        table.header_due = True  # the next row starts the table again
                     if target is not None and len(records) < total:
                         write_json(target, {**doc, "complete": False, "runs": records},
                                    final=False)
@@ -143,9 +161,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         if "backend" not in doc:  # nothing ran yet: nothing to keep
             raise
         interrupted = True
-    if rows:
-        print(markdown_table(["prompt", "repeat", "tokens", "time ms", "tokens/s",
-                              "experts streamed", "streamed MiB", "PCIe GB/s"], rows))
+    if table.rows:
         print("time: host clock around each prefill call; PCIe GB/s = bytes streamed / that "
               "time" + ("" if doc["backend"] == "cuda" else " (cuda backend only)"))
         if cfg.whole is not None:
@@ -156,8 +172,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if target is not None:
         write_json(target, {**doc, "complete": not interrupted, "runs": records})
     if interrupted:
-        interrupted_note("run", len(records), total, "prompt runs")
-        return 130
+        return interrupted_note("run", len(records), total, "prompt runs")
     return 0
 
 
@@ -183,11 +198,17 @@ def bench_results(cfg: Any, runs: dict[int, dict[str, list[float]]]
 
 def cmd_bench(args: argparse.Namespace) -> int:
     switch = args.ab
-    if args.pairs < 1:
-        raise ConfigError(f"--pairs: got {args.pairs}; expected >= 1", source="command line")
+    if not 1 <= args.pairs <= MAX_PAIRS:
+        raise ConfigError(f"--pairs: got {args.pairs}; expected 1..{MAX_PAIRS:,}",
+                          source="command line")
     cfg = load(args)
-    target = output_arg("--json", args.json) if args.json else cfg.output.json or output_arg(
-        "--json (default)", f"strata-bench-{Path(args.config).stem}.json")
+    if args.json is not None:
+        target = output_arg("--json", args.json)
+    else:
+        target = cfg.output.json or output_arg(
+            "--json (default)", f"strata-bench-{Path(args.config).stem}.json")
+    check_outputs(cfg, {"--json": target})
+    streamed = StreamedTable(BENCH_HEADERS)
     runs: dict[int, dict[str, list[float]]] = {}
     doc: dict[str, Any] = {"command": " ".join(sys.argv), "config": str(cfg.source),
                            "switch": switch, "a": f"{switch}=0", "b": f"{switch}=1",
@@ -222,6 +243,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                     for arm, value in arms:
                         set_switch(engine, switch, value)
                         times[arm].append(measure(engine, h, None, "")[2])
+                streamed.add(bench_results(cfg, {prompt.index: times})[0][0])
                 if prompt is not cfg.prompts[-1]:
                     write_json(target, {**doc, "complete": False,
                                         "rows": bench_results(cfg, runs)[1]}, final=False)
@@ -230,15 +252,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
             raise
         interrupted = True
     rows, records = bench_results(cfg, runs)
-    table = markdown_table(["prompt tokens", "A ms (each run)", "B ms (each run)", "change %",
-                            "tokens/s (A / B, median)"], rows)
+    for row in rows[streamed.rows:]:  # a prompt cut short after a finished pair
+        streamed.add(row)
+    table = markdown_table(BENCH_HEADERS, rows)
     if rows:
-        print(table)
         print("time: host clock around each prefill call; change % = (median B - median A) / A")
     write_json(target, {**doc, "complete": not interrupted, "rows": records, "table": table})
     if interrupted:
-        interrupted_note("bench", len(records), len(cfg.prompts), "prompts")
-        return 130
+        return interrupted_note("bench", len(records), len(cfg.prompts), "prompts")
     return 0
 
 
@@ -247,6 +268,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
     cfg = load(args)
     out = output_arg("--out", args.out)
+    check_outputs(cfg, {"--out": out})
     progress = progress_for(args)
     counts, done = None, []
     try:
@@ -274,8 +296,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
           f"({routed} expert choices) over {cfg.spec.n_layers} layers; use it with "
           f"`profile: {where}` in a config")
     if len(done) < len(cfg.prompts):
-        interrupted_note("profile", len(done), len(cfg.prompts), "prompts")
-        return 130
+        return interrupted_note("profile", len(done), len(cfg.prompts), "prompts")
     return 0
 
 
@@ -288,8 +309,8 @@ prints the model, the resident experts, then per prompt: tokens, time, tokens/s,
 bytes streamed, achieved PCIe GB/s. A whole-model config with `generate: {tokens: N}` also
 prints the N greedy tokens after each prompt (ids, and text when the model has a tokenizer;
 not part of the prompt's time) and its JSON runs carry `generated_ids`. Progress goes to stderr
-on long prompts. The JSON is rewritten after each prompt; Ctrl-C prints and keeps the finished
-prompts (exit 130)."""
+on long prompts. Each prompt's row is printed as it finishes and the JSON rewritten; Ctrl-C
+keeps the finished prompts (exit 130), as SIGTERM does (exit 143)."""
 
 EPILOG_BENCH = """examples:
   strata bench configs/qwen3-30b-a3b-stream.yaml
@@ -322,7 +343,7 @@ def register(command) -> None:
                    help="the 0/1 switch to compare: %(choices)s (default: %(default)s); only "
                         "switches the engine reads per prompt can change between A and B, "
                         "those it reads once at open cannot")
-    p.add_argument("--pairs", type=int, default=2, help="A, B pairs per prompt (default 2)")
+    p.add_argument("--pairs", type=whole_number, default=2, help="A, B pairs per prompt (default 2)")
     p.add_argument("--order", choices=("ab", "ba"), default="ab",
                    help="which arm runs first in each pair: ab (A then B, the default) or ba "
                         "(B then A: with STRATA_PREFILL_GATHER_ONE, one gather launch per "

@@ -1,0 +1,158 @@
+"""YAML as strata_rt reads it (run configs, plugins.yaml): PyYAML's safe loader, bounded and
+strict where the plain one is silent or unbounded.
+
+- Nesting: the composer recurses once per level, so a file nested a few thousand levels deep
+  ended in RecursionError. Nesting deeper than MAX_DEPTH is refused with the line.
+- Size and aliases: anchors and aliases share nodes, so nine lines can stand for a billion
+  values ("billion laughs"). Nothing in strata_rt walks a document with that in mind (the
+  problem messages print values), so a document of more than MAX_NODES values, or standing
+  for more with its aliases expanded, or whose alias refers to itself, is refused before
+  anything is built from it.
+- Duplicate keys: the plain loader keeps the last one, so `format: fp16` above a forgotten
+  `format: iq3_xxs` silently ran the other format. A key given twice is refused, naming both
+  lines (keys brought in by a `<<` merge may still be overridden: that is what merges are).
+- Integers: YAML 1.1 reads `1_000` as 1000, `1:30` as 90 (base 60) and `010` as 8 (octal).
+  None is what a reader of a config sees, so numbers written that way are refused.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import yaml
+from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
+
+#: levels of nested lists and mappings a document may have (configs use about five)
+MAX_DEPTH = 64
+#: values a document may hold, and stand for with its aliases expanded (a config holds a
+#: few dozen; a parsed value costs PyYAML a few hundred bytes)
+MAX_NODES = 100_000
+
+_MERGE = "tag:yaml.org,2002:merge"
+#: what YAML 1.1 reads as octal: a leading 0 and more digits (`010` is 8)
+_OCTAL = re.compile(r"[-+]?0[0-7]+")
+
+
+class YamlProblem(Exception):
+    """Why a text is not a YAML document strata_rt reads; the message names the line."""
+
+
+def _line(node: Node) -> int:
+    return node.start_mark.line + 1
+
+
+class _Loader(yaml.SafeLoader):
+    def __init__(self, stream: str):
+        super().__init__(stream)
+        self._depth = 0
+        self._nodes = 0
+
+    def compose_node(self, parent: Node | None, index: Any) -> Node | None:
+        self._depth += 1
+        self._nodes += 1
+        try:
+            mark = self.peek_event().start_mark
+            if self._depth > MAX_DEPTH:
+                raise YamlProblem(f"line {mark.line + 1}: nested more than {MAX_DEPTH} levels "
+                                  "deep; a config is a few levels of keys and lists")
+            if self._nodes > MAX_NODES:
+                raise YamlProblem(f"line {mark.line + 1}: more than {MAX_NODES:,} values; a "
+                                  "config holds a few dozen")
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def construct_mapping(self, node: MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == _MERGE:
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.get(key)
+            except TypeError:  # an unhashable key: the base class says so, with the line
+                break
+            if first is not None:
+                raise YamlProblem(f"line {_line(key_node)}: duplicate key {key!r} (first at "
+                                  f"line {first}); a key may appear once in a mapping")
+            seen[key] = _line(key_node)
+        return super().construct_mapping(node, deep=deep)
+
+    def _plain_number(self, node: Node, what: str) -> None:
+        text = str(node.value)
+        if "_" in text or ":" in text:
+            raise YamlProblem(f"line {_line(node)}: {text!r} is read by YAML as {what} "
+                              "(with `_` separators or base-60 `:` parts); write the number "
+                              "with digits only, or quote it to mean text")
+        if _OCTAL.fullmatch(text):
+            raise YamlProblem(f"line {_line(node)}: {text!r} is read by YAML as an octal "
+                              f"number ({int(text, 8)}); write it without the leading zero, "
+                              "or quote it to mean text")
+
+    def construct_yaml_int(self, node: ScalarNode) -> int:
+        self._plain_number(node, "a number")
+        return super().construct_yaml_int(node)
+
+    def construct_yaml_float(self, node: ScalarNode) -> float:
+        self._plain_number(node, "a number")
+        return super().construct_yaml_float(node)
+
+
+_Loader.add_constructor("tag:yaml.org,2002:int", _Loader.construct_yaml_int)
+_Loader.add_constructor("tag:yaml.org,2002:float", _Loader.construct_yaml_float)
+
+
+def _children(node: Node) -> list[Node]:
+    if isinstance(node, MappingNode):
+        return [n for pair in node.value for n in pair]
+    if isinstance(node, SequenceNode):
+        return list(node.value)
+    return []
+
+
+def expanded_size(root: Node) -> int:
+    """Values `root` stands for with every alias expanded, counted without expanding them
+    (each shared node once, iteratively: alias chains may be deeper than the recursion limit).
+    YamlProblem when an alias refers to a node that holds it, or beyond MAX_NODES."""
+    size: dict[int, int] = {}
+    open_nodes: set[int] = set()
+    stack: list[tuple[Node, bool]] = [(root, False)]
+    while stack:
+        node, children_done = stack.pop()
+        key = id(node)
+        if children_done:
+            open_nodes.discard(key)
+            size[key] = 1 + sum(size[id(c)] for c in _children(node))
+            if size[key] > MAX_NODES:
+                raise YamlProblem(f"line {_line(node)}: with its aliases (*name) expanded, "
+                                  f"the document holds more than {MAX_NODES:,} values; "
+                                  "write the values out or use fewer aliases")
+            continue
+        if key in size:
+            continue
+        if key in open_nodes:
+            raise YamlProblem(f"line {_line(node)}: an alias (*name) refers to the list or "
+                              "mapping that holds it, so the value never ends")
+        open_nodes.add(key)
+        stack.append((node, True))
+        stack.extend((c, False) for c in _children(node) if id(c) not in size)
+    return size[id(root)]
+
+
+def load_yaml(text: str) -> Any:
+    """The one document in `text` (None when it is empty); YamlProblem for text that is not
+    YAML or that breaks one of the rules above, its message naming the line."""
+    loader = _Loader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        expanded_size(node)
+        return loader.construct_document(node)
+    except yaml.YAMLError as e:
+        raise YamlProblem(f"not valid YAML: {e}") from None
+    except RecursionError:  # a limit above should come first; never a traceback
+        raise YamlProblem(f"nested too deeply to read (more than {MAX_DEPTH} levels)") from None
+    finally:
+        loader.dispose()
