@@ -24,7 +24,7 @@ from . import env
 from .config_whole import WHOLE_KEYS
 from .engine_config import mmq_kernel_switch
 from .errors import ConfigError, FormatError
-from .gguf_io import read_header, refuse_special
+from .gguf_io import read_header
 from .hostmem import MAX_MACHINE, format_bytes, shortfall
 from .input_files import regular_file_problem
 from .memory_plan import MemoryPlan, plan_memory
@@ -207,9 +207,6 @@ def check_model(p: Problems, doc: dict, base: Path) -> tuple[MoESpec | None, Pat
               "n_experts, top_k, seed, rms_eps}`")
         return None, None, 0
     if has == ["gguf"]:
-        if isinstance(model["gguf"], str) and model["gguf"]:
-            # a FIFO, device or symlink loop is refused before anything opens it (exit 1)
-            refuse_special(base / Path(model["gguf"]).expanduser())
         gguf = file_path(p, "model.gguf", model["gguf"], base, must_exist=True)
         if gguf is None:
             return None, None, 0
@@ -253,8 +250,13 @@ def check_format(p: Problems, doc: dict, geom: MoESpec | None,
         try:
             fmt.check_dims(geom.hidden, geom.ffn)
         except FormatError as e:
-            where = "model.gguf" if "gguf" in doc.get("model", {}) else "model.synthetic"
-            p.add(where, {"hidden": geom.hidden, "ffn": geom.ffn}, f"format {name}: {e}")
+            model = doc.get("model", {})
+            if "gguf" in model:  # the file's dims, named with the file
+                p.add("model.gguf", model["gguf"], f"its dims (hidden {geom.hidden}, ffn "
+                      f"{geom.ffn}) do not suit format {name}: {e}")
+            else:
+                p.add("model.synthetic", {"hidden": geom.hidden, "ffn": geom.ffn},
+                      f"format {name}: {e}")
             return None
     return fmt
 

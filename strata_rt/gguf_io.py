@@ -24,7 +24,7 @@ import numpy as np
 
 from . import gguf_checks
 from .errors import GGUFError
-from .file_kinds import not_a_file, open_regular
+from .file_kinds import open_regular
 from .gguf_header import Header, parse
 from .gguf_keys import check_keys, number, split_problem, unsupported
 from .gguf_problems import MAX_PROBLEMS, Problems
@@ -69,15 +69,6 @@ def problems_error(path: Path, problems: Problems | list[str]) -> GGUFError:
 
 
 # ---------------------------------------------------------------------------- the reader
-def refuse_special(path: Path) -> None:
-    """GGUFError for a model path that is a FIFO, a device, a socket, a symlink loop or a
-    dangling link, named as such, before anything opens it. A missing file and a directory
-    are left to the caller (a config reports them with its other problems)."""
-    why = not_a_file(path)
-    if why is not None and why not in ("no such file", "is a directory"):
-        raise GGUFError(f"{path}: {why}; expected a GGUF file")
-
-
 def open_reader(path: Path) -> Header:
     """The file's header (memory-mapped), refused with one GGUFError listing every problem
     of its structure, its tensor list and its keys (gguf_header, gguf_tensors, gguf_keys)."""

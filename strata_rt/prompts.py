@@ -201,4 +201,13 @@ def hidden_file_problem(path: Path, hidden: int | None) -> tuple[int | None, str
         more = f"; {n:,} of its {arr.shape[0]:,} rows hold NaN or Inf" if n > 1 else ""
         return None, (f"row {row} (column {col}) holds {value}{more}; hidden states must be "
                       "finite (rows count from 0)")
+    if arr.dtype.itemsize > 4:  # finite here, but not once read as the engine's float32
+        beyond = np.abs(arr) > np.finfo(np.float32).max
+        if beyond.any():
+            rows = np.flatnonzero(beyond.any(axis=1))
+            row = int(rows[0])
+            col = int(np.flatnonzero(beyond[row])[0])
+            more = f"; {rows.size:,} of its {arr.shape[0]:,} rows do" if rows.size > 1 else ""
+            return None, (f"row {row} (column {col}) holds {arr[row, col]}, beyond float32's "
+                          f"range (the engine reads hidden states as float32){more}")
     return int(arr.shape[0]), None

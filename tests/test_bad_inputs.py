@@ -203,6 +203,22 @@ def test_nan_or_inf_in_a_hidden_file(tmp_path: Path, capsys, bad: float) -> None
             "its 40 rows hold NaN or Inf; hidden states must be finite") in err
 
 
+def test_a_float64_hidden_file_beyond_float32s_range(tmp_path: Path, capsys) -> None:
+    """Finite in the file, infinite once read as float32: refused before the run, naming the
+    file, with no numpy warning on the way."""
+    h = np.ones((40, 256), np.float64)
+    h[5, 7] = 1e300
+    h[9, 0] = -1e39
+    np.save(tmp_path / "h.npy", h)
+    code, out, err = cli(capsys, "run", str(config(tmp_path, prompts=[{"hidden_file":
+                                                                       "h.npy"}])))
+    assert code == 2 and out == ""
+    assert ("  - prompts[0].hidden_file: got 'h.npy'; row 5 (column 7) holds 1e+300, beyond "
+            "float32's range (the engine reads hidden states as float32); 2 of its 40 rows "
+            "do") in err
+    assert "Warning" not in err
+
+
 def test_nan_scan_reads_in_slices(tmp_path: Path, monkeypatch) -> None:
     import strata_rt.prompts as prompts
 
