@@ -26,12 +26,10 @@ def input_paths(source: Path | None, gguf: Path | None, prompts: Sequence[Prompt
                 profile: Path | None) -> dict[str, Path]:
     """What a run reads, by what it is: the config, the model, the prompt and profile files
     and the plugin list in use."""
-    from . import env
-    from .resources import BUILTIN_PLUGINS_YAML
+    from .registry import plugin_list_path
 
     found = {"the config file": source, "the model's GGUF file": gguf,
-             "the routing profile": profile,
-             "the plugin list": Path(env.text("STRATA_PLUGINS") or BUILTIN_PLUGINS_YAML)}
+             "the routing profile": profile, "the plugin list": plugin_list_path()}
     for pr in prompts:
         found[f"the file of prompts[{pr.index}]"] = pr.token_file or pr.hidden_file
     return {what: path for what, path in found.items() if path is not None}

@@ -41,6 +41,14 @@ DENSE_GEMMS = env.choices("STRATA_DENSE_GEMM")
 F16_GEMMS = env.choices("STRATA_F16_GEMM")
 
 
+def output_switches() -> dict[str, str]:
+    """The output paths the environment sets (STRATA_PREFILL_DUMP_R, STRATA_PREFILL_TRACE),
+    by switch: what a run will write besides its config's outputs."""
+    found = {"STRATA_PREFILL_DUMP_R": env.text("STRATA_PREFILL_DUMP_R"),
+             "STRATA_PREFILL_TRACE": env.text("STRATA_PREFILL_TRACE")}
+    return {k: v for k, v in found.items() if v is not None}
+
+
 def mmq_kernel_switch() -> str | None:
     """STRATA_MMQ_KERNEL, or None when unset: what `mmq_kernel` resolves to, also read by a
     run config's checks, which size the images the engine will hold before it opens."""
@@ -141,10 +149,11 @@ class EngineConfig:
         from .paths import output_collisions, output_file_problem
 
         outputs = {}
+        from_env = output_switches()
         for key, switch in (("dump_r", "STRATA_PREFILL_DUMP_R"),
                             ("trace", "STRATA_PREFILL_TRACE")):
             value = getattr(self, key)
-            value = env.text(switch) if value is None else value
+            value = from_env.get(switch) if value is None else value
             if value is None:
                 continue
             if not isinstance(value, str | os.PathLike) or not str(value):

@@ -363,6 +363,12 @@ def _ep_label(ep: metadata.EntryPoint) -> str:
 _DEFAULT: QuantRegistry | None = None
 
 
+def plugin_list_path() -> Path:
+    """The plugins.yaml in use: STRATA_PLUGINS, else the package's own."""
+    given = env.text("STRATA_PLUGINS")
+    return Path(given) if given else BUILTIN_PLUGINS_YAML
+
+
 def registry(reload: bool = False) -> QuantRegistry:
     """The process-wide registry: the built-in plugins.yaml (or STRATA_PLUGINS) plus entry
     points, less the plugins STRATA_DISABLE_PLUGINS names."""

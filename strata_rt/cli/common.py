@@ -141,17 +141,15 @@ def check_outputs(cfg: Config, outputs: dict[str, Path | None],
     """Refuses (exit 2, before the run) an output that is a file the run reads (the config,
     the model, a prompt or profile file, the plugin list, `inputs` of the command) or that
     another output of the run also writes: writing it would destroy that file."""
-    from .. import env
+    from ..engine_config import output_switches
 
     outs = {label: path for label, path in outputs.items() if path is not None}
     for key in ("json", "dump_r"):
         path = getattr(cfg.output, key)
         if path is not None and not any(same_file(path, p) for p in outs.values()):
             outs.setdefault(f"output.{key}", path)
-    for switch in ("STRATA_PREFILL_DUMP_R", "STRATA_PREFILL_TRACE"):
-        value = env.text(switch)
-        if value is not None:
-            outs[f"{switch} (environment)"] = Path(value).expanduser()
+    for switch, value in output_switches().items():
+        outs[f"{switch} (environment)"] = Path(value).expanduser()
     for label, path in list(outs.items()):  # a dump is written as <path>.partial first
         if "dump_r" in label.lower():
             outs[f"{label.split(' ')[0]} (its .partial file)"] = Path(f"{path}.partial")

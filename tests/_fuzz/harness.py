@@ -173,9 +173,23 @@ def _innermost(e: BaseException) -> str:
     return where
 
 
+def _high_water(pid: int) -> int:
+    """Bytes of the process's peak resident memory so far (VmHWM: its own address space's,
+    so unlike wait4's ru_maxrss it does not count the parent's pages a fork copied before
+    exec - a test process grown large would make every child look large), 0 once gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def run_subprocess(case: Case, folder: Path) -> Outcome:
     """The case as a user runs it: `python -m strata_rt.cli` in a fresh interpreter, its peak
-    resident memory from the kernel's accounting of that one child (wait4)."""
+    resident memory sampled from /proc every 20 ms while it runs."""
     _write_inputs(case, folder)
     before = _snapshot(folder)
     root = Path(__file__).resolve().parents[2]
@@ -189,11 +203,13 @@ def run_subprocess(case: Case, folder: Path) -> Outcome:
                              stdout=fo, stderr=fe, stdin=subprocess.DEVNULL, env=env)
         timer = threading.Timer(SECONDS, p.kill)
         timer.start()
+        peak = 0
         try:
-            _, status, usage = os.wait4(p.pid, 0)
+            while p.poll() is None:  # the child's own high-water mark, while it lives
+                peak = max(peak, _high_water(p.pid))
+                time.sleep(0.02)
         finally:
             timer.cancel()
-        p.returncode = os.waitstatus_to_exitcode(status)
         seconds = time.perf_counter() - t0
         fo.seek(0)
         fe.seek(0)
@@ -201,8 +217,7 @@ def run_subprocess(case: Case, folder: Path) -> Outcome:
     problems = [f"ran past {SECONDS:g} s (killed)"] if p.returncode == -signal.SIGKILL else []
     if "Traceback (most recent call last)" in stderr:
         problems.append("traceback: " + stderr.strip().splitlines()[-1][:300])
-    outcome = Outcome(case, p.returncode, seconds, usage.ru_maxrss * 1024, stdout, stderr,
-                      problems)
+    outcome = Outcome(case, p.returncode, seconds, peak, stdout, stderr, problems)
     check(outcome, folder, before)
     return outcome
 
