@@ -30,8 +30,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from strata_rt.attention_kernels import AttentionKernels  # noqa: E402
-from strata_rt.numerics import nmse  # noqa: E402
+from strata_rt.backends.cuda.attention_kernels import AttentionKernels  # noqa: E402
+from strata_rt.formats.numerics import nmse  # noqa: E402
 
 N_HEADS, N_KV, HD = 32, 4, 128
 TARGET = 0.70

@@ -46,9 +46,9 @@ sys.path.insert(0, str(ROOT))
 from gguf import GGMLQuantizationType  # noqa: E402
 from gguf.quants import quantize as gguf_quantize  # noqa: E402
 
-from strata_rt.convert import default_workers, format_seconds  # noqa: E402
-from strata_rt.gguf_io import tensor_names, write_moe_gguf  # noqa: E402
-from strata_rt.model import QWEN3_30B_SPEC, Model, MoESpec  # noqa: E402
+from strata_rt.weights.convert import default_workers, format_seconds  # noqa: E402
+from strata_rt.weights.gguf_io import tensor_names, write_moe_gguf  # noqa: E402
+from strata_rt.weights.model import QWEN3_30B_SPEC, Model, MoESpec  # noqa: E402
 
 Q = GGMLQuantizationType
 SOURCES = {"f16": None, "bf16": Q.BF16, "q8_0": Q.Q8_0, "f32": None}
@@ -56,8 +56,8 @@ MIB = 1 << 20
 
 PEAK_SCRIPT = """
 import json, sys
-from strata_rt.model import Model
-from strata_rt.store import ExpertStore
+from strata_rt.weights.model import Model
+from strata_rt.weights.store import ExpertStore
 
 def status(key):
     for line in open("/proc/self/status"):

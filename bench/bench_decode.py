@@ -1,6 +1,6 @@
 """Greedy decode benchmark: tokens/s of a whole Qwen3-MoE config against its PCIe and HBM bounds.
 
-A decode step prefills one token at the end of the KV cache (strata_rt.generate): each layer
+A decode step prefills one token at the end of the KV cache (strata_rt.text.generate): each layer
 routes it to top_k experts and only the routed experts are read. Two paths (STRATA_DECODE, set
 per run with `--paths`): `routed` keeps the routed set on the device - gathers read routed
 experts from their resident slots or straight from pinned host memory over PCIe - and replays
@@ -51,7 +51,6 @@ sys.path.insert(0, str(ROOT))
 
 from torch_clock import cuda_seconds, pinned_h2d_gb_s  # noqa: E402
 
-from strata_rt import env  # noqa: E402
 from strata_rt.cli.common import (  # noqa: E402
     display_path,
     hardware_line,
@@ -59,15 +58,16 @@ from strata_rt.cli.common import (  # noqa: E402
     output_arg,
     write_json,
 )
-from strata_rt.config import Config, load_config  # noqa: E402
-from strata_rt.driver import DECODE_KEY  # noqa: E402
+from strata_rt.config import env  # noqa: E402
+from strata_rt.config.engine_config import EngineConfig  # noqa: E402
+from strata_rt.config.prompts import Prompt  # noqa: E402
+from strata_rt.config.run_config import Config, load_config  # noqa: E402
 from strata_rt.engine import Engine, backend_class, load_model  # noqa: E402
-from strata_rt.engine_config import EngineConfig  # noqa: E402
-from strata_rt.generate import EngineSession, GenerateResult, greedy  # noqa: E402
-from strata_rt.prompts import Prompt  # noqa: E402
+from strata_rt.models.qwen3.whole_memory import DenseSlot  # noqa: E402
+from strata_rt.report.stats import Stats  # noqa: E402
 from strata_rt.runtime.memory import MIB  # noqa: E402
-from strata_rt.stats import Stats  # noqa: E402
-from strata_rt.whole_memory import DenseSlot  # noqa: E402
+from strata_rt.schedule.driver import DECODE_KEY  # noqa: E402
+from strata_rt.text.generate import EngineSession, GenerateResult, greedy  # noqa: E402
 
 #: the regimes: name -> share of the experts resident
 REGIMES = {"quarter": 0.25, "all": 1.0}

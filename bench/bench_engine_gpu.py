@@ -19,7 +19,7 @@ import time
 import numpy as np
 
 from strata_rt.engine import Engine, EngineConfig
-from strata_rt.model import QWEN3_30B_SPEC, Model
+from strata_rt.weights.model import QWEN3_30B_SPEC, Model
 
 MIB = 1 << 20
 

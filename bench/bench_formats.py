@@ -45,9 +45,9 @@ from mmq_common import (  # noqa: E402
 )
 from mmq_torch import bmm_phase  # noqa: E402
 
-from strata_rt.activations import ActivationKernels  # noqa: E402
 from strata_rt.errors import FormatError  # noqa: E402
-from strata_rt.formats import MMQ_GROUP, QuantFormat  # noqa: E402
+from strata_rt.formats.activations import ActivationKernels  # noqa: E402
+from strata_rt.formats.contract import MMQ_GROUP, QuantFormat  # noqa: E402
 from strata_rt.quants.fp16 import FP16  # noqa: E402
 from strata_rt.quants.q2_blob import Q2Blob  # noqa: E402
 

@@ -1,6 +1,6 @@
 """Two-phase IQ3_XXS expert matmul (dequantizing gather into fp16 images, then the grouped fp16
-GEMM of strata_rt/grouped_gemm.py) over a whole MoE layer, with PyTorch's bf16 peers measured in
-the same process.
+GEMM of strata_rt/gemm/grouped_gemm.py) over a whole MoE layer, with PyTorch's bf16 peers measured
+in the same process.
 
     python bench/bench_gemm.py [--models 30b,235b] [--tokens 512,2048,8192] [--reps 10]
                                [--tiles all|name,...] [--no-torch] [--json PATH]
@@ -21,11 +21,11 @@ expert. Per prompt length, CUDA events around whole phases (median of --reps aft
   group g, then its down into an output of its own, the walk's hint), captured once as a CUDA
   graph and replayed, on one compute lane and on two (group g on lane g % 2, lane 2 forked off
   the benchmark stream and joined back inside the capture), and the form the engine picks for
-  the prompt (strata_rt.lanes.chunk_lanes, lanes allocated as when every expert is resident).
-  The plain figures above launch all 8 gate/up then all 8 down one by one on one stream, which
-  pays each launch's host cost and leaves the GPU idle in each launch's last wave; the engine's
-  replayed graph and second lane remove much of that (SwiGLU between the two GEMMs is left out
-  here as in the plain figures);
+  the prompt (strata_rt.schedule.lanes.chunk_lanes, lanes allocated as when every expert is
+  resident). The plain figures above launch all 8 gate/up then all 8 down one by one on one stream,
+  which pays each launch's host cost and leaves the GPU idle in each launch's last wave; the
+  engine's replayed graph and second lane remove much of that (SwiGLU between the two GEMMs is left
+  out here as in the plain figures);
 - torch (bf16, weights resident): torch.bmm on per-expert batches padded to the busiest expert,
   torch._grouped_mm on the same ragged routing, and a dense torch.matmul of the same FLOPs.
 torch runs first in its own context and is done before the strata_rt Runtime opens.
@@ -57,9 +57,9 @@ from mmq_common import (  # noqa: E402
     torch_event_timer,
 )
 
-from strata_rt.cutlass_gemm import CUTLASS_TILES  # noqa: E402
-from strata_rt.formats import MMQ_GROUP  # noqa: E402
-from strata_rt.grouped_gemm import TILES, GroupedGemm, fp16_image_layout  # noqa: E402
+from strata_rt.formats.contract import MMQ_GROUP  # noqa: E402
+from strata_rt.gemm.cutlass_gemm import CUTLASS_TILES  # noqa: E402
+from strata_rt.gemm.grouped_gemm import TILES, GroupedGemm, fp16_image_layout  # noqa: E402
 from strata_rt.quants.iq3_xxs import IQ3XXS  # noqa: E402
 
 MODELS = {"30b": ("Qwen3-30B-A3B", 2048, 768), "235b": ("Qwen3-235B-A22B", 4096, 1536)}
@@ -79,7 +79,7 @@ def layer_tflops(rows: int, hidden: int, ffn: int, ms: float) -> float:
 
 
 def walk_hint(tokens: int) -> int:
-    """The streamed walk's rows_hint (cuda_engine.walk_rows_hint): twice the mean rows."""
+    """The streamed walk's rows_hint (the CUDA executor's walk_rows_hint): twice the mean rows."""
     return max(1, min(tokens, -(-2 * tokens * TOP_K // EXPERTS)))
 
 

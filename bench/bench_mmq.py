@@ -24,7 +24,8 @@ bandwidth against a device-to-device copy of the same bytes, for each gather kin
 dequantizing). Last, f16_gemm's layer in the engine's issue order (bench/engine_order.py), not
 every gather, then 8 gate/up, then 8 down launched one by one: group by group ([its gather,]
 gate/up, down, the same rows_hint) on lane g % lanes, captured once as a CUDA graph and
-replayed, on one lane and on two, and the lanes the engine picks (strata_rt.lanes.chunk_lanes).
+replayed, on one lane and on two, and the lanes the engine picks
+(strata_rt.schedule.lanes.chunk_lanes).
 
 torch runs first, in its own (primary) context, and is done before the strata_rt Runtime opens;
 the two never share memory, so their contexts cannot interfere.
@@ -59,9 +60,9 @@ from mmq_common import (  # noqa: E402
 )
 from mmq_torch import interop_check, torch_phase  # noqa: E402
 
-from strata_rt.activations import ActivationKernels  # noqa: E402
-from strata_rt.formats import MMQ_GROUP  # noqa: E402
-from strata_rt.fused_gemm import F16_FUSED  # noqa: E402
+from strata_rt.formats.activations import ActivationKernels  # noqa: E402
+from strata_rt.formats.contract import MMQ_GROUP  # noqa: E402
+from strata_rt.gemm.fused_gemm import F16_FUSED  # noqa: E402
 from strata_rt.quants.iq3_xxs import IQ3XXS  # noqa: E402
 from strata_rt.quants.iq3_xxs_device import F16_GEMM  # noqa: E402
 

@@ -41,11 +41,11 @@ from torch_clock import cuda_seconds, pinned_h2d_gb_s  # noqa: E402
 
 from strata_rt.cli.common import hardware_line, markdown_table  # noqa: E402
 from strata_rt.cli.run import set_switch  # noqa: E402
-from strata_rt.config import Prompt, validate  # noqa: E402
+from strata_rt.config.run_config import Prompt, validate  # noqa: E402
 from strata_rt.engine import Engine  # noqa: E402
-from strata_rt.model import Model, MoESpec  # noqa: E402
-from strata_rt.numerics import nmse  # noqa: E402
+from strata_rt.formats.numerics import nmse  # noqa: E402
 from strata_rt.runtime.memory import MIB  # noqa: E402
+from strata_rt.weights.model import Model, MoESpec  # noqa: E402
 
 MODELS = {
     "small": MoESpec(n_layers=4, hidden=512, ffn=256, n_experts=32, top_k=4),

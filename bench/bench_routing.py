@@ -31,8 +31,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from strata_rt.resources import KERNELS_ROOT  # noqa: E402
-from strata_rt.routing_exact import (  # noqa: E402
+from strata_rt.backends.cuda.routing_exact import (  # noqa: E402
     SPLIT_TILES,
     ExactRoutingKernels,
     exact_bound,
@@ -42,7 +41,7 @@ from strata_rt.routing_exact import (  # noqa: E402
     split_router,
     split_tile,
 )
-from strata_rt.routing_kernels import (  # noqa: E402
+from strata_rt.backends.cuda.routing_kernels import (  # noqa: E402
     RoutingKernels,
     counting_sort_ref,
     exact_workspace,
@@ -50,11 +49,12 @@ from strata_rt.routing_kernels import (  # noqa: E402
     router_f16,
     workspace_bytes,
 )
+from strata_rt.resources import KERNELS_ROOT  # noqa: E402
 
 ENGINE_SOURCE = KERNELS_ROOT / "common" / "engine.cu"
 #: (hidden, experts, top_k) of the router
 SHAPES = {"30b": (2048, 128, 8), "235b": (4096, 128, 8)}
-#: the engine's launch shapes (cuda_engine.py)
+#: the engine's launch shapes (backends/cuda/executor.py)
 ROUTER_TILE, TOPK_THREADS, SCATTER_THREADS, ROW_THREADS = 64, 128, 1024, 256
 #: the issue's ceilings for the exact chain (GEMM + top-k + sort) at 8K tokens
 TARGET_US = {"30b": 60, "235b": 120}

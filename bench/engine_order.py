@@ -4,14 +4,14 @@ bench_mmq.py; imports neither, only their shared mmq_common.py).
 The engine does not launch a layer's 8 gate/up GEMMs and then its 8 down GEMMs on one stream:
 it walks the groups of 16 experts in order, and group g's gather (when the experts are not
 already in the group buffers), gate/up GEMM, SwiGLU and down GEMM all go on compute lane
-LANES[g % lanes] (strata_rt/plan.py), with the second lane forked off the compute stream by an
-event and joined back by another before the combine; and the walk is captured once as a CUDA
+LANES[g % lanes] (strata_rt/schedule/plan.py), with the second lane forked off the compute stream by
+an event and joined back by another before the combine; and the walk is captured once as a CUDA
 graph and replayed (strata_rt/runtime/graph.py). `EngineOrder.measure` times that: the caller's
 `group(stream, g)` for g = 0..n_groups-1, captured once into a graph on the benchmark stream and
 replayed there, on one lane (every group on that stream) and on two (group g on stream g % 2,
 the second a stream of its own forked at the start and joined at the end inside the capture,
 as the engine's DeviceState.joined does), plus the form the engine picks for the chunk
-(strata_rt.lanes.chunk_lanes with both lane buffer sets allocated, as when every expert is
+(strata_rt.schedule.lanes.chunk_lanes with both lane buffer sets allocated, as when every expert is
 resident). Each replay is timed with the caller's event timer on the benchmark stream: median
 of `reps` after WARMUPS warm-up replays (mmq_common.median_ms's rule).
 """
@@ -28,9 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mmq_common import WARMUPS  # noqa: E402
 
-from strata_rt.lanes import chunk_lanes  # noqa: E402
-from strata_rt.model import MoESpec  # noqa: E402
 from strata_rt.runtime.graph import capture  # noqa: E402
+from strata_rt.schedule.lanes import chunk_lanes  # noqa: E402
+from strata_rt.weights.model import MoESpec  # noqa: E402
 
 #: the lane counts measured, with their JSON keys and table headers
 FORMS = {1: ("graph_1_lane", "graph 1 lane"), 2: ("graph_2_lanes", "graph 2 lanes")}

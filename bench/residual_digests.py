@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from strata_rt.engine import Engine, EngineConfig
-from strata_rt.model import MoESpec
+from strata_rt.weights.model import MoESpec
 
 PROMPTS = (128, 256, 512, 1024, 2048, 4096, 8192, 9200)
 SHAPES = {

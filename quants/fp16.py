@@ -4,7 +4,7 @@ The blob (gate rows, up rows, down rows) already is the two group-buffer images,
 is a plain copy; the format still counts as not native (the project batches gathers only for
 formats that declare it), so it copies one expert per launch. Its "MMQ" is a grouped fp16 GEMM
 (fp32 accumulation) over fp16 activations, one of two variants (STRATA_MMQ_KERNEL):
-- gemm (default): strata_rt.grouped_gemm, the shared kernel of kernels/common/gemm_f16.cu
+- gemm (default): strata_rt.gemm.grouped_gemm, the shared kernel of kernels/common/gemm_f16.cu
   (cp.async pipeline, ldmatrix, mma.sync m16n8k16, 32/64/128-row tiles by rows_hint);
 - tile64: kernels/fp16/mmq.cu, the first fp16 kernel (64 x 64 tiles, no pipeline).
 Both read the same images and activations, so one format object serves both; `variant` picks
@@ -23,12 +23,12 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from strata_rt.activations import F16
 from strata_rt.errors import FormatError
-from strata_rt.formats import FormatKernels, QuantFormat, expert_rows
-from strata_rt.grouped_gemm import GroupedGemmProducts
-from strata_rt.hookspecs import hookimpl
-from strata_rt.launchers import MmqTile, PerExpertKernels
+from strata_rt.formats.activations import F16
+from strata_rt.formats.contract import FormatKernels, QuantFormat, expert_rows
+from strata_rt.formats.hookspecs import hookimpl
+from strata_rt.formats.launchers import MmqTile, PerExpertKernels
+from strata_rt.gemm.grouped_gemm import GroupedGemmProducts
 
 FP16_MAX = 65504.0
 GGML_TYPE_F16 = 1
@@ -125,7 +125,7 @@ class FP16Kernels(PerExpertKernels):
 
 class FP16GemmKernels(GroupedGemmProducts, FP16Kernels):
     """Variant gemm: FP16Kernels' per-expert copy, and the MMQ on the shared grouped fp16 GEMM
-    (strata_rt.grouped_gemm), whose fp16 image layout the blob already is."""
+    (strata_rt.gemm.grouped_gemm), whose fp16 image layout the blob already is."""
 
 
 @hookimpl

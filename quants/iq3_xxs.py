@@ -20,11 +20,11 @@ from typing import Any
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from strata_rt.activations import Q8_1, Q8_1Acts
 from strata_rt.errors import FormatError, GGUFError
-from strata_rt.f16_images import F16ImagesVariant
-from strata_rt.formats import FormatKernels, QuantFormat, expert_rows
-from strata_rt.hookspecs import hookimpl
+from strata_rt.formats.activations import Q8_1, Q8_1Acts
+from strata_rt.formats.contract import FormatKernels, QuantFormat, expert_rows
+from strata_rt.formats.hookspecs import hookimpl
+from strata_rt.gemm.f16_images import F16ImagesVariant
 from strata_rt.resources import KERNELS_ROOT
 
 from .iq3_xxs_fused import F16_FUSED, FusedF16Variant
@@ -324,7 +324,7 @@ class IQ3XXSDequantF16(F16ImagesVariant, IQ3XXS):
                    "with fp32 accumulation over the whole K, fp16 activations; short chunks "
                    "read resident experts in place (the GEMM decoding blocks in its main loop)")
     #: up to this rows hint (1,088 tokens on the Qwen3 shapes) the products of resident experts
-    #: decode their blocks in place (strata_rt.fused_gemm), which skips writing and reading
+    #: decode their blocks in place (strata_rt.gemm.fused_gemm), which skips writing and reading
     #: 1.2 GB of fp16 images per layer; beyond it the fp16 GEMM's speed pays for the gather.
     #: Measured ahead at 1,024 tokens and behind at 2,048 (bench/notes.md W32), so the bound
     #: sits just past 1,024

@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from strata_rt.errors import FormatError
-from strata_rt.formats import ExpertLayout, QuantFormat
-from strata_rt.launchers import MMQ_ARG_TYPES, MmqTile, NativeKernels, launch_mmq
+from strata_rt.formats.contract import ExpertLayout, QuantFormat
+from strata_rt.formats.launchers import MMQ_ARG_TYPES, MmqTile, NativeKernels, launch_mmq
 from strata_rt.resources import KERNELS_ROOT
 
 if TYPE_CHECKING:

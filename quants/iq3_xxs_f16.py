@@ -7,7 +7,7 @@ Why a format object of its own: the variant changes more than a kernel. The blob
 the GGUF's (same name, same blob layout, same quantize and dequantize), but the gathers
 dequantize each expert into fp16 images in the group buffers (2 bytes per weight instead of
 98 per 256), the activations are fp16 instead of q8_1, and the product is a grouped fp16 GEMM
-with fp32 accumulation over the whole K (strata_rt.grouped_gemm), with no per-32-value
+with fp32 accumulation over the whole K (strata_rt.gemm.grouped_gemm), with no per-32-value
 epilogue. Whoever runs it (the CUDA engine, the numpy reference backend, the conformance suite)
 takes sizes, images, activations, kernels and reference from this one object, so they agree.
 
@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from strata_rt.errors import FormatError
-from strata_rt.formats import ExpertLayout, FormatKernels, QuantFormat
-from strata_rt.fused_gemm import FusedGemm
-from strata_rt.grouped_gemm import GroupedGemm
+from strata_rt.formats.contract import ExpertLayout, FormatKernels, QuantFormat
+from strata_rt.gemm.fused_gemm import FusedGemm
+from strata_rt.gemm.grouped_gemm import GroupedGemm
 
 from .iq3_xxs_grid import GRID
 

@@ -6,7 +6,7 @@ variant objects; this module imports nothing of IQ3XXS, so the dependency runs o
 Why a variant of its own: f16_gemm pays a dequantizing gather that writes fp16 images of every
 expert of a group whatever the prompt length; on short prompts that is most of a layer. Here
 the gathers are the exact variants' byte copies (the group buffers hold the GGUF's blocks) and
-the product decodes the blocks inside the GEMM (strata_rt.fused_gemm). Activations are fp16
+the product decodes the blocks inside the GEMM (strata_rt.gemm.fused_gemm). Activations are fp16
 as in f16_gemm.
 
 Numerics (not `exact`): the same bytes as f16_gemm on the same blocks and activations. Each
@@ -25,12 +25,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from strata_rt.activations import F16, Activation
 from strata_rt.errors import FormatError
-from strata_rt.formats import ExpertLayout, FormatKernels, QuantFormat, expert_rows
-from strata_rt.fused_gemm import F16_FUSED, FUSED_SOURCE, FusedGemm, native_image_bytes
-from strata_rt.grouped_gemm import gemm_reference
-from strata_rt.launchers import NativeKernels
+from strata_rt.formats.activations import F16, Activation
+from strata_rt.formats.contract import ExpertLayout, FormatKernels, QuantFormat, expert_rows
+from strata_rt.formats.launchers import NativeKernels
+from strata_rt.gemm.fused_gemm import F16_FUSED, FUSED_SOURCE, FusedGemm, native_image_bytes
+from strata_rt.gemm.grouped_gemm import gemm_reference
 
 from .iq3_xxs_f16 import FLOAT64_NMSE_BOUND, _iq3_range_to_f16
 

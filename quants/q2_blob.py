@@ -31,7 +31,7 @@ the best codes for the scale it actually carries. On Gaussian weights the error 
 
 Variants (STRATA_MMQ_KERNEL). f16_gemm, the default (Q2BlobDequantF16): the same blob, a
 per-expert gather (kernels/q2_blob/dequant.cu) that writes fp16 images, each weight
-fp16((code-1)*scale), which is exact, and the grouped fp16 GEMM of strata_rt.grouped_gemm on
+fp16((code-1)*scale), which is exact, and the grouped fp16 GEMM of strata_rt.gemm.grouped_gemm on
 fp16 activations. Not exact: it meets the float64 reference of its fp16 inputs within the
 conformance tolerance, and a float64 product of the exact weights and unquantized activations
 more closely than the int8 path does (its q8_1 activations round more). int8 (Q2Blob): the
@@ -46,13 +46,13 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from strata_rt.activations import Q8_1
 from strata_rt.errors import FormatError
-from strata_rt.f16_images import F16ImagesVariant
-from strata_rt.formats import ExpertLayout, FormatKernels, QuantFormat, expert_rows
-from strata_rt.grouped_gemm import GroupedGemmProducts
-from strata_rt.hookspecs import hookimpl
-from strata_rt.launchers import MmqTile, PerExpertKernels
+from strata_rt.formats.activations import Q8_1
+from strata_rt.formats.contract import ExpertLayout, FormatKernels, QuantFormat, expert_rows
+from strata_rt.formats.hookspecs import hookimpl
+from strata_rt.formats.launchers import MmqTile, PerExpertKernels
+from strata_rt.gemm.f16_images import F16ImagesVariant
+from strata_rt.gemm.grouped_gemm import GroupedGemmProducts
 from strata_rt.resources import KERNELS_ROOT
 
 F16_GEMM = "f16_gemm"  # the fp16-image variant, the default

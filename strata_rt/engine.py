@@ -1,9 +1,9 @@
 """The library API: Engine.open(config) -> engine.prefill(...) -> (array, Stats).
 
-Two kinds of model (strata_rt.whole_model): MoE layers alone, where prefill takes hidden states
-[tokens, hidden] and returns the final hidden states; and a whole Qwen3-MoE model, where prefill
-takes token ids, returns logits (the last position's, or every position's on request) and keeps
-the KV cache for the next call (`kv_length`, `reset`). Both run every chunk through the same
+Two kinds of model (strata_rt.weights.whole_model): MoE layers alone, where prefill takes hidden
+states [tokens, hidden] and returns the final hidden states; and a whole Qwen3-MoE model, where
+prefill takes token ids, returns logits (the last position's, or every position's on request) and
+keeps the KV cache for the next call (`kv_length`, `reset`). Both run every chunk through the same
 chunk driver and plans; a whole model's layers open with an Attention op and its chunks end
 with a Logits op.
 
@@ -35,31 +35,31 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import hostmem
-from .chunk_input import input_not_finite
-from .driver import Backend, ChunkDriver, HostContext
-from .engine_config import EngineConfig
+from .backends.cuda.chunk_input import input_not_finite
+from .backends.host_copy import all_finite, copy_into, prefault
+from .backends.nonfinite import NonFiniteError, check_finite
+from .config import hostmem
+from .config.engine_config import EngineConfig
+from .config.paths import output_target
+from .config.prompts import check_token_ids
 from .errors import ConfigError
-from .formats import QuantFormat
-from .host_copy import all_finite, copy_into, prefault
-from .model import Model
-from .nonfinite import NonFiniteError, check_finite
-from .paths import output_target
-from .plan import LogitRows
-from .planner import AUTO_CHUNK_MAX
-from .prompts import check_token_ids
-from .residency import Residency
-from .stats import Stats
-from .store import ExpertStore
-from .timing import write_trace
-from .whole_model import load_model
+from .formats.contract import QuantFormat
+from .report.stats import Stats
+from .report.timing import write_trace
+from .schedule.driver import Backend, ChunkDriver, HostContext
+from .schedule.plan import LogitRows
+from .schedule.planner import AUTO_CHUNK_MAX
+from .schedule.residency import Residency
+from .weights.model import Model
+from .weights.store import ExpertStore
+from .weights.whole_model import load_model
 
 if TYPE_CHECKING:
-    from .cuda_engine import CudaBackend
-    from .qwen3.spec import Qwen3Spec
-    from .qwen3.weights import Qwen3Model
-    from .reference import ReferenceBackend
-    from .tokenizer import Tokenizer
+    from .backends.cuda.executor import CudaBackend
+    from .backends.reference.executor import ReferenceBackend
+    from .models.qwen3.spec import Qwen3Spec
+    from .models.qwen3.weights import Qwen3Model
+    from .text.tokenizer import Tokenizer
 
 __all__ = ["Engine", "load_model", "read_dump"]
 
@@ -108,10 +108,10 @@ def backend_class(name: str) -> tuple[str, type[CudaBackend] | type[ReferenceBac
             log.warning("backend auto -> reference (%s)", why)
         name = "cuda" if ok else "reference"
     if name == "cuda":
-        from .cuda_engine import CudaBackend
+        from .backends.cuda.executor import CudaBackend
 
         return name, CudaBackend
-    from .reference import ReferenceBackend
+    from .backends.reference.executor import ReferenceBackend
 
     return "reference", ReferenceBackend
 
@@ -217,7 +217,7 @@ class Engine:
         when one cannot be built (e.g. the `tokenizers` library is missing). Built on
         the first call and kept: reading a GGUF's vocabulary or building the synthetic one
         costs far more than a prompt's encoding, and every later call returns the same object."""
-        from .tokenizer import Tokenizer
+        from .text.tokenizer import Tokenizer
 
         if self.whole is None:
             raise ConfigError("MoE layers alone have no tokenizer; open a whole model",

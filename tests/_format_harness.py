@@ -1,4 +1,4 @@
-"""What the format tests share beyond the library's group harness (strata_rt.testing_groups:
+"""What the format tests share beyond the library's group harness (strata_rt.formats.testing_groups:
 GroupCase and make_case, the same cases the conformance suite runs): device round trips of a
 format's MMQ on NaN-poisoned buffers."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from strata_rt.testing_groups import GroupCase, make_case
+from strata_rt.formats.testing_groups import GroupCase, make_case
 
 __all__ = ["GroupCase", "make_case", "run_mmq", "untouched", "upload"]
 

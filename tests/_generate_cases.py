@@ -9,7 +9,7 @@ import json
 import sys
 from pathlib import Path
 
-from strata_rt.qwen3 import Qwen3Spec
+from strata_rt.models.qwen3 import Qwen3Spec
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "tools"))

@@ -3,8 +3,8 @@ package's own quantizer's output, and edge-case scales.
 
 Random bytes are valid blocks for every decoded type; only the fp16 scale fields must be drawn
 finite (an infinite or NaN scale makes NaN values, which the tests compare apart). This module
-holds the one per-type fact the tests need beyond strata_rt.ggml_types: where each type's fp16
-scales lie.
+holds the one per-type fact the tests need beyond strata_rt.formats.ggml_types: where each type's
+fp16 scales lie.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import gguf
 import numpy as np
 
-from strata_rt.ggml_types import TYPES, GgmlType
+from strata_rt.formats.ggml_types import TYPES, GgmlType
 
 #: byte offsets of the fp16 scale fields in a block (IQ1_M spreads its scale over the top
 #: nibbles of four u16 words at 48..55: see finite_blocks); the float types and MXFP4 have none

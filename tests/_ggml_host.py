@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from strata_rt.ggml_types import GgmlType
+from strata_rt.formats.ggml_types import GgmlType
 from strata_rt.resources import KERNELS_ROOT
 from strata_rt.runtime.compile import cache_dir, nvcc_path, nvcc_version
 

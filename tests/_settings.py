@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from strata_rt.config import load_config
+from strata_rt.config.run_config import load_config
 from strata_rt.engine import Engine, EngineConfig
 from strata_rt.errors import ConfigError
-from strata_rt.model import SMALL_SPEC
+from strata_rt.weights.model import SMALL_SPEC
 
 
 def check_engine_setting(monkeypatch: pytest.MonkeyPatch, field: str, switch: str,

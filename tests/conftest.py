@@ -131,7 +131,7 @@ def fake(monkeypatch: pytest.MonkeyPatch, rng: np.random.Generator) -> dict:
     CUDA backend's control flow on a machine without a GPU."""
     from _fake_runtime import install
 
-    from strata_rt.model import SMALL_SPEC
+    from strata_rt.weights.model import SMALL_SPEC
 
     return install(monkeypatch, rng, SMALL_SPEC)
 

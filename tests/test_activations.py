@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from strata_rt.activations import (
+from strata_rt.errors import FormatError
+from strata_rt.formats.activations import (
     ACTIVATIONS,
     F16,
     Q8_1,
@@ -18,8 +19,7 @@ from strata_rt.activations import (
     quantize_q8_1,
     round_half_away,
 )
-from strata_rt.errors import FormatError
-from strata_rt.formats import QuantFormat
+from strata_rt.formats.contract import QuantFormat
 
 
 def awkward_rows(rng: np.random.Generator, rows: int, k: int) -> np.ndarray:

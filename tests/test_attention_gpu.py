@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from _device_buffers import download, poisoned, upload
 
-from strata_rt import attention_kernels as ak
-from strata_rt.attention_kernels import (
+from strata_rt.backends.cuda import attention_kernels as ak
+from strata_rt.backends.cuda.attention_kernels import (
     ATTENTION_SOURCE,
     BLOCK_ROWS,
     KV_TILE,
@@ -29,11 +29,11 @@ from strata_rt.attention_kernels import (
     rope_cos_sin,
 )
 from strata_rt.errors import ConfigError
-from strata_rt.numerics import nmse
-from strata_rt.qwen3.spec import Qwen3Spec
+from strata_rt.formats.numerics import nmse
+from strata_rt.formats.testing_abi import Recorder
+from strata_rt.models.qwen3.spec import Qwen3Spec
 from strata_rt.resources import KERNELS_ROOT
 from strata_rt.runtime.compile import kernel_jobs
-from strata_rt.testing_abi import Recorder
 
 gpu = pytest.mark.gpu
 

@@ -17,10 +17,10 @@ from gguf.quants import quantize as gguf_quantize
 
 from strata_rt.cli import main
 from strata_rt.errors import GGUFError
-from strata_rt.gguf_checks import F16_SCALES, bad_counts, dequantizable
-from strata_rt.gguf_io import scan_moe, tensor_names, write_moe_gguf
-from strata_rt.model import Model, MoESpec
-from strata_rt.store import ExpertStore
+from strata_rt.weights.gguf_checks import F16_SCALES, bad_counts, dequantizable
+from strata_rt.weights.gguf_io import scan_moe, tensor_names, write_moe_gguf
+from strata_rt.weights.model import Model, MoESpec
+from strata_rt.weights.store import ExpertStore
 
 SPEC = MoESpec(n_layers=2, hidden=256, ffn=256, n_experts=4, top_k=2)
 Q = GGMLQuantizationType

@@ -14,7 +14,7 @@ import yaml
 from _cli import ROOT, strata
 
 from strata_rt.cli import cuda_version, main
-from strata_rt.registry import registry
+from strata_rt.formats.registry import registry
 from strata_rt.runtime.compile import nvcc_available
 
 COMMANDS = ("run", "bench", "inspect", "profile", "plugins", "check-kernels")
@@ -73,8 +73,8 @@ def test_cuda_version_is_not_the_driver_version() -> None:
 
 
 def test_inspect_a_small_gguf(tmp_path: Path, capsys) -> None:
-    from strata_rt.gguf_io import write_moe_gguf
-    from strata_rt.model import Model, MoESpec
+    from strata_rt.weights.gguf_io import write_moe_gguf
+    from strata_rt.weights.model import Model, MoESpec
 
     path = write_moe_gguf(tmp_path / "tiny.gguf",
                           Model.synthetic(MoESpec(2, 256, 256, 4, 2, format="iq3_xxs"), 0))
@@ -90,8 +90,8 @@ def test_inspect_a_small_gguf(tmp_path: Path, capsys) -> None:
 
 
 def test_inspect_names_types_with_gguf_io(tmp_path: Path, capsys, monkeypatch) -> None:
-    from strata_rt import gguf_io
-    from strata_rt.model import Model, MoESpec
+    from strata_rt.weights import gguf_io
+    from strata_rt.weights.model import Model, MoESpec
 
     path = gguf_io.write_moe_gguf(tmp_path / "tiny.gguf",
                                   Model.synthetic(MoESpec(2, 256, 256, 4, 2), 0))
@@ -125,7 +125,7 @@ def _broken_plugin(tmp_path: Path, source: str) -> dict:
         from pathlib import Path
 
         import strata_rt
-        from strata_rt.formats import QuantFormat
+        from strata_rt.formats.contract import QuantFormat
 
 
         class Broken(QuantFormat):
@@ -182,10 +182,10 @@ def test_inspect_a_whole_model_file_shows_dense_weights_and_kv_cache(tmp_path, c
     """A GGUF with token_embd.weight: dense weights by type, their fp16 size, the KV cache per
     1K tokens, and a budget's split: the dense part first (streamed when the resident weights
     do not fit), the experts counted in what is left."""
-    from strata_rt.hostmem import format_bytes
-    from strata_rt.qwen3.gguf_full import write_qwen3_gguf
-    from strata_rt.qwen3.spec import TINY_SPEC
-    from strata_rt.qwen3.weights import Qwen3Model
+    from strata_rt.config.hostmem import format_bytes
+    from strata_rt.models.qwen3.gguf_full import write_qwen3_gguf
+    from strata_rt.models.qwen3.spec import TINY_SPEC
+    from strata_rt.models.qwen3.weights import Qwen3Model
 
     path = write_qwen3_gguf(tmp_path / "tiny.gguf", Qwen3Model.synthetic(TINY_SPEC, 1, "fp16"))
     assert main(["inspect", str(path), "--budget-gib", "0.001"]) == 0
@@ -207,8 +207,8 @@ def test_inspect_a_whole_model_file_shows_dense_weights_and_kv_cache(tmp_path, c
 
 
 def test_inspect_of_moe_layers_only_has_no_whole_model_lines(tmp_path, capsys):
-    from strata_rt.gguf_io import write_moe_gguf
-    from strata_rt.model import Model, MoESpec
+    from strata_rt.weights.gguf_io import write_moe_gguf
+    from strata_rt.weights.model import Model, MoESpec
 
     path = tmp_path / "moe.gguf"
     write_moe_gguf(path, Model.synthetic(MoESpec(2, 256, 256, 4, 2), 0))

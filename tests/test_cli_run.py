@@ -16,7 +16,7 @@ import yaml
 from _cli import ROOT, strata
 
 from strata_rt.cli import build_parser, main
-from strata_rt.registry import registry
+from strata_rt.formats.registry import registry
 
 
 def test_usage_errors_exit_2() -> None:
@@ -127,7 +127,7 @@ def test_profile_prints_where_it_wrote(tmp_path: Path, capsys, monkeypatch) -> N
 
 
 def test_profile_round_trip(tmp_path: Path, capsys) -> None:
-    from strata_rt.residency import RoutingProfile
+    from strata_rt.schedule.residency import RoutingProfile
 
     cfg = _tiny_config(tmp_path)
     prof = tmp_path / "p.json"
@@ -158,7 +158,7 @@ class _Stream:
 
 @pytest.mark.parametrize("tty", [True, False])
 def test_progress_per_chunk_and_layer(tty: bool) -> None:
-    from strata_rt.progress import Progress
+    from strata_rt.report.progress import Progress
 
     stream = _Stream(tty)
     p = Progress(stream, delay_s=0.0, interval_s=0.0)
@@ -207,8 +207,8 @@ def test_quiet_turns_progress_off() -> None:
 
 
 def test_a_log_record_clears_the_progress_line(monkeypatch) -> None:
-    from strata_rt import log
-    from strata_rt.progress import Progress
+    from strata_rt.report import log
+    from strata_rt.report.progress import Progress
 
     stream = _Stream(tty=True)
     monkeypatch.setattr(sys, "stderr", stream)

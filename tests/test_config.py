@@ -10,12 +10,12 @@ import pytest
 import yaml
 
 from strata_rt.cli import main
-from strata_rt.config import Config, device_memory_plan, load_config
+from strata_rt.config.run_config import Config, device_memory_plan, load_config
 from strata_rt.errors import ConfigError, GGUFError
-from strata_rt.memory_plan import MemoryPlan, plan_memory
-from strata_rt.planner import STAGING_RING_SLOTS, walk_ring_slots
-from strata_rt.registry import registry
+from strata_rt.formats.registry import registry
 from strata_rt.runtime.memory import MIB
+from strata_rt.schedule.memory_plan import MemoryPlan, plan_memory
+from strata_rt.schedule.planner import STAGING_RING_SLOTS, walk_ring_slots
 
 CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
 
@@ -282,8 +282,8 @@ def test_every_problem_at_once(tmp_path: Path) -> None:
 
 
 def test_gguf_model(tmp_path: Path) -> None:
-    from strata_rt.gguf_io import write_moe_gguf
-    from strata_rt.model import Model, MoESpec
+    from strata_rt.weights.gguf_io import write_moe_gguf
+    from strata_rt.weights.model import Model, MoESpec
 
     write_moe_gguf(tmp_path / "tiny.gguf", Model.synthetic(MoESpec(2, 256, 256, 4, 2), 0))
     doc = with_(model={"gguf": "tiny.gguf"}, expert_cache="all", prompts=[3])

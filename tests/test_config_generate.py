@@ -13,10 +13,10 @@ import yaml
 
 import strata_rt.cli.run as cli_run
 from strata_rt.cli import main
-from strata_rt.config import load_config, validate
+from strata_rt.config.run_config import load_config, validate
 from strata_rt.engine import Engine
 from strata_rt.errors import ConfigError
-from strata_rt.generate import EngineSession, greedy
+from strata_rt.text.generate import EngineSession, greedy
 
 TINY_WHOLE = {"n_layers": 2, "hidden": 256, "ffn": 256, "n_experts": 8, "top_k": 2,
               "n_heads": 4, "n_kv_heads": 2, "head_dim": 64, "vocab": 512, "context": 256,
@@ -131,7 +131,7 @@ def test_run_zero_tokens_prefills_only(tmp_path, capsys):
 
 
 def test_run_prints_ids_only_without_a_tokenizer(tmp_path, capsys, monkeypatch, caplog):
-    from strata_rt.tokenizer import TokenizerError
+    from strata_rt.text.tokenizer import TokenizerError
 
     def no_tokenizer(self):
         raise TokenizerError("no tokenizer for this test")

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 from test_config import DROP, GOOD, only, problems, with_, write
 
-from strata_rt.config import load_config
-from strata_rt.memory_plan import plan_memory
-from strata_rt.qwen3 import TINY_SPEC, Qwen3Model, write_qwen3_gguf
-from strata_rt.registry import registry
+from strata_rt.config.run_config import load_config
+from strata_rt.formats.registry import registry
+from strata_rt.models.qwen3 import TINY_SPEC, Qwen3Model, write_qwen3_gguf
+from strata_rt.models.qwen3.whole_memory import DenseSlot, WholeSizing, kv_bytes
 from strata_rt.runtime.memory import MIB
-from strata_rt.whole_memory import DenseSlot, WholeSizing, kv_bytes
+from strata_rt.schedule.memory_plan import plan_memory
 
 WHOLE = {"n_heads": 4, "n_kv_heads": 2, "head_dim": 64, "vocab": 500}
 
@@ -117,7 +117,7 @@ def test_dense_slot_layout_is_aligned_and_holds_every_weight() -> None:
 
 
 def test_plan_memory_without_whole_is_unchanged() -> None:
-    from strata_rt.model import MoESpec
+    from strata_rt.weights.model import MoESpec
 
     spec = MoESpec(n_layers=2, hidden=256, ffn=256, n_experts=8, top_k=2, format="fp16")
     fmt = registry()["fp16"]
@@ -155,9 +155,9 @@ def test_auto_streams_the_dense_weights_only_when_they_do_not_fit() -> None:
     streams them through DENSE_RING_SLOTS slots once it does not; resident refuses then."""
     from dataclasses import replace
 
-    from strata_rt.dense_schedule import DENSE_RING_SLOTS
     from strata_rt.errors import BudgetError
-    from strata_rt.model import MoESpec
+    from strata_rt.schedule.dense_schedule import DENSE_RING_SLOTS
+    from strata_rt.weights.model import MoESpec
 
     six = replace(TINY_SPEC, n_layers=6)
     spec = six.moe_spec("fp16")
@@ -183,7 +183,7 @@ def test_host_memory_counts_a_whole_models_parts(monkeypatch) -> None:
     """The host check adds the dense weights as generated (none for a GGUF's, which stay in the
     file's map), the head's conversion, and the pinned dense slots when they stream; the 235B
     configs name them when the host is too small."""
-    from strata_rt.config_whole import whole_host_parts
+    from strata_rt.config.whole import whole_host_parts
     from strata_rt.errors import ConfigError
 
     spec = TINY_SPEC
@@ -196,7 +196,7 @@ def test_host_memory_counts_a_whole_models_parts(monkeypatch) -> None:
     streamed = whole_host_parts(spec, {}, True, True)
     assert streamed["pinned dense slots"] == spec.n_layers * DenseSlot.of(spec).nbytes
     assert whole_host_parts(None, {}, False, True) == {}
-    from strata_rt import hostmem
+    from strata_rt.config import hostmem
 
     monkeypatch.delenv("STRATA_HOST_MEMORY_CHECK", raising=False)
     monkeypatch.setattr(hostmem, "available",

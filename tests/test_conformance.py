@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 
 from strata_rt.errors import PluginError
-from strata_rt.formats import ids16
-from strata_rt.launchers import MMQ_ARG_TYPES
-from strata_rt.registry import registry
+from strata_rt.formats.contract import ids16
+from strata_rt.formats.launchers import MMQ_ARG_TYPES
+from strata_rt.formats.registry import registry
+from strata_rt.formats.testing import ConformanceSkip, Subject, conformance_cases, run_conformance
+from strata_rt.formats.testing_abi import Prepared, check_launch_abi, check_params
 from strata_rt.runtime.compile import nvcc_available
-from strata_rt.testing import ConformanceSkip, Subject, conformance_cases, run_conformance
-from strata_rt.testing_abi import Prepared, check_launch_abi, check_params
 
 
 def _loaded():

@@ -10,16 +10,16 @@ import numpy as np
 import pytest
 from _device_buffers import download, poisoned, upload
 
-from strata_rt.activations import quantize_q8_1
-from strata_rt.cuda_engine import ENGINE_SOURCE
+from strata_rt.backends.cuda.executor import ENGINE_SOURCE
+from strata_rt.backends.nonfinite import NonFiniteError
 from strata_rt.engine import Engine, EngineConfig, read_dump
 from strata_rt.errors import BudgetError, ConfigError
-from strata_rt.formats import MMQ_GROUP
-from strata_rt.model import QWEN3_30B_SPEC, SMALL_SPEC, Model
-from strata_rt.nonfinite import NonFiniteError
-from strata_rt.numerics import nmse
-from strata_rt.plan import Products
-from strata_rt.timing import NOTE
+from strata_rt.formats.activations import quantize_q8_1
+from strata_rt.formats.contract import MMQ_GROUP
+from strata_rt.formats.numerics import nmse
+from strata_rt.report.timing import NOTE
+from strata_rt.schedule.plan import Products
+from strata_rt.weights.model import QWEN3_30B_SPEC, SMALL_SPEC, Model
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -214,7 +214,7 @@ def test_swiglu_kernels_cover_exactly_the_group_rows(rt, rng, kind):
         np.testing.assert_allclose(gv, v.astype(np.float16).astype(np.float32), rtol=1e-3,
                                    atol=1e-6)
         return
-    from strata_rt.activations import Q8_1Acts
+    from strata_rt.formats.activations import Q8_1Acts
 
     acts = Q8_1Acts.from_device_bytes(got[r0:r1].reshape(-1), r1 - r0, F)
     want = quantize_q8_1(v)
@@ -253,7 +253,7 @@ def test_gpu_matches_reference_backend(rng, fmt, fixed_walk_rule, monkeypatch):
     is the float32 kernel set, so both backends pick the same experts (the tensor-core routing
     can flip a near-tie: tests/test_routing_kernels.py bounds how often)."""
     monkeypatch.setenv("STRATA_ROUTING", "fp32")
-    from strata_rt.registry import registry
+    from strata_rt.formats.registry import registry
 
     if fmt not in registry():
         pytest.skip(f"format {fmt} not loaded")

@@ -8,20 +8,20 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from strata_rt import hazards
-from strata_rt.activations import Q8_1
 from strata_rt.engine import Engine, EngineConfig
 from strata_rt.errors import BudgetError, ConfigError
-from strata_rt.formats import MMQ_GROUP
-from strata_rt.fused_gemm import TILES as FUSED_TILES
-from strata_rt.fused_gemm import at_name
-from strata_rt.grouped_gemm import TILES as GEMM_TILES
-from strata_rt.memory_plan import chunk_regions, fixed_regions, plan_memory
-from strata_rt.model import QWEN3_30B_SPEC, SMALL_SPEC, Model
-from strata_rt.planner import AUTO_CHUNK_MAX, StagingPlanner, plan_walk, walk_ring_slots
-from strata_rt.residency import Residency
+from strata_rt.formats.activations import Q8_1
+from strata_rt.formats.contract import MMQ_GROUP
+from strata_rt.gemm.fused_gemm import TILES as FUSED_TILES
+from strata_rt.gemm.fused_gemm import at_name
+from strata_rt.gemm.grouped_gemm import TILES as GEMM_TILES
+from strata_rt.report.timing import NOTE, PHASES, format_table
 from strata_rt.runtime.memory import plan_regions, regions_total
-from strata_rt.timing import NOTE, PHASES, format_table
+from strata_rt.schedule import hazards
+from strata_rt.schedule.memory_plan import chunk_regions, fixed_regions, plan_memory
+from strata_rt.schedule.planner import AUTO_CHUNK_MAX, StagingPlanner, plan_walk, walk_ring_slots
+from strata_rt.schedule.residency import Residency
+from strata_rt.weights.model import QWEN3_30B_SPEC, SMALL_SPEC, Model
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -36,7 +36,7 @@ def _total(spec, lay, act, ring, tokens, resident):
 
 @pytest.mark.parametrize("spec", [SMALL_SPEC, QWEN3_30B_SPEC], ids=["small", "qwen3-30b"])
 def test_auto_chunk_is_largest_that_fits_beside_fixed_residency(spec):
-    from strata_rt.registry import registry
+    from strata_rt.formats.registry import registry
 
     fmt = registry()["iq3_xxs"]
     lay = fmt.layout(spec.hidden, spec.ffn)
@@ -51,7 +51,7 @@ def test_auto_chunk_is_largest_that_fits_beside_fixed_residency(spec):
 
 
 def test_reserve_policy_fills_the_rest_with_residents():
-    from strata_rt.registry import registry
+    from strata_rt.formats.registry import registry
 
     spec = QWEN3_30B_SPEC
     lay = registry()["iq3_xxs"].layout(spec.hidden, spec.ffn)
@@ -65,7 +65,7 @@ def test_reserve_policy_fills_the_rest_with_residents():
 
 
 def test_budget_error_names_the_sizes():
-    from strata_rt.registry import registry
+    from strata_rt.formats.registry import registry
 
     spec = QWEN3_30B_SPEC
     lay = registry()["iq3_xxs"].layout(spec.hidden, spec.ffn)
@@ -221,8 +221,8 @@ def test_whole_model_control_flow_on_fake_runtime(fake, monkeypatch, dense, fixe
     """A whole model on the CUDA backend, without a GPU: the layer's five dense launches per
     Attention (norm, qkv GEMM, q/k norms + RoPE, attention, o GEMM accumulating into x), the
     head per chunk, dense copies only when streaming, and the hazard checker on every plan."""
-    import strata_rt.dense_kernels as dk
-    from strata_rt.qwen3 import Qwen3Model, Qwen3Spec
+    import strata_rt.backends.cuda.dense_kernels as dk
+    from strata_rt.models.qwen3 import Qwen3Model, Qwen3Spec
 
     monkeypatch.setattr(dk, "Cublas", _RecordingCublas)
     _RecordingCublas.calls = []

@@ -1,4 +1,4 @@
-"""The CUTLASS grouped GEMM for sm_90 (strata_rt/cutlass_gemm.py, kernels/cutlass/).
+"""The CUTLASS grouped GEMM for sm_90 (strata_rt/gemm/cutlass_gemm.py, kernels/cutlass/).
 
 CPU: the tile table against the source, header discovery, the STRATA_F16_GEMM policy, how
 GroupedGemm hands launches over, and (with nvcc and the nvidia-cutlass headers) a real build
@@ -16,8 +16,10 @@ import numpy as np
 import pytest
 from _gemm_cases import GEMM_CASES, NAN_F32, _download, _upload, make_gemm_case, run_gemm
 
-from strata_rt import cutlass_gemm
-from strata_rt.cutlass_gemm import (
+from strata_rt.errors import FormatError, KernelBuildError
+from strata_rt.formats.numerics import nmse
+from strata_rt.gemm import cutlass_gemm
+from strata_rt.gemm.cutlass_gemm import (
     CUTLASS_BY_NAME,
     CUTLASS_SOURCE,
     CUTLASS_TILES,
@@ -25,9 +27,7 @@ from strata_rt.cutlass_gemm import (
     cutlass_tile,
     find_headers,
 )
-from strata_rt.errors import FormatError, KernelBuildError
-from strata_rt.grouped_gemm import CUTLASS_MIN_ROWS, TILES, GroupedGemm, gemm_reference
-from strata_rt.numerics import nmse
+from strata_rt.gemm.grouped_gemm import CUTLASS_MIN_ROWS, TILES, GroupedGemm, gemm_reference
 from strata_rt.runtime.compile import nvcc_available
 
 GEMM_NMSE = 1e-6

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 from _device_buffers import download, poisoned, upload
 
-from strata_rt.driver import DECODE_KEY
 from strata_rt.engine import Engine
-from strata_rt.formats import MMQ_GROUP
+from strata_rt.formats.contract import MMQ_GROUP
+from strata_rt.models.qwen3 import Qwen3Model, Qwen3Spec
 from strata_rt.quants.iq3_xxs import IQ3XXS
 from strata_rt.quants.iq3_xxs_device import VARIANTS
-from strata_rt.qwen3 import Qwen3Model, Qwen3Spec
+from strata_rt.schedule.driver import DECODE_KEY
 
 pytestmark = pytest.mark.gpu
 

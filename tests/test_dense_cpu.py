@@ -1,5 +1,5 @@
-"""Dense projections, RMSNorm and logits without a GPU (strata_rt/dense_kernels.py,
-strata_rt/cublas.py): the cuBLAS lookup (nothing loaded on import, a clear error naming every
+"""Dense projections, RMSNorm and logits without a GPU (strata_rt/backends/cuda/dense_kernels.py,
+strata_rt/gemm/cublas.py): the cuBLAS lookup (nothing loaded on import, a clear error naming every
 path tried), the RMSNorm twin against a float64 RMSNorm, the launches of the batch-invariant
 GEMM path and their argument packing against the PTX. On a GPU: tests/test_dense_gpu.py."""
 
@@ -12,8 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from strata_rt import cublas
-from strata_rt.dense_kernels import (
+from strata_rt.backends.cuda.dense_kernels import (
     DENSE_SOURCE,
     NORM_THREADS,
     OWN_BOUNDS_BYTES,
@@ -24,13 +23,14 @@ from strata_rt.dense_kernels import (
     rmsnorm_f16_reference,
     workspace_bytes,
 )
-from strata_rt.model import rms_norm
+from strata_rt.gemm import cublas
 from strata_rt.runtime.compile import nvcc_available
+from strata_rt.weights.model import rms_norm
 
 
 # ------------------------------------------------------------------------------ CPU
 def test_import_loads_no_library():
-    code = ("import strata_rt.cublas, strata_rt.dense_kernels\n"
+    code = ("import strata_rt.gemm.cublas, strata_rt.backends.cuda.dense_kernels\n"
             "maps = open('/proc/self/maps').read()\n"
             "print('cublas' in maps)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -170,7 +170,7 @@ def test_workspace_sizes_and_choices():
 
 
 def _own_on_recorder(nbytes: int | None = None):
-    from strata_rt.testing_abi import Recorder
+    from strata_rt.formats.testing_abi import Recorder
 
     rec = Recorder()
     nbytes = own_workspace_bytes(64, 512) if nbytes is None else nbytes
@@ -231,7 +231,7 @@ def test_rmsnorm_launch_and_refusals():
 
 @pytest.mark.skipif(not nvcc_available(), reason="nvcc not available")
 def test_argument_types_match_the_kernels():
-    from strata_rt.testing_abi import check_params
+    from strata_rt.formats.testing_abi import check_params
 
     rec, _ = _own_on_recorder()
     dense = [p for p in rec.prepared if p.source == DENSE_SOURCE]

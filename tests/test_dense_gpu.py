@@ -10,15 +10,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from strata_rt import cublas
-from strata_rt.dense_kernels import (
+from strata_rt.backends.cuda.dense_kernels import (
     GEMM_IMPLS,
     DenseKernels,
     logits_reference,
     rmsnorm_f16_reference,
     workspace_bytes,
 )
-from strata_rt.numerics import nmse
+from strata_rt.formats.numerics import nmse
+from strata_rt.gemm import cublas
 
 #: fp32-accumulated GEMM vs float64 on the same fp16 inputs (K <= 8192: the rounding of the
 #: fp32 sums stays near 1e-11; a transposed or mis-strided operand gives ~1)

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from strata_rt import tokenizer as tokenizer_mod
 from strata_rt.engine import Engine
 from strata_rt.errors import GGUFError
-from strata_rt.qwen3 import TINY_SPEC, Qwen3Model, write_qwen3_gguf
-from strata_rt.tokenizer_vocab import TokenizerVocab, synthetic_vocab
+from strata_rt.models.qwen3 import TINY_SPEC, Qwen3Model, write_qwen3_gguf
+from strata_rt.text import tokenizer as tokenizer_mod
+from strata_rt.text.tokenizer_vocab import TokenizerVocab, synthetic_vocab
 
 pytest.importorskip("tokenizers")
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from strata_rt.activations import F16
 from strata_rt.errors import FormatError, PluginError
-from strata_rt.formats import FormatKernels
-from strata_rt.numerics import nmse
+from strata_rt.formats.activations import F16
+from strata_rt.formats.contract import FormatKernels
+from strata_rt.formats.numerics import nmse
 from strata_rt.quants.fp16 import FP16, FP16GemmKernels, FP16Kernels
 
 FMT = FP16()

@@ -1,5 +1,6 @@
-"""The IQ3_XXS GEMM that dequantizes in its main loop (strata_rt/fused_gemm.py, kernels/iq3_xxs/
-fused.cu) and its variant object (STRATA_MMQ_KERNEL=f16_fused, quants/iq3_xxs_fused.py).
+"""The IQ3_XXS GEMM that dequantizes in its main loop (strata_rt/gemm/fused_gemm.py,
+kernels/iq3_xxs/ fused.cu) and its variant object (STRATA_MMQ_KERNEL=f16_fused,
+quants/iq3_xxs_fused.py).
 
 CPU: the tile table against the CUDA source and the hardware, register budgets, the variant
 object (native layout and images, fp16 activations, f16_gemm's reference on the decoded
@@ -19,9 +20,11 @@ from _device_buffers import download, poisoned, upload
 from _gemm_cases import assert_fits_registers, assert_refused
 from _recording import RecordingKernel
 
-from strata_rt.activations import F16
 from strata_rt.errors import FormatError
-from strata_rt.fused_gemm import (
+from strata_rt.formats.activations import F16
+from strata_rt.formats.numerics import nmse
+from strata_rt.formats.testing_abi import Recorder
+from strata_rt.gemm.fused_gemm import (
     F16_FUSED,
     FUSED_SOURCE,
     TILES,
@@ -31,8 +34,7 @@ from strata_rt.fused_gemm import (
     native_image_bytes,
     pick_tile,
 )
-from strata_rt.grouped_gemm import GroupedGemm, gemm_reference
-from strata_rt.numerics import nmse
+from strata_rt.gemm.grouped_gemm import GroupedGemm, gemm_reference
 from strata_rt.quants.iq3_xxs import IQ3XXS, IQ3XXSDequantF16, IQ3XXSFusedF16
 from strata_rt.quants.iq3_xxs_f16 import dequant_iq3_images
 from strata_rt.quants.iq3_xxs_fused import (
@@ -42,7 +44,6 @@ from strata_rt.quants.iq3_xxs_fused import (
     native_images_to_f16,
 )
 from strata_rt.runtime.compile import nvcc_available
-from strata_rt.testing_abi import Recorder
 
 IQ3 = IQ3XXS()
 FUSED = IQ3.for_variant(F16_FUSED)
@@ -371,7 +372,7 @@ def test_gpu_fused_is_f16_gemm_byte_for_byte(rt, rng, hidden, ffn, part, counts,
 def test_gpu_fused_end_to_end_through_the_variant(rt, rng, hidden, ffn):
     """The variant as the engine runs it (byte-copy batched gather, device fp16 activations,
     fused MMQ) against float64 products of the exact weights and float32 activations."""
-    from strata_rt.activations import ActivationKernels
+    from strata_rt.formats.activations import ActivationKernels
 
     s = rt.stream("test")
     lay = FUSED.layout(hidden, ffn)

@@ -1,4 +1,4 @@
-"""Grouped fp16 GEMM and the IQ3_XXS dequantizing gather (strata_rt/grouped_gemm.py).
+"""Grouped fp16 GEMM and the IQ3_XXS dequantizing gather (strata_rt/gemm/grouped_gemm.py).
 
 CPU: the numpy twin of the gather against IQ3XXS.dequantize, the tile table against the CUDA
 source, launch geometry and argument checks through a recording kernel. GPU: the gather byte
@@ -27,8 +27,9 @@ from _gemm_cases import (
 from _recording import RecordingKernel
 
 from strata_rt.errors import FormatError
-from strata_rt.formats import MMQ_GROUP
-from strata_rt.grouped_gemm import (
+from strata_rt.formats.contract import MMQ_GROUP
+from strata_rt.formats.numerics import nmse
+from strata_rt.gemm.grouped_gemm import (
     GEMM_SOURCE,
     TILE_N,
     TILES,
@@ -39,7 +40,6 @@ from strata_rt.grouped_gemm import (
     gemm_reference,
     pick_tile,
 )
-from strata_rt.numerics import nmse
 from strata_rt.quants.fp16 import FP16
 from strata_rt.quants.iq3_xxs import IQ3XXS
 from strata_rt.quants.iq3_xxs_f16 import dequant_iq3_images
@@ -204,7 +204,7 @@ def test_dequant_gather_launch_and_checks():
 def test_gemm_without_the_iq3_gather():
     """FP16's launcher opens the GEMM alone (its blobs already are fp16 images): it prepares no
     dequantizing kernel and refuses to run one."""
-    from strata_rt.testing_abi import Recorder
+    from strata_rt.formats.testing_abi import Recorder
 
     rec = Recorder()
     gg = GroupedGemm(rec, iq3_gather=False)  # type: ignore[arg-type]

@@ -1,4 +1,4 @@
-"""Greedy decoding (strata_rt.generate) and `strata generate`: ids equal an argmax computed
+"""Greedy decoding (strata_rt.text.generate) and `strata generate`: ids equal an argmax computed
 independently (every step recomputed from scratch, no KV cache) and transformers' greedy ids
 (fixtures of tests/tools/make_generate_golden.py), on the numpy reference and through the
 engine; EOS, -n 0, the context limit, the summed counters; the command's bad inputs."""
@@ -16,7 +16,9 @@ from _generate_cases import CASES, GOLDEN, SMALL, TINY_CONFIG
 from strata_rt.cli import main
 from strata_rt.engine import Engine
 from strata_rt.errors import ConfigError, StrataError
-from strata_rt.generate import (
+from strata_rt.models.qwen3 import Qwen3Model, Qwen3Reference, write_qwen3_gguf
+from strata_rt.report.stats import Stats
+from strata_rt.text.generate import (
     EngineSession,
     GenerateResult,
     LogitsSession,
@@ -24,9 +26,7 @@ from strata_rt.generate import (
     greedy,
     greedy_after,
 )
-from strata_rt.qwen3 import Qwen3Model, Qwen3Reference, write_qwen3_gguf
-from strata_rt.stats import Stats
-from strata_rt.tokenizer_vocab import synthetic_vocab
+from strata_rt.text.tokenizer_vocab import synthetic_vocab
 
 
 @pytest.fixture(scope="module")
@@ -222,7 +222,7 @@ def test_ctrl_c_after_the_first_token_keeps_what_was_produced(small) -> None:
 
 
 def test_engine_session_refuses_moe_layers_alone() -> None:
-    from strata_rt.model import MoESpec
+    from strata_rt.weights.model import MoESpec
 
     with Engine.open({"model": {"spec": MoESpec(2, 256, 256, 4, 2), "seed": 0},
                       "backend": "reference"}) as engine:
@@ -271,7 +271,7 @@ def test_generate_prints_text_and_summary(capsys, tmp_path) -> None:
                          "--ignore-eos")
     assert code == 0, err
     doc = json.loads(out_json.read_text())
-    from strata_rt.tokenizer import Tokenizer
+    from strata_rt.text.tokenizer import Tokenizer
 
     text = Tokenizer.synthetic(512).decode(doc["ids"], skip_special=True)
     assert out.startswith(text + "\n")
@@ -288,7 +288,7 @@ def test_generate_ids_equal_the_library_and_the_gguf_tokenizer(capsys, ggufs,
     code, out, err = cli(capsys, "generate", str(cfg), "--prompt", "the cache grows",
                          "-n", "5", "--ids", "--ignore-eos")
     assert code == 0, err
-    from strata_rt.tokenizer import Tokenizer
+    from strata_rt.text.tokenizer import Tokenizer
 
     prompt = Tokenizer.from_gguf(ggufs["text"]).encode("the cache grows")
     with Engine.open({"model": {"gguf": str(ggufs["text"]), "format": "fp16"},

@@ -16,7 +16,7 @@ from _ggml_blocks import QUANTIZABLE, gguf_quantize, quantize_source, random_blo
 from _ggml_host import SOURCE_DIR, HostDecoder, host_decoder
 
 from strata_rt.errors import FormatError
-from strata_rt.ggml_types import BY_ID, NAMES, TYPES, GgmlType, ggml_type
+from strata_rt.formats.ggml_types import BY_ID, NAMES, TYPES, GgmlType, ggml_type
 from strata_rt.runtime.compile import nvcc_available
 
 needs_nvcc = pytest.mark.skipif(not nvcc_available(), reason="nvcc not found (PATH or "

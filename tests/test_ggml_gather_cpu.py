@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from strata_rt.errors import FormatError
-from strata_rt.ggml_gather import (
+from strata_rt.formats.ggml_types import TYPES, ggml_type
+from strata_rt.gemm.ggml_gather import (
     GATHER_ARG_TYPES,
     GATHER_SOURCE,
     GATHER_THREADS,
@@ -18,7 +19,6 @@ from strata_rt.ggml_gather import (
     check_geometry,
     images_reference,
 )
-from strata_rt.ggml_types import TYPES, ggml_type
 from strata_rt.resources import KERNELS_ROOT
 from strata_rt.runtime.compile import compile_cubin, kernel_jobs, nvcc_available
 

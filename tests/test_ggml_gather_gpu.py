@@ -15,8 +15,8 @@ import pytest
 from _ggml_blocks import random_blocks
 
 from strata_rt.errors import FormatError
-from strata_rt.ggml_gather import GgmlGather, image_bytes, images_reference
-from strata_rt.ggml_types import TYPES, GgmlType, ggml_type
+from strata_rt.formats.ggml_types import TYPES, GgmlType, ggml_type
+from strata_rt.gemm.ggml_gather import GgmlGather, image_bytes, images_reference
 
 pytestmark = pytest.mark.gpu
 #: the byte every output buffer starts as; what the gather must not write is compared with it
@@ -160,7 +160,7 @@ def test_iq3_xxs_images_equal_the_iq3_xxs_format_gather(rt, gg, rng, monkeypatch
     """On IQ3_XXS expert blobs, two launches (the gate/up range, then the down range) give the
     bytes of the format's own dequantizing gather (GroupedGemm.dequant_gather_iq3): the images
     a format built on this gather would hand the grouped GEMM are the ones it gets today."""
-    from strata_rt.grouped_gemm import GroupedGemm, fp16_image_layout
+    from strata_rt.gemm.grouped_gemm import GroupedGemm, fp16_image_layout
     from strata_rt.quants.iq3_xxs import IQ3XXS
 
     monkeypatch.setenv("STRATA_F16_GEMM", "own")  # the gather alone: no CUTLASS build

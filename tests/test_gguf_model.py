@@ -15,12 +15,12 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import quantize as gguf_quantize
 
-from strata_rt.convert import Eta, format_seconds
 from strata_rt.errors import GGUFError
-from strata_rt.gguf_io import tensor_names, write_moe_gguf
-from strata_rt.model import Model, MoESpec
-from strata_rt.registry import registry
-from strata_rt.store import ExpertStore
+from strata_rt.formats.registry import registry
+from strata_rt.weights.convert import Eta, format_seconds
+from strata_rt.weights.gguf_io import tensor_names, write_moe_gguf
+from strata_rt.weights.model import Model, MoESpec
+from strata_rt.weights.store import ExpertStore
 
 SPEC = MoESpec(n_layers=2, hidden=256, ffn=256, n_experts=4, top_k=2, rms_eps=1e-5)
 Q = GGMLQuantizationType
@@ -68,7 +68,7 @@ def test_round_trip_fp16_raw(tmp_path):
 def test_load_into_another_format_converts(good, model, caplog):
     """IQ3_XXS tensors loaded as fp16 are dequantized (exactly representable in fp16), and the
     conversion is said once for the file, not once per layer."""
-    caplog.set_level(logging.WARNING, logger="strata_rt.convert")
+    caplog.set_level(logging.WARNING, logger="strata_rt.weights.convert")
     back = Model.from_gguf(good, "fp16")
     ExpertStore(back)
     ExpertStore(back)
@@ -124,7 +124,7 @@ def test_conversion_on_workers_is_byte_identical(tmp_path):
 
 def test_many_tasks_and_one_process_agree(tmp_path, monkeypatch):
     """Several tasks per worker (more than are in flight at once) and the in-process path."""
-    from strata_rt import convert
+    from strata_rt.weights import convert
 
     monkeypatch.setattr(convert, "TASK_WEIGHTS", 3 * 128 * 128)  # one expert per task
     path = _mixed_file(tmp_path, n_experts=8, hidden=128, ffn=128, fmt="q2_blob")
@@ -161,8 +161,8 @@ def test_eta_line_and_summary():
 # ---------------------------------------------------------------------------- memory
 PEAK_SCRIPT = textwrap.dedent("""
     import json, sys
-    from strata_rt.model import Model
-    from strata_rt.store import ExpertStore
+    from strata_rt.weights.model import Model
+    from strata_rt.weights.store import ExpertStore
 
     def status(key):
         for line in open("/proc/self/status"):

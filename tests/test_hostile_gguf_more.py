@@ -14,11 +14,17 @@ from pathlib import Path
 import pytest
 
 from strata_rt.errors import GGUFError
-from strata_rt.gguf_header import parse
-from strata_rt.gguf_io import MAX_PROBLEMS, problems_error, read_header, scan_moe, write_moe_gguf
-from strata_rt.gguf_keys import check_keys
-from strata_rt.gguf_problems import Problems
-from strata_rt.model import Model
+from strata_rt.weights.gguf_header import parse
+from strata_rt.weights.gguf_io import (
+    MAX_PROBLEMS,
+    problems_error,
+    read_header,
+    scan_moe,
+    write_moe_gguf,
+)
+from strata_rt.weights.gguf_keys import check_keys
+from strata_rt.weights.gguf_problems import Problems
+from strata_rt.weights.model import Model
 from tests._gguf_bytes import F32, F64, U32, Doc
 from tests.test_hostile_gguf import EPS, SPEC, cli, run_config
 

@@ -15,15 +15,15 @@ import yaml
 
 from strata_rt.cli import main
 from strata_rt.errors import GGUFError
-from strata_rt.gguf_header import ARRAY, STRING
-from strata_rt.qwen3 import (
+from strata_rt.models.qwen3 import (
     TINY_SPEC,
     Qwen3Model,
     read_qwen3_gguf,
     read_qwen3_spec,
     write_qwen3_gguf,
 )
-from strata_rt.tokenizer_vocab import TokenizerVocab, synthetic_vocab
+from strata_rt.text.tokenizer_vocab import TokenizerVocab, synthetic_vocab
+from strata_rt.weights.gguf_header import ARRAY, STRING
 from tests._gguf_bytes import BOOL, F32, I32, U8, U32, Doc
 
 A = "qwen3moe."
@@ -238,7 +238,7 @@ TOKENIZER: dict[str, tuple[Callable[[Doc], Doc], str]] = {
 
 @pytest.mark.parametrize("case", sorted(TOKENIZER))
 def test_inspect_builds_the_tokenizer_generate_would(doc, tmp_path, capsys, case):
-    from strata_rt.tokenizer import Tokenizer, TokenizerError
+    from strata_rt.text.tokenizer import Tokenizer, TokenizerError
 
     change, want = TOKENIZER[case]
     path = change(doc.copy()).write(tmp_path / "bad.gguf")

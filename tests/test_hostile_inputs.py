@@ -19,14 +19,14 @@ import pytest
 import yaml
 from _cli import ROOT, strata
 
-from strata_rt import input_files
 from strata_rt.cli import main
-from strata_rt.config import load_config
-from strata_rt.engine_config import EngineConfig
+from strata_rt.config import input_files
+from strata_rt.config.engine_config import EngineConfig
+from strata_rt.config.prompts import check_token_ids, integer_ids, read_token_file
+from strata_rt.config.run_config import load_config
+from strata_rt.config.yaml_input import MAX_DEPTH, YamlProblem, load_yaml
 from strata_rt.errors import ConfigError
-from strata_rt.prompts import check_token_ids, integer_ids, read_token_file
-from strata_rt.residency import RoutingProfile
-from strata_rt.yaml_input import MAX_DEPTH, YamlProblem, load_yaml
+from strata_rt.schedule.residency import RoutingProfile
 
 TINY = {"model": {"synthetic": {"n_layers": 2, "hidden": 256, "ffn": 256, "n_experts": 8,
                                 "top_k": 2, "seed": 5}},
@@ -107,7 +107,7 @@ def test_alias_bomb_is_refused_at_once(tmp_path, capsys) -> None:
 
 
 def test_a_long_flat_list_is_refused_while_it_is_read(tmp_path, capsys, monkeypatch) -> None:
-    from strata_rt import yaml_input
+    from strata_rt.config import yaml_input
 
     monkeypatch.setattr(yaml_input, "MAX_NODES", 1_000)  # the rule, at a size tested quickly
     path = write(tmp_path, "prompts: [" + "1, " * 2_000 + "1]\n")
@@ -155,7 +155,7 @@ def symlink_loop(tmp_path: Path) -> Path:
 def test_a_config_that_is_not_a_readable_text_file(tmp_path, capsys, monkeypatch, kind,
                                                    words) -> None:
     monkeypatch.setattr(input_files, "CONFIG_LIMIT", 1_000)
-    from strata_rt import config
+    from strata_rt.config import run_config as config
 
     monkeypatch.setattr(config, "CONFIG_LIMIT", 1_000)
     path = {"fifo": lambda: fifo(tmp_path), "device": lambda: Path("/dev/zero"),
@@ -212,7 +212,7 @@ def test_the_plugin_list_names_what_it_is(tmp_path, capsys, kind, words) -> None
         refused(capsys, ["--plugins", str(path), "plugins"], words, code=1)
     finally:
         os.environ.pop("STRATA_PLUGINS", None)
-        from strata_rt.registry import registry
+        from strata_rt.formats.registry import registry
 
         registry(reload=True)
 
@@ -223,7 +223,7 @@ def test_an_empty_plugins_option(capsys) -> None:
 
 def test_the_plugin_list_refuses_duplicate_keys(tmp_path) -> None:
     from strata_rt.errors import PluginError
-    from strata_rt.registry import read_plugins_yaml
+    from strata_rt.formats.registry import read_plugins_yaml
 
     path = write(tmp_path, "plugins: []\nplugins: [{module: x}]\n", "plugins.yaml")
     with pytest.raises(PluginError, match="duplicate key 'plugins'"):
@@ -397,7 +397,7 @@ def test_engine_config_with_an_unknown_key() -> None:
 def test_engine_config_fields_of_the_wrong_kind(field, value) -> None:
     """What a library caller fills in is checked as a config is: a ConfigError naming the
     field, never a TypeError (or an overflow) from deep inside the engine."""
-    from strata_rt.model import MoESpec
+    from strata_rt.weights.model import MoESpec
 
     spec = MoESpec(2, 256, 256, 8, 2, format="iq3_xxs")
     with pytest.raises(ConfigError, match=f"{field}: got"):

@@ -16,11 +16,11 @@ import pytest
 import yaml
 
 from strata_rt.cli import common, main, run
+from strata_rt.config.engine_config import EngineConfig
+from strata_rt.config.paths import output_collisions, output_file_problem, write_text_atomic
 from strata_rt.engine import Engine
-from strata_rt.engine_config import EngineConfig
 from strata_rt.errors import ConfigError
-from strata_rt.model import MoESpec
-from strata_rt.paths import output_collisions, output_file_problem, write_text_atomic
+from strata_rt.weights.model import MoESpec
 
 TINY = {"model": {"synthetic": {"n_layers": 2, "hidden": 256, "ffn": 256, "n_experts": 8,
                                 "top_k": 2, "seed": 5}},
@@ -146,8 +146,8 @@ def test_json_over_the_config_is_refused(tmp_path, capsys) -> None:
 
 
 def test_outputs_that_are_the_model_or_a_prompt_file(tmp_path, capsys, monkeypatch) -> None:
-    from strata_rt.gguf_io import write_moe_gguf
-    from strata_rt.model import Model
+    from strata_rt.weights.gguf_io import write_moe_gguf
+    from strata_rt.weights.model import Model
 
     gguf = write_moe_gguf(tmp_path / "m.gguf", Model.synthetic(MoESpec(2, 256, 256, 8, 2), 3,
                                                                "iq3_xxs"))
@@ -280,8 +280,8 @@ def test_a_full_disk_keeps_what_is_out(tmp_path, capsys, monkeypatch) -> None:
 
 
 def test_a_profile_is_written_whole(tmp_path, monkeypatch) -> None:
-    from strata_rt import paths
-    from strata_rt.residency import RoutingProfile
+    from strata_rt.config import paths
+    from strata_rt.schedule.residency import RoutingProfile
 
     out = tmp_path / "p.json"
     RoutingProfile(np.ones((2, 8), np.int64)).save(out)

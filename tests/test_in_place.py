@@ -1,4 +1,4 @@
-"""Products that read resident experts in place (plan.Products.slots; strata_rt.in_place).
+"""Products that read resident experts in place (plan.Products.slots; strata_rt.schedule.in_place).
 
 CPU: the setting and the rule; the planners (walk, staging, decode) skip exactly the gathers of
 groups whose experts are all resident; the hazard checker refuses slots that do not hold the
@@ -14,21 +14,33 @@ import numpy as np
 import pytest
 from _settings import check_engine_setting, check_yaml_key, run_reference
 
-from strata_rt import hazards
-from strata_rt.dense_schedule import DenseSchedule
 from strata_rt.engine import Engine, EngineConfig
 from strata_rt.errors import ConfigError, PlanHazardError, PluginError
-from strata_rt.formats import MMQ_GROUP
-from strata_rt.fused_gemm import F16_FUSED, TILES, at_name
-from strata_rt.in_place import check_in_place, chunk_in_place, parse_in_place, resident_parts
-from strata_rt.model import QWEN3_30B_SPEC, SMALL_SPEC, Model
-from strata_rt.plan import ChunkPlan, Gather, GatherBatch, GatherRouted, LayerPlan, Products
-from strata_rt.planner import StagingPlanner, plan_decode, plan_walk
+from strata_rt.formats.contract import MMQ_GROUP
+from strata_rt.formats.testing_abi import Recorder
+from strata_rt.gemm.fused_gemm import F16_FUSED, TILES, at_name
 from strata_rt.quants.fp16 import FP16
 from strata_rt.quants.iq3_xxs import IQ3XXS
 from strata_rt.quants.q2_blob import Q2Blob
-from strata_rt.residency import Residency
-from strata_rt.testing_abi import Recorder
+from strata_rt.schedule import hazards
+from strata_rt.schedule.dense_schedule import DenseSchedule
+from strata_rt.schedule.in_place import (
+    check_in_place,
+    chunk_in_place,
+    parse_in_place,
+    resident_parts,
+)
+from strata_rt.schedule.plan import (
+    ChunkPlan,
+    Gather,
+    GatherBatch,
+    GatherRouted,
+    LayerPlan,
+    Products,
+)
+from strata_rt.schedule.planner import StagingPlanner, plan_decode, plan_walk
+from strata_rt.schedule.residency import Residency
+from strata_rt.weights.model import QWEN3_30B_SPEC, SMALL_SPEC, Model
 
 IQ3_GEMM = IQ3XXS().for_variant(None)
 IQ3_FUSED = IQ3XXS().for_variant(F16_FUSED)

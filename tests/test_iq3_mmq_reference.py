@@ -12,7 +12,7 @@ import pytest
 from _iq3_blocks import QWEN3_30B, SMALL, case, group_of
 
 from strata_rt.errors import FormatError
-from strata_rt.numerics import nmse
+from strata_rt.formats.numerics import nmse
 from strata_rt.quants.iq3_xxs import IQ3XXS
 from strata_rt.quants.iq3_xxs_device import (
     MMQ_TILES,

@@ -13,9 +13,9 @@ from _format_harness import run_mmq, untouched, upload
 from _iq3_blocks import QWEN3_30B, SMALL, case, group_of
 
 from strata_rt.errors import FormatError
-from strata_rt.formats import ExpertLayout
-from strata_rt.launchers import NativeKernels
-from strata_rt.numerics import nmse
+from strata_rt.formats.contract import ExpertLayout
+from strata_rt.formats.launchers import NativeKernels
+from strata_rt.formats.numerics import nmse
 from strata_rt.quants.iq3_xxs import IQ3XXS
 from strata_rt.quants.iq3_xxs_device import MMQ_VARIANTS, IQ3XXSKernels
 
@@ -86,7 +86,7 @@ def test_gather_batch_equals_single_gathers(rt, rng, n, first, dims):
 @pytest.mark.parametrize("shift", [1, 2, 8])
 def test_gather_batch_misaligned_sources_fall_back(rt, rng, caplog, shift):
     lay = FMT.layout(*SMALL)
-    with caplog.at_level(logging.WARNING, logger="strata_rt.launchers"):
+    with caplog.at_level(logging.WARNING, logger="strata_rt.formats.launchers"):
         bgu, bdn, sgu, sdn, src, offs, kern, gu0, dn0 = gather_both(rt, rng, lay, 6, 4, shift)
     assert "falls back" in caplog.text and "not a multiple of 16" in caplog.text
     assert kern.fallbacks == 1
@@ -97,7 +97,7 @@ def test_gather_batch_misaligned_sources_fall_back(rt, rng, caplog, shift):
 
 def test_gather_sizes_not_multiple_of_16(rt, rng, caplog):
     lay = odd_layout()
-    with caplog.at_level(logging.WARNING, logger="strata_rt.launchers"):
+    with caplog.at_level(logging.WARNING, logger="strata_rt.formats.launchers"):
         bgu, bdn, sgu, sdn, src, offs, kern, gu0, dn0 = gather_both(rt, rng, lay, 16, 0, 3)
     assert "gate/up bytes = 4099" in caplog.text
     assert kern.fallbacks == 1

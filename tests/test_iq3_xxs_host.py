@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as GT
 
-from strata_rt.activations import Q8_1
 from strata_rt.errors import FormatError, GGUFError
-from strata_rt.numerics import nmse
+from strata_rt.formats.activations import Q8_1
+from strata_rt.formats.numerics import nmse
 from strata_rt.quants.iq3_xxs import GRID_MAG, IQ3XXS, MAX_WEIGHT, SIGN_MASK, strata_rt_formats
 
 FMT = IQ3XXS()

@@ -1,5 +1,5 @@
-"""Compute lanes (strata_rt.lanes, plan.LANES) on the CPU: the rule, the memory they take, the
-settings, the reference backend's bytes with one and two lanes, and where the CUDA backend
+"""Compute lanes (strata_rt.schedule.lanes, plan.LANES) on the CPU: the rule, the memory they take,
+the settings, the reference backend's bytes with one and two lanes, and where the CUDA backend
 puts a lane's launches (through the recording fake runtime). The GPU side:
 tests/test_cuda_engine.py::test_two_lanes_give_the_same_bytes."""
 
@@ -9,20 +9,20 @@ import numpy as np
 import pytest
 from _settings import check_engine_setting, check_yaml_key, run_reference
 
-from strata_rt.activations import Q8_1
 from strata_rt.engine import Engine, EngineConfig
 from strata_rt.errors import BudgetError, ConfigError
-from strata_rt.formats import MMQ_GROUP
-from strata_rt.lanes import (
+from strata_rt.formats.activations import Q8_1
+from strata_rt.formats.contract import MMQ_GROUP
+from strata_rt.schedule.lanes import (
     LANES_MAX_ROWS,
     allocated_lanes,
     chunk_lanes,
     parse_lanes,
     walk_rows_hint,
 )
-from strata_rt.memory_plan import fixed_regions, lane_buffers, plan_lanes, plan_memory
-from strata_rt.model import QWEN3_30B_SPEC, SMALL_SPEC, Model
-from strata_rt.plan import LANES, Products, Wait, lane_fork
+from strata_rt.schedule.memory_plan import fixed_regions, lane_buffers, plan_lanes, plan_memory
+from strata_rt.schedule.plan import LANES, Products, Wait, lane_fork
+from strata_rt.weights.model import QWEN3_30B_SPEC, SMALL_SPEC, Model
 
 GIB = 1 << 30
 
@@ -58,7 +58,7 @@ def test_chunks_take_two_lanes_while_experts_have_few_rows():
 
 # ---------------------------------------------------------------------------- memory
 def test_second_lane_has_its_own_group_buffers():
-    from strata_rt.registry import registry
+    from strata_rt.formats.registry import registry
 
     lay = registry()["iq3_xxs"].layout(SMALL_SPEC.hidden, SMALL_SPEC.ffn)
     one = fixed_regions(SMALL_SPEC, lay, 8)
@@ -78,7 +78,7 @@ def _plan(lay, available, n_resident):
 
 
 def test_plan_lanes_under_each_setting():
-    from strata_rt.registry import registry
+    from strata_rt.formats.registry import registry
 
     lay = registry()["iq3_xxs"].layout(SMALL_SPEC.hidden, SMALL_SPEC.ffn)
     total = SMALL_SPEC.total_experts
@@ -98,7 +98,7 @@ def test_plan_lanes_under_each_setting():
 def test_auto_never_gives_up_a_chunk_token_or_a_fit_for_a_lane():
     """Where a second lane's buffers do not fit, or would shorten `prefill: auto`'s chunk,
     auto keeps one lane and the one-lane plan."""
-    from strata_rt.registry import registry
+    from strata_rt.formats.registry import registry
 
     lay = registry()["iq3_xxs"].layout(SMALL_SPEC.hidden, SMALL_SPEC.ffn)
     total = SMALL_SPEC.total_experts
@@ -122,7 +122,7 @@ def test_auto_never_gives_up_a_chunk_token_or_a_fit_for_a_lane():
 
 
 def test_a_second_lane_that_does_not_fit_says_how_to_drop_it():
-    from strata_rt.registry import registry
+    from strata_rt.formats.registry import registry
 
     lay = registry()["iq3_xxs"].layout(SMALL_SPEC.hidden, SMALL_SPEC.ffn)
     need = _plan(lay, 8 * GIB, 0)(1).total

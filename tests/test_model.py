@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from strata_rt.errors import ConfigError
-from strata_rt.model import (
+from strata_rt.schedule.residency import Residency, RoutingProfile
+from strata_rt.weights.model import (
     QWEN3_30B_SPEC,
     SMALL_SPEC,
     Model,
@@ -17,8 +18,7 @@ from strata_rt.model import (
     rms_norm,
     route,
 )
-from strata_rt.residency import Residency, RoutingProfile
-from strata_rt.store import ExpertStore
+from strata_rt.weights.store import ExpertStore
 
 TINY = MoESpec(n_layers=2, hidden=256, ffn=256, n_experts=8, top_k=2)
 

@@ -9,11 +9,11 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from strata_rt.backends.nonfinite import NonFiniteError, check_finite, check_rms_input
 from strata_rt.cli import main
 from strata_rt.engine import Engine
-from strata_rt.model import SMALL_SPEC, Model
-from strata_rt.nonfinite import NonFiniteError, check_finite, check_rms_input
-from strata_rt.qwen3 import Qwen3Model, Qwen3Spec
+from strata_rt.models.qwen3 import Qwen3Model, Qwen3Spec
+from strata_rt.weights.model import SMALL_SPEC, Model
 
 SPEC = replace(SMALL_SPEC, n_layers=2, n_experts=8, top_k=2)
 WHOLE = Qwen3Spec(n_layers=2, hidden=256, n_heads=4, n_kv_heads=2, head_dim=32, vocab=300,

@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench" / "peers
 import torch_grouped as tg  # noqa: E402
 from torch_moe import TorchMoE  # noqa: E402
 
-from strata_rt.model import Model, MoESpec, reference_moe_f64  # noqa: E402
-from strata_rt.numerics import nmse  # noqa: E402
+from strata_rt.formats.numerics import nmse  # noqa: E402
+from strata_rt.weights.model import Model, MoESpec, reference_moe_f64  # noqa: E402
 
 SPEC = MoESpec(n_layers=2, hidden=512, ffn=256, n_experts=8, top_k=2)
 

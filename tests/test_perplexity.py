@@ -1,4 +1,4 @@
-"""Perplexity (strata_rt.perplexity) and `strata perplexity`: transformers' values from the
+"""Perplexity (strata_rt.text.perplexity) and `strata perplexity`: transformers' values from the
 fixtures within 1e-4 relative, windows independent of one another, the float64 log-softmax,
 pieces of a window giving the window's value, progress per window, and the bad inputs."""
 
@@ -17,10 +17,10 @@ from _generate_cases import CASES, GOLDEN, SMALL, TINY_CONFIG
 from strata_rt.cli import main
 from strata_rt.engine import Engine
 from strata_rt.errors import ConfigError, StrataError
-from strata_rt.generate import EngineSession, ReferenceSession
-from strata_rt.perplexity import perplexity, token_nll, windows_of
-from strata_rt.progress import Progress
-from strata_rt.qwen3 import Qwen3Model, write_qwen3_gguf
+from strata_rt.models.qwen3 import Qwen3Model, write_qwen3_gguf
+from strata_rt.report.progress import Progress
+from strata_rt.text.generate import EngineSession, ReferenceSession
+from strata_rt.text.perplexity import perplexity, token_nll, windows_of
 
 REL = 1e-4
 
@@ -170,8 +170,8 @@ def test_perplexity_command_matches_the_library(capsys, tmp_path) -> None:
                          "--file", str(text), "--ctx", "32", "--json", str(out_json))
     assert code == 0, err
     doc = json.loads(out_json.read_text())
-    from strata_rt.config import load_config
-    from strata_rt.tokenizer import Tokenizer
+    from strata_rt.config.run_config import load_config
+    from strata_rt.text.tokenizer import Tokenizer
 
     ids = Tokenizer.synthetic(512).encode(text.read_text(), parse_special=False)
     cfg = load_config(TINY_CONFIG).with_backend("reference")

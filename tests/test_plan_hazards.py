@@ -13,11 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from strata_rt.errors import PlanHazardError
-from strata_rt.formats import MMQ_GROUP
-from strata_rt.hazards import check
-from strata_rt.image_cache import ImageCache
-from strata_rt.model import QWEN3_30B_SPEC, MoESpec
-from strata_rt.plan import (
+from strata_rt.formats.contract import MMQ_GROUP
+from strata_rt.schedule.hazards import check
+from strata_rt.schedule.image_cache import ImageCache
+from strata_rt.schedule.plan import (
     COPIED,
     LANE_FORK,
     LANE_JOIN,
@@ -40,13 +39,14 @@ from strata_rt.plan import (
     lane_join,
     used,
 )
-from strata_rt.planner import (
+from strata_rt.schedule.planner import (
     STAGING_RING_SLOTS,
     StagingPlanner,
     plan_walk,
     walk_ring_slots,
 )
-from strata_rt.residency import Residency
+from strata_rt.schedule.residency import Residency
+from strata_rt.weights.model import QWEN3_30B_SPEC, MoESpec
 
 #: the tests pick the planner by the original fixed rule (the engine uses planner.takes_walk)
 FIXED_RULE_TOKENS = 1024

@@ -18,7 +18,7 @@ import pytest
 
 from strata_rt.cli import main
 from strata_rt.errors import PluginError
-from strata_rt.registry import registry
+from strata_rt.formats.registry import registry
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -37,7 +37,7 @@ import strata_missing_dependency_xyz  # noqa: F401
 """
 
 DEVICE_MODULE = """
-from strata_rt.formats import FormatKernels
+from strata_rt.formats.contract import FormatKernels
 
 
 class MyQ4Kernels(FormatKernels):

@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 from _format_harness import make_case
 
-from strata_rt.activations import Q8_1
 from strata_rt.errors import FormatError, PluginError
-from strata_rt.formats import FormatKernels, first_misaligned
-from strata_rt.launchers import check_aligned
-from strata_rt.numerics import nmse
+from strata_rt.formats.activations import Q8_1
+from strata_rt.formats.contract import FormatKernels, first_misaligned
+from strata_rt.formats.launchers import check_aligned
+from strata_rt.formats.numerics import nmse
+from strata_rt.formats.registry import QuantRegistry
 from strata_rt.quants import q2_blob
 from strata_rt.quants.q2_blob import Planes, Q2Blob, Q2Kernels
-from strata_rt.registry import QuantRegistry
 
 FMT = Q2Blob()
 
@@ -184,7 +184,7 @@ def test_identity_not_native_and_gather_batch_refused():
 def test_registry_refuses_a_batching_non_native_format(tmp_path, monkeypatch):
     (tmp_path / "q2_batching_plugin.py").write_text(textwrap.dedent("""
         from strata_rt.quants.q2_blob import Q2Blob, Q2Kernels
-        from strata_rt.hookspecs import hookimpl
+        from strata_rt.formats.hookspecs import hookimpl
 
         class Batching(Q2Kernels):
             def gather_batch(self, stream, srcs, first_pos, gu_buf, down_buf):

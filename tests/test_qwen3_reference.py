@@ -12,9 +12,8 @@ import numpy as np
 import pytest
 
 from strata_rt.errors import BudgetError, ConfigError
-from strata_rt.model import reference_moe_f64, route
-from strata_rt.numerics import nmse
-from strata_rt.qwen3 import (
+from strata_rt.formats.numerics import nmse
+from strata_rt.models.qwen3 import (
     QWEN3_30B_A3B,
     QWEN3_235B_A22B,
     DenseTensor,
@@ -25,8 +24,9 @@ from strata_rt.qwen3 import (
     read_qwen3_gguf,
     write_qwen3_gguf,
 )
-from strata_rt.qwen3 import reference as qref
-from strata_rt.qwen3.weights import DenseWeights
+from strata_rt.models.qwen3 import reference as qref
+from strata_rt.models.qwen3.weights import DenseWeights
+from strata_rt.weights.model import reference_moe_f64, route
 
 FIXTURES = Path(__file__).parent / "fixtures" / "qwen3_tiny"
 GOLDEN = json.loads((FIXTURES / "golden.json").read_text())

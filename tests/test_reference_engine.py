@@ -11,15 +11,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from strata_rt import driver as driver_mod
-from strata_rt import planner as planner_mod
 from strata_rt.engine import DUMP_STRIDE, Engine, EngineConfig, read_dump
 from strata_rt.errors import ConfigError, PlanHazardError
-from strata_rt.model import SMALL_SPEC, Model, reference_moe_f64, rms_norm, route
-from strata_rt.numerics import nmse
-from strata_rt.plan import ChunkPlan, LayerPlan, Wait
-from strata_rt.planner import AUTO_CHUNK_MAX
-from strata_rt.residency import RoutingProfile
+from strata_rt.formats.numerics import nmse
+from strata_rt.schedule import driver as driver_mod
+from strata_rt.schedule import planner as planner_mod
+from strata_rt.schedule.plan import ChunkPlan, LayerPlan, Wait
+from strata_rt.schedule.planner import AUTO_CHUNK_MAX
+from strata_rt.schedule.residency import RoutingProfile
+from strata_rt.weights.model import SMALL_SPEC, Model, reference_moe_f64, rms_norm, route
 
 NMSE_MAX = 5e-4
 
@@ -106,7 +106,7 @@ def test_chunks_and_paths_agree_exactly(small, rng):
 def test_other_formats_run(rng):
     """The engine never names a format: fp16 (native) and q2_blob (not native: one gather per
     expert even when batching is asked for) run through the same plans."""
-    from strata_rt.registry import registry
+    from strata_rt.formats.registry import registry
 
     for name in ("fp16", "q2_blob"):
         fmt = registry()[name]
@@ -259,7 +259,7 @@ def test_engine_runs_the_chosen_mmq_variant(small, rng, monkeypatch):
     """IQ3_XXS runs its default variant (f16_gemm: fp16 images and activations) unless
     STRATA_MMQ_KERNEL names another; the exact kernels' variant gives other bytes, both close
     to float64, and the model's own format object is left as it was."""
-    from strata_rt.activations import F16, Q8_1
+    from strata_rt.formats.activations import F16, Q8_1
 
     model = small.slice_layers(0, 1)
     h = _hidden(rng, 40)

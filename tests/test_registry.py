@@ -11,13 +11,13 @@ import pytest
 
 import strata_rt
 from strata_rt.errors import PluginError
-from strata_rt.registry import QuantRegistry
+from strata_rt.formats.registry import QuantRegistry
 from strata_rt.resources import common_include_dir
 from strata_rt.runtime.compile import compile_cubin, nvcc_available
 
 FORMAT_MODULE = """
 from strata_rt import hookimpl
-from strata_rt.formats import FormatKernels, QuantFormat
+from strata_rt.formats.contract import FormatKernels, QuantFormat
 
 
 class BatchingKernels(FormatKernels):
@@ -129,7 +129,7 @@ def test_hook_returning_something_else(plugins):
             return ["not a format"]
     """)
     with pytest.raises(PluginError, match=rf"plugin {odd} \(plugins_\w+.yaml\): .*not a "
-                                          r"strata_rt.formats.QuantFormat"):
+                                          r"strata_rt.formats.contract.QuantFormat"):
         QuantRegistry(plugins.yaml(listing(odd)), entry_points=False)
 
 

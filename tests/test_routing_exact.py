@@ -1,6 +1,6 @@
-"""Exact routing (strata_rt/routing_exact.py, kernels/common/routing_exact.cu): the definition
-and its fast CPU path on the CPU; on a GPU, the kernels' picks against the definition on random
-and adversarial inputs (near-ties down to exact ties), the bound the proof rests on, the
+"""Exact routing (strata_rt/backends/cuda/routing_exact.py, kernels/common/routing_exact.cu): the
+definition and its fast CPU path on the CPU; on a GPU, the kernels' picks against the definition on
+random and adversarial inputs (near-ties down to exact ties), the bound the proof rests on, the
 weights, every tile's bytes and chunk independence, outputs poisoned first."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from _device_buffers import download, poisoned, upload
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from strata_rt.routing_exact import (
+from strata_rt.backends.cuda.routing_exact import (
     EXACT_SOURCE,
     SPLIT_TILE_RULE,
     SPLIT_TILES,
@@ -28,7 +28,7 @@ from strata_rt.routing_exact import (
     split_router,
     split_tile,
 )
-from strata_rt.routing_kernels import (
+from strata_rt.backends.cuda.routing_kernels import (
     RoutingKernels,
     counting_sort_ref,
     exact_workspace,

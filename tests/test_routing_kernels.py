@@ -13,9 +13,8 @@ from _device_buffers import download, poisoned, upload
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from strata_rt import routing_kernels
-from strata_rt.model import route
-from strata_rt.routing_kernels import (
+from strata_rt.backends.cuda import routing_kernels
+from strata_rt.backends.cuda.routing_kernels import (
     GEMM_TILE_RULE,
     GEMM_TILES,
     HIDDEN_MULTIPLE,
@@ -37,7 +36,8 @@ from strata_rt.routing_kernels import (
     topk_softmax_ref,
     workspace_bytes,
 )
-from strata_rt.testing_abi import Recorder
+from strata_rt.formats.testing_abi import Recorder
+from strata_rt.weights.model import route
 
 gpu = pytest.mark.gpu
 

@@ -26,9 +26,9 @@ import numpy as np
 import pytest
 
 from strata_rt.engine import Engine
-from strata_rt.generate import EngineSession, greedy
-from strata_rt.numerics import nmse
-from strata_rt.qwen3 import write_qwen3_gguf
+from strata_rt.formats.numerics import nmse
+from strata_rt.models.qwen3 import write_qwen3_gguf
+from strata_rt.text.generate import EngineSession, greedy
 
 pytestmark = pytest.mark.gpu
 

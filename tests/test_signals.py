@@ -22,9 +22,9 @@ import yaml
 from _cli import ROOT
 from _generate_cases import TINY_CONFIG
 
-from strata_rt import interrupts
 from strata_rt.cli import main, run
 from strata_rt.engine import Engine
+from strata_rt.report import interrupts
 
 TINY = {"model": {"synthetic": {"n_layers": 2, "hidden": 256, "ffn": 256, "n_experts": 8,
                                 "top_k": 2, "seed": 5}},
@@ -78,7 +78,7 @@ def test_sigterm_during_bench_and_profile(tmp_path, capsys, monkeypatch) -> None
     out_path = tmp_path / "p.json"
     code, out, err = cli(capsys, "profile", str(config(tmp_path)), "--out", str(out_path))
     assert code == 143 and "terminated by SIGTERM after 1 of 3 prompts" in err
-    from strata_rt.residency import RoutingProfile
+    from strata_rt.schedule.residency import RoutingProfile
 
     assert (RoutingProfile.load(out_path).counts.sum(axis=1) == 16 * 2).all()
     monkeypatch.undo()
@@ -91,7 +91,7 @@ def test_sigterm_during_bench_and_profile(tmp_path, capsys, monkeypatch) -> None
 
 
 def test_sigterm_during_perplexity_keeps_the_windows(tmp_path, capsys, monkeypatch) -> None:
-    from strata_rt import perplexity
+    from strata_rt.text import perplexity
 
     text = tmp_path / "t.txt"
     text.write_text("the engine streams experts through a ring of slots. " * 20)
@@ -107,7 +107,7 @@ def test_sigterm_during_perplexity_keeps_the_windows(tmp_path, capsys, monkeypat
 
 
 def test_sigterm_during_generate_keeps_the_tokens(tmp_path, capsys, monkeypatch) -> None:
-    from strata_rt import generate
+    from strata_rt.text import generate
 
     sigterm_on_call(monkeypatch, generate, "next_token", 4)
     target = tmp_path / "gen.json"
@@ -183,8 +183,8 @@ def test_sigterm_in_a_fresh_process(tmp_path) -> None:
 CONVERT = textwrap.dedent("""
     import sys
     import numpy as np
-    from strata_rt import interrupts
-    from strata_rt.model import Model
+    from strata_rt.report import interrupts
+    from strata_rt.weights.model import Model
 
     if __name__ == "__main__":
         with interrupts.signals_as_interrupts():

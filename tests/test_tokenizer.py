@@ -16,11 +16,10 @@ pytest.importorskip("tokenizers", reason="the tokenizer needs `pip install 'stra
 
 from gguf import GGUFReader, GGUFValueType, GGUFWriter  # noqa: E402
 
-from strata_rt import tokenizer_vocab as tv  # noqa: E402
 from strata_rt.errors import GGUFError, StrataError  # noqa: E402
-from strata_rt.gguf_io import add_keys
-from strata_rt.tokenizer import Tokenizer, TokenizerError  # noqa: E402
-from strata_rt.tokenizer_vocab import (  # noqa: E402
+from strata_rt.text import tokenizer_vocab as tv  # noqa: E402
+from strata_rt.text.tokenizer import Tokenizer, TokenizerError  # noqa: E402
+from strata_rt.text.tokenizer_vocab import (  # noqa: E402
     CONTROL,
     NORMAL,
     UNUSED,
@@ -29,6 +28,7 @@ from strata_rt.tokenizer_vocab import (  # noqa: E402
     synthetic_vocab,
     write_tokenizer_gguf,
 )
+from strata_rt.weights.gguf_io import add_keys
 
 FIX = Path(__file__).parent / "fixtures" / "tokenizer"
 EXPECTED = json.loads((FIX / "expected.json").read_text(encoding="utf-8"))
@@ -206,7 +206,7 @@ def test_keys_round_trip_with_llama_cpps_types(tmp_path):
 
 
 def test_whole_model_gguf_carries_the_tokenizer(tmp_path):
-    from strata_rt.qwen3 import Qwen3Model, Qwen3Spec, write_qwen3_gguf
+    from strata_rt.models.qwen3 import Qwen3Model, Qwen3Spec, write_qwen3_gguf
 
     spec = Qwen3Spec(n_layers=1, hidden=128, n_heads=2, n_kv_heads=1, head_dim=64, vocab=1024,
                      ffn=128, n_experts=4, top_k=2, rope_theta=1e6, rms_eps=1e-6, context=256)

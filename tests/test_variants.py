@@ -18,18 +18,18 @@ import pytest
 from _format_harness import make_case, run_mmq, untouched
 from _iq3_blocks import QWEN3_30B, SMALL, group_of
 
-from strata_rt.activations import F16, Q8_1
 from strata_rt.errors import FormatError
-from strata_rt.formats import QuantFormat
-from strata_rt.grouped_gemm import TILES_BY_NAME, fp16_image_layout, gemm_reference
-from strata_rt.numerics import nmse
+from strata_rt.formats.activations import F16, Q8_1
+from strata_rt.formats.contract import QuantFormat
+from strata_rt.formats.numerics import nmse
+from strata_rt.formats.registry import registry
+from strata_rt.formats.testing import KERNEL_NMSE, run_conformance
+from strata_rt.formats.testing_abi import Recorder
+from strata_rt.gemm.grouped_gemm import TILES_BY_NAME, fp16_image_layout, gemm_reference
 from strata_rt.quants.fp16 import FP16, FP16GemmKernels, FP16Kernels
 from strata_rt.quants.iq3_xxs import IQ3XXS, IQ3XXSDequantF16
 from strata_rt.quants.iq3_xxs_device import MMQ_VARIANTS, VARIANTS, IQ3XXSKernels
 from strata_rt.quants.iq3_xxs_f16 import FLOAT64_NMSE_BOUND, IQ3XXSDequantF16Kernels
-from strata_rt.registry import registry
-from strata_rt.testing import KERNEL_NMSE, run_conformance
-from strata_rt.testing_abi import Recorder
 
 IQ3 = IQ3XXS()
 QWEN3_235B = (4096, 1536)

@@ -158,7 +158,7 @@ def test_installed_wheel_compiles_every_kernel(installed):
     skipped = [line for line in done.stdout.splitlines() if line.startswith("skip ")]
     assert skipped == ["skip cutlass    sm_90a  grouped_gemm_sm90.cu (the nvidia-cutlass "
                        "package is not installed)"], done.stdout
-    probe = run([installed["python"], "-c", "from strata_rt.cutlass_gemm import CUTLASS_SOURCE;"
+    probe = run([installed["python"], "-c", "from strata_rt.gemm.cutlass_gemm import CUTLASS_SOURCE;"
                  " print(CUTLASS_SOURCE.is_file())"], cwd=installed["cwd"], env=installed["env"])
     assert probe.stdout.strip() == "True", "the wheel lacks the CUTLASS library's source"
 

@@ -10,9 +10,9 @@ from test_qwen3_reference import FIXTURES, GOLDEN, PARITY_NMSE, build_case
 
 from strata_rt.engine import Engine
 from strata_rt.errors import ConfigError
-from strata_rt.numerics import nmse
-from strata_rt.plan import Attention, LayerBegin
-from strata_rt.qwen3 import Qwen3Model, Qwen3Reference, Qwen3Spec, write_qwen3_gguf
+from strata_rt.formats.numerics import nmse
+from strata_rt.models.qwen3 import Qwen3Model, Qwen3Reference, Qwen3Spec, write_qwen3_gguf
+from strata_rt.schedule.plan import Attention, LayerBegin
 
 #: small enough for 1,100-token prompts on the reference backend in seconds
 SMALL = Qwen3Spec(n_layers=2, hidden=256, n_heads=4, n_kv_heads=2, head_dim=32, vocab=300,
@@ -117,7 +117,7 @@ def test_context_limits_and_bad_token_ids(small):
 
 
 def test_moe_only_engine_refuses_all_logits():
-    from strata_rt.model import MoESpec
+    from strata_rt.weights.model import MoESpec
 
     spec = MoESpec(n_layers=1, hidden=256, ffn=256, n_experts=4, top_k=2, format="fp16")
     with _open({"spec": spec, "seed": 0}) as eng:
@@ -158,7 +158,7 @@ def test_strata_run_on_the_tiny_whole_model(tmp_path, capsys):
 def test_streamed_dense_weights_give_the_same_bytes_and_check_clean(small, monkeypatch):
     """dense: stream plans a DenseCopy per layer through a 2-slot ring ahead of its Attention;
     the hazard checker accepts the plans and the logits are the resident run's bytes."""
-    from strata_rt.plan import DenseCopy
+    from strata_rt.schedule.plan import DenseCopy
 
     monkeypatch.setenv("STRATA_CHECK_PLAN", "1")
     ids = np.random.default_rng(4).integers(0, SMALL.vocab, 260)
@@ -179,10 +179,10 @@ def test_streamed_dense_weights_give_the_same_bytes_and_check_clean(small, monke
 def test_checker_rejects_a_dense_slot_overwritten_too_early():
     """Dropping the copy stream's wait for an Attention's dense_used record is a hazard, and
     so is an Attention that does not wait for its copy."""
-    from strata_rt import hazards
-    from strata_rt.dense_schedule import DenseSchedule
     from strata_rt.errors import PlanHazardError
-    from strata_rt.plan import LayerPlan, Wait
+    from strata_rt.schedule import hazards
+    from strata_rt.schedule.dense_schedule import DenseSchedule
+    from strata_rt.schedule.plan import LayerPlan, Wait
 
     sched = DenseSchedule(n_layers=4, start=0, ring=2)
     ops = sched.chunk_ops() + [op for layer in range(4) for op in sched.layer_ops(layer)]

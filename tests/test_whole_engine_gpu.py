@@ -9,8 +9,8 @@ import pytest
 from test_qwen3_reference import FIXTURES, GOLDEN, build_case
 
 from strata_rt.engine import Engine, read_dump
-from strata_rt.numerics import nmse
-from strata_rt.qwen3 import Qwen3Model, Qwen3Spec, write_qwen3_gguf
+from strata_rt.formats.numerics import nmse
+from strata_rt.models.qwen3 import Qwen3Model, Qwen3Spec, write_qwen3_gguf
 
 pytestmark = pytest.mark.gpu
 

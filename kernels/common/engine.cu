@@ -4,8 +4,8 @@
 // and integer atomics only where the result does not depend on their order (histograms). That
 // is what lets two runs of one prompt, and the two gather modes, agree byte for byte.
 //
-// Row conventions (formats.py): the k routed (token, expert) pairs of a chunk are sorted by
-// expert into "rows"; expert e owns rows bounds[e] .. bounds[e+1]-1, tokens ascending inside.
+// Row conventions (formats/contract.py): the k routed (token, expert) pairs of a chunk are sorted
+// by expert into "rows"; expert e owns rows bounds[e] .. bounds[e+1]-1, tokens ascending inside.
 // sorted_token[row] names the token of a row, row_of[t*k + j] the row of the pair (t, j).
 
 #include <cuda_fp16.h>

@@ -220,7 +220,7 @@ __device__ __forceinline__ void gemm_grouped(const uint8_t* __restrict__ weights
         gemm_tile<C>(w, acts, out, m, k, xt * C::BN, row0, min(C::BM, r_end - row0), smem);
 }
 
-// name, BM, WM, WN, BK, STAGES, min blocks per SM. strata_rt/grouped_gemm.py lists the same
+// name, BM, WM, WN, BK, STAGES, min blocks per SM. strata_rt/gemm/grouped_gemm.py lists the same
 // tiles (a CPU test compares the two lists).
 #define GEMM_KERNEL(NAME, BM, WM, WN, BK, STAGES, MINB)                                         \
     extern "C" __global__ void __launch_bounds__(GemmCfg<BM, WM, WN, BK, STAGES>::THREADS, MINB) \

@@ -1,4 +1,4 @@
-// q8_1 activations in the MMQ layout (the fixed contract in strata_rt/activations.py):
+// q8_1 activations in the MMQ layout (the fixed contract in strata_rt/formats/activations.py):
 // a row of K values is K/128 blocks of 144 bytes: four float32 scales (one per 32 values),
 // then 128 int8. Scale d = amax/127 (IEEE division), q = roundf(x / d) (IEEE division,
 // half away from zero); an all-zero group has d = 0 and q = 0.

@@ -12,7 +12,7 @@
 //    every tile's sums the same chain. The same pass writes each
 //    token's norm |x|_2 (+inf when a value is beyond fp16's range or not finite), from which the
 //    launcher's constants give a rigorous bound B(t) = c1 |x|_2 + c0 on |approx - canonical| for
-//    every logit of the token (routing_exact.py derives c1 and c0).
+//    every logit of the token (backends/cuda/routing_exact.py derives c1 and c0).
 // 2. topk_exact_w<NPL>: one warp per token ranks the approximate logits. Where every gap between
 //    consecutive picks 0..k (the k+1-th included) exceeds 2 B(t), the approximate order is the
 //    canonical one, proven by the bound, and the warp writes the token's outputs. Otherwise the
@@ -23,10 +23,10 @@
 //    Weights: float32 softmax of the approximate logits over all experts (of the canonical ones
 //    where x could not be split), renormalised over the picks.
 //
-// The canonical logit of token t and expert e, the routing's definition (routing_exact.py's
-// numpy twin computes the same bits): lane l of 32 sums x[c] * w[c] for c = l, l + 32, ... in
-// ascending c in float64 (each product of two float32 values is exact in float64), then the 32
-// partial sums meet in an xor tree (offsets 16, 8, 4, 2, 1).
+// The canonical logit of token t and expert e, the routing's definition
+// (backends/cuda/routing_exact.py's numpy twin computes the same bits): lane l of 32 sums x[c] *
+// w[c] for c = l, l + 32, ... in ascending c in float64 (each product of two float32 values is
+// exact in float64), then the 32 partial sums meet in an xor tree (offsets 16, 8, 4, 2, 1).
 //
 // Every output is a fixed function of the inputs and does not depend on the chunk a token sits in.
 
@@ -263,9 +263,10 @@ __device__ __forceinline__ void router_gemm_split(const float* __restrict__ xn,
     }
 }
 
-// Tiles (routing_exact.py: SPLIT_TILES, SPLIT_TILE_RULE); every tile gives the same bytes, since
-// each logit is the same chain of mma steps and K-step sums whatever block computes it.
-// Dynamic shared memory: STAGES * (BM * (BK + 8) * 4 + 2 * BN * (BK + 8) * 2) + 4 * BM * (BK + 8) * 2.
+// Tiles (backends/cuda/routing_exact.py: SPLIT_TILES, SPLIT_TILE_RULE); every tile gives the same
+// bytes, since each logit is the same chain of mma steps and K-step sums whatever block computes
+// it. Dynamic shared memory: STAGES * (BM * (BK + 8) * 4 + 2 * BN * (BK + 8) * 2) + 4 * BM * (BK +
+// 8) * 2.
 #define SPLIT_KERNEL(NAME, BM, BN, WM_, WN_, BK, STAGES, MINB)                                \
     extern "C" __global__ void __launch_bounds__(WM_ * WN_ * 32, MINB)                        \
         router_logits_split_##NAME(const float* __restrict__ xn,                              \

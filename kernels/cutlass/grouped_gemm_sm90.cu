@@ -1,6 +1,6 @@
 // The expert product on Hopper tensor cores (wgmma, TMA, warp-specialized persistent blocks),
 // built from the CUTLASS headers of the nvidia-cutlass package into a shared library that
-// strata_rt.cutlass_gemm drives through ctypes.
+// strata_rt.gemm.cutlass_gemm drives through ctypes.
 //
 //   out[r, i] = sum_k acts[r, k] * W_p[i, k]   for every activation row r of every expert e_p
 //
@@ -74,7 +74,7 @@ using CoopEpi = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 using Ping = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
 using PingEpi = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
 
-// The kernels this library holds, in the order of strata_rt.cutlass_gemm.CUTLASS_TILES.
+// The kernels this library holds, in the order of strata_rt.gemm.cutlass_gemm.CUTLASS_TILES.
 using Coop128x256 = Config<Shape<_128, _256, _64>, Shape<_1, _1, _1>, Coop, CoopEpi>;
 using Ping64x256 = Config<Shape<_64, _256, _64>, Shape<_1, _1, _1>, Ping, PingEpi>;
 using Ping64x128 = Config<Shape<_64, _128, _64>, Shape<_1, _1, _1>, Ping, PingEpi>;
@@ -211,7 +211,7 @@ using namespace strata;
 
 extern "C" {
 
-// Version of this surface; strata_rt.cutlass_gemm refuses a library of another.
+// Version of this surface; strata_rt.gemm.cutlass_gemm refuses a library of another.
 int strata_cutlass_abi(void) { return 3; }
 
 // Device bytes of one argument block (one per stream that launches).

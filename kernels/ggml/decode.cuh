@@ -5,7 +5,7 @@
 // the gguf package; the dequantizing gather (gather.cu) runs the same code on the device.
 //
 // Sources: traits.cuh (name, id, values and bytes per block: generated from
-// strata_rt/ggml_types.py), tables.cuh (the grids and level tables: generated from the gguf
+// strata_rt/formats/ggml_types.py), tables.cuh (the grids and level tables: generated from the gguf
 // package), decode_common.cuh (arithmetic that never fuses, loads, fp16), then one file per
 // family (decode_legacy.cuh, decode_k.cuh, decode_iq.cuh).
 #pragma once

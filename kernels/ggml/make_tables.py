@@ -1,7 +1,7 @@
 """Writes traits.cuh and tables.cuh, the generated halves of the GGML decoders.
 
 - traits.cuh: every type's name, GGUF id, values and bytes per block, rendered from
-  strata_rt/ggml_types.py (the one table; it reads ids and geometry from the `gguf` package)
+  strata_rt/formats/ggml_types.py (the one table; it reads ids and geometry from the `gguf` package)
   as an X-macro list and one `ggml::Traits<Type>` per type.
 - tables.cuh: the value tables the i-quants and MXFP4 index (the IQ2/IQ3/IQ1 grids, the IQ4_NL
   and MXFP4 value lists, IQ1's delta), rendered from the `gguf` package's own tables so kernels
@@ -107,14 +107,14 @@ def render_tables() -> str:
 
 
 def render_traits() -> str:
-    from strata_rt.ggml_types import TYPES
+    from strata_rt.formats.ggml_types import TYPES
 
     width = max(len(t.name) for t in TYPES)
     rows = [f"    X({t.name + ',':<{width + 1}} {t.type_id:>2}, {t.block_values:>3}, "
             f"{t.block_bytes:>3})" for t in TYPES]
     enum = ",\n".join(f"    {t.name} = {t.type_id}" for t in TYPES)
     return (
-        BANNER.format(what="strata_rt/ggml_types.py (ids and geometry: the gguf package)")
+        BANNER.format(what="strata_rt/formats/ggml_types.py (ids and geometry: the gguf package)")
         + "\n// X(name, GGUF type id, values per block, bytes per block) for every decoded type\n"
         + "#define GGML_TYPES(X) \\\n" + " \\\n".join(rows) + "\n\n"
         + "namespace ggml {\n\nenum class Type : int {\n" + enum + "\n};\n\n"

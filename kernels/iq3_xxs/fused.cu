@@ -293,7 +293,7 @@ __device__ __forceinline__ void fused_grouped_at(const Ptrs16& srcs, const Ids16
     fused_expert<C>(img, blk, acts, bounds, out, m, k);
 }
 
-// name, BM, WARPS (BN = 16 * WARPS), STAGES, min blocks per SM. strata_rt/fused_gemm.py lists
+// name, BM, WARPS (BN = 16 * WARPS), STAGES, min blocks per SM. strata_rt/gemm/fused_gemm.py lists
 // the same tiles (a CPU test compares the two lists).
 #define FUSED_KERNEL(NAME, BM, WARPS, STAGES, MINB)                                              \
     extern "C" __global__ void __launch_bounds__(FusedCfg<BM, WARPS, STAGES>::THREADS, MINB)    \

@@ -1,6 +1,6 @@
-// The dense model's own small kernels beside the cuBLAS GEMMs (strata_rt/dense_kernels.py):
-// RMSNorm of float32 residual rows into fp16 GEMM operands, and the two helpers of the
-// batch-invariant GEMM path (its row bounds and its epilogue).
+// The dense model's own small kernels beside the cuBLAS GEMMs
+// (strata_rt/backends/cuda/dense_kernels.py): RMSNorm of float32 residual rows into fp16 GEMM
+// operands, and the two helpers of the batch-invariant GEMM path (its row bounds and its epilogue).
 //
 // Every float operation carries an explicit rounding intrinsic (__fmul_rn, __fadd_rn, ...):
 // nvcc may not contract those into FMAs, so the numpy twin (dense_kernels.rmsnorm_f16_reference)

@@ -2,7 +2,7 @@
 through `register(command)`; this module builds the top-level parser, configures logging
 (`-v`, `-q`), checks the environment switches and turns errors into one message and an exit
 code: 2 for what the user gave (config, switches, paths, memory), 1 for what failed while
-running, 130 for Ctrl-C, 143 for SIGTERM (strata_rt.interrupts)."""
+running, 130 for Ctrl-C, 143 for SIGTERM (strata_rt.report.interrupts)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ import argparse
 import os
 import sys
 
-from .. import __version__, env, interrupts, log
+from .. import __version__
+from ..config import env
 from ..errors import ConfigError, StrataError
+from ..report import interrupts, log
 from . import generate, inspect, perplexity, plugins, run
 from .common import cuda_version, hardware_line
 
@@ -63,7 +65,7 @@ def _run(args: argparse.Namespace) -> int:
                               source="command line")
         if args.plugins:
             os.environ["STRATA_PLUGINS"] = os.path.abspath(os.path.expanduser(args.plugins))
-            from ..registry import registry
+            from ..formats.registry import registry
 
             registry(reload=True)
         env.validate_all()

@@ -16,11 +16,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..config import Config, load_config
+from ..backends.nonfinite import NonFiniteError
+from ..config.paths import output_collisions, output_file_problem, same_file, write_text_atomic
+from ..config.run_config import Config, load_config
 from ..errors import ConfigError
-from ..nonfinite import NonFiniteError
-from ..paths import output_collisions, output_file_problem, same_file, write_text_atomic
-from ..progress import Progress
+from ..report.progress import Progress
 
 GiB = 1 << 30
 log = logging.getLogger(__name__)
@@ -141,7 +141,7 @@ def check_outputs(cfg: Config, outputs: dict[str, Path | None],
     """Refuses (exit 2, before the run) an output that is a file the run reads (the config,
     the model, a prompt or profile file, the plugin list, `inputs` of the command) or that
     another output of the run also writes: writing it would destroy that file."""
-    from ..engine_config import output_switches
+    from ..config.engine_config import output_switches
 
     outs = {label: path for label, path in outputs.items() if path is not None}
     for key in ("json", "dump_r"):

@@ -15,10 +15,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .. import interrupts
+from ..config.input_files import DATA_LIMIT, TEXT_LIMIT, InputFileError, check_utf8
+from ..config.input_files import read_text as input_text
 from ..errors import ConfigError, GGUFError
-from ..input_files import DATA_LIMIT, TEXT_LIMIT, InputFileError, check_utf8
-from ..input_files import read_text as input_text
+from ..report import interrupts
 from ..runtime.memory import MIB
 from .common import (
     check_outputs,
@@ -63,7 +63,7 @@ def command_text(option: str, text: str) -> str:
 def model_tokenizer(engine: Any):
     """The engine model's tokenizer; a GGUF that carries none (or a broken one) is the user's
     input, so it exits 2 with the file's message."""
-    from ..tokenizer import TokenizerError
+    from ..text.tokenizer import TokenizerError
 
     try:
         return engine.tokenizer()
@@ -108,7 +108,7 @@ def summary_lines(r: Any) -> list[str]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from ..generate import EngineSession, check_request, greedy
+    from ..text.generate import EngineSession, check_request, greedy
 
     if args.tokens < 0:
         raise ConfigError(f"-n: got {args.tokens}; expected a number of new tokens >= 0 (0 "

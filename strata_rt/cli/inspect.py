@@ -15,11 +15,11 @@ MAX_BUDGET_GIB = 1 << 20
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from .. import gguf_io
-    from ..convert import Eta
-    from ..gguf_checks import check_experts
-    from ..model import MoESpec
-    from ..registry import registry
+    from ..formats.registry import registry
+    from ..weights import gguf_io
+    from ..weights.convert import Eta
+    from ..weights.gguf_checks import check_experts
+    from ..weights.model import MoESpec
 
     if args.budget_gib is not None and not (math.isfinite(args.budget_gib)
                                             and 0 < args.budget_gib <= MAX_BUDGET_GIB):
@@ -58,7 +58,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     # the same checks `run` makes at load, over every expert tensor, all problems listed
     problems = moe.problems + _unreadable_types(moe, registry()) + tokenizer_problems
     if whole is not None:  # dense weights: NaN/Inf, as the whole-model loader checks them
-        from ..qwen3.gguf_full import dense_problems, read_qwen3_dense
+        from ..models.qwen3.gguf_full import dense_problems, read_qwen3_dense
 
         problems += dense_problems(read_qwen3_dense(path)[1])
     eta = Eta(f"{path.name}: checking expert tensors", g.n_layers, "layers")
@@ -79,9 +79,9 @@ def _whole_model(path: Path, tensors: dict, budget_gib: float | None
     budget holds for them before any expert, and those bytes. None for MoE layers alone."""
     if "token_embd.weight" not in tensors:
         return None
-    from ..hostmem import format_bytes
-    from ..qwen3.gguf_full import read_qwen3_spec
-    from ..whole_memory import WholeSizing, whole_fixed_regions
+    from ..config.hostmem import format_bytes
+    from ..models.qwen3.gguf_full import read_qwen3_spec
+    from ..models.qwen3.whole_memory import WholeSizing, whole_fixed_regions
 
     spec, tied = read_qwen3_spec(path)
     by_type: dict[str, list[int]] = {}
@@ -126,9 +126,9 @@ def _tokenizer(path: Path) -> tuple[str, list[str]]:
     prefilled from token ids."""
     import importlib.util
 
-    from .. import gguf_io
-    from ..tokenizer import Tokenizer, TokenizerError
-    from ..tokenizer_vocab import ADDED_TYPES, KEY, TokenizerVocab
+    from ..text.tokenizer import Tokenizer, TokenizerError
+    from ..text.tokenizer_vocab import ADDED_TYPES, KEY, TokenizerVocab
+    from ..weights import gguf_io
 
     def problem(e: Exception) -> list[str]:
         msg = str(e)
@@ -154,7 +154,7 @@ def _tokenizer(path: Path) -> tuple[str, list[str]]:
 def _unreadable_types(moe, reg) -> list[str]:
     """Expert tensors no loaded format can use: not its own GGUF type, and not a type the
     gguf package dequantizes (run refuses them at load, naming the format)."""
-    from ..gguf_checks import dequantizable
+    from ..weights.gguf_checks import dequantizable
 
     raw = {loaded.format.ggml_type for loaded in reg.formats.values()}
     return [f"tensor {ref.name} has type {ref.type_name}: no loaded format takes it raw and "

@@ -1,5 +1,5 @@
 """`strata perplexity`: the perplexity of a text file under a config's whole model, over
-non-overlapping windows (strata_rt.perplexity), with a per-window table and JSON."""
+non-overlapping windows (strata_rt.text.perplexity), with a per-window table and JSON."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .. import interrupts
 from ..errors import ConfigError
+from ..report import interrupts
 from .common import (
     StreamedTable,
     check_outputs,
@@ -39,8 +39,8 @@ def window_row(i: int, w: Any) -> list[Any]:
 
 
 def cmd_perplexity(args: argparse.Namespace) -> int:
-    from ..generate import EngineSession
-    from ..perplexity import check_ctx, perplexity, windows_of
+    from ..text.generate import EngineSession
+    from ..text.perplexity import check_ctx, perplexity, windows_of
 
     if args.ctx is not None and args.ctx < 2:
         raise ConfigError(f"--ctx: got {args.ctx}; a window needs at least 2 tokens",

@@ -30,7 +30,7 @@ def _plugin_rows(reg) -> list[dict]:
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
-    from ..registry import registry
+    from ..formats.registry import registry
 
     reg = registry()
     rows = _plugin_rows(reg)
@@ -51,7 +51,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 
 
 def cmd_check_kernels(args: argparse.Namespace) -> int:
-    from ..registry import registry
+    from ..formats.registry import registry
     from ..runtime.compile import check_kernels
 
     archs = [a.strip() for a in args.arch.split(",") if a.strip()]
@@ -60,7 +60,7 @@ def cmd_check_kernels(args: argparse.Namespace) -> int:
                           source="command line")
     results = check_kernels([loaded.format for loaded in registry().formats.values()], archs)
     if "sm_90" in archs:
-        from ..cutlass_gemm import check_library, find_headers
+        from ..gemm.cutlass_gemm import check_library, find_headers
 
         built = check_library()
         if built is None:

@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .. import interrupts
 from ..errors import ConfigError
+from ..report import interrupts
 from ..runtime.memory import MIB
 from .common import (
     StreamedTable,
@@ -79,7 +79,7 @@ def run_tokenizer(engine: Any) -> Any:
     """The model's tokenizer for printing generated text, or None (ids only) when it cannot be
     built: the GGUF carries no tokenizer keys or the `tokenizers` library is missing."""
     from ..errors import GGUFError
-    from ..tokenizer import TokenizerError
+    from ..text.tokenizer import TokenizerError
 
     try:
         return engine.tokenizer()
@@ -93,7 +93,7 @@ def generate_after(engine: Any, logits: Any, n: int, tokenizer: Any, progress: A
     """The `generate: {tokens: N}` greedy tokens after a prompt the caller prefilled and timed
     (its logits), printed as ids and text; -> their part of the prompt's JSON record. The
     decode steps are not part of the prompt's time, and draw no progress line."""
-    from ..generate import EngineSession, greedy_after
+    from ..text.generate import EngineSession, greedy_after
 
     eos = None if tokenizer is None else tokenizer.eos_token_id
     enabled, progress.enabled = progress.enabled, False
@@ -264,7 +264,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from ..residency import RoutingProfile
+    from ..schedule.residency import RoutingProfile
 
     cfg = load(args)
     out = output_arg("--out", args.out)

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from .. import env
+from ..config import env
 from ..errors import KernelBuildError
 from ..resources import KERNELS_ROOT
 

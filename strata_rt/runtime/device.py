@@ -58,7 +58,7 @@ class Runtime:
     """Owns a CUDA context and everything allocated through it; `close` frees it all."""
 
     #: the grouped fp16 GEMM's policy for the GEMMs prepared on this runtime, "auto", "cutlass"
-    #: or "own" (strata_rt.cutlass_gemm.cutlass_for): an engine sets its config's f16_gemm
+    #: or "own" (strata_rt.gemm.cutlass_gemm.cutlass_for): an engine sets its config's f16_gemm
     #: here before it prepares any, so the GEMMs inside a format's kernels take it too
     f16_gemm: str = "auto"
 

@@ -49,9 +49,9 @@ def seeds() -> Seeds:
     import tempfile
     from pathlib import Path
 
-    from strata_rt.gguf_io import write_moe_gguf
-    from strata_rt.model import Model, MoESpec
-    from strata_rt.qwen3 import Qwen3Model, Qwen3Spec, write_qwen3_gguf
+    from strata_rt.models.qwen3 import Qwen3Model, Qwen3Spec, write_qwen3_gguf
+    from strata_rt.weights.gguf_io import write_moe_gguf
+    from strata_rt.weights.model import Model, MoESpec
 
     with tempfile.TemporaryDirectory() as tmp:
         moe = write_moe_gguf(Path(tmp) / "m.gguf", Model.synthetic(

@@ -12,7 +12,7 @@ weights), then transformers computes, in float32 on the CPU:
 - the perplexity of a seeded token sequence over non-overlapping windows of `ctx` tokens, each
   window its own forward pass with `labels=` (transformers' mean cross-entropy over tokens
   1..n-1), and the total exp(sum of NLL / predicted tokens). The last, shorter window is kept
-  when it has at least two tokens, as strata_rt.perplexity does.
+  when it has at least two tokens, as strata_rt.text.perplexity does.
 
 Needs torch and transformers (CI has neither; the tests read the JSON):
 
@@ -103,7 +103,7 @@ def main() -> None:
     import transformers
     from make_qwen3_golden import CASES, build_case, hf_model_from_gguf
 
-    from strata_rt.qwen3 import write_qwen3_gguf
+    from strata_rt.models.qwen3 import write_qwen3_gguf
 
     args.out.mkdir(parents=True, exist_ok=True)
     record = {"generated": datetime.date.today().isoformat(),

@@ -60,7 +60,7 @@ CASES = {
 
 def build_case(case: dict):
     """The case's model and prompt (numpy only; the tests build them the same way)."""
-    from strata_rt.qwen3 import Qwen3Model, Qwen3Spec
+    from strata_rt.models.qwen3 import Qwen3Model, Qwen3Spec
 
     spec = Qwen3Spec(**case["spec"])
     model = Qwen3Model.synthetic(spec, case["seed"], case["format"], tied=case["tied"])
@@ -155,7 +155,7 @@ def main() -> None:
     import torch
     import transformers
 
-    from strata_rt.qwen3 import write_qwen3_gguf
+    from strata_rt.models.qwen3 import write_qwen3_gguf
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
     args.out.mkdir(parents=True, exist_ok=True)

@@ -63,7 +63,7 @@ CASES = {
 
 def build_case(case: dict):
     """The case's model (numpy only; the test builds it the same way)."""
-    from strata_rt.qwen3 import Qwen3Model, Qwen3Spec
+    from strata_rt.models.qwen3 import Qwen3Model, Qwen3Spec
 
     spec = Qwen3Spec(**case["spec"])
     return Qwen3Model.synthetic(spec, case["seed"], case["format"], tied=case["tied"],
@@ -84,7 +84,7 @@ def main() -> None:
     import transformers
     from make_qwen3_golden import hf_model_from_gguf
 
-    from strata_rt.qwen3 import write_qwen3_gguf
+    from strata_rt.models.qwen3 import write_qwen3_gguf
 
     args.out.mkdir(parents=True, exist_ok=True)
     golden = args.out / "golden.json"

@@ -5,7 +5,7 @@ Two steps, in two environments, so the expected ids come from code that shares n
 strata_rt:
 
 1. `vocab` (the repository's environment) writes the synthetic vocabulary of
-   strata_rt.tokenizer_vocab.synthetic_vocab(1024) as a Hugging Face tokenizer folder
+   strata_rt.text.tokenizer_vocab.synthetic_vocab(1024) as a Hugging Face tokenizer folder
    (hf/vocab.json, hf/merges.txt, hf/tokenizer_config.json with the added tokens at their ids)
    and as a tokenizer-only GGUF (tokenizer.gguf):
 
@@ -96,7 +96,7 @@ CORPUS = [
 
 def write_vocab() -> None:
     sys.path.insert(0, str(ROOT))
-    from strata_rt.tokenizer_vocab import (
+    from strata_rt.text.tokenizer_vocab import (
         CONTROL,
         NORMAL,
         USER_DEFINED,

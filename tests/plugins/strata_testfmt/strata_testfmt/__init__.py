@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 
 from strata_rt import hookimpl
-from strata_rt.activations import F16
-from strata_rt.formats import FormatKernels, QuantFormat, expert_rows
-from strata_rt.launchers import MmqTile, PerExpertKernels
+from strata_rt.formats.activations import F16
+from strata_rt.formats.contract import FormatKernels, QuantFormat, expert_rows
+from strata_rt.formats.launchers import MmqTile, PerExpertKernels
 
 BLOCK = 32
 _ROW = np.dtype([("d", "<f2"), ("q", "i1", (BLOCK,))])  # 34 bytes per block

@@ -1,0 +1,77 @@
+"""Every CUDA object one CUDA engine holds, in one place: streams, events, the device arena
+and its region addresses, the pinned staging buffers. `close` drops them all at once, while
+the runtime's context still lives (the runtime frees what it allocated when it closes), so no
+list of attribute names has to be kept in step with the code that creates them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ...schedule.memory_plan import lane_buffers
+from ...schedule.plan import LANES
+from .chunk_input import InputPass
+
+if TYPE_CHECKING:
+    from ...runtime import Event, Runtime, Stream
+
+
+class DeviceState:
+    def __init__(self, rt: Runtime, regions: dict[str, int], budget: int, io_bytes: int,
+                 bounds_shape: tuple[int, int], lanes: int = 1):
+        self.compute = rt.stream("compute")
+        self.copy = rt.stream("copy")
+        #: routed-set read-backs go on their own stream, never behind the copies of blobs
+        self.readback = rt.stream("readback")
+        self.streams: dict[str, Stream] = {"compute": self.compute, "copy": self.copy}
+        for lane in LANES[1:lanes]:  # the other compute lanes (strata_rt.schedule.lanes)
+            self.streams[lane] = rt.stream(lane)
+        self.arena = rt.device_arena(regions, budget=budget)
+        self.ptr: dict[str, int] = {name: self.arena.ptr(name) for name in regions}
+        #: each compute lane's stream and group buffers (gate/up, down), looked up once
+        self.lanes: dict[str, tuple[Stream, int, int]] = {}
+        for lane in LANES[:lanes]:
+            gate_up, down = lane_buffers(lane)
+            self.lanes[lane] = (self.streams[lane], self.ptr[gate_up], self.ptr[down])
+        n_bounds = bounds_shape[0] * bounds_shape[1]
+        self.host = rt.pinned({"io": io_bytes, "bounds": n_bounds * 4, "gate": 4,
+                               "nonfinite": 8})
+        self.io = self.host.view("io", np.float32)
+        #: the chunk's input: the host pass into `io`, and the gate the upload waits at
+        self.input = InputPass(rt.gate(self.host.view("gate", np.uint32)), self.compute)
+        self.bounds_host = self.host.view("bounds", np.int32).reshape(bounds_shape)
+        #: the RMSNorm's flag word, read back after each chunk (all ones: every row finite)
+        self.nonfinite_host = self.host.view("nonfinite", np.uint64)
+        self.routed = rt.event("routed")
+        self.fork = rt.event("walk fork")
+        self.join = rt.event("walk join")
+        self._rt = rt
+        self._events: dict[tuple[str, int], Event] = {}
+
+    def event(self, key: tuple[str, int]) -> Event:
+        """The plan event `key` (created on first use, then reused by every chunk)."""
+        ev = self._events.get(key)
+        if ev is None:
+            ev = self._events[key] = self._rt.event(f"{key[0]}[{key[1]}]")
+        return ev
+
+    @contextmanager
+    def joined(self) -> Iterator[None]:
+        """Every other stream waits for the compute stream's work so far on entry, and the
+        compute stream for theirs on exit: what a graph capture on the compute stream needs
+        to take in the copies and the other lane (a stream must join a capture through an
+        event recorded inside it before its work is captured, and rejoin before it ends)."""
+        others = [s for s in self.streams.values() if s is not self.compute]
+        self.fork.record(self.compute)
+        for s in others:
+            s.wait(self.fork)
+        yield
+        for s in others:
+            self.join.record(s)
+            self.compute.wait(self.join)
+
+    def close(self) -> None:
+        self.__dict__.clear()

@@ -1,0 +1,447 @@
+"""The CUDA executor: runs the chunk driver's plans on one GPU.
+
+Memory. Expert blobs sit in one page-locked host arena (the ExpertStore); one device arena,
+sized at open by memory_plan.plan_memory, holds the router and norm weights, the resident
+slots, the ring, the group buffers and one chunk's activations: the chunk first (up to 8,192
+tokens for `prefill: auto`), then as many resident experts as the budget holds (or the count
+the config fixes). `image_cache_mib` room (strata_rt.schedule.image_cache) comes before both; its
+blocks are filled once at open by the format's own gather.
+
+Execution. Each plan op becomes one driver call on the stream the op names. The staging ring
+reads each layer's row bounds back on a stream of their own (never queued behind copies); the
+walk's kernels read them on the device and nothing comes back until the chunk ends, so the
+driver can capture the whole walk as a CUDA graph (`capture`). The chunk's input reaches the
+device at its ChunkInput op, behind a gate its host pass opens
+(strata_rt.backends.cuda.chunk_input). A second compute lane (strata_rt.schedule.lanes) brings its
+own stream and group buffers. Short chunks
+read fully resident groups in place, with no gather (strata_rt.schedule.in_place)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ...errors import StrataError
+from ...formats.contract import FormatKernels
+from ...models.qwen3.whole_memory import WholeSizing
+from ...report.stats import Stats
+from ...report.timing import PhaseTimer
+from ...runtime.hostmap import host_device_pointer
+from ...runtime.memory import MIB
+from ...schedule.dense_schedule import DENSE_RING_SLOTS
+from ...schedule.image_cache import ImageCache, block_bytes, capacity_blocks
+from ...schedule.in_place import check_in_place, chunk_in_place, resident_parts
+from ...schedule.lanes import chunk_lanes, walk_rows_hint
+from ...schedule.memory_plan import DEFAULT_RESERVE_MIB, plan_lanes, plan_memory
+from ...schedule.plan import (
+    HOST,
+    RESIDENT,
+    Attention,
+    ChunkInput,
+    Consume,
+    Copy,
+    DenseCopy,
+    Gather,
+    GatherBatch,
+    GatherRouted,
+    LayerBegin,
+    LayerEnd,
+    Logits,
+    Op,
+    Products,
+    Record,
+    Wait,
+)
+from ...schedule.planner import ring_sizes
+from ...schedule.residency import Residency
+from ..nonfinite import NonFiniteError
+from .context import CudaContext
+from .device_state import DeviceState
+from .layer_kernels import ENGINE_SOURCE, LayerKernels
+
+#: the RMSNorm flag word when no row was flagged (rmsnorm_rows lowers it with atomicMin)
+NO_ROW = (1 << 64) - 1
+
+if TYPE_CHECKING:
+    from ...config.engine_config import EngineConfig
+    from ...models.qwen3.weights import Qwen3Model
+    from ...runtime import Graph, Stream
+    from ...schedule.driver import HostContext, Replay
+    from ...weights.model import Model
+    from ...weights.store import ExpertStore
+    from .whole import CudaWhole
+
+__all__ = ["ENGINE_SOURCE", "CudaBackend", "CudaContext", "walk_rows_hint"]
+
+
+class CudaBackend:
+    name = "cuda"
+    context_class = CudaContext
+    host_is_wall = False
+    #: a whole model sets these at open (see driver.Executor and driver.Backend)
+    dense_ring: int | None = None
+    kv_capacity = 0
+    #: the image cache (set at open; empty unless the config gives it room)
+    images = ImageCache()
+
+    def __init__(self, model: Model, store: ExpertStore, residency: Residency | None,
+                 cfg: EngineConfig, context: HostContext, whole: Qwen3Model | None = None):
+        if not isinstance(context, CudaContext):
+            raise TypeError(f"the CUDA backend runs on a CudaContext, got {type(context).__name__}")
+        self.rt = context.runtime()
+        self.model, self.store, self.cfg = model, store, cfg
+        self.whole = whole
+        self.spec, self.fmt, self.lay = model.spec, model.fmt, model.layout
+        self.blob_bytes = self.lay.blob_bytes
+        self.timing = bool(cfg.timing)
+        self.can_capture = bool(cfg.cuda_graph) and not self.timing
+        assert cfg.f16_gemm is not None, "EngineConfig.resolve() sets f16_gemm"
+        #: every grouped fp16 GEMM prepared on this runtime (the format's kernels, the own
+        #: dense GEMM) takes the config's policy from it
+        self.rt.f16_gemm = cfg.f16_gemm
+        self.dev: DeviceState | None = None
+        try:
+            self._open(residency)
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------ open
+    def _open(self, residency: Residency | None) -> None:
+        rt, spec, lay, cfg, model = self.rt, self.spec, self.lay, self.cfg, self.model
+        routing = cfg.routing
+        assert routing is not None, "EngineConfig.resolve() sets routing"
+        # kernels first: a format without kernels fails before any memory is taken
+        self.fk = self.fmt.kernels(rt, lay)
+        self.in_place = check_in_place(cfg.in_place, self.fmt)
+        reserve = cfg.vram_reserve_mib if cfg.vram_reserve_mib is not None else DEFAULT_RESERVE_MIB
+        available = rt.free_bytes() - int(reserve * MIB)
+        slot = lay.slot_bytes
+        fixed_res = residency.n_slots if residency is not None else None
+        rings = ring_sizes(cfg.ring_bytes, slot, spec.total_experts - (fixed_res or 0))
+        whole_sizes = None
+        if self.whole is not None:
+            assert cfg.dense_gemm is not None, "EngineConfig.resolve() sets dense_gemm"
+            self.kv_capacity = cfg.context or self.whole.spec.context
+            whole_sizes = WholeSizing(self.whole.spec, self.kv_capacity, False,
+                                      cfg.dense_gemm)
+        image_room = capacity_blocks(cfg.image_cache_mib, spec, lay)
+        assert cfg.compute_lanes is not None, "EngineConfig.resolve() sets compute_lanes"
+        self.lanes, mp = plan_lanes(cfg.compute_lanes, fixed_res, spec.total_experts, partial(
+            plan_memory, spec, lay, self.fmt.activation, available, rings.total, cfg.prefill,
+            fixed_res, routing, whole_sizes, cfg.dense, image_room))
+        #: dense ring slots when a whole model's dense weights stream (the driver plans them)
+        self.dense_ring = DENSE_RING_SLOTS if mp.dense_stream else None
+        if residency is None:
+            residency = Residency.from_budget(model, mp.n_resident, cfg.load_profile())
+            # the ring was sized for everything streaming; plan with what actually streams
+            rings = ring_sizes(cfg.ring_bytes, slot, spec.total_experts - residency.n_slots)
+        self.residency = residency
+        self.images = ImageCache.choose(spec, residency, image_room)
+        if cfg.image_cache_mib:
+            self.images.report(spec, lay)
+        self.walk_slots = rings.walk
+        self.tokens = mp.tokens
+        self.memory = mp
+        dev = self.dev = DeviceState(rt, mp.regions, max(available, 0),
+                                     self.tokens * spec.hidden * 4,
+                                     (spec.n_layers, spec.n_experts + 1), self.lanes)
+        self.kernels = LayerKernels(rt, spec, self.fmt.activation, dev.ptr, routing)
+        # poison everything first: a read of bytes nobody wrote shows up as NaN, not as luck
+        rt.memset_d8(dev.arena.base_ptr, 0xFF, dev.arena.total, dev.copy)
+        # weights that stay on the device, and the resident experts (once, at open)
+        router = self.kernels.router_weights(model.router)  # alive until the sync below
+        rt.memcpy_htod(dev.ptr["router"], router, dev.copy)
+        rt.memcpy_htod(dev.ptr["norm"], model.norm, dev.copy)
+        for i, (layer, e) in enumerate(residency.pairs):
+            off = self.store.offset(layer, e)
+            rt.memcpy_htod(dev.ptr["resident"] + i * slot,
+                           self.store.arena[off: off + lay.blob_bytes], dev.copy)
+        dev.copy.synchronize()
+        self._fill_images()
+        self._whole: CudaWhole | None = None
+        if self.whole is not None:
+            from .whole import CudaWhole
+
+            assert whole_sizes is not None
+            sizing = whole_sizes.streamed() if mp.dense_stream else whole_sizes
+            self._whole = CudaWhole(rt, self.whole, dev.ptr, mp.regions["dense_ws"], sizing,
+                                    dev.copy)
+        self._timer = PhaseTimer(rt, dev.compute, dev.copy) if self.timing else None
+        self._dispatch: dict[type, Callable[[Any], None]] = {
+            Copy: self._op_copy, Record: self._op_record, Wait: self._op_wait,
+            Gather: self._op_gather, GatherBatch: self._op_gather_batch,
+            GatherRouted: self._op_gather_routed,
+            Products: self._op_products, Consume: _no_op, ChunkInput: self._op_chunk_input,
+            LayerBegin: self._op_layer_begin,
+            LayerEnd: self._op_layer_end, Attention: self._op_attention,
+            DenseCopy: self._op_dense_copy, Logits: self._op_logits,
+        }
+        self._counts: np.ndarray | None = None
+        self._logits: np.ndarray | None = None
+        self._store_dev: int | None = None
+        self._T = 0
+
+    def max_chunk_tokens(self) -> int:
+        return self.tokens
+
+    def lanes_for(self, tokens: int) -> int:
+        return chunk_lanes(self.lanes, tokens, self.spec, self.timing)
+
+    def in_place_for(self, tokens: int) -> bool:
+        return chunk_in_place(self.in_place, self.fmt, tokens, self.spec)
+
+    def _fill_images(self) -> None:
+        """Each cached group's images, written by the format's own gather from the resident
+        slots into the group's block (the bytes a per-chunk gather would write)."""
+        dev = self._device()
+        gu, dn = block_bytes(self.lay)
+        for b, pos, slot in self.images.fills(self.spec, self.residency):
+            self.fk.gather(dev.compute, dev.ptr["resident"] + slot * self.lay.slot_bytes, pos,
+                           dev.ptr["image_gate_up"] + b * gu, dev.ptr["image_down"] + b * dn)
+        dev.compute.synchronize()
+
+    # ------------------------------------------------------------------ chunk (Executor)
+    def begin_chunk(self, h: np.ndarray, stats: Stats, start: int | None = None) -> None:
+        T = int(h.shape[0])
+        if not 0 < T <= self.tokens:
+            raise StrataError(f"chunk of {T} tokens; this backend's buffers hold 1.."
+                              f"{self.tokens} (prefill)")
+        dev = self._device()
+        if self._timer is not None and stats.chunk_index == 0:
+            self._timer.reset()
+        self.rt.memset_d8(dev.ptr["nonfinite"], 0xFF, 8, dev.compute)  # no row flagged yet
+        dev.input.start(dev.io[: T * self.spec.hidden].reshape(T, self.spec.hidden), h)
+        if start is not None and self._whole is not None:
+            self._whole.set_position(dev.compute, start)
+        self._T = T
+        self._logits = None
+
+    def end_chunk(self, stats: Stats) -> np.ndarray:
+        dev = self._device()
+        if self._timer is not None:
+            self._timer.end_chunk()
+        io = dev.io[: self._T * self.spec.hidden].reshape(self._T, self.spec.hidden)
+        self.rt.memcpy_dtoh(io, dev.ptr["x"], dev.compute)
+        dev.nonfinite_host[0] = NO_ROW  # what the copy below overwrites
+        self.rt.memcpy_dtoh(dev.nonfinite_host, dev.ptr["nonfinite"], dev.compute)
+        dev.compute.synchronize()
+        dev.input.finish()
+        flagged = int(dev.nonfinite_host[0])
+        if flagged != NO_ROW:
+            raise NonFiniteError("the RMSNorm before the MoE", flagged >> 32,
+                                 flagged & 0xFFFFFFFF, "overflows or holds NaN/Inf: the sum "
+                                 "of squares of the row is not finite (checked on the device)")
+        if self._timer is not None and stats.chunk_index == stats.n_chunks - 1:
+            for phase, ms in self._timer.totals_ms.items():
+                stats.phase_s[phase] += ms / 1e3
+            stats.phase_table = self._timer.table(host_s=stats.host_s)
+            stats.trace = list(self._timer.trace)
+        return io  # pinned and reused: the engine copies it out before the next chunk
+
+    def take_logits(self) -> np.ndarray:
+        if self._logits is None:
+            raise StrataError("no Logits op ran in this chunk")
+        return self._logits
+
+    def route_layer(self, layer: int) -> None:
+        dev = self._device()
+        self.kernels.route(dev.compute, layer, self._T, self._bounds_ptr(layer), self._mark)
+        self._mark("host grouping")
+        dev.routed.record(dev.compute)
+        dev.readback.wait(dev.routed)
+        self.rt.memcpy_dtoh(dev.bounds_host[layer], self._bounds_ptr(layer), dev.readback)
+
+    def routed_counts(self, layer: int, stats: Stats) -> np.ndarray:
+        dev = self._device()
+        dev.readback.synchronize()
+        counts = np.diff(dev.bounds_host[layer])
+        if stats.routing_counts is not None:
+            stats.routing_counts[layer] += counts
+        return counts
+
+    def execute(self, ops: Iterable[Op], stats: Stats, counts: np.ndarray | None) -> None:
+        self._counts = counts
+        dispatch = self._dispatch
+        for op in ops:
+            dispatch[type(op)](op)
+
+    def capture(self, ops: Iterable[Op]) -> Graph:
+        dev = self._device()
+        with self.rt.capture(dev.compute) as graph, dev.joined():
+            self.execute(ops, Stats(), None)
+        graph.upload(dev.compute)  # now, not inside the first replay the driver times
+        dev.compute.synchronize()
+        return graph
+
+    def replay(self, replay: Replay) -> None:
+        replay.launch(self._device().compute)
+
+    def synchronize(self) -> None:
+        self._device().compute.synchronize()
+
+    def collect_walk_routing(self, stats: Stats) -> None:
+        dev = self._device()
+        self.rt.memcpy_dtoh(dev.bounds_host, dev.ptr["bounds"], dev.compute)
+        dev.compute.synchronize()
+        stats.host_syncs += 1
+        assert stats.routing_counts is not None
+        stats.routing_counts += np.diff(dev.bounds_host, axis=1)
+
+    # ------------------------------------------------------------------ ops
+    def _device(self) -> DeviceState:
+        if self.dev is None:
+            raise StrataError("the CUDA backend is closed")
+        return self.dev
+
+    def _mark(self, phase: str) -> None:
+        if self._timer is not None:
+            self._timer.mark(phase)
+
+    def _bounds_ptr(self, layer: int) -> int:
+        return self._device().ptr["bounds"] + layer * (self.spec.n_experts + 1) * 4
+
+    def _src_ptr(self, g: Gather) -> int:
+        kind, idx = g.src
+        dev = self._device()
+        base = dev.ptr["resident"] if kind == RESIDENT else dev.ptr["ring"]
+        return base + idx * self.lay.slot_bytes
+
+    def _op_copy(self, op: Copy) -> None:
+        dev = self._device()
+        off = self.store.offset(op.layer, op.expert)
+        if self._timer is not None:
+            self._timer.copy_begin(f"copy L{op.layer} E{op.expert} -> slot {op.slot}")
+        self.rt.memcpy_htod(dev.ptr["ring"] + op.slot * self.lay.slot_bytes,
+                            self.store.arena[off: off + self.lay.blob_bytes], dev.copy)
+        if self._timer is not None:
+            self._timer.copy_end()
+
+    def _op_record(self, op: Record) -> None:
+        dev = self._device()
+        dev.event(op.event).record(dev.streams[op.stream])
+
+    def _op_wait(self, op: Wait) -> None:
+        dev = self._device()
+        if op.stream == "compute":
+            self._mark("wait copy")
+        dev.streams[op.stream].wait(dev.event(op.event))
+
+    def _lane(self, op: Gather | GatherBatch | GatherRouted | Products
+              ) -> tuple[Stream, int, int]:
+        """The op's compute lane: its stream and its group buffers (gate/up, down)."""
+        return self._device().lanes[op.stream]
+
+    def _op_gather(self, op: Gather) -> None:
+        s, gu, dn = self._lane(op)
+        self._mark("gather")
+        self.fk.gather(s, self._src_ptr(op), op.pos, gu, dn)
+
+    def _op_gather_batch(self, op: GatherBatch) -> None:
+        s, gu, dn = self._lane(op)
+        self._mark("gather")
+        self.fk.gather_batch(s, [self._src_ptr(g) for g in op.gathers], op.first_pos, gu, dn)
+
+    @property
+    def routed_gathers(self) -> bool:
+        """Whether the format's kernels gather a decode step's routed experts on the device."""
+        return type(self.fk).gather_routed is not FormatKernels.gather_routed
+
+    def _op_gather_routed(self, op: GatherRouted) -> None:
+        if self._store_dev is None:  # the host store's device address, looked up once
+            self._store_dev = host_device_pointer(self.store.arena)
+        srcs = [self._store_dev + self.store.offset(g.layer, g.expert) if g.src[0] == HOST
+                else self._src_ptr(g) for g in op.gathers]
+        first = op.gathers[0]
+        s, gu, dn = self._lane(op)
+        self._mark("gather")
+        self.fk.gather_routed(s, srcs, gu, dn, self._bounds_ptr(first.layer), first.expert)
+
+    def _op_layer_begin(self, op: LayerBegin) -> None:
+        dev = self._device()
+        self.kernels.route(dev.compute, op.layer, self._T, self._bounds_ptr(op.layer),
+                           self._mark)
+
+    def _op_chunk_input(self, op: ChunkInput) -> None:
+        """The upload waits at the gate until begin_chunk's host pass has filled `io`."""
+        dev = self._device()
+        self._mark("input")
+        dev.input.enqueue()
+        self.rt.memcpy_htod(dev.ptr["x"], dev.io[: self._T * self.spec.hidden], dev.compute)
+
+    def _op_products(self, op: Products) -> None:
+        spec, p, (s, gu_buf, dn_buf) = self.spec, self._device().ptr, self._lane(op)
+        gu_w: int | list[int] = gu_buf
+        dn_w: int | list[int] = dn_buf
+        H, F = spec.hidden, spec.ffn
+        ids = op.expert_ids
+        lo, hi = ids[0], ids[-1] + 1
+        if self._counts is not None:  # staging: exact counts are on the host
+            rows_hint = int(self._counts[list(ids)].max())
+            group_rows = int(self._counts[lo:hi].sum())
+            if group_rows == 0:
+                return
+        else:  # walk: counts stay on the device; kernels loop over row tiles past the hint
+            rows_hint = walk_rows_hint(self._T, spec)
+            group_rows = min(self._T * spec.top_k, len(ids) * self._T)
+        bounds = self._bounds_ptr(op.layer)
+        mmq: Callable[..., None] = self.fk.mmq
+        if op.slots is not None:  # in place: each expert's parts where its slot holds them
+            mmq = self.fk.mmq_in_place
+            gu_w, dn_w = resident_parts(p["resident"], op.slots, self.lay)
+        elif op.cached is not None:
+            gu_block, dn_block = block_bytes(self.lay)
+            gu_w = p["image_gate_up"] + op.cached * gu_block
+            dn_w = p["image_down"] + op.cached * dn_block
+        self._mark("gemm gate/up")
+        mmq(s, gu_w, ids, p["act_hidden"], bounds, p["gate_up_out"], 2 * F, H, rows_hint)
+        self._mark("swiglu+quantize")
+        self.kernels.swiglu(s, bounds, lo, hi, group_rows)
+        self._mark("gemm down")
+        mmq(s, dn_w, ids, p["act_ffn"], bounds, p["down_out"], H, F, rows_hint)
+
+    def _whole_ops(self) -> CudaWhole:
+        if self._whole is None:
+            raise StrataError("an Attention or Logits op needs a whole model; this engine runs "
+                              "MoE layers alone")
+        return self._whole
+
+    def _op_attention(self, op: Attention) -> None:
+        self._whole_ops().run_attention(self._device().compute, op, self._T, self._mark)
+
+    def _op_dense_copy(self, op: DenseCopy) -> None:
+        dev = self._device()
+        if self._timer is not None:
+            self._timer.copy_begin(f"dense L{op.layer} -> dense slot {op.slot}")
+        self._whole_ops().copy_dense(dev.copy, op)
+        if self._timer is not None:
+            self._timer.copy_end()
+
+    def _op_logits(self, op: Logits) -> None:
+        self._mark("logits")
+        self._logits = self._whole_ops().run_logits(self._device().compute, op, self._T)
+
+    def _op_layer_end(self, op: LayerEnd) -> None:
+        self._mark("combine")
+        self.kernels.combine(self._device().compute, self._T)
+
+    # ------------------------------------------------------------------ close
+    def close(self) -> None:
+        """Drops every CUDA object this backend holds; the engine then closes the runtime,
+        which frees the memory."""
+        dev, self.dev = self.dev, None
+        whole, self._whole = getattr(self, "_whole", None), None
+        if whole is not None:
+            whole.close()
+        if dev is not None:
+            dev.close()
+        self.kernels = self.fk = self._timer = None  # type: ignore[assignment]
+        self._dispatch = {}
+
+
+def _no_op(op: Op) -> None:
+    """Consume is host bookkeeping: the plan's op order already encodes it."""
+

@@ -1,0 +1,181 @@
+"""The CUDA executor's Attention and Logits ops: a whole model's dense part on the GPU.
+
+At open the dense weights go to the device once, as fp16 layer slots
+(strata_rt.models.qwen3.whole_memory), with the head, the RoPE tables (angles in float64 on the
+host, as the numpy model computes them) and room for the KV cache. Each Attention op is five
+launches on the compute stream, all reading and writing the chunk's residual `x` in place:
+
+    xa   = fp16(RMSNorm(x) * attn_norm)              DenseKernels.rmsnorm_f16
+    qkv  = xa . Wqkv^T                               DenseKernels.gemm (fp16 out)
+    q, K[start..], V[start..] = norms + RoPE         AttentionKernels.qk_norm_rope
+    o    = causal GQA attention over K, V [0, start+T)   AttentionKernels.attend
+    x   += o . Wo^T                                  DenseKernels.gemm (fp32, accumulate)
+
+Logits: the chosen rows of x through RMSNorm * output_norm and the output head into float32, at
+most LOGIT_ROWS rows per GEMM, each slice copied back before the next (the host array is the
+result). Nothing here synchronises except Logits, which the chunk's end would wait for anyway.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ...models.qwen3.reference import rope_tables
+from ...models.qwen3.whole_memory import LOGIT_ROWS, DenseSlot, WholeSizing, kv_bytes
+from ...schedule.plan import Attention, DenseCopy, Logits
+from .attention_kernels import AttentionKernels
+from .dense_kernels import DenseKernels
+
+if TYPE_CHECKING:
+    from ...models.qwen3.weights import Qwen3Model
+    from ...runtime import Runtime, Stream
+
+
+def _no_mark(phase: str) -> None:
+    """The default of run_attention's `mark`: no timing table."""
+
+
+def dense_slot_bytes(whole: Qwen3Model, layer: int, slot: DenseSlot) -> np.ndarray:
+    """The host image of one layer's dense slot (uint8 [slot.nbytes])."""
+    spec, lw = whole.spec, whole.dense.layers[layer]
+    buf = np.zeros(slot.nbytes, np.uint8)
+
+    def put(offset: int, values: np.ndarray) -> None:
+        raw = np.ascontiguousarray(values).view(np.uint8).reshape(-1)
+        buf[offset: offset + raw.size] = raw
+
+    wqkv = np.concatenate([lw.attn_q.f32(), lw.attn_k.f32(), lw.attn_v.f32()], axis=0)
+    assert wqkv.shape == (spec.q_dim + 2 * spec.kv_dim, spec.hidden)
+    put(slot.wqkv, wqkv.astype(np.float16))
+    put(slot.wo, lw.attn_output.f32().astype(np.float16))
+    put(slot.attn_norm, lw.attn_norm.f32().astype(np.float32))
+    put(slot.q_norm, lw.attn_q_norm.f32().astype(np.float32))
+    put(slot.k_norm, lw.attn_k_norm.f32().astype(np.float32))
+    return buf
+
+
+class CudaWhole:
+    """Runs Attention, DenseCopy and Logits ops for the CUDA executor. `ptr` maps the arena's
+    regions (see whole_memory) and the MoE region it shares: `x`, the chunk's float32 residual.
+    Streamed dense weights (sizing.dense_stream) wait in a pinned host store, one slot image per
+    layer, for their DenseCopy."""
+
+    def __init__(self, rt: Runtime, whole: Qwen3Model, ptr: dict[str, int], ws_bytes: int,
+                 sizing: WholeSizing, stream: Stream):
+        self.rt, self.whole, self.spec, self.ptr = rt, whole, whole.spec, ptr
+        self.context = sizing.context
+        self.streamed = sizing.dense_stream
+        spec = self.spec
+        self.slot = DenseSlot.of(spec)
+        self.attention = AttentionKernels(rt, spec.n_heads, spec.n_kv_heads, spec.head_dim,
+                                          self.context)
+        self.dense = DenseKernels(rt, ptr["dense_ws"], ws_bytes, sizing.gemm)
+        self._store = None
+        if self.streamed:
+            self._store = rt.pinned({"dense": spec.n_layers * self.slot.nbytes})
+            self._store_bytes = self._store.view("dense").reshape(spec.n_layers, -1)
+        self._upload(stream)
+        self._host = rt.pinned({"logits": LOGIT_ROWS * spec.vocab * 4, "position": 16})
+        self._logits_host = self._host.view("logits", np.float32)
+        #: the chunk's start on the device, read by an Attention op without a start (a
+        #: decode step captured once and replayed at every position); its host copy
+        self._position_host = self._host.view("position", np.int32)
+        self.position = 0
+
+    def _upload(self, stream: Stream) -> None:
+        rt, spec, p = self.rt, self.spec, self.ptr
+        for layer in range(spec.n_layers):
+            image = dense_slot_bytes(self.whole, layer, self.slot)
+            if self.streamed:
+                self._store_bytes[layer] = image
+                continue
+            rt.memcpy_htod(p["dense"] + layer * self.slot.nbytes, image, stream)
+            stream.synchronize()  # the pageable source goes away with the next layer
+        d = self.whole.dense
+        rt.memcpy_htod(p["head_norm"], d.output_norm.f32().astype(np.float32), stream)
+        head = np.ascontiguousarray(self.whole.output_weight.f32().astype(np.float16))
+        rt.memcpy_htod(p["head"], head, stream)
+        cos, sin = rope_tables(spec, np.arange(self.context), np.float32)
+        rt.memcpy_htod(p["rope_cos"], np.ascontiguousarray(cos), stream)
+        rt.memcpy_htod(p["rope_sin"], np.ascontiguousarray(sin), stream)
+        stream.synchronize()
+        del head
+
+    def kv_pointers(self, layer: int) -> tuple[int, int]:
+        """(keys, values) base addresses of one layer's cache [context, n_kv_heads, head_dim]."""
+        per = kv_bytes(self.spec, self.context) // self.spec.n_layers // 2
+        base = self.ptr["kv"] + layer * 2 * per
+        return base, base + per
+
+    def set_position(self, stream: Stream, start: int) -> None:
+        """Enqueues the chunk's start into the device position register (the host copy is
+        not touched again before the chunk ends: the executor synchronizes at every chunk's
+        end)."""
+        self.position = int(start)
+        self._position_host[0] = self.position
+        self.rt.memcpy_htod(self.ptr["position"], self._position_host[:1], stream)
+
+    def copy_dense(self, stream: Stream, op: DenseCopy) -> None:
+        """Layer op.layer's slot image from the pinned store into dense ring slot op.slot."""
+        if not self.streamed:
+            raise RuntimeError("DenseCopy in a plan whose dense weights are resident")
+        self.rt.memcpy_htod(self.ptr["dense"] + op.slot * self.slot.nbytes,
+                            self._store_bytes[op.layer], stream)
+
+    def run_attention(self, stream: Stream, op: Attention, tokens: int,
+                      mark: Callable[[str], None] = _no_mark) -> None:
+        """The layer's five launches; mark(phase) opens each phase of the timing table (dense:
+        the norm and the QKV GEMM, rope: q/k norms + RoPE + KV append, attention, dense o)."""
+        spec, p, T = self.spec, self.ptr, tokens
+        if (op.dense_slot is None) == self.streamed:
+            raise RuntimeError(f"Attention of layer {op.layer} with dense slot "
+                               f"{op.dense_slot}, but the dense weights are "
+                               f"{'streamed' if self.streamed else 'resident'}")
+        index = op.layer if op.dense_slot is None else op.dense_slot
+        base = p["dense"] + index * self.slot.nbytes
+        H, eps = spec.hidden, float(spec.rms_eps)
+        k_cache, v_cache = self.kv_pointers(op.layer)
+        dk, ak = self.dense, self.attention
+        start, start_dev = op.start, 0
+        if start is None:  # the register set_position filled (a decode step's plan)
+            start, start_dev = self.position, self.ptr["position"]
+        mark("dense qkv")
+        dk.rmsnorm_f16(stream, p["x"], base + self.slot.attn_norm, p["xa"], T, H, eps)
+        dk.gemm(stream, p["xa"], base + self.slot.wqkv, p["qkv"], T,
+                spec.q_dim + 2 * spec.kv_dim, H, out_f32=False, accumulate=False)
+        mark("qk norm+rope")
+        ak.qk_norm_rope(stream, p["qkv"], T, start, base + self.slot.q_norm,
+                        base + self.slot.k_norm, p["rope_cos"], p["rope_sin"], eps,
+                        p["q_rot"], k_cache, v_cache, start_dev)
+        mark("attention")
+        ak.attend(stream, p["q_rot"], k_cache, v_cache, start, T, p["attn_out"], start_dev)
+        mark("dense o")
+        dk.gemm(stream, p["attn_out"], base + self.slot.wo, p["x"], T, H, spec.q_dim,
+                out_f32=True, accumulate=True)
+
+    def run_logits(self, stream: Stream, op: Logits, tokens: int) -> np.ndarray:
+        """float32 [rows, vocab] (a new host array) of the last row or all rows of x."""
+        spec, p = self.spec, self.ptr
+        H, V = spec.hidden, spec.vocab
+        first = tokens - 1 if op.rows == "last" else 0
+        out = np.empty((tokens - first, V), np.float32)
+        for r0 in range(first, tokens, LOGIT_ROWS):
+            n = min(LOGIT_ROWS, tokens - r0)
+            self.dense.rmsnorm_f16(stream, p["x"] + r0 * H * 4, p["head_norm"], p["head_in"],
+                                   n, H, float(spec.rms_eps))
+            self.dense.gemm(stream, p["head_in"], p["head"], p["head_out"], n, V, H,
+                            out_f32=True, accumulate=False)
+            host = self._logits_host[: n * V]
+            self.rt.memcpy_dtoh(host, p["head_out"], stream)
+            stream.synchronize()
+            out[r0 - first: r0 - first + n] = host.reshape(n, V)
+        return out
+
+    def close(self) -> None:
+        if self.dense.cublas is not None:
+            self.dense.cublas.destroy()
+        self._host = self._store = None  # type: ignore[assignment]
+        self._logits_host = np.empty(0, np.float32)

@@ -1,0 +1,1 @@
+"""The reference executor: the engine's plans op by op in numpy."""

@@ -1,0 +1,386 @@
+"""The reference backend: runs the engine's plans op by op with numpy, on the CPU.
+
+It is slow on purpose and literal: ring slots, resident slots and group buffers are real byte
+arrays; a Copy moves a blob from the host store into a ring slot; a gather copies the format's
+images out of the slot it names; Products reads the group buffers through the format's own
+numpy MMQ reference. A plan that reads a slot before its copy, or a position nobody gathered,
+gives wrong numbers here too, so this backend also tests what the planners emit.
+
+Arithmetic: routing in float32 (RMSNorm, router logits, softmax, top-k with ties to the lower
+id, renormalised weights); gate/up and down through `fmt.mmq_reference` on activations from
+`fmt.prepare_activations`; SwiGLU in float32, re-quantized for down; the combine in float32 in
+top-k order (descending probability); residual add in float32. Every RMSNorm's input is
+checked first (NaN, infinity, or a mean square that overflows and would normalise the row to
+zeros), and so are the router's softmax and the residual after each attention and MoE block:
+a value that left float32's range is a NonFiniteError naming the layer and the row.
+
+Memory: without `expert_cache` the reference backend keeps no expert resident (it has no VRAM
+to measure), so every expert streams. The image cache (`image_cache_mib`) is host arrays here,
+filled at open through the same gather, so cached plans run here too.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, NoReturn
+
+import numpy as np
+
+from ...formats.contract import MMQ_GROUP
+from ...report.stats import Stats
+from ...report.timing import format_table
+from ...schedule.dense_schedule import DENSE_RING_SLOTS
+from ...schedule.image_cache import ImageCache, capacity_blocks
+from ...schedule.in_place import check_in_place, chunk_in_place
+from ...schedule.lanes import allocated_lanes, chunk_lanes
+from ...schedule.plan import (
+    HOST,
+    RESIDENT,
+    Attention,
+    ChunkInput,
+    Consume,
+    Copy,
+    DenseCopy,
+    Gather,
+    GatherBatch,
+    GatherRouted,
+    LayerBegin,
+    LayerEnd,
+    Logits,
+    Op,
+    Products,
+    Record,
+    Wait,
+    lane_index,
+)
+from ...schedule.planner import ring_sizes
+from ...schedule.residency import Residency
+from ...weights.model import rms_norm, silu
+from ...weights.store import ExpertStore, numpy_alloc
+from ..cuda.chunk_input import input_not_finite
+from ..cuda.routing_exact import route_exact
+from ..host_copy import all_finite
+from ..nonfinite import check_finite, check_rms_input
+from .attention import ReferenceDense
+
+if TYPE_CHECKING:
+    from ...config.engine_config import EngineConfig
+    from ...models.qwen3.weights import Qwen3Model
+    from ...schedule.driver import HostContext, Replay
+    from ...weights.model import Model
+
+_POISON = 0xFF
+
+
+class _LayerState:
+    """One layer's routing and buffers, sorted by expert (row r of the sorted order is the
+    (token, k) pair order[r]; expert e owns rows bounds[e]..bounds[e+1]-1)."""
+
+    def __init__(self, layer: int, xn: np.ndarray, ids: np.ndarray, w: np.ndarray,
+                 n_experts: int, hidden: int):
+        self.layer = layer
+        self.ids, self.w = ids, w
+        top_k = ids.shape[1]
+        flat = ids.reshape(-1)
+        self.order = np.argsort(flat, kind="stable")
+        self.bounds = np.zeros(n_experts + 1, dtype=np.int32)
+        self.bounds[1:] = np.cumsum(np.bincount(flat, minlength=n_experts))
+        self.x_sorted = xn[self.order // top_k]
+        self.out_sorted = np.zeros((flat.size, hidden), dtype=np.float32)
+        self.routed = np.nonzero(np.diff(self.bounds))[0].tolist()
+
+
+class NumpyContext:
+    """The reference backend needs no device: its store is plain pageable numpy memory."""
+
+    host_alloc = staticmethod(numpy_alloc)
+
+    def close(self) -> None:
+        pass
+
+
+class ReferenceBackend:
+    name = "reference"
+    context_class = NumpyContext
+    #: everything runs on the host, so host time is the wall time
+    host_is_wall = True
+    can_capture = False
+    #: a whole model sets these at open (see driver.Executor and driver.Backend)
+    dense_ring: int | None = None
+    kv_capacity = 0
+    #: GatherRouted reads the routing of its layer (a decode step's plan runs here too)
+    routed_gathers = True
+
+    def __init__(self, model: Model, store: ExpertStore, residency: Residency | None,
+                 cfg: EngineConfig, context: HostContext | None = None,
+                 whole: Qwen3Model | None = None):
+        self.model, self.store, self.cfg = model, store, cfg
+        #: a whole model's attention, KV cache and head (None: MoE layers alone)
+        self.dense = ReferenceDense(whole, cfg.context) if whole is not None else None
+        if self.dense is not None:
+            self.kv_capacity = self.dense.kv_capacity
+        #: dense ring slots when cfg.dense is "stream" (the plan's DenseCopy ops are then
+        #: checked here: an Attention must find its layer in its slot); None: resident
+        self.dense_ring = DENSE_RING_SLOTS if cfg.dense == "stream" else None
+        self._dense_slots: dict[int, int] = {}
+        self._start: int | None = None
+        #: the position begin_chunk was given (what an Attention without a start reads)
+        self._chunk_start: int | None = None
+        self._logits: np.ndarray | None = None
+        self.spec, self.fmt, self.lay = model.spec, model.fmt, model.layout
+        self.blob_bytes = self.lay.blob_bytes
+        self.residency = residency if residency is not None else Residency.from_budget(
+            model, 0)
+        self.timing = bool(cfg.timing)
+        slot = store.slot_bytes
+        self.resident = np.empty((self.residency.n_slots, slot), dtype=np.uint8)
+        for i, (layer, e) in enumerate(self.residency.pairs):
+            self.resident[i] = store.arena[store.offset(layer, e): store.offset(layer, e) + slot]
+        rings = ring_sizes(cfg.ring_bytes, slot, self.spec.total_experts - self.residency.n_slots)
+        self.walk_slots = rings.walk
+        self.ring = np.full((rings.total, slot), _POISON, np.uint8)
+        #: group buffers of each compute lane (plan.LANES): lane i gathers into set i
+        self.lanes = allocated_lanes(cfg.compute_lanes or "auto", self.residency.n_slots
+                                     >= self.spec.total_experts)
+        self.in_place = check_in_place(cfg.in_place, self.fmt)
+        self.gu_bufs = np.full((self.lanes, MMQ_GROUP, self.lay.gate_up_image_bytes), _POISON,
+                               np.uint8)
+        self.dn_bufs = np.full((self.lanes, MMQ_GROUP, self.lay.down_image_bytes), _POISON,
+                               np.uint8)
+        self.images = ImageCache.choose(self.spec, self.residency, capacity_blocks(
+            cfg.image_cache_mib, self.spec, self.lay))
+        if cfg.image_cache_mib:
+            self.images.report(self.spec, self.lay)
+        n_blocks = len(self.images.blocks)
+        self.image_gu = np.full((n_blocks, *self.gu_bufs.shape[1:]), _POISON, np.uint8)
+        self.image_dn = np.full((n_blocks, *self.dn_bufs.shape[1:]), _POISON, np.uint8)
+        for b, pos, slot in self.images.fills(self.spec, self.residency):
+            self.image_gu[b, pos], self.image_dn[b, pos] = self._images(self.resident[slot])
+        self._state: _LayerState | None = None
+        self._h = np.empty((0, self.spec.hidden), np.float32)
+        self._stats = Stats()
+        #: top-k ids per layer of the last chunk (comparisons against reference_moe_f64)
+        self.routes: list[np.ndarray] = []
+
+    # ------------------------------------------------------------------ chunk (Executor)
+    def begin_chunk(self, h: np.ndarray, stats: Stats, start: int | None = None) -> None:
+        if not all_finite(h):
+            raise input_not_finite()
+        self._h = np.array(h, dtype=np.float32, copy=True)
+        self._state = None
+        self._stats = stats
+        self.routes = []
+        self._start = self._logits = None
+        self._chunk_start = start
+
+    def route_layer(self, layer: int) -> None:
+        self._begin(layer, self._h, self._stats)
+
+    def routed_counts(self, layer: int, stats: Stats) -> np.ndarray:
+        assert self._state is not None and self._state.layer == layer
+        return np.diff(self._state.bounds)
+
+    def execute(self, ops: Iterable[Op], stats: Stats, counts: np.ndarray | None) -> None:
+        self._execute(ops, self._h, stats)
+
+    def lanes_for(self, tokens: int) -> int:
+        return chunk_lanes(self.lanes, tokens, self.spec)
+
+    def in_place_for(self, tokens: int) -> bool:
+        return chunk_in_place(self.in_place, self.fmt, tokens, self.spec)
+
+    def capture(self, ops: Iterable[Op]) -> NoReturn:
+        raise NotImplementedError("the reference backend replays nothing")
+
+    def replay(self, replay: Replay) -> None:
+        raise NotImplementedError("the reference backend replays nothing")
+
+    def synchronize(self) -> None:
+        pass
+
+    def collect_walk_routing(self, stats: Stats) -> None:
+        pass  # each layer's routing was added as it ran
+
+    def end_chunk(self, stats: Stats) -> np.ndarray:
+        if self.timing and stats.chunk_index == stats.n_chunks - 1:
+            stats.phase_table = ("reference backend: host seconds per phase, not GPU time\n"
+                                 + format_table({p: s * 1e3 for p, s in stats.phase_s.items()}))
+        if self.dense is not None and self._start is not None:
+            self.dense.end_chunk(self._start, self._h.shape[0])
+        return self._h
+
+    def take_logits(self) -> np.ndarray:
+        if self._logits is None:
+            raise RuntimeError("no Logits op ran in this chunk")
+        return self._logits
+
+    # ------------------------------------------------------------------ ops
+    def _execute(self, ops: Iterable[Op], h: np.ndarray, stats: Stats) -> None:
+        # values that leave float32's range are refused by the checks at each step (naming
+        # the layer and row), not reported as numpy's warnings
+        with np.errstate(over="ignore", invalid="ignore"):
+            self._execute_ops(ops, h, stats)
+
+    def _execute_ops(self, ops: Iterable[Op], h: np.ndarray, stats: Stats) -> None:
+        for op in ops:
+            t0 = time.perf_counter()
+            if isinstance(op, Copy):
+                blob = self.store.view(op.layer, op.expert)
+                self.ring[op.slot, : blob.size] = blob
+                phase = "copy"
+            elif isinstance(op, Gather):
+                self._gather(op)
+                phase = "gather"
+            elif isinstance(op, GatherBatch):
+                for g in op.gathers:
+                    self._gather(g)
+                phase = "gather"
+            elif isinstance(op, GatherRouted):
+                self._gather_routed(op)
+                phase = "gather"
+            elif isinstance(op, Products):
+                self._products(op)
+                phase = "products"
+            elif isinstance(op, LayerBegin):
+                if self._state is None or self._state.layer != op.layer:
+                    self._begin(op.layer, h, stats)
+                continue
+            elif isinstance(op, LayerEnd):
+                self._combine(h)
+                phase = "combine"
+            elif isinstance(op, DenseCopy):
+                self._dense_slots[op.slot] = op.layer
+                continue
+            elif isinstance(op, Attention):
+                if op.dense_slot is not None and self._dense_slots.get(op.dense_slot) != op.layer:
+                    raise RuntimeError(f"Attention of layer {op.layer} reads dense slot "
+                                       f"{op.dense_slot}, which holds layer "
+                                       f"{self._dense_slots.get(op.dense_slot)}")
+                start = op.start if op.start is not None else self._chunk_start
+                if start is None:
+                    raise RuntimeError(f"Attention of layer {op.layer} reads the chunk's "
+                                       "position, but begin_chunk was given none")
+                check_rms_input(h, "the RMSNorm before attention", op.layer)
+                self._whole().attention(op.layer, h, start)
+                check_finite(h, "the residual after attention", op.layer)
+                self._start = start
+                phase = "attention"
+            elif isinstance(op, Logits):
+                rows = None if op.rows == "all" else np.array([h.shape[0] - 1])
+                check_rms_input(h if rows is None else h[-1:], "the final RMSNorm", None, rows)
+                self._logits = self._whole().logits(h, op.rows)
+                phase = "logits"
+            elif isinstance(op, Record | Wait | Consume | ChunkInput):
+                # one thread runs every op in host order: a valid linearisation of any
+                # schedule the checker accepts, so events have nothing left to order (and
+                # begin_chunk took the input)
+                continue
+            else:
+                raise TypeError(f"unknown plan op {op!r}")
+            stats.phase_s[phase] += time.perf_counter() - t0
+
+    def _whole(self) -> ReferenceDense:
+        if self.dense is None:
+            raise TypeError("an Attention or Logits op needs a whole model; this backend runs "
+                            "MoE layers alone")
+        return self.dense
+
+    def _begin(self, layer: int, h: np.ndarray, stats: Stats) -> None:
+        t0 = time.perf_counter()
+        spec = self.spec
+        check_rms_input(h, "the RMSNorm before the MoE", layer)
+        with np.errstate(over="ignore", invalid="ignore"):  # a non-finite route is refused
+            xn = rms_norm(h, self.model.norm[layer], spec.rms_eps)
+            ids, w = route_exact(xn, self.model.router[layer], spec.top_k)
+        check_finite(w, "the router's softmax (its logits overflow float32 or are NaN)", layer)
+        stats.add_routing(layer, ids, spec.n_experts)
+        self.routes.append(ids)
+        self._state = _LayerState(layer, xn, ids, w, spec.n_experts, spec.hidden)
+        stats.phase_s["route"] += time.perf_counter() - t0
+
+    def _gather_routed(self, op: GatherRouted) -> None:
+        """The members whose expert has rows in the layer's routing, as the GPU kernel skips
+        the others on the device."""
+        st = self._state
+        if st is None or any(g.layer != st.layer for g in op.gathers):
+            raise RuntimeError(f"GatherRouted of group {op.group} outside its layer")
+        for g in op.gathers:
+            if st.bounds[g.expert + 1] > st.bounds[g.expert]:
+                self._gather(g)
+
+    def _gather(self, g: Gather) -> None:
+        kind, idx = g.src
+        if kind == HOST:
+            off = self.store.offset(g.layer, g.expert)
+            src = self.store.arena[off: off + self.store.slot_bytes]
+        else:
+            src = self.resident[idx] if kind == RESIDENT else self.ring[idx]
+        gu, dn = self._images(src)
+        self.gu_bufs[lane_index(g.stream), g.pos] = gu
+        self.dn_bufs[lane_index(g.stream), g.pos] = dn
+
+    def _products(self, op: Products) -> None:
+        st, fmt, spec = self._state, self.fmt, self.spec
+        if st is None or st.layer != op.layer:
+            raise RuntimeError(f"Products of layer {op.layer} outside its layer")
+        ids = op.expert_ids
+        n = len(ids)
+        lo = min(int(st.bounds[e]) for e in ids)
+        hi = max(int(st.bounds[e + 1]) for e in ids)
+        if hi == lo:
+            return  # every expert of the group has no rows: the kernels exit early
+        # the group's rows lie in [lo, hi); activations are quantized per row, so quantizing
+        # that slice equals slicing the whole layer's activations
+        b = np.clip(st.bounds.astype(np.int64) - lo, 0, hi - lo).astype(np.int32)
+        F = spec.ffn
+        lane = lane_index(op.stream)
+        if op.slots is not None:  # read in place: each expert's images from its resident slot
+            gu_buf, dn_buf = self._slot_images(op.slots)
+        elif op.cached is not None:
+            gu_buf, dn_buf = self.image_gu[op.cached], self.image_dn[op.cached]
+        else:
+            gu_buf, dn_buf = self.gu_bufs[lane], self.dn_bufs[lane]
+        gu = fmt.mmq_reference(gu_buf[:n], ids, fmt.prepare_activations(st.x_sorted[lo:hi]),
+                               b, 2 * F, spec.hidden)
+        mid = np.zeros((hi - lo, F), dtype=np.float32)
+        for e in ids:
+            r0, r1 = int(b[e]), int(b[e + 1])
+            mid[r0:r1] = silu(gu[r0:r1, :F]) * gu[r0:r1, F:]
+        dn = fmt.mmq_reference(dn_buf[:n], ids, fmt.prepare_activations(mid), b,
+                               spec.hidden, F)
+        for e in ids:
+            r0, r1 = int(b[e]), int(b[e + 1])
+            st.out_sorted[lo + r0: lo + r1] = dn[r0:r1]
+
+    def _images(self, slot: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The format's images of the blob a slot holds (what its gather writes)."""
+        return self.fmt.images(slot[: self.lay.blob_bytes], self.spec.hidden, self.spec.ffn)
+
+    def _slot_images(self, slots: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+        """The images the products see of resident slots read in place (the format's images,
+        as its gather would have written them)."""
+        parts = [self._images(self.resident[s]) for s in slots]
+        return np.stack([gu for gu, _ in parts]), np.stack([dn for _, dn in parts])
+
+    def _combine(self, h: np.ndarray) -> None:
+        st = self._state
+        if st is None:
+            raise RuntimeError("LayerEnd before any LayerBegin")
+        top_k = st.ids.shape[1]
+        flat = np.empty_like(st.out_sorted)
+        flat[st.order] = st.out_sorted
+        out = flat.reshape(h.shape[0], top_k, -1)
+        y = np.zeros_like(h)
+        with np.errstate(over="ignore", invalid="ignore"):  # refused just below
+            for k in range(top_k):
+                y += st.w[:, k, None] * out[:, k]
+            h += y
+        check_finite(h, "the residual after the MoE", st.layer)
+
+    def close(self) -> None:
+        """Drops the slot and group buffers (the engine never calls a closed backend)."""
+        empty = np.empty((0, 0), np.uint8)
+        self.resident = self.ring = empty
+        self.gu_bufs = self.dn_bufs = np.empty((0, 0, 0), np.uint8)
+        self.image_gu = self.image_dn = np.empty((0, 0, 0), np.uint8)

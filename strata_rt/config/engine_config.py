@@ -1,0 +1,285 @@
+"""EngineConfig: what an engine is opened with, validated in one place, with every switch
+left None filled from the environment.
+
+Every environment switch that changes what the engine does is read here and nowhere below:
+the engine, the chunk driver, the executors, the kernel launchers and the GEMMs take the
+resolved fields as plain values, so one EngineConfig says everything a run depends on, and
+a field the driver reads on every chunk (gather_one, walk_min_tokens, decode) can change
+between prompts of an open engine without touching the environment. A field set by the
+caller beats its switch. (config/env.py lists the process switches read elsewhere.)
+
+Its own module because the engine, the chunk driver and both backends read it: here it depends
+on none of them, so none of them depends on another through it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..backends.cuda.routing_kernels import ROUTINGS
+from ..errors import ConfigError
+from ..schedule.image_cache import ImageCacheSetting, check_setting, parse_setting
+from ..schedule.in_place import InPlaceSetting, parse_in_place
+from ..schedule.lanes import LanesSetting, parse_lanes
+from ..schedule.residency import RoutingProfile
+from . import env
+
+if TYPE_CHECKING:
+    from ..models.qwen3.weights import Qwen3Model
+    from ..weights.model import Model, MoESpec
+
+BACKENDS = ("auto", "cuda", "reference")
+DENSE_POLICIES = ("auto", "resident", "stream")
+#: the choices of the switches resolved into fields of the same meaning (config/env.py lists them)
+DECODES = env.choices("STRATA_DECODE")
+DENSE_GEMMS = env.choices("STRATA_DENSE_GEMM")
+F16_GEMMS = env.choices("STRATA_F16_GEMM")
+
+
+def output_switches() -> dict[str, str]:
+    """The output paths the environment sets (STRATA_PREFILL_DUMP_R, STRATA_PREFILL_TRACE),
+    by switch: what a run will write besides its config's outputs."""
+    found = {"STRATA_PREFILL_DUMP_R": env.text("STRATA_PREFILL_DUMP_R"),
+             "STRATA_PREFILL_TRACE": env.text("STRATA_PREFILL_TRACE")}
+    return {k: v for k, v in found.items() if v is not None}
+
+
+def mmq_kernel_switch() -> str | None:
+    """STRATA_MMQ_KERNEL, or None when unset: what `mmq_kernel` resolves to, also read by a
+    run config's checks, which size the images the engine will hold before it opens."""
+    return env.text("STRATA_MMQ_KERNEL")
+
+
+def dense_gemm_switch() -> str:
+    """STRATA_DENSE_GEMM ("cublas" when unset): what `dense_gemm` resolves to, also read by a
+    run config's checks, which size a whole model's dense workspace before the engine opens."""
+    return env.choice("STRATA_DENSE_GEMM", DENSE_GEMMS[0])
+
+
+@dataclass(init=False)
+class EngineConfig:
+    """model: what strata_rt.weights.whole_model.load_model takes (MoE layers alone or a whole
+    model). context: KV-cache positions of a whole model (None: the model's context length). expert_cache fixes the number of resident experts;
+    otherwise the backend derives it (cuda: free VRAM minus vram_reserve_mib; reference: none
+    resident). Every field a switch can set (gather_one, check_plan, timing, dump_r, decode, ...)
+    defaults to that switch: `resolve` fills it."""
+
+    model: Model | Qwen3Model | MoESpec | dict[str, Any]
+    backend: str = "auto"
+    context: int | None = None
+    #: a whole model's dense weights: "resident" in VRAM, "stream" per layer through a small
+    #: ring, or "auto" (resident when the budget holds them beside one chunk, else stream)
+    dense: str = "auto"
+    vram_reserve_mib: float | None = None
+    expert_cache: int | None = None
+    prefill: str | int = "auto"
+    ring_bytes: int | None = None
+    #: device memory for group images of resident experts kept across chunks
+    #: (strata_rt.schedule.image_cache): MiB, "all" (room for every group), or None
+    #: (STRATA_IMAGE_CACHE_MIB, else none)
+    image_cache_mib: ImageCacheSetting = None
+    #: compute lanes (strata_rt.schedule.lanes): "auto", "1" or "2"; None: STRATA_COMPUTE_LANES,
+    #: else auto (two when every expert is resident)
+    compute_lanes: LanesSetting | None = None
+    #: products of resident experts read in place (strata_rt.schedule.in_place): "auto", "on" or
+    #: "off"; None: STRATA_IN_PLACE, else auto
+    in_place: InPlaceSetting | None = None
+    profile: str | None = None
+    gather_one: bool | None = None
+    #: chunks of at least this many tokens take the walk; None: decided by the routed share
+    walk_min_tokens: int | None = None
+    check_plan: bool | None = None
+    timing: bool | None = None
+    dump_r: str | None = None
+    #: a Chrome/Perfetto trace file of the streams (STRATA_PREFILL_TRACE); implies timing
+    trace: str | None = None
+    #: CUDA routing kernels (routing_kernels.ROUTINGS): "exact" (default), "f16" or "fp32"
+    routing: str | None = None
+    #: the format's MMQ variant (STRATA_MMQ_KERNEL); None after resolve: the format's default
+    mmq_kernel: str | None = None
+    #: a whole model's one-token steps: "routed" (the decode plan, where the format's gathers
+    #: offer it) or "staging" (the staging ring); None: STRATA_DECODE, else routed
+    decode: str | None = None
+    #: CUDA graphs for the walk and the decode step; None: STRATA_CUDA_GRAPH, else on
+    cuda_graph: bool | None = None
+    #: a whole model's dense GEMM: "cublas" or "own"; None: STRATA_DENSE_GEMM, else cublas
+    dense_gemm: str | None = None
+    #: the grouped fp16 GEMM: "auto", "cutlass" or "own" (strata_rt.gemm.cutlass_gemm.cutlass_for);
+    #: None: STRATA_F16_GEMM, else auto
+    f16_gemm: str | None = None
+    #: called as progress(chunk, n_chunks, layer, n_layers) after each layer
+    progress: Callable[[int, int, int, int], None] | None = None
+    _profile: RoutingProfile | None = field(default=None, repr=False)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # noqa: D107 (see _check_keys)
+        _check_keys(kwargs, len(args))
+        _dataclass_init(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    def load_profile(self) -> RoutingProfile | None:
+        if self.profile is not None and self._profile is None:
+            self._profile = RoutingProfile.load(self.profile)
+        return self._profile
+
+    def _type_problems(self) -> list[str]:
+        """The fields a library caller may fill with anything: each of its kind, or None."""
+        problems = []
+        if self.profile is not None and not isinstance(self.profile, str | os.PathLike):
+            problems.append(f"profile: got {self.profile!r}; allowed: a file path")
+        v = self.vram_reserve_mib
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int | float)
+                              or not 0 <= v <= 1 << 30):
+            problems.append(f"vram_reserve_mib: got {v!r}; allowed: MiB from 0 to "
+                            "1,073,741,824 (1 PiB)")
+        w = self.walk_min_tokens
+        if w is not None and not _whole(w, 1, 1 << 31):
+            problems.append(f"walk_min_tokens: got {w!r}; allowed: a number of tokens >= 1")
+        for name in ("gather_one", "check_plan", "timing"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                problems.append(f"{name}: got {getattr(self, name)!r}; allowed: true or false")
+        return problems
+
+    def _output_problems(self) -> list[str]:
+        """The dump and trace paths (given, or from the environment), checked before the
+        engine opens: regular files or new names only, none of them the model's GGUF."""
+        from .paths import output_collisions, output_file_problem
+
+        outputs = {}
+        from_env = output_switches()
+        for key, switch in (("dump_r", "STRATA_PREFILL_DUMP_R"),
+                            ("trace", "STRATA_PREFILL_TRACE")):
+            value = getattr(self, key)
+            value = from_env.get(switch) if value is None else value
+            if value is None:
+                continue
+            if not isinstance(value, str | os.PathLike) or not str(value):
+                return [f"{key}: got {value!r}; allowed: a file path"]
+            outputs[key] = Path(value)
+        problems = []
+        if "dump_r" in outputs:
+            outputs["dump_r (its .partial file)"] = Path(f"{outputs['dump_r']}.partial")
+        for key, path in outputs.items():
+            why = output_file_problem(path)
+            if why is not None:
+                problems.append(f"{key}: got {str(path)!r}; {why}")
+        gguf = self.model.get("gguf") if isinstance(self.model, dict) else None
+        inputs = {"the model's GGUF file": Path(gguf)} if isinstance(gguf, str) else {}
+        if self.profile is not None:
+            inputs["the routing profile"] = Path(self.profile)
+        return problems + output_collisions(outputs, inputs)
+
+    def resolve(self) -> EngineConfig:
+        """Validates, and fills switches left None from the environment."""
+        problems = []
+        if self.backend not in BACKENDS:
+            problems.append(f"backend: got {self.backend!r}; allowed: {', '.join(BACKENDS)}")
+        if not (self.prefill == "auto" or _whole(self.prefill, 1, 1 << 31)):
+            problems.append(f"prefill: got {self.prefill!r}; allowed: \"auto\" or a positive "
+                            "number of tokens (at most 2^31)")
+        if self.expert_cache is not None and not _whole(self.expert_cache, 0, 1 << 40):
+            problems.append(f"expert_cache: got {self.expert_cache!r}; allowed: an integer "
+                            ">= 0")
+        if self.routing is not None and self.routing not in ROUTINGS:
+            problems.append(f"routing: got {self.routing!r}; allowed: {', '.join(ROUTINGS)}")
+        if self.context is not None and not _whole(self.context, 1, 1 << 24):
+            problems.append(f"context: got {self.context!r}; allowed: a positive number of "
+                            "tokens (at most 16,777,216)")
+        if self.dense not in DENSE_POLICIES:
+            problems.append(f"dense: got {self.dense!r}; allowed: {', '.join(DENSE_POLICIES)}")
+        why = check_setting(self.image_cache_mib)
+        if why is not None:
+            problems.append(f"image_cache_mib: got {self.image_cache_mib!r}; {why}")
+        if self.compute_lanes is not None:
+            try:
+                self.compute_lanes = parse_lanes(self.compute_lanes)
+            except ConfigError as e:
+                problems.extend(e.problems)
+        if self.in_place is not None:
+            try:
+                self.in_place = parse_in_place(self.in_place)
+            except ConfigError as e:
+                problems.extend(e.problems)
+        if self.ring_bytes is not None and not _whole(self.ring_bytes, 1, 1 << 50):
+            problems.append(f"ring_bytes: got {self.ring_bytes!r}; allowed: a positive size "
+                            "(at most 1 PiB)")
+        for name, allowed in (("decode", DECODES), ("dense_gemm", DENSE_GEMMS),
+                              ("f16_gemm", F16_GEMMS)):
+            value = getattr(self, name)
+            if value is not None and value not in allowed:
+                problems.append(f"{name}: got {value!r}; allowed: {', '.join(allowed)}")
+        problems += self._type_problems()
+        if not problems:
+            problems += self._output_problems()
+        if problems:
+            raise ConfigError(problems, source="engine config")
+        if self.gather_one is None:
+            self.gather_one = env.flag("STRATA_PREFILL_GATHER_ONE")
+        if self.walk_min_tokens is None:
+            self.walk_min_tokens = env.integer("STRATA_WALK_MIN_TOKENS")
+        if self.check_plan is None:
+            self.check_plan = env.flag("STRATA_CHECK_PLAN")
+        if self.trace is None:
+            self.trace = env.text("STRATA_PREFILL_TRACE")
+        if self.timing is None:
+            self.timing = env.flag("STRATA_PREFILL_TIMING") or self.trace is not None
+        if self.dump_r is None:
+            self.dump_r = env.text("STRATA_PREFILL_DUMP_R")
+        if self.routing is None:
+            self.routing = env.choice("STRATA_ROUTING", ROUTINGS[0])
+        if self.image_cache_mib is None:
+            self.image_cache_mib = parse_setting(env.text("STRATA_IMAGE_CACHE_MIB"))
+        if self.compute_lanes is None:
+            self.compute_lanes = parse_lanes(env.choice("STRATA_COMPUTE_LANES", "auto"),
+                                             "STRATA_COMPUTE_LANES")
+        if self.in_place is None:
+            self.in_place = parse_in_place(env.choice("STRATA_IN_PLACE", "auto"),
+                                           "STRATA_IN_PLACE")
+        if self.mmq_kernel is None:
+            self.mmq_kernel = mmq_kernel_switch()
+        if self.decode is None:
+            self.decode = env.choice("STRATA_DECODE", DECODES[0])
+        if self.cuda_graph is None:
+            self.cuda_graph = env.flag("STRATA_CUDA_GRAPH", default=True)
+        if self.dense_gemm is None:
+            self.dense_gemm = dense_gemm_switch()
+        if self.f16_gemm is None:
+            self.f16_gemm = env.choice("STRATA_F16_GEMM", F16_GEMMS[0])
+        return self
+
+
+def _whole(v: object, lo: int, hi: int) -> bool:
+    """Whether v is an int (not a bool) in lo..hi."""
+    return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+
+
+@dataclass
+class _Fields(EngineConfig):
+    """EngineConfig's fields with the dataclass's own __init__, which EngineConfig.__init__
+    calls once the keywords are known (dataclass(init=False) keeps the class's own)."""
+
+
+_dataclass_init = _Fields.__init__
+_FIELDS = tuple(f.name for f in fields(EngineConfig))
+_KNOWN = tuple(name for name in _FIELDS if not name.startswith("_"))
+
+
+def _check_keys(kwargs: dict[str, Any], n_positional: int) -> None:
+    """EngineConfig(**settings) with a key it does not have is a ConfigError naming the key
+    and the closest field (TypeError's traceback otherwise), as in a run config."""
+    problems = []
+    if n_positional > 1:
+        problems.append(f"got {n_positional} positional arguments; give the model, then "
+                        "keywords")
+    for key in kwargs:
+        if key not in _FIELDS:
+            close = difflib.get_close_matches(str(key), _KNOWN, n=1)
+            hint = f"did you mean `{close[0]}`? " if close else ""
+            problems.append(f"{key}: unknown key; {hint}known keys: {', '.join(_KNOWN)}")
+    if n_positional == 0 and "model" not in kwargs:
+        problems.append("model: (missing); required: a model, its spec or a model dict")
+    if problems:
+        raise ConfigError(problems, source="engine config")

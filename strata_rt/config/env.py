@@ -1,0 +1,258 @@
+"""The one list of environment switches strata_rt reads (the README mirrors it).
+
+Reading switches in one place keeps them discoverable and makes a typo in a value an error
+instead of a silent default. `validate_all` (the CLI calls it at startup) parses every switch
+that is set, whatever the backend and format, and warns about a `STRATA_*` name that is no
+switch at all, naming the closest one.
+
+Where each is read (tests/test_switches.py holds every module to it):
+
+- engine switches, everything that changes what an engine does, are resolved once when an
+  engine opens, in strata_rt/config/engine_config.py (EngineConfig.resolve; a field the caller set
+  beats its switch), and passed down as plain fields: the driver, the executors, the kernel
+  launchers, the GEMMs and the formats never read the environment. They are
+  STRATA_PREFILL_GATHER_ONE, STRATA_PREFILL_TIMING, STRATA_PREFILL_DUMP_R,
+  STRATA_PREFILL_TRACE, STRATA_WALK_MIN_TOKENS, STRATA_CHECK_PLAN, STRATA_MMQ_KERNEL,
+  STRATA_DECODE, STRATA_IMAGE_CACHE_MIB, STRATA_COMPUTE_LANES, STRATA_IN_PLACE,
+  STRATA_CUDA_GRAPH, STRATA_ROUTING, STRATA_DENSE_GEMM and STRATA_F16_GEMM. A run config's
+  checks (config/schema.py, config/whole.py) size the engine before it exists: they take
+  STRATA_MMQ_KERNEL and STRATA_DENSE_GEMM through engine_config's readers, and
+  config/schema.py reads STRATA_ROUTING for the router's buffers.
+- process switches, which say where the process finds its tools and plugins or which checks
+  it runs rather than what an engine computes, stay where they are used: STRATA_KERNEL_CACHE
+  and STRATA_NVCC in runtime/compile.py, STRATA_PLUGINS and STRATA_DISABLE_PLUGINS in
+  formats/registry.py (the CLI's `--plugins` sets STRATA_PLUGINS in cli/__init__.py),
+  STRATA_HOST_MEMORY_CHECK in config/hostmem.py, STRATA_CUTLASS_DIR in gemm/cutlass_gemm.py. Outside
+  this list, gemm/cublas.py reads CUDA_HOME and CUDA_PATH to find the CUDA toolkit's libcublas.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import os
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import ConfigError
+from .paths import output_dir_problem, output_file_problem
+
+log = logging.getLogger(__name__)
+
+PREFIX = "STRATA_"
+
+
+@dataclass(frozen=True)
+class Switch:
+    name: str
+    #: "flag" (0/1), "int" (>= 1), "str", "choice:a,b" (one of the names), "path" (read),
+    #: "program" (an executable), "outfile" (a file written), "outdir" (a folder written) or
+    #: "mib" (a number of MiB >= 0, or `all`)
+    kind: str
+    help: str
+
+
+SWITCHES: dict[str, Switch] = {
+    s.name: s
+    for s in (
+        Switch("STRATA_PREFILL_GATHER_ONE", "flag",
+               "1: one gather launch per expert instead of one batched launch per group "
+               "(native formats only; results are bit-identical)."),
+        Switch("STRATA_PREFILL_TIMING", "flag",
+               "1: record events at phase boundaries and print a phase table per prompt "
+               "(instrumented runs are slower)."),
+        Switch("STRATA_PREFILL_DUMP_R", "outfile",
+               "path: after each chunk append the final residual of every 64th position "
+               "(int64 position + float32 values) so two runs compare with `cmp`."),
+        Switch("STRATA_PREFILL_TRACE", "outfile",
+               "path.json: write a Chrome/Perfetto trace of the compute and copy streams, one "
+               "lane per prompt, rewritten after each prompt (CUDA backend; turns "
+               "STRATA_PREFILL_TIMING on)."),
+        Switch("STRATA_WALK_MIN_TOKENS", "int",
+               "N: chunks of at least N tokens take the streamed walk, smaller ones the "
+               "staging ring (default: the walk once half of a layer's experts are expected "
+               "to be routed; the original fixed rule was 1024)."),
+        Switch("STRATA_CHECK_PLAN", "flag",
+               "1: run the hazard checker on every plan before it executes."),
+        Switch("STRATA_MMQ_KERNEL", "str",
+               "MMQ variant for formats that offer several (see `strata plugins`); "
+               "default: the format's fastest measured variant."),
+        Switch("STRATA_DECODE", "choice:routed,staging",
+               "a whole model's one-token steps (greedy decoding): routed (the routed set "
+               "stays on the device, gathers read routed experts from their slots or straight "
+               "from host memory, and the step replays as a CUDA graph; the default where the "
+               "format's kernels offer it) or staging (the staging ring: the routed set comes "
+               "back to the host every layer and only the routed experts are copied)."),
+        Switch("STRATA_IMAGE_CACHE_MIB", "mib",
+               "MiB (or all): keep the group images of resident experts on the device across "
+               "chunks, so the streamed walk multiplies groups whose 16 experts are all "
+               "resident without gathering them (for formats that dequantize in the gather, "
+               "~1.2 GB of fp16 per layer of the 30B shape; results are bit-identical). The "
+               "`image_cache_mib` config key sets it per run; default: none."),
+        Switch("STRATA_COMPUTE_LANES", "choice:auto,1,2",
+               "compute lanes when the config gives no `compute_lanes`: 2 puts every other "
+               "group of 16 experts on a second compute stream with its own group buffers, so "
+               "two groups' gathers and GEMMs overlap (chunks up to 512 rows per expert in the "
+               "walk's sizing); auto (the default) takes two when every expert is resident, "
+               "else one; results are bit-identical."),
+        Switch("STRATA_IN_PLACE", "choice:auto,on,off",
+               "products of groups whose experts are all resident, when the config gives no "
+               "`in_place`: on reads each expert's blocks where they lie (its resident slot) "
+               "with a GEMM that decodes them in its main loop, so nothing is gathered; off "
+               "always gathers first; auto (the default) reads in place while the chunk's rows "
+               "per expert stay within the format's in_place_max_rows (IQ3_XXS f16_gemm: 136, "
+               "up to 1,088 tokens on the Qwen3 shapes). Results are bit-identical."),
+        Switch("STRATA_CUDA_GRAPH", "flag",
+               "0: launch the streamed walk kernel by kernel instead of replaying a CUDA graph."),
+        Switch("STRATA_KERNEL_CACHE", "outdir",
+               "directory of compiled cubins (default: ~/.cache/strata_rt/kernels)."),
+        Switch("STRATA_NVCC", "program", "the nvcc to use (default: nvcc on PATH)."),
+        Switch("STRATA_PLUGINS", "path",
+               "the plugins.yaml to load instead of the one next to the package "
+               "(`strata --plugins PATH` sets it)."),
+        Switch("STRATA_DISABLE_PLUGINS", "str",
+               "comma-separated plugin names to leave out (as `enabled: false` in "
+               "plugins.yaml does); `strata plugins` shows what is disabled."),
+        Switch("STRATA_ROUTING", "choice:exact,f16,fp32",
+               "router kernels of the CUDA backend: exact (the default: the experts the "
+               "canonical float64 logits pick, near-ties included, from split-operand "
+               "tensor-core logits proven or re-ranked per token), f16 (fp16 operands on "
+               "tensor cores: fast, near-ties may flip) or fp32 (CUDA-core float32 logits)."),
+        Switch("STRATA_DENSE_GEMM", "choice:cublas,own",
+               "a whole model's dense projections and output head: cublas (cuBLAS GemmEx, the "
+               "default) or own (the project's fp16 GEMM, whose bytes do not depend on the "
+               "chunk's row count, so GPU logits are the same bytes for any chunking)."),
+        Switch("STRATA_F16_GEMM", "choice:auto,cutlass,own",
+               "the grouped fp16 GEMM (fp16 images: FP16, IQ3_XXS f16_gemm): auto (on sm_90 "
+               "CUTLASS's wgmma kernels for launches of 96 rows per expert or more when "
+               "nvidia-cutlass is installed, warning once when it is not; the own mma.sync "
+               "kernels otherwise), cutlass (the same, an error where it cannot) or own."),
+        Switch("STRATA_CUTLASS_DIR", "path",
+               "a CUTLASS checkout (include/, tools/util/include/) to build the sm_90 "
+               "grouped GEMM with, instead of the nvidia-cutlass package's headers."),
+        Switch("STRATA_HOST_MEMORY_CHECK", "flag",
+               "0: skip the check that the host has the memory a run needs before it "
+               "allocates (for systems that overcommit or swap); sizes beyond a 64-bit "
+               "address space are refused regardless."),
+    )
+}
+
+
+def _raw(name: str, environ: Mapping[str, str] | None = None) -> str | None:
+    if name not in SWITCHES:
+        raise KeyError(f"{name} is not a strata_rt switch; known: {', '.join(SWITCHES)}")
+    value = (os.environ if environ is None else environ).get(name)
+    return None if value is None or value == "" else value
+
+
+def problem(name: str, value: str) -> str | None:
+    """Why `value` is not valid for switch `name`, or None."""
+    kind = SWITCHES[name].kind
+    if kind == "flag" and value not in ("0", "1"):
+        return "expected 0 or 1"
+    if kind == "int" and not (value.isascii() and value.isdigit() and int(value) >= 1):
+        return "expected a positive whole number"
+    if kind == "mib" and value != "all":
+        try:
+            ok = 0 <= float(value) <= 1 << 30  # 1 PiB: no machine has more
+        except ValueError:
+            ok = False
+        if not ok:
+            return "expected a number of MiB >= 0 (at most 1,073,741,824: 1 PiB), or all"
+    if kind.startswith("choice:") and value not in kind[7:].split(","):
+        return f"expected one of {kind[7:].replace(',', ', ')}"
+    if kind == "program":
+        found = shutil.which(value)
+        if found is None:
+            return ("not an executable file" if Path(value).exists()
+                    else "no such program (give a path to nvcc, or a name on PATH)")
+    if kind == "outfile":
+        return output_file_problem(Path(value).expanduser())
+    if kind == "outdir":
+        return output_dir_problem(Path(value).expanduser())
+    return None
+
+
+def _error(name: str, value: str, why: str) -> ConfigError:
+    return ConfigError(f"environment {name}={value!r}: {why}", source="environment")
+
+
+def flag(name: str, default: bool = False) -> bool:
+    """A 0/1 switch; any other value is an error naming the switch."""
+    value = _raw(name)
+    if value is None:
+        return default
+    if value not in ("0", "1"):
+        raise _error(name, value, "expected 0 or 1")
+    return value == "1"
+
+
+def text(name: str) -> str | None:
+    """A path or string switch, or None when unset."""
+    return _raw(name)
+
+
+def _checked(name: str) -> str | None:
+    """The switch's value once its kind accepts it (ConfigError naming it otherwise), or None
+    when unset."""
+    value = _raw(name)
+    if value is not None:
+        why = problem(name, value)
+        if why is not None:
+            raise _error(name, value, why)
+    return value
+
+
+def choice(name: str, default: str) -> str:
+    """A switch that names one of a fixed set (its kind "choice:a,b"); default when unset."""
+    value = _checked(name)
+    return default if value is None else value
+
+
+def choices(name: str) -> tuple[str, ...]:
+    """The names a choice switch accepts (its kind "choice:a,b"), its default first, so a
+    config field of the same meaning checks against the same list."""
+    kind = SWITCHES[name].kind
+    if not kind.startswith("choice:"):
+        raise KeyError(f"{name} is a {kind} switch, not a choice")
+    return tuple(kind[7:].split(","))
+
+
+def integer(name: str) -> int | None:
+    """A positive whole-number switch, or None when unset."""
+    value = _checked(name)
+    return None if value is None else int(value)
+
+
+def closest(name: str) -> str | None:
+    """The known switch a misspelt `STRATA_*` name most likely meant, or None."""
+    found = difflib.get_close_matches(name, SWITCHES, n=1, cutoff=0.6)
+    return found[0] if found else None
+
+
+def unknown(environ: Mapping[str, str] | None = None) -> list[str]:
+    """`STRATA_*` variables that are set but name no switch."""
+    environ = os.environ if environ is None else environ
+    return sorted(k for k in environ if k.startswith(PREFIX) and k not in SWITCHES)
+
+
+def validate_all(environ: Mapping[str, str] | None = None) -> None:
+    """Parses every switch that is set (ConfigError listing each bad value, exit 2) and logs
+    a warning for each `STRATA_*` variable that is no switch, naming the closest one. Which
+    switches a run reads depends on its backend and format; this checks all of them."""
+    environ = os.environ if environ is None else environ
+    for name in unknown(environ):
+        near = closest(name)
+        hint = f"did you mean {near}?" if near else f"known switches: {', '.join(SWITCHES)}"
+        log.warning("environment variable %s is not a strata_rt switch (ignored); %s",
+                    name, hint)
+    problems = []
+    for name in SWITCHES:
+        value = _raw(name, environ)
+        why = None if value is None else problem(name, value)
+        if why is not None:
+            problems.append(f"{name}={value!r}: {why}")
+    if problems:
+        raise ConfigError(problems, source="environment")

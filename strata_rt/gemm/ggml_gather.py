@@ -1,0 +1,114 @@
+"""Launcher of the batched dequantizing gather for every GGML type (kernels/ggml/gather.cu).
+
+One launch turns up to 16 experts' matrices of one GGML type (each `rows` x `cols` values,
+stored as whole blocks, row after row) into fp16 images [position][row][col]: the conventions
+of the IQ3_XXS dequantizing gather (GroupedGemm.dequant_gather_iq3), so a format built on the
+GGML decoders can gather with it. A gate/up image of a file whose gate and up tensors are
+separate is two launches: gate rows at the image's start, up rows `ffn * hidden * 2` bytes in,
+both with the image's stride.
+
+Numerics: each value is fp16 (round to nearest even) of gguf.quants.dequantize's float32
+value, bit for bit (`images_reference` is the numpy twin the GPU test compares with).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..errors import FormatError
+from ..formats.contract import MMQ_GROUP, first_misaligned
+from ..formats.ggml_types import TYPES, GgmlType, ggml_type
+from ..resources import KERNELS_ROOT
+
+if TYPE_CHECKING:
+    from gguf import GGMLQuantizationType
+
+    from ..runtime import Runtime
+
+GATHER_SOURCE = KERNELS_ROOT / "ggml" / "gather.cu"
+#: argument types: 16 source addresses, dst, image bytes, values, first_pos, bounds,
+#: first_expert
+GATHER_ARG_TYPES = "P" * MMQ_GROUP + "PqqiPi"
+GATHER_THREADS = 256
+#: fp16 values one thread writes per step (one 16-byte store)
+GATHER_VALUES = 8
+#: CUDA blocks one launch aims for, spread over its experts
+GATHER_TARGET_BLOCKS = 2048
+
+
+def image_bytes(rows: int, cols: int) -> int:
+    """Bytes of one fp16 image of rows x cols values."""
+    return 2 * rows * cols
+
+
+def check_geometry(t: GgmlType, rows: int, cols: int) -> int:
+    """The values of one expert's matrix; FormatError unless rows x cols is whole blocks per
+    row and whole 8-value steps."""
+    t.row_bytes(cols)  # whole blocks per row
+    values = rows * cols
+    if rows <= 0 or values % GATHER_VALUES:
+        raise FormatError(f"{t.name} gather of {rows} x {cols}: the gather writes "
+                          f"{GATHER_VALUES} values per step, so rows * cols must be a positive "
+                          f"multiple of {GATHER_VALUES}")
+    return values
+
+
+class GgmlGather:
+    """The dequantizing gathers of every GGML type, loaded from one module on first use."""
+
+    def __init__(self, runtime: Runtime):
+        self.runtime = runtime
+        self._module = runtime.module(GATHER_SOURCE)
+        self._kernels: dict[int, Any] = {}
+
+    def kernel(self, t: GgmlType) -> Any:
+        if t.type_id not in self._kernels:
+            self._kernels[t.type_id] = self._module.kernel(t.kernel_name, GATHER_ARG_TYPES)
+        return self._kernels[t.type_id]
+
+    def gather(self, stream: Any, gtype: str | int | GGMLQuantizationType | GgmlType,
+               srcs: Sequence[int], dst: int, rows: int, cols: int, *, first_pos: int = 0,
+               image_stride: int | None = None, bounds: int = 0, first_expert: int = 0) -> None:
+        """One launch: member i's blocks at srcs[i] (a device address; 0 skips the member,
+        leaving its image as it was) become the fp16 image at dst + (first_pos + i) *
+        image_stride (default: the image's own bytes). bounds (a layer's device row offsets;
+        0: none) skips a member whose expert first_expert + i has no rows, as the routed
+        gathers do (FormatKernels.gather_routed)."""
+        t = ggml_type(gtype)
+        values = check_geometry(t, rows, cols)
+        n = len(srcs)
+        if not 1 <= n <= MMQ_GROUP or not 0 <= first_pos <= MMQ_GROUP - n:
+            raise FormatError(f"{t.name} gather of {n} experts at position {first_pos}: a "
+                              f"batch holds 1..{MMQ_GROUP} experts and must end by position "
+                              f"{MMQ_GROUP - 1}")
+        stride = image_bytes(rows, cols) if image_stride is None else int(image_stride)
+        if stride < image_bytes(rows, cols):
+            raise FormatError(f"{t.name} gather: image stride {stride} is less than one "
+                              f"{rows} x {cols} fp16 image ({image_bytes(rows, cols)} bytes)")
+        why = first_misaligned({"image stride": stride, "image": dst + first_pos * stride})
+        if why is not None:
+            raise FormatError(f"{t.name} gather writes 16-byte words: {why}")
+        if any(int(s) < 0 for s in srcs):
+            raise FormatError(f"{t.name} gather: a source address is negative: {list(srcs)}")
+        chunks = values // GATHER_VALUES
+        gx = max(1, min(-(-GATHER_TARGET_BLOCKS // n), -(-chunks // GATHER_THREADS)))
+        ptrs = [int(s) for s in srcs] + [0] * (MMQ_GROUP - n)
+        self.kernel(t).launch(grid=(gx, n, 1), block=(GATHER_THREADS, 1, 1), stream=stream,
+                              args=(*ptrs, dst, stride, values, first_pos, bounds,
+                                    first_expert))
+
+
+def images_reference(gtype: str | int | GGMLQuantizationType | GgmlType, raw: np.ndarray,
+                     rows: int, cols: int) -> np.ndarray:
+    """numpy twin of one member's image: fp16 [rows, cols] of gguf.quants.dequantize."""
+    t = ggml_type(gtype)
+    check_geometry(t, rows, cols)
+    with np.errstate(over="ignore", invalid="ignore"):
+        return t.dequantize(raw, cols).reshape(rows, cols).astype(np.float16)
+
+
+__all__ = ["GATHER_SOURCE", "TYPES", "GgmlGather", "check_geometry", "image_bytes",
+           "images_reference"]

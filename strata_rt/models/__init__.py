@@ -1,0 +1,1 @@
+"""Whole models an engine runs beyond the MoE layers."""

@@ -1,0 +1,372 @@
+"""The chunk driver: how one chunk of tokens goes through the MoE layers, for every backend.
+
+A backend is an executor: it routes a layer, runs plan ops, and (if it can) captures a
+sequence of ops for replay. Everything else about a chunk is decided here, once:
+
+- the streaming path: the staging ring (routed experts only, planned layer by layer after the
+  routed set comes back to the host) or the streamed walk (every non-resident expert, planned
+  before the chunk starts) - `planner.takes_walk`;
+- the planners, the walk-plan cache, STRATA_CHECK_PLAN (the hazard checker on every plan);
+- CUDA-graph trials on the walk: plain launches the first time a chunk size is seen (timed),
+  a captured replay the second time (timed), then whichever was faster;
+- the counters (experts and bytes streamed, gathers, matmul launches, host syncs, host time)
+  and progress (`stats.layer_done`).
+
+A new streaming policy or counter therefore touches this module only, and the CUDA executor,
+the numpy executor and the hazard checker keep reading the same Plan.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+from ..report.stats import Stats
+from . import hazards
+from .dense_schedule import DenseSchedule
+from .image_cache import ImageCache
+from .plan import (
+    ChunkPlan,
+    Copy,
+    Gather,
+    GatherBatch,
+    GatherRouted,
+    LayerBegin,
+    LogitRows,
+    Logits,
+    Op,
+    Products,
+)
+from .planner import (
+    STAGING_RING_SLOTS,
+    StagingPlanner,
+    gathers_one_by_one,
+    plan_decode,
+    plan_walk,
+    takes_walk,
+)
+from .residency import Residency
+
+if TYPE_CHECKING:
+    from ..config.engine_config import EngineConfig
+    from ..formats.contract import QuantFormat
+    from ..runtime import Stream
+    from ..weights.model import MoESpec
+
+log = logging.getLogger(__name__)
+
+#: what a walk plan (and its graph) depends on: chunk size, gather_one, attention start
+WalkKey = tuple[int, bool, int | None]
+#: the key of the decode plan: one token, any gather mode, the position read on the device
+DECODE_KEY: WalkKey = (1, False, -1)
+
+
+class Replay(Protocol):
+    """A captured op sequence (a CUDA graph)."""
+
+    def launch(self, stream: Stream) -> None: ...
+
+    def free(self) -> None: ...
+
+
+class Executor(Protocol):
+    """What a backend does for the driver. Ops come in host issue order; each executor maps
+    them onto its own streams (the CUDA executor) or runs them in that order (numpy)."""
+
+    name: str
+    residency: Residency
+    #: group images kept on the device across chunks (an empty cache: none)
+    images: ImageCache
+    #: ring slots the streamed walk cycles through (the staging ring uses STAGING_RING_SLOTS)
+    walk_slots: int
+    #: bytes one Copy moves (an expert blob)
+    blob_bytes: int
+    #: whether `capture` may be used (CUDA graphs on, no timing events)
+    can_capture: bool
+    #: slots of the dense ring when a whole model's dense weights stream; None: resident
+    #: (or MoE layers alone)
+    dense_ring: int | None
+    def lanes_for(self, tokens: int) -> int:
+        """Compute lanes a chunk of `tokens` is planned with (strata_rt.schedule.lanes)."""
+
+    def in_place_for(self, tokens: int) -> bool:
+        """Whether a chunk of `tokens` reads resident groups in place
+        (strata_rt.schedule.in_place)."""
+
+    @property
+    def routed_gathers(self) -> bool:
+        """Whether GatherRouted runs here (the format's kernels skip unrouted experts on the
+        device and read the host store); without it a decode step takes the staging ring."""
+
+    def begin_chunk(self, h: np.ndarray, stats: Stats, start: int | None = None) -> None:
+        """Takes the chunk's hidden states float32 [T, hidden] (a whole model: the
+        embedding rows of its tokens) and its absolute position (None: MoE layers alone),
+        which an Attention op without a start reads. The states reach the device at the
+        plan's ChunkInput op; a chunk whose states are not all finite raises ConfigError
+        (here or at end_chunk) and never reaches the device as such."""
+
+    def route_layer(self, layer: int) -> None:
+        """Enqueues (or runs) one layer's routing ahead of a staging-ring layer."""
+
+    def routed_counts(self, layer: int, stats: Stats) -> np.ndarray:
+        """Waits for that routing; rows per expert of the layer (host int array), also added
+        to stats.routing_counts when it is not None."""
+
+    def execute(self, ops: Iterable[Op], stats: Stats, counts: np.ndarray | None) -> None:
+        """Runs ops; counts: the layer's rows per expert when the host knows them (staging),
+        None on the walk (routing stays on the device)."""
+
+    def capture(self, ops: Iterable[Op]) -> Replay:
+        """The ops captured for replay; raises when the driver refuses the capture."""
+
+    def replay(self, replay: Replay) -> None: ...
+
+    def synchronize(self) -> None: ...
+
+    def collect_walk_routing(self, stats: Stats) -> None:
+        """Adds the last walk's routing to stats.routing_counts (which is not None)."""
+
+    def end_chunk(self, stats: Stats) -> np.ndarray:
+        """The chunk's output hidden states (the driver's caller copies them)."""
+
+    def take_logits(self) -> np.ndarray:
+        """float32 [rows, vocab] of the chunk's Logits op (valid after end_chunk)."""
+
+
+class HostContext(Protocol):
+    """What an engine opens first and closes last: the host memory its expert store lives in
+    (the CUDA context: page-locked memory of the Runtime it also holds)."""
+
+    def host_alloc(self, nbytes: int) -> np.ndarray: ...
+
+    def close(self) -> None: ...
+
+
+class Backend(Executor, Protocol):
+    """An executor as the engine holds it: opened on a host context, closed once."""
+
+    #: True where everything runs on the host (the engine then reports host time = wall time)
+    host_is_wall: bool
+    #: positions a whole model's KV cache holds (0 for MoE layers alone)
+    kv_capacity: int
+
+    def close(self) -> None: ...
+
+
+def op_counts(ops: Iterable[Op]) -> dict[type, int]:
+    """How many ops of each kind a plan (or a layer of it) holds."""
+    counts: dict[type, int] = {}
+    for op in ops:
+        counts[type(op)] = counts.get(type(op), 0) + 1
+    return counts
+
+
+def add_counts(stats: Stats, counts: dict[type, int], blob_bytes: int) -> None:
+    """The counters a plan's ops add: every Copy streams one blob, every gather op is one
+    launch, every Products is two matmul launches (gate/up and down)."""
+    copies = counts.get(Copy, 0)
+    stats.experts_streamed += copies
+    stats.bytes_streamed += copies * blob_bytes
+    stats.gathers_launched += (counts.get(Gather, 0) + counts.get(GatherBatch, 0)
+                               + counts.get(GatherRouted, 0))
+    stats.mmq_launches += 2 * counts.get(Products, 0)
+
+
+class ChunkDriver:
+    """Runs chunks on one executor. `gather_one` and `walk_min_tokens` are read from the
+    engine config on every chunk, so an in-process A/B takes effect on the next prompt."""
+
+    def __init__(self, spec: MoESpec, fmt: QuantFormat, cfg: EngineConfig, executor: Executor):
+        self.spec, self.fmt, self.cfg = spec, fmt, cfg
+        self.executor = executor
+        self.check_plan = bool(cfg.check_plan)
+        #: the plan of the last chunk (staging: the layers planned so far)
+        self.last_plan: ChunkPlan | None = None
+        #: host seconds spent issuing each layer of the last chunk
+        self.layer_host_s: list[float] = []
+        #: per walk key (chunk size, gather_one, attention start or None):
+        #: {"plain": s, "graph": s, "choice": ...}
+        self.graph_trials: dict[WalkKey, dict[str, Any]] = {}
+        self._walk_plans: dict[WalkKey, tuple[ChunkPlan, dict[type, int]]] = {}
+        self._replays: dict[WalkKey, Replay] = {}
+
+    @property
+    def gather_one(self) -> bool:
+        return gathers_one_by_one(self.fmt, self.cfg.gather_one)
+
+    @property
+    def residency(self) -> Residency:
+        return self.executor.residency
+
+    # ------------------------------------------------------------------ a chunk
+    def run_chunk(self, h: np.ndarray, stats: Stats, start: int | None = None,
+                  logits: LogitRows | None = None) -> np.ndarray:
+        """Runs one chunk. MoE layers alone when start is None; a whole model's chunk at
+        absolute position `start` otherwise (each layer opens with its Attention, and
+        `logits` asks for the output head over the last row or all rows afterwards)."""
+        T = int(h.shape[0])
+        self.layer_host_s = []
+        self.executor.begin_chunk(h, stats, start)
+        if T == 1 and start is not None and self.decodes_routed:
+            self._run_decode(stats)
+        elif takes_walk(T, self.spec, self.cfg.walk_min_tokens):
+            self._run_walk(T, stats, start)
+        else:
+            self._run_staging(T, stats, start)
+        if logits is not None:
+            if start is None:
+                raise ValueError("logits need a whole model's chunk (start is None)")
+            self.executor.execute([Logits(logits)], stats, None)
+        out = self.executor.end_chunk(stats)
+        stats.host_syncs += 1  # the chunk's output comes back
+        return out
+
+    @property
+    def decodes_routed(self) -> bool:
+        """Whether a whole model's one-token step runs the decode plan (the config's decode
+        "routed", the default, on an executor whose format gathers routed experts) rather than
+        the staging ring. Read on every step, so a changed field takes the next step."""
+        return self.executor.routed_gathers and self.cfg.decode == "routed"
+
+    def _run_decode(self, stats: Stats) -> None:
+        """A one-token step from the decode plan (planned once; replayed as a CUDA graph when
+        the trial finds it faster). Its routed set never reaches the host during the step; it
+        is read back afterwards (one small copy) for the counters: an expert streamed is a
+        routed expert that is not resident, read over PCIe by its gather."""
+        own = stats.routing_counts is None
+        if own:
+            stats.routing_counts = np.zeros((self.spec.n_layers, self.spec.n_experts), np.int64)
+        assert stats.routing_counts is not None
+        before = stats.routing_counts.copy()
+        self._run_planned(1, stats, DECODE_KEY)
+        step = stats.routing_counts - before
+        if own:
+            stats.routing_counts = None
+        streamed = int(((step > 0) & ~self.residency.mask()).sum())
+        stats.experts_streamed += streamed
+        stats.bytes_streamed += streamed * self.executor.blob_bytes
+
+    def _run_staging(self, T: int, stats: Stats, start: int | None) -> None:
+        ex = self.executor
+        planner = StagingPlanner(self.spec, self.residency, self.gather_one, tokens=T,
+                                 attention=self._schedule(start), lanes=ex.lanes_for(T),
+                                 in_place=ex.in_place_for(T))
+        checker = (hazards.Checker(STAGING_RING_SLOTS, self.residency)
+                   if self.check_plan else None)
+        for layer in range(self.spec.n_layers):
+            t0 = time.perf_counter()
+            pre = planner.pre_routing_ops(layer)  # the input and attention feed the routing
+            if pre:
+                ex.execute(pre, stats, None)
+            ex.route_layer(layer)
+            host = time.perf_counter() - t0
+            counts = ex.routed_counts(layer, stats)  # the wait is not host work
+            stats.host_syncs += 1
+            t0 = time.perf_counter()
+            lp = planner.plan_layer(layer, np.flatnonzero(counts).tolist())
+            if checker is not None:
+                checker.feed(lp.ops)
+            ex.execute((op for op in lp.ops[len(pre):] if not isinstance(op, LayerBegin)),
+                       stats, counts)
+            add_counts(stats, op_counts(lp.ops), ex.blob_bytes)
+            host += time.perf_counter() - t0
+            self.layer_host_s.append(host)
+            stats.host_s += host
+            stats.layer_done(layer)
+        self.last_plan = planner.chunk_plan()
+
+    def _schedule(self, start: int | None) -> DenseSchedule | None:
+        """A whole model's attention ops for a chunk at `start` (None: MoE layers alone)."""
+        if start is None:
+            return None
+        return DenseSchedule(self.spec.n_layers, start, self.executor.dense_ring)
+
+    def walk_plan(self, T: int, start: int | None = None
+                  ) -> tuple[ChunkPlan, dict[type, int]]:
+        """The walk of a T-token chunk and its op counts (planned and checked once per chunk
+        size, gather mode and attention start)."""
+        return self._planned((T, self.gather_one, start))
+
+    def decode_plan(self) -> tuple[ChunkPlan, dict[type, int]]:
+        """The decode plan of a whole model's one-token step and its op counts."""
+        return self._planned(DECODE_KEY)
+
+    def _planned(self, key: WalkKey) -> tuple[ChunkPlan, dict[type, int]]:
+        if key not in self._walk_plans:
+            T, gather_one, start = key
+            if key == DECODE_KEY:
+                attention = DenseSchedule(self.spec.n_layers, None, self.executor.dense_ring)
+                plan = plan_decode(self.spec, self.residency, attention,
+                                   self.executor.in_place_for(1))
+            else:
+                plan = plan_walk(self.spec, self.residency, self.executor.walk_slots,
+                                 gather_one, tokens=T, attention=self._schedule(start),
+                                 images=self.executor.images,
+                                 lanes=self.executor.lanes_for(T),
+                                 in_place=self.executor.in_place_for(T))
+            if self.check_plan:
+                hazards.check(plan, self.residency, images=self.executor.images)
+            self._walk_plans[key] = (plan, op_counts(op for _, op in plan.ops()))
+        return self._walk_plans[key]
+
+    def _run_walk(self, T: int, stats: Stats, start: int | None) -> None:
+        self._run_planned(T, stats, (T, self.gather_one, start))
+
+    def _run_planned(self, T: int, stats: Stats, key: WalkKey) -> None:
+        """A plan made before the chunk runs (the walk, or the decode plan): plain launches
+        the first time its key is seen (timed), a captured replay the second (timed), then
+        whichever was faster."""
+        ex = self.executor
+        plan, counts = self._planned(key)
+        trial = self.graph_trials.setdefault(key, {})
+        replay: Replay | None = None
+        if ex.can_capture and "plain" in trial and trial.get("choice") != "plain":
+            replay = self._replay_for(key, plan, trial)
+        t0 = time.perf_counter()
+        if replay is None:
+            for lp in plan.layers:
+                tl = time.perf_counter()
+                ex.execute(lp.ops, stats, None)
+                self.layer_host_s.append(time.perf_counter() - tl)
+                stats.layer_done(lp.layer)
+            stats.host_s += time.perf_counter() - t0
+            if ex.can_capture and "plain" not in trial:
+                ex.synchronize()
+                trial["plain"] = time.perf_counter() - t0
+        else:
+            ex.replay(replay)
+            stats.host_s += time.perf_counter() - t0
+            for lp in plan.layers:
+                stats.layer_done(lp.layer)
+            if "graph" not in trial:
+                ex.synchronize()
+                trial["graph"] = time.perf_counter() - t0
+                trial["choice"] = "graph" if trial["graph"] < trial["plain"] else "plain"
+        add_counts(stats, counts, ex.blob_bytes)  # the walk reads nothing back
+        if stats.routing_counts is not None:
+            ex.collect_walk_routing(stats)
+        self.last_plan = plan
+
+    def _replay_for(self, key: WalkKey, plan: ChunkPlan,
+                    trial: dict[str, Any]) -> Replay | None:
+        if key not in self._replays:
+            try:
+                self._replays[key] = self.executor.capture(
+                    op for lp in plan.layers for op in lp.ops)
+            except Exception as e:  # a refused capture must not lose the prompt
+                what = "decode step" if key == DECODE_KEY else f"{key[0]}-token walk"
+                log.warning("capture of the %s failed (%s); launching it op by op", what, e)
+                trial["choice"] = "plain"
+                trial["error"] = str(e)
+                return None
+        return self._replays[key]
+
+    def close(self) -> None:
+        """Frees the captured replays (before the executor's device memory goes)."""
+        for replay in self._replays.values():
+            replay.free()
+        self._replays.clear()

@@ -1,0 +1,426 @@
+"""The hazard checker: replays a Plan under CUDA's stream and event rules.
+
+Model: ops run in host issue order; the copy stream and each compute lane (plan.LANES) execute
+their ops in order; Record(event) snapshots its stream's progress and Wait(event) makes a stream
+wait for the latest Record of that event issued before the Wait (CUDA semantics: re-recording
+moves the event; waiting on an event never recorded does not wait at all, so it is an error
+here). Cross-stream order is tracked with vector clocks of one component per stream (copy, then
+the lanes): op a happens before op b iff b's clock has caught up with a's own-stream component.
+The rules ask for an order, not for the event a planner uses to get it: a lane that waited
+for a copy which waited for a `used` record issued after a LayerBegin is ordered after it.
+
+Rejected (each message names the ring slot or the layer, the entry/expert, the lane and the ops
+with their index in the chunk's op list):
+- a Copy refilling a slot while a gather (on any lane) of the previous occupant may read it;
+- a gather reading a slot whose copy of the expected entry does not happen before it, was
+  never issued, or was already overwritten;
+- a Wait on an event never recorded, and a Record or Wait on a stream that is neither the copy
+  stream nor a compute lane (host bookkeeping has no GPU stream an event could order);
+- a gather or Products on a stream that is not a compute lane, and a GatherBatch or
+  GatherRouted member naming a lane other than its launch's;
+- a Consume passing an entry that a not-yet-launched gather (batch) still reads;
+- a Copy issued while its entry >= consumed + ring (the issuer over-running the consumer);
+- a wait cycle: the consumer needs entry k before Copy(k) is issued while the issuer needs
+  `consumed` to advance first;
+- an op reading the hidden states (LayerBegin, Attention) ahead of the chunk's ChunkInput, and
+  a second ChunkInput;
+- Products reading a position of its lane's group buffers that does not hold the expert it
+  names (each lane has its own set: an expert gathered on another lane is not there), or an
+  image-cache block that does not hold its layer's group (or holds a non-resident expert), or
+  resident slots read in place that do not hold its experts (strata_rt.schedule.hazard_sources);
+- (compute lanes) a Products or GatherRouted off the first lane, reading its layer's routing,
+  that its layer's LayerBegin does not happen before (no Wait on a lane_fork recorded after
+  it), or that no LayerBegin of its layer precedes; a LayerEnd combining rows that a Products
+  of its layer on another lane may still write (no lane_join waited on); a Products after its
+  layer's LayerEnd, whose rows the combine never reads;
+- (streamed dense weights) a DenseCopy refilling a dense slot while an Attention may still read
+  it, and an Attention whose dense slot does not hold its layer, or whose copy does not happen
+  before it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NoReturn
+
+from ..errors import PlanHazardError
+from .hazard_messages import Clock, Occupant, describe, event_subject
+from .hazard_sources import cached_problem, in_place_problem
+from .plan import (
+    HOST,
+    LANE_FORK,
+    LANE_JOIN,
+    LANES,
+    RESIDENT,
+    RING,
+    Attention,
+    ChunkInput,
+    ChunkPlan,
+    Consume,
+    Copy,
+    DenseCopy,
+    Gather,
+    GatherBatch,
+    GatherRouted,
+    LayerBegin,
+    LayerEnd,
+    LayerPlan,
+    Op,
+    Products,
+    Record,
+    Wait,
+)
+
+if TYPE_CHECKING:
+    from .image_cache import ImageCache
+    from .residency import Residency
+
+#: the streams a clock has a component for: the copy stream, then the compute lanes
+_STREAMS: tuple[str, ...] = ("copy", *LANES)
+_COMPONENT = {stream: n for n, stream in enumerate(_STREAMS)}
+#: the lane of a layer's routing and combine (LayerBegin, LayerEnd, the whole-model ops)
+_MAIN = LANES[0]
+#: what a group-buffer position holds: (layer, group, expert, op index of its gather)
+Held = tuple[int, int, int, int]
+
+
+class Checker:
+    """Incremental checker: feed the layer plans of one chunk in order (the staging ring plans
+    a layer at a time and is checked before each layer runs). `input_arrived`: check ops
+    that follow a chunk's ChunkInput elsewhere (a layer checked on its own)."""
+
+    def __init__(self, ring_slots: int, residency: Residency | None = None,
+                 images: ImageCache | None = None, input_arrived: bool = False):
+        self.ring = ring_slots
+        self.residency = residency
+        self.images = images
+        self.clock = {stream: [0] * len(_STREAMS) for stream in _STREAMS}
+        self.events: dict[tuple[str, int], tuple[Clock, int]] = {}
+        self.slots: dict[int, Occupant] = {}
+        self.copies: dict[int, int] = {}          # entry -> op index of its Copy
+        self.consumed = 0                         # entries released (count)
+        self.consume_op = -1
+        #: lane -> its group buffers: pos -> what the position holds
+        self.buffers: dict[str, dict[int, Held]] = {lane: {} for lane in LANES}
+        self.n = 0                                 # ops seen
+        #: op index of the chunk's ChunkInput (-1: it came before the ops fed here)
+        self.input_op: int | None = -1 if input_arrived else None
+        #: layer -> (clock, op index) of its LayerBegin, and of its LayerEnd once combined
+        self.begun: dict[int, tuple[Clock, int]] = {}
+        self.ended: dict[int, int] = {}
+        #: layer -> (clock, op index, op) of its Products not yet combined
+        self.multiplied: dict[int, list[tuple[Clock, int, Products]]] = {}
+        #: dense slot -> (layer, clock of its copy, op index); and the Attentions reading it
+        self.dense: dict[int, tuple[int, Clock, int]] = {}
+        self.dense_readers: dict[int, list[tuple[Clock, int]]] = {}
+
+    # ------------------------------------------------------------------ helpers
+    def _fail(self, msg: str) -> NoReturn:
+        raise PlanHazardError(msg)
+
+    def _tick(self, stream: str) -> Clock:
+        c = self.clock[stream]
+        c[_COMPONENT[stream]] += 1
+        return tuple(c)
+
+    @staticmethod
+    def _before(clock_a: Clock, stream_a: str, clock_b: Clock) -> bool:
+        i = _COMPONENT[stream_a]
+        return clock_a[i] <= clock_b[i]
+
+    # ------------------------------------------------------------------ feeding
+    def feed(self, ops: tuple[Op, ...] | list[Op]) -> None:
+        base = self.n
+        readers: dict[int, int] = {}   # ring entry -> op index of the launch reading it
+        for j, op in enumerate(ops):
+            for g in (op.gathers if isinstance(op, GatherBatch) else
+                      (op,) if isinstance(op, Gather) else ()):
+                if g.src[0] == RING and g.entry is not None:
+                    readers.setdefault(g.entry, base + j)
+        for j, op in enumerate(ops):
+            self._op(base + j, op, readers)
+        self.n = base + len(ops)
+
+    def _op(self, i: int, op: Op, readers: dict[int, int]) -> None:
+        if isinstance(op, Copy):
+            self._copy(i, op)
+        elif isinstance(op, Record):
+            self._stream_of(i, op)
+            self.events[op.event] = (self._tick(op.stream), i)
+        elif isinstance(op, Wait):
+            self._stream_of(i, op)
+            rec = self.events.get(op.event)
+            if rec is None:
+                self._fail(f"{event_subject(op.event)}: op #{i} {describe(op)} waits on an "
+                           f"event that was never recorded (CUDA would not wait at all)")
+            c = self.clock[op.stream]
+            c[:] = [max(mine, theirs) for mine, theirs in zip(c, rec[0])]
+            self._tick(op.stream)
+        elif isinstance(op, Gather):
+            now = self._launch(i, op)
+            self._gather(i, op, now, f"op #{i} {describe(op)}", describe(op))
+        elif isinstance(op, GatherBatch | GatherRouted):
+            now = self._launch(i, op)
+            first = op.first_pos if isinstance(op, GatherBatch) else 0
+            routed = isinstance(op, GatherRouted)
+            for n, g in enumerate(op.gathers):
+                self._member(i, op, n, g, first + n)
+                if isinstance(op, GatherRouted):  # it skips experts routed no rows
+                    self._reads_routing(i, op, g.layer, now)
+                self._gather(i, g, now, f"op #{i} {describe(op)} member {describe(g)}",
+                             f"{describe(g)} in {describe(op)}", host_ok=routed)
+        elif isinstance(op, Products):
+            self._products(i, op, self._launch(i, op))
+        elif isinstance(op, Consume):
+            self._consume(i, op, readers)
+        elif isinstance(op, DenseCopy):
+            self._dense_copy(i, op)
+        elif isinstance(op, ChunkInput):
+            if self.input_op is not None:
+                self._fail(f"op #{i} ChunkInput: the chunk's input already arrived"
+                           + (f" at op #{self.input_op}" if self.input_op >= 0 else ""))
+            self.input_op = i
+            self._tick(op.stream)
+        elif isinstance(op, Attention):
+            self._needs_input(i, op)
+            self._attention(i, op, self._tick(op.stream))
+        elif isinstance(op, LayerBegin):
+            self._needs_input(i, op)
+            self.begun[op.layer] = (self._tick(op.stream), i)
+        elif isinstance(op, LayerEnd):
+            self._combine(i, op, self._tick(op.stream))
+        else:  # Logits: compute work that touches no ring slot
+            self._tick(op.stream)
+
+    def _needs_input(self, i: int, op: LayerBegin | Attention) -> None:
+        if self.input_op is None:
+            self._fail(f"op #{i} {describe(op)} reads the chunk's hidden states, but no "
+                       "ChunkInput before it brought them to the device")
+
+    def _stream_of(self, i: int, op: Record | Wait) -> None:
+        if op.stream not in _COMPONENT:
+            self._fail(f"op #{i} {describe(op)}: stream must be one of {', '.join(_STREAMS)} "
+                       "(an event orders GPU streams; host bookkeeping runs on none)")
+
+    def _launch(self, i: int, op: Gather | GatherBatch | GatherRouted | Products) -> Clock:
+        """Ticks the lane the launch names, which must be a compute lane."""
+        if op.stream not in LANES:
+            self._fail(f"op #{i} {describe(op)}: gathers and products run on a compute "
+                       f"lane ({', '.join(LANES)}), not on {op.stream}")
+        return self._tick(op.stream)
+
+    def _member(self, i: int, op: GatherBatch | GatherRouted, n: int, g: Gather,
+                pos: int) -> None:
+        """A launch's member n must name the launch's group, position `pos` and lane."""
+        if g.group != op.group or g.pos != pos:
+            self._fail(f"op #{i} {describe(op)}: member {n} is {describe(g)}, not "
+                       f"group {op.group} position {pos}")
+        if g.stream != op.stream:
+            self._fail(f"op #{i} {describe(op)}: member {n} {describe(g)} names lane "
+                       f"{g.stream}, not the launch's {op.stream}: one launch fills one "
+                       "lane's group buffers, so every member must name that lane")
+
+    def _reads_routing(self, i: int, op: GatherRouted | Products, layer: int,
+                       now: Clock) -> None:
+        """An op reading layer `layer`'s routing (bounds, quantized activations) off the main
+        lane must be ordered after the layer's LayerBegin (on the main lane it is, by stream
+        order; there a missing LayerBegin is left to the executor, as it always was)."""
+        if op.stream == _MAIN:
+            return
+        begun = self.begun.get(layer)
+        if begun is None:
+            self._fail(f"layer {layer}: op #{i} {describe(op)} reads the layer's routing, but "
+                       f"no LayerBegin(layer {layer}) was issued before it")
+        clock, j = begun
+        if not self._before(clock, _MAIN, now):
+            self._fail(f"layer {layer}: op #{i} {describe(op)} may read the layer's routing "
+                       f"before op #{j} LayerBegin(layer {layer}) wrote it: no "
+                       f"Wait({LANE_FORK}[{layer}]) on {op.stream} joins a "
+                       f"Record({LANE_FORK}[{layer}]) issued on {_MAIN} after op #{j}")
+
+    def _combine(self, i: int, op: LayerEnd, now: Clock) -> None:
+        """The combine reads every row its layer's products wrote, on whichever lane."""
+        for clock, j, p in self.multiplied.pop(op.layer, []):
+            if not self._before(clock, p.stream, now):
+                self._fail(f"layer {op.layer}: op #{i} LayerEnd(layer {op.layer}) combines "
+                           f"rows that op #{j} {describe(p)} may still be writing: no "
+                           f"Wait({LANE_JOIN}[{op.layer}]) on {op.stream} joins a "
+                           f"Record({LANE_JOIN}[{op.layer}]) issued on {p.stream} after "
+                           f"op #{j}")
+        self.ended[op.layer] = i
+
+    def _copy(self, i: int, op: Copy) -> None:
+        k, s = op.entry, op.slot
+        if self.ring == 0:
+            self._fail(f"op #{i} {describe(op)}: the plan has no expert ring (a decode plan "
+                       "gathers from resident slots and the host store)")
+        if s != k % self.ring:
+            self._fail(f"slot {s}: op #{i} {describe(op)} puts entry {k} in slot {s}, but "
+                       f"entry k goes to slot k % {self.ring} = {k % self.ring}")
+        if k in self.copies:
+            self._fail(f"slot {s}: op #{i} {describe(op)} issues entry {k} a second time "
+                       f"(first at op #{self.copies[k]})")
+        if k >= self.consumed + self.ring:
+            self._fail(f"slot {s}: op #{i} {describe(op)} over-runs the consumer: entry {k} "
+                       f">= consumed {self.consumed} + ring {self.ring} (entry "
+                       f"{k - self.ring}, the slot's previous occupant, is not consumed yet)")
+        now = self._tick("copy")
+        prev = self.slots.get(s)
+        if prev is not None:
+            for rclock, lane, rop, rdesc in prev.readers:
+                if not self._before(rclock, lane, now):
+                    self._fail(
+                        f"slot {s}: op #{i} {describe(op)} refills the slot while op #{rop} "
+                        f"{rdesc} (entry {prev.entry}, layer {prev.layer} expert "
+                        f"{prev.expert}) may still read it: no Wait(used[{s}]) on the copy "
+                        f"stream joins a Record(used[{s}]) issued on {lane} after op #{rop}")
+        self.copies[k] = i
+        self.slots[s] = Occupant(k, op.layer, op.expert, now, i)
+
+    def _gather(self, i: int, g: Gather, now: Clock, desc: str, what: str,
+                host_ok: bool = False) -> None:
+        """desc: the op as messages name it; what: the read, as a later refill names it.
+        host_ok: the gather may read the host store itself (a GatherRouted member)."""
+        kind, idx = g.src
+        if kind == HOST:
+            if not host_ok:
+                self._fail(f"{desc}: only a GatherRouted reads the host store; a plain gather "
+                           "needs its blob copied into a ring slot first")
+            if self.residency is not None and self.residency.slot(g.layer, g.expert) is not None:
+                self._fail(f"{desc} reads the host store, but layer {g.layer} expert "
+                           f"{g.expert} resides in slot "
+                           f"{self.residency.slot(g.layer, g.expert)}")
+            self._place(g, i)
+            return
+        if kind == RESIDENT:
+            if self.residency is not None and self.residency.slot(g.layer, g.expert) != idx:
+                self._fail(f"resident slot {idx}: {desc} but layer {g.layer} expert "
+                           f"{g.expert} resides in slot "
+                           f"{self.residency.slot(g.layer, g.expert)}")
+            self._place(g, i)
+            return
+        if kind != RING:
+            self._fail(f"{desc}: unknown source {g.src!r}")
+        s, k = idx, g.entry
+        if k is None:
+            self._fail(f"slot {s}: {desc} reads the ring without naming its entry")
+        if k < self.consumed:
+            self._fail(f"slot {s}: Consume at op #{self.consume_op} passed entry {k} "
+                       f"(consumed = {self.consumed}) before {desc} read it: the issuer may "
+                       f"already refill the slot")
+        if k not in self.copies:
+            if k >= self.consumed + self.ring:
+                self._fail(
+                    f"slot {s}: wait cycle: {desc} needs entry {k} (layer {g.layer} expert "
+                    f"{g.expert}) before its Copy is issued, while the issuer needs consumed "
+                    f"to reach {k - self.ring + 1} first (consumed = {self.consumed}, last "
+                    f"Consume at op #{self.consume_op})")
+            self._fail(f"slot {s}: {desc} reads entry {k} (layer {g.layer} expert {g.expert}) "
+                       f"before its Copy was issued")
+        occ = self.slots.get(s)
+        if occ is None or occ.entry != k:
+            self._fail(f"slot {s}: {desc} expects entry {k} but Copy at op "
+                       f"#{occ.op_index if occ else '?'} already overwrote it with entry "
+                       f"{occ.entry if occ else '?'}")
+        if (occ.layer, occ.expert) != (g.layer, g.expert):
+            self._fail(f"slot {s}: {desc} expects layer {g.layer} expert {g.expert} but entry "
+                       f"{k} (Copy at op #{occ.op_index}) is layer {occ.layer} expert "
+                       f"{occ.expert}")
+        if not self._before(occ.clock, "copy", now):
+            self._fail(f"slot {s}: {desc} may read before op #{occ.op_index} {occ.describe()} "
+                       f"landed: no Wait(copied[{s}]) on {g.stream} joins a "
+                       f"Record(copied[{s}]) issued after op #{occ.op_index}")
+        occ.readers.append((now, g.stream, i, what))
+        self._place(g, i)
+
+    def _place(self, g: Gather, i: int) -> None:
+        """Into the group buffers of the gather's lane (the launch checked it is one)."""
+        self.buffers[g.stream][g.pos] = (g.layer, g.group, g.expert, i)
+
+    def _products(self, i: int, op: Products, now: Clock) -> None:
+        if op.layer in self.ended:
+            self._fail(f"layer {op.layer}: op #{i} {describe(op)} runs after op "
+                       f"#{self.ended[op.layer]} LayerEnd(layer {op.layer}), whose combine "
+                       "has already read the layer's rows: products belong before it")
+        self._reads_routing(i, op, op.layer, now)
+        self.multiplied.setdefault(op.layer, []).append((now, i, op))
+        # products reading no group buffer: resident slots in place, or an image block
+        why = None
+        if op.slots is not None:
+            why = in_place_problem(i, op, op.slots, self.residency)
+        elif op.cached is not None:
+            why = cached_problem(i, op, op.cached, self.images, self.residency)
+        if why is not None:
+            self._fail(why)
+        if op.slots is not None or op.cached is not None:
+            return
+        for p, e in enumerate(op.expert_ids):
+            have = self.buffers[op.stream].get(p)
+            if have is None or have[:3] != (op.layer, op.group, e):
+                what = ("was never gathered" if have is None else
+                        f"holds layer {have[0]} group {have[1]} expert {have[2]} "
+                        f"(op #{have[3]})")
+                self._fail(f"op #{i} {describe(op)} reads position {p} as expert {e}, but "
+                           f"that position of {op.stream}'s group buffers {what}"
+                           + self._elsewhere(op, p, e))
+
+    def _elsewhere(self, op: Products, p: int, e: int) -> str:
+        """A hint when another lane's buffers hold what the products looked for."""
+        for lane, buf in self.buffers.items():
+            have = buf.get(p)
+            if lane != op.stream and have is not None and have[:3] == (op.layer, op.group, e):
+                return (f"; op #{have[3]} gathered it on {lane}, and each lane multiplies "
+                        "only what it gathered into its own buffers")
+        return ""
+
+    def _dense_copy(self, i: int, op: DenseCopy) -> None:
+        now = self._tick("copy")
+        for clock, j in self.dense_readers.get(op.slot, []):
+            if not self._before(clock, _MAIN, now):
+                self._fail(f"dense slot {op.slot}: op #{i} {describe(op)} may overwrite it while op "
+                           f"#{j} (an Attention reading layer {self.dense[op.slot][0]}) still reads "
+                           "it; the copy stream must wait for that Attention's dense_used record")
+        self.dense[op.slot] = (op.layer, now, i)
+        self.dense_readers[op.slot] = []
+
+    def _attention(self, i: int, op: Attention, now: Clock) -> None:
+        s = op.dense_slot
+        if s is None:
+            return  # resident dense weights: nothing to order
+        occ = self.dense.get(s)
+        if occ is None:
+            self._fail(f"dense slot {s}: op #{i} {describe(op)} reads it before any DenseCopy")
+        if occ[0] != op.layer:
+            self._fail(f"dense slot {s}: op #{i} {describe(op)} finds layer {occ[0]} there "
+                       f"(copied by op #{occ[2]})")
+        if not self._before(occ[1], "copy", now):
+            self._fail(f"dense slot {s}: op #{i} {describe(op)} may run before op #{occ[2]} "
+                       f"{describe(DenseCopy(occ[0], s))} lands (no wait on its dense_copied record)")
+        self.dense_readers[s].append((now, i))
+
+    def _consume(self, i: int, op: Consume, readers: dict[int, int]) -> None:
+        if op.entry + 1 < self.consumed:
+            self._fail(f"op #{i} Consume({op.entry}) goes back: consumed is already "
+                       f"{self.consumed}")
+        for k in range(self.consumed, op.entry + 1):
+            r = readers.get(k)
+            if r is not None and r > i:
+                s = k % self.ring
+                self._fail(f"slot {s}: op #{i} Consume({op.entry}) passes entry {k} which the "
+                           f"not-yet-launched gather at op #{r} still reads")
+        self.consumed = max(self.consumed, op.entry + 1)
+        self.consume_op = i
+
+
+def check(plan: ChunkPlan | LayerPlan, residency: Residency | None = None,
+          ring_slots: int | None = None, images: ImageCache | None = None) -> None:
+    """Raises PlanHazardError on the first hazard of `plan` (a chunk, or one layer checked on
+    its own, which then needs `ring_slots` and is taken to follow the chunk's ChunkInput);
+    images: the engine's image cache, which cached Products are checked against."""
+    if isinstance(plan, ChunkPlan):
+        checker = Checker(plan.ring_slots, residency, images)
+        for lp in plan.layers:
+            checker.feed(lp.ops)
+    else:
+        if ring_slots is None:
+            raise ValueError("checking a LayerPlan alone needs ring_slots")
+        Checker(ring_slots, residency, images, input_arrived=True).feed(plan.ops)

@@ -1,0 +1,275 @@
+"""The Plan: one chunk's schedule as plain data, in host issue order.
+
+Three readers share it (the CUDA executor, the numpy reference executor and the hazard checker),
+so it carries everything each needs and nothing about CUDA. Each op says which stream it is
+enqueued on: "copy" (host blob -> ring slot), "compute" (norm, routing, gathers, products,
+combine) or "host" (the issuer/consumer bookkeeping that has no GPU work).
+
+Compute lanes: a plan may put every other group's gathers and products on a second compute
+stream, "compute2", with its own set of group buffers (LANES; lane i gathers into and multiplies
+from set i). A launch of 16 experts leaves part of the GPU idle in its last wave and between
+launches; two independent groups in flight fill those gaps, and a gather (memory bound) runs
+beside the other lane's GEMMs (tensor bound). The layer orders the lanes with two events:
+`Record((LANE_FORK, layer), "compute")` after its LayerBegin, waited on by "compute2" before
+its first Products of the layer (its gathers read no routing, so they may run ahead), and
+`Record((LANE_JOIN, layer), "compute2")` after its last Products, waited on by "compute" before
+the LayerEnd that combines the rows both lanes wrote.
+
+A whole model (strata_rt.models.qwen3) adds two compute ops: `Attention(layer)` opens each layer
+(its RMSNorm, q/k/v projections, q/k norms and RoPE, the KV-cache append, causal attention and
+the output projection added into the residual) and `Logits(rows)` closes the chunk (final norm
+and output head). The MoE ops of the layer follow its Attention. When the dense weights stream
+(they do not fit the budget), `DenseCopy(layer, slot)` brings a layer's dense slot from the
+host into one of a few dense ring slots on the copy stream, with events `("dense_copied", s)`
+and `("dense_used", s)` ordering it against the Attention that reads the slot, as the expert
+ring's events do.
+
+Ring bookkeeping: entry k of a chunk's stream of copies goes to ring slot
+k % ring_slots. Events are `("copied", slot)` (recorded on the copy stream after a copy lands)
+and `("used", slot)` (recorded on the compute stream after the last gather that reads the
+slot). `Consume(entry)` tells the issuer that the slots of entries <= entry may be refilled:
+entry k may be issued only while k < (last consumed entry + 1) + ring_slots.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Literal
+
+StreamName = Literal["copy", "compute", "compute2", "host"]
+#: the compute lanes in order; lane i owns group-buffer set i
+LANES: tuple[StreamName, ...] = ("compute", "compute2")
+#: ("copied", slot) or ("used", slot)
+EventKey = tuple[str, int]
+#: ("resident", resident slot index), ("ring", ring slot) or ("host", 0): the blob read over
+#: PCIe from the pinned host store by the gather itself (GatherRouted only)
+Source = tuple[str, int]
+
+COPIED = "copied"
+USED = "used"
+DENSE_COPIED = "dense_copied"
+DENSE_USED = "dense_used"
+LANE_FORK = "lane_fork"
+LANE_JOIN = "lane_join"
+RESIDENT = "resident"
+RING = "ring"
+HOST = "host"
+
+
+def copied(slot: int) -> EventKey:
+    return (COPIED, slot)
+
+
+def used(slot: int) -> EventKey:
+    return (USED, slot)
+
+
+def dense_copied(slot: int) -> EventKey:
+    return (DENSE_COPIED, slot)
+
+
+def dense_used(slot: int) -> EventKey:
+    return (DENSE_USED, slot)
+
+
+def lane_fork(layer: int) -> EventKey:
+    return (LANE_FORK, layer)
+
+
+def lane_join(layer: int) -> EventKey:
+    return (LANE_JOIN, layer)
+
+
+def lane_index(stream: StreamName) -> int:
+    """The group-buffer set of a compute lane."""
+    return LANES.index(stream)
+
+
+@dataclass(frozen=True)
+class Copy:
+    """Copy the blob of (layer, expert) from the host store into ring slot `slot`."""
+
+    entry: int
+    layer: int
+    expert: int
+    slot: int
+    stream: StreamName = field(default="copy", init=False)
+
+
+@dataclass(frozen=True)
+class Record:
+    event: EventKey
+    stream: StreamName
+
+
+@dataclass(frozen=True)
+class Wait:
+    """`stream` waits for the latest Record of `event` issued before this op."""
+
+    event: EventKey
+    stream: StreamName
+
+
+@dataclass(frozen=True)
+class Gather:
+    """Copy one expert's images into position `pos` of the group buffers of its lane
+    (`stream`, one of LANES).
+
+    `entry` is the ring entry the gather expects in a ring slot (None for a resident
+    source); it lets the checker name the copy the gather depends on."""
+
+    group: int
+    pos: int
+    layer: int
+    expert: int
+    src: Source
+    entry: int | None = None
+    stream: StreamName = "compute"
+
+
+@dataclass(frozen=True)
+class GatherBatch:
+    """One launch doing `gathers` (consecutive positions from first_pos, same group, all on
+    this op's lane)."""
+
+    group: int
+    first_pos: int
+    gathers: tuple[Gather, ...]
+    stream: StreamName = "compute"
+
+
+@dataclass(frozen=True)
+class GatherRouted:
+    """One launch gathering the routed experts among `gathers` (consecutive positions from 0,
+    same group): an expert the layer's routing gave no rows is skipped on the device. A decode
+    step plans every expert this way, so its schedule does not depend on the routed set, which
+    never comes back to the host, and the step can be replayed as a CUDA graph while it still
+    gathers only the experts it uses. Members read resident slots or ("host", 0): the gather
+    itself reads the blob from the pinned host store over PCIe (no Copy, no ring slot)."""
+    group: int
+    gathers: tuple[Gather, ...]
+    stream: StreamName = field(default="compute", init=False)
+
+
+@dataclass(frozen=True)
+class Products:
+    """MMQ gate/up, SwiGLU + quantize, MMQ down over the group buffers of its lane
+    (`stream`, one of LANES); position p holds expert_ids[p]. `cached`: the image-cache block
+    holding these experts' images (strata_rt.schedule.image_cache), which the products read in place
+    of the group buffers (no gather precedes them); None: the group buffers. `slots`: the
+    resident slot of each position's expert, whose blob the products read where it lies
+    (FormatKernels.mmq_in_place; no gather precedes them either, and the lane's group buffers
+    are left alone); None: the group buffers or the image cache."""
+
+    layer: int
+    group: int
+    expert_ids: tuple[int, ...]
+    cached: int | None = None
+    stream: StreamName = "compute"
+    slots: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Consume:
+    """Host bookkeeping: the issuer may reuse the slots of entries <= entry."""
+
+    entry: int
+    stream: StreamName = field(default="host", init=False)
+
+
+@dataclass(frozen=True)
+class ChunkInput:
+    """The chunk's input hidden states reach the device. Every plan holds it once, in its
+    first layer, before any op that reads the hidden states (the checker refuses a LayerBegin
+    or Attention ahead of it). Executors take the input at begin_chunk; the CUDA executor's
+    upload waits here, on the device, for its host pass over the input (the finite check and
+    the copy into pinned memory), so a walk's copy stream starts streaming experts while the
+    host still works on the input."""
+
+    stream: StreamName = field(default="compute", init=False)
+
+
+@dataclass(frozen=True)
+class LayerBegin:
+    """RMSNorm, router logits, softmax top-k, counting sort, activation quantize."""
+
+    layer: int
+    stream: StreamName = field(default="compute", init=False)
+
+
+@dataclass(frozen=True)
+class LayerEnd:
+    """Combine the expert outputs with the router weights, residual add."""
+
+    layer: int
+    stream: StreamName = field(default="compute", init=False)
+
+
+@dataclass(frozen=True)
+class Attention:
+    """Self-attention of `layer` over the chunk and the KV cache before it, residual added.
+    `start` is the absolute position of the chunk's first token, or None: the position the
+    executor was given for the chunk (begin_chunk), which the GPU reads from device memory, so
+    one captured decode step replays at every position; `dense_slot` the dense ring slot
+    holding the layer's weights (None: they are resident)."""
+
+    layer: int
+    start: int | None
+    dense_slot: int | None = None
+    stream: StreamName = field(default="compute", init=False)
+
+
+@dataclass(frozen=True)
+class DenseCopy:
+    """Copy layer `layer`'s dense slot from the host into dense ring slot `slot`."""
+
+    layer: int
+    slot: int
+    stream: StreamName = field(default="copy", init=False)
+
+
+#: Logits rows: the chunk's last position only, or every position
+LogitRows = Literal["last", "all"]
+
+
+@dataclass(frozen=True)
+class Logits:
+    """Final RMSNorm and output head over the chunk's last row or all of its rows."""
+
+    rows: LogitRows
+    stream: StreamName = field(default="compute", init=False)
+
+
+Op = (Copy | Record | Wait | Gather | GatherBatch | GatherRouted | Products | Consume
+      | ChunkInput | LayerBegin | LayerEnd | Attention | DenseCopy | Logits)
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    layer: int
+    ops: tuple[Op, ...]
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """mode "staging": layers planned one by one from the routed sets (chunks that route few
+    experts, planner.takes_walk); mode "walk": the whole chunk planned up front,
+    routing-independent; mode "decode": a one-token step of a whole model planned up front,
+    its routed experts gathered straight from where they live (planner.plan_decode)."""
+
+    tokens: int
+    mode: Literal["staging", "walk", "decode"]
+    ring_slots: int
+    layers: list[LayerPlan]
+
+    def ops(self) -> Iterator[tuple[int, Op]]:
+        """Every op of the chunk in host order with its index in that order."""
+        i = 0
+        for lp in self.layers:
+            for op in lp.ops:
+                yield i, op
+                i += 1
+
+    def count(self, kind: type) -> int:
+        return sum(isinstance(op, kind) for lp in self.layers for op in lp.ops)

@@ -1,0 +1,393 @@
+"""Planners: residency + ring state (+ the routed set on the staging ring) -> Plan.
+
+Both planners share one builder, so the issuer/consumer rules of the streaming design live once:
+- the issuer issues entry k (copy-stream Wait(used[slot]) when the slot held an earlier entry,
+  Copy, Record(copied[slot])) only while k < consumed + ring_slots, and runs ahead as far as
+  that allows every time `consumed` advances;
+- the consumer waits `copied[slot]` on the compute stream before a gather reads the slot,
+  records `used[slot]` after the launch that reads it, then advances `consumed`;
+- batched gathers (native formats, gather_one False) collect the group's gathers and launch
+  them at the end of the group. A batch holds its ring slots until it is launched, so when
+  the consumer needs an entry the issuer cannot issue yet (the ring is full of slots the
+  waiting batch holds) the batch is launched first (a flush). That is the design's "flush
+  first" alternative to refusing to batch on a ring smaller than two groups: it can neither
+  starve the issuer nor recycle a slot before the batch read it.
+
+With two compute lanes (plan.LANES), group g is gathered and multiplied on lane g % 2: its
+ring waits and `used` records go on that lane, and the layer forks and joins the lanes around
+its products (schedule/plan.py says how).
+
+A plan assumes its streams are idle at its start: executors synchronise at the end of every
+chunk (the output is read back), so a chunk's entries restart at 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ..formats.contract import MMQ_GROUP
+from .plan import (
+    HOST,
+    LANES,
+    RESIDENT,
+    RING,
+    ChunkInput,
+    ChunkPlan,
+    Consume,
+    Copy,
+    Gather,
+    GatherBatch,
+    GatherRouted,
+    LayerBegin,
+    LayerEnd,
+    LayerPlan,
+    Op,
+    Products,
+    Record,
+    StreamName,
+    Wait,
+    copied,
+    lane_fork,
+    lane_join,
+    used,
+)
+
+if TYPE_CHECKING:
+    from ..formats.contract import QuantFormat
+    from ..weights.model import MoESpec
+    from .dense_schedule import DenseSchedule
+    from .image_cache import ImageCache
+    from .residency import Residency
+
+#: slots of the staging ring (chunks for which takes_walk is false)
+STAGING_RING_SLOTS = 8
+#: the walk is taken once this share of a layer's experts is expected to be routed
+WALK_ROUTED_SHARE = 0.5
+#: `prefill: auto` never picks a chunk longer than this (the models' native context). Larger
+#: chunks stream the non-resident experts fewer times per prompt: a 30,118-token prompt on the
+#: Qwen3-30B shape ran 839 / 649 / 643 ms at 8K / 16K / 32K chunks (bench/notes.md W5)
+AUTO_CHUNK_MAX = 32768
+#: the cap when the residency is derived from free VRAM (vram_reserve_mib): there the chunk is
+#: sized first and resident experts take the rest, so a larger chunk would cost residents
+RESERVE_AUTO_CHUNK_MAX = 8192
+#: the walk's ring when a config gives no ring size (hundreds of MiB keep PCIe busy)
+DEFAULT_RING_BYTES = 256 << 20
+
+
+def takes_walk(tokens: int, spec: MoESpec, walk_min_tokens: int | None = None) -> bool:
+    """Whether a chunk streams every non-resident expert (the walk) or only the routed ones
+    (the staging ring). The ring reads the routed set back every layer and copies experts one
+    slot at a time, so it only pays when few experts are routed. With uniform routing a layer
+    routes an expected share 1 - (1 - top_k/n_experts)**tokens of its experts: for top-8 of
+    128 that passes one half at 11 tokens and is ~100% at 254, where the ring would copy the
+    same bytes as the walk at half the PCIe rate (measured on an H200, bench/notes.md). A
+    fixed walk_min_tokens (STRATA_WALK_MIN_TOKENS) overrides the rule."""
+    if walk_min_tokens is not None:
+        return tokens >= walk_min_tokens
+    share = 1.0 - (1.0 - spec.top_k / spec.n_experts) ** tokens
+    return share >= WALK_ROUTED_SHARE
+
+
+def gathers_one_by_one(fmt: QuantFormat, requested: bool | None) -> bool:
+    """The gather mode a chunk runs in: one launch per expert when asked
+    (STRATA_PREFILL_GATHER_ONE) and always for a non-native format, whose blobs are not plain
+    byte ranges; the engine therefore never asks such a format to batch. Read per chunk, so an
+    in-process A/B takes effect on the next prompt."""
+    return bool(requested) or not fmt.native
+
+
+def walk_ring_slots(ring_bytes: int | None, slot_bytes: int, n_entries: int) -> int:
+    """Ring slots of the streamed walk: ring_bytes // slot_bytes, no more than the chunk
+    streams (a larger ring would only hold unused memory), at least one."""
+    from ..errors import BudgetError
+
+    nbytes = DEFAULT_RING_BYTES if ring_bytes is None else int(ring_bytes)
+    slots = nbytes // slot_bytes
+    if slots < 1:
+        raise BudgetError(f"ring of {nbytes} bytes holds no expert slot of {slot_bytes} bytes; "
+                          f"give the ring at least {slot_bytes} bytes")
+    return max(1, min(slots, n_entries))
+
+
+@dataclass(frozen=True)
+class RingSizes:
+    """Slots of the ring one device arena holds: the streamed walk cycles through `walk`,
+    the staging ring through STAGING_RING_SLOTS; one region of `total` slots serves both."""
+
+    walk: int
+    total: int
+
+
+def ring_sizes(ring_bytes: int | None, slot_bytes: int, n_streamed: int) -> RingSizes:
+    """The one ring-size rule every backend and the config's budget check use: the walk's
+    ring from `ring_bytes` (walk_ring_slots) for `n_streamed` non-resident experts, and room
+    for the staging ring."""
+    walk = walk_ring_slots(ring_bytes, slot_bytes, max(1, n_streamed))
+    return RingSizes(walk, max(walk, STAGING_RING_SLOTS))
+
+
+class _RingBuilder:
+    """Ring state and op emission shared by the walk and the staging planner."""
+
+    def __init__(self, residency: Residency, ring_slots: int, gather_one: bool,
+                 lanes: int = 1, in_place: bool = False):
+        if ring_slots < 1:
+            raise ValueError(f"ring_slots={ring_slots}: the ring needs at least one slot")
+        if not 1 <= lanes <= len(LANES):
+            raise ValueError(f"lanes={lanes}: a plan has 1..{len(LANES)} compute lanes")
+        self.residency = residency
+        self.lanes = lanes
+        self.in_place = in_place               # products read resident groups in place
+        self.lane: StreamName = LANES[0]       # the lane of the group being planned
+        self.forked: set[StreamName] = set()   # lanes that waited for this layer's fork
+        self.ring = ring_slots
+        self.batch = not gather_one
+        self.seq: list[tuple[int, int]] = []   # entry -> (layer, expert)
+        self.issued = 0                        # entries issued so far
+        self.consumed = 0                      # entries released so far (count)
+        self.next_entry = 0                    # the next entry the consumer reads
+        self.pending: list[Gather] = []        # gathers waiting for the batch launch
+        self.ops: list[Op] = []
+
+    # ------------------------------------------------------------------ issuer
+    def issue_available(self) -> None:
+        while self.issued < len(self.seq) and self.issued < self.consumed + self.ring:
+            k = self.issued
+            layer, expert = self.seq[k]
+            slot = k % self.ring
+            if k >= self.ring:
+                self.ops.append(Wait(used(slot), "copy"))
+            self.ops.append(Copy(k, layer, expert, slot))
+            self.ops.append(Record(copied(slot), "copy"))
+            self.issued += 1
+
+    # ------------------------------------------------------------------ consumer
+    def _release(self, gathers: Sequence[Gather]) -> None:
+        ring = [g for g in gathers if g.src[0] == RING]
+        for g in ring:
+            self.ops.append(Record(used(g.src[1]), self.lane))
+        if ring:
+            last = max(_ring_entry(g) for g in ring)
+            self.ops.append(Consume(last))
+            self.consumed = last + 1
+            self.issue_available()
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        batch = tuple(self.pending)
+        self.pending = []
+        self.ops.append(GatherBatch(batch[0].group, batch[0].pos, batch, self.lane))
+        self._release(batch)
+
+    def gather(self, group: int, pos: int, layer: int, expert: int) -> None:
+        slot = self.residency.slot(layer, expert)
+        if slot is not None:
+            g = Gather(group, pos, layer, expert, (RESIDENT, slot), stream=self.lane)
+        else:
+            k = self.next_entry
+            if k >= len(self.seq) or self.seq[k] != (layer, expert):
+                raise AssertionError(f"planner: entry {k} is not layer {layer} expert {expert}")
+            self.next_entry += 1
+            if k >= self.issued:
+                self.issue_available()
+            if k >= self.issued:
+                self.flush()
+                self.issue_available()
+            assert k < self.issued, "issuer cannot reach the entry the consumer needs"
+            self.ops.append(Wait(copied(k % self.ring), self.lane))
+            g = Gather(group, pos, layer, expert, (RING, k % self.ring), k, self.lane)
+        if self.batch:
+            self.pending.append(g)
+        else:
+            self.ops.append(g)
+            self._release([g])
+
+    def begin_layer(self, layer: int) -> None:
+        """The layer's routing, and the fork the other lanes' products wait for."""
+        self.ops.append(LayerBegin(layer))
+        self.forked = set()
+        if self.lanes > 1:
+            self.ops.append(Record(lane_fork(layer), LANES[0]))
+
+    def group(self, layer: int, group: int, experts: Sequence[int],
+              cached: int | None = None) -> None:
+        """Group `group`'s gathers and products, on lane group % lanes. A group held by the
+        image cache, or (in_place) one whose experts are all resident, gathers nothing."""
+        self.lane = LANES[group % self.lanes]
+        ids = tuple(int(e) for e in experts)
+        slots = (resident_slots(self.residency, layer, ids)
+                 if cached is None and self.in_place else None)
+        if cached is None and slots is None:
+            for pos, e in enumerate(experts):
+                self.gather(group, pos, layer, e)
+            self.flush()
+        if self.lane != LANES[0] and self.lane not in self.forked:
+            self.ops.append(Wait(lane_fork(layer), self.lane))
+            self.forked.add(self.lane)
+        self.ops.append(Products(layer, group, ids, cached, self.lane, slots))
+
+    def end_layer(self, layer: int) -> None:
+        """Joins the lanes that multiplied in this layer, then the combine."""
+        for lane in LANES[1:]:
+            if lane in self.forked:
+                self.ops.append(Record(lane_join(layer), lane))
+                self.ops.append(Wait(lane_join(layer), LANES[0]))
+        self.ops.append(LayerEnd(layer))
+
+    def take_ops(self) -> tuple[Op, ...]:
+        ops, self.ops = tuple(self.ops), []
+        return ops
+
+
+def _ring_entry(g: Gather) -> int:
+    entry = g.entry
+    if entry is None:  # the builder names the entry of every ring gather it emits
+        raise AssertionError(f"ring gather without an entry: {g!r}")
+    return entry
+
+
+def resident_slots(residency: Residency, layer: int, experts: Sequence[int]
+                   ) -> tuple[int, ...] | None:
+    """The resident slot of each of a group's experts, or None when any of them streams: the
+    slots a group's products read in place (plan.Products.slots)."""
+    slots = []
+    for e in experts:
+        slot = residency.slot(layer, e)
+        if slot is None:
+            return None
+        slots.append(int(slot))
+    return tuple(slots)
+
+
+def _groups(experts: Sequence[int]) -> list[list[int]]:
+    return [list(experts[i:i + MMQ_GROUP]) for i in range(0, len(experts), MMQ_GROUP)]
+
+
+def plan_walk(spec: MoESpec, residency: Residency, ring_slots: int, gather_one: bool,
+              tokens: int = 0, attention: DenseSchedule | None = None,
+              images: ImageCache | None = None, lanes: int = 1,
+              in_place: bool = False) -> ChunkPlan:
+    """The streamed walk: every non-resident expert of every layer, layer-major ascending,
+    streamed through the ring; every expert of a layer is gathered (groups are ids
+    [16g, 16g+16)) so the schedule does not depend on routing and experts without rows cost an
+    early exit in the products. attention: a whole model's chunk (each layer opens with its
+    Attention, and streamed dense weights with their copies), None for MoE layers alone.
+    images: the engine's image cache; a group it holds is multiplied from its block, with no
+    gather (its experts are resident, so no ring entry is involved). lanes: compute lanes the
+    groups alternate over (1 or 2). in_place: a group of resident experts is multiplied from
+    their slots, with no gather (strata_rt.schedule.in_place decides per chunk)."""
+    b = _RingBuilder(residency, ring_slots, gather_one, lanes, in_place)
+    b.seq = [(layer, e) for layer in range(spec.n_layers) for e in range(spec.n_experts)
+             if residency.slot(layer, e) is None]
+    if attention is not None:  # the first dense layers go before any expert
+        b.ops.extend(attention.chunk_ops())
+    b.issue_available()  # the copies do not wait for the chunk's input
+    b.ops.append(ChunkInput())
+    layers = []
+    all_experts = list(range(spec.n_experts))
+    for layer in range(spec.n_layers):
+        if attention is not None:
+            b.ops.extend(attention.layer_ops(layer))
+        b.begin_layer(layer)
+        for g, experts in enumerate(_groups(all_experts)):
+            b.group(layer, g, experts, None if images is None else images.index(layer, g))
+        b.end_layer(layer)
+        layers.append(LayerPlan(layer, b.take_ops()))
+    return ChunkPlan(tokens, "walk", ring_slots, layers)
+
+
+def plan_decode(spec: MoESpec, residency: Residency, attention: DenseSchedule,
+                in_place: bool = False) -> ChunkPlan:
+    """A whole model's one-token step with the routed set kept on the device: per layer its
+    Attention (dense copies as `attention` schedules them; its start None, so the position is
+    read on the device), the routing, one GatherRouted per group of 16 experts (resident ones
+    from their slots, the rest straight from the host store; experts without a row skipped on
+    the device) and the products, which exit early for experts without rows. No Copy and no
+    expert ring: the plan is the same at every position and for every routed set, so one
+    captured replay serves every step, where the staging ring reads each layer's routed set
+    back to the host and plans after it. in_place: a group whose experts are all resident
+    gathers nothing; its products read the routed experts' slots in place."""
+    if attention.start is not None:
+        raise ValueError(f"a decode plan reads its position on the device; the dense schedule "
+                         f"fixes start {attention.start}")
+    ops: list[Op] = [*attention.chunk_ops(), ChunkInput()]
+    layers = []
+    for layer in range(spec.n_layers):
+        ops += attention.layer_ops(layer)
+        ops.append(LayerBegin(layer))
+        for g, experts in enumerate(_groups(list(range(spec.n_experts)))):
+            slots = resident_slots(residency, layer, experts) if in_place else None
+            if slots is not None:
+                ops.append(Products(layer, g, tuple(experts), slots=slots))
+                continue
+            members = []
+            for pos, e in enumerate(experts):
+                slot = residency.slot(layer, e)
+                src = (HOST, 0) if slot is None else (RESIDENT, slot)
+                members.append(Gather(g, pos, layer, e, src))
+            ops += [GatherRouted(g, tuple(members)), Products(layer, g, tuple(experts))]
+        ops.append(LayerEnd(layer))
+        layers.append(LayerPlan(layer, tuple(ops)))
+        ops = []
+    return ChunkPlan(1, "decode", 0, layers)
+
+
+class StagingPlanner:
+    """The staging ring for small chunks: after a layer's routing is known, its routed
+    non-resident experts stream through an 8-slot ring; ring state carries across layers.
+    One planner per chunk; attention, lanes and in_place as for plan_walk (the driver runs a
+    layer's `pre_routing_ops` before its routing; the layer's plan records them first)."""
+
+    def __init__(self, spec: MoESpec, residency: Residency, gather_one: bool,
+                 ring_slots: int = STAGING_RING_SLOTS, tokens: int = 0,
+                 attention: DenseSchedule | None = None, lanes: int = 1,
+                 in_place: bool = False):
+        self.spec = spec
+        self.tokens = tokens
+        self.attention = attention
+        self._b = _RingBuilder(residency, ring_slots, gather_one, lanes, in_place)
+        self.layers: list[LayerPlan] = []
+        self._opened: set[int] = set()  # layers whose pre-routing ops are planned
+
+    def pre_routing_ops(self, layer: int) -> list[Op]:
+        """The ops a layer runs before its routing; they open the layer's plan. The first
+        layer's begin with the chunk's input (and a whole model's first dense copies); a whole
+        model's layer then runs its Attention. plan_layer plans them itself when they were
+        not asked for."""
+        self._opened.add(layer)
+        ops: list[Op] = []
+        if layer == 0 and self.attention is not None:
+            ops += self.attention.chunk_ops()
+        if layer == 0:
+            ops.append(ChunkInput())
+        if self.attention is not None:
+            ops += self.attention.layer_ops(layer)
+        self._b.ops.extend(ops)
+        return ops
+
+    def plan_layer(self, layer: int, routed_experts: Sequence[int]) -> LayerPlan:
+        """routed_experts: the experts with at least one row in this layer (any order)."""
+        experts = sorted({int(e) for e in routed_experts})
+        bad = [e for e in experts if not 0 <= e < self.spec.n_experts]
+        if bad:
+            raise ValueError(f"layer {layer}: routed expert ids {bad} outside "
+                             f"0..{self.spec.n_experts - 1}")
+        if layer not in self._opened:
+            self.pre_routing_ops(layer)
+        b = self._b
+        b.seq.extend((layer, e) for e in experts if b.residency.slot(layer, e) is None)
+        b.begin_layer(layer)
+        b.issue_available()
+        for g, group in enumerate(_groups(experts)):
+            b.group(layer, g, group)
+        b.end_layer(layer)
+        lp = LayerPlan(layer, b.take_ops())
+        self.layers.append(lp)
+        return lp
+
+    def chunk_plan(self) -> ChunkPlan:
+        """The layers planned so far as one chunk plan (for the checker and the counters)."""
+        return ChunkPlan(self.tokens, "staging", self._b.ring, list(self.layers))

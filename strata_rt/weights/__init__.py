@@ -1,0 +1,1 @@
+"""The MoE model and its expert store, GGUF reading and checks, conversion."""

@@ -1,0 +1,401 @@
+"""Expert blobs of a GGUF file, from its memory map into the expert store, converted across
+all cores where the file's type is not the format's.
+
+Memory: nothing holds all experts but the store. A layer whose tensors are the format's own
+GGUF type is copied from the map into the store's (pinned) arena and its pages are dropped
+from this process at once, so the peak is the store plus about one layer of the file. A layer
+of another type is converted by worker processes that map the file themselves; each returns
+the blobs of a few experts, which go straight into the arena (at most two tasks per worker
+wait in this process).
+
+Speed: converting (the gguf package dequantizes, the format quantizes) runs at the speed of
+the format's quantizer, one expert per task, on every core, with a progress line and an
+estimate of the time left. Workers run the format's own `pack_gguf_experts` on one expert's
+slice of the tensors, so their bytes are the bytes one process converting whole layers makes.
+
+Every expert tensor is checked for NaN/Inf (`gguf_checks`) before its bytes are used.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import multiprocessing
+import os
+import signal
+import sys
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple, TextIO
+
+import numpy as np
+
+from ..errors import GGUFError, StrataError
+from ..formats.contract import ExpertLayout, QuantFormat
+from .gguf_checks import check_expert_bytes, dequantizable, typed
+from .gguf_io import EXPERT_PARTS, FileMap, MoEFile, TensorRef
+
+log = logging.getLogger(__name__)
+
+#: a conversion of fewer weights runs in this process unless workers are asked for: starting
+#: processes (each imports numpy, gguf and the format) costs more than they save
+SMALL_CONVERSION_WEIGHTS = 1 << 24
+#: weights one task converts at most (small experts go several to a task)
+TASK_WEIGHTS = 1 << 22
+#: tasks submitted per worker ahead of the results (bounds the results waiting here)
+IN_FLIGHT_PER_WORKER = 2
+
+
+def default_workers() -> int:
+    """The cores this process may run on."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def format_seconds(s: float) -> str:
+    s = max(0, int(round(s)))
+    if s >= 3600:
+        return f"{s // 3600}h {s % 3600 // 60:02d}m"
+    if s >= 60:
+        return f"{s // 60}m {s % 60:02d}s"
+    return f"{s} s"
+
+
+class Eta:
+    """A progress line on stderr with the rate and the time left: redrawn in place on a
+    terminal, one line every `log_interval_s` in a log. Nothing appears for work that ends
+    within `delay_s`."""
+
+    def __init__(self, label: str, total: int, unit: str, stream: TextIO | None = None,
+                 delay_s: float = 1.0, log_interval_s: float = 30.0):
+        self.label, self.total, self.unit = label, total, unit
+        self.stream = stream or sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.delay_s = delay_s
+        self.interval_s = 0.2 if self.tty else log_interval_s
+        self.t0 = self._last = time.perf_counter()
+        self.done = 0
+        self.shown = False
+
+    def line(self, now: float) -> str:
+        elapsed = now - self.t0
+        rate = self.done / elapsed if elapsed > 0 else 0.0
+        left = (self.total - self.done) / rate if rate > 0 else float("nan")
+        eta = format_seconds(left) if math.isfinite(left) else "?"
+        return (f"{self.label}: {self.done:,}/{self.total:,} {self.unit} "
+                f"({self.done / max(1, self.total):.0%}), {rate:,.2f} {self.unit}/s, "
+                f"{eta} left")
+
+    def advance(self, n: int) -> None:
+        self.done += n
+        now = time.perf_counter()
+        if now - self.t0 < self.delay_s or (now - self._last < self.interval_s
+                                             and self.shown):
+            return
+        self._last = now
+        self.shown = True
+        if self.tty:
+            self.stream.write("\r\x1b[K" + self.line(now))
+        else:
+            self.stream.write(self.line(now) + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if not self.shown:
+            return
+        elapsed = time.perf_counter() - self.t0
+        end = (f"{self.label}: {self.done:,} {self.unit} in {format_seconds(elapsed)} "
+               f"({self.done / max(elapsed, 1e-9):,.2f} {self.unit}/s)")
+        self.stream.write(("\r\x1b[K" if self.tty else "") + end + "\n")
+        self.stream.flush()
+
+
+# ---------------------------------------------------------------------------- one layer
+@dataclass(frozen=True)
+class LayerSource:
+    """The expert tensors of one layer of the file and whether their bytes are the blob's."""
+
+    layer: int  # layer number in the file
+    parts: tuple[TensorRef, TensorRef, TensorRef]  # gate, up, down
+    raw: bool
+
+
+class _Part(NamedTuple):
+    """What QuantFormat.pack_gguf_experts reads of a gguf ReaderTensor, for some experts."""
+
+    name: str
+    tensor_type: Any
+    shape: np.ndarray  # GGUF order (innermost first)
+    n_elements: int
+    n_bytes: int
+    data: np.ndarray
+
+
+def _expert_range(fm: FileMap, ref: TensorRef, lo: int, hi: int) -> tuple[np.ndarray, int]:
+    per = ref.nbytes // ref.shape[0]
+    return fm.bytes(ref)[lo * per: hi * per], lo * per
+
+
+def convert_experts(fm: FileMap, fmt: QuantFormat, src: LayerSource, lo: int, hi: int
+                    ) -> np.ndarray:
+    """Blobs of experts lo..hi-1 of one layer, through the format's pack_gguf_experts:
+    uint8 [hi - lo, blob_bytes]. The one conversion path (in this process and in workers)."""
+    from gguf import GGMLQuantizationType
+
+    parts = []
+    for ref in src.parts:
+        raw, _ = _expert_range(fm, ref, lo, hi)
+        shape = (hi - lo, *ref.shape[1:])
+        parts.append(_Part(ref.name, GGMLQuantizationType(ref.ggml_type),
+                           np.array(shape[::-1], np.uint64), math.prod(shape), raw.size,
+                           typed(raw, ref.ggml_type, shape)))
+    try:
+        out = np.asarray(fmt.pack_gguf_experts(*parts), dtype=np.uint8)
+    except StrataError as e:
+        names = ", ".join(r.name for r in src.parts)
+        raise GGUFError(f"{fm.path}: layer {src.layer} experts {lo}..{hi - 1} ({names}) do not "
+                        f"convert to {fmt.name}: {e}") from None
+    finally:
+        for ref in src.parts:
+            _, start = _expert_range(fm, ref, lo, hi)
+            fm.release_range(ref.offset + start, (hi - lo) * (ref.nbytes // ref.shape[0]))
+    return out.reshape(hi - lo, -1)
+
+
+_worker_fmt: QuantFormat | None = None
+_worker_maps: dict[str, FileMap] = {}
+
+
+def _init_worker(fmt: QuantFormat, parent: int | None = None) -> None:
+    """A worker leaves Ctrl-C to its parent (which ends it at once, see _end_workers), and on
+    Linux asks the kernel to send it SIGTERM when the parent dies, however the parent dies
+    (SIGKILL included): no worker outlives the conversion it works for."""
+    global _worker_fmt
+    _worker_fmt = fmt
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+            if parent is not None and os.getppid() != parent:  # it died before the request
+                os._exit(1)
+        except (OSError, AttributeError):  # no prctl: the parent's _end_workers remains
+            pass
+
+
+#: prctl(2) option: the signal a process receives when its parent exits
+PR_SET_PDEATHSIG = 1
+
+
+def _end_workers(pool: ProcessPoolExecutor) -> None:
+    """Ends the pool's workers now (SIGTERM, then SIGKILL after 1 s) rather than after the
+    experts they are converting (half a minute on large shapes): an interrupted conversion
+    keeps nothing, and Ctrl-C or SIGTERM should end the run at once."""
+    procs = list((getattr(pool, "_processes", None) or {}).values())
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    deadline = time.monotonic() + 1.0
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.kill()
+            proc.join(1.0)
+    pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _worker_task(path: str, src: LayerSource, lo: int, hi: int) -> np.ndarray:
+    fm = _worker_maps.get(path)
+    if fm is None:
+        fm = _worker_maps[path] = FileMap(Path(path))
+    assert _worker_fmt is not None
+    return convert_experts(fm, _worker_fmt, src, lo, hi)
+
+
+# ---------------------------------------------------------------------------- the source
+def _raw_ok(fmt: QuantFormat, lay: ExpertLayout, refs: tuple[TensorRef, ...]) -> bool:
+    """Whether the blob is the tensors' bytes, expert by expert: gate rows, up rows, down
+    rows in the format's own GGUF type (the layout every format with a GGUF type keeps)."""
+    if fmt.ggml_type is None or any(r.ggml_type != fmt.ggml_type for r in refs):
+        return False
+    g, u, d = (r.nbytes // r.shape[0] for r in refs)
+    return (lay.gate_up_offset == 0 and lay.gate_up_bytes == g + u
+            and lay.down_offset == g + u and lay.down_bytes == d and lay.blob_bytes == g + u + d)
+
+
+class GGUFExperts:
+    """The expert source of a model loaded from a GGUF file (see the module doc). Model
+    reaches it through `blob`, `write_layer`, `write_layers` and `layers`."""
+
+    def __init__(self, fm: FileMap, fmt: QuantFormat, layout: ExpertLayout, n_experts: int,
+                 sources: list[LayerSource], workers: int | None = None):
+        self.fm, self.fmt, self.layout, self.n_experts = fm, fmt, layout, n_experts
+        self.sources = sources
+        self.workers = workers
+        self._notice_given = False
+
+    @classmethod
+    def open(cls, moe: MoEFile, fmt: QuantFormat, workers: int | None = None) -> GGUFExperts:
+        """Checks that every layer's expert tensors are the format's type or convertible;
+        raises one GGUFError listing every layer's problem."""
+        lay = fmt.layout(moe.dims["hidden"], moe.dims["ffn"])
+        sources, problems = [], []
+        for layer, refs in enumerate(moe.experts):
+            assert refs is not None, "open_moe rejects files with missing expert tensors"
+            parts = tuple(refs[p] for p in EXPERT_PARTS)
+            raw = _raw_ok(fmt, lay, parts)
+            for ref in parts if not raw else ():
+                if not dequantizable(ref.ggml_type) and ref.ggml_type != fmt.ggml_type:
+                    problems.append(f"tensor {ref.name} has type {ref.type_name}: format "
+                                    f"{fmt.name} does not take it raw and the gguf package "
+                                    "cannot dequantize it")
+            sources.append(LayerSource(layer, parts, raw))  # type: ignore[arg-type]
+        if problems:
+            from .gguf_io import problems_error
+
+            raise problems_error(moe.path, problems)
+        return cls(FileMap(moe.path), fmt, lay, moe.dims["n_experts"], sources, workers)
+
+    @property
+    def converted_types(self) -> list[str]:
+        return sorted({r.type_name for s in self.sources if not s.raw for r in s.parts
+                       if r.ggml_type != self.fmt.ggml_type})
+
+    def layers(self, lo: int, hi: int) -> GGUFExperts:
+        return GGUFExperts(self.fm, self.fmt, self.layout, self.n_experts,
+                           self.sources[lo:hi], self.workers)
+
+    # ------------------------------------------------------------------ reading
+    def _check(self, src: LayerSource, lo: int = 0, hi: int | None = None,
+               out: np.ndarray | None = None) -> None:
+        """Checks experts lo..hi-1 of the layer for NaN/Inf, a tensor at a time, copying each
+        tensor's bytes into `out` (raw layers) while its pages are mapped, then dropping them:
+        about one tensor of the file is mapped at any time. Raises after the layer, listing
+        each tensor with a problem."""
+        hi = self.n_experts if hi is None else hi
+        problems, col = [], 0
+        for ref in src.parts:
+            raw, start = _expert_range(self.fm, ref, lo, hi)
+            bad = check_expert_bytes(ref.name, src.layer, raw, ref.ggml_type,
+                                     (hi - lo, *ref.shape[1:]), first_expert=lo)
+            if bad is not None:
+                problems.append(bad)
+            elif out is not None:
+                per = raw.size // (hi - lo)
+                out[:, col: col + per] = raw.reshape(hi - lo, per)
+                col += per
+            self.fm.release_range(ref.offset + start, raw.size)
+        if problems:
+            from .gguf_io import problems_error
+
+            raise problems_error(self.fm.path, problems)
+
+    def _copy_raw(self, src: LayerSource, out: np.ndarray, lo: int = 0,
+                  hi: int | None = None) -> None:
+        self._check(src, lo, hi, out)
+
+    def blob(self, layer: int, e: int) -> np.ndarray:
+        out = np.empty((1, self.layout.blob_bytes), np.uint8)
+        src = self.sources[layer]
+        if src.raw:
+            self._copy_raw(src, out, e, e + 1)
+        else:
+            self._check(src, e, e + 1)
+            out[:] = convert_experts(self.fm, self.fmt, src, e, e + 1)
+        return out[0]
+
+    def write_layer(self, layer: int, out: np.ndarray) -> None:
+        """Writes the layer's blobs into out[n_experts, >= blob_bytes]."""
+        self._write([(layer, out)])
+
+    def write_layers(self, grid: np.ndarray) -> None:
+        """Writes every layer into grid[n_layers, n_experts, >= blob_bytes] (the store)."""
+        self._write([(layer, grid[layer]) for layer in range(len(self.sources))])
+
+    # ------------------------------------------------------------------ the work
+    def _write(self, jobs: list[tuple[int, np.ndarray]]) -> None:
+        blob = self.layout.blob_bytes
+        conv = [(self.sources[i], out[:, :blob]) for i, out in jobs if not self.sources[i].raw]
+        doing = f"converting experts to {self.fmt.name}" if conv else "loading experts"
+        eta = Eta(f"{self.fm.path.name}: {doing}", len(jobs) * self.n_experts, "experts")
+        try:
+            for i, out in jobs:
+                if self.sources[i].raw:
+                    self._copy_raw(self.sources[i], out[:, :blob])
+                    eta.advance(self.n_experts)
+            if conv:
+                for src, _ in conv:  # a NaN in the last layer is found before the long part
+                    self._check(src)
+                self._say_converting()
+                self._convert(conv, eta)
+        finally:
+            eta.close()
+
+    def _say_converting(self) -> None:
+        if self._notice_given:
+            return
+        self._notice_given = True  # one line per file, not one per layer
+        log.warning("%s: expert tensors of type %s are not %s; converting them through float "
+                    "weights (dequantized by the gguf package, then quantized)",
+                    self.fm.path, ", ".join(self.converted_types), self.fmt.name)
+
+    def _plan(self, conv: list[tuple[LayerSource, np.ndarray]], workers: int
+              ) -> list[tuple[LayerSource, np.ndarray, int, int]]:
+        weights = 3 * self.layout.hidden * self.layout.ffn
+        total = len(conv) * self.n_experts
+        k = max(1, min(TASK_WEIGHTS // weights, math.ceil(total / (2 * workers)),
+                       self.n_experts))
+        return [(src, out, lo, min(lo + k, self.n_experts))
+                for src, out in conv for lo in range(0, self.n_experts, k)]
+
+    def _convert(self, conv: list[tuple[LayerSource, np.ndarray]], eta: Eta) -> None:
+        weights = len(conv) * self.n_experts * 3 * self.layout.hidden * self.layout.ffn
+        workers = self.workers
+        if workers is None:
+            workers = 1 if weights < SMALL_CONVERSION_WEIGHTS else default_workers()
+        tasks = self._plan(conv, workers)
+        if workers <= 1:
+            for src, out, lo, hi in tasks:
+                out[lo:hi] = convert_experts(self.fm, self.fmt, src, lo, hi)
+                eta.advance(hi - lo)
+            return
+        ctx = multiprocessing.get_context("spawn")  # no fork of a process holding CUDA
+        pending: dict[Future, tuple[np.ndarray, int, int]] = {}
+        queue = iter(tasks)
+        pool = ProcessPoolExecutor(min(workers, len(tasks)), mp_context=ctx,
+                                   initializer=_init_worker, initargs=(self.fmt, os.getpid()))
+
+        def submit() -> None:
+            task = next(queue, None)
+            if task is not None:
+                src, out, lo, hi = task
+                pending[pool.submit(_worker_task, str(self.fm.path), src, lo, hi)] = \
+                    (out, lo, hi)
+
+        try:
+            for _ in range(workers * IN_FLIGHT_PER_WORKER):
+                submit()
+            while pending:
+                finished, _ = wait(pending, return_when=FIRST_COMPLETED)
+                for f in finished:
+                    out, lo, hi = pending.pop(f)
+                    out[lo:hi] = f.result()
+                    eta.advance(hi - lo)
+                    submit()
+        except BrokenProcessPool:
+            _end_workers(pool)
+            raise StrataError(f"{self.fm.path}: a conversion worker died (out of memory?); "
+                              f"{workers} workers were converting experts to {self.fmt.name}"
+                              ) from None
+        except BaseException:  # Ctrl-C, SIGTERM (strata_rt.report.interrupts), an error of ours
+            _end_workers(pool)
+            raise
+        pool.shutdown(wait=True)

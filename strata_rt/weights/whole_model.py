@@ -1,0 +1,86 @@
+"""Which model an engine runs: MoE layers alone (benchmarks, plugin tests) or a whole Qwen3-MoE
+model (token ids in, logits out), from what `EngineConfig.model` names.
+
+    {"spec": MoESpec, "seed": int}            MoE layers alone, synthetic
+    {"gguf": path, "format": name}            a GGUF: a whole model when it carries
+                                              token_embd.weight, else MoE layers alone
+    {"qwen3": Qwen3Spec | dict | "tiny", "seed": int, "format": name}
+                                              a whole synthetic model (seeded)
+    a Model, a Qwen3Model or a MoESpec        as given
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError
+from ..models.qwen3.gguf_full import read_qwen3_gguf
+from ..models.qwen3.spec import TINY_SPEC, Qwen3Spec
+from ..models.qwen3.weights import Qwen3Model
+from .gguf_io import open_reader
+from .model import Model, MoESpec
+
+log = logging.getLogger(__name__)
+
+#: synthetic whole models by name
+NAMED_SPECS = {"tiny": TINY_SPEC}
+WHOLE_MODEL_TENSOR = "token_embd.weight"
+
+
+def qwen3_spec(value: Any) -> Qwen3Spec:
+    """A Qwen3Spec from a spec, a name of NAMED_SPECS or a dict of its fields."""
+    if isinstance(value, Qwen3Spec):
+        return value
+    if isinstance(value, str):
+        if value not in NAMED_SPECS:
+            raise ConfigError(f"model.qwen3: unknown name {value!r}; named specs: "
+                              f"{', '.join(NAMED_SPECS)}, or give the fields")
+        return NAMED_SPECS[value]
+    if isinstance(value, dict):
+        try:
+            return Qwen3Spec(**value)
+        except TypeError as e:
+            raise ConfigError(f"model.qwen3: {e}") from None
+    raise ConfigError(f"model.qwen3: got {type(value).__name__}; expected a name, a Qwen3Spec "
+                      "or a mapping of its fields")
+
+
+def is_whole_gguf(path: str | Path) -> bool:
+    """Whether a GGUF file holds a whole model (an embedding) rather than MoE layers alone."""
+    reader = open_reader(Path(path))
+    return any(t.name == WHOLE_MODEL_TENSOR for t in reader.tensors)
+
+
+def load_model(m: Model | Qwen3Model | MoESpec | dict[str, Any]
+               ) -> tuple[Model, Qwen3Model | None]:
+    """-> (the MoE layers the chunk driver runs, the whole model or None)."""
+    if isinstance(m, Qwen3Model):
+        return m.moe, m
+    if isinstance(m, Model):
+        return m, None
+    if isinstance(m, MoESpec):
+        return Model.synthetic(m, 0), None
+    if isinstance(m, dict):
+        if "qwen3" in m:
+            spec = qwen3_spec(m["qwen3"])
+            whole = Qwen3Model.synthetic(spec, int(m.get("seed", 0)), m.get("format", "fp16"),
+                                         tied=bool(m.get("tied", False)),
+                                         dense_type=m.get("dense_type", "F32"),
+                                         pool_layers=m.get("pool_layers"))
+            return whole.moe, whole
+        if "gguf" in m:
+            fmt = m.get("format")
+            if fmt is None:
+                raise ConfigError("model: a gguf model needs `format` (e.g. iq3_xxs)")
+            if is_whole_gguf(m["gguf"]):
+                whole = read_qwen3_gguf(m["gguf"], fmt)
+                return whole.moe, whole
+            return Model.from_gguf(m["gguf"], fmt), None
+        if "spec" in m:
+            return Model.synthetic(m["spec"], int(m.get("seed", 0))), None
+    raise ConfigError(f"model: got {type(m).__name__}; allowed: a Model, a Qwen3Model, a "
+                      "MoESpec, {'spec': MoESpec, 'seed': int}, {'qwen3': spec, 'seed': int, "
+                      "'format': name} or {'gguf': path, 'format': name}")
+
