@@ -15,20 +15,27 @@ import os
 import stat
 from pathlib import Path
 
-_KINDS = ((stat.S_ISDIR, "is a directory"), (stat.S_ISFIFO, "is a FIFO (named pipe)"),
-          (stat.S_ISCHR, "is a character device"), (stat.S_ISBLK, "is a block device"),
-          (stat.S_ISSOCK, "is a socket"))
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISSOCK, "a socket"))
 
 
-def kind_of_mode(mode: int) -> str | None:
-    """'is a directory', 'is a FIFO (named pipe)', ... for a stat mode; None for a regular
-    file."""
+def kind_name(mode: int) -> str | None:
+    """What a file of this st_mode is when it is not a regular file ('a directory', 'a FIFO
+    (named pipe)', ...; None for one): the one table of file kinds."""
     if stat.S_ISREG(mode):
         return None
     for test, words in _KINDS:
         if test(mode):
             return words
-    return "is not a regular file"
+    return "not a regular file"
+
+
+def kind_of_mode(mode: int) -> str | None:
+    """'is a directory', 'is a FIFO (named pipe)', ... for a stat mode; None for a regular
+    file."""
+    name = kind_name(mode)
+    return None if name is None else f"is {name}"
 
 
 def not_a_file(path: str | Path) -> str | None:

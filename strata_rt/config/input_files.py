@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import errno
 import os
-import stat
 from pathlib import Path
+
+from .file_kinds import kind_name
 
 #: a run config or a plugins.yaml: a hundred times a real one (a few KiB), and what the
 #: YAML parser (pure Python, about 100 KiB/s on a loaded core) reads in a few seconds
@@ -35,23 +36,6 @@ class InputFileError(Exception):
         self.path = Path(path)
         self.why = why
         super().__init__(f"{path}: {why}")
-
-
-def kind_name(mode: int) -> str | None:
-    """What a file of this st_mode is, when it is not a regular file (None for one)."""
-    if stat.S_ISREG(mode):
-        return None
-    if stat.S_ISDIR(mode):
-        return "a directory"
-    if stat.S_ISFIFO(mode):
-        return "a FIFO (named pipe)"
-    if stat.S_ISCHR(mode):
-        return "a character device"
-    if stat.S_ISBLK(mode):
-        return "a block device"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    return "not a regular file"
 
 
 def _stat_problem(path: Path, e: OSError) -> str:

@@ -23,7 +23,8 @@ import stat
 import tempfile
 from pathlib import Path
 
-from .input_files import file_id, kind_name
+from .file_kinds import kind_name
+from .input_files import file_id
 
 
 def _exists(path: Path) -> bool:
