@@ -161,7 +161,12 @@ def test_ctrl_c_and_sigterm_codes() -> None:
         assert isinstance(interrupts.Terminated(signal.SIGTERM), KeyboardInterrupt)
 
 
-def test_sigterm_in_a_fresh_process(tmp_path) -> None:
+@pytest.mark.parametrize("sig, code, said", [
+    (signal.SIGINT, 130, "interrupted after"),
+    (signal.SIGTERM, 143, "terminated by SIGTERM after")])
+def test_a_signal_in_a_fresh_process(tmp_path, sig, code, said) -> None:
+    """A real Ctrl-C or SIGTERM once the JSON shows a finished prompt: the finished prompts'
+    rows are printed and kept in the JSON, marked incomplete."""
     target = tmp_path / "run.json"
     cfg = config(tmp_path, prompts=[16] * 400)
     proc = subprocess.Popen([sys.executable, "-m", "strata_rt.cli", "run", str(cfg), "--json",
@@ -170,14 +175,14 @@ def test_sigterm_in_a_fresh_process(tmp_path) -> None:
     deadline = time.monotonic() + 120
     while not target.exists() and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(sig)
     out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 143 and "Traceback" not in err, err
+    assert proc.returncode == code and "Traceback" not in err, err
     doc = json.loads(target.read_text())
     done = len(doc["runs"])
     assert doc["complete"] is False and 1 <= done < 400
-    assert f"terminated by SIGTERM after {done} of 400 prompt runs" in err
-    assert out.count("\n|     ") == done
+    assert f"{said} {done} of 400 prompt runs" in err
+    assert out.count("\n|     ") == done  # one table row per finished prompt
 
 
 CONVERT = textwrap.dedent("""
