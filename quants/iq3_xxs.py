@@ -1,11 +1,13 @@
 """IQ3_XXS: GGUF's 3.06-bit i-quant, the format strata_rt's kernels are built around.
 
-Host side of the plugin: exact dequantization (bit for bit what the `gguf` package produces),
-a vectorized quantizer following llama.cpp's reference algorithm, random valid blocks for
-synthetic models, expert packing straight from GGUF bytes, and the numpy mirror of the exact
-MMQ kernels. The launchers live in `iq3_xxs_device`, imported only when asked for. The default
-matmul, f16_gemm (fp16 images, grouped fp16 GEMM), is the format object `for_variant` returns
-(quants/iq3_xxs_f16.py); an IQ3XXS object itself runs one exact kernel (`variant`).
+A GGMLFormat (fp16 products f16_gemm, the default, and f16_fused; byte-copy GGUF loading), with
+what the generic type lacks: exact dequantization in its integer form (bit for bit what the
+`gguf` package produces), a vectorized quantizer following llama.cpp's reference algorithm,
+random valid blocks for synthetic models, and four exact MMQ variants on q8_1 activations
+(f16_pipe, f16, int8, int8_occ2; `exact_mmq_reference` is their numpy mirror). Its fp16
+variants run its own kernels (kernels/iq3_xxs: the dequantizing gather, the same bytes as the
+generic GGML one, and the GEMM decoding blocks in its main loop); the launchers live in
+`iq3_xxs_device`, imported only when asked for.
 
 Block (256 weights, 98 bytes): fp16 d; 64 grid indices (8 per 32-weight sub-block, each naming
 four magnitudes); 8 uint32 words, one per sub-block: four 7-bit sign indices (one per 8
@@ -15,19 +17,16 @@ weights) and the sub-block scale s in bits 28-31. weight = d * (0.5 + s) * 0.5 *
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import numpy as np
-from gguf import GGMLQuantizationType
 
-from strata_rt.errors import FormatError, GGUFError
-from strata_rt.formats.activations import Q8_1, Q8_1Acts
+from strata_rt.errors import FormatError
+from strata_rt.formats.activations import Q8_1Acts
 from strata_rt.formats.contract import FormatKernels, QuantFormat, expert_rows
+from strata_rt.formats.ggml_format import F16_FUSED, F16_GEMM, GGMLFormat
 from strata_rt.formats.hookspecs import hookimpl
-from strata_rt.gemm.f16_images import F16ImagesVariant
 from strata_rt.resources import KERNELS_ROOT
 
-from .iq3_xxs_fused import F16_FUSED, FusedF16Variant
 from .iq3_xxs_quantize import (
     BLOCK_BYTES,
     CHUNK_BLOCKS,
@@ -61,36 +60,26 @@ def _mean_square_weight() -> float:
     return float(np.mean((s / 2) ** 2) * np.mean(GRID_MAG.astype(np.float64) ** 2))
 
 
-class IQ3XXS(QuantFormat):
+class IQ3XXS(GGMLFormat):
+    ggml = "IQ3_XXS"
     name = "iq3_xxs"
-    ggml_type = int(GGMLQuantizationType.IQ3_XXS)
-    block_values = QK
-    block_bytes = BLOCK_BYTES
-    native = True
-    activation = Q8_1
-    exact = True
     kernel_dir = "iq3_xxs"
     dim_multiple = QK
     #: measured 0.0454-0.0455 on Gaussian 2048 x 768 without an importance vector (llama.cpp's
     #: x^2 weighting trades small weights for large ones); 0.033 with a uniform importance vector
     roundtrip_nmse = 0.05
+    quantizes = True  # its own quantizer (the gguf package has none for IQ3_XXS)
     description = ("GGUF IQ3_XXS, 3.06 bits/weight: experts keep the GGUF's bytes; default "
                    "f16_gemm (dequantizing gather to fp16 images, grouped fp16 GEMM on fp16 "
                    "activations; on short chunks resident experts are read in place, no "
                    "gather); f16_fused (blocks decoded inside the GEMM); f16_pipe, f16, int8, "
                    "int8_occ2: exact MMQ on q8_1 activations; batched gathers")
 
-    def __init__(self, variant: str | None = None):
-        """`variant`: the exact MMQ kernel this object's launchers run (default f16_pipe, the
-        fastest measured). The default variant of the format, f16_gemm, is another object:
-        `for_variant`."""
+    def exact_variants(self) -> tuple[str, ...]:
+        """The exact MMQ kernels on q8_1 activations, fastest measured first."""
         from .iq3_xxs_device import MMQ_VARIANTS
 
-        chosen = variant or MMQ_VARIANTS[0]
-        if chosen not in MMQ_VARIANTS:
-            raise FormatError(f"{self.name}: exact MMQ variant {chosen!r} is unknown; valid: "
-                              f"{', '.join(MMQ_VARIANTS)} (for every variant, use for_variant)")
-        self.variant = chosen
+        return MMQ_VARIANTS
 
     # ------------------------------------------------------------------ bytes -> values
     def _blocks(self, raw: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
@@ -211,45 +200,9 @@ class IQ3XXS(QuantFormat):
                                self._random_matrix(rng, ffn, hidden),
                                self._random_matrix(rng, hidden, ffn)])
 
-    def pack_gguf_experts(self, gate: Any, up: Any, down: Any) -> np.ndarray:
-        """IQ3_XXS tensors are copied byte for byte; a tensor of another type is dequantized by
-        the gguf package and quantized here, and a line on stderr says which."""
-        from gguf.quants import dequantize as gguf_dequantize
-
-        dims = [tuple(int(v) for v in reversed(t.shape)) for t in (gate, up, down)]
-        if any(len(dm) != 3 for dm in dims):
-            raise GGUFError(f"{self.name}: expert tensors must be 3-D [n_experts, rows, cols]; "
-                            + ", ".join(f"{t.name} is {list(dm)}"
-                                        for t, dm in zip((gate, up, down), dims)))
-        n, ffn, hidden = dims[0]
-        want = [(n, ffn, hidden), (n, ffn, hidden), (n, hidden, ffn)]
-        for t, dm, w in zip((gate, up, down), dims, want):
-            if dm != w:
-                raise GGUFError(
-                    f"{self.name}: tensor {t.name} has shape {list(dm)} [n_experts, rows, cols]; "
-                    f"with {gate.name} {list(dims[0])} it must be {list(w)}")
-        self.check_dims(hidden, ffn)
-        parts = []
-        for t, (_, rows, cols) in zip((gate, up, down), want):
-            if int(t.tensor_type) == self.ggml_type:
-                parts.append(np.asarray(t.data, dtype=np.uint8).reshape(n, -1))
-                continue
-            type_name = GGMLQuantizationType(int(t.tensor_type)).name
-            per_expert = []
-            for e in range(n):
-                try:
-                    m = np.asarray(gguf_dequantize(t.data[e], t.tensor_type), dtype=F32)
-                except (NotImplementedError, ValueError, KeyError) as err:
-                    raise FormatError(
-                        f"{self.name}: tensor {t.name} has type {type_name}, which is not "
-                        f"IQ3_XXS and which the gguf package cannot dequantize ({err})") from None
-                per_expert.append(self.quantize(m.reshape(rows, cols)).reshape(-1))
-            parts.append(np.stack(per_expert))
-        return np.concatenate(parts, axis=1)
-
     # ------------------------------------------------------------------ device side
-    def mmq_reference(self, image: np.ndarray, expert_ids: tuple[int, ...], acts: Q8_1Acts,
-                      bounds: np.ndarray, m: int, k: int) -> np.ndarray:
+    def exact_mmq_reference(self, image: np.ndarray, expert_ids: tuple[int, ...],
+                            acts: Q8_1Acts, bounds: np.ndarray, m: int, k: int) -> np.ndarray:
         """numpy mirror of every exact MMQ variant, bit for bit. Per output (activation row r,
         weight row i), over the 32-value sub-blocks j of K in ascending order:
 
@@ -285,78 +238,21 @@ class IQ3XXS(QuantFormat):
                 out[c0:c1] = acc
         return out
 
-    def kernels_class(self) -> type[FormatKernels]:
-        from .iq3_xxs_device import IQ3XXSKernels
-
-        return IQ3XXSKernels
-
-    def mmq_variants(self) -> tuple[str, ...]:
-        from .iq3_xxs_device import VARIANTS
-
-        return (*VARIANTS, F16_FUSED)
-
-    def for_variant(self, name: str | None) -> QuantFormat:
-        """f16_gemm (the default, also for None): an IQ3XXSDequantF16, whose images are fp16 and
-        whose activations are f16; f16_fused: an IQ3XXSFusedF16 (native blocks in the group
-        buffers, f16 activations, the same bytes as f16_gemm); any other name: an IQ3XXS
-        running that exact MMQ kernel on q8_1 activations (bit-identical to mmq_reference
-        whichever it is)."""
-        super().for_variant(name)
-        chosen = name or self.mmq_variants()[0]
-        from .iq3_xxs_device import F16_GEMM
-
-        if chosen == F16_GEMM:
-            return self if isinstance(self, IQ3XXSDequantF16) else IQ3XXSDequantF16()
-        if chosen == F16_FUSED:
-            return self if isinstance(self, IQ3XXSFusedF16) else IQ3XXSFusedF16()
-        if type(self) is IQ3XXS and self.variant == chosen:
-            return self
-        return IQ3XXS(chosen)
-
-    def __repr__(self) -> str:
-        return f"<{type(self).__name__} {self.name} ({self.variant})>"
-
-
-class IQ3XXSDequantF16(F16ImagesVariant, IQ3XXS):
-    """IQ3_XXS blobs multiplied as fp16 images on fp16 activations (see the module doc)."""
-
-    description = ("IQ3_XXS, f16_gemm: dequantizing gather into fp16 images, grouped fp16 GEMM "
-                   "with fp32 accumulation over the whole K, fp16 activations; short chunks "
-                   "read resident experts in place (the GEMM decoding blocks in its main loop)")
-    #: up to this rows hint (1,088 tokens on the Qwen3 shapes) the products of resident experts
-    #: decode their blocks in place (strata_rt.gemm.fused_gemm), which skips writing and reading
-    #: 1.2 GB of fp16 images per layer; beyond it the fp16 GEMM's speed pays for the gather.
-    #: Measured ahead at 1,024 tokens and behind at 2,048 (bench/notes.md W32), so the bound
-    #: sits just past 1,024
-    in_place_max_rows = 136
-
-    def __init__(self) -> None:
-        from .iq3_xxs_device import F16_GEMM
-
-        self.variant = F16_GEMM
-
-    def images(self, blob: np.ndarray, hidden: int, ffn: int) -> tuple[np.ndarray, np.ndarray]:
-        """The fp16 images the dequantizing gather writes, as uint8 (its numpy twin)."""
-        self.check_dims(hidden, ffn)
-        from .iq3_xxs_f16 import dequant_iq3_images
-
-        return dequant_iq3_images(blob, hidden, ffn)
-
     def kernel_sources(self) -> list[Path]:
-        """The dequantizing gather and the GEMM that reads native blocks in place; the fp16
-        GEMM is kernels/common/gemm_f16.cu (shared)."""
-        return [KERNELS_ROOT / self.kernel_dir / "dequant.cu",
-                KERNELS_ROOT / self.kernel_dir / "fused.cu"]
+        """f16_gemm: the dequantizing gather and the GEMM that reads native blocks in place;
+        f16_fused: that GEMM (the byte copies and the fp16 GEMM are kernels/common's); exact
+        variants: every source of the folder, the exact MMQ among them."""
+        folder = KERNELS_ROOT / self.kernel_dir
+        if self.variant == F16_GEMM:
+            return [folder / "dequant.cu", folder / "fused.cu"]
+        if self.variant == F16_FUSED:
+            return [folder / "fused.cu"]
+        return sorted(folder.glob("*.cu"))
 
     def kernels_class(self) -> type[FormatKernels]:
-        from .iq3_xxs_f16 import IQ3XXSDequantF16Kernels
+        from .iq3_xxs_device import IQ3XXSF16Kernels, IQ3XXSKernels
 
-        return IQ3XXSDequantF16Kernels
-
-
-class IQ3XXSFusedF16(FusedF16Variant, IQ3XXS):
-    """IQ3_XXS blobs copied as they are, multiplied by the GEMM that dequantizes them in its
-    main loop on fp16 activations (quants/iq3_xxs_fused.py)."""
+        return IQ3XXSF16Kernels if self.runs_f16 else IQ3XXSKernels
 
 
 @hookimpl

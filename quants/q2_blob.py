@@ -29,31 +29,39 @@ The scale is stored as fp16 and the codes are reassigned to the stored scale, so
 the best codes for the scale it actually carries. On Gaussian weights the error lands within
 0.2% of a dense 4,001-point scale search per group (tested), NMSE about 0.123.
 
-Variants (STRATA_MMQ_KERNEL). f16_gemm, the default (Q2BlobDequantF16): the same blob, a
+Variants (STRATA_MMQ_KERNEL), one class: an object's `variant` decides what it runs, and
+for_variant returns a copy running another. f16_gemm, the default: the same blob, a
 per-expert gather (kernels/q2_blob/dequant.cu) that writes fp16 images, each weight
 fp16((code-1)*scale), which is exact, and the grouped fp16 GEMM of strata_rt.gemm.grouped_gemm on
 fp16 activations. Not exact: it meets the float64 reference of its fp16 inputs within the
 conformance tolerance, and a float64 product of the exact weights and unquantized activations
-more closely than the int8 path does (its q8_1 activations round more). int8 (Q2Blob): the
-exact int8 tensor-core MMQ on q8_1 activations, bit-identical to mmq_reference.
+more closely than the int8 path does (its q8_1 activations round more). int8: the exact int8
+tensor-core MMQ on q8_1 activations, bit-identical to mmq_reference.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
 from strata_rt.errors import FormatError
-from strata_rt.formats.activations import Q8_1
+from strata_rt.formats.activations import F16, Q8_1, Activation
 from strata_rt.formats.contract import ExpertLayout, FormatKernels, QuantFormat, expert_rows
 from strata_rt.formats.hookspecs import hookimpl
 from strata_rt.formats.launchers import MmqTile, PerExpertKernels
-from strata_rt.gemm.f16_images import F16ImagesVariant
-from strata_rt.gemm.grouped_gemm import GroupedGemmProducts
-from strata_rt.resources import KERNELS_ROOT
+from strata_rt.gemm.grouped_gemm import (
+    GroupedGemm,
+    fp16_image_layout,
+    fp16_image_values,
+    gemm_reference,
+)
+
+if TYPE_CHECKING:
+    from strata_rt.runtime import Runtime
 
 F16_GEMM = "f16_gemm"  # the fp16-image variant, the default
 INT8 = "int8"  # the exact int8 MMQ
@@ -167,14 +175,36 @@ class Q2Blob(QuantFormat):
     block_values = GROUP
     block_bytes = GROUP // 4 + 2       # plain row encoding: 16 code bytes + one fp16 scale
     native = False
-    activation = Q8_1
-    exact = True
     kernel_dir = "q2_blob"
     roundtrip_nmse = 0.15
     dim_multiple = 128
+    #: the MMQ variant this object runs (one of mmq_variants())
+    variant: str
     description = ("planar 2-bit blob (gate/up interleaved, fp16 scale per 64), "
                    "2.25 bits/weight; f16_gemm (default): dequantizing gather to fp16 images, "
                    "grouped fp16 GEMM; int8: exact int8 tensor-core MMQ on q8_1 activations")
+
+    def __init__(self, variant: str | None = None):
+        """`variant`: the MMQ variant this object runs (None: f16_gemm)."""
+        super().for_variant(variant)  # refuses an unknown name, listing the valid ones
+        self.variant = variant or F16_GEMM
+
+    @property
+    def f16(self) -> bool:
+        """Whether this object runs f16_gemm (fp16 images and activations)."""
+        return self.variant == F16_GEMM
+
+    @property
+    def activation(self) -> Activation:
+        return F16 if self.f16 else Q8_1
+
+    @property
+    def exact(self) -> bool:
+        return not self.f16
+
+    @property
+    def image_dtype(self) -> type[np.floating] | None:
+        return np.float16 if self.f16 else None
 
     # ---------------------------------------------------------------- layout
     def layout(self, hidden: int, ffn: int) -> ExpertLayout:
@@ -182,9 +212,10 @@ class Q2Blob(QuantFormat):
         scale planes follow them; `Planes.of` has every offset). Images: see module doc."""
         self.check_dims(hidden, ffn)
         p = Planes.of(hidden, ffn)
-        return ExpertLayout(hidden, ffn, p.gu_codes, p.gu_codes_bytes, p.down_codes,
-                            p.down_codes_bytes, p.total, image_bytes(2 * ffn, hidden),
-                            image_bytes(hidden, ffn))
+        planar = ExpertLayout(hidden, ffn, p.gu_codes, p.gu_codes_bytes, p.down_codes,
+                              p.down_codes_bytes, p.total, image_bytes(2 * ffn, hidden),
+                              image_bytes(hidden, ffn))
+        return fp16_image_layout(planar) if self.f16 else planar
 
     # ---------------------------------------------------------------- host side
     def quantize(self, weights: np.ndarray, imatrix: np.ndarray | None = None) -> np.ndarray:
@@ -232,8 +263,15 @@ class Q2Blob(QuantFormat):
         return gu[0::2], gu[1::2], decode(dc, ds)
 
     def images(self, blob: np.ndarray, hidden: int, ffn: int) -> tuple[np.ndarray, np.ndarray]:
-        """The numpy twin of kernels/q2_blob/gather.cu."""
+        """The numpy twin of the gather: kernels/q2_blob/dequant.cu's fp16 images (f16_gemm),
+        kernels/q2_blob/gather.cu's planar images (int8)."""
         gc, dc, gs, ds = self._planes(blob, hidden, ffn)
+        if self.f16:
+            gu16 = decode(gc, gs)  # blob rows: gate 0, up 0, gate 1, ...
+            with np.errstate(over="ignore"):
+                gu16 = np.concatenate([gu16[0::2], gu16[1::2]]).astype(np.float16)
+                dn16 = decode(dc, ds).astype(np.float16)
+            return gu16.reshape(-1).view(np.uint8), dn16.reshape(-1).view(np.uint8)
         gu = np.concatenate([gc[0::2].reshape(-1), gc[1::2].reshape(-1),
                              gs[0::2].view(np.uint8).reshape(-1),
                              gs[1::2].view(np.uint8).reshape(-1)])
@@ -241,14 +279,20 @@ class Q2Blob(QuantFormat):
         return gu, dn
 
     def image_matrix(self, image: np.ndarray, rows: int, cols: int) -> np.ndarray:
+        if self.f16:
+            return fp16_image_values(image, rows, cols, f"{self.name} ({self.variant})")
         return decode(*_split_image(image, rows, cols))
 
     # ---------------------------------------------------------------- matmul reference
     def mmq_reference(self, image: np.ndarray, expert_ids: tuple[int, ...], acts: Any,
                       bounds: np.ndarray, m: int, k: int) -> np.ndarray:
-        """Mirrors kernels/q2_blob/mmq.cu bit for bit: per 32-value sub-block j ascending,
-        idot_j = sum((code-1) * q) exactly, then acc += (ws * d_j) * idot_j in float32 with
-        each product and sum rounded (ws = the fp16 scale of the 64-group holding j)."""
+        """f16_gemm: float64 products of the fp16 images and fp16 activations, rounded to
+        float32 (grouped_gemm.gemm_reference). int8: mirrors kernels/q2_blob/mmq.cu bit for
+        bit: per 32-value sub-block j ascending, idot_j = sum((code-1) * q) exactly, then
+        acc += (ws * d_j) * idot_j in float32 with each product and sum rounded (ws = the fp16
+        scale of the 64-group holding j)."""
+        if self.f16:
+            return gemm_reference(image, expert_ids, acts, bounds, m, k)
         q = np.asarray(acts.q)
         d = np.asarray(acts.d, dtype=np.float32)
         out = np.zeros((q.shape[0], m), dtype=np.float32)
@@ -271,18 +315,25 @@ class Q2Blob(QuantFormat):
 
     # ---------------------------------------------------------------- device side
     def kernels_class(self) -> type[FormatKernels]:
-        return Q2Kernels
+        return Q2DequantF16Kernels if self.f16 else Q2Kernels
 
     def mmq_variants(self) -> tuple[str, ...]:
-        """f16_gemm (the default): fp16 images and the grouped fp16 GEMM (Q2BlobDequantF16);
-        int8: the exact int8 MMQ on q8_1 activations (this class)."""
+        """f16_gemm (the default): fp16 images and the grouped fp16 GEMM; int8: the exact int8
+        MMQ on q8_1 activations."""
         return (F16_GEMM, INT8)
 
-    def for_variant(self, name: str | None) -> QuantFormat:
+    def for_variant(self, name: str | None) -> Q2Blob:
+        """This object when it runs variant `name` already, else a copy running it."""
         super().for_variant(name)
-        if (name or F16_GEMM) == F16_GEMM:
-            return self if isinstance(self, Q2BlobDequantF16) else Q2BlobDequantF16()
-        return self if type(self) is Q2Blob else Q2Blob()
+        chosen = name or F16_GEMM
+        if chosen == self.variant:
+            return self
+        other = copy.copy(self)
+        other.variant = chosen
+        return other
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name} ({self.variant})>"
 
 
 def _interleave(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -318,39 +369,22 @@ class Q2Kernels(PerExpertKernels):
         return (self.layout.hidden, self.layout.ffn)
 
 
-class Q2BlobDequantF16(F16ImagesVariant, Q2Blob):
-    """Q2 blobs multiplied as fp16 images on fp16 activations (see the module doc)."""
-
-    description = ("Q2 blob, f16_gemm: dequantizing gather into fp16 images, grouped fp16 GEMM "
-                   "with fp32 accumulation over the whole K, fp16 activations")
-    variant = F16_GEMM
-
-    def images(self, blob: np.ndarray, hidden: int, ffn: int) -> tuple[np.ndarray, np.ndarray]:
-        """The fp16 images the dequantizing gather writes, as uint8 (its numpy twin)."""
-        gc, dc, gs, ds = self._planes(blob, hidden, ffn)
-        gu = decode(gc, gs)  # blob rows: gate 0, up 0, gate 1, ...
-        with np.errstate(over="ignore"):
-            gu16 = np.concatenate([gu[0::2], gu[1::2]]).astype(np.float16)
-            dn16 = decode(dc, ds).astype(np.float16)
-        return gu16.reshape(-1).view(np.uint8), dn16.reshape(-1).view(np.uint8)
-
-    def kernel_sources(self) -> list[Path]:
-        """The dequantizing gather, and the folder's exact MMQ source (so check-kernels
-        compiles every source of the folder under either variant); the GEMM is
-        kernels/common/gemm_f16.cu (shared)."""
-        return [KERNELS_ROOT / self.kernel_dir / n for n in ("dequant.cu", "mmq.cu")]
-
-    def kernels_class(self) -> type[FormatKernels]:
-        return Q2DequantF16Kernels
-
-
-class Q2DequantF16Kernels(GroupedGemmProducts, Q2Kernels):
+class Q2DequantF16Kernels(Q2Kernels):
     """The per-expert dequantizing gather and the shared grouped fp16 GEMM (the exact MMQ
     module is not loaded)."""
 
     gather_kernel = ("q2_dequant_f16", "ii")
     gather_source = "dequant.cu"
     gather_planes = 2
+    mmq_kernel: ClassVar[str | None] = None
+
+    def __init__(self, fmt: QuantFormat, runtime: Runtime, layout: ExpertLayout):
+        super().__init__(fmt, runtime, layout)
+        self._gg = GroupedGemm(runtime, iq3_gather=False)
+
+    def mmq(self, stream, weights: int, expert_ids: tuple[int, ...], acts: int, bounds: int,
+            out: int, m: int, k: int, rows_hint: int) -> None:
+        self._gg.gemm(stream, weights, expert_ids, acts, bounds, out, m, k, rows_hint)
 
     def gather_units(self) -> int:
         """16 bytes per thread of the grid-sizing rule = one 32-bit code word per thread."""

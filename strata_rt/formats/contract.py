@@ -97,12 +97,6 @@ class QuantFormat:
     block_bytes: ClassVar[int]
     #: True when an expert blob is plain byte ranges that one batched launch may copy
     native: ClassVar[bool] = False
-    #: activation encoding the MMQ consumes: strata_rt.formats.activations.Q8_1 or F16 (a subclass
-    #: may write the name, "q8_1" or "f16"); kernels/common builds both
-    activation: ClassVar[Activation] = Q8_1
-    #: True when the GPU MMQ is bit-identical to mmq_reference (the conformance suite then
-    #: compares bytes); False: it agrees within the suite's KERNEL_NMSE
-    exact: ClassVar[bool] = False
     #: folder under kernels/ holding this format's CUDA sources
     kernel_dir: ClassVar[str]
     #: NMSE a quantize/dequantize round trip of Gaussian weights stays under (conformance)
@@ -111,12 +105,44 @@ class QuantFormat:
     dim_multiple: ClassVar[int] = 256
     #: one line for `strata plugins`
     description: ClassVar[str] = ""
-    #: rows per expert (the walk's rows hint, strata_rt.schedule.lanes.walk_rows_hint) up to which a
-    #: chunk's products read resident experts in place (FormatKernels.mmq_in_place) instead of
-    #: gathering them first; 0: never (the kernels have no mmq_in_place). Reading in place must
-    #: give the gathered path's bytes, so the engine may choose per chunk
-    #: (strata_rt.schedule.in_place)
-    in_place_max_rows: ClassVar[int] = 0
+
+    # The properties below may depend on the MMQ variant an object runs (for_variant), so the
+    # engine, the registry and the conformance suite read them from the object. A format with
+    # one arithmetic sets them as class attributes (`activation = Q8_1`, `exact = True`).
+    @property
+    def activation(self) -> Activation:
+        """Activation encoding the MMQ consumes: strata_rt.formats.activations.Q8_1 or F16 (a
+        class attribute may give the name, "q8_1" or "f16"); kernels/common builds both."""
+        return Q8_1
+
+    @property
+    def exact(self) -> bool:
+        """True when the GPU MMQ is bit-identical to mmq_reference (the conformance suite then
+        compares bytes); False: it agrees within the suite's KERNEL_NMSE."""
+        return False
+
+    @property
+    def in_place_max_rows(self) -> int:
+        """Rows per expert (the walk's rows hint, strata_rt.schedule.lanes.walk_rows_hint) up to
+        which a chunk's products read resident experts in place (FormatKernels.mmq_in_place)
+        instead of gathering them first; 0: never (the kernels have no mmq_in_place). Reading
+        in place must give the gathered path's bytes, so the engine may choose per chunk
+        (strata_rt.schedule.in_place)."""
+        return 0
+
+    @property
+    def image_dtype(self) -> type[np.floating] | None:
+        """The element type the group-buffer images hold when it is narrower than what
+        dequantize gives (images of fp16-rounded weights): the conformance suite's image check
+        then compares with the weights rounded to it. None: the images are the exact weights."""
+        return None
+
+    @property
+    def quantizes(self) -> bool:
+        """Whether `quantize` encodes float weights. False for a format whose bytes only come
+        from files another tool wrote: the conformance suite then builds its experts with
+        random_expert and skips the round trips."""
+        return True
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """Turns an activation given by name into its object; an unknown name is left for the
@@ -124,7 +150,7 @@ class QuantFormat:
         super().__init_subclass__(**kwargs)
         kind = cls.__dict__.get("activation")
         if isinstance(kind, str) and kind in ACTIVATIONS:
-            cls.activation = ACTIVATIONS[kind]
+            setattr(cls, "activation", ACTIVATIONS[kind])
 
     # ---------------------------------------------------------------- sizes and layout
     def row_bytes(self, cols: int) -> int:

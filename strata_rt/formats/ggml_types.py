@@ -28,6 +28,36 @@ NAMES: tuple[str, ...] = (
     "MXFP4",
 )
 
+#: GGML type id -> byte offsets, within one block, of its fp16 scale fields. Every other field
+#: of these blocks is an integer code, and every code is valid, so random bytes with finite fp16
+#: scales are valid blocks (strata_rt.formats.ggml_blocks) and a NaN/Inf check of a tensor reads
+#: only these fields (strata_rt.weights.gguf_checks). IQ1_M spreads its fp16 scale over the top
+#: nibbles of four u16 words at 48..55 and MXFP4 scales by a power-of-two exponent byte: neither
+#: has an entry. Keyed by id, not name: the checks also read types no decoder handles (Q8_1, TQ*).
+F16_SCALES: dict[int, tuple[int, ...]] = {
+    2: (0,),        # Q4_0:   d, 16 bytes of nibbles
+    3: (0, 2),      # Q4_1:   d, m
+    6: (0,),        # Q5_0:   d, qh, qs
+    7: (0, 2),      # Q5_1:   d, m, qh, qs
+    8: (0,),        # Q8_0:   d, 32 int8
+    9: (0, 2),      # Q8_1:   d, s
+    10: (80, 82),   # Q2_K:   scales[16], qs[64], d, dmin
+    11: (108,),     # Q3_K:   hmask[32], qs[64], scales[12], d
+    12: (0, 2),     # Q4_K:   d, dmin, scales[12], qs
+    13: (0, 2),     # Q5_K:   d, dmin, scales[12], qh, qs
+    14: (208,),     # Q6_K:   ql[128], qh[64], scales[16], d
+    16: (0,),       # IQ2_XXS
+    17: (0,),       # IQ2_XS
+    18: (0,),       # IQ3_XXS: d, grid indices[64], sign/scale words[32]
+    19: (0,),       # IQ1_S
+    20: (0,),       # IQ4_NL
+    21: (0,),       # IQ3_S
+    22: (0,),       # IQ2_S
+    23: (0,),       # IQ4_XS
+    34: (52,),      # TQ1_0:  qs[48], qh[4], d
+    35: (64,),      # TQ2_0:  qs[64], d
+}
+
 #: values one decoder call yields (values i and i+1 of a block, i even)
 PAIR = 2
 

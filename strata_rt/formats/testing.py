@@ -12,8 +12,10 @@ is experts (1, 2, 3, 4) of a layer of six holding 3, 0, 1, 17, 2 and 5 rows: an 
 rows, one row, 17 rows (not a multiple of any tile) and rows of experts outside the group that
 must stay untouched. The matmul checks also run on the other ROW_CASES of testing_groups.
 
-A format whose images hold its weights in a narrower type than dequantize gives (a variant that
-dequantizes into fp16 images) declares `image_dtype`; the image check then compares with the
+A format that cannot quantize (`quantizes` False: its bytes come from files) skips the round
+trips, and its packed group is random_expert's. A format whose images hold its weights in a
+narrower type than dequantize gives (a variant that dequantizes into fp16 images) declares
+`image_dtype`; the image check then compares with the
 weights rounded to it. Such a format is not `exact`: its kernels are checked within KERNEL_NMSE
 of its reference, and every format's reference and kernels within FLOAT64_NMSE of float64.
 """
@@ -23,6 +25,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -86,7 +89,13 @@ def check_sizes(s: Subject) -> str:
             f"{lay.gate_up_image_bytes} + {lay.down_image_bytes} B")
 
 
+def _require_quantizer(s: Subject) -> None:
+    if not s.fmt.quantizes:
+        raise ConformanceSkip(f"{s.fmt.name} does not quantize (its experts come from files)")
+
+
 def check_roundtrip(s: Subject) -> str:
+    _require_quantizer(s)
     w = s.gaussian(s.ffn, s.hidden)
     raw = s.fmt.quantize(w)
     assert raw.dtype == np.uint8 and raw.shape == (s.ffn, s.fmt.row_bytes(s.hidden)), \
@@ -100,6 +109,7 @@ def check_roundtrip(s: Subject) -> str:
 
 
 def check_pack_unpack(s: Subject) -> str:
+    _require_quantizer(s)
     e = GROUP[0]
     unpacked = s.fmt.unpack_expert(s.blobs[e], s.hidden, s.ffn)
     for name, w, got in zip(("gate", "up", "down"), s.weights[e], unpacked):
@@ -114,7 +124,7 @@ def image_values(fmt: QuantFormat, weights: np.ndarray) -> np.ndarray:
     rounded to the format's `image_dtype` where it declares one (a format whose gathers
     dequantize into, say, fp16 images: numpy's cast rounds to nearest even, as the device
     conversions do)."""
-    dtype = getattr(fmt, "image_dtype", None)
+    dtype = fmt.image_dtype
     if dtype is None:
         return weights
     with np.errstate(over="ignore"):
@@ -132,7 +142,7 @@ def check_images(s: Subject) -> str:
             f"expert {e}: gate/up image != [gate; up]"
         assert np.array_equal(s.fmt.image_matrix(dn[p], s.hidden, s.ffn),
                               image_values(s.fmt, down)), f"expert {e}: down image != down"
-    rounded = getattr(s.fmt, "image_dtype", None)
+    rounded = s.fmt.image_dtype
     return "images dequantize to [gate; up] and down" + (
         f" rounded to {np.dtype(rounded).name}" if rounded is not None else "")
 
@@ -155,6 +165,28 @@ def check_reference(row_case: RowCase) -> Callable[[Subject], str]:
         return ("reference vs float64 NMSE " + ", ".join(done)) if done else "no rows: all zero"
 
     return check
+
+
+def check_gguf_copy(s: Subject) -> str:
+    """A format with a GGUF type loads tensors of that type as they are: pack_gguf_experts of
+    [n_experts, rows, cols] tensors holding the group's blobs gives back those blobs."""
+    fmt = s.fmt
+    if fmt.ggml_type is None:
+        raise ConformanceSkip(f"{fmt.name} has no GGUF type")
+    lay, h, f = s.layout, s.hidden, s.ffn
+    blobs = np.stack([s.blobs[e] for e in GROUP])
+    ranges = ((0, (f, h)), (lay.gate_up_bytes // 2, (f, h)), (lay.down_offset, (h, f)))
+    tensors = []
+    for part, (offset, (rows, cols)) in zip(("gate", "up", "down"), ranges):
+        nbytes = fmt.matrix_bytes(rows, cols)
+        data = blobs[:, offset: offset + nbytes].reshape(len(GROUP), rows, -1)
+        tensors.append(SimpleNamespace(name=f"blk.0.ffn_{part}_exps.weight", data=data,
+                                       shape=[cols, rows, len(GROUP)],
+                                       tensor_type=fmt.ggml_type))
+    got = fmt.pack_gguf_experts(*tensors)
+    assert np.array_equal(got, blobs[:, : lay.blob_bytes]), \
+        "pack_gguf_experts of the format's own type is not a byte copy of the tensors"
+    return f"{len(GROUP)} experts of GGUF type {fmt.ggml_type} copied byte for byte"
 
 
 def check_compile(s: Subject) -> str:
@@ -359,6 +391,7 @@ _CASES = (
     Case("roundtrip", False, check_roundtrip),
     Case("pack_unpack", False, check_pack_unpack),
     Case("images", False, check_images),
+    Case("gguf_copy", False, check_gguf_copy),
     *(Case(f"reference_{rc.name}", False, check_reference(rc)) for rc in ROW_CASES),
     Case("kernels_compile", False, check_compile),
     Case("launch_abi", False, check_launch_abi),

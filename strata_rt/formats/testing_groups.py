@@ -178,6 +178,10 @@ class Subject:
 
     @cached_property
     def blobs(self) -> dict[int, np.ndarray]:
+        """The packed group: pack_expert of `weights`, or random_expert for a format that
+        does not quantize."""
+        if not self.fmt.quantizes:
+            return {e: self.fmt.random_expert(self.rng, self.hidden, self.ffn) for e in GROUP}
         return {e: self.fmt.pack_expert(*w) for e, w in self.weights.items()}
 
     @cached_property

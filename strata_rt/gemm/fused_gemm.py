@@ -12,7 +12,8 @@ weights are read once per row tile, so fewer row tiles are the point.
 Numerics: the same bytes as the f16_gemm kernel on the same blocks and activations (each weight
 decoded as the dequantizing gather decodes it; one fp32 accumulator per output from zero, one
 mma per 16 values of K in ascending order), so an engine may switch between the two per chunk
-without changing a byte. The numpy twin is f16_gemm's (strata_rt.quants.iq3_xxs_fused).
+without changing a byte. The numpy twin is f16_gemm's (GGMLFormat.mmq_reference of f16_fused:
+gemm_reference on the decoded blocks).
 """
 
 from __future__ import annotations
@@ -29,8 +30,6 @@ if TYPE_CHECKING:
     from ..runtime import Runtime
 
 FUSED_SOURCE = KERNELS_ROOT / "iq3_xxs" / "fused.cu"
-#: the STRATA_MMQ_KERNEL name of the variant
-F16_FUSED = "f16_fused"
 #: values of K per IQ3_XXS block and per pipeline stage; k must be a multiple
 K_MULTIPLE = 256
 IQ3_BLOCK_BYTES = 98

@@ -7,8 +7,8 @@ read 98 bytes, write 512 per block of 256 weights) leaves a plain fp16 x fp16 ->
 the whole K, which tensor cores run at several times the rate.
 
 `GroupedGemm.gemm` has the signature of `FormatKernels.mmq`, so a format's launcher can delegate
-to it; `gemm_reference` is the numpy twin the tests compare with (the dequantizing gather's twin,
-`dequant_iq3_images`, lives with IQ3_XXS in strata_rt.quants.iq3_xxs_f16).
+to it; `gemm_reference` is the numpy twin the tests compare with (the dequantizing gather's twin
+is strata_rt.gemm.ggml_gather.images_reference, whose bytes the IQ3_XXS gather gives too).
 
 Numerics: the GEMM accumulates each output in fp32, one mma per 16 values of K in ascending
 order from a zero accumulator, so its bytes do not depend on the tile shape, on rows_hint or on
@@ -20,7 +20,7 @@ fp16(round to nearest even) of the float32 value IQ3XXS.dequantize gives.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -31,7 +31,6 @@ from ..resources import KERNELS_ROOT
 from .cutlass_gemm import CUTLASS_BY_NAME, CutlassGemm, cutlass_for, cutlass_tile
 
 if TYPE_CHECKING:
-    from ..formats.contract import QuantFormat
     from ..runtime import Runtime
 
 GEMM_SOURCE = KERNELS_ROOT / "common" / "gemm_f16.cu"
@@ -116,6 +115,16 @@ def fp16_image_layout(layout: ExpertLayout) -> ExpertLayout:
     return replace(layout, gate_up_image_bytes=gu, down_image_bytes=dn)
 
 
+def fp16_image_values(image: np.ndarray, rows: int, cols: int, what: str) -> np.ndarray:
+    """One fp16 image (uint8, 2 * rows * cols bytes) as float32 [rows, cols]; `what` names the
+    format in the error."""
+    raw = np.ascontiguousarray(image, dtype=np.uint8).reshape(-1)
+    if raw.size != 2 * rows * cols:
+        raise FormatError(f"{what}: an fp16 image of {rows} x {cols} takes {2 * rows * cols} "
+                          f"bytes, got {raw.size}")
+    return raw.view(np.float16).reshape(rows, cols).astype(np.float32)
+
+
 class GroupedGemm:
     """Prepared launches of gemm_f16.cu (every tile) and, unless `iq3_gather` is False (a
     format whose blobs already are fp16 images), of the IQ3_XXS dequantizing gather on one
@@ -168,7 +177,7 @@ class GroupedGemm:
         positions first_pos.. of the group buffers. `layout` is the IQ3_XXS blob layout with
         fp16 image bytes (fp16_image_layout); position p's images sit at gu_buf +
         p*gate_up_image_bytes and down_buf + p*down_image_bytes. Bytes equal
-        dequant_iq3_images of each blob, whatever the batch size. bounds (a layer's device
+        images_reference of each part, whatever the batch size. bounds (a layer's device
         row offsets; 0: none): members are experts first_expert.., and one without rows is
         skipped on the device (FormatKernels.gather_routed)."""
         if self._dequant is None:
@@ -201,22 +210,6 @@ class GroupedGemm:
             grid=(gx, n, 1), block=(DQ_THREADS, 1, 1), stream=stream,
             args=(*ptrs, gu_buf, down_buf, layout.gate_up_offset, gu_blocks, layout.down_offset,
                   dn_blocks, gu_img, dn_img, first_pos, bounds, first_expert))
-
-
-class GroupedGemmProducts:
-    """Mixin, before a PerExpertKernels subclass whose group buffers hold fp16 images (FP16
-    `gemm`, Q2 blob `f16_gemm`): its products are the shared grouped fp16 GEMM, and no MMQ
-    module of the format is loaded."""
-
-    mmq_kernel: ClassVar[str | None] = None
-
-    def __init__(self, fmt: QuantFormat, runtime: Runtime, layout: ExpertLayout):
-        super().__init__(fmt, runtime, layout)  # type: ignore[call-arg]
-        self._gg = GroupedGemm(runtime, iq3_gather=False)
-
-    def mmq(self, stream, weights: int, expert_ids: tuple[int, ...], acts: int, bounds: int,
-            out: int, m: int, k: int, rows_hint: int) -> None:
-        self._gg.gemm(stream, weights, expert_ids, acts, bounds, out, m, k, rows_hint)
 
 
 def _iq3_blocks(layout: ExpertLayout) -> tuple[int, int]:

@@ -21,31 +21,8 @@ from typing import Any
 
 import numpy as np
 
-#: GGML type id -> byte offsets, within one block, of its fp16 scale fields. Every other field
-#: of these blocks is an integer code, and every code is valid.
-F16_SCALES: dict[int, tuple[int, ...]] = {
-    2: (0,),        # Q4_0:   d, 16 bytes of nibbles
-    3: (0, 2),      # Q4_1:   d, m
-    6: (0,),        # Q5_0:   d, qh, qs
-    7: (0, 2),      # Q5_1:   d, m, qh, qs
-    8: (0,),        # Q8_0:   d, 32 int8
-    9: (0, 2),      # Q8_1:   d, s
-    10: (80, 82),   # Q2_K:   scales[16], qs[64], d, dmin
-    11: (108,),     # Q3_K:   hmask[32], qs[64], scales[12], d
-    12: (0, 2),     # Q4_K:   d, dmin, scales[12], qs
-    13: (0, 2),     # Q5_K:   d, dmin, scales[12], qh, qs
-    14: (208,),     # Q6_K:   ql[128], qh[64], scales[16], d
-    16: (0,),       # IQ2_XXS
-    17: (0,),       # IQ2_XS
-    18: (0,),       # IQ3_XXS: d, grid indices[64], sign/scale words[32]
-    19: (0,),       # IQ1_S
-    20: (0,),       # IQ4_NL
-    21: (0,),       # IQ3_S
-    22: (0,),       # IQ2_S
-    23: (0,),       # IQ4_XS
-    34: (52,),      # TQ1_0:  qs[48], qh[4], d
-    35: (64,),      # TQ2_0:  qs[64], d
-}
+from ..formats.ggml_types import F16_SCALES
+
 #: float types: GGML type id -> (unsigned view, exponent mask); all exponent bits set = NaN/Inf
 FLOAT_BITS = {0: (np.uint32, 0x7F800000), 1: (np.uint16, 0x7C00), 30: (np.uint16, 0x7F80),
               28: (np.uint64, 0x7FF0000000000000)}
