@@ -14,7 +14,7 @@ QWEN3_30B = (2048, 768)
 
 def case(rng: np.random.Generator, dims: tuple[int, int], part: str, counts: list[int],
          expert_ids: tuple[int, ...]) -> GroupCase:
-    return make_case(IQ3XXS(), rng, dims[0], dims[1], part, counts, expert_ids)
+    return make_case(IQ3XXS("f16_pipe"), rng, dims[0], dims[1], part, counts, expert_ids)
 
 
 def group_of(counts: list[int], rows_of_group: list[int], rng: np.random.Generator,

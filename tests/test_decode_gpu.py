@@ -13,7 +13,7 @@ from strata_rt.engine import Engine
 from strata_rt.formats.contract import MMQ_GROUP
 from strata_rt.models.qwen3 import Qwen3Model, Qwen3Spec
 from strata_rt.quants.iq3_xxs import IQ3XXS
-from strata_rt.quants.iq3_xxs_device import VARIANTS
+from strata_rt.quants.iq3_xxs_device import MMQ_VARIANTS
 from strata_rt.schedule.driver import DECODE_KEY
 
 pytestmark = pytest.mark.gpu
@@ -22,7 +22,7 @@ SPEC = Qwen3Spec(n_layers=3, hidden=512, n_heads=8, n_kv_heads=2, head_dim=64, v
                  ffn=256, n_experts=32, top_k=4, context=1024)
 
 
-@pytest.mark.parametrize("variant", ["f16_gemm", VARIANTS[0]])
+@pytest.mark.parametrize("variant", ["f16_gemm", MMQ_VARIANTS[0]])
 def test_routed_gather_skips_unrouted_experts(rt, rng, variant) -> None:
     """16 experts (ids 16..31 of a 40-expert layer), even ones in device memory and odd ones in
     page-locked host memory: a routed member gets the bytes gather_batch gives it, an unrouted

@@ -1,18 +1,18 @@
-"""FP16 plugin: exact conversion, blob = images, GGUF packing. Its GEMM variants (gemm, the
-default shared kernel, and tile64) against the reference (within KERNEL_NMSE: fp16 is not
-`exact`) and against float64 run in test_conformance.py with every other format; the variant
-objects in test_variants.py."""
+"""FP16 plugin (GGML's F16 as a GGMLFormat): exact conversion, blob = images, GGUF packing. Its
+variants (f16_gemm: byte copies and the grouped fp16 GEMM; f16_fused) against the reference
+(within KERNEL_NMSE: fp16 is not `exact`) and against float64 run in test_conformance.py with
+every other format; the variant objects in test_variants.py."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from strata_rt.errors import FormatError, PluginError
+from strata_rt.errors import FormatError
 from strata_rt.formats.activations import F16
-from strata_rt.formats.contract import FormatKernels
 from strata_rt.formats.numerics import nmse
-from strata_rt.quants.fp16 import FP16, FP16GemmKernels, FP16Kernels
+from strata_rt.formats.testing_abi import Recorder
+from strata_rt.quants.fp16 import FP16
 
 FMT = FP16()
 
@@ -33,7 +33,7 @@ def test_gaussian_roundtrip_within_fp16_rounding(rng):
 
 
 def test_out_of_range_and_bad_values_are_refused():
-    with pytest.raises(FormatError, match="beyond fp16's range"):
+    with pytest.raises(FormatError, match="do not fit F16: 128 value.*row 0, column 0"):
         FMT.quantize(np.full((1, 128), 70000.0, np.float32))
     with pytest.raises(FormatError, match="NaN/Inf"):
         FMT.quantize(np.full((1, 128), np.inf, np.float32))
@@ -82,12 +82,13 @@ def test_gguf_f16_and_f32_tensors(tmp_path, rng):
         assert np.array_equal(got[e].view(np.float16), want)
 
 
-def test_identity_not_native_and_gather_batch_refused():
+def test_identity_native_and_batched_byte_copies():
     # tensor cores do not sum in IEEE sequential order: the kernel is not bit-exact
-    assert not FMT.native and FMT.activation is F16 and not FMT.exact
+    assert FMT.native and FMT.activation is F16 and not FMT.exact
+    assert FMT.ggml_type == 1 and FMT.quantizes
     for variant in FMT.mmq_variants():
-        assert not FMT.for_variant(variant).offers_batched_gather()
-    with pytest.raises(PluginError, match="not native"):
-        FormatKernels(FMT, None, FMT.layout(256, 256)).gather_batch(None, [0], 0, 0, 0)
-    assert FP16Kernels.gather_batch is FormatKernels.gather_batch
-    assert FP16GemmKernels.gather_batch is FormatKernels.gather_batch
+        fmt = FMT.for_variant(variant)
+        assert fmt.offers_batched_gather() and fmt.images_are_blocks
+        kern = fmt.kernels(Recorder(), fmt.layout(256, 256))
+        kern.gather_batch(None, [0x1000, 0x2000], 0, 0x10000, 0x20000)
+        assert kern.fallbacks == 0

@@ -1,6 +1,6 @@
 """The IQ3_XXS GEMM that dequantizes in its main loop (strata_rt/gemm/fused_gemm.py,
-kernels/iq3_xxs/ fused.cu) and its variant object (STRATA_MMQ_KERNEL=f16_fused,
-quants/iq3_xxs_fused.py).
+kernels/iq3_xxs/ fused.cu) and its variant object (STRATA_MMQ_KERNEL=f16_fused: IQ3XXS with
+variant f16_fused, strata_rt/formats/ggml_format.py).
 
 CPU: the tile table against the CUDA source and the hardware, register budgets, the variant
 object (native layout and images, fp16 activations, f16_gemm's reference on the decoded
@@ -24,8 +24,8 @@ from strata_rt.errors import FormatError
 from strata_rt.formats.activations import F16
 from strata_rt.formats.numerics import nmse
 from strata_rt.formats.testing_abi import Recorder
+from strata_rt.formats.ggml_format import F16_FUSED, FLOAT64_NMSE_BOUND
 from strata_rt.gemm.fused_gemm import (
-    F16_FUSED,
     FUSED_SOURCE,
     TILES,
     TILES_BY_NAME,
@@ -35,21 +35,33 @@ from strata_rt.gemm.fused_gemm import (
     pick_tile,
 )
 from strata_rt.gemm.grouped_gemm import GroupedGemm, gemm_reference
-from strata_rt.quants.iq3_xxs import IQ3XXS, IQ3XXSDequantF16, IQ3XXSFusedF16
-from strata_rt.quants.iq3_xxs_f16 import dequant_iq3_images
-from strata_rt.quants.iq3_xxs_fused import (
-    FLOAT64_NMSE_BOUND,
-    IQ3XXSFusedKernels,
-    fused_reference,
-    native_images_to_f16,
-)
+from strata_rt.quants.iq3_xxs import IQ3XXS
+from strata_rt.quants.iq3_xxs_device import IQ3XXSF16Kernels
 from strata_rt.runtime.compile import nvcc_available
 
-IQ3 = IQ3XXS()
+#: the native blocks' object (an exact variant: images are the blob's ranges), f16_gemm's and
+#: f16_fused's
+IQ3 = IQ3XXS("f16_pipe")
+GEMM = IQ3XXS()
 FUSED = IQ3.for_variant(F16_FUSED)
 #: kernel vs float64 products of the same fp16 inputs (f16_gemm's bound: the bytes are its own)
 GEMM_NMSE = 1e-6
 NAN_F32 = np.uint32(0xFFFFFFFF)  # what `poisoned` fills with
+
+
+def dequant_iq3_images(blob: np.ndarray, hidden: int, ffn: int):
+    """f16_gemm's images of a blob (the dequantizing gather's twin)."""
+    return GEMM.images(blob, hidden, ffn)
+
+
+def native_images_to_f16(images: np.ndarray, n: int, m: int, k: int) -> np.ndarray:
+    """n native images -> float16 [n, m, k], as the fused kernel decodes them."""
+    img = np.asarray(images, dtype=np.uint8).reshape(n, -1)
+    return np.stack([FUSED.native_f16(img[p], m, k) for p in range(n)])
+
+
+def fused_reference(images, expert_ids, acts, bounds, m, k) -> np.ndarray:
+    return FUSED.mmq_reference(images, expert_ids, acts, bounds, m, k)
 
 
 def _parts(hidden: int, ffn: int) -> dict[str, tuple[int, int]]:
@@ -117,17 +129,16 @@ def test_native_image_bytes():
 
 def test_variant_object():
     assert F16_FUSED in IQ3.mmq_variants() and IQ3.mmq_variants()[0] == "f16_gemm"
-    assert type(FUSED) is IQ3XXSFusedF16 and FUSED.variant == F16_FUSED
+    assert type(FUSED) is IQ3XXS and FUSED.variant == F16_FUSED
     assert FUSED.for_variant(F16_FUSED) is FUSED
-    assert type(FUSED.for_variant(None)) is IQ3XXSDequantF16
-    assert type(FUSED.for_variant("int8")) is IQ3XXS
-    assert type(IQ3.for_variant(None).for_variant(F16_FUSED)) is IQ3XXSFusedF16
+    assert FUSED.for_variant(None).variant == "f16_gemm"
+    assert FUSED.for_variant("int8").variant == "int8" and FUSED.variant == F16_FUSED
     assert FUSED.activation is F16 and not FUSED.exact and FUSED.native
     assert FUSED.name == IQ3.name and FUSED.ggml_type == IQ3.ggml_type
     assert FUSED.image_dtype is np.float16
     assert FUSED.kernel_sources() == [FUSED_SOURCE]
-    assert FUSED.kernels_class() is IQ3XXSFusedKernels
-    assert repr(FUSED) == "<IQ3XXSFusedF16 iq3_xxs (f16_fused)>"
+    assert FUSED.kernels_class() is IQ3XXSF16Kernels
+    assert repr(FUSED) == "<IQ3XXS iq3_xxs (f16_fused)>"
     for h, f in ((512, 256), (2048, 768), (4096, 1536)):
         assert FUSED.layout(h, f) == IQ3.layout(h, f)  # native images: byte-copy gathers
 
@@ -167,7 +178,7 @@ def test_reference_is_f16_gemm_reference_on_the_decoded_blocks(rng, part):
                     for b in blobs])
     x = FUSED.prepare_activations(rng.standard_normal((int(bounds[-1]), k), dtype=np.float32))
     got = FUSED.mmq_reference(native, ids, x, bounds, m, k)
-    want = IQ3.for_variant(None).mmq_reference(f16, ids, x, bounds, m, k)
+    want = GEMM.mmq_reference(f16, ids, x, bounds, m, k)
     assert got.dtype == np.float32 and got.shape == (int(bounds[-1]), m)
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
     assert not got[20:21].any() and got[:3].any()
@@ -256,7 +267,7 @@ def test_launchers_copy_blocks_and_run_the_fused_kernel():
     rec = Recorder()
     lay = FUSED.layout(2048, 768)
     kern = FUSED.kernels(rec, lay)  # type: ignore[arg-type]
-    assert isinstance(kern, IQ3XXSFusedKernels)
+    assert isinstance(kern, IQ3XXSF16Kernels)
     assert set(TILES_BY_NAME) <= set(rec.kernels)
     assert {"gather_one", "gather_batch"} <= set(rec.kernels)
     kern.gather_batch(None, [1 << 20, 2 << 20], 3, 1 << 30, 2 << 30)

@@ -42,10 +42,12 @@ from strata_rt.gemm.grouped_gemm import (
 )
 from strata_rt.quants.fp16 import FP16
 from strata_rt.quants.iq3_xxs import IQ3XXS
-from strata_rt.quants.iq3_xxs_f16 import dequant_iq3_images
 from strata_rt.runtime.compile import nvcc_available
 
-IQ3 = IQ3XXS()
+#: the native blocks' object (an exact variant: its layout's images are the blob's ranges)
+IQ3 = IQ3XXS("f16_pipe")
+#: f16_gemm, whose images are the dequantizing gather's
+F16_IMAGES = IQ3XXS()
 #: kernel vs float64 product of the same fp16 inputs. Measured bound to be recorded from the
 #: GPU run; fp32 accumulation of K <= 4096 products sits orders of magnitude below it.
 GEMM_NMSE = 1e-6
@@ -69,7 +71,7 @@ def _blob_with_special_scales(rng, hidden, ffn):
 @pytest.mark.parametrize("hidden,ffn", [(512, 256), *GEOMETRIES])
 def test_dequant_twin_is_dequantize_cast_to_fp16(rng, hidden, ffn):
     blob = _blob_with_special_scales(rng, hidden, ffn)
-    gu, dn = dequant_iq3_images(blob, hidden, ffn)
+    gu, dn = F16_IMAGES.images(blob, hidden, ffn)
     gate, up, down = IQ3.unpack_expert(blob, hidden, ffn)
     with np.errstate(over="ignore"):
         want_gu = np.vstack([gate, up]).astype(np.float16)
@@ -252,7 +254,7 @@ def test_gpu_dequant_gather_bytes(rt, rng, hidden, ffn, n, first_pos):
     gu_all = got["gu"].reshape(MMQ_GROUP, gu_img)
     dn_all = got["dn"].reshape(MMQ_GROUP, dn_img)
     for p, blob in enumerate(blobs):
-        want_gu, want_dn = dequant_iq3_images(blob, hidden, ffn)
+        want_gu, want_dn = F16_IMAGES.images(blob, hidden, ffn)
         bad = np.flatnonzero(gu_all[first_pos + p].view(np.uint16) != want_gu.view(np.uint16))
         assert bad.size == 0, f"expert {p}: {bad.size} gate/up values differ, first at {bad[0]}"
         assert np.array_equal(dn_all[first_pos + p], want_dn), f"expert {p}: down differs"

@@ -85,14 +85,15 @@ def test_grid_header_is_current_generator_output():
 
 
 def test_variant_selection():
-    """The exact kernels' object runs the fastest measured variant unless told another, and
-    refuses a name that is none of them; for_variant reaches every variant by name."""
-    assert IQ3XXS().variant == MMQ_VARIANTS[0]
+    """The format object runs f16_gemm unless told another variant, and refuses a name that is
+    none of them; for_variant reaches every variant by name, the fastest exact one first."""
+    assert IQ3XXS().variant == "f16_gemm"
     assert IQ3XXS("int8").variant == "int8"
-    assert IQ3XXS().for_variant("int8").variant == "int8"  # type: ignore[attr-defined]
-    with pytest.raises(FormatError, match="bf16x.*valid: " + ", ".join(MMQ_VARIANTS)):
+    assert IQ3XXS().for_variant("int8").variant == "int8"
+    valid = ("f16_gemm", "f16_fused", *MMQ_VARIANTS)
+    with pytest.raises(FormatError, match="bf16x.*valid: " + ", ".join(valid)):
         IQ3XXS("bf16x")
-    assert IQ3XXS().mmq_variants() == ("f16_gemm", *MMQ_VARIANTS, "f16_fused")
+    assert IQ3XXS().mmq_variants() == valid and MMQ_VARIANTS[0] == "f16_pipe"
 
 
 def test_tiles_and_shared_memory_fit():

@@ -20,7 +20,7 @@ from strata_rt.quants.iq3_xxs import IQ3XXS
 from strata_rt.quants.iq3_xxs_device import MMQ_VARIANTS, IQ3XXSKernels
 
 pytestmark = pytest.mark.gpu
-FMT = IQ3XXS()
+FMT = IQ3XXS("f16_pipe")  # the exact kernels: native images, q8_1 activations
 
 
 # ------------------------------------------------------------------------------ gathers

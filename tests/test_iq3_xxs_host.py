@@ -17,7 +17,7 @@ from strata_rt.formats.activations import Q8_1
 from strata_rt.formats.numerics import nmse
 from strata_rt.quants.iq3_xxs import GRID_MAG, IQ3XXS, MAX_WEIGHT, SIGN_MASK, strata_rt_formats
 
-FMT = IQ3XXS()
+FMT = IQ3XXS("f16_pipe")  # native images and the exact reference
 f32 = np.float32
 
 
@@ -58,7 +58,8 @@ def test_identity_and_hook():
     assert isinstance(fmt, IQ3XXS)
     assert fmt.ggml_type == 18 == int(GT.IQ3_XXS)
     assert (fmt.block_values, fmt.block_bytes) == gguf.constants.GGML_QUANT_SIZES[GT.IQ3_XXS]
-    assert fmt.native and fmt.activation is Q8_1 and fmt.exact and fmt.name == "iq3_xxs"
+    assert fmt.native and fmt.name == "iq3_xxs" and fmt.variant == "f16_gemm"
+    assert FMT.activation is Q8_1 and FMT.exact and fmt.quantizes
 
 
 # ---------------------------------------------------------------------- dequantization

@@ -19,7 +19,7 @@ from strata_rt.formats.registry import QuantRegistry
 from strata_rt.quants import q2_blob
 from strata_rt.quants.q2_blob import Planes, Q2Blob, Q2Kernels
 
-FMT = Q2Blob()
+FMT = Q2Blob("int8")  # the exact MMQ: planar images, q8_1 activations
 
 
 def exact_weights(rng, rows, cols):
@@ -212,7 +212,7 @@ def test_registry_loads_both_plugins(tmp_path):
     yaml_path.write_text("plugins:\n  - module: strata_rt.quants.q2_blob\n  - module: strata_rt.quants.fp16\n")
     reg = QuantRegistry(yaml_path, entry_points=False)
     assert sorted(reg.names()) == ["fp16", "q2_blob"]
-    assert not reg["q2_blob"].native and not reg["fp16"].native
+    assert not reg["q2_blob"].native and reg["fp16"].native
 
 
 # ------------------------------------------------------------------------------ launchers
@@ -230,11 +230,11 @@ def test_f16_variant_images_are_the_weights_in_fp16(rng):
     """variant f16_gemm: the dequantizing gather's twin gives fp16 of the exact weights, gate
     rows then up rows, bit for bit (signed zeros of negative scales included), and the same
     blob bytes as the exact int8 variant. f16_gemm is the default."""
-    base = Q2Blob()
+    base = FMT
     fmt = base.for_variant("f16_gemm")
-    assert fmt is not base and fmt.for_variant("f16_gemm") is fmt
-    assert type(fmt.for_variant("int8")) is Q2Blob and base.for_variant("int8") is base
-    assert type(base.for_variant(None)) is type(fmt) and fmt.for_variant(None) is fmt
+    assert fmt is not base and fmt.for_variant("f16_gemm") is fmt and fmt.variant == "f16_gemm"
+    assert type(fmt) is Q2Blob and base.for_variant("int8") is base and base.variant == "int8"
+    assert Q2Blob().variant == "f16_gemm" and fmt.for_variant(None) is fmt
     assert base.mmq_variants() == ("f16_gemm", "int8")
     with pytest.raises(FormatError, match="'default'.*valid: f16_gemm, int8"):
         base.for_variant("default")

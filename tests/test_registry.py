@@ -11,6 +11,7 @@ import pytest
 
 import strata_rt
 from strata_rt.errors import PluginError
+from strata_rt.formats import ggml_types
 from strata_rt.formats.registry import QuantRegistry
 from strata_rt.resources import common_include_dir
 from strata_rt.runtime.compile import compile_cubin, nvcc_available
@@ -195,9 +196,11 @@ def test_listed_and_published_plugin_loads_once(plugins):
 
 def test_builtins_report_strata_rt_and_its_version():
     reg = QuantRegistry(entry_points=False, disabled=())
-    assert reg.names() == ["iq3_xxs", "q2_blob", "fp16"]
+    ggml = [n.lower() for n in ggml_types.NAMES if n not in ("IQ3_XXS", "F16")]
+    assert reg.names() == ["iq3_xxs", "q2_blob", "fp16", *ggml]
     for loaded in reg.formats.values():
-        assert loaded.plugin == loaded.module == f"strata_rt.quants.{loaded.format.name}"
+        module = "ggml" if loaded.format.name in ggml else loaded.format.name
+        assert loaded.plugin == loaded.module == f"strata_rt.quants.{module}"
         assert (loaded.distribution, loaded.version) == ("strata_rt", strata_rt.__version__)
 
 

@@ -1,11 +1,12 @@
 """MMQ variants as format objects (QuantFormat.for_variant): what each name of
-STRATA_MMQ_KERNEL returns for IQ3_XXS and FP16, the default variants' sizes, images, activations
-and references, and the launchers they build (on a recording runtime here; on the GPU the
-conformance suite and the Qwen3 shapes against float64).
+STRATA_MMQ_KERNEL returns for IQ3_XXS, FP16 and a plain GGML type (the same class, another
+`variant`), the default variants' sizes, images, activations and references, and the launchers
+they build (on a recording runtime here; on the GPU the conformance suite and the Qwen3 shapes
+against float64).
 
-The f16_gemm contract (quants/iq3_xxs_f16.py): images are fp16 of the exact dequantized
-weights bit for bit; the reference and the kernel stay within FLOAT64_NMSE_BOUND = 1e-5 of a
-float64 product of the exact weights and the float32 activations.
+The f16_gemm contract (strata_rt/formats/ggml_format.py): images are fp16 of the exact
+dequantized weights bit for bit; the reference and the kernel stay within FLOAT64_NMSE_BOUND =
+1e-5 of a float64 product of the exact weights and the float32 activations.
 """
 
 from __future__ import annotations
@@ -21,57 +22,76 @@ from _iq3_blocks import QWEN3_30B, SMALL, group_of
 from strata_rt.errors import FormatError
 from strata_rt.formats.activations import F16, Q8_1
 from strata_rt.formats.contract import QuantFormat
+from strata_rt.formats.ggml_format import F16_FUSED, FLOAT64_NMSE_BOUND
 from strata_rt.formats.numerics import nmse
 from strata_rt.formats.registry import registry
 from strata_rt.formats.testing import KERNEL_NMSE, run_conformance
 from strata_rt.formats.testing_abi import Recorder
 from strata_rt.gemm.grouped_gemm import TILES_BY_NAME, fp16_image_layout, gemm_reference
-from strata_rt.quants.fp16 import FP16, FP16GemmKernels, FP16Kernels
-from strata_rt.quants.iq3_xxs import IQ3XXS, IQ3XXSDequantF16
-from strata_rt.quants.iq3_xxs_device import MMQ_VARIANTS, VARIANTS, IQ3XXSKernels
-from strata_rt.quants.iq3_xxs_f16 import FLOAT64_NMSE_BOUND, IQ3XXSDequantF16Kernels
+from strata_rt.gemm.ggml_kernels import GGMLKernels
+from strata_rt.quants.fp16 import FP16
+from strata_rt.quants.ggml import Q4_K
+from strata_rt.quants.iq3_xxs import IQ3XXS
+from strata_rt.quants.iq3_xxs_device import MMQ_VARIANTS, IQ3XXSF16Kernels, IQ3XXSKernels
 
 IQ3 = IQ3XXS()
+IQ3_EXACT = IQ3.for_variant("f16_pipe")
 QWEN3_235B = (4096, 1536)
 
 
 # ------------------------------------------------------------------------------ for_variant
 def test_iq3_variant_names_and_objects():
-    assert IQ3.mmq_variants() == (*VARIANTS, "f16_fused") == (
-        "f16_gemm", "f16_pipe", "f16", "int8", "int8_occ2", "f16_fused")
-    default = IQ3.for_variant(None)
-    assert type(default) is IQ3XXSDequantF16 and default.variant == "f16_gemm"
-    assert type(IQ3.for_variant("f16_gemm")) is IQ3XXSDequantF16
-    assert default.for_variant("f16_gemm") is default
-    assert default.activation is F16 and not default.exact and default.native
-    assert default.name == IQ3.name and default.ggml_type == IQ3.ggml_type
+    assert IQ3.mmq_variants() == ("f16_gemm", "f16_fused", *MMQ_VARIANTS) == (
+        "f16_gemm", "f16_fused", "f16_pipe", "f16", "int8", "int8_occ2")
+    assert IQ3.variant == "f16_gemm" and IQ3.for_variant(None) is IQ3
+    assert IQ3.for_variant("f16_gemm") is IQ3
+    assert IQ3.activation is F16 and not IQ3.exact and IQ3.native
+    fused = IQ3.for_variant("f16_fused")
+    assert type(fused) is IQ3XXS and fused.variant == "f16_fused" and IQ3.variant == "f16_gemm"
+    assert fused.activation is F16 and not fused.exact
     for v in MMQ_VARIANTS:
-        exact = default.for_variant(v)
+        exact = IQ3.for_variant(v)
         assert type(exact) is IQ3XXS and exact.variant == v
-        assert exact.activation is Q8_1 and exact.exact
-        assert exact.for_variant(v) is exact
-    assert IQ3.variant == "f16_pipe" and IQ3.for_variant("f16_pipe") is IQ3
+        assert exact.activation is Q8_1 and exact.exact and exact.image_dtype is None
+        assert exact.for_variant(v) is exact and exact.in_place_max_rows == 0
+        assert exact.name == IQ3.name and exact.ggml_type == IQ3.ggml_type
+    assert IQ3.in_place_max_rows == 136 and fused.in_place_max_rows >= 1 << 30
 
 
 def test_fp16_variant_names_and_objects():
     fp = FP16()
-    assert fp.mmq_variants() == ("gemm", "tile64") and fp.variant == "gemm"
-    assert fp.for_variant(None) is fp and fp.for_variant("gemm") is fp
-    tile = fp.for_variant("tile64")
-    assert type(tile) is FP16 and tile.variant == "tile64"
-    assert tile.activation is F16 and not tile.exact
-    assert fp.kernels_class() is FP16GemmKernels and tile.kernels_class() is FP16Kernels
-    assert tile.for_variant(None).variant == "gemm"
+    assert fp.mmq_variants() == ("f16_gemm", "f16_fused") and fp.variant == "f16_gemm"
+    assert fp.for_variant(None) is fp and fp.for_variant("f16_gemm") is fp
+    fused = fp.for_variant("f16_fused")
+    assert type(fused) is FP16 and fused.variant == "f16_fused"
+    assert fused.activation is F16 and not fused.exact and fused.native
+    assert fp.kernels_class() is GGMLKernels and fused.kernels_class() is GGMLKernels
+    assert fused.for_variant(None).variant == "f16_gemm"
+    # its blocks are the fp16 images: one layout, byte-copy gathers, no in-place products
+    assert fp.layout(256, 128) == fused.layout(256, 128) and fp.images_are_blocks
+    assert fp.in_place_max_rows == 0
 
 
-@pytest.mark.parametrize("fmt", [IQ3, IQ3.for_variant(None), FP16()], ids=repr)
+def test_a_ggml_type_is_one_class_with_two_variants():
+    q4 = Q4_K()
+    assert (q4.name, q4.ggml_type, q4.block_values, q4.block_bytes) == ("q4_k", 12, 256, 144)
+    assert q4.mmq_variants() == ("f16_gemm", "f16_fused") and not q4.quantizes
+    fused = q4.for_variant(F16_FUSED)
+    assert type(fused) is Q4_K and q4.variant == "f16_gemm"
+    assert not q4.images_are_blocks and fused.images_are_blocks
+    assert q4.layout(512, 256) == fp16_image_layout(fused.layout(512, 256))
+    with pytest.raises(FormatError, match="read from GGUF files as llama-quantize writes them"):
+        q4.quantize(np.zeros((1, 256), np.float32))
+
+
+@pytest.mark.parametrize("fmt", [IQ3_EXACT, IQ3, FP16(), Q4_K()], ids=repr)
 def test_unknown_variant_names_the_valid_ones(fmt):
     with pytest.raises(FormatError, match=re.escape(
             f"MMQ variant 'bf16x' (STRATA_MMQ_KERNEL) is unknown; valid: "
             f"{', '.join(fmt.mmq_variants())}")):
         fmt.for_variant("bf16x")
-    with pytest.raises(FormatError, match="f16_gemm"):
-        IQ3XXS("f16_gemm")  # the plain object runs exact kernels only
+    with pytest.raises(FormatError, match="bf16x"):
+        type(fmt)("bf16x")
 
 
 def test_base_class_returns_itself_after_checking():
@@ -86,14 +106,15 @@ def test_base_class_returns_itself_after_checking():
 def test_registered_objects_and_plugin_listing():
     reg = registry()
     assert reg["iq3_xxs"].mmq_variants()[0] == "f16_gemm"
-    assert reg["fp16"].mmq_variants()[0] == "gemm"
-    for name in ("f16_gemm", "f16_pipe", "int8_occ2"):
+    assert reg["fp16"].mmq_variants()[0] == "f16_gemm"
+    for name in ("f16_gemm", "f16_fused", "f16_pipe", "int8_occ2"):
         assert name in reg["iq3_xxs"].description
-    assert "tile64" in reg["fp16"].description
+    assert "f16_fused" in reg["fp16"].description and "f16_fused" in reg["q4_k"].description
 
 
 @pytest.mark.parametrize("fmt", [IQ3.for_variant(None), IQ3.for_variant("int8"),
-                                 FP16().for_variant("tile64")], ids=repr)
+                                 FP16().for_variant("f16_fused"),
+                                 Q4_K().for_variant("f16_fused")], ids=repr)
 def test_variants_survive_pickling(fmt):
     """Spawned conversion workers receive format objects by pickle."""
     back = pickle.loads(pickle.dumps(fmt))
@@ -104,7 +125,7 @@ def test_variants_survive_pickling(fmt):
 @pytest.mark.parametrize("dims", [SMALL, QWEN3_30B, QWEN3_235B], ids=str)
 def test_f16_layout_keeps_the_blob_and_sizes_fp16_images(dims):
     hidden, ffn = dims
-    plain, f16 = IQ3.layout(hidden, ffn), IQ3.for_variant(None).layout(hidden, ffn)
+    plain, f16 = IQ3_EXACT.layout(hidden, ffn), IQ3.for_variant(None).layout(hidden, ffn)
     assert f16 == fp16_image_layout(plain)
     assert (f16.gate_up_image_bytes, f16.down_image_bytes) == (4 * ffn * hidden, 2 * hidden * ffn)
     assert f16.blob_bytes == plain.blob_bytes and f16.slot_bytes == plain.slot_bytes
@@ -154,7 +175,7 @@ def test_f16_reference_within_the_stated_bound_of_float64(rng, part):
     print(f"f16_gemm reference {part}: NMSE {err:.3g} vs float64 of the exact weights")
     assert 0 < err <= FLOAT64_NMSE_BOUND
     # the exact variants' reference stays the q8_1 one, an order of magnitude less accurate
-    exact = make_case(IQ3, rng, *QWEN3_30B, part, counts, ids, c.blobs)
+    exact = make_case(IQ3_EXACT, rng, *QWEN3_30B, part, counts, ids, c.blobs)
     exact.x = c.x
     assert nmse(exact.reference()[mask], _exact_float64(c)[mask]) > err
 
@@ -176,14 +197,14 @@ def test_exact_launcher_takes_the_variant_from_the_format(monkeypatch, variant):
 
 
 def test_exact_launcher_refuses_the_f16_gemm_name():
-    with pytest.raises(FormatError, match="f16_gemm is a format object"):
+    with pytest.raises(FormatError, match="fp16 variants run IQ3XXSF16Kernels"):
         IQ3XXSKernels(IQ3, Recorder(), IQ3.layout(*SMALL), variant="f16_gemm")
 
 
 def test_f16_gemm_launcher_gathers_by_dequantizing_and_multiplies_by_gemm():
     f16 = IQ3.for_variant(None)
     rec, kern = _record(f16, QWEN3_30B)
-    assert isinstance(kern, IQ3XXSDequantF16Kernels) and f16.offers_batched_gather()
+    assert isinstance(kern, IQ3XXSF16Kernels) and f16.offers_batched_gather()
     lay = f16.layout(*QWEN3_30B)
     kern.gather(None, 1 << 20, 7, 1 << 30, 2 << 30)
     one = rec.launches[-1]
@@ -204,19 +225,44 @@ def test_f16_gemm_launcher_gathers_by_dequantizing_and_multiplies_by_gemm():
     assert kern.fallbacks == 0
 
 
-@pytest.mark.parametrize("variant,kernel", [("gemm", "gemm_f16_m32"), ("tile64", "fp16_mmq")])
-def test_fp16_launchers(variant, kernel):
-    rec, kern = _record(FP16().for_variant(variant), (256, 128))
+def test_fp16_launchers_copy_and_multiply_by_gemm():
+    rec, kern = _record(FP16(), (256, 128))
     kern.mmq(None, 0x1000, (0, 1), 0x2000, 0x3000, 0x4000, 256, 128, 20)
-    assert rec.launches[-1].name == kernel
+    assert rec.launches[-1].name == "gemm_f16_m32"
     kern.gather(None, 0x5000, 3, 0x6000, 0x7000)
-    assert rec.launches[-1].name == "fp16_gather"
-    assert "iq3_dequant_gather" not in [p.name for p in rec.prepared]
+    assert rec.launches[-1].name == "gather_one"
+    kern.gather_batch(None, [0x5000, 0x9000], 3, 0x6000, 0x7000)
+    assert rec.launches[-1].name == "gather_batch"
+    assert not {"iq3_dequant_gather"} & {p.name for p in rec.prepared}
+    assert not any(p.name.startswith("ggml_gather_") for p in rec.prepared)
+
+
+def test_ggml_f16_gemm_launchers_dequantize_each_part_and_multiply_by_gemm():
+    """Q4_K f16_gemm: one dequantizing launch for the 2*ffn gate/up rows and one for the down
+    rows (each at its range of the blob, into its group buffer at the fp16 image stride), the
+    grouped fp16 GEMM for the products."""
+    hidden, ffn = SMALL
+    q4 = Q4_K()
+    rec, kern = _record(q4, SMALL)
+    lay = q4.layout(hidden, ffn)
+    srcs = [(1 + p) << 21 for p in range(3)]
+    kern.gather_batch(None, srcs, 5, 1 << 30, 2 << 30)
+    gu, dn = rec.launches[-2:]
+    assert gu.name == dn.name == "ggml_gather_Q4_K" and gu.grid[1] == dn.grid[1] == 3
+    assert gu.args[:3] == tuple(s + lay.gate_up_offset for s in srcs)
+    assert dn.args[:3] == tuple(s + lay.down_offset for s in srcs)
+    # dst, image stride, values, first_pos, bounds, first_expert after the 16 sources
+    assert gu.args[16:] == (1 << 30, lay.gate_up_image_bytes, 2 * ffn * hidden, 5, 0, 0)
+    assert dn.args[16:] == (2 << 30, lay.down_image_bytes, hidden * ffn, 5, 0, 0)
+    kern.gather_routed(None, srcs, 1 << 30, 2 << 30, 0x7000, 4)
+    assert rec.launches[-1].args[-3:] == (0, 0x7000, 4)
+    kern.mmq(None, 1 << 30, (0, 1, 2), 0x2000, 0x3000, 0x4000, 2 * ffn, hidden, 300)
+    assert rec.launches[-1].name in TILES_BY_NAME
 
 
 # ------------------------------------------------------------------------------ GPU
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", [IQ3.for_variant(None), FP16()], ids=repr)
+@pytest.mark.parametrize("fmt", [IQ3.for_variant(None), FP16(), Q4_K()], ids=repr)
 def test_gpu_conformance_of_the_default_variants(rt, fmt):
     report = run_conformance(fmt, runtime=rt)
     print(report)

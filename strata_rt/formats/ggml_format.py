@@ -210,7 +210,8 @@ class GGMLFormat(QuantFormat):
             raise FormatError(f"{self.name}: the gguf package's {t.name} quantizer takes no "
                               "importance vector")
         w = self.check_weights(weights)
-        out = np.asarray(gguf.quants.quantize(w, t.qtype))
+        with np.errstate(over="ignore"):  # refused below, naming the first such weight
+            out = np.asarray(gguf.quants.quantize(w, t.qtype))
         raw = np.ascontiguousarray(out).view(np.uint8).reshape(w.shape[0], -1)
         with np.errstate(over="ignore", invalid="ignore"):
             bad = ~np.isfinite(self.dequantize(raw, w.shape))
@@ -301,7 +302,11 @@ class GGMLFormat(QuantFormat):
     def native_f16(self, image: np.ndarray, rows: int, cols: int) -> np.ndarray:
         """One native image's values as the decoding kernels see them: float16 [rows, cols]."""
         raw = np.ascontiguousarray(image, dtype=np.uint8).reshape(-1)
-        return images_reference(self.gtype, raw[: self.matrix_bytes(rows, cols)], rows, cols)
+        nbytes = self.matrix_bytes(rows, cols)
+        if raw.size < nbytes:
+            raise FormatError(f"{self.name}: a native image of {rows} x {cols} takes {nbytes} "
+                              f"bytes, got {raw.size}")
+        return images_reference(self.gtype, raw[:nbytes], rows, cols)
 
     # ------------------------------------------------------------------ products
     def mmq_reference(self, image: np.ndarray, expert_ids: tuple[int, ...], acts: Any,
