@@ -1,19 +1,20 @@
 """Q2 blob and FP16 MMQ throughput on the Qwen3-30B-A3B expert shapes, beside the PyTorch bf16
 peer and the dense rates the same GPU reaches, all measured in one process.
 
-    python bench/bench_formats.py [--formats q2_blob,fp16:gemm,fp16:tile64]
+    python bench/bench_formats.py [--formats q2_blob,fp16:f16_gemm,fp16:f16_fused]
                                   [--tokens 512,2048,8192] [--reps 10] [--no-torch] [--json PATH]
 
 --formats names formats, or format:variant for one MMQ variant (STRATA_MMQ_KERNEL's names; a
 bare format name runs its default variant); default: every variant of each format, so FP16's
-default grouped GEMM (gemm) runs beside its first kernel (tile64).
+grouped fp16 GEMM (f16_gemm) runs beside the GEMM that decodes blocks in its main loop
+(f16_fused).
 
 Same workload as bench_mmq.py (routing, shapes, timing, TFLOPS = 2 * rows * m * k / time):
 each format's MMQ over the 8 groups of 16 experts for gate/up (1536 x 2048) and down
 (2048 x 768); torch.bmm in bf16 on the weights dequantized from the same blobs; dense
 torch.matmul fp16 and torch._int_mm int8 at 8192^3. The ratio column divides our rate by the
 dense rate of the instruction family the format's kernel uses (fp16 tensor cores for fp16,
-int8 for q2_blob). Gather: one launch per expert (neither format batches) against a
+int8 for q2_blob). Gather: one launch per expert (FP16 could batch; Q2 blob cannot) against a
 device-to-device copy of the same blob bytes.
 """
 

@@ -62,9 +62,8 @@ from mmq_torch import interop_check, torch_phase  # noqa: E402
 
 from strata_rt.formats.activations import ActivationKernels  # noqa: E402
 from strata_rt.formats.contract import MMQ_GROUP  # noqa: E402
-from strata_rt.gemm.fused_gemm import F16_FUSED  # noqa: E402
+from strata_rt.formats.ggml_format import F16_FUSED, F16_GEMM  # noqa: E402
 from strata_rt.quants.iq3_xxs import IQ3XXS  # noqa: E402
-from strata_rt.quants.iq3_xxs_device import F16_GEMM  # noqa: E402
 
 #: the variants also timed in the engine's issue order (f16_fused's "layer" there is what its
 #: products cost when they read resident slots in place, with no gather)

@@ -22,9 +22,9 @@ from _recording import RecordingKernel
 
 from strata_rt.errors import FormatError
 from strata_rt.formats.activations import F16
+from strata_rt.formats.ggml_format import F16_FUSED, FLOAT64_NMSE_BOUND
 from strata_rt.formats.numerics import nmse
 from strata_rt.formats.testing_abi import Recorder
-from strata_rt.formats.ggml_format import F16_FUSED, FLOAT64_NMSE_BOUND
 from strata_rt.gemm.fused_gemm import (
     FUSED_SOURCE,
     TILES,

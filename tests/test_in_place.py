@@ -17,8 +17,8 @@ from _settings import check_engine_setting, check_yaml_key, run_reference
 from strata_rt.engine import Engine, EngineConfig
 from strata_rt.errors import ConfigError, PlanHazardError, PluginError
 from strata_rt.formats.contract import MMQ_GROUP
-from strata_rt.formats.testing_abi import Recorder
 from strata_rt.formats.ggml_format import F16_FUSED
+from strata_rt.formats.testing_abi import Recorder
 from strata_rt.gemm.fused_gemm import TILES, at_name
 from strata_rt.quants.fp16 import FP16
 from strata_rt.quants.iq3_xxs import IQ3XXS

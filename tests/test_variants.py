@@ -27,8 +27,8 @@ from strata_rt.formats.numerics import nmse
 from strata_rt.formats.registry import registry
 from strata_rt.formats.testing import KERNEL_NMSE, run_conformance
 from strata_rt.formats.testing_abi import Recorder
-from strata_rt.gemm.grouped_gemm import TILES_BY_NAME, fp16_image_layout, gemm_reference
 from strata_rt.gemm.ggml_kernels import GGMLKernels
+from strata_rt.gemm.grouped_gemm import TILES_BY_NAME, fp16_image_layout, gemm_reference
 from strata_rt.quants.fp16 import FP16
 from strata_rt.quants.ggml import Q4_K
 from strata_rt.quants.iq3_xxs import IQ3XXS

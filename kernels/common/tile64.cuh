@@ -1,7 +1,7 @@
-// The 64 x 64 output tile the per-expert MMQ kernels (q2_blob, fp16) share: four warps, each
-// owning 32 activation rows x 32 weight rows; operands sit in shared memory as rows of
-// TILE64_SROW bytes (128 bytes of one K step + 16 of padding, which keeps the fragment loads
-// free of bank conflicts). Only the element type and the K step differ between the formats.
+// The 64 x 64 output tile of a per-expert MMQ kernel (q2_blob's int8 MMQ; a plugin's may use it
+// too): four warps, each owning 32 activation rows x 32 weight rows; operands sit in shared
+// memory as rows of TILE64_SROW bytes (128 bytes of one K step + 16 of padding, which keeps the
+// fragment loads free of bank conflicts).
 #pragma once
 #include <stdint.h>
 

@@ -150,7 +150,8 @@ class QuantFormat:
         super().__init_subclass__(**kwargs)
         kind = cls.__dict__.get("activation")
         if isinstance(kind, str) and kind in ACTIVATIONS:
-            setattr(cls, "activation", ACTIVATIONS[kind])
+            # a class attribute of the subclass, in place of the name (mypy sees the property)
+            cls.activation = ACTIVATIONS[kind]  # type: ignore[method-assign, assignment]
 
     # ---------------------------------------------------------------- sizes and layout
     def row_bytes(self, cols: int) -> int:

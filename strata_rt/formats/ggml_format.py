@@ -43,7 +43,7 @@ from ..gemm.grouped_gemm import GEMM_SOURCE, fp16_image_layout, fp16_image_value
 from .activations import F16, Q8_1, Activation
 from .contract import ExpertLayout, QuantFormat, expert_rows
 from .ggml_blocks import random_matrix
-from .ggml_types import GgmlType, ggml_type
+from .ggml_types import BY_NAME, GgmlType
 from .launchers import GATHER_SOURCE as COPY_GATHER_SOURCE
 
 if TYPE_CHECKING:
@@ -60,6 +60,15 @@ FLOAT64_NMSE_BOUND = 1e-5
 ALWAYS_IN_PLACE = 1 << 30
 #: the in-place kernel reads whole 16-byte words of each image
 IN_PLACE_ALIGN = 16
+
+
+def gguf_type(name: str) -> GgmlType:
+    """A GGML type the gguf package knows but the built-in table does not list (a plugin's,
+    decoded by its own decoder_source)."""
+    try:
+        return GgmlType.from_gguf(name)
+    except KeyError:
+        raise FormatError(f"GGML type {name!r} is unknown to the gguf package") from None
 
 
 @cache
@@ -84,6 +93,9 @@ class GGMLFormat(QuantFormat):
     gtype: ClassVar[GgmlType]
     #: the MMQ variant this object runs (one of mmq_variants())
     variant: str
+    #: the .cu file that instantiates the shared GGML kernels for a type outside the built-in
+    #: table (its decoder, then one STRATA_GGML_KERNELS line); None: kernels/ggml/gather.cu
+    decoder_source: ClassVar[Path | None] = None
     native = True
     kernel_dir = "ggml"
     #: rows hint up to which f16_gemm reads resident experts in place (the decoding GEMM skips
@@ -95,7 +107,7 @@ class GGMLFormat(QuantFormat):
         super().__init_subclass__(**kwargs)
         if "ggml" not in cls.__dict__:
             return
-        t = ggml_type(cls.ggml)
+        t = BY_NAME.get(cls.ggml) or gguf_type(cls.ggml)
         cls.gtype = t
         cls.ggml_type = t.type_id
         cls.block_values, cls.block_bytes = t.block_values, t.block_bytes
@@ -329,10 +341,14 @@ class GGMLFormat(QuantFormat):
     # ------------------------------------------------------------------ device side
     def kernel_sources(self) -> list[Path]:
         """What the launchers load: the dequantizing gather (or the byte copy) and the fp16
-        GEMM for f16_gemm; the byte copy for f16_fused (the decoding GEMM's templates come
-        with strata_rt.gemm.ggml_fused)."""
-        gather = COPY_GATHER_SOURCE if self.images_are_blocks else DEQUANT_GATHER_SOURCE
-        return [gather, GEMM_SOURCE] if self.variant == F16_GEMM else [gather]
+        GEMM for f16_gemm; the byte copy for f16_fused (the built-in types' decoding GEMM
+        comes with strata_rt.gemm.ggml_fused); and a plugin type's decoder_source."""
+        own = [] if self.decoder_source is None else [self.decoder_source]
+        if self.images_are_blocks:
+            gathers = [COPY_GATHER_SOURCE, *own]
+        else:
+            gathers = own or [DEQUANT_GATHER_SOURCE]
+        return [*gathers, GEMM_SOURCE] if self.variant == F16_GEMM else gathers
 
     def kernels_class(self) -> type[FormatKernels] | None:
         """GGMLKernels for the fp16 variants; a subclass with exact variants overrides this

@@ -232,8 +232,8 @@ class PerExpertKernels(FormatKernels):
     gather_source: ClassVar[str] = "gather.cu"
     #: grid.y of a gather launch (the parts the kernel copies or rebuilds)
     gather_planes: ClassVar[int]
-    #: the MMQ kernel in mmq_source, or None for a subclass whose products run elsewhere
-    #: (strata_rt.gemm.grouped_gemm.GroupedGemmProducts): then no MMQ module is loaded
+    #: the MMQ kernel in mmq_source, or None for a subclass whose products run elsewhere (Q2
+    #: blob's f16_gemm: the grouped fp16 GEMM): then no MMQ module is loaded
     mmq_kernel: ClassVar[str | None]
     mmq_source: ClassVar[str] = "mmq.cu"
     mmq_tile: ClassVar[MmqTile] = MmqTile(m=64, rows=64, threads=128, k_multiple=64)

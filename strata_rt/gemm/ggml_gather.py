@@ -14,6 +14,7 @@ value, bit for bit (`images_reference` is the numpy twin the GPU test compares w
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -57,11 +58,13 @@ def check_geometry(t: GgmlType, rows: int, cols: int) -> int:
 
 
 class GgmlGather:
-    """The dequantizing gathers of every GGML type, loaded from one module on first use."""
+    """The dequantizing gathers of every GGML type, loaded from one module on first use:
+    `source`, the built-in types' gather.cu unless a plugin's decoder file instantiates the
+    gather for its own type."""
 
-    def __init__(self, runtime: Runtime):
+    def __init__(self, runtime: Runtime, source: Path = GATHER_SOURCE):
         self.runtime = runtime
-        self._module = runtime.module(GATHER_SOURCE)
+        self._module = runtime.module(source)
         self._kernels: dict[int, Any] = {}
 
     def kernel(self, t: GgmlType) -> Any:

@@ -15,6 +15,7 @@ open_gemm, dequantizing_gather, fused_gemm and fused_gemm_at; the choice of step
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 from ..errors import FormatError
@@ -40,6 +41,7 @@ class GGMLKernels(FormatKernels):
                               f"({', '.join(F16_VARIANTS)})")
         self.variant = fmt.variant
         self.gtype = fmt.gtype
+        self.decoder_source = fmt.decoder_source
         self._copy = NativeKernels(fmt, runtime, layout) if fmt.images_are_blocks else None
         self._dequant = None if self._copy is not None else self.open_dequantizing_gather()
         self._gemm = self.open_gemm() if self.variant == F16_GEMM else None
@@ -51,8 +53,11 @@ class GGMLKernels(FormatKernels):
         return GroupedGemm(self.runtime, iq3_gather=False)
 
     def open_dequantizing_gather(self) -> GgmlGather | None:
-        """The gather that writes fp16 images (f16_gemm of a type whose blocks are not)."""
-        return GgmlGather(self.runtime)
+        """The gather that writes fp16 images (f16_gemm of a type whose blocks are not), from
+        the format's decoder_source where it has one."""
+        if self.decoder_source is None:
+            return GgmlGather(self.runtime)
+        return GgmlGather(self.runtime, self.decoder_source)
 
     def dequantizing_gather(self, stream: Any, srcs: list[int], first_pos: int, gu_buf: int,
                             down_buf: int, bounds: int = 0, first_expert: int = 0) -> None:
@@ -73,11 +78,11 @@ class GGMLKernels(FormatKernels):
                                  first_expert=first_expert)
 
     def fused(self) -> Any:
-        """The decoding GEMM's launchers, opened on first use."""
+        """The decoding GEMM's launchers (strata_rt.gemm.ggml_fused.GgmlFused), opened on first
+        use, so every other path runs without that module."""
         if self._fused is None:
-            from .ggml_fused import GgmlFused
-
-            self._fused = GgmlFused(self.runtime)
+            module = importlib.import_module(f"{__package__}.ggml_fused")
+            self._fused = module.GgmlFused(self.runtime)
         return self._fused
 
     def fused_gemm(self, stream: Any, weights: int, expert_ids: tuple[int, ...], acts: int,
