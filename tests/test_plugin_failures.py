@@ -46,9 +46,10 @@ class MyQ4Kernels(FormatKernels):
 
 
 def readme_skeleton() -> str:
-    """The first Python block of the README's "Writing a format plugin" section, verbatim."""
+    """The Python block of the README's QuantFormat walk-through ("Writing a format plugin"),
+    verbatim."""
     text = (ROOT / "README.md").read_text()
-    section = text[text.index("## Writing a format plugin"):]
+    section = text[text.index("### Any other format: a QuantFormat"):]
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 

@@ -58,7 +58,10 @@ def cmd_check_kernels(args: argparse.Namespace) -> int:
     if not archs or any(not a.startswith("sm_") for a in archs):
         raise ConfigError(f"--arch: got {args.arch!r}; expected e.g. sm_80,sm_90",
                           source="command line")
-    results = check_kernels([loaded.format for loaded in registry().formats.values()], archs)
+    # every variant's object: a variant may compile sources the default does not
+    owners = [loaded.format.for_variant(v) for loaded in registry().formats.values()
+              for v in loaded.format.mmq_variants()]
+    results = check_kernels(owners, archs)
     if "sm_90" in archs:
         from ..gemm.cutlass_gemm import check_library, find_headers
 
