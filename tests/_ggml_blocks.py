@@ -13,6 +13,7 @@ import gguf
 import numpy as np
 
 from strata_rt.formats.ggml_types import TYPES, GgmlType
+from strata_rt.gemm.ggml_decoders import DecoderSpec
 
 #: byte offsets of the fp16 scale fields in a block (IQ1_M spreads its scale over the top
 #: nibbles of four u16 words at 48..55: see finite_blocks); the float types and MXFP4 have none
@@ -21,6 +22,7 @@ F16_FIELDS: dict[str, tuple[int, ...]] = {
     "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
     "IQ2_XXS": (0,), "IQ2_XS": (0,), "IQ2_S": (0,), "IQ3_XXS": (0,), "IQ3_S": (0,),
     "IQ4_NL": (0,), "IQ4_XS": (0,), "IQ1_S": (0,),
+    "TQ2_0": (64,),  # the example plugin's type (tests/plugins/strata_testfmt)
 }
 #: fp16 bit patterns every scale field also takes: zeros of both signs, the smallest and the
 #: largest subnormal, the smallest normal, one, the largest finite of both signs
@@ -46,7 +48,7 @@ def _set_iq1m_scale(blocks: np.ndarray, f16: np.ndarray) -> None:
         blocks[:, byte] = (blocks[:, byte] & 0x0F) | (nib << 4)
 
 
-def random_blocks(rng: np.random.Generator, t: GgmlType, nblocks: int,
+def random_blocks(rng: np.random.Generator, t: GgmlType | DecoderSpec, nblocks: int,
                   finite: bool = True) -> np.ndarray:
     """nblocks random blocks of t as uint8 [nblocks, block_bytes]; `finite`: every fp16 scale
     field finite (the first blocks take the edge patterns)."""
@@ -57,6 +59,33 @@ def random_blocks(rng: np.random.Generator, t: GgmlType, nblocks: int,
         _set_iq1m_scale(blocks, finite_f16(rng, nblocks))
     for off in F16_FIELDS.get(t.name, ()):
         blocks[:, off:off + 2] = finite_f16(rng, nblocks).view(np.uint8).reshape(-1, 2)
+    return blocks
+
+
+def moderate_blocks(rng: np.random.Generator, t: GgmlType | DecoderSpec,
+                    nblocks: int) -> np.ndarray:
+    """nblocks random blocks of t whose values are all finite and of moderate size (scales of
+    magnitude below 1/8, float types standard normal), so products of them stay finite and a
+    kernel can be compared with a float64 reference within a tolerance."""
+    if t.block_values == 1:
+        vals = rng.standard_normal(nblocks)
+        if t.name == "F32":
+            return vals.astype("<f4").view(np.uint8).reshape(nblocks, 4)
+        if t.name == "BF16":
+            return (vals.astype("<f4").view("<u4") >> 16).astype("<u2").view(np.uint8).reshape(
+                nblocks, 2)
+        return vals.astype("<f2").view(np.uint8).reshape(nblocks, 2)
+    blocks = rng.integers(0, 256, (nblocks, t.block_bytes), dtype=np.uint8)
+
+    def scales() -> np.ndarray:
+        return (rng.uniform(-1, 1, nblocks) / 8).astype("<f2").view("<u2")
+
+    if t.name == "IQ1_M":
+        _set_iq1m_scale(blocks, scales())
+    if t.name == "MXFP4":  # e8m0 exponent: half scales 2^-6 .. 2^-1
+        blocks[:, 0] = rng.integers(122, 128, nblocks, dtype=np.uint8)
+    for off in F16_FIELDS.get(t.name, ()):
+        blocks[:, off:off + 2] = scales().view(np.uint8).reshape(-1, 2)
     return blocks
 
 

@@ -398,9 +398,9 @@ template <class D> int host_decode(const uint8_t* src, long long nvalues, float*
 }  // namespace ggml
 
 // geo: block values, block bytes, stage values, stage bytes, shared weight row, stages, smem
-#define STRATA_GGML_HOST_TILE_(SUFFIX, DEC, NAME, BM, WARPS, STAGES, MINB)          \
+#define STRATA_GGML_HOST_TILE_(SUFFIX, DEC, NAME, BM_, WARPS_, STAGES_, MINB_)      \
     if (n++ == tile) {                                                              \
-        using C = ggml::FusedCfg<DEC, BM, WARPS, STAGES, MINB>;                     \
+        using C = ggml::FusedCfg<DEC, BM_, WARPS_, STAGES_, MINB_>;                 \
         const int row[7] = {DEC::block_values, DEC::block_bytes, C::Stage::values,  \
                             C::Stage::bytes,   C::Stage::w_row,  C::STAGES, C::SMEM}; \
         for (int i = 0; i < 7; ++i) geo[i] = row[i];                                \
