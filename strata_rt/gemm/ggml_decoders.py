@@ -18,6 +18,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
+
 from gguf import GGMLQuantizationType
 
 from ..errors import FormatError
