@@ -8,7 +8,7 @@ launchers need only the suffix the kernels are named by and the block geometry, 
 `DecoderSpec` states. Every built-in type has one (`DecoderSpec.of`).
 
 The fused kernels' shared memory per type and tile follows from the geometry by the formula of
-templates.cuh's FusedStage / FusedCfg, mirrored here (`FusedShape`); tests/test_ggml_decode_host.py
+templates.cuh's FusedStage / FusedCfg, mirrored here (`FusedShape`); tests/test_ggml_fused_cpu.py
 compares the two for every built-in type and the example plugin's, through the host build.
 """
 
