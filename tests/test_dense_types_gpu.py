@@ -53,7 +53,7 @@ def test_decoded_scratch_is_the_host_fp16_image(rt, t, monkeypatch):
                            dense_slot_bytes(model, layer, slot), stream)
         rt.memcpy_htod(head_dev, head, stream)
         rt.memset_d8(scratch, POISON, scratch_bytes + 4096, stream)
-        dec = DenseDecode(rt, SPEC, scratch)
+        dec = DenseDecode(rt, SPEC, lay, scratch)
         for layer, slot in enumerate(lay.slots):
             want_qkv, want_o = fp16_images(model.dense.layers[layer])
             base = slots + lay.resident_offset(layer)

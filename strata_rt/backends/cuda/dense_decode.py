@@ -17,8 +17,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ...formats.ggml_types import ggml_type
 from ...gemm.ggml_gather import GgmlGather
-from ...models.qwen3.whole_memory import DIRECT, HEAD_SLICE_ROWS, DenseSlot, tensor_bytes
+from ...models.qwen3.whole_memory import (
+    DIRECT,
+    HEAD_SLICE_ROWS,
+    DenseLayout,
+    DenseSlot,
+    tensor_bytes,
+)
 
 if TYPE_CHECKING:
     from ...models.qwen3.spec import Qwen3Spec
@@ -33,18 +40,28 @@ def head_slices(vocab: int, direct: bool) -> list[tuple[int, int]]:
 
 
 class DenseDecode:
-    """Decodes dense weights into the fp16 scratch at `scratch` (device address, sized by
-    DenseLayout.scratch_bytes). The gather module is loaded on the first decode: a model
-    whose dense matrices are all F16 never needs it."""
+    """Decodes the dense weights of `layout` into the fp16 scratch at `scratch` (device
+    address, layout.scratch_bytes long). The gather's kernels for every type the layout
+    decodes are loaded here, at open: a type without a decoder fails before any prompt, and
+    nothing is loaded inside a captured graph. A model whose dense matrices are all F16 loads
+    none."""
 
-    def __init__(self, rt: Runtime, spec: Qwen3Spec, scratch: int):
-        self.rt, self.spec, self.scratch = rt, spec, scratch
+    def __init__(self, rt: Runtime, spec: Qwen3Spec, layout: DenseLayout, scratch: int):
+        self.spec, self.scratch = spec, scratch
+        decoded = {t for s in layout.slots
+                   for t in ((s.types.q, s.types.k, s.types.v) if not s.qkv_direct else ())
+                   + ((s.types.o,) if not s.o_direct else ())}
+        if not layout.head_direct:
+            decoded.add(layout.head_type)
         self._gather: GgmlGather | None = None
+        if decoded:
+            self._gather = GgmlGather(rt)
+            for name in sorted(decoded):
+                self._gather.kernel(ggml_type(name))
 
     def _one(self, stream: Stream, type_name: str, src: int, dst: int, rows: int,
              cols: int) -> None:
-        if self._gather is None:
-            self._gather = GgmlGather(self.rt)
+        assert self._gather is not None, "a decode the layout did not announce"
         self._gather.gather(stream, type_name, [src], dst, rows, cols)
 
     def wqkv(self, stream: Stream, base: int, slot: DenseSlot) -> int:

@@ -75,7 +75,7 @@ class CudaWhole:
         self.streamed = sizing.dense_stream
         spec = self.spec
         self.layout = sizing.layout()
-        self.decode = DenseDecode(rt, spec, ptr["dense_scratch"])
+        self.decode = DenseDecode(rt, spec, self.layout, ptr["dense_scratch"])
         self.attention = AttentionKernels(rt, spec.n_heads, spec.n_kv_heads, spec.head_dim,
                                           self.context)
         self.dense = DenseKernels(rt, ptr["dense_ws"], ws_bytes, sizing.gemm)
