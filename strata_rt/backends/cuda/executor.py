@@ -26,7 +26,7 @@ import numpy as np
 
 from ...errors import StrataError
 from ...formats.contract import FormatKernels
-from ...models.qwen3.whole_memory import WholeSizing
+from ...models.qwen3.whole_memory import DenseTypes, WholeSizing
 from ...report.stats import Stats
 from ...report.timing import PhaseTimer
 from ...runtime.hostmap import host_device_pointer
@@ -137,8 +137,8 @@ class CudaBackend:
         if self.whole is not None:
             assert cfg.dense_gemm is not None, "EngineConfig.resolve() sets dense_gemm"
             self.kv_capacity = cfg.context or self.whole.spec.context
-            whole_sizes = WholeSizing(self.whole.spec, self.kv_capacity, False,
-                                      cfg.dense_gemm)
+            whole_sizes = WholeSizing(self.whole.spec, DenseTypes.of_model(self.whole),
+                                      self.kv_capacity, False, cfg.dense_gemm)
         image_room = capacity_blocks(cfg.image_cache_mib, spec, lay)
         assert cfg.compute_lanes is not None, "EngineConfig.resolve() sets compute_lanes"
         self.lanes, mp = plan_lanes(cfg.compute_lanes, fixed_res, spec.total_experts, partial(
