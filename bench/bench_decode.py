@@ -63,7 +63,11 @@ from strata_rt.config.engine_config import EngineConfig  # noqa: E402
 from strata_rt.config.prompts import Prompt  # noqa: E402
 from strata_rt.config.run_config import Config, load_config  # noqa: E402
 from strata_rt.engine import Engine, backend_class, load_model  # noqa: E402
-from strata_rt.models.qwen3.whole_memory import DenseSlot  # noqa: E402
+from strata_rt.models.qwen3.whole_memory import (  # noqa: E402
+    DenseLayout,
+    DenseTypes,
+    tensor_bytes,
+)
 from strata_rt.report.stats import Stats  # noqa: E402
 from strata_rt.runtime.memory import MIB  # noqa: E402
 from strata_rt.schedule.driver import DECODE_KEY  # noqa: E402
@@ -104,20 +108,21 @@ def measure_ceilings(blob_bytes: int) -> tuple[dict[str, float], str | None]:
 # ---------------------------------------------------------------------- what a step reads
 def step_read_bytes(engine: Engine, position: float) -> dict[str, float]:
     """Bytes a one-token step at `position` must read from device memory, by part: the top_k
-    routed experts' blobs of every layer, the dense layer slots (fp16 Wqkv and Wo, norms), the
-    router (fp16 hi and lo parts for the exact routing, whose float32 rows a re-ranked token
-    reads too; fp16 for the f16 routing; else float32) and the MoE norms, the output head (fp16
-    Wout and its norm) and the keys and values of positions 0..position (fp16)."""
+    routed experts' blobs of every layer, the dense layer slots (Wqkv and Wo in their types,
+    norms), the router (fp16 hi and lo parts for the exact routing, whose float32 rows a
+    re-ranked token reads too; fp16 for the f16 routing; else float32) and the MoE norms, the output head (Wout
+    in its type and its norm) and the keys and values of positions 0..position (fp16)."""
     whole = engine.qwen3_spec
-    assert whole is not None
+    assert whole is not None and engine.whole is not None
+    types = DenseTypes.of_model(engine.whole)
     spec, layout = engine.model.spec, engine.model.layout
     L, H = spec.n_layers, spec.hidden
     router_bytes = {"exact": 4, "f16": 2}.get(engine.config.routing or "exact", 4)
     return {
         "experts": float(L * spec.top_k * layout.blob_bytes),
-        "dense": float(L * DenseSlot.of(whole).nbytes),
+        "dense": float(DenseLayout.of(whole, types).resident_bytes),
         "router_norms": float(L * (spec.n_experts * H * router_bytes + H * 4)),
-        "head": float(whole.vocab * H * 2 + H * 4),
+        "head": float(tensor_bytes(types.head, whole.vocab, H) + H * 4),
         "kv_cache": float(L * 2 * whole.kv_dim * 2 * (position + 1)),
     }
 

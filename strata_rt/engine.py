@@ -50,6 +50,7 @@ from .schedule.driver import Backend, ChunkDriver, HostContext
 from .schedule.plan import LogitRows
 from .schedule.planner import AUTO_CHUNK_MAX
 from .schedule.residency import Residency
+from .weights.layer_formats import LayerFormats
 from .weights.model import Model
 from .weights.store import ExpertStore
 from .weights.whole_model import load_model
@@ -80,20 +81,25 @@ def check_mmq_kernel(fmt: QuantFormat, kernel: str | None) -> None:
 
 
 def with_variant(model: Model, name: str | None) -> Model:
-    """The model as the engine runs it: its format replaced by the object of MMQ variant
-    `name` (None: the format's default). A variant may change the group-buffer images, the
-    activation encoding and the numpy reference, never the blob bytes, so the view shares the
-    model's weights and expert source and both backends read everything from its format."""
-    fmt = model.fmt.for_variant(name)
-    if fmt is model.fmt:
+    """The model as the engine runs it: each layer's format replaced by the object of MMQ
+    variant `name` (None: the format's default). A variant may change the group-buffer images,
+    the activation encoding and the numpy reference, never the blob bytes, so the view shares
+    the model's weights and expert source and both backends read everything from its formats."""
+    chosen: dict[int, QuantFormat] = {}
+    for fmt, _ in model.formats.distinct():
+        chosen[id(fmt)] = fmt.for_variant(name)
+    if all(chosen[id(f)] is f for f, _ in model.formats.distinct()):
         return model
+    spec = model.spec
+    formats = LayerFormats.of([chosen[id(f)] for f in model.formats.formats], spec.hidden,
+                              spec.ffn)
+    for layer, (old, new) in enumerate(zip(model.formats.layouts, formats.layouts)):
+        if (old.blob_bytes, old.slot_bytes) != (new.blob_bytes, new.slot_bytes):
+            raise ConfigError(f"format {formats.format(layer).name}: variant {name!r} changes "
+                              "the blob layout; a variant may change images and kernels only",
+                              source="plugin")
     view = copy.copy(model)
-    view.fmt = fmt
-    view.layout = fmt.layout(model.spec.hidden, model.spec.ffn)
-    if (view.layout.blob_bytes, view.layout.slot_bytes) != (model.layout.blob_bytes,
-                                                             model.layout.slot_bytes):
-        raise ConfigError(f"format {fmt.name}: variant {name!r} changes the blob layout; a "
-                          "variant may change images and kernels only", source="plugin")
+    view.fmt, view.formats, view.layout = formats.format(0), formats, formats.slot_layout
     return view
 
 
@@ -147,7 +153,7 @@ class Engine:
         self.kv_length = 0
         self.backend: Backend | None = backend
         self.context = context
-        self.driver = ChunkDriver(model.spec, model.fmt, config, backend)
+        self.driver = ChunkDriver(model.spec, model.formats, config, backend)
         self.residency: Residency = backend.residency
         self.config.backend = backend_name
         # a symlink is written through; resolve() refused what is not a regular file
@@ -168,7 +174,8 @@ class Engine:
         cfg = config if isinstance(config, EngineConfig) else EngineConfig(**config)
         cfg.resolve()
         model, whole = load_model(cfg.model)
-        check_mmq_kernel(model.fmt, cfg.mmq_kernel)
+        for fmt, _ in model.formats.distinct():
+            check_mmq_kernel(fmt, cfg.mmq_kernel)
         model = with_variant(model, cfg.mmq_kernel)
         spec, slot = model.spec, model.layout.slot_bytes
         hostmem.require(spec.n_layers * spec.n_experts * slot, "the expert store",

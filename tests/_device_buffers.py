@@ -36,3 +36,14 @@ def download(rt, stream, buf, dtype, shape, check_tail=True):
     if check_tail:
         assert (host[n:] == 0xFF).all(), "a kernel wrote past the end of its output"
     return host[:n].view(dtype).reshape(shape)
+
+
+def launch_poisoned(rt, stream, run, rows: int, m: int) -> np.ndarray:
+    """run(out pointer) into a freshly poisoned float32 output [rows, m] (0xFF: NaN); the raw
+    uint32 words it left, the tail checked untouched."""
+    out = poisoned(rt, stream, max(rows, 1) * m * 4)
+    try:
+        run(out.ptr)
+        return download(rt, stream, out, np.uint32, (max(rows, 1), m))[:rows]
+    finally:
+        out.free()

@@ -26,13 +26,16 @@ GEMM_ARGS = dict(weights=4096, expert_ids=(0, 1), acts=8192, bounds=12288, out=1
                  k=2048, rows_hint=64, tile=None)
 
 
-def assert_fits_registers(source: Path, arch: str, tiles_by_name: dict, out_dir: Path) -> None:
-    """ptxas -v on `source` for `arch`: every kernel is a tile of tiles_by_name (each with
-    threads and min_blocks), none spills, and min_blocks blocks fit the SM's 64K registers."""
+def assert_fits_registers(source: Path, arch: str, tiles_by_name: dict, out_dir: Path,
+                          extra: tuple[str, ...] = ()) -> None:
+    """ptxas -v on `source` for `arch` (with `extra` nvcc arguments, e.g. defines): every
+    kernel is a tile of tiles_by_name (each with threads and min_blocks), none spills, and
+    min_blocks blocks fit the SM's 64K registers."""
     out = subprocess.run(
         [str(nvcc_path()), "-cubin", "-O3", "-std=c++17", f"-arch={arch}", "-I",
-         str(KERNELS_ROOT), "-Xptxas", "-v", "-o", str(out_dir / f"{source.stem}.cubin"),
-         str(source)], capture_output=True, text=True, check=True).stderr
+         str(KERNELS_ROOT), *extra, "-Xptxas", "-v", "-o",
+         str(out_dir / f"{source.stem}.cubin"), str(source)],
+        capture_output=True, text=True, check=True).stderr
     found = re.findall(r"Compiling entry function '(\w+)'.*?(\d+) bytes spill stores, (\d+) bytes "
                        r"spill loads.*?Used (\d+) registers", out, re.S)
     assert {name for name, *_ in found} == set(tiles_by_name)

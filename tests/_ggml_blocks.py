@@ -1,16 +1,39 @@
 """Blocks of every GGML type for the decoder tests: random bytes with finite fp16 scales (the
-library's strata_rt.formats.ggml_blocks, which knows where each type's scales lie), the
-package's own quantizer's output, and edge-case scales."""
+library's strata_rt.formats.ggml_blocks, which knows where each type's scales lie), blocks of
+moderate values, the package's own quantizer's output, and edge-case scales."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from strata_rt.formats.ggml_blocks import random_blocks
+from strata_rt.formats.ggml_blocks import random_blocks, scale_fields, set_scale_fields
 from strata_rt.formats.ggml_format import gguf_quantizes
 from strata_rt.formats.ggml_types import TYPES, GgmlType
+from strata_rt.gemm.ggml_decoders import DecoderSpec
 
-__all__ = ["QUANTIZABLE", "gguf_quantize", "quantize_source", "random_blocks"]
+__all__ = ["QUANTIZABLE", "gguf_quantize", "moderate_blocks", "quantize_source",
+           "random_blocks"]
+
+
+def moderate_blocks(rng: np.random.Generator, t: GgmlType | DecoderSpec,
+                    nblocks: int) -> np.ndarray:
+    """nblocks random blocks of t whose values are all finite and of moderate size (scales of
+    magnitude below 1/8, float types standard normal), so products of them stay finite and a
+    kernel can be compared with a float64 reference within a tolerance."""
+    if t.block_values == 1:
+        vals = rng.standard_normal(nblocks)
+        if t.name == "F32":
+            return vals.astype("<f4").view(np.uint8).reshape(nblocks, 4)
+        if t.name == "BF16":
+            return (vals.astype("<f4").view("<u4") >> 16).astype("<u2").view(np.uint8).reshape(
+                nblocks, 2)
+        return vals.astype("<f2").view(np.uint8).reshape(nblocks, 2)
+    blocks = rng.integers(0, 256, (nblocks, t.block_bytes), dtype=np.uint8)
+    if t.name == "MXFP4":  # e8m0 exponent: half scales 2^-6 .. 2^-1
+        blocks[:, 0] = rng.integers(122, 128, nblocks, dtype=np.uint8)
+    set_scale_fields(t, blocks, [(rng.uniform(-1, 1, nblocks) / 8).astype("<f2").view("<u2")
+                                 for _ in scale_fields(t, blocks)])
+    return blocks
 
 
 def quantize_source(rng: np.random.Generator, nblocks: int, block_values: int) -> np.ndarray:

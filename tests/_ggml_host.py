@@ -1,5 +1,8 @@
 """The GGML decoders as host code: kernels/ggml/host_decode.cu built by nvcc into a shared
-library (no device needed) and loaded with ctypes.
+library (no device needed) and loaded with ctypes; or a plugin's own source (one
+STRATA_GGML_KERNELS line over its decoder struct) built the same way with -DSTRATA_GGML_HOST,
+which turns that line into host exports of the decoder and the fused tiles' geometry
+(kernels/ggml/templates.cuh).
 
 The build is cached under strata_rt's kernel cache (STRATA_KERNEL_CACHE, else
 ~/.cache/strata_rt/kernels), keyed by a digest of every source in kernels/ggml, the flags and
@@ -30,29 +33,36 @@ FLAGS = ("-shared", "-Xcompiler", "-fPIC", "-Xcompiler", "-ffp-contract=off", "-
          "-std=c++17")
 
 
-def digest(nvcc: str) -> str:
-    """sha256 over the sources' names and bytes, the flags and the compiler's version."""
+#: what a plugin's source is built with: its STRATA_GGML_KERNELS line becomes host exports
+PLUGIN_FLAGS = ("-DSTRATA_GGML_HOST",)
+
+
+def digest(nvcc: str, source: Path = HARNESS, flags: tuple[str, ...] = FLAGS) -> str:
+    """sha256 over the sources' names and bytes (kernels/ggml and `source`), the flags and
+    the compiler's version."""
     h = hashlib.sha256()
-    for path in sorted(SOURCE_DIR.iterdir()):
+    for path in [*sorted(SOURCE_DIR.iterdir()), source]:
         if path.suffix in (".cu", ".cuh"):
             h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
-    h.update("\0".join(FLAGS).encode() + b"\0" + nvcc_version(nvcc).encode())
+    h.update("\0".join(flags).encode() + b"\0" + nvcc_version(nvcc).encode())
     return h.hexdigest()
 
 
-def build() -> Path:
+def build(source: Path = HARNESS, extra_flags: tuple[str, ...] = ()) -> Path:
     """The cached library's path, compiling it first when no build of these sources exists."""
     nvcc = nvcc_path()
     if nvcc is None:
         raise RuntimeError("nvcc not found")
-    target = cache_dir() / f"libggml_host_decode-{digest(nvcc)[:24]}.so"
+    flags = (*FLAGS, *extra_flags)
+    target = cache_dir() / f"lib{source.stem}_host-{digest(nvcc, source, flags)[:24]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=target.stem, suffix=".tmp", dir=target.parent)
     os.close(fd)
     try:
-        cmd = [nvcc, *FLAGS, "-I", str(SOURCE_DIR), "-o", tmp, str(HARNESS)]
+        cmd = [nvcc, *flags, "-I", str(SOURCE_DIR), "-I", str(KERNELS_ROOT), "-o", tmp,
+               str(source)]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"nvcc failed:\n{done.stdout}{done.stderr}\n{' '.join(cmd)}")
@@ -64,11 +74,14 @@ def build() -> Path:
 
 
 class HostDecoder:
-    """ctypes front of the host library: decode(t, raw) and the compiled traits."""
+    """ctypes front of a host library: decode(t, raw) and the compiled traits (the built-in
+    harness), decode_suffix and fused_geometry (any build's STRATA_GGML_KERNELS exports)."""
 
     def __init__(self, path: Path):
         self.path = path
         self.lib = ctypes.CDLL(str(path))
+        if not hasattr(self.lib, "ggml_host_decode"):
+            return  # a plugin's build: only the per-decoder exports
         self.lib.ggml_host_decode.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_longlong,
                                               ctypes.c_void_p]
         self.lib.ggml_host_decode.restype = ctypes.c_int
@@ -89,6 +102,32 @@ class HostDecoder:
             raise ValueError(f"{fn.__name__}({t.name}, {n} values) returned {rc}")
         return out
 
+    def decode_suffix(self, suffix: str, block_values: int, block_bytes: int, raw: np.ndarray,
+                      chunks: bool = False) -> np.ndarray:
+        """decode through the exports of a STRATA_GGML_KERNELS(suffix, ...) line."""
+        src = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1)
+        n = src.size // block_bytes * block_values
+        out = np.empty(n, dtype=np.float32)
+        fn = getattr(self.lib, f"ggml_host_decode_{'chunks_' if chunks else ''}{suffix}")
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_longlong, ctypes.c_void_p]
+        fn.restype = ctypes.c_int
+        rc = fn(src.ctypes.data, n, out.ctypes.data)
+        if rc != 0:
+            raise ValueError(f"{fn.__name__}({n} values) returned {rc}")
+        return out
+
+    def fused_geometry(self, suffix: str) -> list[tuple[int, ...]]:
+        """Per fused tile, in list order, as the compiled templates size it: (block values,
+        block bytes, stage values, stage bytes, shared weight row, stages, dynamic smem)."""
+        fn = getattr(self.lib, f"ggml_host_fused_{suffix}")
+        fn.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int)]
+        fn.restype = ctypes.c_int
+        rows: list[tuple[int, ...]] = []
+        geo = (ctypes.c_int * 7)()
+        while fn(len(rows), geo) == 0:
+            rows.append(tuple(geo))
+        return rows
+
     def traits(self) -> list[tuple[int, int, int]]:
         """(type id, values per block, bytes per block) of every compiled type, in order."""
         rows: list[tuple[int, int, int]] = []
@@ -101,3 +140,9 @@ class HostDecoder:
 @functools.lru_cache(maxsize=1)
 def host_decoder() -> HostDecoder:
     return HostDecoder(build())
+
+
+@functools.lru_cache(maxsize=4)
+def plugin_decoder(source: Path) -> HostDecoder:
+    """The host build of a plugin's source (its decoder and its tiles' geometry)."""
+    return HostDecoder(build(Path(source), PLUGIN_FLAGS))

@@ -180,31 +180,36 @@ def test_plugins_option_and_missing_file(tmp_path: Path) -> None:
 
 
 def test_inspect_a_whole_model_file_shows_dense_weights_and_kv_cache(tmp_path, capsys):
-    """A GGUF with token_embd.weight: dense weights by type, their fp16 size, the KV cache per
-    1K tokens, and a budget's split: the dense part first (streamed when the resident weights
-    do not fit), the experts counted in what is left."""
+    """A GGUF with token_embd.weight: dense weights by type, what they take on the GPU as
+    stored (here F32) with the fp16 decode scratch, the KV cache per 1K tokens, and a budget's
+    split: the dense part first (streamed when the resident weights do not fit), the experts
+    counted in what is left."""
     from strata_rt.config.hostmem import format_bytes
     from strata_rt.models.qwen3.gguf_full import write_qwen3_gguf
     from strata_rt.models.qwen3.spec import TINY_SPEC
     from strata_rt.models.qwen3.weights import Qwen3Model
+    from strata_rt.models.qwen3.whole_memory import DenseLayout, DenseTypes
 
     path = write_qwen3_gguf(tmp_path / "tiny.gguf", Qwen3Model.synthetic(TINY_SPEC, 1, "fp16"))
+    layout = DenseLayout.of(TINY_SPEC, DenseTypes.uniform(TINY_SPEC.n_layers, "F32"))
     assert main(["inspect", str(path), "--budget-gib", "0.001"]) == 0
     out = capsys.readouterr().out
     kv_1k = TINY_SPEC.n_layers * 2 * TINY_SPEC.n_kv_heads * TINY_SPEC.head_dim * 2 * 1024
     assert f"whole model: vocabulary {TINY_SPEC.vocab}" in out
     assert f"KV cache (fp16) per 1K tokens: {format_bytes(kv_1k)}" in out
-    assert f"dense weights as fp16 (what the GPU holds): " \
-           f"{format_bytes(2 * TINY_SPEC.dense_params())}" in out
+    head = TINY_SPEC.vocab * TINY_SPEC.hidden
+    assert f"on the GPU, as stored: attention weights and norms " \
+           f"{format_bytes(layout.resident_bytes)}, output head {format_bytes(4 * head)}, " \
+           f"fp16 decode scratch {format_bytes(2 * head)}" in out
     assert "holds the dense weights streaming per layer (they do not fit)" in out
     assert "| F32 " in out or "| F16 " in out
-    assert main(["inspect", str(path), "--budget-gib", "0.0088"]) == 0
+    assert main(["inspect", str(path), "--budget-gib", "0.0104"]) == 0
     out = capsys.readouterr().out
-    assert "holds the fp16 dense weights resident" in out
+    assert "holds the dense weights resident" in out
     fp16_row = next(line for line in out.splitlines() if line.startswith("| fp16 "))
-    slot = 393_216  # an FP16 expert of the tiny shape; 0.0088 GiB less the dense part: 8
+    slot = 393_216  # an FP16 expert of the tiny shape; 0.0104 GiB less the dense part: 9
     left = float(out.split(" left for experts")[0].rsplit("; ", 1)[1].split()[0])
-    assert fp16_row.split("|")[5].strip() == str(int(left * (1 << 20)) // slot) == "8"
+    assert fp16_row.split("|")[5].strip() == str(int(left * (1 << 20)) // slot) == "9"
 
 
 def test_inspect_of_moe_layers_only_has_no_whole_model_lines(tmp_path, capsys):

@@ -11,7 +11,12 @@ from test_config import DROP, GOOD, only, problems, with_, write
 from strata_rt.config.run_config import load_config
 from strata_rt.formats.registry import registry
 from strata_rt.models.qwen3 import TINY_SPEC, Qwen3Model, write_qwen3_gguf
-from strata_rt.models.qwen3.whole_memory import DenseSlot, WholeSizing, kv_bytes
+from strata_rt.models.qwen3.whole_memory import (
+    DenseLayout,
+    DenseTypes,
+    WholeSizing,
+    kv_bytes,
+)
 from strata_rt.runtime.memory import MIB
 from strata_rt.schedule.memory_plan import plan_memory
 
@@ -92,28 +97,24 @@ def test_budget_counts_dense_weights_kv_and_head_first(tmp_path: Path) -> None:
     budget = 90
     cfg = load_config(write(tmp_path, whole(expert_cache=DROP, vram_budget_mib=budget,
                                             context=1024, prefill=256,
-                                            model__synthetic__vocab=4000)))
+                                            model__synthetic__vocab=4000,
+                                            model__synthetic__dense_type="Q8_0")))
     moe = load_config(write(tmp_path, with_(expert_cache=DROP, vram_budget_mib=budget,
                                             prefill=256)))
     plan, moe_plan = cfg.memory_plan(fmt), moe.memory_plan(fmt)
     assert plan is not None and moe_plan is not None
     spec = cfg.whole
-    assert plan.regions["dense"] == spec.n_layers * DenseSlot.of(spec).nbytes
+    assert cfg.whole_types == DenseTypes.uniform(spec.n_layers, "Q8_0")
+    assert not plan.dense_stream
+    assert plan.regions["dense"] == DenseLayout.of(spec, cfg.whole_types).resident_bytes
     assert plan.regions["kv"] == kv_bytes(spec, 1024)
-    assert plan.regions["head"] == spec.vocab * spec.hidden * 2
+    assert plan.regions["head"] == spec.vocab * spec.hidden // 32 * 34  # Q8_0, as stored
+    # the fp16 scratch holds the largest decoded matrix: here the head (one slice of 4,000)
+    assert plan.regions["dense_scratch"] == spec.vocab * spec.hidden * 2
     slot = fmt.layout(spec.hidden, spec.ffn).slot_bytes
     assert 0 < plan.n_resident < moe_plan.n_resident
     # the experts fill what the dense part left: one more would not fit
     assert plan.total <= budget * MIB < plan.total + 2 * slot
-
-
-def test_dense_slot_layout_is_aligned_and_holds_every_weight() -> None:
-    s = DenseSlot.of(TINY_SPEC)
-    offsets = [s.wqkv, s.wo, s.attn_norm, s.q_norm, s.k_norm]
-    assert offsets == sorted(offsets) and all(o % 256 == 0 for o in offsets)
-    H, q, kv, hd = TINY_SPEC.hidden, TINY_SPEC.q_dim, TINY_SPEC.kv_dim, TINY_SPEC.head_dim
-    assert s.wo - s.wqkv >= (q + 2 * kv) * H * 2 and s.attn_norm - s.wo >= H * q * 2
-    assert s.nbytes >= s.k_norm + hd * 4
 
 
 def test_plan_memory_without_whole_is_unchanged() -> None:
@@ -124,8 +125,10 @@ def test_plan_memory_without_whole_is_unchanged() -> None:
     lay = fmt.layout(256, 256)
     a = plan_memory(spec, lay, fmt.activation, 1 << 40, 8, 64, 0)
     b = plan_memory(spec, lay, fmt.activation, 1 << 40, 8, 64, 0,
-                    whole=WholeSizing(TINY_SPEC, 128))
-    assert set(b.regions) - set(a.regions) >= {"dense", "kv", "head", "qkv", "attn_out"}
+                    whole=WholeSizing(TINY_SPEC, DenseTypes.uniform(TINY_SPEC.n_layers, "F16"),
+                                      128))
+    assert set(b.regions) - set(a.regions) >= {"dense", "kv", "head", "qkv", "attn_out",
+                                               "dense_scratch"}
     assert all(b.regions[k] == v for k, v in a.regions.items())
 
 
@@ -163,12 +166,13 @@ def test_auto_streams_the_dense_weights_only_when_they_do_not_fit() -> None:
     spec = six.moe_spec("fp16")
     fmt = registry()["fp16"]
     lay = fmt.layout(spec.hidden, spec.ffn)
-    w = WholeSizing(six, 256)
+    types = DenseTypes.uniform(six.n_layers, "Q8_0")
+    w = WholeSizing(six, types, 256)
     big = plan_memory(spec, lay, fmt.activation, 1 << 40, 8, 64, 0, whole=w)
     assert not big.dense_stream
     streamed = plan_memory(spec, lay, fmt.activation, 1 << 40, 8, 64, 0, whole=w,
                            dense="stream")
-    slot = DenseSlot.of(six).nbytes
+    slot = DenseLayout.of(six, types).slot_bytes
     assert streamed.dense_stream and streamed.regions["dense"] == DENSE_RING_SLOTS * slot
     tight = streamed.total + 1024  # holds the streamed plan, not the resident one
     assert big.total > tight
@@ -181,21 +185,24 @@ def test_auto_streams_the_dense_weights_only_when_they_do_not_fit() -> None:
 
 def test_host_memory_counts_a_whole_models_parts(monkeypatch) -> None:
     """The host check adds the dense weights as generated (none for a GGUF's, which stay in the
-    file's map), the head's conversion, and the pinned dense slots when they stream; the 235B
-    configs name them when the host is too small."""
+    file's map) and the pinned dense slots when they stream (in the stored types: no head is
+    converted on the host); the 235B configs name them when the host is too small."""
     from strata_rt.config.whole import whole_host_parts
     from strata_rt.errors import ConfigError
 
     spec = TINY_SPEC
-    f32 = whole_host_parts(spec, {"dense_type": "F32"}, False, False)
-    f16 = whole_host_parts(spec, {"dense_type": "F16"}, False, False)
+    t32, t16 = (DenseTypes.uniform(spec.n_layers, t) for t in ("F32", "F16"))
+    f32 = whole_host_parts(spec, {"dense_type": "F32"}, t32, False, False)
+    f16 = whole_host_parts(spec, {"dense_type": "F16"}, t16, False, False)
     assert f32["dense weights"] == 2 * f16["dense weights"] > 0
-    pooled = whole_host_parts(spec, {"dense_type": "F32", "pool_layers": 1}, False, False)
+    assert set(f32) == {"dense weights"}
+    pooled = whole_host_parts(spec, {"dense_type": "F32", "pool_layers": 1}, t32, False, False)
     assert pooled["dense weights"] < f32["dense weights"]
-    assert "dense weights" not in whole_host_parts(spec, {}, True, False)
-    streamed = whole_host_parts(spec, {}, True, True)
-    assert streamed["pinned dense slots"] == spec.n_layers * DenseSlot.of(spec).nbytes
-    assert whole_host_parts(None, {}, False, True) == {}
+    assert "dense weights" not in whole_host_parts(spec, {}, t16, True, False)
+    streamed = whole_host_parts(spec, {}, t16, True, True)
+    assert streamed["pinned dense slots"] == (spec.n_layers
+                                              * DenseLayout.of(spec, t16).slot_bytes)
+    assert whole_host_parts(None, {}, None, False, True) == {}
     from strata_rt.config import hostmem
 
     monkeypatch.delenv("STRATA_HOST_MEMORY_CHECK", raising=False)
@@ -205,4 +212,4 @@ def test_host_memory_counts_a_whole_models_parts(monkeypatch) -> None:
     with pytest.raises(ConfigError) as info:
         load_config(path)
     text = "\n".join(info.value.problems)
-    assert "pinned dense slots 12.5 GiB" in text and "output head conversion" in text
+    assert "pinned dense slots 12.5 GiB" in text and "output head conversion" not in text

@@ -16,7 +16,7 @@ import re
 
 import numpy as np
 import pytest
-from _device_buffers import download, poisoned, upload
+from _device_buffers import launch_poisoned, upload
 from _gemm_cases import assert_fits_registers, assert_refused
 from _recording import RecordingKernel
 
@@ -301,14 +301,8 @@ FUSED_CASES = [
 ]
 
 
-def _launch(rt, s, run, rows: int, m: int) -> np.ndarray:
-    """run(out pointer) into a NaN-poisoned output; the raw uint32 words [rows, m]."""
-    out = poisoned(rt, s, max(rows, 1) * m * 4)
-    try:
-        run(out.ptr)
-        return download(rt, s, out, np.uint32, (max(rows, 1), m))[:rows]
-    finally:
-        out.free()
+#: run(out pointer) into a NaN-poisoned output; the raw uint32 words [rows, m]
+_launch = launch_poisoned
 
 
 @pytest.mark.gpu

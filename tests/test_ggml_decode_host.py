@@ -3,20 +3,23 @@ and compared with gguf.quants.dequantize byte for byte, for every type, on thous
 blocks (finite scales, edge scales first), on blocks the package's quantizer writes where it
 can, on IQ3_XXS blocks of the project's own quantizer, and on unconstrained bytes (NaN-aware:
 a NaN or infinite scale). Also: the generated headers match their sources, and the compiled
-traits match the Python table. Skipped, with the reason, only where nvcc is absent."""
+traits match the Python table; and a plugin's own decoder (the example plugin's TQ2_0, built
+from its source alone). Skipped, with the reason, only where nvcc is absent."""
 
 from __future__ import annotations
 
 import importlib.util
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
 from _ggml_blocks import QUANTIZABLE, gguf_quantize, quantize_source, random_blocks
-from _ggml_host import SOURCE_DIR, HostDecoder, host_decoder
+from _ggml_host import SOURCE_DIR, HostDecoder, host_decoder, plugin_decoder
 
 from strata_rt.errors import FormatError
 from strata_rt.formats.ggml_types import BY_ID, NAMES, TYPES, GgmlType, ggml_type
+from strata_rt.gemm.ggml_decoders import DecoderSpec
 from strata_rt.runtime.compile import nvcc_available
 
 needs_nvcc = pytest.mark.skipif(not nvcc_available(), reason="nvcc not found (PATH or "
@@ -183,3 +186,55 @@ def test_pairs_of_one_value_types_span_two_blocks(dec):
     vals = np.array([1.5, -2.0, 65504.0, 2.0 ** -24], dtype=np.float16)
     got = dec.decode(t, vals.view(np.uint8))
     assert np.array_equal(got, vals.astype(np.float32))
+
+
+# ------------------------------------------------------------------------- a plugin's decoder
+#: the example plugin's TQ2_0 decoder: one struct and one STRATA_GGML_KERNELS line
+TQ2_SOURCE = (Path(__file__).resolve().parent / "plugins" / "strata_testfmt" / "strata_testfmt"
+              / "kernels" / "tq2_0.cu")
+TQ2 = DecoderSpec("TQ2_0", 256, 66)
+
+
+def tq2_reference(raw: np.ndarray) -> np.ndarray:
+    import gguf
+
+    flat = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1, TQ2.block_bytes)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        out = gguf.quants.dequantize(flat, gguf.GGMLQuantizationType.TQ2_0)
+    return np.asarray(out, dtype=np.float32).reshape(-1)
+
+
+@needs_nvcc
+@pytest.mark.parametrize("kind", ["random", "gguf-quantized", "unconstrained"])
+def test_plugin_tq2_0_decodes_bit_exact(rng, kind):
+    """The plugin's decoder, built from its own source as host code (-DSTRATA_GGML_HOST turns
+    its macro line into host exports), equals gguf.quants.dequantize bit for bit, pair by pair
+    and on the gather's 8-value path; NaN exactly where the package has NaN."""
+    import gguf
+
+    dec = plugin_decoder(TQ2_SOURCE)
+    if kind == "gguf-quantized":
+        w = quantize_source(rng, BLOCKS, 256)
+        raw = np.ascontiguousarray(gguf.quants.quantize(w, gguf.GGMLQuantizationType.TQ2_0))
+    else:
+        raw = random_blocks(rng, TQ2, BLOCKS, finite=kind != "unconstrained")
+    want = tq2_reference(raw)
+    for chunks in (False, True):
+        got = dec.decode_suffix(TQ2.name, TQ2.block_values, TQ2.block_bytes, raw, chunks)
+        nan = np.isnan(want)
+        assert np.array_equal(np.isnan(got), nan)
+        assert (kind == "unconstrained") or not nan.any()
+        bad = np.flatnonzero(got[~nan].view(np.uint32) != want[~nan].view(np.uint32))
+        assert bad.size == 0, f"TQ2_0 ({kind}, chunks={chunks}): {bad.size} values differ"
+
+
+@needs_nvcc
+def test_macro_exports_decode_as_the_type_harness(dec, rng):
+    """The built-in harness's per-type exports (the same macro a plugin writes, in host mode)
+    decode as ggml_host_decode does."""
+    for t in TYPES:
+        raw = blocks_for(rng, t)[:64]
+        want = dec.decode(t, raw)
+        got = dec.decode_suffix(t.name, t.block_values, t.block_bytes, raw, chunks=True)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), t.name

@@ -150,6 +150,23 @@ def test_compile_cache_misses_on_define_arch_flag_and_header_change(counting_nvc
 
 
 @needs_nvcc
+def test_plugin_source_recompiles_when_the_ggml_templates_change(counting_nvcc, tiny_kernel,
+                                                                 tmp_path):
+    """A plugin's source outside the kernels tree may include the shared GGML templates
+    (kernels/ggml): a change there is a cache miss too."""
+    ggml = tiny_kernel.parent.parent / "ggml"
+    ggml.mkdir()
+    (ggml / "templates.cuh").write_text("#define OFFSET 0.0f\n")
+    plugin = tmp_path / "plugin" / "mine.cu"
+    plugin.parent.mkdir()
+    plugin.write_text(TINY.replace("common/{header}", "ggml/templates.cuh").format())
+    first = compile_cubin(plugin, "sm_90")
+    assert compile_cubin(plugin, "sm_90") == first and counting_nvcc() == 1
+    (ggml / "templates.cuh").write_text("#define OFFSET 2.0f\n")
+    assert compile_cubin(plugin, "sm_90") != first and counting_nvcc() == 2
+
+
+@needs_nvcc
 def test_compile_error_carries_compiler_message(counting_nvcc, tmp_path):
     bad = tmp_path / "broken.cu"
     bad.write_text('extern "C" __global__ void broken(float* x) { x[0] = undeclared_name; }\n')

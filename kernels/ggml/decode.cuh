@@ -11,6 +11,7 @@
 #pragma once
 
 #include "decode_common.cuh"
+#include "decoder.cuh"
 #include "tables.cuh"
 #include "traits.cuh"
 
@@ -27,32 +28,13 @@ template <Type T> struct Decode;
 
 namespace ggml {
 
-// Values v and v + 1 (v even) of a run of blocks stored one after the other from `src` (a
-// tensor's rows, which follow each other): block v / values at in-block index v % values.
-// A 1-value type's pair spans two consecutive blocks; the decoder reads both.
+// The walks of decoder.cuh over a built-in type's blocks (the names the host test uses).
 template <Type T> GGML_HD Pair pair_at(const uint8_t* src, long long v) {
-    using D = Decode<T>;
-    if (D::block_values == 1) return D::pair(src + v * D::block_bytes, 0);
-    return D::pair(src + (v / D::block_values) * D::block_bytes, (int)(v % D::block_values));
+    return pair_of<Decode<T>>(src, v);
 }
 
-// Values 8c .. 8c + 7 of a run of blocks as four pairs: what one gather thread writes (one
-// 16-byte store). Every block holds 1 or a multiple of 8 values, so the 8 share one block (or
-// are 8 consecutive 1-value blocks) and the block is addressed once.
 template <Type T> GGML_HD void chunk8_at(const uint8_t* src, long long c, Pair (&out)[4]) {
-    using D = Decode<T>;
-    static_assert(D::block_values == 1 || D::block_values % 8 == 0, "8 values per block");
-    if (D::block_values == 1) {
-        const uint8_t* b = src + 8 * c * D::block_bytes;
-GGML_UNROLL
-        for (int p = 0; p < 4; ++p) out[p] = D::pair(b + 2 * p * D::block_bytes, 0);
-    } else {
-        const long long v = 8 * c;
-        const uint8_t* b = src + (v / D::block_values) * D::block_bytes;
-        const int i = (int)(v % D::block_values);
-GGML_UNROLL
-        for (int p = 0; p < 4; ++p) out[p] = D::pair(b, i + 2 * p);
-    }
+    chunk8_of<Decode<T>>(src, c, out);
 }
 
 }  // namespace ggml

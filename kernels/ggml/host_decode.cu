@@ -1,7 +1,17 @@
 // The decoders as host code, for the CPU test (tests/test_ggml_decode_host.py): built with nvcc
 // into a shared library (host code only; no device is needed) with -ffp-contract=off, loaded
-// with ctypes and compared with gguf.quants.dequantize on random and quantized blocks.
+// with ctypes and compared with gguf.quants.dequantize on random and quantized blocks. The
+// shared templates' host exports (templates.cuh, STRATA_GGML_HOST) add, per type SUFFIX,
+// ggml_host_decode_SUFFIX and ggml_host_fused_SUFFIX (the fused tiles' geometry, which the
+// launcher's formula must match), as a plugin's own source built the same way exports them.
+#define STRATA_GGML_HOST
 #include "decode.cuh"
+#include "templates.cuh"
+
+#define GGML_HOST_EXPORTS(name, id, qk, nbytes) \
+    STRATA_GGML_KERNELS(name, ggml::Decode<ggml::Type::name>)
+GGML_TYPES(GGML_HOST_EXPORTS)
+#undef GGML_HOST_EXPORTS
 
 namespace {
 

@@ -81,7 +81,7 @@ def _whole_model(path: Path, tensors: dict, budget_gib: float | None
         return None
     from ..config.hostmem import format_bytes
     from ..models.qwen3.gguf_full import read_qwen3_spec
-    from ..models.qwen3.whole_memory import WholeSizing, whole_fixed_regions
+    from ..models.qwen3.whole_memory import DenseTypes, WholeSizing, whole_fixed_regions
 
     spec, tied = read_qwen3_spec(path)
     by_type: dict[str, list[int]] = {}
@@ -90,7 +90,10 @@ def _whole_model(path: Path, tensors: dict, budget_gib: float | None
             count_bytes = by_type.setdefault(ref.type_name, [0, 0])
             count_bytes[0] += 1
             count_bytes[1] += ref.nbytes
-    fp16 = 2 * spec.dense_params(tied)
+    types = DenseTypes.lookup(spec.n_layers,
+                              lambda name: tensors[name].type_name if name in tensors else None)
+    sizing = WholeSizing(spec, types, spec.context)
+    on_gpu = whole_fixed_regions(sizing)
     kv_1k = spec.kv_bytes_per_token(2) * 1024
     lines = [f"whole model: vocabulary {spec.vocab:,}, {spec.n_heads} query heads / "
              f"{spec.n_kv_heads} KV heads x {spec.head_dim}, rope theta {spec.rope_theta:g}, "
@@ -98,16 +101,18 @@ def _whole_model(path: Path, tensors: dict, budget_gib: float | None
              + ("tied to the embedding" if tied else "of its own"),
              markdown_table(["dense tensor type", "tensors", "MiB in the file"],
                             [[t, n, f"{b / MIB:,.1f}"] for t, (n, b) in sorted(by_type.items())]),
-             f"dense weights as fp16 (what the GPU holds): {format_bytes(fp16)}; KV cache "
+             f"on the GPU, as stored: attention weights and norms "
+             f"{format_bytes(on_gpu['dense'])}, output head {format_bytes(on_gpu['head'])}, "
+             f"fp16 decode scratch {format_bytes(on_gpu['dense_scratch'])}; KV cache "
              f"(fp16) per 1K tokens: {format_bytes(kv_1k)}, at the {spec.context:,}-token "
              f"context {format_bytes(kv_1k * spec.context // 1024)}"]
     if budget_gib is None:
         return "\n".join(lines), 0
     budget = int(budget_gib * GiB)
-    resident = sum(whole_fixed_regions(WholeSizing(spec, spec.context)).values())
-    streamed = sum(whole_fixed_regions(WholeSizing(spec, spec.context, True)).values())
+    resident = sum(on_gpu.values())
+    streamed = sum(whole_fixed_regions(sizing.streamed()).values())
     if resident <= budget:
-        held, how = resident, "the fp16 dense weights resident"
+        held, how = resident, "the dense weights resident"
     else:
         held, how = streamed, "the dense weights streaming per layer (they do not fit)"
     lines.append(f"a {budget_gib:g} GiB budget holds {how}, the output head, RoPE tables and "

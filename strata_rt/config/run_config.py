@@ -61,7 +61,7 @@ if TYPE_CHECKING:
     from ..formats.contract import QuantFormat
     from ..formats.registry import QuantRegistry
     from ..models.qwen3.spec import Qwen3Spec
-    from ..models.qwen3.whole_memory import WholeSizing
+    from ..models.qwen3.whole_memory import DenseTypes, WholeSizing
 
 __all__ = ["BUDGET_KEYS", "Config", "Output", "Prompt", "auto_chunk", "device_memory_plan",
            "load_config", "read_token_file", "validate"]
@@ -103,6 +103,8 @@ class Config:
     #: a whole model's spec (None: MoE layers alone) and its synthetic options
     whole: Qwen3Spec | None = None
     whole_options: dict[str, Any] = field(default_factory=dict)
+    #: the GGML types of the whole model's dense matrices (what sizes them on the device)
+    whole_types: DenseTypes | None = None
     #: KV-cache positions (None: the whole model's context length)
     context: int | None = None
 
@@ -114,7 +116,7 @@ class Config:
     @property
     def whole_sizes(self) -> WholeSizing | None:
         """What a whole model's device memory is sized by (None for MoE layers alone)."""
-        return whole_sizing(self.whole, self.context)
+        return whole_sizing(self.whole, self.whole_types, self.context)
 
     @property
     def ring_bytes(self) -> int | None:
@@ -132,7 +134,8 @@ class Config:
         fmt = registry()[cfg.spec.format]
         plan = cfg.memory_plan(fmt) if cfg.whole is not None else None
         stream = cfg.dense == "stream" or (plan is not None and plan.dense_stream)
-        extra = whole_host_parts(cfg.whole, cfg.whole_options, cfg.gguf is not None, stream)
+        extra = whole_host_parts(cfg.whole, cfg.whole_options, cfg.whole_types,
+                                 cfg.gguf is not None, stream)
         why = host_memory_problem(cfg.spec, fmt, cfg.gguf is not None, cfg.prompts,
                                   cfg.chunk_tokens(), extra)
         if why is not None:
@@ -232,10 +235,10 @@ def validate(doc: Any, base_dir: Path, source: Path | None = None,
     p.unknown_keys("", doc, TOP_KEYS)
     geom, gguf, model_seed = check_model(p, doc, base_dir)
     fmt = check_format(p, doc, geom, reg)
-    whole, whole_options = check_whole(p, doc, geom, gguf)
+    whole, whole_options, whole_types = check_whole(p, doc, geom, gguf)
     context = check_context(p, doc, whole)
     dense = check_dense(p, doc, whole)
-    whole_sizes = whole_sizing(whole, context)
+    whole_sizes = whole_sizing(whole, whole_types, context)
 
     backend = doc.get("backend", "auto")
     if backend not in BACKENDS:
@@ -314,7 +317,7 @@ def validate(doc: Any, base_dir: Path, source: Path | None = None,
             plan = device_memory_plan(geom, fmt, chunk, ring_bytes,
                                       int(budget["vram_budget_mib"] * MIB), whole_sizes)
             stream = plan.dense_stream
-        extra = whole_host_parts(whole, whole_options, gguf is not None, stream)
+        extra = whole_host_parts(whole, whole_options, whole_types, gguf is not None, stream)
         why = host_memory_problem(geom, fmt, gguf is not None, prompts, chunk, extra)
         if why is not None:
             p.items.append(f"model: {why}")
@@ -327,7 +330,8 @@ def validate(doc: Any, base_dir: Path, source: Path | None = None,
                   ring_mib=ring_mib, image_cache_mib=image_cache_mib,
                   compute_lanes=compute_lanes, in_place=in_place, profile=profile,
                   repeats=repeats, seed=seed,
-                  output=output, whole=whole, whole_options=whole_options, context=context,
+                  output=output, whole=whole, whole_options=whole_options,
+                  whole_types=whole_types, context=context,
                   dense=dense, generate_tokens=generate_tokens, **budget)
 
 

@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..errors import ConfigError
-from ..models.qwen3.gguf_full import read_qwen3_spec
+from ..models.qwen3.gguf_full import read_dense_types, read_qwen3_spec
 from ..models.qwen3.spec import Qwen3Spec
-from ..models.qwen3.whole_memory import DenseSlot, WholeSizing
+from ..models.qwen3.whole_memory import DenseLayout, DenseTypes, WholeSizing
 from ..weights.whole_model import is_whole_gguf
 from .engine_config import DENSE_POLICIES, dense_gemm_switch
 
@@ -44,9 +44,19 @@ DENSE_TYPES = ("F32", "F16", "BF16", "Q8_0")
 
 
 def check_whole(p: Problems, doc: dict, geom: MoESpec | None, gguf: Path | None
-                ) -> tuple[Qwen3Spec | None, dict[str, Any]]:
+                ) -> tuple[Qwen3Spec | None, dict[str, Any], DenseTypes | None]:
     """-> (the whole model's spec or None for MoE layers alone, synthetic options
-    {tied, dense_type})."""
+    {tied, dense_type}, the GGML types of its dense matrices)."""
+    spec, options = _check_whole(p, doc, geom, gguf)
+    if spec is None:
+        return None, options, None
+    if gguf is not None:
+        return spec, options, read_dense_types(gguf)
+    return spec, options, DenseTypes.uniform(spec.n_layers, options["dense_type"])
+
+
+def _check_whole(p: Problems, doc: dict, geom: MoESpec | None, gguf: Path | None
+                 ) -> tuple[Qwen3Spec | None, dict[str, Any]]:
     if geom is None:
         return None, {}
     if gguf is not None:
@@ -124,23 +134,26 @@ def check_dense(p: Problems, doc: dict, whole: Qwen3Spec | None) -> str:
     return v
 
 
-def whole_sizing(whole: Qwen3Spec | None, context: int | None) -> WholeSizing | None:
+def whole_sizing(whole: Qwen3Spec | None, types: DenseTypes | None, context: int | None
+                 ) -> WholeSizing | None:
     """How a whole model's device memory is sized (dense GEMM from STRATA_DENSE_GEMM)."""
-    if whole is None:
+    if whole is None or types is None:
         return None
-    return WholeSizing(whole, context or whole.context, False, dense_gemm_switch())
+    return WholeSizing(whole, types, context or whole.context, False, dense_gemm_switch())
 
 
 #: bytes per value of the dense types a synthetic whole model may store
 _TYPE_BYTES = {"F32": 4.0, "F16": 2.0, "BF16": 2.0, "Q8_0": 34 / 32}
 
 
-def whole_host_parts(whole: Qwen3Spec | None, options: dict[str, Any], gguf: bool,
-                     dense_stream: bool) -> dict[str, int]:
+def whole_host_parts(whole: Qwen3Spec | None, options: dict[str, Any],
+                     types: DenseTypes | None, gguf: bool, dense_stream: bool
+                     ) -> dict[str, int]:
     """Host bytes a whole model adds to a run, by part: its dense weights as generated (a
-    GGUF's stay in the file's memory map), the float32 copy the output head passes through
-    on its way to fp16, and, when the dense weights stream, their pinned slot images."""
-    if whole is None:
+    GGUF's stay in the file's memory map) and, when the dense weights stream, their pinned
+    slot images (the device takes every dense matrix in its stored type, so nothing is
+    converted on the host)."""
+    if whole is None or types is None:
         return {}
     parts: dict[str, int] = {}
     if not gguf:
@@ -149,7 +162,6 @@ def whole_host_parts(whole: Qwen3Spec | None, options: dict[str, Any], gguf: boo
         heads = 1 if options.get("tied") else 2
         parts["dense weights"] = int(per * (layers * whole.dense_params_per_layer()
                                             + heads * whole.vocab * whole.hidden))
-    parts["output head conversion"] = whole.vocab * whole.hidden * 6  # float32 + fp16
     if dense_stream:
-        parts["pinned dense slots"] = whole.n_layers * DenseSlot.of(whole).nbytes
+        parts["pinned dense slots"] = whole.n_layers * DenseLayout.of(whole, types).slot_bytes
     return parts

@@ -9,10 +9,31 @@ scale is an exponent byte, so a synthetic MXFP4 matrix picks that byte.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import gguf
 import numpy as np
 
 from .ggml_types import F16_SCALES, GgmlType
+
+
+class BlockType(Protocol):
+    """What the block helpers read of a type: a GgmlType, or a plugin decoder's spec."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def block_values(self) -> int: ...
+
+    @property
+    def block_bytes(self) -> int: ...
+
+
+def _f16_fields(t: BlockType) -> tuple[int, ...]:
+    """Byte offsets of t's fp16 scale fields (by its GGUF name: ggml_types.F16_SCALES)."""
+    qtype = gguf.GGMLQuantizationType.__members__.get(t.name)
+    return () if qtype is None else F16_SCALES.get(int(qtype.value), ())
 
 #: fp16 bit patterns every scale field also takes: zeros of both signs, the smallest and the
 #: largest subnormal, the smallest normal, one, the largest finite of both signs
@@ -49,24 +70,23 @@ def _set_iq1m_scale(blocks: np.ndarray, f16: np.ndarray) -> None:
         blocks[:, byte] = (blocks[:, byte] & 0x0F) | (nib << 4)
 
 
-def scale_fields(t: GgmlType, blocks: np.ndarray) -> list[np.ndarray]:
+def scale_fields(t: BlockType, blocks: np.ndarray) -> list[np.ndarray]:
     """Each fp16 scale field of every block, as uint16 bit patterns [nblocks]."""
     if t.name == "IQ1_M":
         return [_iq1m_scale(blocks)]
-    return [blocks[:, off:off + 2].copy().view("<u2")[:, 0]
-            for off in F16_SCALES.get(t.type_id, ())]
+    return [blocks[:, off:off + 2].copy().view("<u2")[:, 0] for off in _f16_fields(t)]
 
 
-def set_scale_fields(t: GgmlType, blocks: np.ndarray, fields: list[np.ndarray]) -> None:
+def set_scale_fields(t: BlockType, blocks: np.ndarray, fields: list[np.ndarray]) -> None:
     """Writes fp16 bit patterns (one array per field, as scale_fields gives them) into blocks."""
     if t.name == "IQ1_M":
         _set_iq1m_scale(blocks, fields[0])
         return
-    for off, bits in zip(F16_SCALES.get(t.type_id, ()), fields):
+    for off, bits in zip(_f16_fields(t), fields):
         blocks[:, off:off + 2] = np.asarray(bits, "<u2").view(np.uint8).reshape(-1, 2)
 
 
-def random_blocks(rng: np.random.Generator, t: GgmlType, nblocks: int,
+def random_blocks(rng: np.random.Generator, t: BlockType, nblocks: int,
                   finite: bool = True) -> np.ndarray:
     """nblocks random blocks of t as uint8 [nblocks, block_bytes]; `finite`: every fp16 scale
     field finite (the first blocks take the edge patterns)."""

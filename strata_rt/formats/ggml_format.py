@@ -37,6 +37,8 @@ import gguf
 import numpy as np
 
 from ..errors import FormatError, GGUFError
+from ..gemm.ggml_decoders import DecoderSpec
+from ..gemm.ggml_fused import FUSED_SOURCE
 from ..gemm.ggml_gather import GATHER_SOURCE as DEQUANT_GATHER_SOURCE
 from ..gemm.ggml_gather import images_reference
 from ..gemm.grouped_gemm import GEMM_SOURCE, fp16_image_layout, fp16_image_values, gemm_reference
@@ -113,8 +115,9 @@ class GGMLFormat(QuantFormat):
         cls.block_values, cls.block_bytes = t.block_values, t.block_bytes
         if "name" not in cls.__dict__:
             cls.name = t.name.lower()
-        if "dim_multiple" not in cls.__dict__:
-            cls.dim_multiple = math.lcm(t.block_values, 128)
+        if "dim_multiple" not in cls.__dict__:  # q8_1's 128 and the fused GEMM's K stage
+            stage = DecoderSpec(t.name, t.block_values, t.block_bytes).stage_values
+            cls.dim_multiple = math.lcm(t.block_values, 128, stage)
         if "description" not in cls.__dict__:
             bits = 8 * t.block_bytes / t.block_values
             cls.description = (
@@ -340,15 +343,17 @@ class GGMLFormat(QuantFormat):
 
     # ------------------------------------------------------------------ device side
     def kernel_sources(self) -> list[Path]:
-        """What the launchers load: the dequantizing gather (or the byte copy) and the fp16
-        GEMM for f16_gemm; the byte copy for f16_fused (the built-in types' decoding GEMM
-        comes with strata_rt.gemm.ggml_fused); and a plugin type's decoder_source."""
-        own = [] if self.decoder_source is None else [self.decoder_source]
-        if self.images_are_blocks:
-            gathers = [COPY_GATHER_SOURCE, *own]
-        else:
-            gathers = own or [DEQUANT_GATHER_SOURCE]
-        return [*gathers, GEMM_SOURCE] if self.variant == F16_GEMM else gathers
+        """What the launchers load: the gathers (the byte copy, or the dequantizing gather),
+        the fp16 GEMM for f16_gemm, and the decoding GEMM where a variant reads blocks (f16_fused,
+        f16_gemm in place); a plugin type's decoder_source stands for the GGML kernels."""
+        uses_fused = self.variant == F16_FUSED or self.in_place_max_rows > 0
+        ggml = [] if self.images_are_blocks and not uses_fused else (
+            [self.decoder_source] if self.decoder_source is not None else
+            [*([] if self.images_are_blocks else [DEQUANT_GATHER_SOURCE]),
+             *([FUSED_SOURCE] if uses_fused else [])])
+        copy = [COPY_GATHER_SOURCE] if self.images_are_blocks else []
+        gemm = [GEMM_SOURCE] if self.variant == F16_GEMM else []
+        return [*copy, *ggml, *gemm]
 
     def kernels_class(self) -> type[FormatKernels] | None:
         """GGMLKernels for the fp16 variants; a subclass with exact variants overrides this

@@ -1,4 +1,6 @@
-"""Launcher of the batched dequantizing gather for every GGML type (kernels/ggml/gather.cu).
+"""Launcher of the batched dequantizing gather for every GGML type (kernels/ggml/gather.cu), or
+for a plugin's own decoders (its .cu instantiating kernels/ggml/templates.cuh; see
+GgmlGather's `source` and `decoders`).
 
 One launch turns up to 16 experts' matrices of one GGML type (each `rows` x `cols` values,
 stored as whole blocks, row after row) into fp16 images [position][row][col]: the conventions
@@ -13,7 +15,7 @@ value, bit for bit (`images_reference` is the numpy twin the GPU test compares w
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +25,7 @@ from ..errors import FormatError
 from ..formats.contract import MMQ_GROUP, first_misaligned
 from ..formats.ggml_types import TYPES, GgmlType, ggml_type
 from ..resources import KERNELS_ROOT
+from .ggml_decoders import DecoderSpec, GgmlKey, own_decoders, resolve
 
 if TYPE_CHECKING:
     from gguf import GGMLQuantizationType
@@ -45,7 +48,7 @@ def image_bytes(rows: int, cols: int) -> int:
     return 2 * rows * cols
 
 
-def check_geometry(t: GgmlType, rows: int, cols: int) -> int:
+def check_geometry(t: GgmlType | DecoderSpec, rows: int, cols: int) -> int:
     """The values of one expert's matrix; FormatError unless rows x cols is whole blocks per
     row and whole 8-value steps."""
     t.row_bytes(cols)  # whole blocks per row
@@ -58,29 +61,40 @@ def check_geometry(t: GgmlType, rows: int, cols: int) -> int:
 
 
 class GgmlGather:
-    """The dequantizing gathers of every GGML type, loaded from one module on first use:
-    `source`, the built-in types' gather.cu unless a plugin's decoder file instantiates the
-    gather for its own type."""
+    """The dequantizing gathers of every built-in GGML type, from one module loaded at once.
+    With `source` (a plugin's .cu) and `decoders` (the specs of its STRATA_GGML_KERNELS
+    lines): that module's gathers, named by the specs (or passed as them)."""
 
-    def __init__(self, runtime: Runtime, source: Path = GATHER_SOURCE):
+    def __init__(self, runtime: Runtime, *, source: str | Path | None = None,
+                 decoders: Iterable[DecoderSpec] = ()):
         self.runtime = runtime
-        self._module = runtime.module(source)
-        self._kernels: dict[int, Any] = {}
+        self._own = own_decoders(decoders)
+        self._builtin = source is None
+        if not self._builtin and not self._own:
+            raise FormatError(f"GgmlGather over {source}: name its decoders (DecoderSpec)")
+        self.source = GATHER_SOURCE if source is None else Path(source)
+        self._module = runtime.module(self.source)
+        self._kernels: dict[str, Any] = {}
 
-    def kernel(self, t: GgmlType) -> Any:
-        if t.type_id not in self._kernels:
-            self._kernels[t.type_id] = self._module.kernel(t.kernel_name, GATHER_ARG_TYPES)
-        return self._kernels[t.type_id]
+    def decoder(self, gtype: GgmlKey) -> DecoderSpec:
+        """The spec this launcher runs for gtype (FormatError when it has no kernel for it)."""
+        return resolve(gtype, self._own, self._builtin)
 
-    def gather(self, stream: Any, gtype: str | int | GGMLQuantizationType | GgmlType,
-               srcs: Sequence[int], dst: int, rows: int, cols: int, *, first_pos: int = 0,
-               image_stride: int | None = None, bounds: int = 0, first_expert: int = 0) -> None:
+    def kernel(self, t: GgmlType | DecoderSpec) -> Any:
+        if t.name not in self._kernels:
+            self._kernels[t.name] = self._module.kernel(f"ggml_gather_{t.name}",
+                                                        GATHER_ARG_TYPES)
+        return self._kernels[t.name]
+
+    def gather(self, stream: Any, gtype: GgmlKey, srcs: Sequence[int], dst: int, rows: int,
+               cols: int, *, first_pos: int = 0, image_stride: int | None = None,
+               bounds: int = 0, first_expert: int = 0) -> None:
         """One launch: member i's blocks at srcs[i] (a device address; 0 skips the member,
         leaving its image as it was) become the fp16 image at dst + (first_pos + i) *
         image_stride (default: the image's own bytes). bounds (a layer's device row offsets;
         0: none) skips a member whose expert first_expert + i has no rows, as the routed
         gathers do (FormatKernels.gather_routed)."""
-        t = ggml_type(gtype)
+        t = self.decoder(gtype)
         values = check_geometry(t, rows, cols)
         n = len(srcs)
         if not 1 <= n <= MMQ_GROUP or not 0 <= first_pos <= MMQ_GROUP - n:
@@ -113,5 +127,5 @@ def images_reference(gtype: str | int | GGMLQuantizationType | GgmlType, raw: np
         return t.dequantize(raw, cols).reshape(rows, cols).astype(np.float16)
 
 
-__all__ = ["GATHER_SOURCE", "TYPES", "GgmlGather", "check_geometry", "image_bytes",
+__all__ = ["GATHER_SOURCE", "TYPES", "DecoderSpec", "GgmlGather", "check_geometry", "image_bytes",
            "images_reference"]

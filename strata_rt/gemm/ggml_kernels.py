@@ -15,13 +15,14 @@ open_gemm, dequantizing_gather, fused_gemm and fused_gemm_at; the choice of step
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
 
 from ..errors import FormatError
 from ..formats.contract import ExpertLayout, FormatKernels, QuantFormat
 from ..formats.ggml_format import F16_GEMM, F16_VARIANTS, GGMLFormat
 from ..formats.launchers import NativeKernels, check_aligned
+from .ggml_decoders import DecoderSpec, GgmlKey
+from .ggml_fused import GgmlFused
 from .ggml_gather import GgmlGather
 from .grouped_gemm import GroupedGemm
 
@@ -42,10 +43,15 @@ class GGMLKernels(FormatKernels):
         self.variant = fmt.variant
         self.gtype = fmt.gtype
         self.decoder_source = fmt.decoder_source
+        #: what the GGML launchers take for the type: the table entry of a built-in type, the
+        #: decoder spec of a plugin's (the name of its STRATA_GGML_KERNELS line)
+        self._own: list[DecoderSpec] = [] if self.decoder_source is None else [DecoderSpec(
+            self.gtype.name, self.gtype.block_values, self.gtype.block_bytes)]
+        self.decoder: GgmlKey = self._own[0] if self._own else self.gtype
         self._copy = NativeKernels(fmt, runtime, layout) if fmt.images_are_blocks else None
         self._dequant = None if self._copy is not None else self.open_dequantizing_gather()
         self._gemm = self.open_gemm() if self.variant == F16_GEMM else None
-        self._fused: Any = None
+        self._fused: GgmlFused | None = None
 
     # ------------------------------------------------------------------ what a subclass swaps
     def open_gemm(self) -> GroupedGemm:
@@ -57,7 +63,7 @@ class GGMLKernels(FormatKernels):
         the format's decoder_source where it has one."""
         if self.decoder_source is None:
             return GgmlGather(self.runtime)
-        return GgmlGather(self.runtime, self.decoder_source)
+        return GgmlGather(self.runtime, source=self.decoder_source, decoders=self._own)
 
     def dequantizing_gather(self, stream: Any, srcs: list[int], first_pos: int, gu_buf: int,
                             down_buf: int, bounds: int = 0, first_expert: int = 0) -> None:
@@ -73,28 +79,27 @@ class GGMLKernels(FormatKernels):
         for offset, buf, rows, cols, stride in (
                 (lay.gate_up_offset, gu_buf, 2 * lay.ffn, lay.hidden, lay.gate_up_image_bytes),
                 (lay.down_offset, down_buf, lay.hidden, lay.ffn, lay.down_image_bytes)):
-            self._dequant.gather(stream, self.gtype, [int(s) + offset for s in srcs], buf, rows,
+            self._dequant.gather(stream, self.decoder, [int(s) + offset for s in srcs], buf, rows,
                                  cols, first_pos=first_pos, image_stride=stride, bounds=bounds,
                                  first_expert=first_expert)
 
-    def fused(self) -> Any:
-        """The decoding GEMM's launchers (strata_rt.gemm.ggml_fused.GgmlFused), opened on first
-        use, so every other path runs without that module."""
+    def fused(self) -> GgmlFused:
+        """The decoding GEMM's launchers, opened on first use."""
         if self._fused is None:
-            module = importlib.import_module(f"{__package__}.ggml_fused")
-            self._fused = module.GgmlFused(self.runtime)
+            self._fused = GgmlFused(self.runtime) if self.decoder_source is None else GgmlFused(
+                self.runtime, source=self.decoder_source, decoders=self._own)
         return self._fused
 
     def fused_gemm(self, stream: Any, weights: int, expert_ids: tuple[int, ...], acts: int,
                    bounds: int, out: int, m: int, k: int, rows_hint: int) -> None:
         """Products of native images in a group buffer, decoded in the GEMM's main loop."""
-        self.fused().gemm(stream, self.gtype, weights, expert_ids, acts, bounds, out, m, k,
+        self.fused().gemm(stream, self.decoder, weights, expert_ids, acts, bounds, out, m, k,
                           rows_hint)
 
     def fused_gemm_at(self, stream: Any, sources: list[int], expert_ids: tuple[int, ...],
                       acts: int, bounds: int, out: int, m: int, k: int, rows_hint: int) -> None:
         """fused_gemm with position p's native image read at sources[p]."""
-        self.fused().gemm_at(stream, self.gtype, sources, expert_ids, acts, bounds, out, m, k,
+        self.fused().gemm_at(stream, self.decoder, sources, expert_ids, acts, bounds, out, m, k,
                              rows_hint)
 
     # ------------------------------------------------------------------ FormatKernels

@@ -5,9 +5,10 @@ Every source, strata_rt's own or a plugin's, compiles with two include roots: th
 (`#include "mma.cuh"`); a source's own folder is searched first, as nvcc always does.
 
 The cache key covers everything that can change the cubin: the source, every header a kernel
-could include (the shared headers and the source's own folder), the arch, the defines, the
-flags and the compiler's version; include roots enter it by their contents, not their paths,
-so two installs of one version share cubins. A stale cubin is therefore never loaded, and a
+could include (the shared headers, the GGML templates of kernels/ggml, which a plugin's source
+may include, and the source's own folder), the arch, the defines, the flags and the compiler's
+version; include roots enter it by their contents, not their paths, so two installs of one
+version share cubins. A stale cubin is therefore never loaded, and a
 second run compiles nothing.
 
 A cached file is trusted only when it matches the seal written beside it at build time (its
@@ -130,7 +131,8 @@ def _cache_key(source: Path, text: bytes, arch: str, flags: list[str], version: 
         h.update(len(part).to_bytes(8, "little"))
         h.update(part)
     seen = set()
-    for folder in (_common_dir(), source.parent):
+    # kernels/ggml: the shared GGML templates a plugin's source may include
+    for folder in (_common_dir(), KERNELS_ROOT / "ggml", source.parent):
         for path in _include_files(folder):
             if path in seen:
                 continue

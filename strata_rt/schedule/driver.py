@@ -53,8 +53,8 @@ from .residency import Residency
 
 if TYPE_CHECKING:
     from ..config.engine_config import EngineConfig
-    from ..formats.contract import QuantFormat
     from ..runtime import Stream
+    from ..weights.layer_formats import LayerFormats
     from ..weights.model import MoESpec
 
 log = logging.getLogger(__name__)
@@ -83,8 +83,8 @@ class Executor(Protocol):
     images: ImageCache
     #: ring slots the streamed walk cycles through (the staging ring uses STAGING_RING_SLOTS)
     walk_slots: int
-    #: bytes one Copy moves (an expert blob)
-    blob_bytes: int
+    #: bytes one Copy of each layer moves (its expert blob; layers of a mixed file differ)
+    layer_blob_bytes: tuple[int, ...]
     #: whether `capture` may be used (CUDA graphs on, no timing events)
     can_capture: bool
     #: slots of the dense ring when a whole model's dense weights stream; None: resident
@@ -165,12 +165,17 @@ def op_counts(ops: Iterable[Op]) -> dict[type, int]:
     return counts
 
 
-def add_counts(stats: Stats, counts: dict[type, int], blob_bytes: int) -> None:
-    """The counters a plan's ops add: every Copy streams one blob, every gather op is one
-    launch, every Products is two matmul launches (gate/up and down)."""
+def copy_bytes(ops: Iterable[Op], layer_blob_bytes: tuple[int, ...]) -> int:
+    """Bytes the Copy ops of a plan move: each its layer's blob."""
+    return sum(layer_blob_bytes[op.layer] for op in ops if isinstance(op, Copy))
+
+
+def add_counts(stats: Stats, counts: dict[type, int], copied: int) -> None:
+    """The counters a plan's ops add: every Copy streams one blob (`copied` bytes in all),
+    every gather op is one launch, every Products is two matmul launches (gate/up and down)."""
     copies = counts.get(Copy, 0)
     stats.experts_streamed += copies
-    stats.bytes_streamed += copies * blob_bytes
+    stats.bytes_streamed += copied
     stats.gathers_launched += (counts.get(Gather, 0) + counts.get(GatherBatch, 0)
                                + counts.get(GatherRouted, 0))
     stats.mmq_launches += 2 * counts.get(Products, 0)
@@ -180,8 +185,9 @@ class ChunkDriver:
     """Runs chunks on one executor. `gather_one` and `walk_min_tokens` are read from the
     engine config on every chunk, so an in-process A/B takes effect on the next prompt."""
 
-    def __init__(self, spec: MoESpec, fmt: QuantFormat, cfg: EngineConfig, executor: Executor):
-        self.spec, self.fmt, self.cfg = spec, fmt, cfg
+    def __init__(self, spec: MoESpec, formats: LayerFormats, cfg: EngineConfig,
+                 executor: Executor):
+        self.spec, self.formats, self.cfg = spec, formats, cfg
         self.executor = executor
         self.check_plan = bool(cfg.check_plan)
         #: the plan of the last chunk (staging: the layers planned so far)
@@ -191,12 +197,12 @@ class ChunkDriver:
         #: per walk key (chunk size, gather_one, attention start or None):
         #: {"plain": s, "graph": s, "choice": ...}
         self.graph_trials: dict[WalkKey, dict[str, Any]] = {}
-        self._walk_plans: dict[WalkKey, tuple[ChunkPlan, dict[type, int]]] = {}
+        self._walk_plans: dict[WalkKey, tuple[ChunkPlan, dict[type, int], int]] = {}
         self._replays: dict[WalkKey, Replay] = {}
 
     @property
     def gather_one(self) -> bool:
-        return gathers_one_by_one(self.fmt, self.cfg.gather_one)
+        return gathers_one_by_one(self.formats, self.cfg.gather_one)
 
     @property
     def residency(self) -> Residency:
@@ -246,9 +252,9 @@ class ChunkDriver:
         step = stats.routing_counts - before
         if own:
             stats.routing_counts = None
-        streamed = int(((step > 0) & ~self.residency.mask()).sum())
-        stats.experts_streamed += streamed
-        stats.bytes_streamed += streamed * self.executor.blob_bytes
+        per_layer = ((step > 0) & ~self.residency.mask()).sum(axis=1)
+        stats.experts_streamed += int(per_layer.sum())
+        stats.bytes_streamed += int(np.dot(per_layer, self.executor.layer_blob_bytes))
 
     def _run_staging(self, T: int, stats: Stats, start: int | None) -> None:
         ex = self.executor
@@ -272,7 +278,7 @@ class ChunkDriver:
                 checker.feed(lp.ops)
             ex.execute((op for op in lp.ops[len(pre):] if not isinstance(op, LayerBegin)),
                        stats, counts)
-            add_counts(stats, op_counts(lp.ops), ex.blob_bytes)
+            add_counts(stats, op_counts(lp.ops), copy_bytes(lp.ops, ex.layer_blob_bytes))
             host += time.perf_counter() - t0
             self.layer_host_s.append(host)
             stats.host_s += host
@@ -286,16 +292,16 @@ class ChunkDriver:
         return DenseSchedule(self.spec.n_layers, start, self.executor.dense_ring)
 
     def walk_plan(self, T: int, start: int | None = None
-                  ) -> tuple[ChunkPlan, dict[type, int]]:
-        """The walk of a T-token chunk and its op counts (planned and checked once per chunk
-        size, gather mode and attention start)."""
+                  ) -> tuple[ChunkPlan, dict[type, int], int]:
+        """The walk of a T-token chunk, its op counts and the bytes its copies move (planned
+        and checked once per chunk size, gather mode and attention start)."""
         return self._planned((T, self.gather_one, start))
 
-    def decode_plan(self) -> tuple[ChunkPlan, dict[type, int]]:
-        """The decode plan of a whole model's one-token step and its op counts."""
+    def decode_plan(self) -> tuple[ChunkPlan, dict[type, int], int]:
+        """The decode plan of a whole model's one-token step, its op counts and copy bytes."""
         return self._planned(DECODE_KEY)
 
-    def _planned(self, key: WalkKey) -> tuple[ChunkPlan, dict[type, int]]:
+    def _planned(self, key: WalkKey) -> tuple[ChunkPlan, dict[type, int], int]:
         if key not in self._walk_plans:
             T, gather_one, start = key
             if key == DECODE_KEY:
@@ -310,7 +316,9 @@ class ChunkDriver:
                                  in_place=self.executor.in_place_for(T))
             if self.check_plan:
                 hazards.check(plan, self.residency, images=self.executor.images)
-            self._walk_plans[key] = (plan, op_counts(op for _, op in plan.ops()))
+            ops = [op for _, op in plan.ops()]
+            self._walk_plans[key] = (plan, op_counts(ops),
+                                     copy_bytes(ops, self.executor.layer_blob_bytes))
         return self._walk_plans[key]
 
     def _run_walk(self, T: int, stats: Stats, start: int | None) -> None:
@@ -321,7 +329,7 @@ class ChunkDriver:
         the first time its key is seen (timed), a captured replay the second (timed), then
         whichever was faster."""
         ex = self.executor
-        plan, counts = self._planned(key)
+        plan, counts, copied = self._planned(key)
         trial = self.graph_trials.setdefault(key, {})
         replay: Replay | None = None
         if ex.can_capture and "plain" in trial and trial.get("choice") != "plain":
@@ -346,7 +354,7 @@ class ChunkDriver:
                 ex.synchronize()
                 trial["graph"] = time.perf_counter() - t0
                 trial["choice"] = "graph" if trial["graph"] < trial["plain"] else "plain"
-        add_counts(stats, counts, ex.blob_bytes)  # the walk reads nothing back
+        add_counts(stats, counts, copied)  # the walk reads nothing back
         if stats.routing_counts is not None:
             ex.collect_walk_routing(stats)
         self.last_plan = plan

@@ -61,9 +61,12 @@ def chunk_in_place(setting: InPlaceSetting, fmt: QuantFormat, tokens: int,
     return setting == "on" or walk_rows_hint(tokens, spec) <= fmt.in_place_max_rows
 
 
-def resident_parts(resident_base: int, slots: tuple[int, ...], layout: ExpertLayout
-                   ) -> tuple[list[int], list[int]]:
+def resident_parts(resident_base: int, slots: tuple[int, ...], layout: ExpertLayout,
+                   slot_bytes: int | None = None) -> tuple[list[int], list[int]]:
     """Device addresses of the gate/up and down parts of the blobs in resident `slots` (the
-    region of resident slots starting at resident_base): what mmq_in_place reads."""
-    base = [resident_base + s * layout.slot_bytes for s in slots]
+    region of resident slots starting at resident_base): what mmq_in_place reads. `layout` is
+    the blobs' layer's; slot_bytes (default: that layout's) the model's slot size, which a
+    mixed model sets by its largest layer."""
+    step = layout.slot_bytes if slot_bytes is None else slot_bytes
+    base = [resident_base + s * step for s in slots]
     return ([b + layout.gate_up_offset for b in base], [b + layout.down_offset for b in base])

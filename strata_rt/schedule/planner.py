@@ -56,6 +56,7 @@ from .plan import (
 
 if TYPE_CHECKING:
     from ..formats.contract import QuantFormat
+    from ..weights.layer_formats import LayerFormats
     from ..weights.model import MoESpec
     from .dense_schedule import DenseSchedule
     from .image_cache import ImageCache
@@ -90,10 +91,11 @@ def takes_walk(tokens: int, spec: MoESpec, walk_min_tokens: int | None = None) -
     return share >= WALK_ROUTED_SHARE
 
 
-def gathers_one_by_one(fmt: QuantFormat, requested: bool | None) -> bool:
+def gathers_one_by_one(fmt: QuantFormat | LayerFormats, requested: bool | None) -> bool:
     """The gather mode a chunk runs in: one launch per expert when asked
     (STRATA_PREFILL_GATHER_ONE) and always for a non-native format, whose blobs are not plain
-    byte ranges; the engine therefore never asks such a format to batch. Read per chunk, so an
+    byte ranges (a model's formats: any layer's); the engine therefore never asks such a format
+    to batch. Read per chunk, so an
     in-process A/B takes effect on the next prompt."""
     return bool(requested) or not fmt.native
 

@@ -11,6 +11,7 @@ activations), the yardstick every backend is measured against.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -19,6 +20,7 @@ import numpy as np
 
 from ..errors import ConfigError, GGUFError, StrataError
 from ..formats.contract import ExpertLayout, QuantFormat
+from .layer_formats import LayerFormats
 
 #: bytes of distinct synthetic blobs generated at most; larger models tile them (see synthetic)
 SYNTHETIC_POOL_BYTES = 64 << 20
@@ -117,15 +119,23 @@ class Model:
     kept in memory; a model loaded from a GGUF reads them from the file's memory map when the
     store is built (`write_layers`), so the experts are never held twice. `.blobs`
     materialises the full [n_layers, n_experts, blob_bytes] array on first use;
-    `expert_blob`, `write_layer` and `write_layers` never do."""
+    `expert_blob`, `write_layer` and `write_layers` never do.
+
+    `formats` gives each layer's expert format when they differ (a mixed file); `fmt` is then
+    layer 0's, and `layout` the largest layer's, which sizes every slot (blob_bytes above is
+    that layout's: a smaller layer's blobs sit at the start of their rows, zero-padded)."""
 
     def __init__(self, spec: MoESpec, fmt: QuantFormat, router: np.ndarray, norm: np.ndarray,
                  blobs: np.ndarray | None = None, blob_index: np.ndarray | None = None, *,
-                 experts: ExpertSource | None = None):
+                 experts: ExpertSource | None = None, formats: LayerFormats | None = None):
         self.spec = spec
-        self.fmt = fmt
-        self.layout: ExpertLayout = fmt.layout(spec.hidden, spec.ffn)
         L, E, H = spec.n_layers, spec.n_experts, spec.hidden
+        if formats is None:
+            formats = LayerFormats.uniform(fmt, L, H, spec.ffn)
+        assert len(formats) == L and formats.format(0) is fmt, "formats[0] must be fmt"
+        self.fmt = fmt
+        self.formats = formats
+        self.layout: ExpertLayout = formats.slot_layout
         self.router = np.ascontiguousarray(router, dtype=np.float32)
         self.norm = np.ascontiguousarray(norm, dtype=np.float32)
         assert self.router.shape == (L, E, H), self.router.shape
@@ -146,7 +156,7 @@ class Model:
         if isinstance(self.experts, ArrayExperts):
             return self.experts.full()
         spec = self.spec
-        full = np.empty((spec.n_layers, spec.n_experts, self.layout.blob_bytes), np.uint8)
+        full = np.zeros((spec.n_layers, spec.n_experts, self.layout.blob_bytes), np.uint8)
         self.experts.write_layers(full)
         self.experts = ArrayExperts(full)
         return full
@@ -168,18 +178,20 @@ class Model:
         from dataclasses import replace
 
         spec = replace(self.spec, n_layers=hi - lo)
-        return Model(spec, self.fmt, self.router[lo:hi], self.norm[lo:hi],
-                     experts=self.experts.layers(lo, hi))
+        formats = self.formats.sliced(lo, hi)
+        return Model(spec, formats.format(0), self.router[lo:hi], self.norm[lo:hi],
+                     experts=self.experts.layers(lo, hi), formats=formats)
 
     def dequantized(self, layer: int, e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(gate [ffn, hidden], up [ffn, hidden], down [hidden, ffn]) float32."""
-        return self.fmt.unpack_expert(self.expert_blob(layer, e), self.spec.hidden,
-                                      self.spec.ffn)
+        return self.formats.format(layer).unpack_expert(self.expert_blob(layer, e),
+                                                        self.spec.hidden, self.spec.ffn)
 
     # ------------------------------------------------------------------ constructors
     @classmethod
     def synthetic(cls, spec: MoESpec, seed: int, fmt: QuantFormat | str | None = None,
-                  pool_bytes: int = SYNTHETIC_POOL_BYTES) -> Model:
+                  pool_bytes: int = SYNTHETIC_POOL_BYTES,
+                  layer_formats: Sequence[QuantFormat | str] | None = None) -> Model:
         """A seeded random model. Router ~ N(0, 1/hidden) * 2 (logits of a unit-RMS input
         have std ~2, so routing is decisive but varied); norm weights 1 + N(0, 0.1^2);
         experts from `fmt.random_expert`.
@@ -188,13 +200,27 @@ class Model:
         the small configs; every expert of a model whose experts fit the pool is distinct).
         A larger model (the Qwen3-30B shape is 11 GB of IQ3_XXS) draws a pool of P distinct
         blobs and tiles it: layer l expert e uses pool[(e + 7*l) % P], so neighbouring layers
-        differ and a layer repeats a blob only every P experts."""
-        fmt = _resolve_format(fmt if fmt is not None else spec.format)
-        lay = fmt.layout(spec.hidden, spec.ffn)
+        differ and a layer repeats a blob only every P experts.
+
+        `layer_formats` (one per layer) makes a mixed model: every expert distinct, drawn by
+        its layer's format (no pool: such models are small test models)."""
         L, E, H = spec.n_layers, spec.n_experts, spec.hidden
         rng = np.random.default_rng(seed)
         router = rng.standard_normal((L, E, H), dtype=np.float32) * np.float32(2.0 / np.sqrt(H))
         norm = (1.0 + 0.1 * rng.standard_normal((L, H))).astype(np.float32)
+        if layer_formats is not None:
+            if len(layer_formats) != L:
+                raise ConfigError(f"{len(layer_formats)} layer formats for {L} layers",
+                                  source="MoESpec")
+            formats = LayerFormats.of([_resolve_format(f) for f in layer_formats], H, spec.ffn)
+            blobs = np.zeros((L, E, formats.slot_layout.blob_bytes), dtype=np.uint8)
+            for layer, f in enumerate(formats.formats):
+                n = formats.layout(layer).blob_bytes
+                for e in range(E):
+                    blobs[layer, e, :n] = f.random_expert(rng, H, spec.ffn)
+            return cls(spec, formats.format(0), router, norm, blobs, formats=formats)
+        fmt = _resolve_format(fmt if fmt is not None else spec.format)
+        lay = fmt.layout(spec.hidden, spec.ffn)
         total = L * E
         pool_n = total if total * lay.blob_bytes <= pool_bytes else max(
             1, min(total, pool_bytes // lay.blob_bytes))

@@ -27,6 +27,7 @@ class ExpertStore:
     def __init__(self, model: Model, host_alloc: HostAlloc = numpy_alloc):
         spec = model.spec
         self.layout = model.layout
+        self.formats = model.formats
         self.slot_bytes = self.layout.slot_bytes
         self.n_layers, self.n_experts = spec.n_layers, spec.n_experts
         self.nbytes = spec.n_layers * spec.n_experts * self.slot_bytes
@@ -35,7 +36,8 @@ class ExpertStore:
             raise ValueError(f"host_alloc({self.nbytes}) returned {arena.dtype} x {arena.size}")
         self.arena = arena.reshape(-1)[: self.nbytes]
         grid = self.arena.reshape(spec.n_layers, spec.n_experts, self.slot_bytes)
-        grid[:, :, self.layout.blob_bytes:] = 0  # padding: fixed bytes, runs compare with cmp
+        for layer, lay in enumerate(self.formats.layouts):
+            grid[layer, :, lay.blob_bytes:] = 0  # padding: fixed bytes, runs compare with cmp
         # layer by layer from wherever the model keeps its experts (a GGUF file's memory map:
         # no second copy of the experts is ever held)
         model.write_layers(grid)
@@ -49,4 +51,4 @@ class ExpertStore:
     def view(self, layer: int, e: int) -> np.ndarray:
         """The blob (without padding) of one expert."""
         o = self.offset(layer, e)
-        return self.arena[o: o + self.layout.blob_bytes]
+        return self.arena[o: o + self.formats.layout(layer).blob_bytes]

@@ -26,7 +26,7 @@ import numpy as np
 
 from ...errors import StrataError
 from ...formats.contract import FormatKernels
-from ...models.qwen3.whole_memory import WholeSizing
+from ...models.qwen3.whole_memory import DenseTypes, WholeSizing
 from ...report.stats import Stats
 from ...report.timing import PhaseTimer
 from ...runtime.hostmap import host_device_pointer
@@ -77,6 +77,16 @@ if TYPE_CHECKING:
 __all__ = ["ENGINE_SOURCE", "CudaBackend", "CudaContext", "walk_rows_hint"]
 
 
+def layer_kernels(model: Model, rt: Any) -> list[FormatKernels]:
+    """Each layer's format kernels, loaded once per distinct format object."""
+    fks: list[FormatKernels] = [None] * model.spec.n_layers  # type: ignore[list-item]
+    for fmt, layers in model.formats.distinct():
+        fk = fmt.kernels(rt, model.formats.layout(layers[0]))
+        for layer in layers:
+            fks[layer] = fk
+    return fks
+
+
 class CudaBackend:
     name = "cuda"
     context_class = CudaContext
@@ -95,7 +105,7 @@ class CudaBackend:
         self.model, self.store, self.cfg = model, store, cfg
         self.whole = whole
         self.spec, self.fmt, self.lay = model.spec, model.fmt, model.layout
-        self.blob_bytes = self.lay.blob_bytes
+        self.layer_blob_bytes = tuple(lay.blob_bytes for lay in model.formats.layouts)
         self.timing = bool(cfg.timing)
         self.can_capture = bool(cfg.cuda_graph) and not self.timing
         assert cfg.f16_gemm is not None, "EngineConfig.resolve() sets f16_gemm"
@@ -114,9 +124,10 @@ class CudaBackend:
         rt, spec, lay, cfg, model = self.rt, self.spec, self.lay, self.cfg, self.model
         routing = cfg.routing
         assert routing is not None, "EngineConfig.resolve() sets routing"
-        # kernels first: a format without kernels fails before any memory is taken
-        self.fk = self.fmt.kernels(rt, lay)
-        self.in_place = check_in_place(cfg.in_place, self.fmt)
+        # kernels first: a format without kernels fails before any memory is taken; a mixed
+        # model loads each distinct layer format's kernels once
+        self.fks = layer_kernels(model, rt)
+        self.in_place = check_in_place(cfg.in_place, model.formats.in_place_format)
         reserve = cfg.vram_reserve_mib if cfg.vram_reserve_mib is not None else DEFAULT_RESERVE_MIB
         available = rt.free_bytes() - int(reserve * MIB)
         slot = lay.slot_bytes
@@ -126,8 +137,8 @@ class CudaBackend:
         if self.whole is not None:
             assert cfg.dense_gemm is not None, "EngineConfig.resolve() sets dense_gemm"
             self.kv_capacity = cfg.context or self.whole.spec.context
-            whole_sizes = WholeSizing(self.whole.spec, self.kv_capacity, False,
-                                      cfg.dense_gemm)
+            whole_sizes = WholeSizing(self.whole.spec, DenseTypes.of_model(self.whole),
+                                      self.kv_capacity, False, cfg.dense_gemm)
         image_room = capacity_blocks(cfg.image_cache_mib, spec, lay)
         assert cfg.compute_lanes is not None, "EngineConfig.resolve() sets compute_lanes"
         self.lanes, mp = plan_lanes(cfg.compute_lanes, fixed_res, spec.total_experts, partial(
@@ -159,7 +170,8 @@ class CudaBackend:
         for i, (layer, e) in enumerate(residency.pairs):
             off = self.store.offset(layer, e)
             rt.memcpy_htod(dev.ptr["resident"] + i * slot,
-                           self.store.arena[off: off + lay.blob_bytes], dev.copy)
+                           self.store.arena[off: off + model.formats.layout(layer).blob_bytes],
+                           dev.copy)
         dev.copy.synchronize()
         self._fill_images()
         self._whole: CudaWhole | None = None
@@ -192,7 +204,8 @@ class CudaBackend:
         return chunk_lanes(self.lanes, tokens, self.spec, self.timing)
 
     def in_place_for(self, tokens: int) -> bool:
-        return chunk_in_place(self.in_place, self.fmt, tokens, self.spec)
+        return chunk_in_place(self.in_place, self.model.formats.in_place_format, tokens,
+                              self.spec)
 
     def _fill_images(self) -> None:
         """Each cached group's images, written by the format's own gather from the resident
@@ -200,7 +213,8 @@ class CudaBackend:
         dev = self._device()
         gu, dn = block_bytes(self.lay)
         for b, pos, slot in self.images.fills(self.spec, self.residency):
-            self.fk.gather(dev.compute, dev.ptr["resident"] + slot * self.lay.slot_bytes, pos,
+            layer = self.residency.pairs[slot][0]
+            self.fks[layer].gather(dev.compute, dev.ptr["resident"] + slot * self.lay.slot_bytes, pos,
                            dev.ptr["image_gate_up"] + b * gu, dev.ptr["image_down"] + b * dn)
         dev.compute.synchronize()
 
@@ -315,8 +329,9 @@ class CudaBackend:
         off = self.store.offset(op.layer, op.expert)
         if self._timer is not None:
             self._timer.copy_begin(f"copy L{op.layer} E{op.expert} -> slot {op.slot}")
+        nbytes = self.model.formats.layout(op.layer).blob_bytes
         self.rt.memcpy_htod(dev.ptr["ring"] + op.slot * self.lay.slot_bytes,
-                            self.store.arena[off: off + self.lay.blob_bytes], dev.copy)
+                            self.store.arena[off: off + nbytes], dev.copy)
         if self._timer is not None:
             self._timer.copy_end()
 
@@ -338,17 +353,18 @@ class CudaBackend:
     def _op_gather(self, op: Gather) -> None:
         s, gu, dn = self._lane(op)
         self._mark("gather")
-        self.fk.gather(s, self._src_ptr(op), op.pos, gu, dn)
+        self.fks[op.layer].gather(s, self._src_ptr(op), op.pos, gu, dn)
 
     def _op_gather_batch(self, op: GatherBatch) -> None:
         s, gu, dn = self._lane(op)
         self._mark("gather")
-        self.fk.gather_batch(s, [self._src_ptr(g) for g in op.gathers], op.first_pos, gu, dn)
+        self.fks[op.gathers[0].layer].gather_batch(s, [self._src_ptr(g) for g in op.gathers],
+                                                   op.first_pos, gu, dn)
 
     @property
     def routed_gathers(self) -> bool:
         """Whether the format's kernels gather a decode step's routed experts on the device."""
-        return type(self.fk).gather_routed is not FormatKernels.gather_routed
+        return all(type(fk).gather_routed is not FormatKernels.gather_routed for fk in self.fks)
 
     def _op_gather_routed(self, op: GatherRouted) -> None:
         if self._store_dev is None:  # the host store's device address, looked up once
@@ -358,7 +374,8 @@ class CudaBackend:
         first = op.gathers[0]
         s, gu, dn = self._lane(op)
         self._mark("gather")
-        self.fk.gather_routed(s, srcs, gu, dn, self._bounds_ptr(first.layer), first.expert)
+        self.fks[first.layer].gather_routed(s, srcs, gu, dn, self._bounds_ptr(first.layer),
+                                            first.expert)
 
     def _op_layer_begin(self, op: LayerBegin) -> None:
         dev = self._device()
@@ -388,10 +405,12 @@ class CudaBackend:
             rows_hint = walk_rows_hint(self._T, spec)
             group_rows = min(self._T * spec.top_k, len(ids) * self._T)
         bounds = self._bounds_ptr(op.layer)
-        mmq: Callable[..., None] = self.fk.mmq
+        fk = self.fks[op.layer]
+        mmq: Callable[..., None] = fk.mmq
         if op.slots is not None:  # in place: each expert's parts where its slot holds them
-            mmq = self.fk.mmq_in_place
-            gu_w, dn_w = resident_parts(p["resident"], op.slots, self.lay)
+            mmq = fk.mmq_in_place
+            gu_w, dn_w = resident_parts(p["resident"], op.slots,
+                                        self.model.formats.layout(op.layer), self.lay.slot_bytes)
         elif op.cached is not None:
             gu_block, dn_block = block_bytes(self.lay)
             gu_w = p["image_gate_up"] + op.cached * gu_block
@@ -438,7 +457,8 @@ class CudaBackend:
             whole.close()
         if dev is not None:
             dev.close()
-        self.kernels = self.fk = self._timer = None  # type: ignore[assignment]
+        self.fks = []
+        self.kernels = self._timer = None  # type: ignore[assignment]
         self._dispatch = {}
 
 

@@ -1,9 +1,11 @@
 """The CUDA executor's Attention and Logits ops: a whole model's dense part on the GPU.
 
-At open the dense weights go to the device once, as fp16 layer slots
-(strata_rt.models.qwen3.whole_memory), with the head, the RoPE tables (angles in float64 on the
-host, as the numpy model computes them) and room for the KV cache. Each Attention op is five
-launches on the compute stream, all reading and writing the chunk's residual `x` in place:
+At open the dense weights go to the device once, in their GGUF types, as layer slots
+(strata_rt.models.qwen3.whole_memory), with the head in its type, the RoPE tables (angles in
+float64 on the host, as the numpy model computes them) and room for the KV cache. Each
+Attention op is five launches on the compute stream, all reading and writing the chunk's
+residual `x` in place, after the decodes of its weights into fp16 (DenseDecode; none for F16
+weights, which the GEMMs read in place):
 
     xa   = fp16(RMSNorm(x) * attn_norm)              DenseKernels.rmsnorm_f16
     qkv  = xa . Wqkv^T                               DenseKernels.gemm (fp16 out)
@@ -12,8 +14,10 @@ launches on the compute stream, all reading and writing the chunk's residual `x`
     x   += o . Wo^T                                  DenseKernels.gemm (fp32, accumulate)
 
 Logits: the chosen rows of x through RMSNorm * output_norm and the output head into float32, at
-most LOGIT_ROWS rows per GEMM, each slice copied back before the next (the host array is the
-result). Nothing here synchronises except Logits, which the chunk's end would wait for anyway.
+most LOGIT_ROWS rows per GEMM, each row slice copied back before the next (the host array is the
+result). A head not stored as F16 is decoded HEAD_SLICE_ROWS vocabulary rows at a time before
+each slice's GEMM (once per call when one slice holds the vocabulary, else once per row slice).
+Nothing here synchronises except Logits, which the chunk's end would wait for anyway.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from ...models.qwen3.reference import rope_tables
 from ...models.qwen3.whole_memory import LOGIT_ROWS, DenseSlot, WholeSizing, kv_bytes
 from ...schedule.plan import Attention, DenseCopy, Logits
 from .attention_kernels import AttentionKernels
+from .dense_decode import DenseDecode, head_slices
 from .dense_kernels import DenseKernels
 
 if TYPE_CHECKING:
@@ -39,18 +44,18 @@ def _no_mark(phase: str) -> None:
 
 
 def dense_slot_bytes(whole: Qwen3Model, layer: int, slot: DenseSlot) -> np.ndarray:
-    """The host image of one layer's dense slot (uint8 [slot.nbytes])."""
-    spec, lw = whole.spec, whole.dense.layers[layer]
+    """The host image of one layer's dense slot (uint8 [slot.nbytes]): the projections' own
+    bytes, the norms as float32."""
+    lw = whole.dense.layers[layer]
     buf = np.zeros(slot.nbytes, np.uint8)
 
     def put(offset: int, values: np.ndarray) -> None:
         raw = np.ascontiguousarray(values).view(np.uint8).reshape(-1)
         buf[offset: offset + raw.size] = raw
 
-    wqkv = np.concatenate([lw.attn_q.f32(), lw.attn_k.f32(), lw.attn_v.f32()], axis=0)
-    assert wqkv.shape == (spec.q_dim + 2 * spec.kv_dim, spec.hidden)
-    put(slot.wqkv, wqkv.astype(np.float16))
-    put(slot.wo, lw.attn_output.f32().astype(np.float16))
+    for offset, t in ((slot.q, lw.attn_q), (slot.k, lw.attn_k), (slot.v, lw.attn_v),
+                      (slot.o, lw.attn_output)):
+        put(offset, t.data)
     put(slot.attn_norm, lw.attn_norm.f32().astype(np.float32))
     put(slot.q_norm, lw.attn_q_norm.f32().astype(np.float32))
     put(slot.k_norm, lw.attn_k_norm.f32().astype(np.float32))
@@ -61,7 +66,7 @@ class CudaWhole:
     """Runs Attention, DenseCopy and Logits ops for the CUDA executor. `ptr` maps the arena's
     regions (see whole_memory) and the MoE region it shares: `x`, the chunk's float32 residual.
     Streamed dense weights (sizing.dense_stream) wait in a pinned host store, one slot image per
-    layer, for their DenseCopy."""
+    layer, for their DenseCopy (which copies that layer's own bytes, not the ring slot's)."""
 
     def __init__(self, rt: Runtime, whole: Qwen3Model, ptr: dict[str, int], ws_bytes: int,
                  sizing: WholeSizing, stream: Stream):
@@ -69,13 +74,14 @@ class CudaWhole:
         self.context = sizing.context
         self.streamed = sizing.dense_stream
         spec = self.spec
-        self.slot = DenseSlot.of(spec)
+        self.layout = sizing.layout()
+        self.decode = DenseDecode(rt, spec, self.layout, ptr["dense_scratch"])
         self.attention = AttentionKernels(rt, spec.n_heads, spec.n_kv_heads, spec.head_dim,
                                           self.context)
         self.dense = DenseKernels(rt, ptr["dense_ws"], ws_bytes, sizing.gemm)
         self._store = None
         if self.streamed:
-            self._store = rt.pinned({"dense": spec.n_layers * self.slot.nbytes})
+            self._store = rt.pinned({"dense": spec.n_layers * self.layout.slot_bytes})
             self._store_bytes = self._store.view("dense").reshape(spec.n_layers, -1)
         self._upload(stream)
         self._host = rt.pinned({"logits": LOGIT_ROWS * spec.vocab * 4, "position": 16})
@@ -86,23 +92,23 @@ class CudaWhole:
         self.position = 0
 
     def _upload(self, stream: Stream) -> None:
-        rt, spec, p = self.rt, self.spec, self.ptr
-        for layer in range(spec.n_layers):
-            image = dense_slot_bytes(self.whole, layer, self.slot)
+        rt, spec, p, layout = self.rt, self.spec, self.ptr, self.layout
+        for layer, slot in enumerate(layout.slots):
+            image = dense_slot_bytes(self.whole, layer, slot)
             if self.streamed:
-                self._store_bytes[layer] = image
+                self._store_bytes[layer, : slot.nbytes] = image
                 continue
-            rt.memcpy_htod(p["dense"] + layer * self.slot.nbytes, image, stream)
+            rt.memcpy_htod(p["dense"] + layout.resident_offset(layer), image, stream)
             stream.synchronize()  # the pageable source goes away with the next layer
         d = self.whole.dense
         rt.memcpy_htod(p["head_norm"], d.output_norm.f32().astype(np.float32), stream)
-        head = np.ascontiguousarray(self.whole.output_weight.f32().astype(np.float16))
-        rt.memcpy_htod(p["head"], head, stream)
+        head = self.whole.output_weight
+        rt.memcpy_htod(p["head"], np.ascontiguousarray(head.data).view(np.uint8).reshape(-1),
+                       stream)
         cos, sin = rope_tables(spec, np.arange(self.context), np.float32)
         rt.memcpy_htod(p["rope_cos"], np.ascontiguousarray(cos), stream)
         rt.memcpy_htod(p["rope_sin"], np.ascontiguousarray(sin), stream)
         stream.synchronize()
-        del head
 
     def kv_pointers(self, layer: int) -> tuple[int, int]:
         """(keys, values) base addresses of one layer's cache [context, n_kv_heads, head_dim]."""
@@ -122,20 +128,23 @@ class CudaWhole:
         """Layer op.layer's slot image from the pinned store into dense ring slot op.slot."""
         if not self.streamed:
             raise RuntimeError("DenseCopy in a plan whose dense weights are resident")
-        self.rt.memcpy_htod(self.ptr["dense"] + op.slot * self.slot.nbytes,
-                            self._store_bytes[op.layer], stream)
+        nbytes = self.layout.slots[op.layer].nbytes
+        self.rt.memcpy_htod(self.ptr["dense"] + op.slot * self.layout.slot_bytes,
+                            self._store_bytes[op.layer, :nbytes], stream)
 
     def run_attention(self, stream: Stream, op: Attention, tokens: int,
                       mark: Callable[[str], None] = _no_mark) -> None:
         """The layer's five launches; mark(phase) opens each phase of the timing table (dense:
-        the norm and the QKV GEMM, rope: q/k norms + RoPE + KV append, attention, dense o)."""
+        the norm, the Wqkv decode and the QKV GEMM, rope: q/k norms + RoPE + KV append,
+        attention, dense o: the Wo decode and its GEMM)."""
         spec, p, T = self.spec, self.ptr, tokens
         if (op.dense_slot is None) == self.streamed:
             raise RuntimeError(f"Attention of layer {op.layer} with dense slot "
                                f"{op.dense_slot}, but the dense weights are "
                                f"{'streamed' if self.streamed else 'resident'}")
-        index = op.layer if op.dense_slot is None else op.dense_slot
-        base = p["dense"] + index * self.slot.nbytes
+        slot = self.layout.slots[op.layer]
+        base = p["dense"] + (self.layout.resident_offset(op.layer) if op.dense_slot is None
+                             else op.dense_slot * self.layout.slot_bytes)
         H, eps = spec.hidden, float(spec.rms_eps)
         k_cache, v_cache = self.kv_pointers(op.layer)
         dk, ak = self.dense, self.attention
@@ -143,35 +152,45 @@ class CudaWhole:
         if start is None:  # the register set_position filled (a decode step's plan)
             start, start_dev = self.position, self.ptr["position"]
         mark("dense qkv")
-        dk.rmsnorm_f16(stream, p["x"], base + self.slot.attn_norm, p["xa"], T, H, eps)
-        dk.gemm(stream, p["xa"], base + self.slot.wqkv, p["qkv"], T,
+        dk.rmsnorm_f16(stream, p["x"], base + slot.attn_norm, p["xa"], T, H, eps)
+        wqkv = self.decode.wqkv(stream, base, slot)
+        dk.gemm(stream, p["xa"], wqkv, p["qkv"], T,
                 spec.q_dim + 2 * spec.kv_dim, H, out_f32=False, accumulate=False)
         mark("qk norm+rope")
-        ak.qk_norm_rope(stream, p["qkv"], T, start, base + self.slot.q_norm,
-                        base + self.slot.k_norm, p["rope_cos"], p["rope_sin"], eps,
+        ak.qk_norm_rope(stream, p["qkv"], T, start, base + slot.q_norm, base + slot.k_norm, p["rope_cos"], p["rope_sin"], eps,
                         p["q_rot"], k_cache, v_cache, start_dev)
         mark("attention")
         ak.attend(stream, p["q_rot"], k_cache, v_cache, start, T, p["attn_out"], start_dev)
         mark("dense o")
-        dk.gemm(stream, p["attn_out"], base + self.slot.wo, p["x"], T, H, spec.q_dim,
+        wo = self.decode.wo(stream, base, slot)
+        dk.gemm(stream, p["attn_out"], wo, p["x"], T, H, spec.q_dim,
                 out_f32=True, accumulate=True)
 
     def run_logits(self, stream: Stream, op: Logits, tokens: int) -> np.ndarray:
-        """float32 [rows, vocab] (a new host array) of the last row or all rows of x."""
+        """float32 [rows, vocab] (a new host array) of the last row or all rows of x. Each row
+        slice's logits come back as one block [n, rows of the slice] per head slice."""
         spec, p = self.spec, self.ptr
         H, V = spec.hidden, spec.vocab
+        head_type = self.layout.head_type
+        slices = head_slices(V, self.layout.head_direct)
         first = tokens - 1 if op.rows == "last" else 0
         out = np.empty((tokens - first, V), np.float32)
+        w = 0
         for r0 in range(first, tokens, LOGIT_ROWS):
             n = min(LOGIT_ROWS, tokens - r0)
             self.dense.rmsnorm_f16(stream, p["x"] + r0 * H * 4, p["head_norm"], p["head_in"],
                                    n, H, float(spec.rms_eps))
-            self.dense.gemm(stream, p["head_in"], p["head"], p["head_out"], n, V, H,
-                            out_f32=True, accumulate=False)
+            for v0, rows in slices:
+                if r0 == first or len(slices) > 1:  # one slice: decoded once per call
+                    w = self.decode.head_slice(stream, p["head"], head_type, v0, rows)
+                self.dense.gemm(stream, p["head_in"], w, p["head_out"] + v0 * n * 4, n, rows,
+                                H, out_f32=True, accumulate=False)
             host = self._logits_host[: n * V]
             self.rt.memcpy_dtoh(host, p["head_out"], stream)
             stream.synchronize()
-            out[r0 - first: r0 - first + n] = host.reshape(n, V)
+            for v0, rows in slices:
+                out[r0 - first: r0 - first + n, v0: v0 + rows] = \
+                    host[v0 * n: (v0 + rows) * n].reshape(n, rows)
         return out
 
     def close(self) -> None:

@@ -129,7 +129,8 @@ class ReferenceBackend:
         self._chunk_start: int | None = None
         self._logits: np.ndarray | None = None
         self.spec, self.fmt, self.lay = model.spec, model.fmt, model.layout
-        self.blob_bytes = self.lay.blob_bytes
+        self.formats = model.formats
+        self.layer_blob_bytes = tuple(lay.blob_bytes for lay in model.formats.layouts)
         self.residency = residency if residency is not None else Residency.from_budget(
             model, 0)
         self.timing = bool(cfg.timing)
@@ -143,7 +144,7 @@ class ReferenceBackend:
         #: group buffers of each compute lane (plan.LANES): lane i gathers into set i
         self.lanes = allocated_lanes(cfg.compute_lanes or "auto", self.residency.n_slots
                                      >= self.spec.total_experts)
-        self.in_place = check_in_place(cfg.in_place, self.fmt)
+        self.in_place = check_in_place(cfg.in_place, model.formats.in_place_format)
         self.gu_bufs = np.full((self.lanes, MMQ_GROUP, self.lay.gate_up_image_bytes), _POISON,
                                np.uint8)
         self.dn_bufs = np.full((self.lanes, MMQ_GROUP, self.lay.down_image_bytes), _POISON,
@@ -156,7 +157,9 @@ class ReferenceBackend:
         self.image_gu = np.full((n_blocks, *self.gu_bufs.shape[1:]), _POISON, np.uint8)
         self.image_dn = np.full((n_blocks, *self.dn_bufs.shape[1:]), _POISON, np.uint8)
         for b, pos, slot in self.images.fills(self.spec, self.residency):
-            self.image_gu[b, pos], self.image_dn[b, pos] = self._images(self.resident[slot])
+            layer = self.residency.pairs[slot][0]
+            self.image_gu[b, pos], self.image_dn[b, pos] = self._images(self.resident[slot],
+                                                                        layer)
         self._state: _LayerState | None = None
         self._h = np.empty((0, self.spec.hidden), np.float32)
         self._stats = Stats()
@@ -188,7 +191,7 @@ class ReferenceBackend:
         return chunk_lanes(self.lanes, tokens, self.spec)
 
     def in_place_for(self, tokens: int) -> bool:
-        return chunk_in_place(self.in_place, self.fmt, tokens, self.spec)
+        return chunk_in_place(self.in_place, self.formats.in_place_format, tokens, self.spec)
 
     def capture(self, ops: Iterable[Op]) -> NoReturn:
         raise NotImplementedError("the reference backend replays nothing")
@@ -316,12 +319,12 @@ class ReferenceBackend:
             src = self.store.arena[off: off + self.store.slot_bytes]
         else:
             src = self.resident[idx] if kind == RESIDENT else self.ring[idx]
-        gu, dn = self._images(src)
+        gu, dn = self._images(src, g.layer)
         self.gu_bufs[lane_index(g.stream), g.pos] = gu
         self.dn_bufs[lane_index(g.stream), g.pos] = dn
 
     def _products(self, op: Products) -> None:
-        st, fmt, spec = self._state, self.fmt, self.spec
+        st, fmt, spec = self._state, self.formats.format(op.layer), self.spec
         if st is None or st.layer != op.layer:
             raise RuntimeError(f"Products of layer {op.layer} outside its layer")
         ids = op.expert_ids
@@ -336,7 +339,7 @@ class ReferenceBackend:
         F = spec.ffn
         lane = lane_index(op.stream)
         if op.slots is not None:  # read in place: each expert's images from its resident slot
-            gu_buf, dn_buf = self._slot_images(op.slots)
+            gu_buf, dn_buf = self._slot_images(op.slots, op.layer)
         elif op.cached is not None:
             gu_buf, dn_buf = self.image_gu[op.cached], self.image_dn[op.cached]
         else:
@@ -353,14 +356,17 @@ class ReferenceBackend:
             r0, r1 = int(b[e]), int(b[e + 1])
             st.out_sorted[lo + r0: lo + r1] = dn[r0:r1]
 
-    def _images(self, slot: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The format's images of the blob a slot holds (what its gather writes)."""
-        return self.fmt.images(slot[: self.lay.blob_bytes], self.spec.hidden, self.spec.ffn)
+    def _images(self, slot: np.ndarray, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """The layer format's images of the blob a slot holds (what its gather writes)."""
+        nbytes = self.formats.layout(layer).blob_bytes
+        return self.formats.format(layer).images(slot[:nbytes], self.spec.hidden,
+                                                 self.spec.ffn)
 
-    def _slot_images(self, slots: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    def _slot_images(self, slots: tuple[int, ...], layer: int
+                     ) -> tuple[np.ndarray, np.ndarray]:
         """The images the products see of resident slots read in place (the format's images,
         as its gather would have written them)."""
-        parts = [self._images(self.resident[s]) for s in slots]
+        parts = [self._images(self.resident[s], layer) for s in slots]
         return np.stack([gu for gu, _ in parts]), np.stack([dn for _, dn in parts])
 
     def _combine(self, h: np.ndarray) -> None:

@@ -38,6 +38,7 @@ from .weights import (
     resolve_format,
     tensor_name,
 )
+from .whole_memory import DenseTypes
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +142,30 @@ def read_qwen3_spec(path: str | Path) -> tuple[Qwen3Spec, bool]:
     path = Path(path)
     header, dims, tensors = _open(path)
     return _spec(header, path, dims, tensors), tensor_name("output") not in tensors
+
+
+def read_dense_types(path: str | Path) -> DenseTypes:
+    """The GGML types of the dense matrices the GPU holds (each layer's q, k, v, o and the
+    head), without reading any weight: what sizes the dense part in VRAM."""
+    from gguf import GGMLQuantizationType
+
+    path = Path(path)
+    header, dims, tensors = _open(path)
+
+    def type_of(name: str) -> str | None:
+        t = tensors.get(name)
+        if t is None:
+            return None
+        try:
+            return GGMLQuantizationType(int(t.tensor_type)).name
+        except ValueError:
+            raise GGUFError(f"{path}: tensor {name} has GGML type {int(t.tensor_type)}, "
+                            "which the gguf package does not know") from None
+
+    try:
+        return DenseTypes.lookup(dims["n_layers"], type_of)
+    except KeyError as e:
+        raise GGUFError(f"{path}: tensor {e.args[0]} is missing") from None
 
 
 def _why(spec: Qwen3Spec, role: str) -> str:

@@ -1,69 +1,222 @@
 """Device memory of a whole model's dense part, as pure Python: what memory_plan adds to the
 CUDA backend's arena beside the experts, and how one layer's dense weights sit in a slot.
 
-A dense layer slot holds, 256-byte aligned: Wqkv fp16 [q_dim + 2 kv_dim, hidden] (the q, k
-and v projections stacked, one GEMM), Wo fp16 [hidden, q_dim], and the float32 norm weights
-attn_norm [hidden], q_norm and k_norm [head_dim]. fp16 rather than bf16: the same bytes, three
-more mantissa bits, and the tensor-core path the experts already use; GGUF's F16, Q8_0 and the
-K-quants dequantize to values of far smaller range than fp16's.
+The dense weights stay in their GGUF types on the device (a Q4_K_M file's Q4_K and Q6_K
+attention and head take their file bytes in VRAM and over PCIe when they stream); a GGML
+dequantizing gather (strata_rt.gemm.ggml_gather) turns them into the fp16 operands of the GEMMs
+where they are used. The decoded values are fp16 (round to nearest even) of
+gguf.quants.dequantize's float32 value, the fp16 matrices an fp16 upload of the dequantized
+weights would hold, so the type a weight is stored in changes VRAM, never the GEMM's operands.
+
+A dense layer slot holds the q, k and v projections back to back in their types (one block
+row after another: an F16 trio is then itself the fp16 Wqkv [q_dim + 2 kv_dim, hidden] the
+GEMM reads in place), then, 256-byte aligned, Wo [hidden, q_dim] in its type and the float32
+norm weights attn_norm [hidden], q_norm and k_norm [head_dim]. Layers may differ in type, so
+each has its own offsets; resident layers are packed by their own sizes, a streaming ring's
+slots are the largest layer's.
 
 Fixed regions: the dense slots (every layer's when resident; a ring of DENSE_RING_SLOTS when
-they stream), the head (output_norm, Wout fp16 [vocab, hidden]), the RoPE tables
-[context, head_dim / 2] of cos and sin and the KV cache (fp16, n_layers x 2 x context x kv_dim).
-Per chunk: the normed rows, q/k/v, q after RoPE, the attention output, the head's scratch (at
-most LOGIT_ROWS rows per output GEMM) and the dense GEMM's workspace (cuBLAS's, or the fp32
-scratch of the batch-invariant "own" GEMM, which grows with the chunk).
+they stream), the head (output_norm, Wout [vocab, hidden] in its type), the dense scratch, the
+RoPE tables [context, head_dim / 2] of cos and sin and the KV cache (fp16, n_layers x 2 x
+context x kv_dim). The dense scratch is one fp16 buffer the compute stream decodes into before
+each GEMM whose weight is not F16: a layer's Wqkv, then its Wo, and at the end HEAD_SLICE_ROWS
+rows of the head at a time. Attention and Logits ops run in stream order on the compute stream,
+so one buffer, sized for the largest of these, serves them all. Per chunk: the normed rows,
+q/k/v, q after RoPE, the attention output, the head's scratch (at most LOGIT_ROWS rows per
+output GEMM) and the dense GEMM's workspace (cuBLAS's, or the fp32 scratch of the
+batch-invariant "own" GEMM, which grows with the chunk).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from ...backends.cuda.dense_kernels import workspace_bytes
 from ...runtime.memory import align_up
 from ...schedule.dense_schedule import DENSE_RING_SLOTS
 from .spec import Qwen3Spec
+from .weights import tensor_name
+
+if TYPE_CHECKING:
+    from .weights import Qwen3Model
 
 #: rows of the output head one GEMM computes (all-position logits go in slices of this many)
 LOGIT_ROWS = 64
+#: vocabulary rows of a head not stored as F16 that are decoded to fp16 per GEMM: the head's
+#: fp16 image in VRAM is at most this many rows
+HEAD_SLICE_ROWS = 16384
+#: the type whose matrices the GEMMs read in place (no decode, no scratch)
+DIRECT = "F16"
 _ALIGN = 256
 
 
+def tensor_bytes(type_name: str, rows: int, cols: int) -> int:
+    """Bytes of a [rows, cols] matrix stored as GGML type `type_name` (whole blocks per row)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    from ...errors import FormatError
+
+    try:
+        values, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
+    except KeyError:
+        raise FormatError(f"unknown GGML type {type_name!r}") from None
+    if cols % values:
+        raise FormatError(f"{type_name}: rows of {cols} values are not whole "
+                          f"{values}-value blocks")
+    return rows * (cols // values) * nbytes
+
+
 @dataclass(frozen=True)
-class WholeSizing:
-    """What a whole model's device memory depends on besides the chunk: the model, the KV
-    positions, whether the dense weights stream, and the dense GEMM ("cublas" or "own")."""
+class LayerTypes:
+    """The GGML type names of one layer's q, k, v and o projections."""
 
-    spec: Qwen3Spec
-    context: int
-    dense_stream: bool = False
-    gemm: str = "cublas"
+    q: str
+    k: str
+    v: str
+    o: str
 
-    def streamed(self) -> WholeSizing:
-        return WholeSizing(self.spec, self.context, True, self.gemm)
+
+@dataclass(frozen=True)
+class DenseTypes:
+    """The GGML type names of every dense matrix the GPU holds: each layer's projections and
+    the output head (the embedding's type when the head is tied)."""
+
+    layers: tuple[LayerTypes, ...]
+    head: str
+
+    @classmethod
+    def uniform(cls, n_layers: int, type_name: str) -> DenseTypes:
+        """Every matrix of one type (a synthetic model's `dense_type`)."""
+        t = type_name.upper()
+        return cls((LayerTypes(t, t, t, t),) * n_layers, t)
+
+    @classmethod
+    def lookup(cls, n_layers: int, type_of: Callable[[str], str | None]) -> DenseTypes:
+        """From type_of(GGUF tensor name) -> type name, None for an absent tensor (a file's
+        header: `output.weight` absent means the head is the embedding)."""
+        def get(role: str, layer: int | None = None) -> str:
+            t = type_of(tensor_name(role, layer))
+            if t is None:
+                raise KeyError(tensor_name(role, layer))
+            return t
+
+        layers = tuple(LayerTypes(get("attn_q", i), get("attn_k", i), get("attn_v", i),
+                                  get("attn_output", i)) for i in range(n_layers))
+        head = type_of(tensor_name("output"))
+        return cls(layers, get("token_embd") if head is None else head)
+
+    @classmethod
+    def of_model(cls, whole: Qwen3Model) -> DenseTypes:
+        layers = tuple(LayerTypes(lw.attn_q.type_name, lw.attn_k.type_name,
+                                  lw.attn_v.type_name, lw.attn_output.type_name)
+                       for lw in whole.dense.layers)
+        return cls(layers, whole.output_weight.type_name)
 
 
 @dataclass(frozen=True)
 class DenseSlot:
-    """Byte offsets of one layer's dense weights inside its slot."""
+    """Byte offsets of one layer's dense weights inside its slot, and their types."""
 
-    wqkv: int
-    wo: int
+    types: LayerTypes
+    q: int
+    k: int
+    v: int
+    o: int
     attn_norm: int
     q_norm: int
     k_norm: int
     nbytes: int
 
+    @property
+    def qkv_direct(self) -> bool:
+        """q, k and v are F16: the slot's q..v bytes are the fp16 Wqkv the GEMM reads."""
+        t = self.types
+        return t.q == t.k == t.v == DIRECT
+
+    @property
+    def o_direct(self) -> bool:
+        return self.types.o == DIRECT
+
     @classmethod
-    def of(cls, spec: Qwen3Spec) -> DenseSlot:
-        H, hd = spec.hidden, spec.head_dim
-        sizes = [("wqkv", (spec.q_dim + 2 * spec.kv_dim) * H * 2), ("wo", H * spec.q_dim * 2),
-                 ("attn_norm", H * 4), ("q_norm", hd * 4), ("k_norm", hd * 4)]
-        offsets, at = {}, 0
+    def of(cls, spec: Qwen3Spec, types: LayerTypes) -> DenseSlot:
+        H, hd, qd, kvd = spec.hidden, spec.head_dim, spec.q_dim, spec.kv_dim
+        q = tensor_bytes(types.q, qd, H)
+        k = tensor_bytes(types.k, kvd, H)
+        v = tensor_bytes(types.v, kvd, H)
+        at = {"q": 0, "k": q, "v": q + k}
+        sizes = [("o", tensor_bytes(types.o, H, qd)), ("attn_norm", H * 4),
+                 ("q_norm", hd * 4), ("k_norm", hd * 4)]
+        end = q + k + v
         for name, size in sizes:
-            offsets[name] = at
-            at = align_up(at + size, _ALIGN)
-        return cls(nbytes=at, **offsets)
+            at[name] = align_up(end, _ALIGN)
+            end = at[name] + size
+        return cls(types=types, nbytes=align_up(end, _ALIGN), **at)
+
+
+@dataclass(frozen=True)
+class DenseLayout:
+    """Every layer's slot, where resident layers sit, and the dense scratch's size."""
+
+    slots: tuple[DenseSlot, ...]
+    head_type: str
+
+    @classmethod
+    def of(cls, spec: Qwen3Spec, types: DenseTypes) -> DenseLayout:
+        if len(types.layers) != spec.n_layers:
+            raise ValueError(f"dense types of {len(types.layers)} layers for "
+                             f"n_layers={spec.n_layers}")
+        return cls(tuple(DenseSlot.of(spec, t) for t in types.layers), types.head)
+
+    @property
+    def slot_bytes(self) -> int:
+        """A streaming ring slot: the largest layer's."""
+        return max(s.nbytes for s in self.slots)
+
+    def resident_offset(self, layer: int) -> int:
+        """Where layer `layer` starts in the resident dense region (layers packed in order)."""
+        return sum(s.nbytes for s in self.slots[:layer])
+
+    @property
+    def resident_bytes(self) -> int:
+        return self.resident_offset(len(self.slots))
+
+    @property
+    def head_direct(self) -> bool:
+        return self.head_type == DIRECT
+
+    def scratch_bytes(self, spec: Qwen3Spec) -> int:
+        """The fp16 scratch: the largest of a decoded Wqkv, a decoded Wo and a decoded head
+        slice, counting only what some weight not stored as F16 needs (0: none does)."""
+        H, qd, kvd = spec.hidden, spec.q_dim, spec.kv_dim
+        need = [0]
+        if not all(s.qkv_direct for s in self.slots):
+            need.append((qd + 2 * kvd) * H * 2)
+        if not all(s.o_direct for s in self.slots):
+            need.append(H * qd * 2)
+        if not self.head_direct:
+            need.append(min(spec.vocab, HEAD_SLICE_ROWS) * H * 2)
+        return max(need)
+
+
+@dataclass(frozen=True)
+class WholeSizing:
+    """What a whole model's device memory depends on besides the chunk: the model and its
+    dense types, the KV positions, whether the dense weights stream, and the dense GEMM
+    ("cublas" or "own")."""
+
+    spec: Qwen3Spec
+    types: DenseTypes
+    context: int
+    dense_stream: bool = False
+    gemm: str = "cublas"
+
+    def streamed(self) -> WholeSizing:
+        return replace(self, dense_stream=True)
+
+    def layout(self) -> DenseLayout:
+        return DenseLayout.of(self.spec, self.types)
 
 
 def kv_bytes(spec: Qwen3Spec, context: int) -> int:
@@ -74,11 +227,13 @@ def kv_bytes(spec: Qwen3Spec, context: int) -> int:
 def whole_fixed_regions(w: WholeSizing) -> dict[str, int]:
     """Regions that depend on the model and the context, not on the chunk."""
     spec, context = w.spec, w.context
-    slots = DENSE_RING_SLOTS if w.dense_stream else spec.n_layers
+    layout = w.layout()
+    dense = DENSE_RING_SLOTS * layout.slot_bytes if w.dense_stream else layout.resident_bytes
     return {
-        "dense": slots * DenseSlot.of(spec).nbytes,
+        "dense": dense,
         "head_norm": spec.hidden * 4,
-        "head": spec.vocab * spec.hidden * 2,
+        "head": tensor_bytes(w.types.head, spec.vocab, spec.hidden),
+        "dense_scratch": layout.scratch_bytes(spec),  # 0 when every matrix is F16
         "rope_cos": context * spec.head_dim // 2 * 4,
         "rope_sin": context * spec.head_dim // 2 * 4,
         "kv": kv_bytes(spec, context),

@@ -1,0 +1,56 @@
+// The decoder-struct contract every shared GGML template is written against, and the two
+// walks over a run of blocks that the gather and the host test share.
+//
+// A decoder is a struct D with
+//   static constexpr int block_values;   // 1, or a multiple of 8
+//   static constexpr int block_bytes;
+//   static Pair pair(const uint8_t* block, int i);   // values i, i + 1 (i even) as float32
+// (any return type with float members x and y will do). ggml::Decode<T> of decode.cuh is one
+// per built-in type; a plugin writes its own struct (kernels/ggml/templates.cuh instantiates
+// the kernels for it). A 1-value type's pair spans two consecutive blocks: pair(b, 0) reads
+// the blocks at b and b + block_bytes.
+//
+// Host and device code: the CPU test runs these walks as host code against the gguf package.
+#pragma once
+
+#include "decode_common.cuh"
+
+namespace ggml {
+
+// Values v and v + 1 (v even) of a run of blocks stored one after the other from `src` (a
+// tensor's rows, which follow each other): block v / values at in-block index v % values.
+template <class D> GGML_HD Pair pair_of(const uint8_t* src, long long v) {
+    if (D::block_values == 1) {
+        const auto p = D::pair(src + v * D::block_bytes, 0);
+        return {p.x, p.y};
+    }
+    const auto p = D::pair(src + (v / D::block_values) * D::block_bytes,
+                           (int)(v % D::block_values));
+    return {p.x, p.y};
+}
+
+// Values 8c .. 8c + 7 of a run of blocks as four pairs: what one gather thread writes (one
+// 16-byte store). Every block holds 1 or a multiple of 8 values, so the 8 share one block (or
+// are 8 consecutive 1-value blocks) and the block is addressed once.
+template <class D> GGML_HD void chunk8_of(const uint8_t* src, long long c, Pair (&out)[4]) {
+    static_assert(D::block_values == 1 || D::block_values % 8 == 0, "8 values per block");
+    if (D::block_values == 1) {
+        const uint8_t* b = src + 8 * c * D::block_bytes;
+GGML_UNROLL
+        for (int p = 0; p < 4; ++p) {
+            const auto v = D::pair(b + 2 * p * D::block_bytes, 0);
+            out[p] = {v.x, v.y};
+        }
+    } else {
+        const long long v = 8 * c;
+        const uint8_t* b = src + (v / D::block_values) * D::block_bytes;
+        const int i = (int)(v % D::block_values);
+GGML_UNROLL
+        for (int p = 0; p < 4; ++p) {
+            const auto w = D::pair(b, i + 2 * p);
+            out[p] = {w.x, w.y};
+        }
+    }
+}
+
+}  // namespace ggml

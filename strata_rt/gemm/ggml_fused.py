@@ -1,0 +1,157 @@
+"""Launchers of the grouped GEMM that decodes native GGML blocks in its main loop, for every
+built-in type (kernels/ggml/fused.cu) or a plugin's own decoder (its .cu with one
+STRATA_GGML_KERNELS line; kernels/ggml/templates.cuh).
+
+Why: a dequantizing gather writes every expert of a group as fp16 images whatever the prompt
+length, which dominates a short prompt's layer; here the group buffers hold the native blocks
+(a byte copy) and each block tile decodes its weights in shared memory and registers right
+before the tensor-core multiply. It generalises the IQ3_XXS kernel (fused_gemm.py) to any
+decoder.
+
+Numerics: the same bytes as GgmlGather's images followed by GroupedGemm.gemm (the own fp16
+kernels), for every type, tile and rows_hint: each weight is the gather's fp16 value, each
+output one fp32 accumulator from zero taking one mma per 16 values of K in ascending order.
+
+Modules: the built-in kernels compile one type per module (fused.cu with STRATA_GGML_ONLY=<TYPE>),
+the first time a type is used, so a model pays for the types it holds; a plugin's source is one
+module with its decoders' kernels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..errors import FormatError
+from ..formats.contract import MMQ_GROUP
+from ..formats.launchers import MMQ_ARG_TYPES, launch_mmq, pick_by_rows
+from ..resources import KERNELS_ROOT
+from .ggml_decoders import (
+    TILES,
+    TILES_BY_NAME,
+    DecoderSpec,
+    FusedTile,
+    GgmlKey,
+    own_decoders,
+    resolve,
+)
+
+if TYPE_CHECKING:
+    from ..runtime import Runtime
+
+FUSED_SOURCE = KERNELS_ROOT / "ggml" / "fused.cu"
+#: the define that makes fused.cu build one type's kernels
+ONLY_DEFINE = "STRATA_GGML_ONLY"
+#: the in-place kernels' arguments: 16 image addresses before the MMQ arguments (no weights)
+AT_ARG_TYPES = "P" * MMQ_GROUP + MMQ_ARG_TYPES.replace("P", "", 1)
+#: (largest rows_hint, tile) in order; beyond the last bound the last tile. First guesses, as
+#: the IQ3_XXS kernel's: the smallest tile holding an expert's rows reads its weights once.
+TILE_RULE = ((16, "m16"), (32, "m32"), (None, "m64"))
+#: the kernels keep 32-bit byte offsets inside an image
+MAX_IMAGE_BYTES = 1 << 32
+
+
+def kernel_name(d: DecoderSpec, tile: FusedTile, in_place: bool = False) -> str:
+    """ggml_fused_<SUFFIX>_<tile>, or ggml_fused_at_<SUFFIX>_<tile> for the in-place twin."""
+    return f"ggml_fused_{'at_' if in_place else ''}{d.name}_{tile.name}"
+
+
+def pick_tile(rows_hint: int, tile: str | None = None) -> FusedTile:
+    """The tile a launch sized for rows_hint rows per expert uses (or the one named)."""
+    return pick_by_rows(TILE_RULE, TILES_BY_NAME, rows_hint, tile, "fused GGML")
+
+
+def native_image_bytes(gtype: GgmlKey, m: int, k: int) -> int:
+    """Bytes of one native image of m rows of k values of a type (the group-buffer stride);
+    FormatError unless the fused kernels can read it: k a multiple of the type's stage
+    values, and the image a multiple of 16 bytes under 4 GiB (so a 16-byte chunk read around
+    a row's bytes never leaves the image)."""
+    return _image_bytes(resolve(gtype, {}, True), m, k)
+
+
+def _image_bytes(d: DecoderSpec, m: int, k: int) -> int:
+    if m <= 0 or k <= 0 or k % d.stage_values:
+        raise FormatError(f"a fused {d.name} image needs k a positive multiple of "
+                          f"{d.stage_values} (the values of one stage); got m={m}, k={k}")
+    n = m * d.row_bytes(k)
+    if n % 16:
+        raise FormatError(f"a fused {d.name} image of {m} x {k} takes {n} bytes, not a "
+                          "multiple of 16: the kernel reads whole 16-byte chunks, which would "
+                          "leave the image")
+    if n >= MAX_IMAGE_BYTES:
+        raise FormatError(f"a fused {d.name} image of {m} x {k} takes {n} bytes; the kernel "
+                          "addresses images of less than 4 GiB")
+    return n
+
+
+class GgmlFused:
+    """Prepared launches of the fused GEMMs. Default: the built-in types of fused.cu, each
+    type's module compiled and loaded when first used. With `source` (a plugin's .cu) and
+    `decoders` (the specs of the STRATA_GGML_KERNELS lines in it): that module's kernels."""
+
+    def __init__(self, runtime: Runtime, *, source: str | Path | None = None,
+                 decoders: Iterable[DecoderSpec] = ()):
+        self.runtime = runtime
+        self._own = own_decoders(decoders)
+        self._builtin = source is None
+        if not self._builtin and not self._own:
+            raise FormatError(f"GgmlFused over {source}: name its decoders (DecoderSpec)")
+        self.source = FUSED_SOURCE if source is None else Path(source)
+        self._module: Any = None if self._builtin else runtime.module(self.source)
+        self._modules: dict[str, Any] = {}
+        self._kernels: dict[tuple[str, str, bool], Any] = {}
+
+    def decoder(self, gtype: GgmlKey) -> DecoderSpec:
+        """The spec this launcher runs for gtype (FormatError when it has no kernels for it)."""
+        return resolve(gtype, self._own, self._builtin)
+
+    def kernel(self, d: DecoderSpec, tile: FusedTile, in_place: bool = False) -> Any:
+        key = (d.name, tile.name, in_place)
+        if key not in self._kernels:
+            if self._builtin:
+                if d.name not in self._modules:
+                    self._modules[d.name] = self.runtime.module(
+                        self.source, defines={ONLY_DEFINE: d.name})
+                mod = self._modules[d.name]
+            else:
+                mod = self._module
+            self._kernels[key] = mod.kernel(kernel_name(d, tile, in_place),
+                                            AT_ARG_TYPES if in_place else MMQ_ARG_TYPES)
+        return self._kernels[key]
+
+    def native_image_bytes(self, gtype: GgmlKey, m: int, k: int) -> int:
+        return _image_bytes(self.decoder(gtype), m, k)
+
+    def gemm(self, stream: Any, gtype: GgmlKey, weights: int, expert_ids: tuple[int, ...],
+             acts: int, bounds: int, out: int, m: int, k: int, rows_hint: int, *,
+             tile: str | None = None) -> None:
+        """out[r, :] = W_p @ acts[r, :] for every row r of every expert of the group (the
+        FormatKernels.mmq contract with native images of native_image_bytes(gtype, m, k) at
+        weights + p * that, and fp16 activations [rows, k]). `tile` names one of TILES
+        (m16, m32, m64) instead of the one pick_tile chooses (same bytes, other speed)."""
+        d = self.decoder(gtype)
+        chosen = pick_tile(rows_hint, tile)
+        _image_bytes(d, m, k)
+        launch_mmq(self.kernel(d, chosen), chosen.shape(d).launch, f"{d.name} fused", stream,
+                   weights, expert_ids, acts, bounds, out, m, k, rows_hint)
+
+    def gemm_at(self, stream: Any, gtype: GgmlKey, sources: Sequence[int],
+                expert_ids: tuple[int, ...], acts: int, bounds: int, out: int, m: int, k: int,
+                rows_hint: int, *, tile: str | None = None) -> None:
+        """gemm with position p's native image read at sources[p] (e.g. the expert's resident
+        slot plus the part's offset in its blob), so no gather precedes it: the same tile,
+        block order and arithmetic, hence the same bytes. Each image must start on 16 bytes
+        (and spans native_image_bytes(gtype, m, k), a multiple of 16)."""
+        d = self.decoder(gtype)
+        chosen = pick_tile(rows_hint, tile)
+        if len(sources) != len(expert_ids):
+            raise FormatError(f"{len(sources)} image addresses for {len(expert_ids)} experts")
+        _image_bytes(d, m, k)
+        launch_mmq(self.kernel(d, chosen, in_place=True), chosen.shape(d).launch,
+                   f"{d.name} fused in-place", stream, 0, expert_ids, acts, bounds, out, m, k,
+                   rows_hint, images=[int(s) for s in sources])
+
+
+__all__ = ["AT_ARG_TYPES", "FUSED_SOURCE", "ONLY_DEFINE", "TILES", "TILE_RULE", "DecoderSpec",
+           "GgmlFused", "kernel_name", "native_image_bytes", "pick_tile"]
