@@ -163,7 +163,8 @@ def convert_experts(fm: FileMap, fmt: QuantFormat, src: LayerSource, lo: int, hi
     finally:
         for ref in src.parts:
             _, start = _expert_range(fm, ref, lo, hi)
-            fm.release_range(ref.offset + start, (hi - lo) * (ref.nbytes // ref.shape[0]))
+            fm.release_range(ref.offset + start, (hi - lo) * (ref.nbytes // ref.shape[0]),
+                             ref.file)
     return out.reshape(hi - lo, -1)
 
 
@@ -292,7 +293,7 @@ class GGUFExperts:
                 per = raw.size // (hi - lo)
                 out[:, col: col + per] = raw.reshape(hi - lo, per)
                 col += per
-            self.fm.release_range(ref.offset + start, raw.size)
+            self.fm.release_range(ref.offset + start, raw.size, ref.file)
         if problems:
             from .gguf_io import problems_error
 
