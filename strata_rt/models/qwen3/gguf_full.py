@@ -247,14 +247,17 @@ def _as_writer_tensor(t: DenseTensor) -> tuple[np.ndarray, Any]:
 def write_qwen3_gguf(path: str | Path, model: Qwen3Model, *, omit: Iterable[str] = (),
                      keys: Mapping[str, Any] | None = None,
                      tensors: Mapping[str, tuple[np.ndarray, Any]] | None = None,
-                     split_max_tensors: int = 0) -> Path:
+                     split_max_tensors: int = 0, tokenizer: Any = None) -> Path:
     """Writes `model` as a qwen3moe GGUF with llama.cpp's names and keys: dense tensors in
     their stored types, experts as gguf_io writes them (the format's own GGUF type when it
     has one, else F32), router and norms F32; no `output` tensor when the head is tied.
     For tests of bad files: `omit` leaves tensors out, `keys` overrides keys by full name
     (None drops one), `tensors` replaces tensors by name with (array, type or None).
-    split_max_tensors > 0 writes a split GGUF (write_moe_gguf)."""
+    split_max_tensors > 0 writes a split GGUF (write_moe_gguf). `tokenizer`: a TokenizerVocab
+    whose keys the file carries (or a mapping of tokenizer keys as add_keys writes them)."""
     kv: dict[str, Any] = spec_keys(model.spec)
+    if tokenizer is not None:
+        kv.update(tokenizer if isinstance(tokenizer, Mapping) else tokenizer.gguf_keys())
     kv.update(keys or {})
     dense = {t.name: _as_writer_tensor(t) for _, t in model.named_roles()}
     dense.update(tensors or {})
