@@ -71,11 +71,12 @@ def _build(vocab: TokenizerVocab, parse_special: bool) -> Any:
                                      f"(ids {first[tokens[i]]} and {i}); a BPE vocabulary "
                                      "needs each token once")
             first[tokens[i]] = i
-    merges = [tuple(m.split(" ")) for m in vocab.merges]
-    for n, parts in enumerate(merges):
+    split = [m.split(" ") for m in vocab.merges]
+    for n, parts in enumerate(split):
         if len(parts) != 2 or not parts[0] or not parts[1]:
             raise TokenizerError(f"merge {n} is {vocab.merges[n]!r}; a merge is two tokens "
                                  "joined by one space")
+    merges = [(a, b) for a, b in split]
     try:
         bpe = models.BPE(vocab=ids, merges=merges, dropout=None, unk_token=None,
                          continuing_subword_prefix="", end_of_word_suffix="",

@@ -16,7 +16,6 @@ Given a later shard, the message names the first one: that is the file to pass.
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
 
 from ..config.file_kinds import not_a_file
 from ..errors import GGUFError
