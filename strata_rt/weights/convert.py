@@ -322,11 +322,17 @@ class GGUFExperts:
         self._write([(layer, grid[layer]) for layer in range(len(self.sources))])
 
     # ------------------------------------------------------------------ the work
-    def _write(self, jobs: list[tuple[int, np.ndarray]]) -> None:
+    def write_jobs(self, jobs: list[tuple[int, np.ndarray]], eta: Eta) -> None:
+        """(layer, out) pairs written as `write_layer` does, advancing the caller's progress
+        line (one line over several calls: the conversion cache writes a file in parts)."""
+        self._write(jobs, eta)
+
+    def _write(self, jobs: list[tuple[int, np.ndarray]], shared: Eta | None = None) -> None:
         blob = self.layout.blob_bytes
         conv = [(self.sources[i], out[:, :blob]) for i, out in jobs if not self.sources[i].raw]
         doing = f"converting experts to {self.fmt.name}" if conv else "loading experts"
-        eta = Eta(f"{self.fm.path.name}: {doing}", len(jobs) * self.n_experts, "experts")
+        eta = shared or Eta(f"{self.fm.path.name}: {doing}", len(jobs) * self.n_experts,
+                            "experts")
         try:
             for i, out in jobs:
                 if self.sources[i].raw:
@@ -338,7 +344,8 @@ class GGUFExperts:
                 self._say_converting()
                 self._convert(conv, eta)
         finally:
-            eta.close()
+            if shared is None:
+                eta.close()
 
     def _say_converting(self) -> None:
         if self._notice_given:

@@ -4,7 +4,9 @@ model (token ids in, logits out), from what `EngineConfig.model` names.
     {"spec": MoESpec, "seed": int}            MoE layers alone, synthetic
     {"gguf": path, "format": name}            a GGUF: a whole model when it carries
                                               token_embd.weight, else MoE layers alone;
-                                              format absent: the file's (gguf_format)
+                                              format absent: the file's (gguf_format);
+                                              a conversion is cached (convert_cache) unless
+                                              "convert_cache": False
     {"qwen3": Qwen3Spec | dict | "tiny", "seed": int, "format": name}
                                               a whole synthetic model (seeded)
     a Model, a Qwen3Model or a MoESpec        as given
@@ -86,10 +88,16 @@ def load_model(m: Model | Qwen3Model | MoESpec | dict[str, Any]
             return whole.moe, whole
         if "gguf" in m:
             fmt = m.get("format") or gguf_format(m["gguf"])
-            if is_whole_gguf(m["gguf"]):
-                whole = read_qwen3_gguf(m["gguf"], fmt)
+            path = Path(m["gguf"])
+            if m.get("convert_cache", True):  # a conversion asked for is written once
+                from .convert_cache import converted_path
+                from .model import _resolve_format
+
+                path = converted_path(path, _resolve_format(fmt)) or path
+            if is_whole_gguf(path):
+                whole = read_qwen3_gguf(path, fmt)
                 return whole.moe, whole
-            return Model.from_gguf(m["gguf"], fmt), None
+            return Model.from_gguf(path, fmt), None
         if "spec" in m:
             return Model.synthetic(m["spec"], int(m.get("seed", 0))), None
     raise ConfigError(f"model: got {type(m).__name__}; allowed: a Model, a Qwen3Model, a "
