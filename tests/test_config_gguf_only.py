@@ -61,8 +61,6 @@ def _problems(tmp_path: Path, gguf: Path) -> list[str]:
 
 
 def test_mixed_expert_types_are_listed_per_tensor(tmp_path):
-    from gguf import GGMLQuantizationType as Q
-
     model = Model.synthetic(MOE, 3, "iq3_xxs")
     down = {f"blk.{i}.ffn_down_exps.weight":
             (np.stack([model.dequantized(i, e)[2] for e in range(4)]).astype(np.float16), None)
