@@ -144,3 +144,18 @@ def test_a_split_source_converts_to_one_file(tmp_path, cache, model):
     made = convert_cache.converted_path(src, _fp16())
     assert made is not None and not open_reader(made).shards
     assert np.array_equal(logits(src), logits(src, cached=False))
+
+
+def test_a_model_read_from_a_gguf_is_written_with_its_tokenizer(tmp_path, model):
+    """write_qwen3_gguf of a model read from a file keeps the file's tokenizer keys, with
+    their types (the chat template included)."""
+    from strata_rt.models.qwen3 import read_qwen3_gguf
+
+    src = source(tmp_path / "m", model)
+    back = write_qwen3_gguf(tmp_path / "again.gguf", read_qwen3_gguf(src, "fp16"))
+    a, b = open_reader(src), open_reader(back)
+    assert TokenizerVocab.from_gguf(back) == TokenizerVocab.from_gguf(src)
+    for name, kv in a.keys.items():
+        if name.startswith("tokenizer."):
+            assert (b.keys[name].type, b.keys[name].elem_type) == (kv.type, kv.elem_type)
+            assert b.value(name) == a.value(name)

@@ -175,3 +175,22 @@ def test_a_shard_of_another_model_with_the_same_tensor_count_is_refused(files, t
         open_reader(path)
     assert ("shard m-00002-of-00003.gguf: key general.architecture differs from the first "
             "shard's: a shard of another model") in str(e.value)
+
+
+def test_an_output_onto_a_later_shard_is_refused(files, tmp_path, capsys):
+    """A run's --json written over shard 2 would destroy the model: refused before the run,
+    as an output onto the first shard is."""
+    import yaml
+
+    from strata_rt.cli import main
+
+    _, first = files
+    path = shard_dir(tmp_path, first)
+    second = path.with_name("m-00002-of-00003.gguf")
+    before = second.read_bytes()
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({"model": {"gguf": str(path)}, "prompts": [4]}))
+    assert main(["run", str(cfg), "--backend", "reference", "--json", str(second)]) == 2
+    err = capsys.readouterr().err
+    assert "shard 2 of the model's GGUF" in err, err
+    assert second.read_bytes() == before

@@ -32,8 +32,15 @@ import numpy as np
 from ..config import env
 from ..errors import GGUFError
 from .gguf_format import expert_types
-from .gguf_header import ARRAY, Header
-from .gguf_io import EXPERT_PARTS, open_moe, open_reader, tensor_names
+from .gguf_header import Header
+from .gguf_io import (
+    EXPERT_PARTS,
+    add_keys,
+    open_moe,
+    open_reader,
+    tensor_names,
+    typed_keys,
+)
 
 log = logging.getLogger(__name__)
 
@@ -175,19 +182,15 @@ def _write(header: Header, moe: Any, fmt: Any, parts: tuple[int, int, int], out:
     """The converted model into `out`: the source's keys and `marks`, the dense tensors as
     stored, then each layer's expert tensors in fmt's GGUF type, converted a chunk of layers
     at a time (about CHUNK_BYTES held)."""
-    from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
+    from gguf import GGMLQuantizationType, GGUFWriter
 
     from .convert import Eta, GGUFExperts
 
     arch = header.value("general.architecture")
     w = GGUFWriter(str(out), arch)
-    for name, kv in header.keys.items():
-        if name in _NOT_COPIED or name.startswith(MARK) or (kv.type == ARRAY and not kv.count):
-            continue
-        sub = None if kv.elem_type is None else GGUFValueType(kv.elem_type)
-        w.add_key_value(name, header.value(name), GGUFValueType(kv.type), sub)
-    for name, v in marks.items():
-        w.add_string(name, v)
+    kept = typed_keys(header, skip=_NOT_COPIED)
+    add_keys(w, {k: v for k, v in kept.items() if not k.startswith(MARK)})
+    add_keys(w, marks)
     dense = [t for t in header.tensors if not _is_expert(t.name)]
     for t in dense:
         a = t.data

@@ -356,14 +356,40 @@ def _expert_tensors(model: Any) -> dict[str, tuple[np.ndarray, Any]]:
     return out
 
 
+@dataclass(frozen=True)
+class Typed:
+    """A key's value with its GGUF type (and element type, for arrays): copied from one file
+    to another as it was, a uint16 staying a uint16."""
+
+    type: int
+    elem: int | None
+    value: Any
+
+
+def typed_keys(header: Header, prefixes: tuple[str, ...] = ("",),
+               skip: tuple[str, ...] = ()) -> dict[str, Typed]:
+    """The header's keys whose names start with one of `prefixes` (all by default), less
+    `skip` and empty arrays (which GGUF writers cannot write), with their types."""
+    return {name: Typed(kv.type, kv.elem_type, header.value(name))
+            for name, kv in header.keys.items()
+            if name.startswith(prefixes) and name not in skip
+            and not (kv.elem_type is not None and kv.count == 0)}
+
+
 def add_keys(writer: Any, keys: Mapping[str, Any]) -> None:
     """Adds keys to a gguf.GGUFWriter typed from their values, as llama.cpp's converter types
     them: bool, float32, string, arrays (tokenizer tokens, merges, token types) and uint32 for
-    whole numbers; None leaves a key out (tests of files without it)."""
+    whole numbers; a `Typed` value as its type says; None leaves a key out (tests of files
+    without it)."""
     for k, v in keys.items():
         if v is None:
             continue
-        if isinstance(v, bool):
+        if isinstance(v, Typed):
+            from gguf import GGUFValueType
+
+            writer.add_key_value(k, v.value, GGUFValueType(v.type),
+                                 None if v.elem is None else GGUFValueType(v.elem))
+        elif isinstance(v, bool):
             writer.add_bool(k, v)
         elif isinstance(v, float):
             writer.add_float32(k, v)
