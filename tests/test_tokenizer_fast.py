@@ -104,13 +104,13 @@ def test_a_string_that_is_not_utf8_is_named(items, bad):
 
 
 def test_a_qwen3_sized_vocabulary_opens_in_well_under_2_s(tmp_path):
-    """Header walk, arrays and the `tokenizers` build of 151,936 tokens and 151,387 merges
-    (the gguf package's reader takes 15-25 s for the same file)."""
+    """Header walk, arrays and the `tokenizers` build of 151,936 tokens and 151,387 merges, in
+    CPU seconds (the gguf package's reader takes 15-25 s for the same file)."""
     path = write_tokenizer_gguf(tmp_path / "q.gguf", large_vocab())
     gguf_io._OPENED.clear()
-    t0 = time.perf_counter()
+    t0 = time.process_time()  # CPU time: other work on a shared machine does not count
     tok = Tokenizer.from_gguf(path)
-    seconds = time.perf_counter() - t0
+    seconds = time.process_time() - t0
     assert len(tok) == QWEN3_TOKENS and len(tok.merges) == QWEN3_MERGES
     assert seconds < 2.0, seconds
     assert gguf_header.MAX_STRINGS >= 2 * QWEN3_TOKENS

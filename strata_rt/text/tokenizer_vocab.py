@@ -3,7 +3,8 @@
 llama.cpp keeps a model's tokenizer in the GGUF itself (`tokenizer.ggml.*`), so a prompt can be
 turned into ids without any file beside the weights. This module is the data half of
 strata_rt.text.tokenizer and needs nothing beyond the gguf package: `TokenizerVocab.from_gguf`
-checks the keys and names what is missing or unsupported; `gguf_keys` / `add_tokenizer_keys`
+(`from_header`, on a header the model already opened) checks the keys and names what is
+missing or unsupported; `gguf_keys` / `add_tokenizer_keys`
 write them back with the value types llama.cpp's converter uses; `synthetic_vocab` builds a
 small byte-level BPE vocabulary (GPT-2's 256 byte tokens, merges learned deterministically from
 a built-in text, Qwen's special tokens) so synthetic models carry a tokenizer without downloads.

@@ -12,6 +12,10 @@ would forge lines of a message), tensor names shorter than ggml's 64 bytes. The 
 opened without blocking and mapped read-only; tensor data is viewed from the map, never
 copied here.
 
+String arrays (a tokenizer's 300,000 tokens and merges) are walked in one tight loop that
+records where each string lies, and are read back from one buffer (gguf_strings), never one
+Python call per string.
+
 The result (Header) holds typed values: the GGUF type of each key is kept, so the key checks
 (strata_rt.weights.gguf_keys) can refuse a float where a count belongs. Structural damage that stops
 the walk is a GGUFError at once; problems of individual tensors are collected in

@@ -23,7 +23,8 @@ from .gguf_header import ARRAY, Header, KeyValue, parse
 from .gguf_keys import SHARD_NAME, SPLIT_COUNT, SPLIT_NO, SPLIT_TENSORS, split_of
 from .gguf_problems import Problems
 
-SPLIT_KEYS = (SPLIT_NO, SPLIT_COUNT, SPLIT_TENSORS)
+#: keys that describe one file, not the model: they may differ from shard to shard
+PER_FILE_KEYS = (SPLIT_NO, SPLIT_COUNT, SPLIT_TENSORS, "general.alignment")
 
 
 def shard_names(prefix: str, count: int) -> list[str]:
@@ -62,7 +63,7 @@ def _shard_problems(first: Header, shard: Header, no: int, count: int,
                    f"{total:,}: shards of different models")
     for key, kv in shard.keys.items():
         mine = first.keys.get(key)
-        if key not in SPLIT_KEYS and mine is not None and _differs(mine, kv):
+        if key not in PER_FILE_KEYS and mine is not None and _differs(mine, kv):
             out.append(f"shard {name}: key {key} differs from the first shard's: a shard of "
                        "another model")
     out += [f"shard {name}: {p}" for p in shard.problems]
