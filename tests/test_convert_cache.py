@@ -159,3 +159,18 @@ def test_a_model_read_from_a_gguf_is_written_with_its_tokenizer(tmp_path, model)
         if name.startswith("tokenizer."):
             assert (b.keys[name].type, b.keys[name].elem_type) == (kv.type, kv.elem_type)
             assert b.value(name) == a.value(name)
+
+
+def test_a_nan_is_refused_as_in_memory_and_nothing_is_written(tmp_path, cache, model):
+    from strata_rt.errors import GGUFError
+
+    gate = np.stack([model.moe.dequantized(1, e)[0] for e in range(4)]).astype(np.float32)
+    gate[2, 3, 4] = np.nan
+    src = source(tmp_path / "n", model, tensors={"blk.1.ffn_gate_exps.weight": (gate, None)})
+    msgs = []
+    for cached in (False, True):
+        with pytest.raises(GGUFError) as e:
+            logits(src, cached)
+        msgs.append(str(e.value))
+    assert msgs[0] == msgs[1] and "NaN or Inf in the weights of 1 expert(s): expert 2" in msgs[0]
+    assert not cache.exists() or not list(cache.iterdir())

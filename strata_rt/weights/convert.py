@@ -322,6 +322,12 @@ class GGUFExperts:
         self._write([(layer, grid[layer]) for layer in range(len(self.sources))])
 
     # ------------------------------------------------------------------ the work
+    def check_all(self) -> None:
+        """Every layer checked for NaN/Inf (a tensor at a time): a conversion written in parts
+        finds a NaN in the last layer before converting the first."""
+        for src in self.sources:
+            self._check(src)
+
     def write_jobs(self, jobs: list[tuple[int, np.ndarray]], eta: Eta) -> None:
         """(layer, out) pairs written as `write_layer` does, advancing the caller's progress
         line (one line over several calls: the conversion cache writes a file in parts)."""

@@ -186,6 +186,8 @@ def _write(header: Header, moe: Any, fmt: Any, parts: tuple[int, int, int], out:
 
     from .convert import Eta, GGUFExperts
 
+    experts = GGUFExperts.open(moe, fmt)
+    experts.check_all()  # a NaN anywhere is refused before anything is written
     arch = header.value("general.architecture")
     w = GGUFWriter(str(out), arch)
     kept = typed_keys(header, skip=_NOT_COPIED)
@@ -209,7 +211,6 @@ def _write(header: Header, moe: Any, fmt: Any, parts: tuple[int, int, int], out:
     w.write_ti_data_to_file()
     for t in dense:
         w.write_tensor_data(np.ascontiguousarray(t.data))
-    experts = GGUFExperts.open(moe, fmt)
     blob = sum(parts)
     step = max(1, CHUNK_BYTES // max(1, E * blob))
     eta = Eta(f"{header.path.name}: converting experts to {fmt.name} (once, for the "
