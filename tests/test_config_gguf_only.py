@@ -116,3 +116,16 @@ def test_run_with_the_default_prompt(whole, tmp_path, capsys):
     assert main(["run", str(config(tmp_path, whole)), "--backend", "reference"]) == 0
     out = capsys.readouterr().out
     assert f"| {DEFAULT_PROMPTS[0]} " in out or f"{DEFAULT_PROMPTS[0]}" in out
+
+
+def test_the_default_prompt_leaves_room_for_generate(tmp_path):
+    """A whole model of 256 positions asked for 56 greedy tokens: the default prompt is the
+    200 positions left, not an error about a prompt the config never gave."""
+    from strata_rt.models.qwen3 import Qwen3Spec
+
+    spec = Qwen3Spec(n_layers=1, hidden=256, n_heads=4, n_kv_heads=2, head_dim=64, vocab=300,
+                     ffn=256, n_experts=4, top_k=2, context=256)
+    gguf = write_qwen3_gguf(tmp_path / "short.gguf", Qwen3Model.synthetic(spec, 1, "fp16"))
+    cfg = load_config(config(tmp_path, gguf, generate={"tokens": 56}))
+    assert [p.tokens for p in cfg.prompts] == [200] and cfg.generate_tokens == 56
+    assert [p.tokens for p in load_config(config(tmp_path, gguf)).prompts] == [256]

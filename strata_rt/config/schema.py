@@ -281,10 +281,15 @@ def check_prompts(p: Problems, doc: dict, base: Path, hidden: int | None,
                   vocab_size: int | None = None, context: int | None = None) -> list[Prompt]:
     """The prompts, with token files read and range-checked (against `vocab_size` once the
     model has a vocabulary) and hidden-state files checked for shape, NaN and Inf. Absent:
-    DEFAULT_PROMPTS (each at most a whole model's `context`)."""
+    DEFAULT_PROMPTS, each at most what a whole model's `context` leaves beside the tokens
+    `generate` asks for."""
     items = doc.get("prompts", MISSING)
     if items is MISSING:
-        return [Prompt(i, min(n, context or n)) for i, n in enumerate(DEFAULT_PROMPTS)]
+        gen = doc.get("generate")
+        new = gen.get("tokens") if isinstance(gen, dict) else None
+        room = None if context is None else context - (new if is_int(new) else 0)
+        return [Prompt(i, max(1, min(n, room if room is not None else n)))
+                for i, n in enumerate(DEFAULT_PROMPTS)]
     allowed = "a list of prompt lengths (integers >= 1), {file: TOKENS} or {hidden_file: X.npy}"
     if not isinstance(items, list) or not items:
         p.add("prompts", items, f"expected {allowed}")
