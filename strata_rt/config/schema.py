@@ -286,8 +286,9 @@ def check_prompts(p: Problems, doc: dict, base: Path, hidden: int | None,
     items = doc.get("prompts", MISSING)
     if items is MISSING:
         gen = doc.get("generate")
-        new = gen.get("tokens") if isinstance(gen, dict) else None
-        room = None if context is None else context - (new if is_int(new) else 0)
+        asked = gen.get("tokens") if isinstance(gen, dict) else None
+        new = asked if isinstance(asked, int) and not isinstance(asked, bool) else 0
+        room = None if context is None else context - new
         return [Prompt(i, max(1, min(n, room if room is not None else n)))
                 for i, n in enumerate(DEFAULT_PROMPTS)]
     allowed = "a list of prompt lengths (integers >= 1), {file: TOKENS} or {hidden_file: X.npy}"
