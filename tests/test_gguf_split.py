@@ -86,6 +86,16 @@ def test_a_later_shard_names_the_first(files):
                             f"first shard, {first} (strata_rt finds the other shards beside it)")
 
 
+def test_a_later_shard_without_the_first_says_so(files, tmp_path):
+    _, first = files
+    second = tmp_path / "m-00002-of-00003.gguf"
+    shutil.copy(first.with_name(second.name), second)
+    with pytest.raises(GGUFError) as e:
+        open_reader(second)
+    assert str(e.value).endswith(f"give the first shard, {tmp_path / first.name} (it is not "
+                                 "beside this one: every shard must be in one folder)")
+
+
 def test_inspect_shows_the_shards(files, capsys):
     from strata_rt.cli import main
 

@@ -85,9 +85,11 @@ def merge_split(first: Header) -> Header:
     prefix = m["prefix"] if m else path.name.removesuffix(".gguf")
     names = shard_names(prefix, count)
     if no != 0:
+        first_path = path.with_name(names[0])
+        where = ("strata_rt finds the other shards beside it" if m and first_path.exists()
+                 else "it is not beside this one: every shard must be in one folder")
         raise GGUFError(f"{path}: this file is shard {no + 1} of {count} of a split GGUF; give "
-                        f"the first shard, {path.with_name(names[0])} (strata_rt finds the "
-                        "other shards beside it)")
+                        f"the first shard, {first_path} ({where})")
     if m is None or int(m["no"]) != 1 or int(m["count"]) != count:
         raise GGUFError(f"{path}: the first shard of a split GGUF of {count} shards (key "
                         f"{SPLIT_COUNT} = {count}) must be named <model>-00001-of-"
