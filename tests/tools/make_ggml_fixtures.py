@@ -529,7 +529,6 @@ def golden_arrays(model, ids: dict[str, np.ndarray], ppl_ids: np.ndarray) -> dic
 
 def make_goldens(out: Path, only: set[str] | None) -> None:
     import torch
-    import transformers
 
     manifest_path = out / MANIFEST
     manifest = json.loads(manifest_path.read_text())
@@ -568,8 +567,11 @@ def make_goldens(out: Path, only: set[str] | None) -> None:
     manifest["goldens"] = dict(sorted(goldens.items()))
     manifest["golden_versions"] = {**_versions("torch", "transformers", "numpy", "gguf",
                                                "accelerate"),
-                                   "torch_threads": torch.get_num_threads(),
-                                   "transformers_": transformers.__version__}
+                                   "torch_threads": torch.get_num_threads()}
+    manifest["golden_notes"] = (
+        "Qwen3MoeForCausalLM.from_pretrained(folder, gguf_file=...) in float32 on the CPU, with "
+        "one config value set from the file (transformers' GGUF key table for qwen3_moe does not "
+        "map expert_feed_forward_length, so moe_intermediate_size would stay at its default 768)")
     manifest["golden_prompts"] = {k: {"text": "eval.txt" if t is None else t, "tokens": n}
                                   for k, (t, n) in PROMPTS.items()}
     manifest["greedy"] = {"prompt": GREEDY_PROMPT, "tokens": GREEDY_TOKENS}
