@@ -13,6 +13,10 @@ import os
 # BLAS fights the test process for the cores and runs them many times slower. Set before numpy
 # loads its BLAS.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+# Conversions a test asks for are cached in a folder of the session, never the user's cache
+# (the CLI tests' fresh interpreters inherit it).
+os.environ.setdefault("STRATA_CONVERT_CACHE", __import__("tempfile").mkdtemp(
+    prefix="strata-convert-"))
 
 import sys  # noqa: E402
 import tempfile  # noqa: E402

@@ -1,7 +1,7 @@
 """More hostile GGUFs: a subnormal epsilon, an edited alignment (every tensor read shifted),
 a million bad tensor entries, names that forge message lines, NUL bytes in values, dims whose
-product wraps in int64, and a shard of a split GGUF given alone. Each is one GGUFError naming
-the file and the problem, exit code 1 from `strata inspect` and `strata run`, no traceback."""
+product wraps in int64, and a shard of a split GGUF given without the others. Each is one
+GGUFError naming the file and the problem, exit code 1 from `strata inspect` and `strata run`, no traceback."""
 
 from __future__ import annotations
 
@@ -123,17 +123,19 @@ CASES: dict[str, tuple[Callable[[Doc], Doc], str, str]] = {
         lambda d: d.tensor("blk.0.ffn_gate_exps.weight").__setitem__(1, [256, 256, 4 + 2**62])
         or d, "has dims [256, 256, 4611686018427387908] of IQ3_XXS: more than 2^64 bytes",
         "m.gguf"),
-    "split shard 1 of 3": (split(3), "a split GGUF: this file is shard 1 of 3 (key split.count "
-                           "= 3), and strata_rt reads a model from one file; the model needs "
-                           "all 3 shards, m-00001-of-00003.gguf .. m-00003-of-00003.gguf: merge "
-                           "them with `llama-gguf-split --merge m-00001-of-00003.gguf m.gguf`",
-                           "m-00001-of-00003.gguf"),
+    "split shard 1 of 3 alone": (split(3), "a split GGUF of 3 shards: 2 shards are missing "
+                                 "beside it (m-00002-of-00003.gguf, m-00003-of-00003.gguf); "
+                                 "every shard, m-00001-of-00003.gguf .. m-00003-of-00003.gguf, "
+                                 "must be in", "m-00001-of-00003.gguf"),
     "split shard 2 alone (no architecture)": (split(3, 1, arch=False),
-                                              "this file is shard 2 of 3", "m-00002-of-00003.gguf"),
-    "split shard of a plain name": (split(2, None), "this file is a shard (key split.count = 2),"
-                                    " and strata_rt reads a model from one file; the model needs "
-                                    "all 2 shards, model-00001-of-00002.gguf .. "
-                                    "model-00002-of-00002.gguf", "model.gguf"),
+                                              "this file is shard 2 of 3 of a split GGUF; give "
+                                              "the first shard, ", "m-00002-of-00003.gguf"),
+    "split shard without split.no": (split(2, None), "key split.count = 2 says this file is a "
+                                     "shard of a split GGUF, but key split.no (which shard) is "
+                                     "missing", "model.gguf"),
+    "split first shard of a plain name": (split(2), "the first shard of a split GGUF of 2 "
+                                          "shards (key split.count = 2) must be named "
+                                          "<model>-00001-of-00002.gguf", "model.gguf"),
     "split.no past split.count": (split(2, 5), "key split.no = 5 but split.count = 2", "m.gguf"),
     "split.count a string": (key("split.count", STRING, "3"),
                              "key split.count = '3' (string); expected an integer 1..65,535",

@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PROCESS_SWITCHES = {
     "STRATA_KERNEL_CACHE": "strata_rt/runtime/compile.py",
     "STRATA_NVCC": "strata_rt/runtime/compile.py",
+    "STRATA_CONVERT_CACHE": "strata_rt/weights/convert_cache.py",
     "STRATA_PLUGINS": "strata_rt/formats/registry.py",
     "STRATA_DISABLE_PLUGINS": "strata_rt/formats/registry.py",
     "STRATA_HOST_MEMORY_CHECK": "strata_rt/config/hostmem.py",

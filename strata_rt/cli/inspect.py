@@ -32,6 +32,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     moe = gguf_io.scan_moe(path)
     g = MoESpec(**moe.dims)
     print(f"{args.file}: architecture {moe.arch}")
+    shards = _shards(gguf_io.open_reader(path))
+    if shards:
+        print(shards)
     print(f"MoE: {g.n_layers} layers x {g.n_experts} experts = {g.total_experts} experts, "
           f"top-{g.top_k}, hidden {g.hidden}, ffn {g.ffn}, rms_eps {g.rms_eps:g}")
     print("expert tensor types: " + (", ".join(f"{k} x{v}" for k, v in sorted(moe.types.items()))
@@ -71,6 +74,18 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print("checked: every tensor the engine reads is present, has the keys' shape and holds "
           "no NaN/Inf (router, norms, expert values or block scales)")
     return 0
+
+
+def _shards(header) -> str | None:
+    """The shards of a split GGUF (None for one file): each file, its tensors and bytes."""
+    if not header.shards:
+        return None
+    rows = []
+    for shard in header.shards:
+        mine = [t for t in header.tensors if t.file == str(shard)]
+        rows.append([shard.name, len(mine), f"{sum(t.n_bytes for t in mine) / MIB:,.2f}"])
+    return (f"split GGUF: {len(header.shards)} shards, {len(header.tensors):,} tensors, read "
+            "as one model\n" + markdown_table(["shard", "tensors", "MiB"], rows))
 
 
 def _whole_model(path: Path, tensors: dict, budget_gib: float | None
@@ -195,7 +210,8 @@ EPILOG_INSPECT = """examples:
   strata inspect Qwen3-30B-A3B-IQ3_XXS.gguf
   strata inspect Qwen3-30B-A3B-IQ3_XXS.gguf --budget-gib 24
 
-shows the MoE geometry, the tensor types, bytes per expert in the file and in every loaded
+shows the MoE geometry (and, for a split GGUF given by its first shard, every shard), the
+tensor types, bytes per expert in the file and in every loaded
 format, and how many experts a VRAM budget holds; for a whole-model file (token_embd.weight
 present) also the dense weights by type, their bf16 size and the KV cache per 1K tokens; then
 runs the checks `strata run` makes at load (every tensor present and shaped to the keys; no

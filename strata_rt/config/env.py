@@ -20,7 +20,7 @@ Where each is read (tests/test_switches.py holds every module to it):
   config/schema.py reads STRATA_ROUTING for the router's buffers.
 - process switches, which say where the process finds its tools and plugins or which checks
   it runs rather than what an engine computes, stay where they are used: STRATA_KERNEL_CACHE
-  and STRATA_NVCC in runtime/compile.py, STRATA_PLUGINS and STRATA_DISABLE_PLUGINS in
+  and STRATA_NVCC in runtime/compile.py, STRATA_CONVERT_CACHE in weights/convert_cache.py, STRATA_PLUGINS and STRATA_DISABLE_PLUGINS in
   formats/registry.py (the CLI's `--plugins` sets STRATA_PLUGINS in cli/__init__.py),
   STRATA_HOST_MEMORY_CHECK in config/hostmem.py, STRATA_CUTLASS_DIR in gemm/cutlass_gemm.py. Outside
   this list, gemm/cublas.py reads CUDA_HOME and CUDA_PATH to find the CUDA toolkit's libcublas.
@@ -108,6 +108,9 @@ SWITCHES: dict[str, Switch] = {
                "0: launch the streamed walk kernel by kernel instead of replaying a CUDA graph."),
         Switch("STRATA_KERNEL_CACHE", "outdir",
                "directory of compiled cubins (default: ~/.cache/strata_rt/kernels)."),
+        Switch("STRATA_CONVERT_CACHE", "outdir",
+               "directory of GGUFs converted to a config's format, written once and reused "
+               "(default: ~/.cache/strata_rt/converted)."),
         Switch("STRATA_NVCC", "program", "the nvcc to use (default: nvcc on PATH)."),
         Switch("STRATA_PLUGINS", "path",
                "the plugins.yaml to load instead of the one next to the package "

@@ -30,6 +30,16 @@ def input_paths(source: Path | None, gguf: Path | None, prompts: Sequence[Prompt
 
     found = {"the config file": source, "the model's GGUF file": gguf,
              "the routing profile": profile, "the plugin list": plugin_list_path()}
+    if gguf is not None:  # a split GGUF's later shards are read too
+        from ..errors import GGUFError
+        from ..weights.gguf_io import open_reader
+
+        try:
+            shards = open_reader(gguf).shards
+        except GGUFError:  # named where the model is checked
+            shards = ()
+        for i, shard in enumerate(shards[1:], start=2):
+            found[f"shard {i} of the model's GGUF"] = shard
     for pr in prompts:
         found[f"the file of prompts[{pr.index}]"] = pr.token_file or pr.hidden_file
     return {what: path for what, path in found.items() if path is not None}

@@ -234,7 +234,7 @@ def validate(doc: Any, base_dir: Path, source: Path | None = None,
     p = Problems()
     p.unknown_keys("", doc, TOP_KEYS)
     geom, gguf, model_seed = check_model(p, doc, base_dir)
-    fmt = check_format(p, doc, geom, reg)
+    fmt = check_format(p, doc, geom, reg, gguf)
     whole, whole_options, whole_types = check_whole(p, doc, geom, gguf)
     context = check_context(p, doc, whole)
     dense = check_dense(p, doc, whole)
@@ -275,7 +275,8 @@ def validate(doc: Any, base_dir: Path, source: Path | None = None,
     in_place = p.parsed(doc, "in_place", parse_in_place)
 
     prompts = check_prompts(p, doc, base_dir, geom.hidden if geom else None,
-                            whole.vocab if whole is not None else None)
+                            whole.vocab if whole is not None else None,
+                            None if whole is None else context or whole.context)
     if whole is not None:
         for pr in prompts:
             if pr.hidden_file is not None:

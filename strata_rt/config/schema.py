@@ -23,13 +23,15 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from ..backends.cuda.routing_kernels import ROUTINGS
 from ..errors import ConfigError, FormatError
 from ..runtime.memory import MIB
-from ..schedule.memory_plan import MemoryPlan, plan_memory
+from ..schedule.memory_plan import DEFAULT_RESERVE_MIB, MemoryPlan, plan_memory
 from ..schedule.planner import AUTO_CHUNK_MAX, ring_sizes
-from ..weights.gguf_io import read_header
-from ..weights.model import SYNTHETIC_POOL_BYTES, MoESpec
+from ..weights.gguf_format import file_format
+from ..weights.gguf_io import open_reader, read_header
+from ..weights.model import MoESpec
 from . import env
 from .engine_config import mmq_kernel_switch
-from .hostmem import MAX_MACHINE, format_bytes, shortfall
+from .host_parts import GGUF_STAGED_LAYERS, host_memory_parts, host_memory_problem
+from .hostmem import MAX_MACHINE
 from .input_files import regular_file_problem
 from .prompts import Prompt, hidden_file_problem, read_token_file
 from .whole import WHOLE_KEYS
@@ -39,7 +41,16 @@ if TYPE_CHECKING:
     from ..formats.registry import QuantRegistry
     from ..models.qwen3.whole_memory import WholeSizing
 
+__all__ = ["GGUF_STAGED_LAYERS", "host_memory_parts", "host_memory_problem"]
+
 BUDGET_KEYS = ("expert_cache", "vram_reserve_mib", "vram_budget_mib")
+#: what a config naming no VRAM policy gets (the backends' own default)
+DEFAULT_VRAM_POLICY = (f"`vram_reserve_mib: {DEFAULT_RESERVE_MIB}` on the CUDA backend (free "
+                       "VRAM less that holds experts), no resident expert on the reference "
+                       "backend")
+#: the prompts a config naming none runs (`run`, `bench`, `profile`; `generate` and
+#: `perplexity` take their text from the command line)
+DEFAULT_PROMPTS = (512,)
 TOP_KEYS = ("model", "format", "backend", *BUDGET_KEYS, "prefill", "context", "dense",
             "ring_mib", "image_cache_mib", "compute_lanes", "in_place", "profile", "prompts",
             "repeats", "seed", "generate", "output")
@@ -50,9 +61,6 @@ _SYNTHETIC_REQUIRED = ("n_layers", "hidden", "ffn", "n_experts", "top_k")
 _PROMPT_KEYS = ("file", "hidden_file")
 _GENERATE_KEYS = ("tokens",)
 
-#: layers of GGUF expert bytes held in host memory while the store is filled: the loader copies
-#: from the file's memory map a tensor at a time (measured: store + less than one layer)
-GGUF_STAGED_LAYERS: int | None = 1
 
 
 T = TypeVar("T")
@@ -235,9 +243,17 @@ def check_model(p: Problems, doc: dict, base: Path) -> tuple[MoESpec | None, Pat
 
 
 def check_format(p: Problems, doc: dict, geom: MoESpec | None,
-                 reg: QuantRegistry) -> QuantFormat | None:
+                 reg: QuantRegistry, gguf: Path | None = None) -> QuantFormat | None:
+    """The `format` key; absent with a GGUF model, the loaded format of the file's expert
+    tensors' type (weights.gguf_format: the file's bytes run as they are)."""
     name = doc.get("format", MISSING)
     loaded = ", ".join(reg.names()) or "none"
+    if name is MISSING and gguf is not None:
+        found, why = file_format(open_reader(gguf), reg)
+        if found is None:
+            p.add("format", name, f"the GGUF decides it when absent, but {why}")
+            return None
+        name = found
     if not isinstance(name, str) or name not in reg:
         p.add("format", name, f"expected a loaded format: {loaded} (see `strata plugins`)")
         return None
@@ -262,10 +278,19 @@ def check_format(p: Problems, doc: dict, geom: MoESpec | None,
 
 
 def check_prompts(p: Problems, doc: dict, base: Path, hidden: int | None,
-                  vocab_size: int | None = None) -> list[Prompt]:
+                  vocab_size: int | None = None, context: int | None = None) -> list[Prompt]:
     """The prompts, with token files read and range-checked (against `vocab_size` once the
-    model has a vocabulary) and hidden-state files checked for shape, NaN and Inf."""
+    model has a vocabulary) and hidden-state files checked for shape, NaN and Inf. Absent:
+    DEFAULT_PROMPTS, each at most what a whole model's `context` leaves beside the tokens
+    `generate` asks for."""
     items = doc.get("prompts", MISSING)
+    if items is MISSING:
+        gen = doc.get("generate")
+        asked = gen.get("tokens") if isinstance(gen, dict) else None
+        new = asked if isinstance(asked, int) and not isinstance(asked, bool) else 0
+        room = None if context is None else context - new
+        return [Prompt(i, max(1, min(n, room if room is not None else n)))
+                for i, n in enumerate(DEFAULT_PROMPTS)]
     allowed = "a list of prompt lengths (integers >= 1), {file: TOKENS} or {hidden_file: X.npy}"
     if not isinstance(items, list) or not items:
         p.add("prompts", items, f"expected {allowed}")
@@ -373,11 +398,14 @@ def check_budget(p: Problems, doc: dict, geom: MoESpec | None, fmt: QuantFormat 
                  chunk: int | None, ring_bytes: int | None,
                  whole: WholeSizing | None = None, dense: str = "auto") -> dict[str, Any]:
     given = [k for k in BUDGET_KEYS if k in doc]
+    if not given:  # the default policy: the backend's (DEFAULT_VRAM_POLICY)
+        return {}
     if len(given) != 1:
-        p.add(" / ".join(BUDGET_KEYS), {k: doc[k] for k in given} if given else MISSING,
-              "give exactly one VRAM policy: `expert_cache` (resident experts: a count or "
+        p.add(" / ".join(BUDGET_KEYS), {k: doc[k] for k in given},
+              "give at most one VRAM policy: `expert_cache` (resident experts: a count or "
               "`all`), `vram_reserve_mib` (VRAM left free; the rest holds experts) or "
-              "`vram_budget_mib` (VRAM strata_rt may use in all)")
+              "`vram_budget_mib` (VRAM strata_rt may use in all); none: "
+              f"{DEFAULT_VRAM_POLICY}")
         return {}
     key = given[0]
     if key == "expert_cache":
@@ -402,39 +430,3 @@ def check_budget(p: Problems, doc: dict, geom: MoESpec | None, fmt: QuantFormat 
               "lower `prefill` or `ring_mib`")
         return {}
     return {key: mib}
-
-
-def host_memory_parts(spec: MoESpec, fmt: QuantFormat, gguf: bool, prompts: Sequence[Prompt],
-                      chunk: int) -> dict[str, int]:
-    """Host bytes a run allocates, by part: the expert store (pinned on the CUDA backend),
-    the model's other weights, the longest prompt's input and output, and one chunk's
-    working arrays (an estimate of the largest the backends hold at once)."""
-    L, E, H, F, K = spec.n_layers, spec.n_experts, spec.hidden, spec.ffn, spec.top_k
-    lay = fmt.layout(H, F)
-    parts = {"expert store": L * E * lay.slot_bytes,
-             "router and norm weights": (L * E * H + L * H) * 4}
-    if gguf:
-        layers = L if GGUF_STAGED_LAYERS is None else min(L, GGUF_STAGED_LAYERS)
-        parts["GGUF experts read before the store is filled"] = layers * E * lay.blob_bytes
-    else:
-        total = L * E
-        pool = total if total * lay.blob_bytes <= SYNTHETIC_POOL_BYTES else max(
-            1, min(total, SYNTHETIC_POOL_BYTES // lay.blob_bytes))
-        parts["synthetic expert pool"] = pool * lay.blob_bytes
-    longest = max((pr.tokens for pr in prompts), default=0)
-    parts["longest prompt in and out"] = 2 * longest * H * 4
-    rows = min(chunk, longest)
-    parts["chunk working arrays"] = rows * (4 * H + 3 * K * F) * 4
-    return parts
-
-
-def host_memory_problem(spec: MoESpec, fmt: QuantFormat, gguf: bool,
-                        prompts: Sequence[Prompt], chunk: int,
-                        extra: dict[str, int] | None = None) -> str | None:
-    """'the run needs X of host memory; Y available (parts)', or None when it fits. `extra`:
-    more parts (a whole model's, whole.whole_host_parts)."""
-    parts = {**host_memory_parts(spec, fmt, gguf, prompts, chunk), **(extra or {})}
-    slot = format_bytes(fmt.layout(spec.hidden, spec.ffn).slot_bytes)
-    shown = [f"{k} {format_bytes(v)}" for k, v in parts.items() if v]
-    shown[0] += f" = {spec.n_layers} layers x {spec.n_experts} experts x {slot}"
-    return shortfall(sum(parts.values()), "the run", ", ".join(shown))

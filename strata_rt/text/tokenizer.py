@@ -21,6 +21,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ..errors import StrataError
 from .tokenizer_vocab import (
     ADDED_TYPES,
@@ -58,21 +60,23 @@ def _build(vocab: TokenizerVocab, parse_special: bool) -> Any:
     tk = _library()
     from tokenizers import decoders, models, normalizers, pre_tokenizers
 
-    ids: dict[str, int] = {}
-    for i, (t, kind) in enumerate(zip(vocab.tokens, vocab.token_type)):
-        if kind == UNUSED:
-            continue
-        if t in ids:
-            raise TokenizerError(f"token {t!r} appears twice in the vocabulary (ids {ids[t]} "
-                                 f"and {i}); a BPE vocabulary needs each token once")
-        ids[t] = i
-    merges = []
-    for n, m in enumerate(vocab.merges):
-        parts = m.split(" ")
-        if len(parts) != 2 or not all(parts):
-            raise TokenizerError(f"merge {n} is {m!r}; a merge is two tokens joined by one "
-                                 "space")
-        merges.append((parts[0], parts[1]))
+    tokens = vocab.tokens
+    normal = np.flatnonzero(vocab.types != UNUSED).tolist()
+    ids = {tokens[i]: i for i in normal}
+    if len(ids) != len(normal):  # a token twice: find the first for the message
+        first: dict[str, int] = {}
+        for i in normal:
+            if tokens[i] in first:
+                raise TokenizerError(f"token {tokens[i]!r} appears twice in the vocabulary "
+                                     f"(ids {first[tokens[i]]} and {i}); a BPE vocabulary "
+                                     "needs each token once")
+            first[tokens[i]] = i
+    split = [m.split(" ") for m in vocab.merges]
+    for n, parts in enumerate(split):
+        if len(parts) != 2 or not parts[0] or not parts[1]:
+            raise TokenizerError(f"merge {n} is {vocab.merges[n]!r}; a merge is two tokens "
+                                 "joined by one space")
+    merges = [(a, b) for a, b in split]
     try:
         bpe = models.BPE(vocab=ids, merges=merges, dropout=None, unk_token=None,
                          continuing_subword_prefix="", end_of_word_suffix="",

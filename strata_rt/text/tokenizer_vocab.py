@@ -3,7 +3,8 @@
 llama.cpp keeps a model's tokenizer in the GGUF itself (`tokenizer.ggml.*`), so a prompt can be
 turned into ids without any file beside the weights. This module is the data half of
 strata_rt.text.tokenizer and needs nothing beyond the gguf package: `TokenizerVocab.from_gguf`
-checks the keys and names what is missing or unsupported; `gguf_keys` / `add_tokenizer_keys`
+(`from_header`, on a header the model already opened) checks the keys and names what is
+missing or unsupported; `gguf_keys` / `add_tokenizer_keys`
 write them back with the value types llama.cpp's converter uses; `synthetic_vocab` builds a
 small byte-level BPE vocabulary (GPT-2's 256 byte tokens, merges learned deterministically from
 a built-in text, Qwen's special tokens) so synthetic models carry a tokenizer without downloads.
@@ -15,9 +16,11 @@ import logging
 import re
 from collections import Counter
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from ..errors import GGUFError
 
@@ -123,7 +126,8 @@ class TokenizerVocab:
         if len(self.token_type) != n:
             out.append(f"{KEY}token_type holds {len(self.token_type)} entries for "
                        f"{n} tokens")
-        bad = sorted({t for t in self.token_type if t not in TYPE_NAMES})
+        bad = sorted(set(np.unique(np.asarray(self.token_type, np.int64)).tolist())
+                     - set(TYPE_NAMES))
         if bad:
             out.append(f"{KEY}token_type holds {bad}; known types are "
                        + ", ".join(f"{k} ({v})" for k, v in TYPE_NAMES.items()))
@@ -136,8 +140,13 @@ class TokenizerVocab:
     def __len__(self) -> int:
         return len(self.tokens)
 
+    @cached_property
+    def types(self) -> np.ndarray:
+        """token_type as an int64 array (one vectorized pass instead of 150,000 lookups)."""
+        return np.asarray(self.token_type, np.int64)
+
     def ids_of_type(self, *types: int) -> list[int]:
-        return [i for i, t in enumerate(self.token_type) if t in types]
+        return np.flatnonzero(np.isin(self.types, types)).tolist()
 
     # ------------------------------------------------------------------ GGUF keys
     def gguf_keys(self) -> dict[str, Any]:
@@ -156,14 +165,22 @@ class TokenizerVocab:
     @classmethod
     def from_gguf(cls, path: str | Path) -> TokenizerVocab:
         """Reads and checks the tokenizer keys; a GGUFError names each missing or invalid
-        key (and what is allowed)."""
+        key (and what is allowed). The header is the one the model opened (gguf_io keeps
+        it), and the arrays are decoded from one buffer each (gguf_strings): a Qwen3
+        vocabulary of 151,936 tokens and 151,387 merges reads in a fraction of a second."""
         from ..weights.gguf_io import open_reader
 
         path = Path(path)
-        header = open_reader(path)  # every key type-checked, every count against the file
+        return cls.from_header(open_reader(path))  # every key type- and count-checked
+
+    @classmethod
+    def from_header(cls, header: Any) -> TokenizerVocab:
+        """The tokenizer of an opened, checked GGUF header (gguf_io.open_reader)."""
+        path = header.path
 
         def get(name: str) -> Any:
-            return header.value(KEY + name)
+            kv = header.keys.get(KEY + name)
+            return None if kv is None else kv.value if kv.elem_type is None else kv
 
         missing = [KEY + k for k in ("model", "tokens") if get(k) is None]
         if missing:
@@ -178,19 +195,20 @@ class TokenizerVocab:
         if pre is None:
             raise GGUFError(f"{path}: key {KEY}pre is missing; strata_rt needs the name of the "
                             f"pre-tokenizer (known: {', '.join(sorted(PRE_TOKENIZERS))})")
-        merges = get("merges")
-        if merges is None:
+        if get("merges") is None:
             raise GGUFError(f"{path}: key {KEY}merges is missing (a {quoted(model)} tokenizer "
                             "needs its BPE merges)")
-        tokens = tuple(str(t) for t in get("tokens"))
-        types = get("token_type")
-        if types is None:
+        tokens = tuple(header.strings(KEY + "tokens").decode(KEY + "tokens", path))
+        merges = tuple(header.strings(KEY + "merges").decode(KEY + "merges", path))
+        if get("token_type") is None:
             log.info("%s: no %stoken_type; every token taken as normal", path, KEY)
-            types = [NORMAL] * len(tokens)
+            types: tuple[int, ...] = (NORMAL,) * len(tokens)
+        else:
+            types = tuple(header.numbers(KEY + "token_type").astype(np.int64).tolist())
 
         def ident(name: str) -> int | None:
             v = get(name)
-            if v is not None and (isinstance(v, list | str | bool) or int(v) != v):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
                 raise GGUFError(f"{path}: key {KEY}{name} = {v!r}; expected a token id")
             return None if v is None else int(v)
 
@@ -198,9 +216,9 @@ class TokenizerVocab:
         if add_bos is not None and not isinstance(add_bos, bool):
             raise GGUFError(f"{path}: key {KEY}add_bos_token = {add_bos!r}; expected a bool")
         try:
-            return cls(tokens=tokens, token_type=tuple(int(t) for t in types),
-                       merges=tuple(str(m) for m in merges), model=str(model), pre=str(pre),
-                       bos_token_id=ident("bos_token_id"), eos_token_id=ident("eos_token_id"),
+            return cls(tokens=tokens, token_type=types, merges=merges, model=str(model),
+                       pre=str(pre), bos_token_id=ident("bos_token_id"),
+                       eos_token_id=ident("eos_token_id"),
                        padding_token_id=ident("padding_token_id"),
                        add_bos_token=bool(add_bos) if add_bos is not None else False)
         except GGUFError as e:

@@ -163,7 +163,8 @@ def convert_experts(fm: FileMap, fmt: QuantFormat, src: LayerSource, lo: int, hi
     finally:
         for ref in src.parts:
             _, start = _expert_range(fm, ref, lo, hi)
-            fm.release_range(ref.offset + start, (hi - lo) * (ref.nbytes // ref.shape[0]))
+            fm.release_range(ref.offset + start, (hi - lo) * (ref.nbytes // ref.shape[0]),
+                             ref.file)
     return out.reshape(hi - lo, -1)
 
 
@@ -292,7 +293,7 @@ class GGUFExperts:
                 per = raw.size // (hi - lo)
                 out[:, col: col + per] = raw.reshape(hi - lo, per)
                 col += per
-            self.fm.release_range(ref.offset + start, raw.size)
+            self.fm.release_range(ref.offset + start, raw.size, ref.file)
         if problems:
             from .gguf_io import problems_error
 
@@ -321,11 +322,23 @@ class GGUFExperts:
         self._write([(layer, grid[layer]) for layer in range(len(self.sources))])
 
     # ------------------------------------------------------------------ the work
-    def _write(self, jobs: list[tuple[int, np.ndarray]]) -> None:
+    def check_all(self) -> None:
+        """Every layer checked for NaN/Inf (a tensor at a time): a conversion written in parts
+        finds a NaN in the last layer before converting the first."""
+        for src in self.sources:
+            self._check(src)
+
+    def write_jobs(self, jobs: list[tuple[int, np.ndarray]], eta: Eta) -> None:
+        """(layer, out) pairs written as `write_layer` does, advancing the caller's progress
+        line (one line over several calls: the conversion cache writes a file in parts)."""
+        self._write(jobs, eta)
+
+    def _write(self, jobs: list[tuple[int, np.ndarray]], shared: Eta | None = None) -> None:
         blob = self.layout.blob_bytes
         conv = [(self.sources[i], out[:, :blob]) for i, out in jobs if not self.sources[i].raw]
         doing = f"converting experts to {self.fmt.name}" if conv else "loading experts"
-        eta = Eta(f"{self.fm.path.name}: {doing}", len(jobs) * self.n_experts, "experts")
+        eta = shared or Eta(f"{self.fm.path.name}: {doing}", len(jobs) * self.n_experts,
+                            "experts")
         try:
             for i, out in jobs:
                 if self.sources[i].raw:
@@ -337,7 +350,8 @@ class GGUFExperts:
                 self._say_converting()
                 self._convert(conv, eta)
         finally:
-            eta.close()
+            if shared is None:
+                eta.close()
 
     def _say_converting(self) -> None:
         if self._notice_given:

@@ -12,6 +12,10 @@ would forge lines of a message), tensor names shorter than ggml's 64 bytes. The 
 opened without blocking and mapped read-only; tensor data is viewed from the map, never
 copied here.
 
+String arrays (a tokenizer's 300,000 tokens and merges) are walked in one tight loop that
+records where each string lies, and are read back from one buffer (gguf_strings), never one
+Python call per string.
+
 The result (Header) holds typed values: the GGUF type of each key is kept, so the key checks
 (strata_rt.weights.gguf_keys) can refuse a float where a count belongs. Structural damage that stops
 the walk is a GGUFError at once; problems of individual tensors are collected in
@@ -33,6 +37,7 @@ import numpy as np
 from ..config.file_kinds import not_a_file, open_regular
 from ..errors import GGUFError
 from .gguf_problems import Problems
+from .gguf_strings import StringArray
 from .gguf_tensors import data_end_problem, tensor_problems
 
 MAGIC = b"GGUF"
@@ -80,6 +85,8 @@ class KeyValue:
     elem_type: int | None = None
     count: int = 0
     start: int = 0
+    #: string arrays: (start, end) of each string's bytes, from the walk
+    spans: Any = field(default=None, repr=False, compare=False)
 
     @property
     def type_name(self) -> str:
@@ -98,6 +105,8 @@ class TensorInfo:
     offset: int
     n_bytes: int
     buf: Any = field(default=None, repr=False, compare=False)
+    #: the file the bytes lie in (a shard's, for a split model)
+    file: str = field(default="", compare=False)
 
     @property
     def data_offset(self) -> int:
@@ -128,6 +137,8 @@ class Header:
     tensors: list[TensorInfo]
     problems: Problems
     buf: Any = field(default=None, repr=False)
+    #: every file of a split model, the first (this header's `path`) first; () for one file
+    shards: tuple[Path, ...] = ()
 
     def value(self, name: str) -> Any:
         """A key's value (arrays as lists), or None when absent."""
@@ -140,21 +151,24 @@ class Header:
         kv = self.keys[name]
         assert kv.elem_type is not None
         if kv.elem_type == STRING:
-            out, offs = [], kv.start
-            for i in range(kv.count):
-                (n,) = struct.unpack_from("<Q", self.buf, offs)
-                raw = bytes(self.buf[offs + 8: offs + 8 + n])
-                offs += 8 + n
-                try:
-                    out.append(raw.decode("utf-8"))
-                except UnicodeDecodeError:
-                    more = "..." if len(raw) > 24 else ""
-                    raise GGUFError(f"{self.path}: key {name}: string {i} is not valid UTF-8 "
-                                    f"({raw[:24]!r}{more})") from None
-            return out
+            return self.strings(name).decode(name, self.path)
         code, size = SCALARS[kv.elem_type][1:]
         vals = np.frombuffer(self.buf, np.dtype("<" + code), kv.count, kv.start)
         return [bool(v) for v in vals] if kv.elem_type == 7 else vals.tolist()
+
+    def strings(self, name: str) -> StringArray:
+        """A string array key as one bytes buffer and offsets (no Python object per
+        string)."""
+        kv = self.keys[name]
+        assert kv.elem_type == STRING and kv.spans is not None
+        return StringArray.gather(self.buf, *kv.spans)
+
+    def numbers(self, name: str) -> np.ndarray:
+        """An array key of numbers as a numpy array (a view of the map, little-endian)."""
+        kv = self.keys[name]
+        assert kv.elem_type in SCALARS
+        code = SCALARS[kv.elem_type][1]
+        return np.frombuffer(self.buf, np.dtype("<" + code), kv.count, kv.start)
 
 
 # ---------------------------------------------------------------------------- the walk
@@ -179,6 +193,7 @@ def _said(what: str | Callable[[], str]) -> str:
 #: the rest of a tensor entry after its name and dimension count, by dimension count: the
 #: dims, the ggml type id, the offset
 _ENTRY_TAIL = {n: struct.Struct(f"<{n}QIQ") for n in range(1, 5)}
+_U64 = struct.Struct("<Q")
 
 
 class _Walker:
@@ -216,6 +231,32 @@ class _Walker:
             raise _Fatal(f"{_said(what)} at byte {at:,} is not valid UTF-8 "
                          f"({raw[:24]!r})") from None
 
+    def strings_at(self, name: str, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """Walks `count` length-prefixed strings from here: (start, end) of each payload.
+        One tight loop (a tokenizer is 300,000 strings); every length is checked against
+        the bytes left before the walk moves by it."""
+        buf, size, pos = self.buf, self.size, self.pos
+        unpack = _U64.unpack_from
+        starts = [0] * count
+        for i in range(count):
+            if pos + 8 > size:
+                self.pos = pos
+                raise _Cut(pos + 8)
+            (n,) = unpack(buf, pos)
+            pos += 8
+            if n > size - pos:
+                raise _beyond(f"key {name}: a string at byte {pos - 8:,} claims {n:,} bytes; "
+                              f"only {size - pos:,} are left")
+            starts[i] = pos
+            pos += n
+        self.pos = pos
+        lo = np.array(starts, np.int64)
+        hi = np.empty_like(lo)
+        hi[:-1] = lo[1:] - 8
+        if count:
+            hi[-1] = pos
+        return lo, hi
+
     def value(self, name: str, t: int) -> KeyValue:
         if t in SCALARS:
             _, code, n = SCALARS[t]
@@ -247,13 +288,8 @@ class _Walker:
                              f"array keys before it; strata_rt reads at most {MAX_STRINGS:,} "
                              "(a tokenizer has about 150,000 tokens and as many merges)")
             start = self.pos
-            for _ in range(count):
-                n = self.scalar("Q", 8)
-                if n > self.size - self.pos:
-                    raise _beyond(f"key {name}: a string at byte {self.pos - 8:,} claims "
-                                  f"{n:,} bytes; only {self.size - self.pos:,} are left")
-                self.pos += n
-            return KeyValue(name, t, None, elem, count, start)
+            starts = self.strings_at(name, count)
+            return KeyValue(name, t, None, elem, count, start, starts)
         if elem not in SCALARS:
             raise _Fatal(f"key {name} is an array of value type id {elem}, which GGUF does "
                          "not define")
@@ -397,6 +433,7 @@ def parse(path: str | Path) -> Header:
     if not more:
         end = data_end_problem(placed, data_start, alignment, size)
         more += [] if end is None else [end]
-    tensors = [TensorInfo(name, dims, qt, lo, n, buf) for name, dims, qt, lo, n in placed]
+    tensors = [TensorInfo(name, dims, qt, lo, n, buf, str(path))
+               for name, dims, qt, lo, n in placed]
     return Header(path, size, version, alignment, data_start, keys, tensors, problems + more,
                   buf)

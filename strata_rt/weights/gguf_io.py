@@ -26,8 +26,9 @@ from ..config.file_kinds import open_regular
 from ..errors import GGUFError
 from . import gguf_checks
 from .gguf_header import Header, parse
-from .gguf_keys import check_keys, number, split_problem, unsupported
+from .gguf_keys import check_keys, number, unsupported
 from .gguf_problems import MAX_PROBLEMS, Problems
+from .gguf_split import merge_split
 
 ARCH = "qwen3moe"
 #: (name suffix, spec field) of the integer keys a MoE file must carry
@@ -71,16 +72,40 @@ def problems_error(path: Path, problems: Problems | list[str]) -> GGUFError:
 # ---------------------------------------------------------------------------- the reader
 def open_reader(path: Path) -> Header:
     """The file's header (memory-mapped), refused with one GGUFError listing every problem
-    of its structure, its tensor list and its keys (gguf_header, gguf_tensors, gguf_keys)."""
+    of its structure, its tensor list and its keys (gguf_header, gguf_tensors, gguf_keys).
+    The first shard of a split GGUF opens every shard as one model (gguf_split).
+
+    A checked header is kept for the next open of the same file (same device, inode, size,
+    modification and change times of every shard): the model, its MoE layers and its
+    tokenizer open from one parse."""
     path = Path(path)
-    header = parse(path)
-    split = split_problem(header)
-    if split is not None:  # a shard's keys and tensors are a part of a model's: say so first
-        raise GGUFError(f"{path}: {split}")
+    key = _identity(path)
+    kept = _OPENED.get(key) if key is not None else None
+    if kept is not None and all(_identity(s) == k for s, k in zip(kept[0].shards, kept[1])):
+        return kept[0]
+    header = merge_split(parse(path))
     problems = check_keys(header) + header.problems
     if problems:
         raise problems_error(path, problems)
+    if key is not None:
+        _OPENED.pop(key, None)
+        while len(_OPENED) >= KEPT_HEADERS:
+            _OPENED.pop(next(iter(_OPENED)))
+        _OPENED[key] = (header, tuple(_identity(s) for s in header.shards))
     return header
+
+
+#: checked headers kept (by file identity) for the next open of the same file
+KEPT_HEADERS = 4
+_OPENED: dict[tuple, tuple[Header, tuple]] = {}
+
+
+def _identity(path: Path) -> tuple | None:
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    return (str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def _layers_present(header: Header) -> list[int]:
@@ -145,11 +170,12 @@ class TensorRef:
     shape: tuple[int, ...]  # logical, outermost first (GGUF lists it innermost first)
     offset: int             # absolute byte offset in the file
     nbytes: int
+    file: str = ""          # the shard it lies in ("": the model's first file)
 
     @classmethod
     def of(cls, t: Any) -> TensorRef:
         return cls(t.name, int(t.tensor_type), tuple(int(x) for x in reversed(list(t.shape))),
-                   int(t.data_offset), int(t.n_bytes))
+                   int(t.data_offset), int(t.n_bytes), getattr(t, "file", ""))
 
     @property
     def type_name(self) -> str:
@@ -157,33 +183,45 @@ class TensorRef:
 
 
 class FileMap:
-    """A read-only memory map of one file. `bytes(ref)` views a tensor without copying;
-    `release(ref)` drops its pages from this process (they stay in the page cache), so a
-    layer-by-layer copy holds about one layer of the file at a time."""
+    """Read-only memory maps of a model's file (and its other shards, mapped when a tensor of
+    one is first read). `bytes(ref)` views a tensor without copying; `release(ref)` drops its
+    pages from this process (they stay in the page cache), so a layer-by-layer copy holds
+    about one layer of the file at a time."""
 
     def __init__(self, path: Path):
+        self.path = path
+        self._maps: dict[str, mmap.mmap] = {}
+        self._map = self._open(str(path))
+
+    def _open(self, file: str) -> mmap.mmap:
+        m = self._maps.get(file)
+        if m is not None:
+            return m
         try:
-            fd, _ = open_regular(path)  # never blocks: a FIFO swapped in is refused
+            fd, _ = open_regular(Path(file))  # never blocks: a FIFO swapped in is refused
         except ValueError as e:
-            raise GGUFError(f"{path}: {e}; expected a GGUF file") from None
+            raise GGUFError(f"{file}: {e}; expected a GGUF file") from None
         try:
-            self._map = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+            m = self._maps[file] = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
         finally:
             os.close(fd)
-        self.path = path
+        return m
+
+    def _of(self, file: str) -> mmap.mmap:
+        return self._map if not file or file == str(self.path) else self._open(file)
 
     def bytes(self, ref: TensorRef) -> np.ndarray:
-        return np.frombuffer(self._map, np.uint8, ref.nbytes, ref.offset)
+        return np.frombuffer(self._of(ref.file), np.uint8, ref.nbytes, ref.offset)
 
     def release(self, ref: TensorRef) -> None:
-        self.release_range(ref.offset, ref.nbytes)
+        self.release_range(ref.offset, ref.nbytes, ref.file)
 
-    def release_range(self, offset: int, nbytes: int) -> None:
+    def release_range(self, offset: int, nbytes: int, file: str = "") -> None:
         advice = getattr(mmap, "MADV_DONTNEED", None)
         if advice is None or nbytes <= 0:
             return
         lo = offset - offset % mmap.PAGESIZE
-        self._map.madvise(advice, lo, offset + nbytes - lo)
+        self._of(file).madvise(advice, lo, offset + nbytes - lo)
 
 
 # ---------------------------------------------------------------------------- MoE files
@@ -318,14 +356,40 @@ def _expert_tensors(model: Any) -> dict[str, tuple[np.ndarray, Any]]:
     return out
 
 
+@dataclass(frozen=True)
+class Typed:
+    """A key's value with its GGUF type (and element type, for arrays): copied from one file
+    to another as it was, a uint16 staying a uint16."""
+
+    type: int
+    elem: int | None
+    value: Any
+
+
+def typed_keys(header: Header, prefixes: tuple[str, ...] = ("",),
+               skip: tuple[str, ...] = ()) -> dict[str, Typed]:
+    """The header's keys whose names start with one of `prefixes` (all by default), less
+    `skip` and empty arrays (which GGUF writers cannot write), with their types."""
+    return {name: Typed(kv.type, kv.elem_type, header.value(name))
+            for name, kv in header.keys.items()
+            if name.startswith(prefixes) and name not in skip
+            and not (kv.elem_type is not None and kv.count == 0)}
+
+
 def add_keys(writer: Any, keys: Mapping[str, Any]) -> None:
     """Adds keys to a gguf.GGUFWriter typed from their values, as llama.cpp's converter types
     them: bool, float32, string, arrays (tokenizer tokens, merges, token types) and uint32 for
-    whole numbers; None leaves a key out (tests of files without it)."""
+    whole numbers; a `Typed` value as its type says; None leaves a key out (tests of files
+    without it)."""
     for k, v in keys.items():
         if v is None:
             continue
-        if isinstance(v, bool):
+        if isinstance(v, Typed):
+            from gguf import GGUFValueType
+
+            writer.add_key_value(k, v.value, GGUFValueType(v.type),
+                                 None if v.elem is None else GGUFValueType(v.elem))
+        elif isinstance(v, bool):
             writer.add_bool(k, v)
         elif isinstance(v, float):
             writer.add_float32(k, v)
@@ -339,11 +403,15 @@ def add_keys(writer: Any, keys: Mapping[str, Any]) -> None:
 
 def write_moe_gguf(path: str | Path, model: Any, *, arch: str = ARCH, omit: Iterable[str] = (),
                    keys: Mapping[str, Any] | None = None,
-                   tensors: Mapping[str, tuple[np.ndarray, Any]] | None = None) -> Path:
+                   tensors: Mapping[str, tuple[np.ndarray, Any]] | None = None,
+                  split_max_tensors: int = 0) -> Path:
     """Writes `model` (anything with .spec, .fmt, .layout, .router, .norm, .expert_blob and
     .dequantized) as a qwen3moe-style GGUF. For tests of bad files: `omit` leaves tensors
     out, `keys` overrides keys by full name (None drops one; ints are written as uint32),
-    `tensors` replaces tensors by name with (array, GGMLQuantizationType or None)."""
+    `tensors` replaces tensors by name with (array, GGMLQuantizationType or None).
+    split_max_tensors > 0 writes a split GGUF of at most that many tensors a shard, named as
+    gguf-split names them (<stem>-00001-of-0000N.gguf, ...); the first shard's path is
+    returned."""
     from gguf import GGUFWriter
 
     path = Path(path)
@@ -361,7 +429,7 @@ def write_moe_gguf(path: str | Path, model: Any, *, arch: str = ARCH, omit: Iter
                for p, n in tensor_names(layer).items() if p in EXPERT_PARTS):
         all_t.update(_expert_tensors(model))
     all_t.update(replaced)
-    w = GGUFWriter(str(path), arch)
+    w = GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
     add_keys(w, kv)
     skip = set(omit)
     for name, (arr, qt) in all_t.items():
@@ -370,5 +438,8 @@ def write_moe_gguf(path: str | Path, model: Any, *, arch: str = ARCH, omit: Iter
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
+    shards = len(w.fout or ())
     w.close()
+    if shards > 1:
+        return path.with_name(f"{path.stem}-00001-of-{shards:05d}{path.suffix}")
     return path

@@ -15,8 +15,8 @@ float32 values are compared in their shortest decimal form, so 1e-12 stored as f
 1e-12, not 9.9999998e-13 below the bound.
 
 A shard of a split GGUF (`split.count` > 1, as llama.cpp's gguf-split writes them) holds a
-part of a model's tensors; `split_problem` says so and names the shards, before any other key
-is looked at (the later shards carry no architecture).
+part of a model's tensors; `split_of` reads its split keys, before any other key is looked at
+(the later shards carry no architecture), and strata_rt.weights.gguf_split merges the shards.
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ import numpy as np
 from .gguf_header import ARRAY, FLOAT_TYPES, INTEGER_TYPES, STRING, Header, KeyValue
 
 TOKENIZER = "tokenizer.ggml."
-#: llama.cpp's split keys (uint16 shard number from 0, uint16 shard count)
-SPLIT_NO, SPLIT_COUNT = "split.no", "split.count"
+#: llama.cpp's split keys (uint16 shard number from 0, uint16 shard count, int32 tensors in
+#: all shards together)
+SPLIT_NO, SPLIT_COUNT, SPLIT_TENSORS = "split.no", "split.count", "split.tensors.count"
 #: how gguf-split names shard N of M: <prefix>-0000N-of-0000M.gguf
 SHARD_NAME = re.compile(r"^(?P<prefix>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
@@ -108,6 +109,7 @@ def rules(arch: str) -> dict[str, Rule]:
         "tokenizer.chat_template": Rule("string"),
         SPLIT_COUNT: _int(1, 65_535),
         SPLIT_NO: _int(0, 65_534),
+        SPLIT_TENSORS: _int(0, 1 << 31),
     }
 
 
@@ -165,31 +167,30 @@ def check_keys(header: Header) -> list[str]:
     return out
 
 
-def split_problem(header: Header) -> str | None:
-    """What a shard of a split GGUF is, naming the shards a run needs merged; None for a
-    whole file (no `split.count`, or a count of 1)."""
-    count_kv, no_kv = header.keys.get(SPLIT_COUNT), header.keys.get(SPLIT_NO)
+def split_of(header: Header) -> tuple[int, int, int | None] | str | None:
+    """(shard number from 0, shard count, `split.tensors.count` or None) of a shard of a
+    split GGUF; None for a whole file (no `split.count`, or a count of 1); the problem line
+    when a split key has the wrong type or range."""
+    count_kv = header.keys.get(SPLIT_COUNT)
     if count_kv is None:
         return None
-    for kv in (count_kv, no_kv):
+    kvs = [header.keys.get(k) for k in (SPLIT_NO, SPLIT_TENSORS)]
+    for kv in (count_kv, *kvs):
         bad = None if kv is None else problem(kv, rules("")[kv.name])
         if bad is not None:
             return bad
     count = int(count_kv.value)
     if count == 1:
         return None
-    no = None if no_kv is None else int(no_kv.value)
-    if no is not None and no >= count:
+    no_kv, tensors_kv = kvs
+    if no_kv is None:
+        return (f"key {SPLIT_COUNT} = {count} says this file is a shard of a split GGUF, but "
+                f"key {SPLIT_NO} (which shard) is missing")
+    no = int(no_kv.value)
+    if no >= count:
         return (f"key {SPLIT_NO} = {no} but {SPLIT_COUNT} = {count}: shard numbers run "
                 f"0..{count - 1}")
-    which = "a shard" if no is None else f"shard {no + 1} of {count}"
-    m = SHARD_NAME.match(header.path.name)
-    prefix = m["prefix"] if m else header.path.name.removesuffix(".gguf")
-    first, last = (f"{prefix}-{i:05d}-of-{count:05d}.gguf" for i in (1, count))
-    return (f"a split GGUF: this file is {which} (key {SPLIT_COUNT} = {count}), and "
-            f"strata_rt reads a model from one file; the model needs all {count} shards, "
-            f"{first} .. {last}: merge them with `llama-gguf-split --merge {first} "
-            f"{prefix}.gguf` and give the merged file")
+    return no, count, None if tensors_kv is None else int(tensors_kv.value)
 
 
 def unsupported(header: Header, arch: str) -> list[str]:

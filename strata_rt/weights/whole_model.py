@@ -3,7 +3,10 @@ model (token ids in, logits out), from what `EngineConfig.model` names.
 
     {"spec": MoESpec, "seed": int}            MoE layers alone, synthetic
     {"gguf": path, "format": name}            a GGUF: a whole model when it carries
-                                              token_embd.weight, else MoE layers alone
+                                              token_embd.weight, else MoE layers alone;
+                                              format absent: the file's (gguf_format);
+                                              a conversion is cached (convert_cache) unless
+                                              "convert_cache": False
     {"qwen3": Qwen3Spec | dict | "tiny", "seed": int, "format": name}
                                               a whole synthetic model (seeded)
     a Model, a Qwen3Model or a MoESpec        as given
@@ -19,6 +22,7 @@ from ..errors import ConfigError
 from ..models.qwen3.gguf_full import read_qwen3_gguf
 from ..models.qwen3.spec import TINY_SPEC, Qwen3Spec
 from ..models.qwen3.weights import Qwen3Model
+from .gguf_format import file_format
 from .gguf_io import open_reader
 from .model import Model, MoESpec
 
@@ -53,6 +57,18 @@ def is_whole_gguf(path: str | Path) -> bool:
     return any(t.name == WHOLE_MODEL_TENSOR for t in reader.tensors)
 
 
+def gguf_format(path: str | Path) -> str:
+    """The loaded format of a GGUF's expert tensors' type (weights.gguf_format), for a model
+    given without `format`; ConfigError naming why there is none."""
+    from ..formats.registry import registry
+
+    name, why = file_format(open_reader(Path(path)), registry())
+    if name is None:
+        raise ConfigError(f"model: no `format` given, and the GGUF {path} cannot decide it: "
+                          f"{why}")
+    return name
+
+
 def load_model(m: Model | Qwen3Model | MoESpec | dict[str, Any]
                ) -> tuple[Model, Qwen3Model | None]:
     """-> (the MoE layers the chunk driver runs, the whole model or None)."""
@@ -71,13 +87,17 @@ def load_model(m: Model | Qwen3Model | MoESpec | dict[str, Any]
                                          pool_layers=m.get("pool_layers"))
             return whole.moe, whole
         if "gguf" in m:
-            fmt = m.get("format")
-            if fmt is None:
-                raise ConfigError("model: a gguf model needs `format` (e.g. iq3_xxs)")
-            if is_whole_gguf(m["gguf"]):
-                whole = read_qwen3_gguf(m["gguf"], fmt)
+            fmt = m.get("format") or gguf_format(m["gguf"])
+            path = Path(m["gguf"])
+            if m.get("convert_cache", True):  # a conversion asked for is written once
+                from .convert_cache import converted_path
+                from .model import _resolve_format
+
+                path = converted_path(path, _resolve_format(fmt)) or path
+            if is_whole_gguf(path):
+                whole = read_qwen3_gguf(path, fmt)
                 return whole.moe, whole
-            return Model.from_gguf(m["gguf"], fmt), None
+            return Model.from_gguf(path, fmt), None
         if "spec" in m:
             return Model.synthetic(m["spec"], int(m.get("seed", 0))), None
     raise ConfigError(f"model: got {type(m).__name__}; allowed: a Model, a Qwen3Model, a "

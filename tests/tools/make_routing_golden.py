@@ -75,6 +75,27 @@ def prompt_ids(case: dict, tokens: int) -> np.ndarray:
     return rng.integers(0, case["spec"]["vocab"], tokens).astype(np.int32)
 
 
+def record_router_logits(hf) -> list[np.ndarray]:
+    """A list that every forward pass of `hf` appends its router logits to, layer by layer
+    (clear it before a run)."""
+    router_logits: list[np.ndarray] = []
+    for layer in hf.model.layers:
+        layer.mlp.gate.register_forward_hook(
+            lambda _m, _i, out, sink=router_logits: sink.append(out[0].detach().numpy().copy()))
+    return router_logits
+
+
+def route_gap(router_logits: list[np.ndarray], k: int) -> np.ndarray:
+    """Per position, the smallest over the layers of the gap between the k-th and k+1-th
+    router logit relative to the token's router-logit RMS: where it is tiny, any upstream
+    rounding may pick another expert."""
+    gaps = []
+    for rl in router_logits:
+        srt = np.sort(rl, axis=-1)
+        gaps.append((srt[:, -k] - srt[:, -k - 1]) / np.sqrt((rl * rl).mean(axis=-1)))
+    return np.min(gaps, axis=0)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=OUT)
@@ -103,11 +124,7 @@ def main() -> None:
             hf = hf_model_from_gguf(path)
         hf.config._experts_implementation = "eager"  # the grouped kernels take no float64
         del model
-        router_logits: list[np.ndarray] = []
-        for layer in hf.model.layers:  # the float64 run's router logits, layer by layer
-            layer.mlp.gate.register_forward_hook(
-                lambda _m, _i, out, sink=router_logits: sink.append(
-                    out[0].detach().numpy().copy()))
+        router_logits = record_router_logits(hf)
         k = case["spec"]["top_k"]
         for tokens in PROMPTS:
             ids = prompt_ids(case, tokens)
@@ -118,12 +135,8 @@ def main() -> None:
                 router_logits.clear()
                 l64 = hf(x).logits[0].numpy()
                 hf.to(torch.float32)
-            gaps = []
-            for rl in router_logits:  # gap at the top-k boundary / the token's logit RMS
-                srt = np.sort(rl, axis=-1)
-                gaps.append((srt[:, -k] - srt[:, -k - 1]) / np.sqrt((rl * rl).mean(axis=-1)))
             np.save(args.out / f"{name}.p{tokens}.route_gap.npy",
-                    np.min(gaps, axis=0).astype(np.float32))
+                    route_gap(router_logits, k).astype(np.float32))
             router_logits.clear()
             top2 = np.sort(l64, axis=-1)[:, -2:]
             np.save(args.out / f"{name}.p{tokens}.logits.npy", logits)

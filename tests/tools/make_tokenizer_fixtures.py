@@ -94,18 +94,13 @@ CORPUS = [
 ]
 
 
-def write_vocab() -> None:
+def write_hf_tokenizer(v: Any, hf: Path) -> tuple[int, int]:
+    """Writes a synthetic vocabulary as a Hugging Face Qwen2 tokenizer folder (vocab.json,
+    merges.txt, tokenizer_config.json with the added tokens at their ids); (BPE tokens, added
+    tokens). make_ggml_fixtures.py writes its checkpoints' tokenizers with it too."""
     sys.path.insert(0, str(ROOT))
-    from strata_rt.text.tokenizer_vocab import (
-        CONTROL,
-        NORMAL,
-        USER_DEFINED,
-        synthetic_vocab,
-        write_tokenizer_gguf,
-    )
+    from strata_rt.text.tokenizer_vocab import CONTROL, NORMAL, USER_DEFINED
 
-    v = synthetic_vocab(N_VOCAB)
-    hf = OUT / "hf"
     hf.mkdir(parents=True, exist_ok=True)
     normal = {t: i for i, (t, k) in enumerate(zip(v.tokens, v.token_type)) if k == NORMAL}
     (hf / "vocab.json").write_text(json.dumps(normal, ensure_ascii=False, indent=0) + "\n",
@@ -126,9 +121,19 @@ def write_vocab() -> None:
               "model_max_length": 32768, "split_special_tokens": False}
     (hf / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False, indent=1)
                                               + "\n", encoding="utf-8")
+    return len(normal), len(added)
+
+
+def write_vocab() -> None:
+    sys.path.insert(0, str(ROOT))
+    from strata_rt.text.tokenizer_vocab import synthetic_vocab, write_tokenizer_gguf
+
+    v = synthetic_vocab(N_VOCAB)
+    hf = OUT / "hf"
+    n_normal, n_added = write_hf_tokenizer(v, hf)
     write_tokenizer_gguf(OUT / "tokenizer.gguf", v, keys={
         "general.name": "strata_rt synthetic tokenizer", "qwen3moe.vocab_size": N_VOCAB})
-    print(f"wrote {hf} ({len(normal)} BPE tokens, {len(v.merges)} merges, {len(added)} added) "
+    print(f"wrote {hf} ({n_normal} BPE tokens, {len(v.merges)} merges, {n_added} added) "
           f"and {OUT / 'tokenizer.gguf'} ({N_VOCAB} tokens)")
 
 

@@ -22,7 +22,13 @@ from ...errors import ConfigError, GGUFError
 from ...formats.contract import QuantFormat
 from ...weights.gguf_checks import check_dense
 from ...weights.gguf_header import Header
-from ...weights.gguf_io import problems_error, read_header, write_moe_gguf
+from ...weights.gguf_io import (
+    open_reader,
+    problems_error,
+    read_header,
+    typed_keys,
+    write_moe_gguf,
+)
 from ...weights.gguf_keys import TOKENIZER, number
 from ...weights.model import Model
 from .spec import Qwen3Spec
@@ -257,7 +263,9 @@ def read_qwen3_gguf(path: str | Path, fmt: QuantFormat | str) -> Qwen3Model:
                                             for r in LAYER_ROLES)) if t})
     log.info("%s: %s; dense tensors %s%s; experts as %s", path, spec, ", ".join(types),
              " (output tied to token_embd)" if dense.output is None else "", fmt.name)
-    return Qwen3Model(spec, dense, moe)
+    whole = Qwen3Model(spec, dense, moe)
+    whole.tokenizer_keys = typed_keys(open_reader(path), ("tokenizer.",))
+    return whole
 
 
 # ---------------------------------------------------------------------------- writing
@@ -271,14 +279,22 @@ def _as_writer_tensor(t: DenseTensor) -> tuple[np.ndarray, Any]:
 
 def write_qwen3_gguf(path: str | Path, model: Qwen3Model, *, omit: Iterable[str] = (),
                      keys: Mapping[str, Any] | None = None,
-                     tensors: Mapping[str, tuple[np.ndarray, Any]] | None = None) -> Path:
+                     tensors: Mapping[str, tuple[np.ndarray, Any]] | None = None,
+                     split_max_tensors: int = 0, tokenizer: Any = None) -> Path:
     """Writes `model` as a qwen3moe GGUF with llama.cpp's names and keys: dense tensors in
     their stored types, experts as gguf_io writes them (the format's own GGUF type when it
     has one, else F32), router and norms F32; no `output` tensor when the head is tied.
     For tests of bad files: `omit` leaves tensors out, `keys` overrides keys by full name
-    (None drops one), `tensors` replaces tensors by name with (array, type or None)."""
+    (None drops one), `tensors` replaces tensors by name with (array, type or None).
+    split_max_tensors > 0 writes a split GGUF (write_moe_gguf). `tokenizer`: a TokenizerVocab
+    whose keys the file carries (or a mapping of tokenizer keys as add_keys writes them);
+    None: the model's own (`tokenizer_keys`, those of the file it was read from)."""
     kv: dict[str, Any] = spec_keys(model.spec)
+    kv.update(getattr(model, "tokenizer_keys", {}))
+    if tokenizer is not None:
+        kv.update(tokenizer if isinstance(tokenizer, Mapping) else tokenizer.gguf_keys())
     kv.update(keys or {})
     dense = {t.name: _as_writer_tensor(t) for _, t in model.named_roles()}
     dense.update(tensors or {})
-    return write_moe_gguf(path, model.moe, arch=ARCH, omit=omit, keys=kv, tensors=dense)
+    return write_moe_gguf(path, model.moe, arch=ARCH, omit=omit, keys=kv, tensors=dense,
+                          split_max_tensors=split_max_tensors)

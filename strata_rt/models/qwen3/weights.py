@@ -166,6 +166,9 @@ class Qwen3Model:
         self.spec = spec
         self.dense = dense
         self.moe = moe
+        #: the tokenizer keys (tokenizer.*, with their GGUF types) of the file the model was
+        #: read from, so writing it again keeps its tokenizer; empty for a synthetic model
+        self.tokenizer_keys: dict[str, Any] = {}
         want = expected_shapes(spec)
         ms = moe.spec
         if (ms.n_layers, ms.hidden, ms.ffn, ms.n_experts, ms.top_k) != (

@@ -1,0 +1,131 @@
+"""A config of just `model: {gguf: FILE}` runs every command: the format is the loaded one of
+the file's expert type, prompts default to DEFAULT_PROMPTS (generate and perplexity take text
+from the command line), no VRAM policy means the backends' default. A file whose expert tensors
+mix types, or of a type no format stores, is a config problem listing why, until `format:`
+names one to convert to. On the CPU (reference backend), with tiny GGUFs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from strata_rt.cli import main
+from strata_rt.config.run_config import load_config
+from strata_rt.config.schema import DEFAULT_PROMPTS
+from strata_rt.engine import Engine
+from strata_rt.errors import ConfigError
+from strata_rt.models.qwen3 import TINY_SPEC, Qwen3Model, write_qwen3_gguf
+from strata_rt.text.tokenizer_vocab import synthetic_vocab
+from strata_rt.weights.gguf_io import write_moe_gguf
+from strata_rt.weights.model import Model, MoESpec
+
+MOE = MoESpec(n_layers=2, hidden=256, ffn=256, n_experts=4, top_k=2)
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory) -> Path:
+    """A tiny whole model in fp16 (its experts F16) with a tokenizer."""
+    model = Qwen3Model.synthetic(TINY_SPEC, 1, "fp16")
+    return write_qwen3_gguf(tmp_path_factory.mktemp("g") / "tiny.gguf", model,
+                            tokenizer=synthetic_vocab(TINY_SPEC.vocab))
+
+
+def config(tmp_path: Path, gguf: Path, **more) -> Path:
+    path = tmp_path / "only.yaml"
+    path.write_text(yaml.safe_dump({"model": {"gguf": str(gguf)}, **more}))
+    return path
+
+
+def test_the_config_takes_format_prompts_and_policy_by_default(whole, tmp_path):
+    cfg = load_config(config(tmp_path, whole))
+    assert cfg.spec.format == "fp16" and cfg.backend == "auto"
+    assert [p.tokens for p in cfg.prompts] == list(DEFAULT_PROMPTS)
+    assert (cfg.expert_cache, cfg.vram_reserve_mib, cfg.vram_budget_mib) == (None, None, None)
+    assert cfg.engine_config().model == {"gguf": str(whole), "format": "fp16"}
+
+
+def test_an_iq3_xxs_file_runs_as_iq3_xxs(tmp_path):
+    gguf = write_moe_gguf(tmp_path / "moe.gguf", Model.synthetic(MOE, 2, "iq3_xxs"))
+    assert load_config(config(tmp_path, gguf)).spec.format == "iq3_xxs"
+    with Engine.open({"model": {"gguf": str(gguf)}, "backend": "reference"}) as e:
+        assert e.model.fmt.name == "iq3_xxs"
+
+
+def _problems(tmp_path: Path, gguf: Path) -> list[str]:
+    with pytest.raises(ConfigError) as e:
+        load_config(config(tmp_path, gguf))
+    return e.value.problems
+
+
+def test_mixed_expert_types_are_listed_per_tensor(tmp_path):
+    model = Model.synthetic(MOE, 3, "iq3_xxs")
+    down = {f"blk.{i}.ffn_down_exps.weight":
+            (np.stack([model.dequantized(i, e)[2] for e in range(4)]).astype(np.float16), None)
+            for i in range(2)}
+    gguf = write_moe_gguf(tmp_path / "mixed.gguf", model, tensors=down)
+    assert _problems(tmp_path, gguf) == [
+        "format: (missing); the GGUF decides it when absent, but its expert tensors are of "
+        "mixed types, and a format holds one type for all of them: IQ3_XXS (4): "
+        "blk.0.ffn_gate_exps.weight, blk.0.ffn_up_exps.weight, blk.1.ffn_gate_exps.weight, "
+        "blk.1.ffn_up_exps.weight; F16 (2): blk.0.ffn_down_exps.weight, "
+        "blk.1.ffn_down_exps.weight. Name a format with `format:` to convert every expert "
+        "tensor to it"]
+    assert main(["run", str(config(tmp_path, gguf)), "--backend", "reference"]) == 2
+    # naming a format converts them all
+    cfg = load_config(config(tmp_path, gguf, format="fp16"))
+    assert cfg.spec.format == "fp16"
+
+
+def test_a_type_no_format_stores_is_named(tmp_path):
+    gguf = write_moe_gguf(tmp_path / "f32.gguf", Model.synthetic(MOE, 4, "q2_blob"))
+    (problem,) = _problems(tmp_path, gguf)
+    assert problem.startswith("format: (missing); the GGUF decides it when absent, but its "
+                              "expert tensors are F32, which no loaded format stores (loaded: ")
+    assert "fp16 (F16)" in problem and "iq3_xxs (IQ3_XXS)" in problem
+    with pytest.raises(ConfigError) as e:
+        Engine.open({"model": {"gguf": str(gguf)}, "backend": "reference"})
+    assert "cannot decide it: its expert tensors are F32" in str(e.value)
+
+
+def test_two_vram_policies_are_still_one_too_many(whole, tmp_path):
+    with pytest.raises(ConfigError) as e:
+        load_config(config(tmp_path, whole, expert_cache=2, vram_reserve_mib=100))
+    assert "give at most one VRAM policy" in str(e.value)
+
+
+@pytest.mark.parametrize("command", ["run", "bench", "profile", "generate", "perplexity"])
+def test_every_command_runs_the_bare_config(whole, tmp_path, capsys, command):
+    cfg = str(config(tmp_path, whole))
+    text = tmp_path / "text.txt"
+    text.write_text("The experts stream while the others compute. " * 8)
+    extra = {"run": ["--prompts", "8"], "bench": ["--prompts", "8", "--pairs", "1", "--json",
+                                                  str(tmp_path / "b.json")],
+             "profile": ["--prompts", "8", "--out", str(tmp_path / "p.json")],
+             "generate": ["--prompt", "The experts", "-n", "3"],
+             "perplexity": ["--file", str(text), "--ctx", "16"]}[command]
+    code = main([command, cfg, "--backend", "reference", *extra])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "Traceback" not in err
+
+
+def test_run_with_the_default_prompt(whole, tmp_path, capsys):
+    assert main(["run", str(config(tmp_path, whole)), "--backend", "reference"]) == 0
+    out = capsys.readouterr().out
+    assert f"| {DEFAULT_PROMPTS[0]} " in out or f"{DEFAULT_PROMPTS[0]}" in out
+
+
+def test_the_default_prompt_leaves_room_for_generate(tmp_path):
+    """A whole model of 256 positions asked for 56 greedy tokens: the default prompt is the
+    200 positions left, not an error about a prompt the config never gave."""
+    from strata_rt.models.qwen3 import Qwen3Spec
+
+    spec = Qwen3Spec(n_layers=1, hidden=256, n_heads=4, n_kv_heads=2, head_dim=64, vocab=300,
+                     ffn=256, n_experts=4, top_k=2, context=256)
+    gguf = write_qwen3_gguf(tmp_path / "short.gguf", Qwen3Model.synthetic(spec, 1, "fp16"))
+    cfg = load_config(config(tmp_path, gguf, generate={"tokens": 56}))
+    assert [p.tokens for p in cfg.prompts] == [200] and cfg.generate_tokens == 56
+    assert [p.tokens for p in load_config(config(tmp_path, gguf)).prompts] == [256]

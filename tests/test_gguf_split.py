@@ -1,0 +1,204 @@
+"""Split GGUFs (<model>-00001-of-0000N.gguf ...) written by our writer read as one model: the
+same tensors and the same reference-backend logits as the unsplit file; a later shard names
+the first; a missing shard, a shard of another split or model, a tensor in two shards, a
+folder in a shard's place are each one GGUFError (exit 1 from `strata inspect` and `run`)."""
+
+from __future__ import annotations
+
+import shutil
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from strata_rt.engine import Engine
+from strata_rt.errors import GGUFError
+from strata_rt.models.qwen3 import Qwen3Model, Qwen3Spec, write_qwen3_gguf
+from strata_rt.weights.gguf_io import open_reader, scan_moe
+from tests._gguf_bytes import Doc
+from tests.test_hostile_gguf import cli
+
+SPEC = Qwen3Spec(n_layers=2, hidden=256, n_heads=4, n_kv_heads=2, head_dim=64, vocab=300,
+                 ffn=256, n_experts=4, top_k=2, context=256)
+IDS = np.array([5, 17, 299, 0, 42, 42, 7, 130])
+U16 = 2
+
+
+@pytest.fixture(scope="module")
+def model() -> Qwen3Model:
+    return Qwen3Model.synthetic(SPEC, 3, "fp16")
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory, model) -> tuple[Path, Path]:
+    """(the unsplit file, the first of 3 shards of the same model)."""
+    d = tmp_path_factory.mktemp("split")
+    return (write_qwen3_gguf(d / "whole.gguf", model),
+            write_qwen3_gguf(d / "m.gguf", model, split_max_tensors=10))
+
+
+def shard_dir(tmp_path: Path, first: Path) -> Path:
+    """A copy of the 3 shards in tmp_path (a test edits its own)."""
+    for i in (1, 2, 3):
+        shutil.copy(first.with_name(f"m-0000{i}-of-00003.gguf"), tmp_path)
+    return tmp_path / "m-00001-of-00003.gguf"
+
+
+def test_the_writer_names_shards_as_gguf_split(files):
+    _, first = files
+    assert first.name == "m-00001-of-00003.gguf"
+    assert sorted(p.name for p in first.parent.glob("m-*.gguf")) == [
+        f"m-0000{i}-of-00003.gguf" for i in (1, 2, 3)]
+
+
+def test_same_tensors_as_the_unsplit_file(files):
+    whole, first = files
+    a, b = open_reader(whole), open_reader(first)
+    assert len(b.shards) == 3 and b.shards[0] == first and not a.shards
+    assert {t.file for t in b.tensors} == {str(s) for s in b.shards}
+    ta, tb = {t.name: t for t in a.tensors}, {t.name: t for t in b.tensors}
+    assert ta.keys() == tb.keys()
+    for name, t in ta.items():
+        assert t.shape == tb[name].shape and t.tensor_type == tb[name].tensor_type
+        assert np.array_equal(t.data, tb[name].data), name
+    ma, mb = scan_moe(whole), scan_moe(first)
+    assert ma.dims == mb.dims and np.array_equal(ma.router, mb.router)
+
+
+def test_same_reference_logits_as_the_unsplit_file(files):
+    whole, first = files
+    out = []
+    for path in (whole, first):
+        with Engine.open({"model": {"gguf": str(path), "format": "fp16"},
+                          "backend": "reference", "prefill": 4}) as engine:
+            logits, _ = engine.prefill(IDS, all_logits=True)
+            out.append(logits)
+    assert np.array_equal(out[0], out[1])
+
+
+def test_a_later_shard_names_the_first(files):
+    _, first = files
+    second = first.with_name("m-00002-of-00003.gguf")
+    with pytest.raises(GGUFError) as e:
+        open_reader(second)
+    assert str(e.value) == (f"{second}: this file is shard 2 of 3 of a split GGUF; give the "
+                            f"first shard, {first} (strata_rt finds the other shards beside it)")
+
+
+def test_a_later_shard_without_the_first_says_so(files, tmp_path):
+    _, first = files
+    second = tmp_path / "m-00002-of-00003.gguf"
+    shutil.copy(first.with_name(second.name), second)
+    with pytest.raises(GGUFError) as e:
+        open_reader(second)
+    assert str(e.value).endswith(f"give the first shard, {tmp_path / first.name} (it is not "
+                                 "beside this one: every shard must be in one folder)")
+
+
+def test_inspect_shows_the_shards(files, capsys):
+    from strata_rt.cli import main
+
+    _, first = files
+    assert main(["inspect", str(first)]) == 0
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err
+    assert "split GGUF: 3 shards, 27 tensors, read as one model" in out
+    for i in (1, 2, 3):
+        assert f"| m-0000{i}-of-00003.gguf |" in out
+
+
+def _set_u16(doc: Doc, key: str, v: int) -> Doc:
+    return doc.set(key, U16, payload=struct.pack("<H", v))
+
+
+def _rename_tensor(doc: Doc, old: str, new: str) -> Doc:
+    doc.tensor(old)[0] = new
+    return doc
+
+
+def _hostile(tmp_path: Path, first: Path, case: str) -> tuple[Path, str]:
+    path = shard_dir(tmp_path, first)
+    second, third = (path.with_name(f"m-0000{i}-of-00003.gguf") for i in (2, 3))
+    if case == "missing shard":
+        third.unlink()
+        return path, ("a split GGUF of 3 shards: 1 shard is missing beside it "
+                      "(m-00003-of-00003.gguf)")
+    if case == "folder in a shard's place":
+        third.unlink()
+        third.mkdir()
+        return path, f"shard 3 of 3, {third}: is a directory"
+    if case == "wrong count":
+        _set_u16(Doc.of(second), "split.count", 4).write(second)
+        return path, ("shard m-00002-of-00003.gguf says split.count = 4, the first shard 3: "
+                      "the shards are of different splits")
+    if case == "wrong number":
+        _set_u16(Doc.of(second), "split.no", 2).write(second)
+        return path, "shard m-00002-of-00003.gguf says split.no = 2 (shard 3); its name says"
+    if case == "duplicate tensor":
+        d2, d3 = Doc.of(second), Doc.of(third)
+        _rename_tensor(d3, d3.tensors[0][0], d2.tensors[0][0]).write(third)
+        return path, (f"tensor {d2.tensors[0][0]} is in shard m-00002-of-00003.gguf and in "
+                      "shard m-00003-of-00003.gguf")
+    if case == "shard of another model":
+        other = Qwen3Model.synthetic(Qwen3Spec(**{**SPEC.__dict__, "n_layers": 3}), 4, "fp16")
+        d = tmp_path / "other"
+        d.mkdir()
+        write_qwen3_gguf(d / "m.gguf", other, split_max_tensors=14)
+        shutil.copy(d / "m-00002-of-00003.gguf", second)
+        return path, "says split.tensors.count = 39, the first shard 27: shards of different"
+    if case == "whole file in a shard's place":
+        shutil.copy(first.with_name("whole.gguf"), third)
+        return path, ("shard m-00003-of-00003.gguf carries no split.count > 1: it is a whole "
+                      "GGUF, not shard 3 of 3")
+    raise AssertionError(case)
+
+
+CASES = ["missing shard", "folder in a shard's place", "wrong count", "wrong number",
+         "duplicate tensor", "shard of another model", "whole file in a shard's place"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_hostile_shards_are_refused_by_name(files, tmp_path, capsys, case):
+    _, first = files
+    path, want = _hostile(tmp_path, first, case)
+    with pytest.raises(GGUFError) as e:
+        open_reader(path)
+    msg = str(e.value)
+    assert msg.startswith(f"{path}: ") and want in msg, msg
+    code, err = cli(["inspect", str(path)], capsys)
+    assert code == 1 and want in err, err
+
+
+def test_a_shard_of_another_model_with_the_same_tensor_count_is_refused(files, tmp_path):
+    """Same split, same tensor names and count, other keys: a later shard that carries keys
+    the first shard has must agree with them."""
+    _, first = files
+    path = shard_dir(tmp_path, first)
+    second = path.with_name("m-00002-of-00003.gguf")
+    d = Doc.of(second)
+    d.keys.append(["general.architecture", 8, struct.pack("<Q", 5) + b"llama"])
+    d.write(second)
+    with pytest.raises(GGUFError) as e:
+        open_reader(path)
+    assert ("shard m-00002-of-00003.gguf: key general.architecture differs from the first "
+            "shard's: a shard of another model") in str(e.value)
+
+
+def test_an_output_onto_a_later_shard_is_refused(files, tmp_path, capsys):
+    """A run's --json written over shard 2 would destroy the model: refused before the run,
+    as an output onto the first shard is."""
+    import yaml
+
+    from strata_rt.cli import main
+
+    _, first = files
+    path = shard_dir(tmp_path, first)
+    second = path.with_name("m-00002-of-00003.gguf")
+    before = second.read_bytes()
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({"model": {"gguf": str(path)}, "prompts": [4]}))
+    assert main(["run", str(cfg), "--backend", "reference", "--json", str(second)]) == 2
+    err = capsys.readouterr().err
+    assert "shard 2 of the model's GGUF" in err, err
+    assert second.read_bytes() == before
