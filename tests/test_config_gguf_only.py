@@ -17,6 +17,7 @@ from strata_rt.config.run_config import load_config
 from strata_rt.config.schema import DEFAULT_PROMPTS
 from strata_rt.engine import Engine
 from strata_rt.errors import ConfigError
+from strata_rt.formats.registry import registry
 from strata_rt.models.qwen3 import TINY_SPEC, Qwen3Model, write_qwen3_gguf
 from strata_rt.text.tokenizer_vocab import synthetic_vocab
 from strata_rt.weights.gguf_io import write_moe_gguf
@@ -79,8 +80,10 @@ def test_mixed_expert_types_are_listed_per_tensor(tmp_path):
     assert cfg.spec.format == "fp16"
 
 
-def test_a_type_no_format_stores_is_named(tmp_path):
+def test_a_type_no_format_stores_is_named(tmp_path, monkeypatch):
     gguf = write_moe_gguf(tmp_path / "f32.gguf", Model.synthetic(MOE, 4, "q2_blob"))
+    assert load_config(config(tmp_path, gguf)).spec.format == "f32"  # F32 experts: f32
+    monkeypatch.delitem(registry().formats, "f32")  # now no loaded format stores F32
     (problem,) = _problems(tmp_path, gguf)
     assert problem.startswith("format: (missing); the GGUF decides it when absent, but its "
                               "expert tensors are F32, which no loaded format stores (loaded: ")
