@@ -45,7 +45,8 @@ def test_the_config_takes_format_prompts_and_policy_by_default(whole, tmp_path):
     assert cfg.spec.format == "fp16" and cfg.backend == "auto"
     assert [p.tokens for p in cfg.prompts] == list(DEFAULT_PROMPTS)
     assert (cfg.expert_cache, cfg.vram_reserve_mib, cfg.vram_budget_mib) == (None, None, None)
-    assert cfg.engine_config().model == {"gguf": str(whole), "format": "fp16"}
+    # no format named: the engine runs every layer as the file stores it
+    assert cfg.engine_config().model == {"gguf": str(whole), "format": None}
 
 
 def test_an_iq3_xxs_file_runs_as_iq3_xxs(tmp_path):
@@ -61,23 +62,42 @@ def _problems(tmp_path: Path, gguf: Path) -> list[str]:
     return e.value.problems
 
 
-def test_mixed_expert_types_are_listed_per_tensor(tmp_path):
+def test_a_layer_whose_down_differs_runs_as_stored(tmp_path):
+    """IQ3_XXS gate and up, F16 down (as llama.cpp's mixes widen ffn_down): each layer runs the
+    pair's format, the file's bytes copied as they are."""
     model = Model.synthetic(MOE, 3, "iq3_xxs")
     down = {f"blk.{i}.ffn_down_exps.weight":
             (np.stack([model.dequantized(i, e)[2] for e in range(4)]).astype(np.float16), None)
             for i in range(2)}
     gguf = write_moe_gguf(tmp_path / "mixed.gguf", model, tensors=down)
-    assert _problems(tmp_path, gguf) == [
-        "format: (missing); the GGUF decides it when absent, but its expert tensors are of "
-        "mixed types, and a format holds one type for all of them: IQ3_XXS (4): "
-        "blk.0.ffn_gate_exps.weight, blk.0.ffn_up_exps.weight, blk.1.ffn_gate_exps.weight, "
-        "blk.1.ffn_up_exps.weight; F16 (2): blk.0.ffn_down_exps.weight, "
-        "blk.1.ffn_down_exps.weight. Name a format with `format:` to convert every expert "
-        "tensor to it"]
-    assert main(["run", str(config(tmp_path, gguf)), "--backend", "reference"]) == 2
+    assert load_config(config(tmp_path, gguf)).spec.format == "iq3_xxs+f16"
+    with Engine.open({"model": {"gguf": str(gguf)}, "backend": "reference"}) as eng:
+        assert [f.name for f in eng.model.formats.formats] == ["iq3_xxs+f16"] * 2
+        for layer in range(2):
+            g, u, d = eng.model.dequantized(layer, 1)
+            g0, u0, d0 = model.dequantized(layer, 1)
+            assert np.array_equal(g, g0) and np.array_equal(u, u0)
+            assert np.array_equal(d, d0.astype(np.float16).astype(np.float32))
+    assert main(["run", str(config(tmp_path, gguf)), "--backend", "reference",
+                 "--prompts", "8"]) == 0
     # naming a format converts them all
     cfg = load_config(config(tmp_path, gguf, format="fp16"))
     assert cfg.spec.format == "fp16"
+
+
+def test_gate_and_up_of_differing_types_are_named(tmp_path):
+    model = Model.synthetic(MOE, 3, "iq3_xxs")
+    up = {f"blk.{i}.ffn_up_exps.weight":
+          (np.stack([model.dequantized(i, e)[1] for e in range(4)]).astype(np.float16), None)
+          for i in range(2)}
+    gguf = write_moe_gguf(tmp_path / "mixed.gguf", model, tensors=up)
+    (problem,) = _problems(tmp_path, gguf)
+    assert problem.startswith(
+        "format: (missing); the GGUF decides it when absent, but its experts cannot run as "
+        "stored: layer 0: ffn_gate_exps is IQ3_XXS and ffn_up_exps F16 (the gate/up products "
+        "need one type); layer 1: ffn_gate_exps is IQ3_XXS")
+    assert problem.endswith("Name a format with `format:` to convert every expert tensor to it")
+    assert main(["run", str(config(tmp_path, gguf)), "--backend", "reference"]) == 2
 
 
 def test_a_type_no_format_stores_is_named(tmp_path, monkeypatch):
@@ -86,11 +106,12 @@ def test_a_type_no_format_stores_is_named(tmp_path, monkeypatch):
     monkeypatch.delitem(registry().formats, "f32")  # now no loaded format stores F32
     (problem,) = _problems(tmp_path, gguf)
     assert problem.startswith("format: (missing); the GGUF decides it when absent, but its "
-                              "expert tensors are F32, which no loaded format stores (loaded: ")
+                              "experts cannot run as stored: layer 0: F32, which no loaded "
+                              "format stores")
     assert "fp16 (F16)" in problem and "iq3_xxs (IQ3_XXS)" in problem
     with pytest.raises(ConfigError) as e:
         Engine.open({"model": {"gguf": str(gguf)}, "backend": "reference"})
-    assert "cannot decide it: its expert tensors are F32" in str(e.value)
+    assert "cannot decide it: its experts cannot run as stored: layer 0: F32" in str(e.value)
 
 
 def test_two_vram_policies_are_still_one_too_many(whole, tmp_path):

@@ -54,6 +54,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(whole[0])
         line, tokenizer_problems = _tokenizer(path)
         print(line)
+    print(_as_stored(path, g, args.budget_gib, whole[1] if whole else 0))
+    print("converted to a loaded format (`format:` in a config):")
     print(_formats_table(g, registry(), args.budget_gib, whole[1] if whole else 0))
     if args.budget_gib is not None:
         print("a budget also holds one chunk's buffers and the ring: give it to a run as "
@@ -181,6 +183,30 @@ def _unreadable_types(moe, reg) -> list[str]:
             "the gguf package cannot dequantize it"
             for refs in moe.experts for ref in (refs or {}).values()
             if ref.ggml_type not in raw and not dequantizable(ref.ggml_type)]
+
+
+def _as_stored(path: Path, g, budget_gib: float | None, reserved: int = 0) -> str:
+    """How the experts run with no `format` named: each run of layers with the format of its
+    tensors' types (the mix), the slot every layer's expert takes, and what a budget holds."""
+    from ..formats.registry import registry
+    from ..weights import gguf_io
+    from ..weights.gguf_format import file_layer_formats
+
+    formats, why = file_layer_formats(gguf_io.open_reader(path), registry(), g.hidden, g.ffn)
+    if formats is None:
+        return f"as stored (no `format`): cannot run: {why}"
+    slot = formats.slot_bytes
+    lines = ["as stored (no `format`): " + "; ".join(formats.describe()),
+             f"a VRAM slot takes {slot:,} bytes (the largest layer's expert); all "
+             f"{g.total_experts:,} experts {slot * g.total_experts / GiB:.2f} GiB, "
+             f"{sum(lay.blob_bytes for lay in formats.layouts) * g.n_experts / GiB:.2f} GiB "
+             "of them in the file"]
+    if budget_gib is not None:
+        budget = max(0, int(budget_gib * GiB) - reserved)
+        n = min(g.total_experts, budget // slot)
+        lines.append(f"a {budget_gib:g} GiB budget holds {n:,} of them resident "
+                     f"({n / g.total_experts:.0%})")
+    return "\n".join(lines)
 
 
 def _formats_table(g, reg, budget_gib: float | None, reserved: int = 0) -> str:

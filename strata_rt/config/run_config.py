@@ -105,6 +105,9 @@ class Config:
     whole_options: dict[str, Any] = field(default_factory=dict)
     #: the GGML types of the whole model's dense matrices (what sizes them on the device)
     whole_types: DenseTypes | None = None
+    #: with a GGUF and no `format`: the format of its largest layer (what sizes the slots);
+    #: every layer then runs its experts as the file stores them (weights.gguf_format)
+    stored_format: QuantFormat | None = None
     #: KV-cache positions (None: the whole model's context length)
     context: int | None = None
 
@@ -129,9 +132,7 @@ class Config:
     def with_prompt_lengths(self, lengths: list[int]) -> Config:
         """The config with these prompt lengths (`--prompts`), host memory checked again."""
         cfg = replace(self, prompts=tuple(Prompt(i, n) for i, n in enumerate(lengths)))
-        from ..formats.registry import registry
-
-        fmt = registry()[cfg.spec.format]
+        fmt = cfg.expert_format()
         plan = cfg.memory_plan(fmt) if cfg.whole is not None else None
         stream = cfg.dense == "stream" or (plan is not None and plan.dense_stream)
         extra = whole_host_parts(cfg.whole, cfg.whole_options, cfg.whole_types,
@@ -158,6 +159,14 @@ class Config:
         """The chunk the memory plan assumes (see auto_chunk)."""
         return auto_chunk(self.prefill, self.prompts)
 
+    def expert_format(self, registry: QuantRegistry | None = None) -> QuantFormat:
+        """The experts' format object (for a file run as stored, its largest layer's)."""
+        if self.stored_format is not None:
+            return self.stored_format
+        from ..formats.registry import registry as default_registry
+
+        return (registry or default_registry())[self.spec.format]
+
     def memory_plan(self, fmt: QuantFormat) -> MemoryPlan | None:
         """The device arena `vram_budget_mib` buys (None without a budget): the chunk's
         buffers and the ring first, resident experts in the rest."""
@@ -181,11 +190,11 @@ class Config:
         resolved by Engine.open, which logs the one line when it falls back). A VRAM budget
         fixes the chunk as well as the cache: left `auto`, the CUDA backend would grow the
         chunk into whatever VRAM is free beyond the budget."""
-        from ..formats.registry import registry as default_registry
-
-        fmt = (registry or default_registry())[self.spec.format]
+        fmt = self.expert_format(registry)
         if self.gguf is not None:
-            model: dict[str, Any] = {"gguf": str(self.gguf), "format": self.spec.format}
+            as_stored = self.stored_format is not None
+            model: dict[str, Any] = {"gguf": str(self.gguf),
+                                     "format": None if as_stored else self.spec.format}
         elif self.whole is not None:
             model = {"qwen3": self.whole, "seed": self.model_seed,
                      "format": self.spec.format, **self.whole_options}
@@ -333,7 +342,9 @@ def validate(doc: Any, base_dir: Path, source: Path | None = None,
                   repeats=repeats, seed=seed,
                   output=output, whole=whole, whole_options=whole_options,
                   whole_types=whole_types, context=context,
-                  dense=dense, generate_tokens=generate_tokens, **budget)
+                  dense=dense, generate_tokens=generate_tokens,
+                  stored_format=fmt if gguf is not None and "format" not in doc else None,
+                  **budget)
 
 
 def load_config(path: str | Path, registry: QuantRegistry | None = None) -> Config:

@@ -25,7 +25,7 @@ from ..errors import ConfigError, FormatError
 from ..runtime.memory import MIB
 from ..schedule.memory_plan import DEFAULT_RESERVE_MIB, MemoryPlan, plan_memory
 from ..schedule.planner import AUTO_CHUNK_MAX, ring_sizes
-from ..weights.gguf_format import file_format
+from ..weights.gguf_format import file_layer_formats
 from ..weights.gguf_io import open_reader, read_header
 from ..weights.model import MoESpec
 from . import env
@@ -249,11 +249,14 @@ def check_format(p: Problems, doc: dict, geom: MoESpec | None,
     name = doc.get("format", MISSING)
     loaded = ", ".join(reg.names()) or "none"
     if name is MISSING and gguf is not None:
-        found, why = file_format(open_reader(gguf), reg)
-        if found is None:
+        if geom is None:
+            return None  # the model's own problem is reported
+        formats, why = file_layer_formats(open_reader(gguf), reg, geom.hidden, geom.ffn)
+        if formats is None:
             p.add("format", name, f"the GGUF decides it when absent, but {why}")
             return None
-        name = found
+        # each layer runs its own format; the largest layer's sizes the slots
+        return formats.formats[formats.layouts.index(formats.slot_layout)]
     if not isinstance(name, str) or name not in reg:
         p.add("format", name, f"expected a loaded format: {loaded} (see `strata plugins`)")
         return None

@@ -258,6 +258,11 @@ class QuantFormat:
         n = mats[0].shape[0]
         return np.stack([self.pack_expert(mats[0][e], mats[1][e], mats[2][e]) for e in range(n)])
 
+    def gguf_part_types(self) -> tuple[int | None, int | None, int | None]:
+        """The GGUF types of the gate, up and down tensors this format's blob holds as they
+        are (copied, not converted); None: it has no GGUF type."""
+        return (self.ggml_type,) * 3
+
     # ---------------------------------------------------------------- matmul reference
     def prepare_activations(self, x: np.ndarray) -> Any:
         """numpy twin of the activation kernel: float32 [rows, K] -> what mmq_reference takes."""

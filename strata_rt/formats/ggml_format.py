@@ -45,7 +45,7 @@ from ..gemm.grouped_gemm import GEMM_SOURCE, fp16_image_layout, fp16_image_value
 from .activations import F16, Q8_1, Activation
 from .contract import ExpertLayout, QuantFormat, expert_rows
 from .ggml_blocks import random_matrix
-from .ggml_types import BY_NAME, GgmlType
+from .ggml_types import BY_NAME, GgmlType, ggml_type
 from .launchers import GATHER_SOURCE as COPY_GATHER_SOURCE
 
 if TYPE_CHECKING:
@@ -104,6 +104,11 @@ class GGMLFormat(QuantFormat):
     #: writing and reading the fp16 images; beyond it the fp16 GEMM's speed pays for them).
     #: Measured on IQ3_XXS at the Qwen3 shapes: ahead at 1,024 tokens, behind at 2,048
     f16_gemm_in_place_rows: ClassVar[int] = 136
+    #: the down projections' type where a file stores them in another type than gate and up
+    #: (a layer of llama.cpp's Q4_K_M keeps them in Q6_K): a class of down_typed(); None: `ggml`
+    down: ClassVar[str | None] = None
+    #: the table entry of the down type (set from `down`, else `gtype`)
+    down_gtype: ClassVar[GgmlType]
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -111,13 +116,16 @@ class GGMLFormat(QuantFormat):
             return
         t = BY_NAME.get(cls.ggml) or gguf_type(cls.ggml)
         cls.gtype = t
+        cls.down_gtype = ggml_type(cls.down) if cls.down is not None else t
         cls.ggml_type = t.type_id
         cls.block_values, cls.block_bytes = t.block_values, t.block_bytes
         if "name" not in cls.__dict__:
             cls.name = t.name.lower()
         if "dim_multiple" not in cls.__dict__:  # q8_1's 128 and the fused GEMM's K stage
-            stage = DecoderSpec(t.name, t.block_values, t.block_bytes).stage_values
-            cls.dim_multiple = math.lcm(t.block_values, 128, stage)
+            cls.dim_multiple = math.lcm(*(
+                math.lcm(u.block_values, 128, DecoderSpec(u.name, u.block_values,
+                                                          u.block_bytes).stage_values)
+                for u in {t, cls.down_gtype}))
         if "description" not in cls.__dict__:
             bits = 8 * t.block_bytes / t.block_values
             cls.description = (
@@ -146,6 +154,9 @@ class GGMLFormat(QuantFormat):
 
     def _checked_variant(self, name: str | None) -> str:
         super().for_variant(name)  # refuses an unknown name, listing the valid ones
+        if self.down_gtype is not self.gtype and name not in (None, F16_GEMM):
+            raise FormatError(f"{self.name}: a layer whose down projections are of another "
+                              f"type runs {F16_GEMM} only (asked: {name})")
         return name or F16_GEMM
 
     def for_variant(self, name: str | None) -> GGMLFormat:
@@ -185,9 +196,11 @@ class GGMLFormat(QuantFormat):
         can). An image is rows x row bytes with rows a multiple of dim_multiple, starting at a
         slot (256-byte aligned) plus the gate/up image's bytes for the down image; so
         dim_multiple * block_bytes a multiple of 16 keeps every start and size on 16 bytes."""
-        if (self.dim_multiple * self.block_bytes) % IN_PLACE_ALIGN:
-            return (f"dim_multiple {self.dim_multiple} x block bytes {self.block_bytes} is not "
-                    f"a multiple of {IN_PLACE_ALIGN}: images may start off 16 bytes")
+        for t in {self.gtype, self.down_gtype}:
+            if (self.dim_multiple * t.block_bytes) % IN_PLACE_ALIGN:
+                return (f"dim_multiple {self.dim_multiple} x {t.name}'s block bytes "
+                        f"{t.block_bytes} is not a multiple of {IN_PLACE_ALIGN}: images may "
+                        "start off 16 bytes")
         return None
 
     @property
@@ -242,10 +255,25 @@ class GGMLFormat(QuantFormat):
         """Random valid blocks (finite scales) whose values have standard deviation about
         1/sqrt(row length): fast, and whatever the gguf package can quantize."""
         self.check_dims(hidden, ffn)
-        t = self.gtype
+        t, d = self.gtype, self.down_gtype
         return np.concatenate([random_matrix(rng, t, ffn, hidden, hidden ** -0.5).reshape(-1),
                                random_matrix(rng, t, ffn, hidden, hidden ** -0.5).reshape(-1),
-                               random_matrix(rng, t, hidden, ffn, ffn ** -0.5).reshape(-1)])
+                               random_matrix(rng, d, hidden, ffn, ffn ** -0.5).reshape(-1)])
+
+    def gguf_part_types(self) -> tuple[int | None, int | None, int | None]:
+        return (self.ggml_type, self.ggml_type, self.down_gtype.type_id)
+
+    def unpack_expert(self, blob: np.ndarray, hidden: int, ffn: int):
+        """Blob -> (gate, up, down) float32, the down rows in their own type."""
+        if self.down_gtype is self.gtype:
+            return super().unpack_expert(blob, hidden, ffn)
+        lay = self.layout(hidden, ffn)
+        b = np.asarray(blob, dtype=np.uint8).reshape(-1)
+        half = lay.gate_up_bytes // 2
+        return (self.dequantize(b[:half], (ffn, hidden)),
+                self.dequantize(b[half: lay.gate_up_bytes], (ffn, hidden)),
+                self.down_gtype.dequantize(b[lay.down_offset: lay.down_offset + lay.down_bytes],
+                                           ffn).reshape(hidden, ffn))
 
     def pack_gguf_experts(self, gate: Any, up: Any, down: Any) -> np.ndarray:
         """Tensors of this format's type are copied byte for byte; a tensor of another type is
@@ -267,11 +295,15 @@ class GGMLFormat(QuantFormat):
                     f"with {gate.name} {list(dims[0])} it must be {list(w)}")
         self.check_dims(hidden, ffn)
         parts = []
-        for t, (_, rows, cols) in zip(tensors, want):
-            if int(t.tensor_type) == self.ggml_type:
+        own = (self.ggml_type, self.ggml_type, self.down_gtype.type_id)
+        for t, (_, rows, cols), type_id in zip(tensors, want, own):
+            if int(t.tensor_type) == type_id:
                 parts.append(np.ascontiguousarray(t.data).view(np.uint8).reshape(n, -1))
                 continue
             type_name = gguf.GGMLQuantizationType(int(t.tensor_type)).name
+            if self.down_gtype is not self.gtype:
+                raise FormatError(f"{self.name}: tensor {t.name} has type {type_name}; this "
+                                  "layer format copies its tensors as they are")
             per_expert = []
             for e in range(n):
                 try:
@@ -290,6 +322,9 @@ class GGMLFormat(QuantFormat):
         """The blob is gate rows, up rows, down rows of blocks; f16_gemm's images are fp16
         (2 bytes a value), the other variants' the blob's ranges."""
         blocks = super().layout(hidden, ffn)
+        if self.down_gtype is not self.gtype:
+            gu, dn = blocks.gate_up_bytes, hidden * self.down_gtype.row_bytes(ffn)
+            blocks = ExpertLayout(hidden, ffn, 0, gu, gu, dn, gu + dn, gu, dn)
         return blocks if self.images_are_blocks else fp16_image_layout(blocks)
 
     def images(self, blob: np.ndarray, hidden: int, ffn: int) -> tuple[np.ndarray, np.ndarray]:
@@ -301,8 +336,8 @@ class GGMLFormat(QuantFormat):
         b = np.asarray(blob, dtype=np.uint8).reshape(-1)
         gu = images_reference(self.gtype, b[lay.gate_up_offset: lay.gate_up_offset
                                             + lay.gate_up_bytes], 2 * ffn, hidden)
-        dn = images_reference(self.gtype, b[lay.down_offset: lay.down_offset + lay.down_bytes],
-                              hidden, ffn)
+        dn = images_reference(self.down_gtype, b[lay.down_offset: lay.down_offset
+                                                 + lay.down_bytes], hidden, ffn)
         return gu.reshape(-1).view(np.uint8), dn.reshape(-1).view(np.uint8)
 
     def image_matrix(self, image: np.ndarray, rows: int, cols: int) -> np.ndarray:
@@ -366,3 +401,19 @@ class GGMLFormat(QuantFormat):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name} ({self.variant})>"
+
+
+@cache
+def down_typed(gate_up: str, down: str) -> type[GGMLFormat]:
+    """The format class of a layer whose gate and up tensors are of type `gate_up` and whose
+    down tensors are of type `down` (built-in types; one class per pair). Such a layer runs
+    f16_gemm: its gathers dequantize each part with the part's own decoder, and its group
+    buffers hold fp16 images like every other layer's, so it runs beside them."""
+    a, d = ggml_type(gate_up), ggml_type(down)
+    if a is d:
+        raise FormatError(f"down_typed({a.name}, {d.name}): the parts share one type; use the "
+                          "type's own format")
+    body = {"ggml": a.name, "down": d.name, "name": f"{a.name.lower()}+{d.name.lower()}",
+            "description": f"GGUF {a.name} gate and up, {d.name} down: the file's bytes"}
+    return type(f"{a.name}_{d.name}_down", (GGMLFormat,), body)
+

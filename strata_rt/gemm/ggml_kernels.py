@@ -48,6 +48,9 @@ class GGMLKernels(FormatKernels):
         self._own: list[DecoderSpec] = [] if self.decoder_source is None else [DecoderSpec(
             self.gtype.name, self.gtype.block_values, self.gtype.block_bytes)]
         self.decoder: GgmlKey = self._own[0] if self._own else self.gtype
+        #: the down rows' decoder: the same, or the built-in type of a down_typed layer's
+        self.down_decoder: GgmlKey = (self.decoder if fmt.down_gtype is fmt.gtype
+                                      else fmt.down_gtype)
         self._copy = NativeKernels(fmt, runtime, layout) if fmt.images_are_blocks else None
         self._dequant = None if self._copy is not None else self.open_dequantizing_gather()
         self._gemm = self.open_gemm() if self.variant == F16_GEMM else None
@@ -76,10 +79,12 @@ class GGMLKernels(FormatKernels):
         lay = self.layout
         check_aligned({"gate/up buffer": gu_buf + first_pos * lay.gate_up_image_bytes,
                        "down buffer": down_buf + first_pos * lay.down_image_bytes})
-        for offset, buf, rows, cols, stride in (
-                (lay.gate_up_offset, gu_buf, 2 * lay.ffn, lay.hidden, lay.gate_up_image_bytes),
-                (lay.down_offset, down_buf, lay.hidden, lay.ffn, lay.down_image_bytes)):
-            self._dequant.gather(stream, self.decoder, [int(s) + offset for s in srcs], buf, rows,
+        for decoder, offset, buf, rows, cols, stride in (
+                (self.decoder, lay.gate_up_offset, gu_buf, 2 * lay.ffn, lay.hidden,
+                 lay.gate_up_image_bytes),
+                (self.down_decoder, lay.down_offset, down_buf, lay.hidden, lay.ffn,
+                 lay.down_image_bytes)):
+            self._dequant.gather(stream, decoder, [int(s) + offset for s in srcs], buf, rows,
                                  cols, first_pos=first_pos, image_stride=stride, bounds=bounds,
                                  first_expert=first_expert)
 
@@ -93,14 +98,20 @@ class GGMLKernels(FormatKernels):
     def fused_gemm(self, stream: Any, weights: int, expert_ids: tuple[int, ...], acts: int,
                    bounds: int, out: int, m: int, k: int, rows_hint: int) -> None:
         """Products of native images in a group buffer, decoded in the GEMM's main loop."""
-        self.fused().gemm(stream, self.decoder, weights, expert_ids, acts, bounds, out, m, k,
-                          rows_hint)
+        self.fused().gemm(stream, self.part_decoder(m, k), weights, expert_ids, acts, bounds,
+                          out, m, k, rows_hint)
 
     def fused_gemm_at(self, stream: Any, sources: list[int], expert_ids: tuple[int, ...],
                       acts: int, bounds: int, out: int, m: int, k: int, rows_hint: int) -> None:
         """fused_gemm with position p's native image read at sources[p]."""
-        self.fused().gemm_at(stream, self.decoder, sources, expert_ids, acts, bounds, out, m, k,
-                             rows_hint)
+        self.fused().gemm_at(stream, self.part_decoder(m, k), sources, expert_ids, acts,
+                             bounds, out, m, k, rows_hint)
+
+    def part_decoder(self, m: int, k: int) -> GgmlKey:
+        """The decoder of the product's part: down is m = hidden, k = ffn (gate/up is
+        m = 2 * ffn, k = hidden, never the same pair)."""
+        lay = self.layout
+        return self.down_decoder if (m, k) == (lay.hidden, lay.ffn) else self.decoder
 
     # ------------------------------------------------------------------ FormatKernels
     def gather(self, stream, src: int, pos: int, gu_buf: int, down_buf: int) -> None:

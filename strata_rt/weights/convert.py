@@ -37,6 +37,7 @@ from ..errors import GGUFError, StrataError
 from ..formats.contract import ExpertLayout, QuantFormat
 from .gguf_checks import check_expert_bytes, dequantizable, typed
 from .gguf_io import EXPERT_PARTS, FileMap, MoEFile, TensorRef
+from .layer_formats import LayerFormats
 
 log = logging.getLogger(__name__)
 
@@ -225,7 +226,8 @@ def _worker_task(path: str, src: LayerSource, lo: int, hi: int) -> np.ndarray:
 def _raw_ok(fmt: QuantFormat, lay: ExpertLayout, refs: tuple[TensorRef, ...]) -> bool:
     """Whether the blob is the tensors' bytes, expert by expert: gate rows, up rows, down
     rows in the format's own GGUF type (the layout every format with a GGUF type keeps)."""
-    if fmt.ggml_type is None or any(r.ggml_type != fmt.ggml_type for r in refs):
+    own = fmt.gguf_part_types()
+    if None in own or any(r.ggml_type != t for r, t in zip(refs, own)):
         return False
     g, u, d = (r.nbytes // r.shape[0] for r in refs)
     return (lay.gate_up_offset == 0 and lay.gate_up_bytes == g + u
@@ -236,25 +238,33 @@ class GGUFExperts:
     """The expert source of a model loaded from a GGUF file (see the module doc). Model
     reaches it through `blob`, `write_layer`, `write_layers` and `layers`."""
 
-    def __init__(self, fm: FileMap, fmt: QuantFormat, layout: ExpertLayout, n_experts: int,
+    def __init__(self, fm: FileMap, formats: LayerFormats, n_experts: int,
                  sources: list[LayerSource], workers: int | None = None):
-        self.fm, self.fmt, self.layout, self.n_experts = fm, fmt, layout, n_experts
+        #: each layer's format; a conversion has one target (the config's format) for all
+        self.formats = formats
+        self.fm, self.fmt, self.layout, self.n_experts = (fm, formats.format(0),
+                                                          formats.slot_layout, n_experts)
         self.sources = sources
         self.workers = workers
         self._notice_given = False
 
     @classmethod
-    def open(cls, moe: MoEFile, fmt: QuantFormat, workers: int | None = None) -> GGUFExperts:
-        """Checks that every layer's expert tensors are the format's type or convertible;
-        raises one GGUFError listing every layer's problem."""
-        lay = fmt.layout(moe.dims["hidden"], moe.dims["ffn"])
+    def open(cls, moe: MoEFile, fmt: QuantFormat | LayerFormats,
+             workers: int | None = None) -> GGUFExperts:
+        """Checks that every layer's expert tensors are its format's types or convertible;
+        raises one GGUFError listing every layer's problem. `fmt`: one format for every layer
+        (converting what is of another type), or each layer's (a mixed file read as stored)."""
+        hidden, ffn = moe.dims["hidden"], moe.dims["ffn"]
+        formats = (fmt if isinstance(fmt, LayerFormats)
+                   else LayerFormats.uniform(fmt, len(moe.experts), hidden, ffn))
         sources, problems = [], []
         for layer, refs in enumerate(moe.experts):
             assert refs is not None, "open_moe rejects files with missing expert tensors"
             parts = tuple(refs[p] for p in EXPERT_PARTS)
+            fmt, lay = formats.format(layer), formats.layout(layer)
             raw = _raw_ok(fmt, lay, parts)
             for ref in parts if not raw else ():
-                if not dequantizable(ref.ggml_type) and ref.ggml_type != fmt.ggml_type:
+                if not dequantizable(ref.ggml_type) and ref.ggml_type not in fmt.gguf_part_types():
                     problems.append(f"tensor {ref.name} has type {ref.type_name}: format "
                                     f"{fmt.name} does not take it raw and the gguf package "
                                     "cannot dequantize it")
@@ -263,7 +273,7 @@ class GGUFExperts:
             from .gguf_io import problems_error
 
             raise problems_error(moe.path, problems)
-        return cls(FileMap(moe.path), fmt, lay, moe.dims["n_experts"], sources, workers)
+        return cls(FileMap(moe.path), formats, moe.dims["n_experts"], sources, workers)
 
     @property
     def converted_types(self) -> list[str]:
@@ -271,7 +281,7 @@ class GGUFExperts:
                        if r.ggml_type != self.fmt.ggml_type})
 
     def layers(self, lo: int, hi: int) -> GGUFExperts:
-        return GGUFExperts(self.fm, self.fmt, self.layout, self.n_experts,
+        return GGUFExperts(self.fm, self.formats.sliced(lo, hi), self.n_experts,
                            self.sources[lo:hi], self.workers)
 
     # ------------------------------------------------------------------ reading
@@ -304,7 +314,7 @@ class GGUFExperts:
         self._check(src, lo, hi, out)
 
     def blob(self, layer: int, e: int) -> np.ndarray:
-        out = np.empty((1, self.layout.blob_bytes), np.uint8)
+        out = np.zeros((1, self.layout.blob_bytes), np.uint8)
         src = self.sources[layer]
         if src.raw:
             self._copy_raw(src, out, e, e + 1)
@@ -334,7 +344,7 @@ class GGUFExperts:
         self._write(jobs, eta)
 
     def _write(self, jobs: list[tuple[int, np.ndarray]], shared: Eta | None = None) -> None:
-        blob = self.layout.blob_bytes
+        blob = self.layout.blob_bytes  # conversions: one target format, every layer alike
         conv = [(self.sources[i], out[:, :blob]) for i, out in jobs if not self.sources[i].raw]
         doing = f"converting experts to {self.fmt.name}" if conv else "loading experts"
         eta = shared or Eta(f"{self.fm.path.name}: {doing}", len(jobs) * self.n_experts,
@@ -342,7 +352,8 @@ class GGUFExperts:
         try:
             for i, out in jobs:
                 if self.sources[i].raw:
-                    self._copy_raw(self.sources[i], out[:, :blob])
+                    own = self.formats.layout(i).blob_bytes
+                    self._copy_raw(self.sources[i], out[:, :own])
                     eta.advance(self.n_experts)
             if conv:
                 for src, _ in conv:  # a NaN in the last layer is found before the long part

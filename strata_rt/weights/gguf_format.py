@@ -1,11 +1,13 @@
-"""The format a GGUF's experts run in when the config names none: the loaded format whose GGML
-type is the type of the file's expert tensors, so `model: {gguf: FILE}` alone runs the file's
-bytes as they are (a raw copy, no conversion).
+"""The formats a GGUF's experts run in when the config names none: per layer, the loaded
+format of the layer's expert tensors' type, so `model: {gguf: FILE}` alone runs the file's bytes
+as they are (a raw copy, no conversion).
 
-A format holds one encoding for all of an expert's weights, so the three expert tensors of
-every layer must share one type. Many downloaded quantizations mix types (ffn_down a few bits
-wider than gate and up); such a file is refused here with the mix listed per tensor, and runs
-once the config names a format, to which every expert tensor is then converted.
+Downloaded quantizations mix types: llama.cpp's Q4_K_M keeps some layers' ffn_down in Q6_K,
+Q3_K_M all of them in Q4_K, and community mixes override tensors one by one. A layer whose down
+tensor differs from its gate and up runs the down_typed format of the pair (each part decoded by
+its own type's gathers, the products shared); layers differ freely (weights.layer_formats). A
+layer whose gate and up tensors differ in type is refused, naming them: it runs once the config
+names a format, to which every expert tensor is then converted.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from .gguf_header import Header
+from .layer_formats import LayerFormats
 
 #: tensors named per type in a message; the rest are counted
 MAX_NAMED = 6
@@ -33,31 +36,61 @@ def _type_name(t: int) -> str:
         return f"type {t}"
 
 
-def file_format(header: Header, registry: Any) -> tuple[str | None, str | None]:
-    """(the loaded format whose `ggml_type` is the expert tensors' type, None) or (None, why
-    not: no expert tensors, types mixed per tensor, or no loaded format of that type)."""
+def _layer_types(types: dict[str, int]) -> dict[int, dict[str, int]]:
+    """{layer: {"gate" | "up" | "down": type id}} from the expert tensors' names."""
+    layers: dict[int, dict[str, int]] = {}
+    for name, t in types.items():
+        parts = name.split(".")  # blk.N.ffn_<part>_exps.weight
+        if len(parts) == 4 and parts[1].isdigit() and parts[2].startswith("ffn_"):
+            layers.setdefault(int(parts[1]), {})[parts[2][4:-5]] = t
+    return layers
+
+
+def file_layer_formats(header: Header, registry: Any, hidden: int, ffn: int
+                       ) -> tuple[LayerFormats | None, str | None]:
+    """(each layer's format as the file stores its experts, None) or (None, why not). A
+    layer's format is the loaded format of its one type (the registry's object, default
+    variant), or down_typed(gate/up type, down type) where only the down tensor differs."""
+    from ..formats.ggml_format import down_typed
+    from ..formats.ggml_types import BY_ID
+
     types = expert_types(header)
     if not types:
         return None, "the file holds no expert tensors (blk.N.ffn_*_exps.weight) to take a " \
                      "format from; name one with `format:`"
-    by_type: dict[int, list[str]] = {}
-    for name, t in types.items():
-        by_type.setdefault(t, []).append(name)
-    if len(by_type) > 1:
-        parts = []
-        for t, names in sorted(by_type.items(), key=lambda kv: -len(kv[1])):
-            listed = ", ".join(names[:MAX_NAMED])
-            more = f" and {len(names) - MAX_NAMED} more" if len(names) > MAX_NAMED else ""
-            parts.append(f"{_type_name(t)} ({len(names)}): {listed}{more}")
-        return None, ("its expert tensors are of mixed types, and a format holds one type "
-                      "for all of them: " + "; ".join(parts) + ". Name a format with "
-                      "`format:` to convert every expert tensor to it")
-    (t,) = by_type
-    loaded = {n: lf.format for n, lf in registry.formats.items()}
-    for name, fmt in loaded.items():
-        if fmt.ggml_type == t:
-            return name, None
-    offered = ", ".join(f"{n} ({_type_name(f.ggml_type)})" if f.ggml_type is not None
-                        else f"{n} (no GGUF type)" for n, f in loaded.items()) or "none"
-    return None, (f"its expert tensors are {_type_name(t)}, which no loaded format stores "
-                  f"(loaded: {offered}); name one with `format:` to convert them to it")
+    loaded = {lf.format.ggml_type: lf.format for lf in registry.formats.values()
+              if lf.format.ggml_type is not None}
+    formats, problems = [], []
+    by_pair: dict[tuple[int, int], Any] = {}
+    for layer, parts in sorted(_layer_types(types).items()):
+        g, u, d = (parts.get(k) for k in ("gate", "up", "down"))
+        if g is None or u is None or d is None:
+            problems.append(f"layer {layer} lacks an expert tensor")
+        elif g != u:
+            problems.append(f"layer {layer}: ffn_gate_exps is {_type_name(g)} and ffn_up_exps "
+                            f"{_type_name(u)} (the gate/up products need one type)")
+        elif g not in loaded:
+            problems.append(f"layer {layer}: {_type_name(g)}, which no loaded format stores")
+        elif d == g:
+            formats.append(loaded[g].for_variant(None))
+        elif g in BY_ID and d in BY_ID:
+            if (g, d) not in by_pair:
+                by_pair[(g, d)] = down_typed(BY_ID[g].name, BY_ID[d].name)()
+            formats.append(by_pair[(g, d)])
+        else:
+            problems.append(f"layer {layer}: down {_type_name(d)} beside gate/up "
+                            f"{_type_name(g)} has no built-in decoder")
+    if problems:
+        shown = "; ".join(problems[:MAX_NAMED])
+        more = f" and {len(problems) - MAX_NAMED} more" if len(problems) > MAX_NAMED else ""
+        offered = ", ".join(f"{lf.format.name} ({_type_name(lf.format.ggml_type)})"
+                            if lf.format.ggml_type is not None else f"{lf.format.name} (no GGUF "
+                            "type)" for lf in registry.formats.values()) or "none"
+        return None, (f"its experts cannot run as stored: {shown}{more} (loaded formats: "
+                      f"{offered}). Name a format with `format:` to convert every expert "
+                      "tensor to it")
+    try:
+        return LayerFormats.of(formats, hidden, ffn), None
+    except Exception as e:  # a FormatError: dims or layers that cannot share buffers
+        return None, f"its layers' formats cannot run together: {e}"
+

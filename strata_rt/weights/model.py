@@ -233,27 +233,41 @@ class Model:
         return cls(spec, fmt, router, norm, pool, index)
 
     @classmethod
-    def from_gguf(cls, path: str | Path, fmt: QuantFormat | str, *,
+    def from_gguf(cls, path: str | Path, fmt: QuantFormat | str | None = None, *,
                   workers: int | None = None) -> Model:
         """Opens a qwen3moe-style GGUF (blk.N.ffn_*_exps, ffn_gate_inp, ffn_norm; <arch>.*
         keys) and checks it: every problem is a GGUFError, NaN/Inf in router and norm
         included. Router and norm are read now; the experts stay in the file until the store
-        is built (`write_layers`): copied raw when the GGUF type is the format's own, else
-        converted on `workers` processes (default: every core for a large conversion) and
-        checked for NaN/Inf either way."""
+        is built (`write_layers`). `fmt` None: each layer runs the format of its tensors' types
+        as stored (weights.gguf_format; a ConfigError says why a file cannot); a format:
+        every expert copied raw where the type is the format's own, else converted on
+        `workers` processes (default: every core for a large conversion), checked for NaN/Inf
+        either way."""
         from .convert import GGUFExperts
         from .gguf_io import open_moe
 
-        fmt = _resolve_format(fmt)
         moe = open_moe(Path(path))
+        formats: LayerFormats | None = None
+        if fmt is None:
+            from ..formats.registry import registry
+            from .gguf_format import file_layer_formats
+            from .gguf_io import open_reader
+
+            formats, why = file_layer_formats(open_reader(Path(path)), registry(),
+                                              moe.dims["hidden"], moe.dims["ffn"])
+            if formats is None:
+                raise ConfigError(f"model: no `format` given, and the GGUF {path} cannot "
+                                  f"decide it: {why}")
+            fmt = formats.format(0)
+        fmt = _resolve_format(fmt)
         try:
             spec = MoESpec(format=fmt.name, **moe.dims)
             fmt.layout(spec.hidden, spec.ffn)
         except StrataError as e:
             raise GGUFError(f"{path}: dims from the keys do not fit format {fmt.name}: "
                             f"{e}") from None
-        experts = GGUFExperts.open(moe, fmt, workers)
-        return cls(spec, fmt, moe.router, moe.norm, experts=experts)
+        experts = GGUFExperts.open(moe, formats if formats is not None else fmt, workers)
+        return cls(spec, fmt, moe.router, moe.norm, experts=experts, formats=experts.formats)
 
 
 # ---------------------------------------------------------------------- layer math (numpy)

@@ -22,7 +22,6 @@ from ..errors import ConfigError
 from ..models.qwen3.gguf_full import read_qwen3_gguf
 from ..models.qwen3.spec import TINY_SPEC, Qwen3Spec
 from ..models.qwen3.weights import Qwen3Model
-from .gguf_format import file_format
 from .gguf_io import open_reader
 from .model import Model, MoESpec
 
@@ -57,18 +56,6 @@ def is_whole_gguf(path: str | Path) -> bool:
     return any(t.name == WHOLE_MODEL_TENSOR for t in reader.tensors)
 
 
-def gguf_format(path: str | Path) -> str:
-    """The loaded format of a GGUF's expert tensors' type (weights.gguf_format), for a model
-    given without `format`; ConfigError naming why there is none."""
-    from ..formats.registry import registry
-
-    name, why = file_format(open_reader(Path(path)), registry())
-    if name is None:
-        raise ConfigError(f"model: no `format` given, and the GGUF {path} cannot decide it: "
-                          f"{why}")
-    return name
-
-
 def load_model(m: Model | Qwen3Model | MoESpec | dict[str, Any]
                ) -> tuple[Model, Qwen3Model | None]:
     """-> (the MoE layers the chunk driver runs, the whole model or None)."""
@@ -87,9 +74,9 @@ def load_model(m: Model | Qwen3Model | MoESpec | dict[str, Any]
                                          pool_layers=m.get("pool_layers"))
             return whole.moe, whole
         if "gguf" in m:
-            fmt = m.get("format") or gguf_format(m["gguf"])
+            fmt = m.get("format")  # None: each layer as the file stores it (gguf_format)
             path = Path(m["gguf"])
-            if m.get("convert_cache", True):  # a conversion asked for is written once
+            if fmt is not None and m.get("convert_cache", True):  # asked for: written once
                 from .convert_cache import converted_path
                 from .model import _resolve_format
 

@@ -247,22 +247,22 @@ def read_qwen3_dense(path: str | Path) -> tuple[Qwen3Spec, DenseWeights]:
     return spec, DenseWeights(token_embd, output_norm, glob["output"], layers)
 
 
-def read_qwen3_gguf(path: str | Path, fmt: QuantFormat | str) -> Qwen3Model:
+def read_qwen3_gguf(path: str | Path, fmt: QuantFormat | str | None = None) -> Qwen3Model:
     """Loads a whole qwen3moe GGUF: dense weights as stored (memory-mapped) and checked for
     NaN/Inf, experts converted to `fmt` by the MoE loader (raw copy when the file's type is
-    fmt's own)."""
+    fmt's own; None: every layer as stored, Model.from_gguf)."""
     path = Path(path)
     spec, dense = read_qwen3_dense(path)
     problems = dense_problems(dense)
     if problems:
         raise problems_error(path, problems)
-    fmt = resolve_format(fmt)
-    moe = Model.from_gguf(path, fmt)
+    moe = Model.from_gguf(path, None if fmt is None else resolve_format(fmt))
     types = sorted({t.type_name for t in (dense.token_embd, dense.output_norm, dense.output,
                                           *(getattr(lw, r) for lw in dense.layers
                                             for r in LAYER_ROLES)) if t})
     log.info("%s: %s; dense tensors %s%s; experts as %s", path, spec, ", ".join(types),
-             " (output tied to token_embd)" if dense.output is None else "", fmt.name)
+             " (output tied to token_embd)" if dense.output is None else "",
+             "; ".join(moe.formats.describe()) if moe.formats.mixed else moe.fmt.name)
     whole = Qwen3Model(spec, dense, moe)
     whole.tokenizer_keys = typed_keys(open_reader(path), ("tokenizer.",))
     return whole

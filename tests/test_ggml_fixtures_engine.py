@@ -1,0 +1,75 @@
+"""The engine on GGUFs written by llama.cpp's own converter and quantizer, read as they are.
+
+Every mix of tests/fixtures/ggml_mixes (F16 ... Q2_K, the i-quants, MXFP4 and a per-tensor
+mix) opens with no `format`: each layer runs the format of its tensors' types, nothing is
+converted, and logits, argmax, 24 greedy tokens and perplexity are judged against transformers'
+fp32 model loaded from the same file (tests/tools/ggml_fixture_checks.py states the bounds).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent / "tools"))
+from ggml_fixture_checks import FIXTURES, compare_with_golden, manifest  # noqa: E402
+
+from strata_rt.engine import Engine  # noqa: E402
+from strata_rt.text.generate import EngineSession, greedy  # noqa: E402
+
+FILES = sorted(manifest()["files"])
+
+
+def _expected_layer_formats(fname: str) -> list[str]:
+    """The format names the file's expert tensor types imply, per layer (from the manifest)."""
+    types = manifest()["files"][fname]["tensor_types"]
+    names = []
+    for layer in range(2):
+        g, d = (types[f"blk.{layer}.ffn_{p}_exps.weight"] for p in ("gate", "down"))
+        names.append(g.lower() if g == d else f"{g.lower()}+{d.lower()}")
+    return [("fp16" if n == "f16" else n) for n in names]
+
+
+def _judge(fname: str, backend: str) -> None:
+    with Engine.open({"model": {"gguf": str(FIXTURES / fname)}, "backend": backend}) as eng:
+        got = [f.name for f in eng.model.formats.formats]
+        assert got == _expected_layer_formats(fname), got
+
+        def logits_fn(ids: np.ndarray) -> np.ndarray:
+            eng.reset()
+            return eng.prefill(np.asarray(ids, np.int64), all_logits=True)[0]
+
+        def greedy_fn(ids: np.ndarray, n: int) -> list[int]:
+            return greedy(EngineSession(eng), ids, n, eos_id=None).ids
+
+        result = compare_with_golden(fname, logits_fn, greedy_fn,
+                                     backend="gpu" if backend == "cuda" else backend)
+    print(fname, backend, "; ".join(result.notes))
+    result.check()
+
+
+@pytest.mark.parametrize("fname", FILES)
+def test_reference_backend_matches_transformers_on_the_file_as_stored(fname: str) -> None:
+    _judge(fname, "reference")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fname", FILES)
+def test_cuda_backend_matches_transformers_on_the_file_as_stored(fname: str) -> None:
+    _judge(fname, "cuda")
+
+
+def test_inspect_shows_each_files_mix_and_what_a_budget_holds(capsys) -> None:
+    from strata_rt.cli import main
+
+    for fname in FILES:
+        assert main(["inspect", str(FIXTURES / fname), "--budget-gib", "0.0005"]) == 0
+        out = capsys.readouterr().out
+        want = _expected_layer_formats(fname)
+        line = next(x for x in out.splitlines() if x.startswith("as stored (no `format`): "))
+        for layer, name in enumerate(want):
+            assert f"layer {layer}: {name}," in line or f"layers 0-1: {name}," in line, line
+        assert "0.0005 GiB budget holds" in out
