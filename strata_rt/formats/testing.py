@@ -13,11 +13,10 @@ rows, one row, 17 rows (not a multiple of any tile) and rows of experts outside 
 must stay untouched. The matmul checks also run on the other ROW_CASES of testing_groups.
 
 A format that cannot quantize (`quantizes` False: its bytes come from files) skips the round
-trips, and its packed group is random_expert's. A format whose images hold its weights in a
-narrower type than dequantize gives (a variant that dequantizes into fp16 images) declares
-`image_dtype`; the image check then compares with the
-weights rounded to it. Such a format is not `exact`: its kernels are checked within KERNEL_NMSE
-of its reference, and every format's reference and kernels within FLOAT64_NMSE of float64.
+trips; its packed group is random_expert's. A format whose images hold its weights in a narrower
+type than dequantize gives (fp16 images) declares `image_dtype`, and the image check compares
+with the weights rounded to it; its kernels meet its reference within KERNEL_NMSE, and every
+format's reference and kernels meet float64 within FLOAT64_NMSE.
 """
 
 from __future__ import annotations
@@ -36,6 +35,7 @@ from .numerics import nmse
 from .testing_abi import check_launch_abi
 from .testing_groups import (
     GROUP,
+    POISON,
     ROW_CASES,
     ConformanceSkip,
     GroupCase,
@@ -55,7 +55,6 @@ __all__ = ["FLOAT64_NMSE", "KERNEL_NMSE", "Case", "CaseResult", "ConformanceSkip
 FLOAT64_NMSE = 5e-4
 #: NMSE a kernel of a format that is not `exact` may differ from its own reference by.
 KERNEL_NMSE = 1e-6
-POISON = 0xFF  # float32 0xFFFFFFFF is NaN
 ARCHES = ("sm_80", "sm_90")
 
 
@@ -269,24 +268,6 @@ def check_gpu_gather_batch(s: Subject) -> str:
     return "batches of 16 at 0, 4 at 5, 3 at 13 equal per-expert gathers byte for byte"
 
 
-def _device_activations(s: Subject, x: np.ndarray) -> Any:
-    """Encodes x on the device with the shared activation kernel; checks it against the numpy
-    twin byte for byte, so an MMQ failure below is the MMQ's."""
-    from .activations import ActivationKernels
-
-    rt, act = s.require_gpu(), s.fmt.activation
-    rows, k = x.shape
-    dx = s.upload(x)
-    acts = rt.alloc(max(act.nbytes(rows, k), 16))
-    rt.memset_d8(acts.ptr, POISON, acts.nbytes, s.stream)
-    ActivationKernels(rt).launch(act, s.stream, dx.ptr, k, 0, acts.ptr, rows, k)
-    got = s.download(acts.ptr, act.nbytes(rows, k))
-    _free(dx)
-    want = act.device_bytes(s.fmt.prepare_activations(x))
-    assert np.array_equal(got, want), f"device {act} activations differ from the numpy twin"
-    return acts
-
-
 def run_gpu_mmq(s: Subject, c: GroupCase, rows_hint: int, in_place: bool = False
                 ) -> np.ndarray:
     """Gathers the case's blobs to positions 0..n-1 with the format's gather, encodes the
@@ -300,7 +281,7 @@ def run_gpu_mmq(s: Subject, c: GroupCase, rows_hint: int, in_place: bool = False
     gu, dn, _, _ = s.group_buffers(lay)
     for p in range(0 if in_place else len(c.blobs)):
         k.gather(s.stream, src.ptr + p * lay.slot_bytes, p, gu.ptr, dn.ptr)
-    acts = _device_activations(s, c.x)
+    acts = s.device_activations(c.x)
     bounds = s.upload(c.bounds)
     out = rt.alloc(max(c.rows * c.m * 4, 16))
     rt.memset_d8(out.ptr, POISON, out.nbytes, s.stream)
@@ -403,8 +384,7 @@ _CASES = (
 
 
 def conformance_cases(fmt: QuantFormat | None = None) -> list[Case]:
-    """The named checks (CPU ones first). `fmt` is accepted for symmetry with pytest
-    parametrization; every format gets the same checks."""
+    """The named checks (CPU ones first); every format gets the same (`fmt`: for pytest)."""
     return list(_CASES)
 
 

@@ -29,6 +29,9 @@ GROUP = (1, 2, 3, 4)
 ROW_COUNTS = (3, 0, 1, 17, 2, 5)
 
 
+#: device buffers are filled with this byte first (float32 0xFFFFFFFF is NaN)
+POISON = 0xFF
+
 class ConformanceSkip(Exception):
     """A check that cannot run here (no nvcc, no runtime, no kernels); not a failure."""
 
@@ -241,6 +244,23 @@ class Subject:
         self.require_gpu().memcpy_dtoh(host, ptr, self.stream)
         self.stream.synchronize()
         return host
+
+    def device_activations(self, x: np.ndarray) -> Any:
+        """x encoded on the device by the shared activation kernel, checked against the numpy
+        twin byte for byte (so an MMQ failure after it is the MMQ's)."""
+        from .activations import ActivationKernels
+
+        rt, act = self.require_gpu(), self.fmt.activation
+        rows, k = x.shape
+        dx = self.upload(x)
+        acts = rt.alloc(max(act.nbytes(rows, k), 16))
+        rt.memset_d8(acts.ptr, POISON, acts.nbytes, self.stream)
+        ActivationKernels(rt).launch(act, self.stream, dx.ptr, k, 0, acts.ptr, rows, k)
+        got = self.download(acts.ptr, act.nbytes(rows, k))
+        dx.free()
+        want = act.device_bytes(self.fmt.prepare_activations(x))
+        assert np.array_equal(got, want), f"device {act} activations differ from the numpy twin"
+        return acts
 
     def upload_slots(self, blobs: list[np.ndarray], layout: ExpertLayout) -> Any:
         """Blobs in one device buffer at slot stride (like the ring or the cache), each slot's

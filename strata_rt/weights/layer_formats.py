@@ -17,9 +17,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..errors import FormatError
 from ..formats.contract import ExpertLayout, QuantFormat
+
+if TYPE_CHECKING:
+    from ..formats.contract import FormatKernels
+    from ..runtime import Runtime
 
 
 @dataclass(frozen=True)
@@ -91,6 +96,12 @@ class LayerFormats:
         for layer, f in enumerate(self.formats):
             seen.setdefault(id(f), (f, []))[1].append(layer)
         yield from seen.values()
+
+    def kernels(self, runtime: Runtime) -> list[FormatKernels]:
+        """Each layer's format kernels on `runtime`, loaded once per distinct format object."""
+        loaded = {id(f): f.kernels(runtime, self.layout(layers[0]))
+                  for f, layers in self.distinct()}
+        return [loaded[id(f)] for f in self.formats]
 
     def sliced(self, lo: int, hi: int) -> LayerFormats:
         return LayerFormats(self.formats[lo:hi], self.layouts[lo:hi])

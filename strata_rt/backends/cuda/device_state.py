@@ -16,7 +16,11 @@ from ...schedule.plan import LANES
 from .chunk_input import InputPass
 
 if TYPE_CHECKING:
+    from ...formats.contract import ExpertLayout, FormatKernels
     from ...runtime import Event, Runtime, Stream
+    from ...schedule.image_cache import ImageCache
+    from ...schedule.residency import Residency
+    from ...weights.model import MoESpec
 
 
 class DeviceState:
@@ -75,3 +79,17 @@ class DeviceState:
 
     def close(self) -> None:
         self.__dict__.clear()
+
+    def fill_images(self, images: ImageCache, spec: MoESpec, residency: Residency,
+                    fks: list[FormatKernels], lay: ExpertLayout) -> None:
+        """Each cached group's images, written by its layer's own gather from the resident
+        slots into the group's block (the bytes a per-chunk gather would write)."""
+        from ...schedule.image_cache import block_bytes
+
+        gu, dn = block_bytes(lay)
+        for b, pos, slot in images.fills(spec, residency):
+            layer = residency.pairs[slot][0]
+            fks[layer].gather(self.compute, self.ptr["resident"] + slot * lay.slot_bytes, pos,
+                              self.ptr["image_gate_up"] + b * gu, self.ptr["image_down"] + b * dn)
+        self.compute.synchronize()
+

@@ -13,8 +13,8 @@ walk's kernels read them on the device and nothing comes back until the chunk en
 driver can capture the whole walk as a CUDA graph (`capture`). The chunk's input reaches the
 device at its ChunkInput op, behind a gate its host pass opens
 (strata_rt.backends.cuda.chunk_input). A second compute lane (strata_rt.schedule.lanes) brings its
-own stream and group buffers. Short chunks
-read fully resident groups in place, with no gather (strata_rt.schedule.in_place)."""
+own stream and group buffers. Short chunks read fully resident groups in place, with no gather
+(strata_rt.schedule.in_place). Each layer runs its own format's kernels (a mixed file)."""
 
 from __future__ import annotations
 
@@ -77,16 +77,6 @@ if TYPE_CHECKING:
 __all__ = ["ENGINE_SOURCE", "CudaBackend", "CudaContext", "walk_rows_hint"]
 
 
-def layer_kernels(model: Model, rt: Any) -> list[FormatKernels]:
-    """Each layer's format kernels, loaded once per distinct format object."""
-    fks: list[FormatKernels] = [None] * model.spec.n_layers  # type: ignore[list-item]
-    for fmt, layers in model.formats.distinct():
-        fk = fmt.kernels(rt, model.formats.layout(layers[0]))
-        for layer in layers:
-            fks[layer] = fk
-    return fks
-
-
 class CudaBackend:
     name = "cuda"
     context_class = CudaContext
@@ -126,7 +116,7 @@ class CudaBackend:
         assert routing is not None, "EngineConfig.resolve() sets routing"
         # kernels first: a format without kernels fails before any memory is taken; a mixed
         # model loads each distinct layer format's kernels once
-        self.fks = layer_kernels(model, rt)
+        self.fks = model.formats.kernels(rt)
         self.in_place = check_in_place(cfg.in_place, model.formats.in_place_format)
         reserve = cfg.vram_reserve_mib if cfg.vram_reserve_mib is not None else DEFAULT_RESERVE_MIB
         available = rt.free_bytes() - int(reserve * MIB)
@@ -173,7 +163,7 @@ class CudaBackend:
                            self.store.arena[off: off + model.formats.layout(layer).blob_bytes],
                            dev.copy)
         dev.copy.synchronize()
-        self._fill_images()
+        dev.fill_images(self.images, spec, residency, self.fks, lay)
         self._whole: CudaWhole | None = None
         if self.whole is not None:
             from .whole import CudaWhole
@@ -206,17 +196,6 @@ class CudaBackend:
     def in_place_for(self, tokens: int) -> bool:
         return chunk_in_place(self.in_place, self.model.formats.in_place_format, tokens,
                               self.spec)
-
-    def _fill_images(self) -> None:
-        """Each cached group's images, written by the format's own gather from the resident
-        slots into the group's block (the bytes a per-chunk gather would write)."""
-        dev = self._device()
-        gu, dn = block_bytes(self.lay)
-        for b, pos, slot in self.images.fills(self.spec, self.residency):
-            layer = self.residency.pairs[slot][0]
-            self.fks[layer].gather(dev.compute, dev.ptr["resident"] + slot * self.lay.slot_bytes, pos,
-                           dev.ptr["image_gate_up"] + b * gu, dev.ptr["image_down"] + b * dn)
-        dev.compute.synchronize()
 
     # ------------------------------------------------------------------ chunk (Executor)
     def begin_chunk(self, h: np.ndarray, stats: Stats, start: int | None = None) -> None:
