@@ -29,3 +29,14 @@ def common_include_dir() -> Path:
     folder to nvcc's include path for every module, so a plugin needs it only for its own
     tools (an IDE, a standalone nvcc check)."""
     return KERNELS_ROOT / "common"
+
+
+def kernel_lines(source: Path, macro: str) -> list[tuple[str, ...]]:
+    """The arguments of every line of `source` that starts with `macro(` (a kernel
+    instantiation), as strings: a launcher reads its tile table from these lines, so the CUDA
+    source is the table's one copy."""
+    import re
+
+    found = re.findall(rf"^{re.escape(macro)}\(([^)]*)\)", source.read_text(), flags=re.M)
+    return [tuple(a.strip() for a in args.split(",")) for args in found]
+

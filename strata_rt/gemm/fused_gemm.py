@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from ..errors import FormatError
 from ..formats.contract import MMQ_GROUP
 from ..formats.launchers import MMQ_ARG_TYPES, MmqTile, launch_mmq, pick_by_rows
-from ..resources import KERNELS_ROOT
+from ..resources import KERNELS_ROOT, kernel_lines
 
 if TYPE_CHECKING:
     from ..runtime import Runtime
@@ -71,12 +71,9 @@ class FusedTile:
                        shared=self.smem)
 
 
-#: every kernel of fused.cu (tests/test_fused_gemm.py checks the two lists agree)
-TILES = (
-    FusedTile("iq3_fused_m16", 16, 8, 4, 2),
-    FusedTile("iq3_fused_m32", 32, 8, 3, 2),
-    FusedTile("iq3_fused_m64", 64, 8, 3, 1),
-)
+#: every kernel of fused.cu, read from its FUSED_KERNEL lines (the one copy of the table)
+TILES = tuple(FusedTile(name, *(int(v) for v in args))
+              for name, *args in kernel_lines(FUSED_SOURCE, "FUSED_KERNEL"))
 TILES_BY_NAME = {t.name: t for t in TILES}
 #: the in-place twin of each tile (FUSED_AT_KERNEL in fused.cu): the same kernel body, with
 #: position p's image at its own address (a Ptrs16 of 16 pointers before the expert ids)

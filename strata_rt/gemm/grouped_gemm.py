@@ -27,7 +27,7 @@ import numpy as np
 from ..errors import FormatError
 from ..formats.contract import MMQ_GROUP, ExpertLayout, expert_rows, first_misaligned
 from ..formats.launchers import MMQ_ARG_TYPES, MmqTile, check_aligned, launch_mmq, pick_by_rows
-from ..resources import KERNELS_ROOT
+from ..resources import KERNELS_ROOT, kernel_lines
 from .cutlass_gemm import CUTLASS_BY_NAME, CutlassGemm, cutlass_for, cutlass_tile
 
 if TYPE_CHECKING:
@@ -77,15 +77,9 @@ class GemmTile:
                        shared=self.smem)
 
 
-#: every kernel of gemm_f16.cu (tests/test_gemm_f16.py checks the two lists agree)
-TILES = (
-    GemmTile("gemm_f16_m128", 128, 64, 64, 32, 4, 2),
-    GemmTile("gemm_f16_m128_k64", 128, 64, 64, 64, 3, 2),
-    GemmTile("gemm_f16_m128_w8", 128, 64, 32, 32, 4, 1),
-    GemmTile("gemm_f16_m64", 64, 32, 64, 32, 4, 3),
-    GemmTile("gemm_f16_m64_k64", 64, 32, 64, 64, 3, 2),
-    GemmTile("gemm_f16_m32", 32, 32, 32, 64, 4, 2),
-)
+#: every kernel of gemm_f16.cu, read from its GEMM_KERNEL lines (the one copy of the table)
+TILES = tuple(GemmTile(name, *(int(v) for v in args))
+              for name, *args in kernel_lines(GEMM_SOURCE, "GEMM_KERNEL"))
 TILES_BY_NAME = {t.name: t for t in TILES}
 #: (largest rows_hint, tile) in order; beyond the last bound the last tile. First guesses, to be
 #: set from bench/bench_gemm.py's per-tile sweep: small tiles waste fewer zero rows on experts

@@ -26,12 +26,11 @@ random and adversarial near-ties).
 from __future__ import annotations
 
 import math
-import re
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-from ...resources import KERNELS_ROOT
+from ...resources import KERNELS_ROOT, kernel_lines
 from .routing_kernels import (
     HIDDEN_MULTIPLE,
     ExactWorkspace,
@@ -70,9 +69,8 @@ class SplitTile(GemmTile):
 
 def _tiles_of_source() -> dict[str, SplitTile]:
     """The tiles routing_exact.cu instantiates (its SPLIT_KERNEL lines: the one source)."""
-    rows = re.findall(r"^SPLIT_KERNEL\((\w+), (\d+), (\d+), (\d+), (\d+), (\d+), (\d+), \d+\)",
-                      EXACT_SOURCE.read_text(), flags=re.M)
-    return {name: SplitTile(*(int(v) for v in args)) for name, *args in rows}
+    rows = kernel_lines(EXACT_SOURCE, "SPLIT_KERNEL")
+    return {name: SplitTile(*(int(v) for v in args[:6])) for name, *args in rows}
 
 
 #: the split GEMM's tiles by name (same bytes from all: each logit is the same chain)
