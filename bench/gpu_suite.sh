@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session in one command: every GPU test, then the benchmarks. Logs, JSON and tables go
 # under $BENCH_OUT (default ./out). Stages run in order; pick them with arguments:
-#   bash bench/gpu_suite.sh tests digests gemm routing formats mmq prefill-quick prefill \
+#   bash bench/gpu_suite.sh tests digests gemm routing formats ggml mmq prefill-quick prefill \
 #        stream-235b attention dense whole-30b whole-235b whole-235b-16g acceptance decode \
 #        peers ncu-gemm        (ncu-gemm: Nsight Compute, $NCU or ncu on PATH)
 # A failing stage is reported and the next one still runs; the exit code counts failures.
@@ -35,6 +35,7 @@ for what in "${@:-tests}"; do
         gemm) stage bench-gemm python3 bench/bench_gemm.py --json "$out/gemm.json" ;;
         routing) stage bench-routing python3 bench/bench_routing.py --json "$out/routing.json" ;;
         formats) stage bench-formats python3 bench/bench_formats.py --json "$out/formats.json" ;;
+        ggml) stage bench-ggml python3 bench/bench_ggml.py --json "$out/ggml.json" ;;
         mmq) stage bench-mmq python3 bench/bench_mmq.py --reps 7 --json "$out/mmq.json" ;;
         prefill-quick) stage bench-prefill-quick python3 bench/bench_prefill.py --layers 8 \
                    --prompts 1030,8179 --pairs 1 --out "$out" ;;
