@@ -107,8 +107,12 @@ def _whole_model(path: Path, tensors: dict, budget_gib: float | None
             count_bytes = by_type.setdefault(ref.type_name, [0, 0])
             count_bytes[0] += 1
             count_bytes[1] += ref.nbytes
-    types = DenseTypes.lookup(spec.n_layers,
-                              lambda name: tensors[name].type_name if name in tensors else None)
+    try:
+        types = DenseTypes.lookup(spec.n_layers,
+                                  lambda name: tensors[name].type_name if name in tensors
+                                  else None)
+    except KeyError as e:  # the whole-model checks would name it too; nothing to size without
+        raise GGUFError(f"{path}: tensor {e.args[0]} is missing") from None
     sizing = WholeSizing(spec, types, spec.context)
     on_gpu = whole_fixed_regions(sizing)
     kv_1k = spec.kv_bytes_per_token(2) * 1024
