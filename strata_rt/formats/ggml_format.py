@@ -46,15 +46,12 @@ from .activations import F16, Q8_1, Activation
 from .contract import ExpertLayout, QuantFormat, expert_rows
 from .ggml_blocks import random_matrix
 from .ggml_types import BY_NAME, GgmlType, ggml_type
+from .ggml_variants import F16_FUSED, F16_GEMM, F16_VARIANTS
 from .launchers import GATHER_SOURCE as COPY_GATHER_SOURCE
 
 if TYPE_CHECKING:
     from .contract import FormatKernels
 
-#: the STRATA_MMQ_KERNEL names of the two fp16 products every GGML format runs
-F16_GEMM = "f16_gemm"
-F16_FUSED = "f16_fused"
-F16_VARIANTS = (F16_GEMM, F16_FUSED)
 #: NMSE of an fp16 product against float64 on the exact weights and float32 activations
 FLOAT64_NMSE_BOUND = 1e-5
 #: in_place_max_rows of f16_fused: the decoding GEMM runs whether the blocks were copied or

@@ -25,6 +25,7 @@ from ..errors import FormatError
 from ..formats.contract import MMQ_GROUP
 from ..formats.launchers import MMQ_ARG_TYPES, MmqTile, launch_mmq, pick_by_rows
 from ..resources import KERNELS_ROOT, kernel_lines
+from .ggml_decoders import FusedTile as GgmlFusedTile
 
 if TYPE_CHECKING:
     from ..runtime import Runtime
@@ -40,24 +41,9 @@ A_ROW_BYTES = 512
 
 
 @dataclass(frozen=True)
-class FusedTile:
-    """One compiled kernel: bm activation rows x 16 * warps weight rows per block, K stepped
-    one IQ3_XXS block per stage through `stages` shared-memory buffers. Mirrors a
-    FUSED_KERNEL line of fused.cu."""
-
-    name: str
-    bm: int
-    warps: int
-    stages: int
-    min_blocks: int
-
-    @property
-    def bn(self) -> int:
-        return 16 * self.warps
-
-    @property
-    def threads(self) -> int:
-        return 32 * self.warps
+class FusedTile(GgmlFusedTile):
+    """One compiled kernel of fused.cu (a FUSED_KERNEL line): the GGML fused GEMM's tile
+    fields, K stepped one IQ3_XXS block per stage, with this kernel's shared memory."""
 
     @property
     def smem(self) -> int:

@@ -18,6 +18,8 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
+from pathlib import Path
+from typing import Any
 
 from gguf import GGMLQuantizationType
 
@@ -124,6 +126,25 @@ def own_decoders(decoders: Iterable[DecoderSpec]) -> dict[str, DecoderSpec]:
             raise FormatError(f"decoders must be DecoderSpec entries, got {d!r}")
         out[d.name] = d
     return out
+
+
+class DecoderModule:
+    """What both GGML launchers (GgmlGather, GgmlFused) keep of where their kernels come from:
+    the built-in types' source, or a plugin's `source` with the `decoders` its
+    STRATA_GGML_KERNELS lines instantiate; and which spec a launch of a given type runs."""
+
+    def __init__(self, runtime: Any, kind: str, builtin_source: Path, *,
+                 source: str | Path | None = None, decoders: Iterable[DecoderSpec] = ()):
+        self.runtime = runtime
+        self._own = own_decoders(decoders)
+        self._builtin = source is None
+        if not self._builtin and not self._own:
+            raise FormatError(f"{kind} over {source}: name its decoders (DecoderSpec)")
+        self.source = builtin_source if source is None else Path(source)
+
+    def decoder(self, gtype: GgmlKey) -> DecoderSpec:
+        """The spec this launcher runs for gtype (FormatError when it has no kernel for it)."""
+        return resolve(gtype, self._own, self._builtin)
 
 
 @dataclass(frozen=True)

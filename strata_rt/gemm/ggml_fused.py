@@ -30,10 +30,10 @@ from ..resources import KERNELS_ROOT
 from .ggml_decoders import (
     TILES,
     TILES_BY_NAME,
+    DecoderModule,
     DecoderSpec,
     FusedTile,
     GgmlKey,
-    own_decoders,
     resolve,
 )
 
@@ -85,26 +85,17 @@ def _image_bytes(d: DecoderSpec, m: int, k: int) -> int:
     return n
 
 
-class GgmlFused:
+class GgmlFused(DecoderModule):
     """Prepared launches of the fused GEMMs. Default: the built-in types of fused.cu, each
     type's module compiled and loaded when first used. With `source` (a plugin's .cu) and
     `decoders` (the specs of the STRATA_GGML_KERNELS lines in it): that module's kernels."""
 
     def __init__(self, runtime: Runtime, *, source: str | Path | None = None,
                  decoders: Iterable[DecoderSpec] = ()):
-        self.runtime = runtime
-        self._own = own_decoders(decoders)
-        self._builtin = source is None
-        if not self._builtin and not self._own:
-            raise FormatError(f"GgmlFused over {source}: name its decoders (DecoderSpec)")
-        self.source = FUSED_SOURCE if source is None else Path(source)
+        super().__init__(runtime, "GgmlFused", FUSED_SOURCE, source=source, decoders=decoders)
         self._module: Any = None if self._builtin else runtime.module(self.source)
         self._modules: dict[str, Any] = {}
         self._kernels: dict[tuple[str, str, bool], Any] = {}
-
-    def decoder(self, gtype: GgmlKey) -> DecoderSpec:
-        """The spec this launcher runs for gtype (FormatError when it has no kernels for it)."""
-        return resolve(gtype, self._own, self._builtin)
 
     def kernel(self, d: DecoderSpec, tile: FusedTile, in_place: bool = False) -> Any:
         key = (d.name, tile.name, in_place)

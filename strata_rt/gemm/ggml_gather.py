@@ -25,7 +25,7 @@ from ..errors import FormatError
 from ..formats.contract import MMQ_GROUP, first_misaligned
 from ..formats.ggml_types import TYPES, GgmlType, ggml_type
 from ..resources import KERNELS_ROOT
-from .ggml_decoders import DecoderSpec, GgmlKey, own_decoders, resolve
+from .ggml_decoders import DecoderModule, DecoderSpec, GgmlKey
 
 if TYPE_CHECKING:
     from gguf import GGMLQuantizationType
@@ -60,25 +60,17 @@ def check_geometry(t: GgmlType | DecoderSpec, rows: int, cols: int) -> int:
     return values
 
 
-class GgmlGather:
+class GgmlGather(DecoderModule):
     """The dequantizing gathers of every built-in GGML type, from one module loaded at once.
     With `source` (a plugin's .cu) and `decoders` (the specs of its STRATA_GGML_KERNELS
     lines): that module's gathers, named by the specs (or passed as them)."""
 
     def __init__(self, runtime: Runtime, *, source: str | Path | None = None,
                  decoders: Iterable[DecoderSpec] = ()):
-        self.runtime = runtime
-        self._own = own_decoders(decoders)
-        self._builtin = source is None
-        if not self._builtin and not self._own:
-            raise FormatError(f"GgmlGather over {source}: name its decoders (DecoderSpec)")
-        self.source = GATHER_SOURCE if source is None else Path(source)
+        super().__init__(runtime, "GgmlGather", GATHER_SOURCE, source=source,
+                         decoders=decoders)
         self._module = runtime.module(self.source)
         self._kernels: dict[str, Any] = {}
-
-    def decoder(self, gtype: GgmlKey) -> DecoderSpec:
-        """The spec this launcher runs for gtype (FormatError when it has no kernel for it)."""
-        return resolve(gtype, self._own, self._builtin)
 
     def kernel(self, t: GgmlType | DecoderSpec) -> Any:
         if t.name not in self._kernels:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import FormatError
 from ..formats.contract import ExpertLayout, FormatKernels, QuantFormat
-from ..formats.ggml_format import F16_GEMM, F16_VARIANTS, GGMLFormat
+from ..formats.ggml_variants import F16_GEMM, F16_VARIANTS
 from ..formats.launchers import NativeKernels, check_aligned
 from .ggml_decoders import DecoderSpec, GgmlKey
 from .ggml_fused import GgmlFused
@@ -27,6 +27,9 @@ from .ggml_gather import GgmlGather
 from .grouped_gemm import GroupedGemm
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
+    from ..formats.ggml_types import GgmlType
     from ..runtime import Runtime
 
 
@@ -37,21 +40,24 @@ class GGMLKernels(FormatKernels):
 
     def __init__(self, fmt: QuantFormat, runtime: Runtime, layout: ExpertLayout):
         super().__init__(fmt, runtime, layout)
-        if not isinstance(fmt, GGMLFormat) or fmt.variant not in F16_VARIANTS:
+        # a GGMLFormat, read by its attributes: that module names this class as its launchers,
+        # so importing it here would make a circle
+        g: Any = fmt
+        if not hasattr(g, "gtype") or getattr(g, "variant", None) not in F16_VARIANTS:
             raise FormatError(f"{fmt!r}: GGMLKernels runs the fp16 variants of a GGMLFormat "
                               f"({', '.join(F16_VARIANTS)})")
-        self.variant = fmt.variant
-        self.gtype = fmt.gtype
-        self.decoder_source = fmt.decoder_source
+        self.variant: str = g.variant
+        self.gtype: GgmlType = g.gtype
+        self.decoder_source: Path | None = g.decoder_source
         #: what the GGML launchers take for the type: the table entry of a built-in type, the
         #: decoder spec of a plugin's (the name of its STRATA_GGML_KERNELS line)
         self._own: list[DecoderSpec] = [] if self.decoder_source is None else [DecoderSpec(
             self.gtype.name, self.gtype.block_values, self.gtype.block_bytes)]
         self.decoder: GgmlKey = self._own[0] if self._own else self.gtype
         #: the down rows' decoder: the same, or the built-in type of a down_typed layer's
-        self.down_decoder: GgmlKey = (self.decoder if fmt.down_gtype is fmt.gtype
-                                      else fmt.down_gtype)
-        self._copy = NativeKernels(fmt, runtime, layout) if fmt.images_are_blocks else None
+        self.down_decoder: GgmlKey = (self.decoder if g.down_gtype is g.gtype
+                                      else g.down_gtype)
+        self._copy = NativeKernels(fmt, runtime, layout) if g.images_are_blocks else None
         self._dequant = None if self._copy is not None else self.open_dequantizing_gather()
         self._gemm = self.open_gemm() if self.variant == F16_GEMM else None
         self._fused: GgmlFused | None = None
