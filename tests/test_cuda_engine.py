@@ -268,7 +268,8 @@ def test_gpu_matches_reference_backend(rng, fmt, fixed_walk_rule, monkeypatch):
         err = nmse(out[rows], ref)
         print(f"{fmt} {h.shape[0]} tokens: NMSE vs reference {err:.3e}")
         assert err <= 5e-4
-    assert stats[0].host_syncs == SMALL_SPEC.n_layers + 1 and stats[1].host_syncs == 1
+    # the walk: its end and one read-back of its routing after it (schedule/prefill_stream.py)
+    assert stats[0].host_syncs == SMALL_SPEC.n_layers + 1 and stats[1].host_syncs == 2
 
 
 PROMPTS = (128, 256, 512, 1024, 2048, 4096, 8192, 9200)
@@ -385,7 +386,7 @@ def test_default_walk_rule_gives_the_staging_bytes(small_model, rng, monkeypatch
     monkeypatch.delenv("STRATA_WALK_MIN_TOKENS")
     walk, walk_stats, _ = _run(small_model, [h], expert_cache=40)
     assert ring_stats[0].host_syncs == SMALL_SPEC.n_layers + 1
-    assert walk_stats[0].host_syncs == 1
+    assert walk_stats[0].host_syncs == 2  # its end, and its routing read back after it
     assert walk[0].tobytes() == ring[0].tobytes()
 
 

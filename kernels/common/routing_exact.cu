@@ -126,12 +126,12 @@ __device__ __forceinline__ void router_gemm_split(const float* __restrict__ xn,
         sq[p] = 0.0f;
         bad[p] = false;
     }
-    auto split = [&](int stage, int buf) {
+    // float4 p of this thread's share of a K step (p < PER), split into the Ah / Al buffer
+    auto split_one = [&](int stage, int buf, int p) {
         const float* a32 = As + stage * BM * AS;
         __half* hi = Ah + buf * 2 * BM * BS;
         __half* lo = hi + BM * BS;
-#pragma unroll
-        for (int p = 0; p < PER; ++p) {
+        {
             const int i = threadIdx.x + p * THREADS;
             const int r = i / V4, c = (i % V4) * 4;
             const float4 v = *reinterpret_cast<const float4*>(a32 + r * AS + c);
@@ -148,6 +148,15 @@ __device__ __forceinline__ void router_gemm_split(const float* __restrict__ xn,
             *reinterpret_cast<uint2*>(lo + r * BS + c) = make_uint2(pack_h2(l0, l1), pack_h2(l2, l3));
         }
     };
+    auto split = [&](int stage, int buf) {
+#pragma unroll
+        for (int p = 0; p < PER; ++p) split_one(stage, buf, p);
+    };
+    // With three or more stages, step+1's x has landed once step+2's load is issued, so its
+    // split is spread over the 16-column mma steps of `step` (part p after mma step p * KK /
+    // PER): the warps' ALU work then issues between their mma instead of after all of them.
+    constexpr int KK = BK / 16;
+    constexpr bool INTERLEAVE = STAGES >= 3;
 
     float acc[MT][NT][4], part[MT][NT][4], cross[MT][NT][4];
 #pragma unroll
@@ -171,6 +180,8 @@ __device__ __forceinline__ void router_gemm_split(const float* __restrict__ xn,
         const int next = step + STAGES - 1;
         if (next < steps) load(next % STAGES, next);
         cp_async_commit();
+        const bool split_next = step + 1 < steps;
+        if (INTERLEAVE && split_next) cp_async_wait<STAGES - 2>();
 
         const __half* ah = Ah + (step & 1) * 2 * BM * BS + (wm * WM) * BS;
         const __half* al = ah + BM * BS;
@@ -200,12 +211,17 @@ __device__ __forceinline__ void router_gemm_split(const float* __restrict__ xn,
                 unsigned bfh[4], bfl[4];
                 ldmatrix_x4(bfh, bh + off);
                 ldmatrix_x4(bfl, bl + off);
+                // each accumulator's order is fixed (cross: xh wl, then xl wh); the loops put
+                // MT * 2 independent mma between the two that feed one cross accumulator
 #pragma unroll
                 for (int i = 0; i < MT; ++i) {
                     mma_f16_16x8x16(part[i][j], afh[i], bfh[0], bfh[1], part[i][j]);
                     mma_f16_16x8x16(part[i][j + 1], afh[i], bfh[2], bfh[3], part[i][j + 1]);
                     mma_f16_16x8x16(cross[i][j], afh[i], bfl[0], bfl[1], cross[i][j]);
                     mma_f16_16x8x16(cross[i][j + 1], afh[i], bfl[2], bfl[3], cross[i][j + 1]);
+                }
+#pragma unroll
+                for (int i = 0; i < MT; ++i) {
                     mma_f16_16x8x16(cross[i][j], afl[i], bfh[0], bfh[1], cross[i][j]);
                     mma_f16_16x8x16(cross[i][j + 1], afl[i], bfh[2], bfh[3], cross[i][j + 1]);
                 }
@@ -219,10 +235,16 @@ __device__ __forceinline__ void router_gemm_split(const float* __restrict__ xn,
                         for (int v = 0; v < 4; ++v)
                             acc[i][j][v] = __fadd_rn(acc[i][j][v], part[i][j][v]);
             }
+            if constexpr (INTERLEAVE) {
+#pragma unroll
+                for (int p = 0; p < PER; ++p)
+                    if ((p * KK) / PER == kk / 16 && split_next)
+                        split_one((step + 1) % STAGES, (step + 1) & 1, p);
+            }
         }
 
         // split step+1 into the other buffer while other warps still multiply
-        if (step + 1 < steps) {
+        if (!INTERLEAVE && split_next) {
             cp_async_wait<STAGES - 2>();
             split((step + 1) % STAGES, (step + 1) & 1);
         }
@@ -279,6 +301,8 @@ __device__ __forceinline__ void router_gemm_split(const float* __restrict__ xn,
                                                         sigma);                               \
     }
 SPLIT_KERNEL(m64, 64, 128, 2, 4, 64, 3, 1)
+SPLIT_KERNEL(m64w16, 64, 128, 4, 4, 64, 3, 1)
+SPLIT_KERNEL(m32w8, 32, 128, 2, 4, 64, 3, 1)
 SPLIT_KERNEL(m64n64, 64, 64, 2, 2, 64, 3, 1)
 SPLIT_KERNEL(m32, 32, 128, 1, 4, 64, 3, 1)
 SPLIT_KERNEL(m16, 16, 64, 1, 4, 64, 3, 2)

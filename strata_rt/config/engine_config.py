@@ -37,6 +37,7 @@ BACKENDS = ("auto", "cuda", "reference")
 DENSE_POLICIES = ("auto", "resident", "stream")
 #: the choices of the switches resolved into fields of the same meaning (config/env.py lists them)
 DECODES = env.choices("STRATA_DECODE")
+PREFILL_STREAMS = env.choices("STRATA_PREFILL_STREAM")
 DENSE_GEMMS = env.choices("STRATA_DENSE_GEMM")
 F16_GEMMS = env.choices("STRATA_F16_GEMM")
 
@@ -105,6 +106,9 @@ class EngineConfig:
     #: a whole model's one-token steps: "routed" (the decode plan, where the format's gathers
     #: offer it) or "staging" (the staging ring); None: STRATA_DECODE, else routed
     decode: str | None = None
+    #: how prefill chunks stream (PREFILL_STREAMS): "auto", "walk" or "routed";
+    #: None: STRATA_PREFILL_STREAM, else auto
+    prefill_stream: str | None = None
     #: CUDA graphs for the walk and the decode step; None: STRATA_CUDA_GRAPH, else on
     cuda_graph: bool | None = None
     #: a whole model's dense GEMM: "cublas" or "own"; None: STRATA_DENSE_GEMM, else cublas
@@ -206,7 +210,8 @@ class EngineConfig:
         if self.ring_bytes is not None and not _whole(self.ring_bytes, 1, 1 << 50):
             problems.append(f"ring_bytes: got {self.ring_bytes!r}; allowed: a positive size "
                             "(at most 1 PiB)")
-        for name, allowed in (("decode", DECODES), ("dense_gemm", DENSE_GEMMS),
+        for name, allowed in (("decode", DECODES), ("prefill_stream", PREFILL_STREAMS),
+                              ("dense_gemm", DENSE_GEMMS),
                               ("f16_gemm", F16_GEMMS)):
             value = getattr(self, name)
             if value is not None and value not in allowed:
@@ -242,6 +247,8 @@ class EngineConfig:
             self.mmq_kernel = mmq_kernel_switch()
         if self.decode is None:
             self.decode = env.choice("STRATA_DECODE", DECODES[0])
+        if self.prefill_stream is None:
+            self.prefill_stream = env.choice("STRATA_PREFILL_STREAM", PREFILL_STREAMS[0])
         if self.cuda_graph is None:
             self.cuda_graph = env.flag("STRATA_CUDA_GRAPH", default=True)
         if self.dense_gemm is None:

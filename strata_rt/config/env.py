@@ -13,7 +13,7 @@ Where each is read (tests/test_switches.py holds every module to it):
   launchers, the GEMMs and the formats never read the environment. They are
   STRATA_PREFILL_GATHER_ONE, STRATA_PREFILL_TIMING, STRATA_PREFILL_DUMP_R,
   STRATA_PREFILL_TRACE, STRATA_WALK_MIN_TOKENS, STRATA_CHECK_PLAN, STRATA_MMQ_KERNEL,
-  STRATA_DECODE, STRATA_IMAGE_CACHE_MIB, STRATA_COMPUTE_LANES, STRATA_IN_PLACE,
+  STRATA_DECODE, STRATA_PREFILL_STREAM, STRATA_IMAGE_CACHE_MIB, STRATA_COMPUTE_LANES, STRATA_IN_PLACE,
   STRATA_CUDA_GRAPH, STRATA_ROUTING, STRATA_DENSE_GEMM and STRATA_F16_GEMM. A run config's
   checks (config/schema.py, config/whole.py) size the engine before it exists: they take
   STRATA_MMQ_KERNEL and STRATA_DENSE_GEMM through engine_config's readers, and
@@ -85,6 +85,12 @@ SWITCHES: dict[str, Switch] = {
                "from host memory, and the step replays as a CUDA graph; the default where the "
                "format's kernels offer it) or staging (the staging ring: the routed set comes "
                "back to the host every layer and only the routed experts are copied)."),
+        Switch("STRATA_PREFILL_STREAM", "choice:auto,walk,routed",
+               "how a prefill chunk streams its non-resident experts: walk (the copy engine "
+               "streams every one beside the compute), routed (the gathers read only the "
+               "experts the chunk routes, straight from host memory, on the compute lane) or "
+               "auto (the default: routed where the routing measured on earlier chunks of that "
+               "length makes it cheaper, the walk otherwise)."),
         Switch("STRATA_IMAGE_CACHE_MIB", "mib",
                "MiB (or all): keep the group images of resident experts on the device across "
                "chunks, so the streamed walk multiplies groups whose 16 experts are all "

@@ -4,8 +4,10 @@ A backend is an executor: it routes a layer, runs plan ops, and (if it can) capt
 sequence of ops for replay. Everything else about a chunk is decided here, once:
 
 - the streaming path: the staging ring (routed experts only, planned layer by layer after the
-  routed set comes back to the host) or the streamed walk (every non-resident expert, planned
-  before the chunk starts) - `planner.takes_walk`;
+  routed set comes back to the host), the streamed walk (every non-resident expert, planned
+  before the chunk starts) - `planner.takes_walk` - or the routed plan (the gathers read only
+  the routed non-resident experts from host memory, planned before the chunk starts), where
+  the routing measured on earlier chunks makes it cheaper than the walk (`prefill_stream`);
 - the planners, the walk-plan cache, STRATA_CHECK_PLAN (the hazard checker on every plan);
 - CUDA-graph trials on the walk: plain launches the first time a chunk size is seen (timed),
   a captured replay the second time (timed), then whichever was faster;
@@ -46,9 +48,11 @@ from .planner import (
     StagingPlanner,
     gathers_one_by_one,
     plan_decode,
+    plan_routed,
     plan_walk,
     takes_walk,
 )
+from .prefill_stream import StreamChooser
 from .residency import Residency
 
 if TYPE_CHECKING:
@@ -59,8 +63,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: what a walk plan (and its graph) depends on: chunk size, gather_one, attention start
-WalkKey = tuple[int, bool, int | None]
+#: what a walk plan (and its graph) depends on: chunk size, gather_one, attention start; a
+#: routed plan's key has ROUTED in gather_one's place
+WalkKey = tuple[int, bool | str, int | None]
+ROUTED = "routed"
 #: the key of the decode plan: one token, any gather mode, the position read on the device
 DECODE_KEY: WalkKey = (1, False, -1)
 
@@ -199,6 +205,8 @@ class ChunkDriver:
         self.graph_trials: dict[WalkKey, dict[str, Any]] = {}
         self._walk_plans: dict[WalkKey, tuple[ChunkPlan, dict[type, int], int]] = {}
         self._replays: dict[WalkKey, Replay] = {}
+        #: the routing measured per chunk length, and the walk-or-routed rule on it
+        self.streams = StreamChooser()
 
     @property
     def gather_one(self) -> bool:
@@ -219,6 +227,8 @@ class ChunkDriver:
         self.executor.begin_chunk(h, stats, start)
         if T == 1 and start is not None and self.decodes_routed:
             self._run_decode(stats)
+        elif self.stream_mode(T) == "routed":
+            self._run_routed(T, stats, (T, ROUTED, start))
         elif takes_walk(T, self.spec, self.cfg.walk_min_tokens):
             self._run_walk(T, stats, start)
         else:
@@ -238,23 +248,53 @@ class ChunkDriver:
         the staging ring. Read on every step, so a changed field takes the next step."""
         return self.executor.routed_gathers and self.cfg.decode == "routed"
 
+    def stream_mode(self, T: int) -> str:
+        """"routed" where a T-token chunk takes the routed plan (forced by prefill_stream, or
+        chosen by `streams` from the routing measured at that length), else "walk" (which
+        stands for the walk or the staging ring, as takes_walk decides)."""
+        if T == 1 or not self.executor.routed_gathers:
+            return "walk"
+        forced = self.cfg.prefill_stream or "auto"
+        if forced == "auto" and not takes_walk(T, self.spec, self.cfg.walk_min_tokens):
+            return "walk"  # the staging ring's chunks: few experts routed, known per layer
+        return self.streams.choose(T, self.walk_bytes(), forced)
+
+    def walk_bytes(self) -> int:
+        """Bytes a walk copies: every non-resident expert of every layer."""
+        per_layer = (~self.residency.mask()).sum(axis=1)
+        return int(np.dot(per_layer, self.executor.layer_blob_bytes))
+
     def _run_decode(self, stats: Stats) -> None:
         """A one-token step from the decode plan (planned once; replayed as a CUDA graph when
         the trial finds it faster). Its routed set never reaches the host during the step; it
         is read back afterwards (one small copy) for the counters: an expert streamed is a
         routed expert that is not resident, read over PCIe by its gather."""
+        self._run_routed(1, stats, DECODE_KEY)
+
+    def _run_routed(self, T: int, stats: Stats, key: WalkKey) -> None:
+        """The decode plan or a chunk's routed plan; the routing comes back after the chunk
+        (one small copy) for the counters and the stream rule's record."""
+        step = self._with_routing(stats, lambda: self._run_planned(T, stats, key))
+        per_layer = ((step > 0) & ~self.residency.mask()).sum(axis=1)
+        streamed = int(np.dot(per_layer, self.executor.layer_blob_bytes))
+        stats.experts_streamed += int(per_layer.sum())
+        stats.bytes_streamed += streamed
+        if key != DECODE_KEY:
+            self.streams.observe(T, streamed)
+
+    def _with_routing(self, stats: Stats, run: Any) -> np.ndarray:
+        """Runs `run()` with stats.routing_counts kept (made for the call where the caller
+        did not ask for it); the rows per (layer, expert) the call added."""
         own = stats.routing_counts is None
         if own:
             stats.routing_counts = np.zeros((self.spec.n_layers, self.spec.n_experts), np.int64)
         assert stats.routing_counts is not None
         before = stats.routing_counts.copy()
-        self._run_planned(1, stats, DECODE_KEY)
+        run()
         step = stats.routing_counts - before
         if own:
             stats.routing_counts = None
-        per_layer = ((step > 0) & ~self.residency.mask()).sum(axis=1)
-        stats.experts_streamed += int(per_layer.sum())
-        stats.bytes_streamed += int(np.dot(per_layer, self.executor.layer_blob_bytes))
+        return step
 
     def _run_staging(self, T: int, stats: Stats, start: int | None) -> None:
         ex = self.executor
@@ -308,7 +348,11 @@ class ChunkDriver:
                 attention = DenseSchedule(self.spec.n_layers, None, self.executor.dense_ring)
                 plan = plan_decode(self.spec, self.residency, attention,
                                    self.executor.in_place_for(1))
+            elif gather_one == ROUTED:
+                plan = plan_routed(self.spec, self.residency, self._schedule(start),
+                                   self.executor.in_place_for(T), T)
             else:
+                assert isinstance(gather_one, bool)
                 plan = plan_walk(self.spec, self.residency, self.executor.walk_slots,
                                  gather_one, tokens=T, attention=self._schedule(start),
                                  images=self.executor.images,
@@ -322,7 +366,14 @@ class ChunkDriver:
         return self._walk_plans[key]
 
     def _run_walk(self, T: int, stats: Stats, start: int | None) -> None:
-        self._run_planned(T, stats, (T, self.gather_one, start))
+        key = (T, self.gather_one, start)
+        if not (self.executor.routed_gathers and self.cfg.prefill_stream in (None, "auto")
+                and self.streams.wants_routing(T)):
+            self._run_planned(T, stats, key)
+            return
+        step = self._with_routing(stats, lambda: self._run_planned(T, stats, key))
+        per_layer = ((step > 0) & ~self.residency.mask()).sum(axis=1)
+        self.streams.observe(T, int(np.dot(per_layer, self.executor.layer_blob_bytes)))
 
     def _run_planned(self, T: int, stats: Stats, key: WalkKey) -> None:
         """A plan made before the chunk runs (the walk, or the decode plan): plain launches
@@ -366,7 +417,8 @@ class ChunkDriver:
                 self._replays[key] = self.executor.capture(
                     op for lp in plan.layers for op in lp.ops)
             except Exception as e:  # a refused capture must not lose the prompt
-                what = "decode step" if key == DECODE_KEY else f"{key[0]}-token walk"
+                what = ("decode step" if key == DECODE_KEY else
+                        f"{key[0]}-token {'routed plan' if key[1] == ROUTED else 'walk'}")
                 log.warning("capture of the %s failed (%s); launching it op by op", what, e)
                 trial["choice"] = "plain"
                 trial["error"] = str(e)

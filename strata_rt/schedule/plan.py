@@ -256,10 +256,12 @@ class ChunkPlan:
     """mode "staging": layers planned one by one from the routed sets (chunks that route few
     experts, planner.takes_walk); mode "walk": the whole chunk planned up front,
     routing-independent; mode "decode": a one-token step of a whole model planned up front,
-    its routed experts gathered straight from where they live (planner.plan_decode)."""
+    its routed experts gathered straight from where they live (planner.plan_decode); mode
+    "routed": a prefill chunk planned the decode way, so only its routed experts cross PCIe
+    (planner.plan_routed)."""
 
     tokens: int
-    mode: Literal["staging", "walk", "decode"]
+    mode: Literal["staging", "walk", "decode", "routed"]
     ring_slots: int
     layers: list[LayerPlan]
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from ..formats.contract import MMQ_GROUP
 from .plan import (
@@ -315,10 +315,29 @@ def plan_decode(spec: MoESpec, residency: Residency, attention: DenseSchedule,
     if attention.start is not None:
         raise ValueError(f"a decode plan reads its position on the device; the dense schedule "
                          f"fixes start {attention.start}")
-    ops: list[Op] = [*attention.chunk_ops(), ChunkInput()]
+    return _routed_layers(spec, residency, attention, in_place, 1, "decode")
+
+
+def plan_routed(spec: MoESpec, residency: Residency, attention: DenseSchedule | None,
+                in_place: bool, tokens: int) -> ChunkPlan:
+    """A prefill chunk streamed the decode plan's way (mode "routed"): no Copy and no ring; each
+    group's GatherRouted reads the routed non-resident experts straight from the pinned host
+    store and skips the experts the chunk's routing gave no rows, on the device. Only what the
+    chunk routes crosses PCIe, without the host waiting for any layer's routing; the price is
+    that those reads run on the compute lane instead of beside it (the driver's
+    `prefill_stream` rule weighs the two)."""
+    return _routed_layers(spec, residency, attention, in_place, tokens, "routed")
+
+
+def _routed_layers(spec: MoESpec, residency: Residency, attention: DenseSchedule | None,
+                   in_place: bool, tokens: int, mode: Literal["decode", "routed"]
+                   ) -> ChunkPlan:
+    ops: list[Op] = [*attention.chunk_ops()] if attention is not None else []
+    ops.append(ChunkInput())
     layers = []
     for layer in range(spec.n_layers):
-        ops += attention.layer_ops(layer)
+        if attention is not None:
+            ops += attention.layer_ops(layer)
         ops.append(LayerBegin(layer))
         for g, experts in enumerate(_groups(list(range(spec.n_experts)))):
             slots = resident_slots(residency, layer, experts) if in_place else None
@@ -334,7 +353,7 @@ def plan_decode(spec: MoESpec, residency: Residency, attention: DenseSchedule,
         ops.append(LayerEnd(layer))
         layers.append(LayerPlan(layer, tuple(ops)))
         ops = []
-    return ChunkPlan(1, "decode", 0, layers)
+    return ChunkPlan(tokens, mode, 0, layers)
 
 
 class StagingPlanner:
