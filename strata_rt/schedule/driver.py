@@ -56,6 +56,7 @@ if TYPE_CHECKING:
     from ..runtime import Stream
     from ..weights.layer_formats import LayerFormats
     from ..weights.model import MoESpec
+    from .split import Part
 
 log = logging.getLogger(__name__)
 
@@ -183,13 +184,19 @@ def add_counts(stats: Stats, counts: dict[type, int], copied: int) -> None:
 
 class ChunkDriver:
     """Runs chunks on one executor. `gather_one` and `walk_min_tokens` are read from the
-    engine config on every chunk, so an in-process A/B takes effect on the next prompt."""
+    engine config on every chunk, so an in-process A/B takes effect on the next prompt.
+    part: one device's layers of a layer split (None: every layer). A part's plans carry
+    hand-off ops that only the split checker orders, so the split driver
+    (strata_rt.schedule.split_driver) checks them across the parts instead of this driver."""
 
     def __init__(self, spec: MoESpec, formats: LayerFormats, cfg: EngineConfig,
-                 executor: Executor):
+                 executor: Executor, part: Part | None = None):
         self.spec, self.formats, self.cfg = spec, formats, cfg
         self.executor = executor
-        self.check_plan = bool(cfg.check_plan)
+        self.part = part
+        self.span = range(spec.n_layers) if part is None else part.layers
+        split = part is not None and part.n_parts > 1
+        self.check_plan = bool(cfg.check_plan) and not split
         #: the plan of the last chunk (staging: the layers planned so far)
         self.last_plan: ChunkPlan | None = None
         #: host seconds spent issuing each layer of the last chunk
@@ -214,9 +221,23 @@ class ChunkDriver:
         """Runs one chunk. MoE layers alone when start is None; a whole model's chunk at
         absolute position `start` otherwise (each layer opens with its Attention, and
         `logits` asks for the output head over the last row or all rows afterwards)."""
-        T = int(h.shape[0])
-        self.layer_host_s = []
         self.executor.begin_chunk(h, stats, start)
+        return self._run(int(h.shape[0]), stats, start, logits)
+
+    def run_received(self, tokens: int, stats: Stats, start: int | None = None,
+                     logits: LogitRows | None = None) -> np.ndarray:
+        """Runs one chunk of a split part that receives its residual (and position) from the
+        part before it, through the HandOff its plan opens with; `start` is what the plan is
+        made for (the position of the chunk's first token, None for MoE layers alone)."""
+        begin = getattr(self.executor, "begin_received", None)
+        if begin is None:
+            raise TypeError(f"the {self.executor.name} executor cannot receive a hand-off")
+        begin(tokens, stats)
+        return self._run(tokens, stats, start, logits)
+
+    def _run(self, T: int, stats: Stats, start: int | None,
+             logits: LogitRows | None) -> np.ndarray:
+        self.layer_host_s = []
         if T == 1 and start is not None and self.decodes_routed:
             self._run_decode(stats)
         elif takes_walk(T, self.spec, self.cfg.walk_min_tokens):
@@ -260,10 +281,10 @@ class ChunkDriver:
         ex = self.executor
         planner = StagingPlanner(self.spec, self.residency, self.gather_one, tokens=T,
                                  attention=self._schedule(start), lanes=ex.lanes_for(T),
-                                 in_place=ex.in_place_for(T))
+                                 in_place=ex.in_place_for(T), part=self.part)
         checker = (hazards.Checker(STAGING_RING_SLOTS, self.residency)
                    if self.check_plan else None)
-        for layer in range(self.spec.n_layers):
+        for layer in self.span:
             t0 = time.perf_counter()
             pre = planner.pre_routing_ops(layer)  # the input and attention feed the routing
             if pre:
@@ -289,7 +310,8 @@ class ChunkDriver:
         """A whole model's attention ops for a chunk at `start` (None: MoE layers alone)."""
         if start is None:
             return None
-        return DenseSchedule(self.spec.n_layers, start, self.executor.dense_ring)
+        return DenseSchedule(self.spec.n_layers, start, self.executor.dense_ring,
+                             self.span[0])
 
     def walk_plan(self, T: int, start: int | None = None
                   ) -> tuple[ChunkPlan, dict[type, int], int]:
@@ -305,15 +327,16 @@ class ChunkDriver:
         if key not in self._walk_plans:
             T, gather_one, start = key
             if key == DECODE_KEY:
-                attention = DenseSchedule(self.spec.n_layers, None, self.executor.dense_ring)
+                attention = DenseSchedule(self.spec.n_layers, None, self.executor.dense_ring,
+                                          self.span[0])
                 plan = plan_decode(self.spec, self.residency, attention,
-                                   self.executor.in_place_for(1))
+                                   self.executor.in_place_for(1), self.part)
             else:
                 plan = plan_walk(self.spec, self.residency, self.executor.walk_slots,
                                  gather_one, tokens=T, attention=self._schedule(start),
                                  images=self.executor.images,
                                  lanes=self.executor.lanes_for(T),
-                                 in_place=self.executor.in_place_for(T))
+                                 in_place=self.executor.in_place_for(T), part=self.part)
             if self.check_plan:
                 hazards.check(plan, self.residency, images=self.executor.images)
             ops = [op for _, op in plan.ops()]
