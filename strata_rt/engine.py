@@ -213,7 +213,8 @@ class Engine:
         if isinstance(self.config.prefill, int):
             return self.config.prefill
         limit = getattr(self.backend, "max_chunk_tokens", None)
-        return min(AUTO_CHUNK_MAX, limit()) if limit is not None else AUTO_CHUNK_MAX
+        cap = limit() if limit is not None else None  # a split: its parts' smallest
+        return min(AUTO_CHUNK_MAX, cap) if cap is not None else AUTO_CHUNK_MAX
 
     # ------------------------------------------------------------------ whole models
     @property
