@@ -33,8 +33,7 @@ with their index in the chunk's op list):
   it), or that no LayerBegin of its layer precedes; a LayerEnd combining rows that a Products
   of its layer on another lane may still write (no lane_join waited on); a Products after its
   layer's LayerEnd, whose rows the combine never reads;
-- (a layer split) a HandOff, or a Record/Wait of a hand-off event, fed to a checker of one
-  device alone: those order two devices' plans, which schedule/split_hazards.py checks;
+- a HandOff or hand-off event fed to one device's checker alone (schedule/split_hazards.py);
 - (streamed dense weights) a DenseCopy refilling a dense slot while an Attention may still read
   it, and an Attention whose dense slot does not hold its layer, or whose copy does not happen
   before it.
@@ -97,10 +96,8 @@ class Checker:
                  images: ImageCache | None = None, input_arrived: bool = False,
                  link: HandOffLink | None = None):
         self.ring = ring_slots
-        #: the split checker a layer split's hand-off ops go to (one device's plan)
-        self.link = link
-        #: the main lane's own clock component at the last op writing the residual
-        self.wrote = 0
+        self.link = link  # the split checker that takes a split part's hand-off ops
+        self.wrote = 0    # the main lane's own clock at the last op writing the residual
         self.residency = residency
         self.images = images
         self.clock = {stream: [0] * len(_STREAMS) for stream in _STREAMS}
@@ -216,8 +213,7 @@ class Checker:
             self.link.overwrites(self, i, what)
         self.input_op = i
 
-    def tick(self, stream: str) -> Clock:
-        """Advances `stream` by one op (a hand-off op the split checker ordered)."""
+    def tick(self, stream: str) -> Clock:  # a hand-off op the split checker ordered
         return self._tick(stream)
 
     def _needs_input(self, i: int, op: LayerBegin | Attention) -> None:
