@@ -7,6 +7,10 @@ keeps the KV cache for the next call (`kv_length`, `reset`). Both run every chun
 chunk driver and plans; a whole model's layers open with an Attention op and its chunks end
 with a Logits op.
 
+A layer split (`devices` names several GPUs) opens one backend per device over the same host
+store (schedule/split_driver.py), each running its own contiguous layers, the residual handed
+from device to device; the engine sees them as one backend.
+
 The engine owns what does not depend on the backend: the model, the host expert store, the
 choice of resident experts (when the config fixes their count), chunking and the residual dump.
 It opens in a fixed order so that a failure at any step closes what the earlier steps opened:
@@ -50,6 +54,7 @@ from .schedule.driver import Backend, ChunkDriver, HostContext
 from .schedule.plan import LogitRows
 from .schedule.planner import AUTO_CHUNK_MAX
 from .schedule.residency import Residency
+from .schedule.split_driver import SplitBackend, SplitDriver, open_split
 from .weights.layer_formats import LayerFormats
 from .weights.model import Model
 from .weights.store import ExpertStore
@@ -143,7 +148,8 @@ def read_dump(path: str | Path, hidden: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, model: Model, backend: Backend, backend_name: str,
+    def __init__(self, config: EngineConfig, model: Model, backend: Backend | SplitBackend,
+                 backend_name: str,
                  context: HostContext | None = None, whole: Qwen3Model | None = None):
         self.config = config
         self.model = model
@@ -151,9 +157,12 @@ class Engine:
         self.whole = whole
         #: positions the KV cache holds (a whole model's next token goes there)
         self.kv_length = 0
-        self.backend: Backend | None = backend
+        self.backend: Backend | SplitBackend | None = backend
         self.context = context
-        self.driver = ChunkDriver(model.spec, model.formats, config, backend)
+        self.driver: ChunkDriver | SplitDriver = (
+            SplitDriver(model.spec, model.formats, config, backend)
+            if isinstance(backend, SplitBackend)
+            else ChunkDriver(model.spec, model.formats, config, backend))
         self.residency: Residency = backend.residency
         self.config.backend = backend_name
         # a symlink is written through; resolve() refused what is not a regular file
@@ -183,9 +192,12 @@ class Engine:
                         f"{hostmem.format_bytes(slot)}")
         name, backend_cls = backend_class(cfg.backend)
         context: HostContext = backend_cls.context_class()
-        backend = None
+        backend: Any = None
         try:
             store = ExpertStore(model, context.host_alloc)
+            if len(cfg.device_list) > 1:  # a layer split: one backend per device, one store
+                backend = open_split(backend_cls, model, store, cfg, context, whole)
+                return cls(cfg, model, backend, name, context, whole)
             residency = None
             if cfg.expert_cache is not None:
                 residency = Residency.from_budget(model, cfg.expert_cache, cfg.load_profile())
@@ -201,7 +213,8 @@ class Engine:
         if isinstance(self.config.prefill, int):
             return self.config.prefill
         limit = getattr(self.backend, "max_chunk_tokens", None)
-        return min(AUTO_CHUNK_MAX, limit()) if limit is not None else AUTO_CHUNK_MAX
+        cap = limit() if limit is not None else None  # a split: its parts' smallest
+        return min(AUTO_CHUNK_MAX, cap) if cap is not None else AUTO_CHUNK_MAX
 
     # ------------------------------------------------------------------ whole models
     @property
@@ -293,7 +306,12 @@ class Engine:
             raise e.shifted(offset, None if src is None else
                             f"{e.source} of {Path(src).name}") from None
 
-    def _open_backend(self) -> Backend:
+    @property
+    def split_lines(self) -> list[str]:
+        """A layer split's parts (device, layers, resident bytes); empty on one device."""
+        return self.backend.describe() if isinstance(self.backend, SplitBackend) else []
+
+    def _open_backend(self) -> Backend | SplitBackend:
         if self.backend is None:
             raise ConfigError("this engine is closed", source="prefill")
         return self.backend

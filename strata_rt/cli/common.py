@@ -85,7 +85,17 @@ def load(args: argparse.Namespace) -> Config:
         cfg = cfg.with_prompt_lengths(parse_prompts(args.prompts))
     if getattr(args, "backend", None):
         cfg = cfg.with_backend(args.backend)
+    if getattr(args, "devices", None):
+        from ..schedule.split import parse_devices
+
+        cfg = cfg.with_devices(parse_devices(args.devices, "--devices"))
     return cfg
+
+
+def add_devices_flag(p: argparse.ArgumentParser) -> None:
+    """`--devices 0,1`: the layers split over these GPUs (the config's `devices`)."""
+    p.add_argument("--devices", metavar="I,J", help="override `devices`: split the layers "
+                   "over these GPUs (each gets the config's VRAM budget)")
 
 
 class StreamedTable:
@@ -225,6 +235,8 @@ def describe(cfg: Config, backend: str) -> str:
     whole = "" if w is None else (
         f" whole model: {w.n_heads} query / {w.n_kv_heads} KV heads of {w.head_dim}, "
         f"vocab {w.vocab}, KV cache {cfg.context or w.context} positions;")
+    devices = "" if len(cfg.devices) == 1 else (
+        f"; layers split over devices {','.join(map(str, cfg.devices))}")
     return (f"model {model}: {g.n_layers} layers, {g.n_experts} experts, top-{g.top_k}, "
             f"hidden {g.hidden}, ffn {g.ffn};{whole} format {g.format}; backend {backend}; "
-            f"prefill {cfg.prefill}")
+            f"prefill {cfg.prefill}{devices}")

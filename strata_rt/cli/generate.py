@@ -196,6 +196,9 @@ def register(command) -> None:
     p.add_argument("--no-special", action="store_true",
                    help="read <|...|> in the prompt as plain text, not as special tokens")
     p.add_argument("--backend", choices=("cuda", "reference"), help="override `backend`")
+    from .common import add_devices_flag  # the layer split's flag, shared with `run`
+
+    add_devices_flag(p)
     p.add_argument("--json", metavar="PATH",
                    help="write the prompt and generated ids, the text and the timing here")
     p.set_defaults(func=cmd_generate)

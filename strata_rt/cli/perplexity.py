@@ -12,6 +12,7 @@ from ..errors import ConfigError
 from ..report import interrupts
 from .common import (
     StreamedTable,
+    add_devices_flag,
     check_outputs,
     hardware_line,
     load,
@@ -111,5 +112,6 @@ def register(command) -> None:
                    help=f"tokens per window (default {DEFAULT_CTX} or the model's context if "
                         "smaller; 2 to the context)")
     p.add_argument("--backend", choices=("cuda", "reference"), help="override `backend`")
+    add_devices_flag(p)
     p.add_argument("--json", metavar="PATH", help="write the per-window values and the total")
     p.set_defaults(func=cmd_perplexity)

@@ -15,6 +15,7 @@ from ..report import interrupts
 from ..runtime.memory import MIB
 from .common import (
     StreamedTable,
+    add_devices_flag,
     check_outputs,
     describe,
     hardware_line,
@@ -128,6 +129,10 @@ def cmd_run(args: argparse.Namespace) -> int:
             resident = resident_count(engine)
             print(describe(cfg, backend))
             print(f"resident experts: {resident} of {cfg.spec.total_experts}", flush=True)
+            for line in engine.split_lines:
+                print(f"  {line}", flush=True)
+            if engine.split_lines:
+                doc["split"] = engine.split_lines
             doc.update(hardware=hardware_line(), backend=backend, resident_experts=resident)
             n_new = cfg.generate_tokens if engine.qwen3_spec is not None else 0
             tokenizer = run_tokenizer(engine) if n_new else None
@@ -333,6 +338,7 @@ def register(command) -> None:
     p = command("run", "prefill the prompts of a config and summarise the run", EPILOG_RUN)
     p.add_argument("config", help="YAML run config (see configs/)")
     p.add_argument("--backend", choices=("cuda", "reference"), help="override `backend`")
+    add_devices_flag(p)
     p.add_argument("--prompts", metavar="N,N", help="override `prompts` with these lengths")
     p.add_argument("--json", metavar="PATH", help="write the runs as JSON here")
     p.set_defaults(func=cmd_run)
@@ -349,6 +355,7 @@ def register(command) -> None:
                         "(B then A: with STRATA_PREFILL_GATHER_ONE, one gather launch per "
                         "expert first, then batched)")
     p.add_argument("--backend", choices=("cuda", "reference"), help="override `backend`")
+    add_devices_flag(p)
     p.add_argument("--prompts", metavar="N,N", help="override `prompts` with these lengths")
     p.add_argument("--json", metavar="PATH",
                    help="JSON output (default: output.json of the config, else "
@@ -358,5 +365,6 @@ def register(command) -> None:
     p.add_argument("config", help="YAML run config whose prompts calibrate the routing")
     p.add_argument("--out", required=True, metavar="PROFILE.json", help="profile to write")
     p.add_argument("--backend", choices=("cuda", "reference"), help="override `backend`")
+    add_devices_flag(p)
     p.add_argument("--prompts", metavar="N,N", help="override `prompts` with these lengths")
     p.set_defaults(func=cmd_profile)

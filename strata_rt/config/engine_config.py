@@ -27,6 +27,7 @@ from ..schedule.image_cache import ImageCacheSetting, check_setting, parse_setti
 from ..schedule.in_place import InPlaceSetting, parse_in_place
 from ..schedule.lanes import LanesSetting, parse_lanes
 from ..schedule.residency import RoutingProfile
+from ..schedule.split import parse_devices
 from . import env
 
 if TYPE_CHECKING:
@@ -72,6 +73,10 @@ class EngineConfig:
 
     model: Model | Qwen3Model | MoESpec | dict[str, Any]
     backend: str = "auto"
+    #: devices the layers are split over (strata_rt.schedule.split), in layer order: distinct
+    #: indices; each device gets the budget keys (expert_cache, vram_*) for itself. None
+    #: after resolve: (0,), one device
+    devices: tuple[int, ...] | list[int] | str | None = None
     context: int | None = None
     #: a whole model's dense weights: "resident" in VRAM, "stream" per layer through a small
     #: ring, or "auto" (resident when the budget holds them beside one chunk, else stream)
@@ -123,6 +128,13 @@ class EngineConfig:
     def __init__(self, *args: Any, **kwargs: Any) -> None:  # noqa: D107 (see _check_keys)
         _check_keys(kwargs, len(args))
         _dataclass_init(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    @property
+    def device_list(self) -> tuple[int, ...]:
+        """The devices as resolve leaves them (a tuple of distinct indices; (0,) unset)."""
+        if isinstance(self.devices, tuple):
+            return self.devices
+        return parse_devices(self.devices if self.devices is not None else [0])
 
     def load_profile(self) -> RoutingProfile | None:
         if self.profile is not None and self._profile is None:
@@ -216,6 +228,10 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value not in allowed:
                 problems.append(f"{name}: got {value!r}; allowed: {', '.join(allowed)}")
+        try:
+            self.devices = self.device_list
+        except ConfigError as e:
+            problems.extend(e.problems)
         problems += self._type_problems()
         if not problems:
             problems += self._output_problems()

@@ -25,6 +25,7 @@ from ..schedule.in_place import InPlaceSetting, parse_in_place
 from ..schedule.lanes import LanesSetting, parse_lanes
 from ..schedule.memory_plan import MemoryPlan
 from ..schedule.residency import RoutingProfile
+from ..schedule.split import parse_devices
 from ..weights.model import MoESpec
 from .engine_config import BACKENDS, EngineConfig
 from .input_files import CONFIG_LIMIT, InputFileError, read_text
@@ -110,6 +111,9 @@ class Config:
     stored_format: QuantFormat | None = None
     #: KV-cache positions (None: the whole model's context length)
     context: int | None = None
+    #: the devices the layers are split over (strata_rt.schedule.split); the budget keys
+    #: apply to each of them
+    devices: tuple[int, ...] = (0,)
 
     #: a whole model's dense weights: auto, resident or stream
     dense: str = "auto"
@@ -149,6 +153,14 @@ class Config:
                 raise ConfigError([f"--prompts with {item}" for item in p.items],
                                   source="command line")
         return cfg
+
+    def with_devices(self, devices: tuple[int, ...]) -> Config:
+        """The config with these devices (`--devices`), checked against the layers."""
+        if len(devices) > self.spec.n_layers:
+            raise ConfigError(f"--devices: {len(devices)} devices for {self.spec.n_layers} "
+                              "layers; each device needs at least one layer",
+                              source="command line")
+        return replace(self, devices=devices)
 
     def with_backend(self, backend: str) -> Config:
         if backend not in BACKENDS:
@@ -209,6 +221,7 @@ class Config:
         return EngineConfig(
             model=model,
             backend=backend or self.backend,
+            devices=self.devices,
             context=self.context,
             dense=dense,
             vram_reserve_mib=self.vram_reserve_mib,
@@ -282,6 +295,7 @@ def validate(doc: Any, base_dir: Path, source: Path | None = None,
 
     compute_lanes = p.parsed(doc, "compute_lanes", parse_lanes)
     in_place = p.parsed(doc, "in_place", parse_in_place)
+    devices = check_devices(p, doc, geom)
 
     prompts = check_prompts(p, doc, base_dir, geom.hidden if geom else None,
                             whole.vocab if whole is not None else None,
@@ -339,12 +353,29 @@ def validate(doc: Any, base_dir: Path, source: Path | None = None,
                   prefill=prefill, prompts=tuple(prompts), gguf=gguf, model_seed=model_seed,
                   ring_mib=ring_mib, image_cache_mib=image_cache_mib,
                   compute_lanes=compute_lanes, in_place=in_place, profile=profile,
+                  devices=devices,
                   repeats=repeats, seed=seed,
                   output=output, whole=whole, whole_options=whole_options,
                   whole_types=whole_types, context=context,
                   dense=dense, generate_tokens=generate_tokens,
                   stored_format=fmt if gguf is not None and "format" not in doc else None,
                   **budget)
+
+
+def check_devices(p: Problems, doc: dict, geom: MoESpec | None) -> tuple[int, ...]:
+    """`devices`: distinct device indices, no more than the model has layers."""
+    if "devices" not in doc:
+        return (0,)
+    try:
+        devices = parse_devices(doc["devices"])
+    except ConfigError as e:
+        p.add("devices", doc["devices"], "; ".join(msg.removeprefix("devices: ")
+                                                  for msg in e.problems))
+        return (0,)
+    if geom is not None and len(devices) > geom.n_layers:
+        p.add("devices", doc["devices"], f"{len(devices)} devices for {geom.n_layers} layers; "
+              "each device needs at least one layer")
+    return devices
 
 
 def load_config(path: str | Path, registry: QuantRegistry | None = None) -> Config:

@@ -51,7 +51,7 @@ DEFAULT_VRAM_POLICY = (f"`vram_reserve_mib: {DEFAULT_RESERVE_MIB}` on the CUDA b
 #: the prompts a config naming none runs (`run`, `bench`, `profile`; `generate` and
 #: `perplexity` take their text from the command line)
 DEFAULT_PROMPTS = (512,)
-TOP_KEYS = ("model", "format", "backend", *BUDGET_KEYS, "prefill", "context", "dense",
+TOP_KEYS = ("model", "format", "backend", "devices", *BUDGET_KEYS, "prefill", "context", "dense",
             "ring_mib", "image_cache_mib", "compute_lanes", "in_place", "profile", "prompts",
             "repeats", "seed", "generate", "output")
 _MODEL_KEYS = ("gguf", "synthetic")

@@ -19,18 +19,20 @@ DENSE_RING_SLOTS = 2
 
 class DenseSchedule:
     """The dense ops of one chunk at absolute position `start` (None: the position is read on
-    the device, a decode plan); ring None: dense resident."""
+    the device, a decode plan); ring None: dense resident. Layers first..n_layers-1: a layer
+    split's part streams its own layers' dense weights through its own ring (first 0: all)."""
 
-    def __init__(self, n_layers: int, start: int | None, ring: int | None = None):
+    def __init__(self, n_layers: int, start: int | None, ring: int | None = None,
+                 first: int = 0):
         if ring is not None and ring < 1:
             raise ValueError(f"dense ring of {ring} slots; at least 1")
-        self.n_layers, self.start, self.ring = n_layers, start, ring
+        self.n_layers, self.start, self.ring, self.first = n_layers, start, ring, first
 
     def _copy(self, layer: int) -> list[Op]:
         assert self.ring is not None
-        s = layer % self.ring
+        s = (layer - self.first) % self.ring
         ops: list[Op] = []
-        if layer >= self.ring:  # the slot's previous layer must be done with it
+        if layer - self.first >= self.ring:  # the slot's previous layer must be done with it
             ops.append(Wait(dense_used(s), "copy"))
         ops += [DenseCopy(layer, s), Record(dense_copied(s), "copy")]
         return ops
@@ -39,13 +41,14 @@ class DenseSchedule:
         """Ops before the chunk's first layer (the first copies)."""
         if self.ring is None:
             return []
-        return [op for layer in range(min(self.ring, self.n_layers)) for op in self._copy(layer)]
+        return [op for layer in range(self.first, min(self.first + self.ring, self.n_layers))
+                for op in self._copy(layer)]
 
     def layer_ops(self, layer: int) -> list[Op]:
         """The layer's Attention with what orders it against its dense copy."""
         if self.ring is None:
             return [Attention(layer, self.start)]
-        s = layer % self.ring
+        s = (layer - self.first) % self.ring
         ops: list[Op] = [Wait(dense_copied(s), "compute"), Attention(layer, self.start, s),
                          Record(dense_used(s), "compute")]
         if layer + self.ring < self.n_layers:

@@ -33,16 +33,12 @@ from .dense_schedule import DenseSchedule
 from .image_cache import ImageCache
 from .plan import (
     ChunkPlan,
-    Copy,
-    Gather,
-    GatherBatch,
-    GatherRouted,
     LayerBegin,
     LogitRows,
     Logits,
     Op,
-    Products,
 )
+from .plan_counts import add_counts, copy_bytes, op_counts
 from .planner import (
     STAGING_RING_SLOTS,
     StagingPlanner,
@@ -60,6 +56,7 @@ if TYPE_CHECKING:
     from ..runtime import Stream
     from ..weights.layer_formats import LayerFormats
     from ..weights.model import MoESpec
+    from .split import Part
 
 log = logging.getLogger(__name__)
 
@@ -163,39 +160,21 @@ class Backend(Executor, Protocol):
     def close(self) -> None: ...
 
 
-def op_counts(ops: Iterable[Op]) -> dict[type, int]:
-    """How many ops of each kind a plan (or a layer of it) holds."""
-    counts: dict[type, int] = {}
-    for op in ops:
-        counts[type(op)] = counts.get(type(op), 0) + 1
-    return counts
-
-
-def copy_bytes(ops: Iterable[Op], layer_blob_bytes: tuple[int, ...]) -> int:
-    """Bytes the Copy ops of a plan move: each its layer's blob."""
-    return sum(layer_blob_bytes[op.layer] for op in ops if isinstance(op, Copy))
-
-
-def add_counts(stats: Stats, counts: dict[type, int], copied: int) -> None:
-    """The counters a plan's ops add: every Copy streams one blob (`copied` bytes in all),
-    every gather op is one launch, every Products is two matmul launches (gate/up and down)."""
-    copies = counts.get(Copy, 0)
-    stats.experts_streamed += copies
-    stats.bytes_streamed += copied
-    stats.gathers_launched += (counts.get(Gather, 0) + counts.get(GatherBatch, 0)
-                               + counts.get(GatherRouted, 0))
-    stats.mmq_launches += 2 * counts.get(Products, 0)
-
-
 class ChunkDriver:
     """Runs chunks on one executor. `gather_one` and `walk_min_tokens` are read from the
-    engine config on every chunk, so an in-process A/B takes effect on the next prompt."""
+    engine config on every chunk, so an in-process A/B takes effect on the next prompt.
+    part: one device's layers of a layer split (None: every layer). A part's plans carry
+    hand-off ops that only the split checker orders, so the split driver
+    (strata_rt.schedule.split_driver) checks them across the parts instead of this driver."""
 
     def __init__(self, spec: MoESpec, formats: LayerFormats, cfg: EngineConfig,
-                 executor: Executor):
+                 executor: Executor, part: Part | None = None):
         self.spec, self.formats, self.cfg = spec, formats, cfg
         self.executor = executor
-        self.check_plan = bool(cfg.check_plan)
+        self.part = part
+        self.span = range(spec.n_layers) if part is None else part.layers
+        split = part is not None and part.n_parts > 1
+        self.check_plan = bool(cfg.check_plan) and not split
         #: the plan of the last chunk (staging: the layers planned so far)
         self.last_plan: ChunkPlan | None = None
         #: host seconds spent issuing each layer of the last chunk
@@ -222,9 +201,23 @@ class ChunkDriver:
         """Runs one chunk. MoE layers alone when start is None; a whole model's chunk at
         absolute position `start` otherwise (each layer opens with its Attention, and
         `logits` asks for the output head over the last row or all rows afterwards)."""
-        T = int(h.shape[0])
-        self.layer_host_s = []
         self.executor.begin_chunk(h, stats, start)
+        return self._run(int(h.shape[0]), stats, start, logits)
+
+    def run_received(self, tokens: int, stats: Stats, start: int | None = None,
+                     logits: LogitRows | None = None) -> np.ndarray:
+        """Runs one chunk of a split part that receives its residual (and position) from the
+        part before it, through the HandOff its plan opens with; `start` is what the plan is
+        made for (the position of the chunk's first token, None for MoE layers alone)."""
+        begin = getattr(self.executor, "begin_received", None)
+        if begin is None:
+            raise TypeError(f"the {self.executor.name} executor cannot receive a hand-off")
+        begin(tokens, stats)
+        return self._run(tokens, stats, start, logits)
+
+    def _run(self, T: int, stats: Stats, start: int | None,
+             logits: LogitRows | None) -> np.ndarray:
+        self.layer_host_s = []
         if T == 1 and start is not None and self.decodes_routed:
             self._run_decode(stats)
         elif self.stream_mode(T) == "routed":
@@ -260,9 +253,10 @@ class ChunkDriver:
         return self.streams.choose(T, self.walk_bytes(), forced)
 
     def walk_bytes(self) -> int:
-        """Bytes a walk copies: every non-resident expert of every layer."""
+        """Bytes a walk copies: every non-resident expert of every layer this driver runs."""
         per_layer = (~self.residency.mask()).sum(axis=1)
-        return int(np.dot(per_layer, self.executor.layer_blob_bytes))
+        span = list(self.span)
+        return int(np.dot(per_layer[span], np.asarray(self.executor.layer_blob_bytes)[span]))
 
     def _run_decode(self, stats: Stats) -> None:
         """A one-token step from the decode plan (planned once; replayed as a CUDA graph when
@@ -300,10 +294,10 @@ class ChunkDriver:
         ex = self.executor
         planner = StagingPlanner(self.spec, self.residency, self.gather_one, tokens=T,
                                  attention=self._schedule(start), lanes=ex.lanes_for(T),
-                                 in_place=ex.in_place_for(T))
+                                 in_place=ex.in_place_for(T), part=self.part)
         checker = (hazards.Checker(STAGING_RING_SLOTS, self.residency)
                    if self.check_plan else None)
-        for layer in range(self.spec.n_layers):
+        for layer in self.span:
             t0 = time.perf_counter()
             pre = planner.pre_routing_ops(layer)  # the input and attention feed the routing
             if pre:
@@ -329,7 +323,8 @@ class ChunkDriver:
         """A whole model's attention ops for a chunk at `start` (None: MoE layers alone)."""
         if start is None:
             return None
-        return DenseSchedule(self.spec.n_layers, start, self.executor.dense_ring)
+        return DenseSchedule(self.spec.n_layers, start, self.executor.dense_ring,
+                             self.span[0])
 
     def walk_plan(self, T: int, start: int | None = None
                   ) -> tuple[ChunkPlan, dict[type, int], int]:
@@ -345,19 +340,20 @@ class ChunkDriver:
         if key not in self._walk_plans:
             T, gather_one, start = key
             if key == DECODE_KEY:
-                attention = DenseSchedule(self.spec.n_layers, None, self.executor.dense_ring)
+                attention = DenseSchedule(self.spec.n_layers, None, self.executor.dense_ring,
+                                          self.span[0])
                 plan = plan_decode(self.spec, self.residency, attention,
-                                   self.executor.in_place_for(1))
+                                   self.executor.in_place_for(1), self.part)
             elif gather_one == ROUTED:
                 plan = plan_routed(self.spec, self.residency, self._schedule(start),
-                                   self.executor.in_place_for(T), T)
+                                   self.executor.in_place_for(T), T, self.part)
             else:
                 assert isinstance(gather_one, bool)
                 plan = plan_walk(self.spec, self.residency, self.executor.walk_slots,
                                  gather_one, tokens=T, attention=self._schedule(start),
                                  images=self.executor.images,
                                  lanes=self.executor.lanes_for(T),
-                                 in_place=self.executor.in_place_for(T))
+                                 in_place=self.executor.in_place_for(T), part=self.part)
             if self.check_plan:
                 hazards.check(plan, self.residency, images=self.executor.images)
             ops = [op for _, op in plan.ops()]

@@ -33,6 +33,7 @@ with their index in the chunk's op list):
   it), or that no LayerBegin of its layer precedes; a LayerEnd combining rows that a Products
   of its layer on another lane may still write (no lane_join waited on); a Products after its
   layer's LayerEnd, whose rows the combine never reads;
+- a HandOff or hand-off event fed to one device's checker alone (schedule/split_hazards.py);
 - (streamed dense weights) a DenseCopy refilling a dense slot while an Attention may still read
   it, and an Attention whose dense slot does not hold its layer, or whose copy does not happen
   before it.
@@ -46,6 +47,7 @@ from ..errors import PlanHazardError
 from .hazard_messages import Clock, Occupant, describe, event_subject
 from .hazard_sources import cached_problem, in_place_problem
 from .plan import (
+    HANDOFF_EVENTS,
     HOST,
     LANE_FORK,
     LANE_JOIN,
@@ -61,6 +63,7 @@ from .plan import (
     Gather,
     GatherBatch,
     GatherRouted,
+    HandOff,
     LayerBegin,
     LayerEnd,
     LayerPlan,
@@ -73,6 +76,7 @@ from .plan import (
 if TYPE_CHECKING:
     from .image_cache import ImageCache
     from .residency import Residency
+    from .split_hazards import HandOffLink
 
 #: the streams a clock has a component for: the copy stream, then the compute lanes
 _STREAMS: tuple[str, ...] = ("copy", *LANES)
@@ -89,8 +93,11 @@ class Checker:
     that follow a chunk's ChunkInput elsewhere (a layer checked on its own)."""
 
     def __init__(self, ring_slots: int, residency: Residency | None = None,
-                 images: ImageCache | None = None, input_arrived: bool = False):
+                 images: ImageCache | None = None, input_arrived: bool = False,
+                 link: HandOffLink | None = None):
         self.ring = ring_slots
+        self.link = link  # the split checker that takes a split part's hand-off ops
+        self.wrote = 0    # the main lane's own clock at the last op writing the residual
         self.residency = residency
         self.images = images
         self.clock = {stream: [0] * len(_STREAMS) for stream in _STREAMS}
@@ -141,7 +148,13 @@ class Checker:
         self.n = base + len(ops)
 
     def _op(self, i: int, op: Op, readers: dict[int, int]) -> None:
-        if isinstance(op, Copy):
+        if isinstance(op, HandOff) or (isinstance(op, Record | Wait)
+                                       and op.event[0] in HANDOFF_EVENTS):
+            if self.link is None:
+                self._fail(f"op #{i} {describe(op)}: a layer split's hand-off orders two "
+                           "devices' plans; check them together (schedule.split_hazards)")
+            self.link.op(self, i, op)
+        elif isinstance(op, Copy):
             self._copy(i, op)
         elif isinstance(op, Record):
             self._stream_of(i, op)
@@ -175,21 +188,33 @@ class Checker:
         elif isinstance(op, DenseCopy):
             self._dense_copy(i, op)
         elif isinstance(op, ChunkInput):
-            if self.input_op is not None:
-                self._fail(f"op #{i} ChunkInput: the chunk's input already arrived"
-                           + (f" at op #{self.input_op}" if self.input_op >= 0 else ""))
-            self.input_op = i
+            self.arrive(i, "ChunkInput")
             self._tick(op.stream)
         elif isinstance(op, Attention):
             self._needs_input(i, op)
             self._attention(i, op, self._tick(op.stream))
+            self.wrote = self.clock[_MAIN][_COMPONENT[_MAIN]]
         elif isinstance(op, LayerBegin):
             self._needs_input(i, op)
             self.begun[op.layer] = (self._tick(op.stream), i)
         elif isinstance(op, LayerEnd):
             self._combine(i, op, self._tick(op.stream))
+            self.wrote = self.clock[_MAIN][_COMPONENT[_MAIN]]
         else:  # Logits: compute work that touches no ring slot
             self._tick(op.stream)
+
+    def arrive(self, i: int, what: str) -> None:
+        """The chunk's hidden states reach the device at op #i (ChunkInput or a HandOff),
+        overwriting the residual (a split's link checks no receiver may still copy it)."""
+        if self.input_op is not None:
+            self._fail(f"op #{i} {what}: the chunk's input already arrived"
+                       + (f" at op #{self.input_op}" if self.input_op >= 0 else ""))
+        if self.link is not None:
+            self.link.overwrites(self, i, what)
+        self.input_op = i
+
+    def tick(self, stream: str) -> Clock:  # a hand-off op the split checker ordered
+        return self._tick(stream)
 
     def _needs_input(self, i: int, op: LayerBegin | Attention) -> None:
         if self.input_op is None:

@@ -24,6 +24,11 @@ host into one of a few dense ring slots on the copy stream, with events `("dense
 and `("dense_used", s)` ordering it against the Attention that reads the slot, as the expert
 ring's events do.
 
+A layer split (several devices, strata_rt.schedule.split) gives each device a plan of its own
+layers; a receiving device's plan opens with a HandOff in place of ChunkInput, and the events
+`("handoff_ready", boundary)` / `("handoff_taken", boundary)` order it against its sender's
+plan across devices (schedule/split_hazards.py checks them).
+
 Ring bookkeeping: entry k of a chunk's stream of copies goes to ring slot
 k % ring_slots. Events are `("copied", slot)` (recorded on the copy stream after a copy lands)
 and `("used", slot)` (recorded on the compute stream after the last gather that reads the
@@ -52,6 +57,11 @@ DENSE_COPIED = "dense_copied"
 DENSE_USED = "dense_used"
 LANE_FORK = "lane_fork"
 LANE_JOIN = "lane_join"
+#: a layer split's hand-off events, keyed by the boundary (the receiver's first layer):
+#: recorded by the sender once its residual is final, and by the receiver once it has copied
+HANDOFF_READY = "handoff_ready"
+HANDOFF_TAKEN = "handoff_taken"
+HANDOFF_EVENTS = (HANDOFF_READY, HANDOFF_TAKEN)
 RESIDENT = "resident"
 RING = "ring"
 HOST = "host"
@@ -79,6 +89,14 @@ def lane_fork(layer: int) -> EventKey:
 
 def lane_join(layer: int) -> EventKey:
     return (LANE_JOIN, layer)
+
+
+def handoff_ready(boundary: int) -> EventKey:
+    return (HANDOFF_READY, boundary)
+
+
+def handoff_taken(boundary: int) -> EventKey:
+    return (HANDOFF_TAKEN, boundary)
 
 
 def lane_index(stream: StreamName) -> int:
@@ -229,6 +247,22 @@ class DenseCopy:
     stream: StreamName = field(default="copy", init=False)
 
 
+@dataclass(frozen=True)
+class HandOff:
+    """A layer split's boundary (strata_rt.schedule.split): part `dst` copies the residual
+    [tokens, hidden] and the chunk's start position from part `src` (the part before it), whose
+    layers end at `boundary`. It takes the place of ChunkInput in the receiver's plan: the
+    receiver's compute stream first waits for handoff_ready(boundary), recorded by the sender
+    after its last LayerEnd, and records handoff_taken(boundary) after the copy, which the
+    sender waits for before its next chunk overwrites the residual (a pull: the sender never
+    waits on the receiver within a chunk)."""
+
+    boundary: int
+    src: int
+    dst: int
+    stream: StreamName = field(default="compute", init=False)
+
+
 #: Logits rows: the chunk's last position only, or every position
 LogitRows = Literal["last", "all"]
 
@@ -242,7 +276,7 @@ class Logits:
 
 
 Op = (Copy | Record | Wait | Gather | GatherBatch | GatherRouted | Products | Consume
-      | ChunkInput | LayerBegin | LayerEnd | Attention | DenseCopy | Logits)
+      | ChunkInput | LayerBegin | LayerEnd | Attention | DenseCopy | Logits | HandOff)
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,7 @@ if TYPE_CHECKING:
     from .dense_schedule import DenseSchedule
     from .image_cache import ImageCache
     from .residency import Residency
+    from .split import Part
 
 #: slots of the staging ring (chunks for which takes_walk is false)
 STAGING_RING_SLOTS = 8
@@ -271,7 +272,7 @@ def _groups(experts: Sequence[int]) -> list[list[int]]:
 def plan_walk(spec: MoESpec, residency: Residency, ring_slots: int, gather_one: bool,
               tokens: int = 0, attention: DenseSchedule | None = None,
               images: ImageCache | None = None, lanes: int = 1,
-              in_place: bool = False) -> ChunkPlan:
+              in_place: bool = False, part: Part | None = None) -> ChunkPlan:
     """The streamed walk: every non-resident expert of every layer, layer-major ascending,
     streamed through the ring; every expert of a layer is gathered (groups are ids
     [16g, 16g+16)) so the schedule does not depend on routing and experts without rows cost an
@@ -280,29 +281,44 @@ def plan_walk(spec: MoESpec, residency: Residency, ring_slots: int, gather_one: 
     images: the engine's image cache; a group it holds is multiplied from its block, with no
     gather (its experts are resident, so no ring entry is involved). lanes: compute lanes the
     groups alternate over (1 or 2). in_place: a group of resident experts is multiplied from
-    their slots, with no gather (strata_rt.schedule.in_place decides per chunk)."""
+    their slots, with no gather (strata_rt.schedule.in_place decides per chunk). part: the
+    layers of one device of a layer split (None: every layer), whose plan opens with the
+    part's prologue and ends with its epilogue (strata_rt.schedule.split)."""
     b = _RingBuilder(residency, ring_slots, gather_one, lanes, in_place)
-    b.seq = [(layer, e) for layer in range(spec.n_layers) for e in range(spec.n_experts)
+    span = _span(spec, part)
+    b.seq = [(layer, e) for layer in span for e in range(spec.n_experts)
              if residency.slot(layer, e) is None]
     if attention is not None:  # the first dense layers go before any expert
         b.ops.extend(attention.chunk_ops())
     b.issue_available()  # the copies do not wait for the chunk's input
-    b.ops.append(ChunkInput())
+    b.ops.extend(_prologue(part))
     layers = []
     all_experts = list(range(spec.n_experts))
-    for layer in range(spec.n_layers):
+    for layer in span:
         if attention is not None:
             b.ops.extend(attention.layer_ops(layer))
         b.begin_layer(layer)
         for g, experts in enumerate(_groups(all_experts)):
             b.group(layer, g, experts, None if images is None else images.index(layer, g))
         b.end_layer(layer)
+        if layer == span[-1] and part is not None:
+            b.ops.extend(part.epilogue())
         layers.append(LayerPlan(layer, b.take_ops()))
     return ChunkPlan(tokens, "walk", ring_slots, layers)
 
 
+def _span(spec: MoESpec, part: Part | None) -> range:
+    """The layers a plan covers: a split part's, else all of them."""
+    return range(spec.n_layers) if part is None else part.layers
+
+
+def _prologue(part: Part | None) -> list[Op]:
+    """What brings the chunk's hidden states in: ChunkInput, or a split part's hand-off."""
+    return [ChunkInput()] if part is None else part.prologue()
+
+
 def plan_decode(spec: MoESpec, residency: Residency, attention: DenseSchedule,
-                in_place: bool = False) -> ChunkPlan:
+                in_place: bool = False, part: Part | None = None) -> ChunkPlan:
     """A whole model's one-token step with the routed set kept on the device: per layer its
     Attention (dense copies as `attention` schedules them; its start None, so the position is
     read on the device), the routing, one GatherRouted per group of 16 experts (resident ones
@@ -311,31 +327,33 @@ def plan_decode(spec: MoESpec, residency: Residency, attention: DenseSchedule,
     expert ring: the plan is the same at every position and for every routed set, so one
     captured replay serves every step, where the staging ring reads each layer's routed set
     back to the host and plans after it. in_place: a group whose experts are all resident
-    gathers nothing; its products read the routed experts' slots in place."""
+    gathers nothing; its products read the routed experts' slots in place. part: as for
+    plan_walk (the hand-off brings the position with the residual)."""
     if attention.start is not None:
         raise ValueError(f"a decode plan reads its position on the device; the dense schedule "
                          f"fixes start {attention.start}")
-    return _routed_layers(spec, residency, attention, in_place, 1, "decode")
+    return _routed_layers(spec, residency, attention, in_place, 1, "decode", part)
 
 
 def plan_routed(spec: MoESpec, residency: Residency, attention: DenseSchedule | None,
-                in_place: bool, tokens: int) -> ChunkPlan:
+                in_place: bool, tokens: int, part: Part | None = None) -> ChunkPlan:
     """A prefill chunk streamed the decode plan's way (mode "routed"): no Copy and no ring; each
     group's GatherRouted reads the routed non-resident experts straight from the pinned host
     store and skips the experts the chunk's routing gave no rows, on the device. Only what the
     chunk routes crosses PCIe, without the host waiting for any layer's routing; the price is
     that those reads run on the compute lane instead of beside it (the driver's
-    `prefill_stream` rule weighs the two)."""
-    return _routed_layers(spec, residency, attention, in_place, tokens, "routed")
+    `prefill_stream` rule weighs the two). part: as for plan_walk."""
+    return _routed_layers(spec, residency, attention, in_place, tokens, "routed", part)
 
 
 def _routed_layers(spec: MoESpec, residency: Residency, attention: DenseSchedule | None,
-                   in_place: bool, tokens: int, mode: Literal["decode", "routed"]
-                   ) -> ChunkPlan:
+                   in_place: bool, tokens: int, mode: Literal["decode", "routed"],
+                   part: Part | None) -> ChunkPlan:
     ops: list[Op] = [*attention.chunk_ops()] if attention is not None else []
-    ops.append(ChunkInput())
+    ops += _prologue(part)
     layers = []
-    for layer in range(spec.n_layers):
+    span = _span(spec, part)
+    for layer in span:
         if attention is not None:
             ops += attention.layer_ops(layer)
         ops.append(LayerBegin(layer))
@@ -351,6 +369,8 @@ def _routed_layers(spec: MoESpec, residency: Residency, attention: DenseSchedule
                 members.append(Gather(g, pos, layer, e, src))
             ops += [GatherRouted(g, tuple(members)), Products(layer, g, tuple(experts))]
         ops.append(LayerEnd(layer))
+        if layer == span[-1] and part is not None:
+            ops += part.epilogue()
         layers.append(LayerPlan(layer, tuple(ops)))
         ops = []
     return ChunkPlan(tokens, mode, 0, layers)
@@ -359,14 +379,16 @@ def _routed_layers(spec: MoESpec, residency: Residency, attention: DenseSchedule
 class StagingPlanner:
     """The staging ring for small chunks: after a layer's routing is known, its routed
     non-resident experts stream through an 8-slot ring; ring state carries across layers.
-    One planner per chunk; attention, lanes and in_place as for plan_walk (the driver runs a
+    One planner per chunk; attention, lanes, in_place and part as for plan_walk (the driver runs a
     layer's `pre_routing_ops` before its routing; the layer's plan records them first)."""
 
     def __init__(self, spec: MoESpec, residency: Residency, gather_one: bool,
                  ring_slots: int = STAGING_RING_SLOTS, tokens: int = 0,
                  attention: DenseSchedule | None = None, lanes: int = 1,
-                 in_place: bool = False):
+                 in_place: bool = False, part: Part | None = None):
         self.spec = spec
+        self.part = part
+        self.span = _span(spec, part)
         self.tokens = tokens
         self.attention = attention
         self._b = _RingBuilder(residency, ring_slots, gather_one, lanes, in_place)
@@ -380,10 +402,10 @@ class StagingPlanner:
         not asked for."""
         self._opened.add(layer)
         ops: list[Op] = []
-        if layer == 0 and self.attention is not None:
+        if layer == self.span[0] and self.attention is not None:
             ops += self.attention.chunk_ops()
-        if layer == 0:
-            ops.append(ChunkInput())
+        if layer == self.span[0]:
+            ops += _prologue(self.part)
         if self.attention is not None:
             ops += self.attention.layer_ops(layer)
         self._b.ops.extend(ops)
@@ -405,6 +427,8 @@ class StagingPlanner:
         for g, group in enumerate(_groups(experts)):
             b.group(layer, g, group)
         b.end_layer(layer)
+        if layer == self.span[-1] and self.part is not None:
+            b.ops.extend(self.part.epilogue())
         lp = LayerPlan(layer, b.take_ops())
         self.layers.append(lp)
         return lp

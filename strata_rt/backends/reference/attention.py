@@ -24,7 +24,9 @@ if TYPE_CHECKING:
 class ReferenceDense:
     """Attention of one layer over (cache + chunk) and the output head, on host arrays."""
 
-    def __init__(self, whole: Qwen3Model, context: int | None = None):
+    def __init__(self, whole: Qwen3Model, context: int | None = None, first: int = 0):
+        #: the first layer this executor runs (a layer split's part starts past 0)
+        self.first = first
         self.ref = Qwen3Reference(whole, np.float32)
         self.spec = whole.spec
         self.cache: KVCache = self.ref.new_cache(context)
@@ -44,7 +46,7 @@ class ReferenceDense:
         """h [T, hidden] += the layer's attention output (after Wo); stores the chunk's keys
         and values at positions start.. of the cache."""
         T = h.shape[0]
-        if layer == 0:
+        if layer == self.first:
             # positions < start hold what earlier chunks wrote; growing keeps exactly those
             self.cache.length = min(self.cache.length, start)
             self.cache.reserve(start + T)

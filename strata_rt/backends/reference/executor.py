@@ -45,6 +45,7 @@ from ...schedule.plan import (
     Gather,
     GatherBatch,
     GatherRouted,
+    HandOff,
     LayerBegin,
     LayerEnd,
     Logits,
@@ -68,6 +69,7 @@ if TYPE_CHECKING:
     from ...config.engine_config import EngineConfig
     from ...models.qwen3.weights import Qwen3Model
     from ...schedule.driver import HostContext, Replay
+    from ...schedule.split import Part
     from ...weights.model import Model
 
 _POISON = 0xFF
@@ -114,10 +116,16 @@ class ReferenceBackend:
 
     def __init__(self, model: Model, store: ExpertStore, residency: Residency | None,
                  cfg: EngineConfig, context: HostContext | None = None,
-                 whole: Qwen3Model | None = None):
+                 whole: Qwen3Model | None = None, part: Part | None = None):
         self.model, self.store, self.cfg = model, store, cfg
+        #: the layers this executor runs (a layer split's part; None: all) and, in a split,
+        #: every part's executor by part index (a HandOff copies from its sender's)
+        self.part = part
+        self.peers: list[ReferenceBackend] = []
+        first = 0 if part is None else part.first
         #: a whole model's attention, KV cache and head (None: MoE layers alone)
-        self.dense = ReferenceDense(whole, cfg.context) if whole is not None else None
+        self.dense = (ReferenceDense(whole, cfg.context, first) if whole is not None
+                      else None)
         if self.dense is not None:
             self.kv_capacity = self.dense.kv_capacity
         #: dense ring slots when cfg.dense is "stream" (the plan's DenseCopy ops are then
@@ -138,7 +146,9 @@ class ReferenceBackend:
         self.resident = np.empty((self.residency.n_slots, slot), dtype=np.uint8)
         for i, (layer, e) in enumerate(self.residency.pairs):
             self.resident[i] = store.arena[store.offset(layer, e): store.offset(layer, e) + slot]
-        rings = ring_sizes(cfg.ring_bytes, slot, self.spec.total_experts - self.residency.n_slots)
+        n_layers = self.spec.n_layers if part is None else part.end - part.first
+        rings = ring_sizes(cfg.ring_bytes, slot,
+                           n_layers * self.spec.n_experts - self.residency.n_slots)
         self.walk_slots = rings.walk
         self.ring = np.full((rings.total, slot), _POISON, np.uint8)
         #: group buffers of each compute lane (plan.LANES): lane i gathers into set i
@@ -176,6 +186,12 @@ class ReferenceBackend:
         self.routes = []
         self._start = self._logits = None
         self._chunk_start = start
+
+    def begin_received(self, tokens: int, stats: Stats) -> None:
+        """A split part's chunk: its residual and position arrive with the plan's HandOff;
+        until then the residual is NaN, so a plan that reads it first fails loudly."""
+        self.begin_chunk(np.zeros((tokens, self.spec.hidden), np.float32), stats)
+        self._h[...] = np.nan
 
     def route_layer(self, layer: int) -> None:
         self._begin(layer, self._h, self._stats)
@@ -274,6 +290,9 @@ class ReferenceBackend:
                 check_rms_input(h if rows is None else h[-1:], "the final RMSNorm", None, rows)
                 self._logits = self._whole().logits(h, op.rows)
                 phase = "logits"
+            elif isinstance(op, HandOff):
+                self._receive(op, h)
+                phase = "handoff"
             elif isinstance(op, Record | Wait | Consume | ChunkInput):
                 # one thread runs every op in host order: a valid linearisation of any
                 # schedule the checker accepts, so events have nothing left to order (and
@@ -282,6 +301,19 @@ class ReferenceBackend:
             else:
                 raise TypeError(f"unknown plan op {op!r}")
             stats.phase_s[phase] += time.perf_counter() - t0
+
+    def _receive(self, op: HandOff, h: np.ndarray) -> None:
+        """The sender's residual into this part's (in place: the ops hold `h`), and the
+        chunk's position, which the receiver's Attention ops read."""
+        if not 0 <= op.src < len(self.peers) or self.peers[op.dst] is not self:
+            raise RuntimeError(f"{op!r}: this executor is not part {op.dst} of a split whose "
+                               f"part {op.src} it can read")
+        sender = self.peers[op.src]
+        if sender._h.shape != h.shape:
+            raise RuntimeError(f"{op!r}: the sender holds {sender._h.shape[0]} rows, this "
+                               f"chunk {h.shape[0]}")
+        h[...] = sender._h
+        self._chunk_start = sender._chunk_start
 
     def _whole(self) -> ReferenceDense:
         if self.dense is None:
