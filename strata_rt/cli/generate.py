@@ -1,6 +1,6 @@
-"""`strata generate`: a prompt in, the model's greedy continuation out, printed as it is produced
-and followed by the timing summary (time to first token, prefill and decode tokens/s, experts
-and bytes streamed).
+"""`strata generate`: a prompt in, the model's continuation out (greedy, or sampled with the
+flags or the config's `generate:` sampling keys), printed as it is produced and followed by the
+timing summary (time to first token, prefill and decode tokens/s, experts and bytes streamed).
 
 Also the pieces `strata perplexity` shares: reading a text file given on the command line and
 the tokenizer of a config's model, both failing with a message rather than a traceback.
@@ -12,6 +12,7 @@ import argparse
 import logging
 import re
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from ..config.input_files import read_text as input_text
 from ..errors import ConfigError, GGUFError
 from ..report import interrupts
 from ..runtime.memory import MIB
+from ..text.sampling import MAX_CANDIDATES, NAMES, SamplingParams, describe, sampling_problems
 from .common import (
     check_outputs,
     hardware_line,
@@ -96,19 +98,38 @@ def prompt_ids(args: argparse.Namespace, text: str, tokenizer: Any) -> list[int]
     return tokenizer.encode(text, parse_special=not args.no_special)
 
 
+#: SamplingParams field -> its flag
+SAMPLING_FLAGS = {field: "--" + name.replace("_", "-") for field, name in NAMES.items()}
+
+
+def sampling_from(args: argparse.Namespace, base: SamplingParams | None) -> SamplingParams:
+    """The config's sampling parameters (`base`; None: greedy) with every flag given on the
+    command line in place of its key, resolved once: a seed is drawn here when neither gives
+    one. A bad flag value exits 2 naming the flag."""
+    given = {field: getattr(args, name) for field, name in NAMES.items()
+             if getattr(args, name, None) is not None}
+    bad = sampling_problems(given)
+    if bad:
+        raise ConfigError([f"{SAMPLING_FLAGS[k]}: got {v!r}; {why}" for k, v, why in bad],
+                          source="command line")
+    return replace(base or SamplingParams(), **given).resolved()
+
+
 def summary_lines(r: Any) -> list[str]:
     ttft = "-" if r.ttft_s is None else f"{r.ttft_s * 1e3:,.1f} ms"
     decode = "-" if r.decode_tokens_per_s is None else f"{r.decode_tokens_per_s:,.1f}"
     host = "" if r.host_fraction is None else \
         f"; host {r.host_fraction * 100:.0f}% of each decode step's wall time"
-    return [f"prompt tokens: {r.prompt_tokens}; generated: {len(r.ids)} (stop: {r.stop})",
+    how = "" if r.sampling is None else f"; {describe(r.sampling)}"
+    return [f"prompt tokens: {r.prompt_tokens}; generated: {len(r.ids)} (stop: {r.stop})"
+            f"{how}",
             f"time to first token: {ttft}; prefill: {r.prefill_tokens_per_s:,.1f} tokens/s; "
             f"decode: {decode} tokens/s{host}",
             f"experts streamed: {r.experts_streamed:,} ({r.bytes_streamed / MIB:,.1f} MiB)"]
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from ..text.generate import EngineSession, check_request, greedy
+    from ..text.generate import EngineSession, check_request, generate
 
     if args.tokens < 0:
         raise ConfigError(f"-n: got {args.tokens}; expected a number of new tokens >= 0 (0 "
@@ -117,6 +138,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     text = command_text("--prompt", args.prompt) if args.prompt is not None else read_text(
         "--prompt-file", args.prompt_file, DATA_LIMIT)
     cfg = load(args)
+    sampling = sampling_from(args, cfg.sampling)
     check_outputs(cfg, {"--json": target}, {} if args.prompt_file is None else {
         "the --prompt-file": Path(args.prompt_file).expanduser()})
     progress = progress_for(args)
@@ -127,9 +149,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         ids = prompt_ids(args, text, tokenizer)
         check_request(session, len(ids), args.tokens)
         eos = None if args.ignore_eos else tokenizer.eos_token_id
-        log.info("backend %s; prompt of %d tokens; up to %d new tokens%s",
+        log.info("backend %s; prompt of %d tokens; up to %d new tokens%s; %s",
                  engine.config.backend, len(ids), args.tokens,
-                 "" if eos is None else f", stopping at {tokenizer.describe(eos)}")
+                 "" if eos is None else f", stopping at {tokenizer.describe(eos)}",
+                 describe(sampling))
         stream = tokenizer.stream(skip_special=True)
 
         def on_token(token: int) -> None:
@@ -141,7 +164,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
         progress.start(f"prefill of {len(ids)} tokens")
         try:
-            result = greedy(session, ids, args.tokens, eos, on_token)
+            result = generate(session, ids, args.tokens, eos, on_token, sampling)
         finally:
             progress.end()
         tail = "" if args.ids else stream.flush()
@@ -165,6 +188,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 EPILOG = """examples:
   strata generate configs/tiny-qwen3moe.yaml --prompt "The experts stream" -n 24
   strata generate configs/tiny-qwen3moe.yaml --prompt-file prompt.txt --ids --json gen.json
+  strata generate model.yaml -n 64 --temperature 0.6 --top-p 0.95 --top-k 20 --seed 1 \\
+      --prompt "Once upon a time"
   strata generate model.yaml -n 64 --prompt "<|im_start|>user
 Why is the sky blue?<|im_end|>
 <|im_start|>assistant
@@ -172,8 +197,11 @@ Why is the sky blue?<|im_end|>
 
 prints the continuation as it is produced (control tokens left out; --ids prints token ids),
 then the prompt tokens, time to first token, prefill and decode tokens/s and the experts and
-bytes streamed. Greedy: the most likely token at each step, one step per token on the KV cache
-the prompt left. Stops at the model's EOS token (--ignore-eos: always -n tokens). -n 0 prefills
+bytes streamed. Greedy by default: the most likely token at each step, one step per token on
+the KV cache the prompt left. A --temperature above 0 (or the config's `generate:` keys
+temperature, top_k, top_p, min_p, repeat_penalty, seed) samples instead: penalty, temperature,
+top-k, top-p, min-p, then a draw seeded by --seed (absent: a fresh seed, printed in the summary
+and the JSON, so the run can be repeated); on the GPU the draw runs on the device. Stops at the model's EOS token (--ignore-eos: always -n tokens). -n 0 prefills
 the prompt only and prints its timing. Prompt + -n tokens must fit the model's context.
 Special tokens written in the prompt (<|im_start|>) become their ids; a <|...|> the vocabulary
 lacks is an error (--no-special reads them as plain text). Ctrl-C keeps what was produced and
@@ -182,7 +210,8 @@ prints the summary (exit 130; SIGTERM the same, exit 143)."""
 
 def register(command) -> None:
     """Adds `generate`; `command(name, help, epilog)` makes a parser."""
-    p = command("generate", "greedy text generation after a prompt, with timing", EPILOG)
+    p = command("generate", "text generation after a prompt (greedy or sampled), with timing",
+                EPILOG)
     p.add_argument("config", help="YAML run config of a whole model (see configs/)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", metavar="TEXT", help="the prompt text")
@@ -199,6 +228,24 @@ def register(command) -> None:
     from .common import add_devices_flag  # the layer split's flag, shared with `run`
 
     add_devices_flag(p)
+    s = p.add_argument_group("sampling (each overrides the config's `generate:` key of the same "
+                             "name; all absent: greedy)")
+    s.add_argument("--temperature", type=float, metavar="T",
+                   help="divide the logits by T before drawing (default 0: greedy, the most "
+                   "likely token); e.g. 0.7")
+    s.add_argument("--top-k", type=int, metavar="K", help="draw among the K most likely tokens "
+                   f"(default 0: off, which keeps at most {MAX_CANDIDATES})")
+    s.add_argument("--top-p", type=float, metavar="P", help="keep the most likely tokens until "
+                   "their probability reaches P, 0 < P <= 1 (default 1: off)")
+    s.add_argument("--min-p", type=float, metavar="P", help="keep tokens at least P times as "
+                   "likely as the best one, 0 <= P < 1 (default 0: off)")
+    s.add_argument("--repeat-penalty", type=float, metavar="R", help="divide the positive "
+                   "logits (multiply the negative ones) of every token in the prompt and the "
+                   "output so far by R > 0 (default 1: off; with temperature 0 it changes the "
+                   "greedy choice)")
+    s.add_argument("--seed", type=int, metavar="N", help="the draw's seed, 0..2**64-1: the same "
+                   "seed, prompt and flags give the same tokens (default: a fresh seed, "
+                   "printed)")
     p.add_argument("--json", metavar="PATH",
                    help="write the prompt and generated ids, the text and the timing here")
     p.set_defaults(func=cmd_generate)

@@ -39,10 +39,10 @@ log = logging.getLogger(__name__)
 AB_SWITCHES = {"STRATA_PREFILL_GATHER_ONE": "gather_one"}
 
 
-#: what a run record keeps of a greedy_after result (its prefill_s and time to first token
-#: cover only the first argmax there: the prompt's own time is the record's wall_s)
-GENERATE_FIELDS = ("generated", "stop", "decode_s", "decode_tokens_per_s", "host_fraction",
-                   "step_wall_s", "experts_streamed", "bytes_streamed")
+#: what a run record keeps of a generate_after result (its prefill_s and time to first token
+#: cover only the first choice there: the prompt's own time is the record's wall_s)
+GENERATE_FIELDS = ("generated", "stop", "sampling", "decode_s", "decode_tokens_per_s",
+                   "host_fraction", "step_wall_s", "experts_streamed", "bytes_streamed")
 
 
 def set_switch(engine: Any, name: str, value: str) -> None:
@@ -90,20 +90,24 @@ def run_tokenizer(engine: Any) -> Any:
 
 
 def generate_after(engine: Any, logits: Any, n: int, tokenizer: Any, progress: Any,
-                   label: str) -> dict[str, Any]:
-    """The `generate: {tokens: N}` greedy tokens after a prompt the caller prefilled and timed
-    (its logits), printed as ids and text; -> their part of the prompt's JSON record. The
-    decode steps are not part of the prompt's time, and draw no progress line."""
-    from ..text.generate import EngineSession, greedy_after
+                   label: str, sampling: Any = None, prompt_ids: Any = ()) -> dict[str, Any]:
+    """The `generate: {tokens: N}` tokens after a prompt the caller prefilled and timed (its
+    logits, its ids `prompt_ids`), greedy or drawn with `sampling` (the config's), printed as
+    ids and text; -> their part of the prompt's JSON record. The decode steps are not part of
+    the prompt's time, and draw no progress line."""
+    from ..text.generate import EngineSession
+    from ..text.generate import generate_after as decode_after
 
     eos = None if tokenizer is None else tokenizer.eos_token_id
     enabled, progress.enabled = progress.enabled, False
     try:
-        result = greedy_after(EngineSession(engine), logits, n, eos)
+        result = decode_after(EngineSession(engine), logits, n, eos, sampling=sampling,
+                              prompt_ids=prompt_ids)
     finally:
         progress.enabled = enabled
     rate = result.decode_tokens_per_s
-    print(f"{label}: {len(result.ids)} greedy tokens (stop: {result.stop}"
+    how = "greedy" if result.sampling is None else f"sampled (seed {result.sampling.seed})"
+    print(f"{label}: {len(result.ids)} {how} tokens (stop: {result.stop}"
           + ("" if rate is None else f", decode {rate:,.1f} tokens/s") + "): "
           + " ".join(str(t) for t in result.ids), flush=True)
     text = None if tokenizer is None else tokenizer.decode(result.ids)
@@ -152,7 +156,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                     if n_new:
                         record.update(generate_after(
                             engine, logits, n_new, tokenizer, progress,
-                            f"prompt {prompt.index + 1}, repeat {rep + 1}"))
+                            f"prompt {prompt.index + 1}, repeat {rep + 1}", cfg.sampling, h))
                     records.append(record)
                     table.add(run_row(prompt, rep, wall, s, gbps, backend))
                     if stats.phase_table:

@@ -31,6 +31,7 @@ from .engine_config import BACKENDS, EngineConfig
 from .input_files import CONFIG_LIMIT, InputFileError, read_text
 from .outputs import check_output, input_paths, output_collisions
 from .prompts import Prompt, read_token_file
+from .sampling import check_sampling
 from .schema import (
     BUDGET_KEYS,
     TOP_KEYS,
@@ -63,6 +64,7 @@ if TYPE_CHECKING:
     from ..formats.registry import QuantRegistry
     from ..models.qwen3.spec import Qwen3Spec
     from ..models.qwen3.whole_memory import DenseTypes, WholeSizing
+    from ..text.sampling import SamplingParams
 
 __all__ = ["BUDGET_KEYS", "Config", "Output", "Prompt", "auto_chunk", "device_memory_plan",
            "load_config", "read_token_file", "validate"]
@@ -117,8 +119,10 @@ class Config:
 
     #: a whole model's dense weights: auto, resident or stream
     dense: str = "auto"
-    #: greedy tokens `strata run` produces after each prompt (`generate: {tokens: N}`)
+    #: tokens `strata run` produces after each prompt (`generate: {tokens: N}`)
     generate_tokens: int = 0
+    #: how they (and `strata generate`'s) are chosen: `generate:`'s sampling keys; None: greedy
+    sampling: SamplingParams | None = None
 
     @property
     def whole_sizes(self) -> WholeSizing | None:
@@ -324,6 +328,7 @@ def validate(doc: Any, base_dir: Path, source: Path | None = None,
     generate_tokens = check_generate(p, doc, whole is not None,
                                      None if whole is None else context or whole.context,
                                      prompts)
+    sampling = check_sampling(p, doc.get("generate"))
     repeats = integer(p, doc, "", "repeats", minimum=1, default=1, maximum=MAX_REPEATS)
     seed = integer(p, doc, "", "seed", minimum=0, default=0)
 
@@ -358,6 +363,7 @@ def validate(doc: Any, base_dir: Path, source: Path | None = None,
                   output=output, whole=whole, whole_options=whole_options,
                   whole_types=whole_types, context=context,
                   dense=dense, generate_tokens=generate_tokens,
+                  sampling=None if sampling.is_greedy else sampling,
                   stored_format=fmt if gguf is not None and "format" not in doc else None,
                   **budget)
 

@@ -34,6 +34,7 @@ from .host_parts import GGUF_STAGED_LAYERS, host_memory_parts, host_memory_probl
 from .hostmem import MAX_MACHINE
 from .input_files import regular_file_problem
 from .prompts import Prompt, hidden_file_problem, read_token_file
+from .sampling import SAMPLING_KEYS
 from .whole import WHOLE_KEYS
 
 if TYPE_CHECKING:
@@ -59,7 +60,7 @@ _SYNTHETIC_KEYS = ("n_layers", "hidden", "ffn", "n_experts", "top_k", "seed", "r
                    *WHOLE_KEYS)
 _SYNTHETIC_REQUIRED = ("n_layers", "hidden", "ffn", "n_experts", "top_k")
 _PROMPT_KEYS = ("file", "hidden_file")
-_GENERATE_KEYS = ("tokens",)
+_GENERATE_KEYS = ("tokens", *SAMPLING_KEYS)  # the sampling keys: config/sampling.py
 
 
 
@@ -342,15 +343,16 @@ def check_prompts(p: Problems, doc: dict, base: Path, hidden: int | None,
 
 def check_generate(p: Problems, doc: dict, whole_model: bool, context: int | None,
                    prompts: Sequence[Prompt]) -> int:
-    """`generate: {tokens: N}`: the greedy tokens `strata run` adds after each prompt (0 when
-    absent). Only a whole model has logits to choose them from, and the longest prompt plus N
+    """`generate: {tokens: N}`: the tokens `strata run` adds after each prompt (0 when
+    absent; optional beside sampling keys, which `strata generate` reads too). Only a whole model has logits to choose them from, and the longest prompt plus N
     must fit the KV cache (`context`, the positions it holds), checked here rather than after
     the earlier prompts have run."""
     gen = mapping(p, doc, "", "generate", required=False)
     if gen is None:
         return 0
     p.unknown_keys("generate", gen, _GENERATE_KEYS)
-    n = integer(p, gen, "generate", "tokens", minimum=0)
+    sampling_only = any(k in SAMPLING_KEYS for k in gen)
+    n = integer(p, gen, "generate", "tokens", minimum=0, default=0 if sampling_only else MISSING)
     if n is None:
         return 0
     if not whole_model:

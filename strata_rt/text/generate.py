@@ -1,4 +1,4 @@
-"""Greedy decoding: the tokens a whole model writes after a prompt, one per step.
+"""Decoding: the tokens a whole model writes after a prompt, one per step, greedy by default.
 
 The prompt is prefilled once; each step then prefills the single token chosen last, at the
 next position of the KV cache the earlier calls left, and takes the argmax of its logits
@@ -17,6 +17,13 @@ engine (`ReferenceSession`, for tests and checks). Choices a caller should know:
 - the EOS token, when produced, ends the ids (it is included, as transformers includes it);
 - Ctrl-C after the first token ends the run early with stop reason "interrupted" and what
   was produced so far.
+
+Sampling (`generate`/`generate_after` with SamplingParams, strata_rt.text.sampling) replaces
+only the argmax: each step draws from the logits with the prompt and the tokens so far as the
+repetition penalty's ids, the step index (0 for the first new token) and the seed. A session
+that can draw on its device (`sample_on_device`: the CUDA backend) does, else the numpy
+definition runs on the host logits; greedy parameters (temperature 0, no penalty) take the
+argmax path above, unchanged.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import numpy as np
 from ..config.prompts import integer_ids
 from ..errors import ConfigError, StrataError
 from ..report.stats import Stats
+from .sampling import SamplingParams, sample
 
 log = logging.getLogger(__name__)
 
@@ -128,11 +136,18 @@ class EngineSession:
     def reset(self) -> None:
         self.engine.reset()
 
+    def sample_on_device(self, params: SamplingParams, seen: Sequence[int], step: int
+                         ) -> int | None:
+        """The next token drawn where the last prefill left its logits (the CUDA backend:
+        only the id comes back); None when the backend has no device to draw on."""
+        draw = getattr(self.engine.backend, "sample_last", None)
+        return None if draw is None else int(draw(params, seen, step))
+
 
 @dataclass
 class GenerateResult:
-    """What one greedy run produced and how long it took. Times are host clocks around each
-    call (prefill + argmax): what a user waits for."""
+    """What one run produced and how long it took. Times are host clocks around each call
+    (prefill + the token's choice): what a user waits for."""
 
     prompt_tokens: int
     ids: list[int] = field(default_factory=list)
@@ -146,6 +161,8 @@ class GenerateResult:
     step_host_s: list[float | None] = field(default_factory=list)
     experts_streamed: int = 0
     bytes_streamed: int = 0
+    #: the sampling parameters, seed resolved (None: greedy)
+    sampling: SamplingParams | None = None
 
     @property
     def ttft_s(self) -> float | None:
@@ -182,7 +199,8 @@ class GenerateResult:
                 "host_fraction": self.host_fraction, "step_wall_s": list(self.step_wall_s),
                 "step_host_s": list(self.step_host_s),
                 "experts_streamed": self.experts_streamed,
-                "bytes_streamed": self.bytes_streamed}
+                "bytes_streamed": self.bytes_streamed,
+                "sampling": None if self.sampling is None else self.sampling.as_dict()}
 
 
 def check_request(session: LogitsSession, n_prompt: int, max_new: int) -> None:
@@ -226,12 +244,51 @@ def _add(result: GenerateResult, stats: Stats | None) -> float | None:
     return float(stats.host_s) if stats.host_s > 0 else None
 
 
+class Chooser:
+    """Picks each step's token: the argmax (greedy parameters or none), else a draw with the
+    resolved parameters, on the session's device when it has one. Keeps the ids the
+    repetition penalty reads (the prompt, then every token chosen)."""
+
+    def __init__(self, session: LogitsSession, sampling: SamplingParams | None,
+                 prompt_ids: Sequence[int] | np.ndarray = ()):
+        self.params = None if sampling is None or sampling.is_greedy else sampling.resolved()
+        penalised = self.params is not None and self.params.repetition_penalty != 1
+        self.seen: list[int] = [int(t) for t in np.asarray(prompt_ids).reshape(-1)] \
+            if penalised else []
+        self._penalised = penalised
+        self._device = getattr(session, "sample_on_device", None) \
+            if self.params is not None else None
+        self.step = 0
+
+    def __call__(self, logits: np.ndarray, position: int) -> int:
+        token: int | None
+        if self.params is None:
+            token = next_token(logits, position)
+        else:
+            token = self._device(self.params, self.seen, self.step) \
+                if self._device is not None else None
+            if token is None:
+                token = sample(logits, self.params, self.seen, self.step)
+        self.step += 1
+        if self._penalised:
+            self.seen.append(token)
+        return token
+
+
 def greedy(session: LogitsSession, prompt_ids: Sequence[int] | np.ndarray, max_new: int,
            eos_id: int | None, on_token: Callable[[int], None] | None = None
            ) -> GenerateResult:
     """Prefills `prompt_ids` from an empty cache, then produces up to `max_new` tokens, one
     prefill of the last token per step; stops after the EOS token (`eos_id`, None: never).
     `on_token(id)` is called as each token is chosen (streamed output)."""
+    return generate(session, prompt_ids, max_new, eos_id, on_token)
+
+
+def generate(session: LogitsSession, prompt_ids: Sequence[int] | np.ndarray, max_new: int,
+             eos_id: int | None, on_token: Callable[[int], None] | None = None,
+             sampling: SamplingParams | None = None) -> GenerateResult:
+    """`greedy`, with each token chosen by `sampling` (None or greedy parameters: the
+    argmax). The result's `sampling` holds the parameters with the seed used."""
     ids = integer_ids(prompt_ids, "generate")
     check_request(session, int(ids.size), max_new)
     session.reset()
@@ -239,7 +296,8 @@ def greedy(session: LogitsSession, prompt_ids: Sequence[int] | np.ndarray, max_n
     t0 = time.perf_counter()
     logits, stats = session.prefill(ids.astype(np.int64))
     _add(result, stats)
-    return _decode(session, result, logits, max_new, eos_id, on_token, t0)
+    choose = Chooser(session, sampling, ids)
+    return _decode(session, result, logits, max_new, eos_id, on_token, t0, choose)
 
 
 def greedy_after(session: LogitsSession, logits: np.ndarray, max_new: int,
@@ -248,19 +306,31 @@ def greedy_after(session: LogitsSession, logits: np.ndarray, max_new: int,
     """The greedy tokens after a prompt the caller has prefilled itself (its session.kv_length
     tokens, `logits` those of its last position): what `strata run` adds after each timed
     prompt. prefill_s (and the time to first token) then cover only the first argmax."""
+    return generate_after(session, logits, max_new, eos_id, on_token)
+
+
+def generate_after(session: LogitsSession, logits: np.ndarray, max_new: int,
+                   eos_id: int | None, on_token: Callable[[int], None] | None = None,
+                   sampling: SamplingParams | None = None,
+                   prompt_ids: Sequence[int] | np.ndarray = ()) -> GenerateResult:
+    """`greedy_after` with each token chosen by `sampling`; `prompt_ids`, the prompt the
+    caller prefilled, are the repetition penalty's first ids."""
     check_request(session, session.kv_length, max_new)
     result = GenerateResult(prompt_tokens=session.kv_length)
-    return _decode(session, result, logits, max_new, eos_id, on_token, time.perf_counter())
+    choose = Chooser(session, sampling, prompt_ids)
+    return _decode(session, result, logits, max_new, eos_id, on_token, time.perf_counter(),
+                   choose)
 
 
 def _decode(session: LogitsSession, result: GenerateResult, logits: np.ndarray, max_new: int,
-            eos_id: int | None, on_token: Callable[[int], None] | None, t0: float
-            ) -> GenerateResult:
+            eos_id: int | None, on_token: Callable[[int], None] | None, t0: float,
+            choose: Chooser) -> GenerateResult:
     """The decode loop from the prompt's last logits; t0 is when the prompt's prefill began."""
+    result.sampling = choose.params
     if max_new == 0:
         result.prefill_s = time.perf_counter() - t0
         return result
-    token = next_token(logits, session.kv_length - 1)
+    token = choose(logits, session.kv_length - 1)
     result.prefill_s = time.perf_counter() - t0
     result.ids.append(token)
     if on_token is not None:
@@ -269,7 +339,7 @@ def _decode(session: LogitsSession, result: GenerateResult, logits: np.ndarray, 
         while token != eos_id and len(result.ids) < max_new:
             t0 = time.perf_counter()
             logits, stats = session.prefill(np.array([token], np.int64))
-            token = next_token(logits, session.kv_length - 1)
+            token = choose(logits, session.kv_length - 1)
             result.step_wall_s.append(time.perf_counter() - t0)
             result.step_host_s.append(_add(result, stats))
             result.ids.append(token)

@@ -240,6 +240,10 @@ class CudaBackend:
             raise StrataError("no Logits op ran in this chunk")
         return self._logits
 
+    def sample_last(self, params: Any, seen: Any, step: int) -> int:
+        """The next token drawn on the GPU from the last chunk's logits (CudaWhole)."""
+        return self._whole_ops().sample_last(self._device().compute, params, seen, step)
+
     def route_layer(self, layer: int) -> None:
         dev = self._device()
         self.kernels.route(dev.compute, layer, self._T, self._bounds_ptr(layer), self._mark)

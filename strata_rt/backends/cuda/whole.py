@@ -18,6 +18,9 @@ most LOGIT_ROWS rows per GEMM, each row slice copied back before the next (the h
 result). A head not stored as F16 is decoded HEAD_SLICE_ROWS vocabulary rows at a time before
 each slice's GEMM (once per call when one slice holds the vocabulary, else once per row slice).
 Nothing here synchronises except Logits, which the chunk's end would wait for anyway.
+
+A sampled decode step draws its token from the last Logits op's row where the head left it
+(`sample_last`, strata_rt.backends.cuda.sampling_kernels): one id comes back for it.
 """
 
 from __future__ import annotations
@@ -35,8 +38,12 @@ from .dense_decode import DenseDecode, head_slices
 from .dense_kernels import DenseKernels
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from ...models.qwen3.weights import Qwen3Model
     from ...runtime import Runtime, Stream
+    from ...text.sampling import SamplingParams
+    from .sampling_kernels import DeviceSampler
 
 
 def _no_mark(phase: str) -> None:
@@ -90,6 +97,9 @@ class CudaWhole:
         #: decode step captured once and replayed at every position); its host copy
         self._position_host = self._host.view("position", np.int32)
         self.position = 0
+        #: whether head_out holds one row of logits, contiguous (the last Logits op's rows)
+        self._one_row = False
+        self._sampler: DeviceSampler | None = None  # opened by the first sampled step
 
     def _upload(self, stream: Stream) -> None:
         rt, spec, p, layout = self.rt, self.spec, self.ptr, self.layout
@@ -175,6 +185,7 @@ class CudaWhole:
         slices = head_slices(V, self.layout.head_direct)
         first = tokens - 1 if op.rows == "last" else 0
         out = np.empty((tokens - first, V), np.float32)
+        self._one_row = tokens - first == 1  # then head slice v0's logits sit at v0
         w = 0
         for r0 in range(first, tokens, LOGIT_ROWS):
             n = min(LOGIT_ROWS, tokens - r0)
@@ -193,7 +204,22 @@ class CudaWhole:
                     host[v0 * n: (v0 + rows) * n].reshape(n, rows)
         return out
 
+    def sample_last(self, stream: Stream, params: SamplingParams,
+                    seen: Sequence[int], step: int) -> int:
+        """The token drawn on the device from the last Logits op's row, still in head_out
+        (nothing writes it before the next Logits op); seen: the penalty's ids."""
+        if not self._one_row:
+            raise RuntimeError("sampling needs a Logits op over one row (rows=\"last\")")
+        if self._sampler is None:
+            from .sampling_kernels import DeviceSampler
+
+            self._sampler = DeviceSampler(self.rt, self.spec.vocab, self.context)
+        return self._sampler.sample(stream, self.ptr["head_out"], params, seen, step)
+
     def close(self) -> None:
+        if self._sampler is not None:
+            self._sampler.close()
+            self._sampler = None
         if self.dense.cublas is not None:
             self.dense.cublas.destroy()
         self._host = self._store = None  # type: ignore[assignment]

@@ -1,0 +1,107 @@
+"""The sampling kernel's launcher (kernels/model/sampling.cu) and the device sampler a whole
+model's decode uses: the next token drawn on the GPU from the logits the output head left
+there, so that a sampled step brings back one id, as a greedy one could.
+
+`SamplingKernels.sample` is the bare launch (device pointers in, the id written on the device),
+what the GPU tests compare with strata_rt.text.sampling.sample. `DeviceSampler` owns the few
+bytes a decode step needs (the penalised ids, the id, a pinned copy of each) and returns the
+id to the host. The logits are read, never written: the host copy the engine makes of them
+stays what the kernel saw.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ...errors import StrataError
+from ...resources import KERNELS_ROOT
+from ...text.sampling import MAX_CANDIDATES, SamplingParams, distinct_ids, plan
+
+if TYPE_CHECKING:
+    from ...runtime import Runtime, Stream
+
+SAMPLING_SOURCE = KERNELS_ROOT / "model" / "sampling.cu"
+#: SAMPLE_THREADS and SAMPLE_CAP in sampling.cu
+THREADS = 1024
+CAP = MAX_CANDIDATES
+#: what the kernel writes instead of an id
+BAD_LOGITS, ALL_MASKED = -1, -2
+_WHY = {BAD_LOGITS: "the logits hold NaN or +inf; the model or its weights are broken",
+        ALL_MASKED: "every logit is -inf: no token can be drawn"}
+
+
+def shared_bytes(vocab: int) -> int:
+    """Dynamic shared memory of one launch: the candidates (CAP uint64), then the larger of
+    the float64 sums (CAP) and histogram (256 uint32) + scan (THREADS int32) + the penalty's
+    bitmap (one bit per id), as sampling.cu lays them out."""
+    bitmap = (vocab + 31) // 32 * 4
+    return CAP * 8 + max(CAP * 8, 256 * 4 + THREADS * 4 + bitmap)
+
+
+def signed_seed(seed: int) -> int:
+    """A seed 0..2**64-1 as the int64 the launch packs (the kernel reads the same 64 bits)."""
+    return seed - (1 << 64) if seed >= 1 << 63 else seed
+
+
+class SamplingKernels:
+    """The prepared sampling launch on one runtime."""
+
+    def __init__(self, rt: Runtime):
+        self.rt = rt
+        self._kernel = rt.module(SAMPLING_SOURCE).kernel("sample_logits", "PiPiffiddqiP")
+
+    def sample(self, stream: Stream, logits: int, vocab: int, seen: int, n_seen: int,
+               params: SamplingParams, step: int, out: int) -> None:
+        """Enqueues the draw from float32 logits [vocab] at `logits` into int32 out[0]; seen:
+        n_seen distinct int32 ids 0..vocab-1 (the penalty's), params with a seed."""
+        if params.seed is None:
+            raise StrataError("sampling needs a seed: call SamplingParams.resolved() first")
+        if not 0 < vocab < 2**31 or n_seen < 0:
+            raise StrataError(f"sampling over {vocab} logits with {n_seen} penalised ids")
+        sp = plan(params, vocab)
+        self._kernel.launch(grid=(1, 1, 1), block=(THREADS, 1, 1), stream=stream,
+                            args=(logits, vocab, seen, n_seen, float(sp.penalty),
+                                  float(sp.temperature), sp.candidates, sp.top_p, sp.min_p,
+                                  signed_seed(params.seed), int(step), out),
+                            shared=shared_bytes(vocab))
+
+
+class DeviceSampler:
+    """Draws decode steps' tokens on the device for a vocabulary of `vocab` and at most
+    `context` penalised ids (the KV cache's positions: a prompt and its tokens)."""
+
+    def __init__(self, rt: Runtime, vocab: int, context: int):
+        self.rt, self.vocab, self.context = rt, int(vocab), int(context)
+        self.kernels = SamplingKernels(rt)
+        cap = max(1, self.context)
+        self._host = rt.pinned({"seen": cap * 4, "out": 16})
+        self._seen_host = self._host.view("seen", np.int32)
+        self._out_host = self._host.view("out", np.int32)
+        self._dev = rt.device_arena({"seen": cap * 4, "out": 16})
+
+    def sample(self, stream: Stream, logits: int, params: SamplingParams,
+               seen: Sequence[int] | np.ndarray, step: int) -> int:
+        """The id drawn from float32 logits [vocab] at device address `logits` (waits for it:
+        the id is the host's)."""
+        ids = (distinct_ids(seen, self.vocab) if params.repetition_penalty != 1
+               else np.zeros(0, np.int32))
+        if ids.size > self.context:
+            raise StrataError(f"{ids.size} penalised ids; this sampler holds {self.context}")
+        if ids.size:
+            self._seen_host[: ids.size] = ids
+            self.rt.memcpy_htod(self._dev.ptr("seen"), self._seen_host[: ids.size], stream)
+        self.kernels.sample(stream, logits, self.vocab, self._dev.ptr("seen"), int(ids.size),
+                            params, step, self._dev.ptr("out"))
+        self.rt.memcpy_dtoh(self._out_host[:1], self._dev.ptr("out"), stream)
+        stream.synchronize()
+        token = int(self._out_host[0])
+        if token < 0:
+            raise StrataError(_WHY.get(token, f"the sampling kernel wrote {token}"))
+        return token
+
+    def close(self) -> None:
+        self._dev.free()
+        self._host.free()
