@@ -23,6 +23,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -43,6 +44,21 @@ def h2d_ceiling() -> float | None:
     if not torch.cuda.is_available():
         return None
     return pinned_h2d_gb_s(torch, {"64mib": 64 * MIB})["64mib"]
+
+
+def time_prefill(engine: Any, ids: Any, warmups: int, reps: int) -> tuple[list[float], Any]:
+    """`warmups` untimed prefills of `ids`, then `reps` timed ones, each from an empty KV
+    cache -> (host-clock seconds of each timed call, logits included; the last call's Stats)."""
+    for _ in range(warmups):
+        engine.reset()
+        engine.prefill(ids)
+    walls, last = [], None
+    for _ in range(max(1, reps)):
+        engine.reset()
+        t = time.perf_counter()
+        _, last = engine.prefill(ids)
+        walls.append(time.perf_counter() - t)
+    return walls, last
 
 
 def main() -> int:
@@ -73,17 +89,7 @@ def main() -> int:
               f"{'n/a' if ceiling is None else f'{ceiling:.1f} GB/s'}", flush=True)
         for prompt in cfg.prompts:
             ids = prompt.token_ids(cfg.whole.vocab, cfg.seed)
-            for _ in range(args.warmups):
-                engine.reset()
-                engine.prefill(ids)
-            walls, last = [], None
-            for _ in range(args.reps):
-                engine.reset()
-                t = time.perf_counter()
-                _, st = engine.prefill(ids)
-                walls.append(time.perf_counter() - t)
-                last = st
-            assert last is not None
+            walls, last = time_prefill(engine, ids, args.warmups, args.reps)
             wall = statistics.median(walls)
             gbps = last.bytes_streamed / wall / 1e9
             floor = None if ceiling is None else last.bytes_streamed / (ceiling * 1e9)
