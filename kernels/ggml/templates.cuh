@@ -110,8 +110,6 @@ struct GgmlSrcs16 { const uint8_t* v[16]; };
 namespace ggml {
 
 // ------------------------------------------------------------------------------ gather
-constexpr int GATHER_UNROLL = 4;
-
 template <class D>
 __device__ __forceinline__ void gather_run(const GgmlSrcs16& srcs, uint8_t* dst,
                                            long long image_bytes, long long values,
@@ -131,28 +129,16 @@ __device__ __forceinline__ void gather_run(const GgmlSrcs16& srcs, uint8_t* dst,
     uint4* out = reinterpret_cast<uint4*>(dst + (long long)(first_pos + y) * image_bytes);
     const long long chunks = values / 8;
     const long long step = (long long)gridDim.x * blockDim.x;
-    // GATHER_UNROLL chunks per thread and pass, all decoded before any is stored, so their
-    // block reads are in flight together (a chunk reads only 8 values' worth of blocks: one
-    // at a time would leave HBM waiting on latency). A chunk past the end decodes chunk c
-    // again and is not stored: no branch stands between the loads.
-    for (long long c = (long long)blockIdx.x * blockDim.x + threadIdx.x; c < chunks;
-         c += GATHER_UNROLL * step) {
-        Pair v[GATHER_UNROLL][4];
+    for (long long c = (long long)blockIdx.x * blockDim.x + threadIdx.x; c < chunks; c += step) {
+        Pair v[4];
+        chunk8_of<D>(src, c, v);
+        unsigned w[4];
 #pragma unroll
-        for (int u = 0; u < GATHER_UNROLL; ++u) {
-            const long long cu = c + u * step;
-            chunk8_of<D>(src, cu < chunks ? cu : c, v[u]);
+        for (int p = 0; p < 4; ++p) {
+            const __half2 h = __floats2half2_rn(v[p].x, v[p].y);  // value 8c + 2p: low half
+            w[p] = *reinterpret_cast<const unsigned*>(&h);
         }
-#pragma unroll
-        for (int u = 0; u < GATHER_UNROLL; ++u) {
-            unsigned w[4];
-#pragma unroll
-            for (int p = 0; p < 4; ++p) {
-                const __half2 h = __floats2half2_rn(v[u][p].x, v[u][p].y);  // value 8c + 2p: low
-                w[p] = *reinterpret_cast<const unsigned*>(&h);
-            }
-            if (c + u * step < chunks) out[c + u * step] = make_uint4(w[0], w[1], w[2], w[3]);
-        }
+        out[c] = make_uint4(w[0], w[1], w[2], w[3]);
     }
 }
 
