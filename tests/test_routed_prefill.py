@@ -124,9 +124,11 @@ def test_cuda_routed_plan_equals_the_walk(monkeypatch, fmt, dense) -> None:
     """On the GPU, three prompts of two lengths (the second run of a length replays its
     captured graph): the routed plan's logits equal the walk's byte for byte, and it streams
     fewer bytes than the walk copies."""
-    model = Qwen3Model.synthetic(SPEC, 6, fmt)
+    spec = Qwen3Spec(n_layers=2, hidden=256, n_heads=4, n_kv_heads=2, head_dim=64, vocab=300,
+                     ffn=256, n_experts=32, top_k=4, context=512)  # a head the GPU kernels have
+    model = Qwen3Model.synthetic(spec, 6, fmt)
     rng = np.random.default_rng(12)
-    prompts = [rng.integers(0, SPEC.vocab, n) for n in (48, 48, 100)]
+    prompts = [rng.integers(0, spec.vocab, n) for n in (48, 48, 100)]
     got = {}
     for stream in ("walk", "routed"):
         monkeypatch.setenv("STRATA_PREFILL_STREAM", stream)
