@@ -98,7 +98,7 @@ def test_auto_takes_the_routed_plan_once_a_length_routes_few_experts(model, monk
 
 
 def test_chooser_rule() -> None:
-    c = StreamChooser(share=0.5, max_tokens=4096)
+    c = StreamChooser(share=0.5, max_tokens=4096)  # a round share for the arithmetic
     assert c.choose(254, 1000) == "walk"  # nothing measured
     c.observe(1030, 400)
     assert c.estimate(254) == 400 and c.estimate(2000) is None

@@ -28,9 +28,9 @@ from typing import Literal
 #: top-8 of 128 experts a chunk of a few thousand tokens routes nearly every expert
 ROUTED_MAX_TOKENS = 4096
 #: the routed plan is taken when its measured bytes are below this share of the walk's: its
-#: reads run on the compute lane at the gathers' PCIe rate instead of beside the compute at
-#: the copy engine's (bench/notes.md records the two rates on an H200)
-ROUTED_BYTE_SHARE = 0.5
+#: reads run on the compute lane at the gathers' PCIe rate, which an H200 measured at 0.44 of
+#: the copy engine's beside the compute (bench/notes.md W44)
+ROUTED_BYTE_SHARE = 0.45
 
 StreamMode = Literal["walk", "routed"]
 
