@@ -43,6 +43,17 @@ template <> struct Decode<Type::Q2_K> : Traits<Type::Q2_K> {
         return {GGML_SUB(GGML_MUL(dl, (float)crumb256(b + 16, i)), ml),
                 GGML_SUB(GGML_MUL(dl, (float)crumb256(b + 16, i + 1)), ml)};
     }
+    GGML_HD static void chunk8(const uint8_t* b, int i, Pair (&out)[4]) {
+        const uint32_t sc = b[i >> 4];
+        const float dl = GGML_MUL(f16_at(b + 80), (float)(sc & 15u));
+        const float ml = GGML_MUL(f16_at(b + 82), (float)(sc >> 4));
+        const uint8_t* q = b + 16 + (i >> 7) * 32 + (i & 31);
+        const int sh = 2 * ((i >> 5) & 3);
+GGML_UNROLL
+        for (int p = 0; p < 4; ++p)
+            out[p] = {GGML_SUB(GGML_MUL(dl, (float)((q[2 * p] >> sh) & 3u)), ml),
+                      GGML_SUB(GGML_MUL(dl, (float)((q[2 * p + 1] >> sh) & 3u)), ml)};
+    }
 };
 
 // high-bit mask at 0, 2-bit quants at 32, 6-bit scales at 96 (low nibbles in bytes 0..7, top
@@ -59,6 +70,21 @@ template <> struct Decode<Type::Q3_K> : Traits<Type::Q3_K> {
         const float dl = GGML_MUL(f16_at(b + 108), (float)((int)(lo | (hi << 4)) - 32));
         return {GGML_MUL(dl, q(b, i)), GGML_MUL(dl, q(b, i + 1))};
     }
+    GGML_HD static void chunk8(const uint8_t* b, int i, Pair (&out)[4]) {
+        const int k = i >> 4;
+        const uint32_t lo = (b[96 + (k & 7)] >> (4 * (k >> 3))) & 15u;
+        const uint32_t hi = (b[104 + (k & 3)] >> (2 * (k >> 2))) & 3u;
+        const float dl = GGML_MUL(f16_at(b + 108), (float)((int)(lo | (hi << 4)) - 32));
+        const uint8_t* q2 = b + 32 + (i >> 7) * 32 + (i & 31);
+        const uint8_t* m = b + (i & 31);
+        const int sh = 2 * ((i >> 5) & 3), hb = i >> 5;
+GGML_UNROLL
+        for (int t = 0; t < 8; t += 2) {
+            const int q0 = (int)((q2[t] >> sh) & 3u) - 4 * (int)(((m[t] >> hb) & 1u) ^ 1u);
+            const int q1 = (int)((q2[t + 1] >> sh) & 3u) - 4 * (int)(((m[t + 1] >> hb) & 1u) ^ 1u);
+            out[t / 2] = {GGML_MUL(dl, (float)q0), GGML_MUL(dl, (float)q1)};
+        }
+    }
 };
 
 // d at 0, dmin at 2, packed scales/mins at 4, nibbles at 16:
@@ -71,6 +97,18 @@ template <> struct Decode<Type::Q4_K> : Traits<Type::Q4_K> {
         const float ml = GGML_MUL(f16_at(b + 2), (float)mn);
         return {GGML_SUB(GGML_MUL(dl, (float)nibble256(b + 16, i)), ml),
                 GGML_SUB(GGML_MUL(dl, (float)nibble256(b + 16, i + 1)), ml)};
+    }
+    GGML_HD static void chunk8(const uint8_t* b, int i, Pair (&out)[4]) {
+        uint32_t sc, mn;
+        scale_min_k4(b + 4, i >> 5, sc, mn);
+        const float dl = GGML_MUL(f16_at(b), (float)sc);
+        const float ml = GGML_MUL(f16_at(b + 2), (float)mn);
+        const uint8_t* q = b + 16 + (i >> 6) * 32 + (i & 31);
+        const int sh = 4 * ((i >> 5) & 1);
+GGML_UNROLL
+        for (int p = 0; p < 4; ++p)
+            out[p] = {GGML_SUB(GGML_MUL(dl, (float)((q[2 * p] >> sh) & 15u)), ml),
+                      GGML_SUB(GGML_MUL(dl, (float)((q[2 * p + 1] >> sh) & 15u)), ml)};
     }
 };
 
@@ -86,6 +124,22 @@ template <> struct Decode<Type::Q5_K> : Traits<Type::Q5_K> {
         const float ml = GGML_MUL(f16_at(b + 2), (float)mn);
         return {GGML_SUB(GGML_MUL(dl, q(b, i)), ml), GGML_SUB(GGML_MUL(dl, q(b, i + 1)), ml)};
     }
+    GGML_HD static void chunk8(const uint8_t* b, int i, Pair (&out)[4]) {
+        uint32_t sc, mn;
+        scale_min_k4(b + 4, i >> 5, sc, mn);
+        const float dl = GGML_MUL(f16_at(b), (float)sc);
+        const float ml = GGML_MUL(f16_at(b + 2), (float)mn);
+        const uint8_t* ql = b + 48 + (i >> 6) * 32 + (i & 31);
+        const uint8_t* qh = b + 16 + (i & 31);
+        const int sh = 4 * ((i >> 5) & 1), hb = i >> 5;
+GGML_UNROLL
+        for (int t = 0; t < 8; t += 2) {
+            const uint32_t q0 = ((ql[t] >> sh) & 15u) | (((qh[t] >> hb) & 1u) << 4);
+            const uint32_t q1 = ((ql[t + 1] >> sh) & 15u) | (((qh[t + 1] >> hb) & 1u) << 4);
+            out[t / 2] = {GGML_SUB(GGML_MUL(dl, (float)q0), ml),
+                          GGML_SUB(GGML_MUL(dl, (float)q1), ml)};
+        }
+    }
 };
 
 // low nibbles at 0 (value j: byte (j/128)*64 + j%64, nibble (j/64)%2), 2-bit highs at 128
@@ -99,6 +153,19 @@ template <> struct Decode<Type::Q6_K> : Traits<Type::Q6_K> {
     GGML_HD static Pair pair(const uint8_t* b, int i) {
         const float dl = GGML_MUL(f16_at(b + 208), (float)(int8_t)b[192 + (i >> 4)]);
         return {GGML_MUL(dl, q(b, i)), GGML_MUL(dl, q(b, i + 1))};
+    }
+    GGML_HD static void chunk8(const uint8_t* b, int i, Pair (&out)[4]) {
+        const float dl = GGML_MUL(f16_at(b + 208), (float)(int8_t)b[192 + (i >> 4)]);
+        const uint8_t* ql = b + (i >> 7) * 64 + (i & 63);
+        const uint8_t* qh = b + 128 + (i >> 7) * 32 + (i & 31);
+        const int sl = 4 * ((i >> 6) & 1), shh = 2 * ((i >> 5) & 3);
+GGML_UNROLL
+        for (int t = 0; t < 8; t += 2) {
+            const int q0 = (int)(((ql[t] >> sl) & 15u) | (((qh[t] >> shh) & 3u) << 4)) - 32;
+            const int q1 =
+                (int)(((ql[t + 1] >> sl) & 15u) | (((qh[t + 1] >> shh) & 3u) << 4)) - 32;
+            out[t / 2] = {GGML_MUL(dl, (float)q0), GGML_MUL(dl, (float)q1)};
+        }
     }
 };
 
@@ -115,6 +182,18 @@ template <> struct Decode<Type::IQ4_XS> : Traits<Type::IQ4_XS> {
         const uint32_t hi = (load_u16(b + 2) >> (2 * s)) & 3u;
         const float dl = GGML_MUL(f16_at(b), (float)((int)(lo | (hi << 4)) - 32));
         return {GGML_MUL(dl, level(b, i)), GGML_MUL(dl, level(b, i + 1))};
+    }
+    GGML_HD static void chunk8(const uint8_t* b, int i, Pair (&out)[4]) {
+        const int s = i >> 5;
+        const uint32_t lo = (b[4 + (s >> 1)] >> (4 * (s & 1))) & 15u;
+        const uint32_t hi = (load_u16(b + 2) >> (2 * s)) & 3u;
+        const float dl = GGML_MUL(f16_at(b), (float)((int)(lo | (hi << 4)) - 32));
+        const uint8_t* q = b + 8 + 16 * s + (i & 15);
+        const int sh = ((i & 31) >> 4) << 2;
+GGML_UNROLL
+        for (int t = 0; t < 8; t += 2)
+            out[t / 2] = {GGML_MUL(dl, (float)GGML_IQ4NL_VALUES[(q[t] >> sh) & 15u]),
+                          GGML_MUL(dl, (float)GGML_IQ4NL_VALUES[(q[t + 1] >> sh) & 15u])};
     }
 };
 

@@ -29,6 +29,21 @@ template <class D> GGML_HD Pair pair_of(const uint8_t* src, long long v) {
     return {p.x, p.y};
 }
 
+// A decoder may also give `static void chunk8(const uint8_t* block, int i, Pair (&out)[4])`:
+// values i .. i + 7 (i a multiple of 8) as four pairs, the same bits as four pair() calls, with
+// what the eight share (a sub-block's scale, its bit positions) worked out once. The walks
+// below take it where it exists (chunk8_hook: the int overload wins overload resolution when
+// D::chunk8 is well formed), four pair() calls otherwise.
+template <class D>
+GGML_HD auto chunk8_hook(const uint8_t* b, int i, Pair (&out)[4], int)
+    -> decltype(D::chunk8(b, i, out), bool()) {
+    D::chunk8(b, i, out);
+    return true;
+}
+template <class D> GGML_HD bool chunk8_hook(const uint8_t*, int, Pair (&)[4], long) {
+    return false;
+}
+
 // Values 8c .. 8c + 7 of a run of blocks as four pairs: what one gather thread writes (one
 // 16-byte store). Every block holds 1 or a multiple of 8 values, so the 8 share one block (or
 // are 8 consecutive 1-value blocks) and the block is addressed once.
@@ -45,6 +60,7 @@ GGML_UNROLL
         const long long v = 8 * c;
         const uint8_t* b = src + (v / D::block_values) * D::block_bytes;
         const int i = (int)(v % D::block_values);
+        if (chunk8_hook<D>(b, i, out, 0)) return;
 GGML_UNROLL
         for (int p = 0; p < 4; ++p) {
             const auto w = D::pair(b, i + 2 * p);
