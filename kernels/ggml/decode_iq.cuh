@@ -10,82 +10,89 @@ namespace ggml {
 // byte j of a packed grid entry
 GGML_HD float grid_byte(uint64_t entry, int j) { return (float)((entry >> (8 * j)) & 0xffu); }
 
+// what the eight values of a grid entry share: the scaled d, the entry (IQ2; IQ3 types look
+// theirs up per 4 values in value()) and the sign bits
+struct GridScale {
+    float db;
+    uint64_t entry;
+    uint32_t signs;
+};
+
 // fp16 d at 0; per 32 values a u32 of four grid bytes and a u32 of four 7-bit sign indices and
 // a 4-bit scale (top): value = ((d * (0.5 + scale)) * 0.25) * grid * sign
-template <> struct Decode<Type::IQ2_XXS> : Traits<Type::IQ2_XXS> {
-    GGML_HD static Pair pair(const uint8_t* b, int i) {
+template <> struct Decode<Type::IQ2_XXS> : Traits<Type::IQ2_XXS>, SubBlock<Decode<Type::IQ2_XXS>> {
+    GGML_HD static GridScale scale(const uint8_t* b, int i) {
         const uint8_t* sub = b + 2 + 8 * (i >> 5);
         const uint32_t aux = load_u32(sub + 4);
-        const float db = GGML_MUL(GGML_MUL(f16_at(b), GGML_ADD(0.5f, (float)(aux >> 28))), 0.25f);
         const int g = (i >> 3) & 3;
-        const uint64_t entry = GGML_IQ2XXS_GRID[sub[g]];
-        const uint32_t signs = (aux >> (7 * g)) & 127u;
-        const int l = i & 7;
-        return {GGML_MUL(GGML_MUL(db, grid_byte(entry, l)), sign_of(parity_sign(signs, l))),
-                GGML_MUL(GGML_MUL(db, grid_byte(entry, l + 1)),
-                         sign_of(parity_sign(signs, l + 1)))};
+        return {GGML_MUL(GGML_MUL(f16_at(b), GGML_ADD(0.5f, (float)(aux >> 28))), 0.25f),
+                GGML_IQ2XXS_GRID[sub[g]], (aux >> (7 * g)) & 127u};
+    }
+    GGML_HD static float value(const uint8_t*, int j, const GridScale& s) {
+        const int l = j & 7;
+        return GGML_MUL(GGML_MUL(s.db, grid_byte(s.entry, l)), sign_of(parity_sign(s.signs, l)));
     }
 };
 
 // d at 0; per 8 values a u16 at 2 (low 9 bits: grid index, top 7: sign index); 4-bit scales
 // per 16 values at 66: value = ((d * (0.5 + scale)) * 0.25) * grid * sign
-template <> struct Decode<Type::IQ2_XS> : Traits<Type::IQ2_XS> {
-    GGML_HD static Pair pair(const uint8_t* b, int i) {
+template <> struct Decode<Type::IQ2_XS> : Traits<Type::IQ2_XS>, SubBlock<Decode<Type::IQ2_XS>> {
+    GGML_HD static GridScale scale(const uint8_t* b, int i) {
         const int s = i >> 4;
         const uint32_t sc = (b[66 + (s >> 1)] >> (4 * (s & 1))) & 15u;
-        const float db = GGML_MUL(GGML_MUL(f16_at(b), GGML_ADD(0.5f, (float)sc)), 0.25f);
         const uint32_t q = load_u16(b + 2 + 2 * (i >> 3));
-        const uint64_t entry = GGML_IQ2XS_GRID[q & 511u];
-        const int l = i & 7;
-        return {GGML_MUL(GGML_MUL(db, grid_byte(entry, l)), sign_of(parity_sign(q >> 9, l))),
-                GGML_MUL(GGML_MUL(db, grid_byte(entry, l + 1)),
-                         sign_of(parity_sign(q >> 9, l + 1)))};
+        return {GGML_MUL(GGML_MUL(f16_at(b), GGML_ADD(0.5f, (float)sc)), 0.25f),
+                GGML_IQ2XS_GRID[q & 511u], q >> 9};
+    }
+    GGML_HD static float value(const uint8_t* b, int j, const GridScale& s) {
+        return Decode<Type::IQ2_XXS>::value(b, j, s);
     }
 };
 
 // d at 0, low 8 bits of the grid indices at 2, sign bytes at 34, the indices' top 2 bits at 66
 // (2 per index), 4-bit scales per 16 values at 74:
 // value = ((d * (0.5 + scale)) * 0.25) * grid * sign
-template <> struct Decode<Type::IQ2_S> : Traits<Type::IQ2_S> {
-    GGML_HD static Pair pair(const uint8_t* b, int i) {
-        const int s = i >> 4, g = i >> 3, l = i & 7;
+template <> struct Decode<Type::IQ2_S> : Traits<Type::IQ2_S>, SubBlock<Decode<Type::IQ2_S>> {
+    GGML_HD static GridScale scale(const uint8_t* b, int i) {
+        const int s = i >> 4, g = i >> 3;
         const uint32_t sc = (b[74 + (s >> 1)] >> (4 * (s & 1))) & 15u;
-        const float db = GGML_MUL(GGML_MUL(f16_at(b), GGML_ADD(0.5f, (float)sc)), 0.25f);
         const uint32_t idx = b[2 + g] | (((uint32_t)(b[66 + (g >> 2)] >> (2 * (g & 3))) & 3u) << 8);
-        const uint64_t entry = GGML_IQ2S_GRID[idx];
-        const uint32_t signs = b[34 + g];
-        return {GGML_MUL(GGML_MUL(db, grid_byte(entry, l)), sign_of((signs >> l) & 1u)),
-                GGML_MUL(GGML_MUL(db, grid_byte(entry, l + 1)), sign_of((signs >> (l + 1)) & 1u))};
+        return {GGML_MUL(GGML_MUL(f16_at(b), GGML_ADD(0.5f, (float)sc)), 0.25f),
+                GGML_IQ2S_GRID[idx], b[34 + g]};
+    }
+    GGML_HD static float value(const uint8_t*, int j, const GridScale& s) {
+        const int l = j & 7;
+        return GGML_MUL(GGML_MUL(s.db, grid_byte(s.entry, l)), sign_of((s.signs >> l) & 1u));
     }
 };
 
 // d at 0, grid indices (one per 4 values) at 2, per 32 values a u32 at 66 of four 7-bit sign
 // indices and a 4-bit scale (top): value = ((d * (0.5 + scale)) * 0.5) * grid * sign
-template <> struct Decode<Type::IQ3_XXS> : Traits<Type::IQ3_XXS> {
-    GGML_HD static Pair pair(const uint8_t* b, int i) {
+template <> struct Decode<Type::IQ3_XXS> : Traits<Type::IQ3_XXS>, SubBlock<Decode<Type::IQ3_XXS>> {
+    GGML_HD static GridScale scale(const uint8_t* b, int i) {
         const uint32_t aux = load_u32(b + 66 + 4 * (i >> 5));
-        const float db = GGML_MUL(GGML_MUL(f16_at(b), GGML_ADD(0.5f, (float)(aux >> 28))), 0.5f);
-        const uint32_t entry = GGML_IQ3XXS_GRID[b[2 + (i >> 2)]];
-        const uint32_t signs = (aux >> (7 * ((i >> 3) & 3))) & 127u;
-        const int l = i & 7, k = i & 3;
-        return {GGML_MUL(GGML_MUL(db, grid_byte(entry, k)), sign_of(parity_sign(signs, l))),
-                GGML_MUL(GGML_MUL(db, grid_byte(entry, k + 1)),
-                         sign_of(parity_sign(signs, l + 1)))};
+        return {GGML_MUL(GGML_MUL(f16_at(b), GGML_ADD(0.5f, (float)(aux >> 28))), 0.5f), 0,
+                (aux >> (7 * ((i >> 3) & 3))) & 127u};
+    }
+    GGML_HD static float value(const uint8_t* b, int j, const GridScale& s) {
+        const uint32_t entry = GGML_IQ3XXS_GRID[b[2 + (j >> 2)]];
+        return GGML_MUL(GGML_MUL(s.db, grid_byte(entry, j & 3)), sign_of(parity_sign(s.signs, j & 7)));
     }
 };
 
 // d at 0, low 8 bits of the grid indices at 2, their ninth bits at 66, sign bytes at 74, 4-bit
 // scales per 32 values at 106: value = (d * (1 + 2 * scale)) * grid * sign
-template <> struct Decode<Type::IQ3_S> : Traits<Type::IQ3_S> {
-    GGML_HD static Pair pair(const uint8_t* b, int i) {
-        const int s = i >> 5, gi = i >> 2, k = i & 3, l = i & 7;
+template <> struct Decode<Type::IQ3_S> : Traits<Type::IQ3_S>, SubBlock<Decode<Type::IQ3_S>> {
+    GGML_HD static GridScale scale(const uint8_t* b, int i) {
+        const int s = i >> 5;
         const uint32_t sc = (b[106 + (s >> 1)] >> (4 * (s & 1))) & 15u;
-        const float db = GGML_MUL(f16_at(b), (float)(1u + 2u * sc));
+        return {GGML_MUL(f16_at(b), (float)(1u + 2u * sc)), 0, b[74 + (i >> 3)]};
+    }
+    GGML_HD static float value(const uint8_t* b, int j, const GridScale& s) {
+        const int gi = j >> 2, l = j & 7;
         const uint32_t idx = b[2 + gi] | (((uint32_t)(b[66 + (gi >> 3)] >> (gi & 7)) & 1u) << 8);
         const uint32_t entry = GGML_IQ3S_GRID[idx];
-        const uint32_t signs = b[74 + (i >> 3)];
-        return {GGML_MUL(GGML_MUL(db, grid_byte(entry, k)), sign_of((signs >> l) & 1u)),
-                GGML_MUL(GGML_MUL(db, grid_byte(entry, k + 1)), sign_of((signs >> (l + 1)) & 1u))};
+        return GGML_MUL(GGML_MUL(s.db, grid_byte(entry, j & 3)), sign_of((s.signs >> l) & 1u));
     }
 };
 
@@ -94,18 +101,26 @@ GGML_HD float iq1_grid(uint32_t idx, int j) {
     return (float)((int)((GGML_IQ1_GRID[idx] >> (2 * j)) & 3u) - 1);
 }
 
+// what the eight values of an IQ1 grid entry share: the scaled d, the entry index, the delta
+struct Iq1Scale {
+    float dl;
+    uint32_t idx;
+    float delta;
+};
+
 // d at 0, low 8 bits of the grid indices at 2, per 32 values a u16 at 34 (3 high index bits
 // per 8 values, a 3-bit scale at bit 12, the delta's sign at bit 15):
 // value = (d * (2 * scale + 1)) * (grid + delta)
-template <> struct Decode<Type::IQ1_S> : Traits<Type::IQ1_S> {
-    GGML_HD static Pair pair(const uint8_t* b, int i) {
+template <> struct Decode<Type::IQ1_S> : Traits<Type::IQ1_S>, SubBlock<Decode<Type::IQ1_S>> {
+    GGML_HD static Iq1Scale scale(const uint8_t* b, int i) {
         const uint32_t h = load_u16(b + 34 + 2 * (i >> 5));
-        const float dl = GGML_MUL(f16_at(b), (float)(2u * ((h >> 12) & 7u) + 1u));
-        const float delta = (h & 0x8000u) ? -GGML_IQ1_DELTA : GGML_IQ1_DELTA;
-        const int g = i >> 3, l = i & 7;
-        const uint32_t idx = b[2 + g] | (((h >> (3 * (g & 3))) & 7u) << 8);
-        return {GGML_MUL(dl, GGML_ADD(iq1_grid(idx, l), delta)),
-                GGML_MUL(dl, GGML_ADD(iq1_grid(idx, l + 1), delta))};
+        const int g = i >> 3;
+        return {GGML_MUL(f16_at(b), (float)(2u * ((h >> 12) & 7u) + 1u)),
+                b[2 + g] | (((h >> (3 * (g & 3))) & 7u) << 8),
+                (h & 0x8000u) ? -GGML_IQ1_DELTA : GGML_IQ1_DELTA};
+    }
+    GGML_HD static float value(const uint8_t*, int j, const Iq1Scale& s) {
+        return GGML_MUL(s.dl, GGML_ADD(iq1_grid(s.idx, j & 7), s.delta));
     }
 };
 
@@ -113,20 +128,20 @@ template <> struct Decode<Type::IQ1_S> : Traits<Type::IQ1_S> {
 // delta's sign), four u16 at 48 holding 3-bit scales per 16 values in bits 0..11 and the fp16
 // d in their top nibbles (word k: bits 4k..4k+3 of d):
 // value = (d * (2 * scale + 1)) * (grid + delta)
-template <> struct Decode<Type::IQ1_M> : Traits<Type::IQ1_M> {
-    GGML_HD static Pair pair(const uint8_t* b, int i) {
+template <> struct Decode<Type::IQ1_M> : Traits<Type::IQ1_M>, SubBlock<Decode<Type::IQ1_M>> {
+    GGML_HD static Iq1Scale scale(const uint8_t* b, int i) {
         const uint32_t s0 = load_u16(b + 48), s1 = load_u16(b + 50);
         const uint32_t s2 = load_u16(b + 52), s3 = load_u16(b + 54);
         const float d = f16_to_f32((s0 >> 12) | ((s1 >> 8) & 0xf0u) | ((s2 >> 4) & 0xf00u) |
                                    (s3 & 0xf000u));
-        const int t = i >> 4, g = i >> 3, l = i & 7;
+        const int t = i >> 4, g = i >> 3;
         const uint32_t sc = (load_u16(b + 48 + 2 * (t >> 2)) >> (3 * (t & 3))) & 7u;
-        const float dl = GGML_MUL(d, (float)(2u * sc + 1u));
         const uint32_t qh = (uint32_t)(b[32 + (g >> 1)] >> (4 * (g & 1)));
-        const uint32_t idx = b[g] | ((qh & 7u) << 8);
-        const float delta = (qh & 8u) ? -GGML_IQ1_DELTA : GGML_IQ1_DELTA;
-        return {GGML_MUL(dl, GGML_ADD(iq1_grid(idx, l), delta)),
-                GGML_MUL(dl, GGML_ADD(iq1_grid(idx, l + 1), delta))};
+        return {GGML_MUL(d, (float)(2u * sc + 1u)), b[g] | ((qh & 7u) << 8),
+                (qh & 8u) ? -GGML_IQ1_DELTA : GGML_IQ1_DELTA};
+    }
+    GGML_HD static float value(const uint8_t* b, int j, const Iq1Scale& s) {
+        return Decode<Type::IQ1_S>::value(b, j, s);
     }
 };
 

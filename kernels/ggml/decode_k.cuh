@@ -33,167 +33,85 @@ GGML_HD void scale_min_k4(const uint8_t* s, int k, uint32_t& sc, uint32_t& mn) {
     }
 }
 
+// a sub-block's factors: value = d * q - m (m = 0 where a type has no min)
+struct DM {
+    float d, m;
+};
+
 // scales (lo nibble: scale, hi: min) at 0, 2-bit quants at 16, d at 80, dmin at 82:
 // value = (d * scale) * q - dmin * min
-template <> struct Decode<Type::Q2_K> : Traits<Type::Q2_K> {
-    GGML_HD static Pair pair(const uint8_t* b, int i) {
+template <> struct Decode<Type::Q2_K> : Traits<Type::Q2_K>, SubBlock<Decode<Type::Q2_K>> {
+    GGML_HD static DM scale(const uint8_t* b, int i) {
         const uint32_t sc = b[i >> 4];
-        const float dl = GGML_MUL(f16_at(b + 80), (float)(sc & 15u));
-        const float ml = GGML_MUL(f16_at(b + 82), (float)(sc >> 4));
-        return {GGML_SUB(GGML_MUL(dl, (float)crumb256(b + 16, i)), ml),
-                GGML_SUB(GGML_MUL(dl, (float)crumb256(b + 16, i + 1)), ml)};
+        return {GGML_MUL(f16_at(b + 80), (float)(sc & 15u)), GGML_MUL(f16_at(b + 82), (float)(sc >> 4))};
     }
-    GGML_HD static void chunk8(const uint8_t* b, int i, Pair (&out)[4]) {
-        const uint32_t sc = b[i >> 4];
-        const float dl = GGML_MUL(f16_at(b + 80), (float)(sc & 15u));
-        const float ml = GGML_MUL(f16_at(b + 82), (float)(sc >> 4));
-        const uint8_t* q = b + 16 + (i >> 7) * 32 + (i & 31);
-        const int sh = 2 * ((i >> 5) & 3);
-GGML_UNROLL
-        for (int p = 0; p < 4; ++p)
-            out[p] = {GGML_SUB(GGML_MUL(dl, (float)((q[2 * p] >> sh) & 3u)), ml),
-                      GGML_SUB(GGML_MUL(dl, (float)((q[2 * p + 1] >> sh) & 3u)), ml)};
+    GGML_HD static float value(const uint8_t* b, int j, DM s) {
+        return GGML_SUB(GGML_MUL(s.d, (float)crumb256(b + 16, j)), s.m);
     }
 };
 
 // high-bit mask at 0, 2-bit quants at 32, 6-bit scales at 96 (low nibbles in bytes 0..7, top
 // 2 bits in bytes 8..11), d at 108: value = (d * (scale - 32)) * (q - (mask bit clear ? 4 : 0))
-template <> struct Decode<Type::Q3_K> : Traits<Type::Q3_K> {
-    GGML_HD static float q(const uint8_t* b, int j) {
+template <> struct Decode<Type::Q3_K> : Traits<Type::Q3_K>, SubBlock<Decode<Type::Q3_K>> {
+    GGML_HD static float scale(const uint8_t* b, int i) {
+        const int k = i >> 4;
+        const uint32_t lo = (b[96 + (k & 7)] >> (4 * (k >> 3))) & 15u;
+        const uint32_t hi = (b[104 + (k & 3)] >> (2 * (k >> 2))) & 3u;
+        return GGML_MUL(f16_at(b + 108), (float)((int)(lo | (hi << 4)) - 32));
+    }
+    GGML_HD static float value(const uint8_t* b, int j, float dl) {
         const int high = (int)(((b[j & 31] >> (j >> 5)) & 1u) ^ 1u);
-        return (float)((int)crumb256(b + 32, j) - 4 * high);
-    }
-    GGML_HD static Pair pair(const uint8_t* b, int i) {
-        const int k = i >> 4;
-        const uint32_t lo = (b[96 + (k & 7)] >> (4 * (k >> 3))) & 15u;
-        const uint32_t hi = (b[104 + (k & 3)] >> (2 * (k >> 2))) & 3u;
-        const float dl = GGML_MUL(f16_at(b + 108), (float)((int)(lo | (hi << 4)) - 32));
-        return {GGML_MUL(dl, q(b, i)), GGML_MUL(dl, q(b, i + 1))};
-    }
-    GGML_HD static void chunk8(const uint8_t* b, int i, Pair (&out)[4]) {
-        const int k = i >> 4;
-        const uint32_t lo = (b[96 + (k & 7)] >> (4 * (k >> 3))) & 15u;
-        const uint32_t hi = (b[104 + (k & 3)] >> (2 * (k >> 2))) & 3u;
-        const float dl = GGML_MUL(f16_at(b + 108), (float)((int)(lo | (hi << 4)) - 32));
-        const uint8_t* q2 = b + 32 + (i >> 7) * 32 + (i & 31);
-        const uint8_t* m = b + (i & 31);
-        const int sh = 2 * ((i >> 5) & 3), hb = i >> 5;
-GGML_UNROLL
-        for (int t = 0; t < 8; t += 2) {
-            const int q0 = (int)((q2[t] >> sh) & 3u) - 4 * (int)(((m[t] >> hb) & 1u) ^ 1u);
-            const int q1 = (int)((q2[t + 1] >> sh) & 3u) - 4 * (int)(((m[t + 1] >> hb) & 1u) ^ 1u);
-            out[t / 2] = {GGML_MUL(dl, (float)q0), GGML_MUL(dl, (float)q1)};
-        }
+        return GGML_MUL(dl, (float)((int)crumb256(b + 32, j) - 4 * high));
     }
 };
 
 // d at 0, dmin at 2, packed scales/mins at 4, nibbles at 16:
 // value = (d * scale) * q - dmin * min
-template <> struct Decode<Type::Q4_K> : Traits<Type::Q4_K> {
-    GGML_HD static Pair pair(const uint8_t* b, int i) {
+template <> struct Decode<Type::Q4_K> : Traits<Type::Q4_K>, SubBlock<Decode<Type::Q4_K>> {
+    GGML_HD static DM scale(const uint8_t* b, int i) {
         uint32_t sc, mn;
         scale_min_k4(b + 4, i >> 5, sc, mn);
-        const float dl = GGML_MUL(f16_at(b), (float)sc);
-        const float ml = GGML_MUL(f16_at(b + 2), (float)mn);
-        return {GGML_SUB(GGML_MUL(dl, (float)nibble256(b + 16, i)), ml),
-                GGML_SUB(GGML_MUL(dl, (float)nibble256(b + 16, i + 1)), ml)};
+        return {GGML_MUL(f16_at(b), (float)sc), GGML_MUL(f16_at(b + 2), (float)mn)};
     }
-    GGML_HD static void chunk8(const uint8_t* b, int i, Pair (&out)[4]) {
-        uint32_t sc, mn;
-        scale_min_k4(b + 4, i >> 5, sc, mn);
-        const float dl = GGML_MUL(f16_at(b), (float)sc);
-        const float ml = GGML_MUL(f16_at(b + 2), (float)mn);
-        const uint8_t* q = b + 16 + (i >> 6) * 32 + (i & 31);
-        const int sh = 4 * ((i >> 5) & 1);
-GGML_UNROLL
-        for (int p = 0; p < 4; ++p)
-            out[p] = {GGML_SUB(GGML_MUL(dl, (float)((q[2 * p] >> sh) & 15u)), ml),
-                      GGML_SUB(GGML_MUL(dl, (float)((q[2 * p + 1] >> sh) & 15u)), ml)};
+    GGML_HD static float value(const uint8_t* b, int j, DM s) {
+        return GGML_SUB(GGML_MUL(s.d, (float)nibble256(b + 16, j)), s.m);
     }
 };
 
 // as Q4_K with a fifth bit: high-bit mask at 16, nibbles at 48
-template <> struct Decode<Type::Q5_K> : Traits<Type::Q5_K> {
-    GGML_HD static float q(const uint8_t* b, int j) {
-        return (float)(nibble256(b + 48, j) | (((b[16 + (j & 31)] >> (j >> 5)) & 1u) << 4));
-    }
-    GGML_HD static Pair pair(const uint8_t* b, int i) {
-        uint32_t sc, mn;
-        scale_min_k4(b + 4, i >> 5, sc, mn);
-        const float dl = GGML_MUL(f16_at(b), (float)sc);
-        const float ml = GGML_MUL(f16_at(b + 2), (float)mn);
-        return {GGML_SUB(GGML_MUL(dl, q(b, i)), ml), GGML_SUB(GGML_MUL(dl, q(b, i + 1)), ml)};
-    }
-    GGML_HD static void chunk8(const uint8_t* b, int i, Pair (&out)[4]) {
-        uint32_t sc, mn;
-        scale_min_k4(b + 4, i >> 5, sc, mn);
-        const float dl = GGML_MUL(f16_at(b), (float)sc);
-        const float ml = GGML_MUL(f16_at(b + 2), (float)mn);
-        const uint8_t* ql = b + 48 + (i >> 6) * 32 + (i & 31);
-        const uint8_t* qh = b + 16 + (i & 31);
-        const int sh = 4 * ((i >> 5) & 1), hb = i >> 5;
-GGML_UNROLL
-        for (int t = 0; t < 8; t += 2) {
-            const uint32_t q0 = ((ql[t] >> sh) & 15u) | (((qh[t] >> hb) & 1u) << 4);
-            const uint32_t q1 = ((ql[t + 1] >> sh) & 15u) | (((qh[t + 1] >> hb) & 1u) << 4);
-            out[t / 2] = {GGML_SUB(GGML_MUL(dl, (float)q0), ml),
-                          GGML_SUB(GGML_MUL(dl, (float)q1), ml)};
-        }
+template <> struct Decode<Type::Q5_K> : Traits<Type::Q5_K>, SubBlock<Decode<Type::Q5_K>> {
+    GGML_HD static DM scale(const uint8_t* b, int i) { return Decode<Type::Q4_K>::scale(b, i); }
+    GGML_HD static float value(const uint8_t* b, int j, DM s) {
+        const uint32_t q = nibble256(b + 48, j) | (((b[16 + (j & 31)] >> (j >> 5)) & 1u) << 4);
+        return GGML_SUB(GGML_MUL(s.d, (float)q), s.m);
     }
 };
 
 // low nibbles at 0 (value j: byte (j/128)*64 + j%64, nibble (j/64)%2), 2-bit highs at 128
 // (a 2-bit plane), int8 scales per 16 values at 192, d at 208:
 // value = (d * scale) * ((low | high << 4) - 32)
-template <> struct Decode<Type::Q6_K> : Traits<Type::Q6_K> {
-    GGML_HD static float q(const uint8_t* b, int j) {
+template <> struct Decode<Type::Q6_K> : Traits<Type::Q6_K>, SubBlock<Decode<Type::Q6_K>> {
+    GGML_HD static float scale(const uint8_t* b, int i) {
+        return GGML_MUL(f16_at(b + 208), (float)(int8_t)b[192 + (i >> 4)]);
+    }
+    GGML_HD static float value(const uint8_t* b, int j, float dl) {
         const uint32_t lo = (b[(j >> 7) * 64 + (j & 63)] >> (4 * ((j >> 6) & 1))) & 15u;
-        return (float)((int)(lo | (crumb256(b + 128, j) << 4)) - 32);
-    }
-    GGML_HD static Pair pair(const uint8_t* b, int i) {
-        const float dl = GGML_MUL(f16_at(b + 208), (float)(int8_t)b[192 + (i >> 4)]);
-        return {GGML_MUL(dl, q(b, i)), GGML_MUL(dl, q(b, i + 1))};
-    }
-    GGML_HD static void chunk8(const uint8_t* b, int i, Pair (&out)[4]) {
-        const float dl = GGML_MUL(f16_at(b + 208), (float)(int8_t)b[192 + (i >> 4)]);
-        const uint8_t* ql = b + (i >> 7) * 64 + (i & 63);
-        const uint8_t* qh = b + 128 + (i >> 7) * 32 + (i & 31);
-        const int sl = 4 * ((i >> 6) & 1), shh = 2 * ((i >> 5) & 3);
-GGML_UNROLL
-        for (int t = 0; t < 8; t += 2) {
-            const int q0 = (int)(((ql[t] >> sl) & 15u) | (((qh[t] >> shh) & 3u) << 4)) - 32;
-            const int q1 =
-                (int)(((ql[t + 1] >> sl) & 15u) | (((qh[t + 1] >> shh) & 3u) << 4)) - 32;
-            out[t / 2] = {GGML_MUL(dl, (float)q0), GGML_MUL(dl, (float)q1)};
-        }
+        return GGML_MUL(dl, (float)((int)(lo | (crumb256(b + 128, j) << 4)) - 32));
     }
 };
 
 // d at 0, top 2 bits of the 8 scales (u16) at 2, their low nibbles at 4, nibbles at 8 (sub-block
 // s: bytes 8 + 16s.., value l of it in nibble l / 16 of byte l % 16) indexing the IQ4_NL
 // levels: value = (d * (scale - 32)) * level
-template <> struct Decode<Type::IQ4_XS> : Traits<Type::IQ4_XS> {
-    GGML_HD static float level(const uint8_t* b, int j) {
-        return (float)GGML_IQ4NL_VALUES[nibble32(b + 8 + 16 * (j >> 5), j & 31)];
-    }
-    GGML_HD static Pair pair(const uint8_t* b, int i) {
+template <> struct Decode<Type::IQ4_XS> : Traits<Type::IQ4_XS>, SubBlock<Decode<Type::IQ4_XS>> {
+    GGML_HD static float scale(const uint8_t* b, int i) {
         const int s = i >> 5;
         const uint32_t lo = (b[4 + (s >> 1)] >> (4 * (s & 1))) & 15u;
         const uint32_t hi = (load_u16(b + 2) >> (2 * s)) & 3u;
-        const float dl = GGML_MUL(f16_at(b), (float)((int)(lo | (hi << 4)) - 32));
-        return {GGML_MUL(dl, level(b, i)), GGML_MUL(dl, level(b, i + 1))};
+        return GGML_MUL(f16_at(b), (float)((int)(lo | (hi << 4)) - 32));
     }
-    GGML_HD static void chunk8(const uint8_t* b, int i, Pair (&out)[4]) {
-        const int s = i >> 5;
-        const uint32_t lo = (b[4 + (s >> 1)] >> (4 * (s & 1))) & 15u;
-        const uint32_t hi = (load_u16(b + 2) >> (2 * s)) & 3u;
-        const float dl = GGML_MUL(f16_at(b), (float)((int)(lo | (hi << 4)) - 32));
-        const uint8_t* q = b + 8 + 16 * s + (i & 15);
-        const int sh = ((i & 31) >> 4) << 2;
-GGML_UNROLL
-        for (int t = 0; t < 8; t += 2)
-            out[t / 2] = {GGML_MUL(dl, (float)GGML_IQ4NL_VALUES[(q[t] >> sh) & 15u]),
-                          GGML_MUL(dl, (float)GGML_IQ4NL_VALUES[(q[t + 1] >> sh) & 15u])};
+    GGML_HD static float value(const uint8_t* b, int j, float dl) {
+        return GGML_MUL(dl, (float)GGML_IQ4NL_VALUES[nibble32(b + 8 + 16 * (j >> 5), j & 31)]);
     }
 };
 

@@ -44,6 +44,22 @@ template <class D> GGML_HD bool chunk8_hook(const uint8_t*, int, Pair (&)[4], lo
     return false;
 }
 
+// A decoder whose eight values i .. i + 7 (i a multiple of 8) share what `D::scale(block, i)`
+// returns (a sub-block's scale, its grid entry, its sign bits): value j is
+// `D::value(block, j, scale)`. Deriving from SubBlock<D> gives pair() and chunk8() from those
+// two, so each value is computed once, in one place.
+template <class D> struct SubBlock {
+    GGML_HD static Pair pair(const uint8_t* b, int i) {
+        const auto s = D::scale(b, i);
+        return {D::value(b, i, s), D::value(b, i + 1, s)};
+    }
+    GGML_HD static void chunk8(const uint8_t* b, int i, Pair (&out)[4]) {
+        const auto s = D::scale(b, i);
+GGML_UNROLL
+        for (int p = 0; p < 4; ++p) out[p] = {D::value(b, i + 2 * p, s), D::value(b, i + 2 * p + 1, s)};
+    }
+};
+
 // Values 8c .. 8c + 7 of a run of blocks as four pairs: what one gather thread writes (one
 // 16-byte store). Every block holds 1 or a multiple of 8 values, so the 8 share one block (or
 // are 8 consecutive 1-value blocks) and the block is addressed once.
