@@ -105,9 +105,10 @@ class PinnedArena(_Carved):
                  portable: bool = False):
         super().__init__(plan_regions(sizes, what=self.kind))
         drv = runtime.drv
-        flags = drv.host_alloc_flags.PORTABLE if portable else 0
+        # the flags only where asked: a plain allocation stays the call it always was
+        flags = {"mem_flags": drv.host_alloc_flags.PORTABLE} if portable else {}
         try:
-            self._base = drv.pagelocked_empty(max(self.total, 1), np.uint8, mem_flags=flags)
+            self._base = drv.pagelocked_empty(max(self.total, 1), np.uint8, **flags)
         except (drv.Error, MemoryError) as e:
             raise BudgetError(
                 f"could not pin {mib(self.total)} MiB of host memory for "
