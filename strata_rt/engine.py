@@ -191,7 +191,7 @@ class Engine:
                         f"{spec.n_layers} layers x {spec.n_experts} experts x "
                         f"{hostmem.format_bytes(slot)}")
         name, backend_cls = backend_class(cfg.backend)
-        context: HostContext = backend_cls.context_class()
+        context: HostContext = backend_cls.context_class(cfg.device_list)
         backend: Any = None
         try:
             store = ExpertStore(model, context.host_alloc)

@@ -115,8 +115,16 @@ class FakeRuntime:
 
     arch = "sm_90"
 
-    def __init__(self, rng, spec):
-        self.rng, self.spec = rng, spec
+    def __init__(self, rng, spec, device=0):
+        self.rng, self.spec, self.device_index = rng, spec, device
+        #: (dst, src, bytes, stream name, source runtime's device) of every device copy
+        self.peer_copies: list[tuple[int, int, int, str, int]] = []
+        #: how often current() made this runtime's context current, and whether it is now
+        self.activations, self.active = 0, False
+        self.portable: list[bool] = []
+        #: (source address, bytes, stream name) of every device -> host copy
+        self.dtoh: list[tuple[int, int, str]] = []
+        self._arenas = 0
         self.launches: list[str] = []
         #: (kernel, stream name, arguments) of every kernel launch
         self.launched_on: list[tuple[str, str, tuple]] = []
@@ -134,8 +142,22 @@ class FakeRuntime:
     def event(self, name, timing=False):
         return FakeEvent(name)
 
-    def pinned(self, sizes):
+    def pinned(self, sizes, portable=False):
+        self.portable.append(portable)
         return FakeArena(sizes)
+
+    @contextlib.contextmanager
+    def current(self):
+        was, self.active = self.active, True
+        self.activations += 1
+        try:
+            yield self
+        finally:
+            self.active = was
+
+    def memcpy_peer(self, dst, src, src_runtime, nbytes, stream):
+        assert self.active, "a copy enqueued outside its runtime's current()"
+        self.peer_copies.append((dst, src, nbytes, stream.name, src_runtime.device_index))
 
     def gate(self, word):
         assert word.dtype == np.uint32 and word.size == 1
@@ -143,7 +165,9 @@ class FakeRuntime:
         return self.gates[-1]
 
     def device_arena(self, sizes, budget=None):
-        self.arena = FakeArena(sizes, budget)
+        # each arena (two split parts on one runtime hold one each) at its own addresses
+        self.arena = FakeArena(sizes, budget, base=(1 << 36) + self._arenas * (1 << 34))
+        self._arenas += 1
         return self.arena
 
     def module(self, source, defines=None):
@@ -153,6 +177,7 @@ class FakeRuntime:
         self.copies += 1
 
     def memcpy_dtoh(self, host, src, stream):
+        self.dtoh.append((src, host.nbytes, stream.name))
         if host.dtype == np.int32:  # row bounds: a random routing of self.tokens tokens
             E = self.spec.n_experts
             for row in host.reshape(-1, E + 1):
@@ -178,10 +203,11 @@ def install(monkeypatch, rng, spec) -> dict:
     library stays out (the fake runs no library kernels)."""
     import strata_rt.runtime as runtime_pkg
 
-    holder: dict = {}
+    holder: dict = {"rts": []}
 
     def open_fake(device=0):
-        holder["rt"] = FakeRuntime(rng, spec)
+        holder["rt"] = FakeRuntime(rng, spec, device)
+        holder["rts"].append(holder["rt"])
         return holder["rt"]
 
     monkeypatch.setattr(runtime_pkg.Runtime, "open", staticmethod(open_fake))

@@ -77,6 +77,10 @@ class EngineConfig:
     #: indices; each device gets the budget keys (expert_cache, vram_*) for itself. None
     #: after resolve: (0,), one device
     devices: tuple[int, ...] | list[int] | str | None = None
+    #: for testing only: `devices` may name a GPU more than once ([0, 0]: two parts of the
+    #: split on one GPU, sharing its context), so the hand-off path runs on a one-GPU machine;
+    #: a real split gains nothing from it
+    repeat_devices: bool = False
     context: int | None = None
     #: a whole model's dense weights: "resident" in VRAM, "stream" per layer through a small
     #: ring, or "auto" (resident when the budget holds them beside one chunk, else stream)
@@ -134,7 +138,8 @@ class EngineConfig:
         """The devices as resolve leaves them (a tuple of distinct indices; (0,) unset)."""
         if isinstance(self.devices, tuple):
             return self.devices
-        return parse_devices(self.devices if self.devices is not None else [0])
+        return parse_devices(self.devices if self.devices is not None else [0],
+                             repeats=bool(self.repeat_devices))
 
     def load_profile(self) -> RoutingProfile | None:
         if self.profile is not None and self._profile is None:

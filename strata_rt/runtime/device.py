@@ -117,6 +117,23 @@ class Runtime:
     def __repr__(self) -> str:
         return f"<Runtime {self.name} {self.arch} device {self.device_index}>"
 
+    @contextmanager
+    def current(self) -> Iterator[Runtime]:
+        """Makes this runtime's context current for the block (pushed, then popped; nothing
+        happens when it already is). pycuda acts in the current context, and a kernel, stream
+        or event of another context fails there ("invalid resource handle"), so each part of
+        a layer split over several GPUs runs its work inside its own runtime's `current()`."""
+        cur = self.drv.Context.get_current()
+        if self.context is None or (cur is not None and getattr(cur, "handle", None)
+                                    == self.context.handle):
+            yield self
+            return
+        self.context.push()
+        try:
+            yield self
+        finally:
+            self.drv.Context.pop()
+
     # ---------------------------------------------------------------- device facts
     def mem_info(self) -> tuple[int, int]:
         free, total = self.drv.mem_get_info()
@@ -156,8 +173,10 @@ class Runtime:
         return HostGate(word)
 
     # ---------------------------------------------------------------- memory
-    def pinned(self, sizes: Mapping[str, int]) -> PinnedArena:
-        return PinnedArena(self, sizes)
+    def pinned(self, sizes: Mapping[str, int], portable: bool = False) -> PinnedArena:
+        """portable: page-locked for every context of the process, not only this one (the
+        expert store of a layer split, which every device's copies read)."""
+        return PinnedArena(self, sizes, portable)
 
     def device_arena(self, sizes: Mapping[str, int], budget: int | None = None) -> DeviceArena:
         return DeviceArena(self, sizes, budget)
@@ -175,6 +194,18 @@ class Runtime:
 
     def memcpy_dtod(self, dst: int, src: int, nbytes: int, stream: Stream) -> None:
         self.drv.memcpy_dtod_async(dst, src, nbytes, stream.raw)
+
+    def memcpy_peer(self, dst: int, src: int, src_runtime: Runtime, nbytes: int,
+                    stream: Stream) -> None:
+        """Device -> device on `stream` (of this runtime), reading memory of `src_runtime`'s
+        context: a plain device copy when both are one context (a GPU named twice), else
+        cuMemcpyPeerAsync, which the driver runs over NVLink or PCIe peer access where the
+        GPUs have it and stages through the host where they do not."""
+        if src_runtime is self or src_runtime.context is self.context:
+            self.memcpy_dtod(dst, src, nbytes, stream)
+            return
+        self.drv.memcpy_peer_async(dst, src, nbytes, dest_context=self.context,
+                                   src_context=src_runtime.context, stream=stream.raw)
 
     def memset_d8(self, ptr: int, byte: int, nbytes: int, stream: Stream) -> None:
         self.drv.memset_d8_async(ptr, byte, nbytes, stream.raw)

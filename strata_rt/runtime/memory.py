@@ -101,11 +101,14 @@ class PinnedArena(_Carved):
 
     kind = "pinned arena"
 
-    def __init__(self, runtime: DriverContext, sizes: Mapping[str, int]):
+    def __init__(self, runtime: DriverContext, sizes: Mapping[str, int],
+                 portable: bool = False):
         super().__init__(plan_regions(sizes, what=self.kind))
         drv = runtime.drv
+        # the flags only where asked: a plain allocation stays the call it always was
+        flags = {"mem_flags": drv.host_alloc_flags.PORTABLE} if portable else {}
         try:
-            self._base = drv.pagelocked_empty(max(self.total, 1), np.uint8)
+            self._base = drv.pagelocked_empty(max(self.total, 1), np.uint8, **flags)
         except (drv.Error, MemoryError) as e:
             raise BudgetError(
                 f"could not pin {mib(self.total)} MiB of host memory for "

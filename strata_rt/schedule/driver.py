@@ -323,8 +323,7 @@ class ChunkDriver:
         """A whole model's attention ops for a chunk at `start` (None: MoE layers alone)."""
         if start is None:
             return None
-        return DenseSchedule(self.spec.n_layers, start, self.executor.dense_ring,
-                             self.span[0])
+        return DenseSchedule(self.span.stop, start, self.executor.dense_ring, self.span[0])
 
     def walk_plan(self, T: int, start: int | None = None
                   ) -> tuple[ChunkPlan, dict[type, int], int]:
@@ -340,7 +339,7 @@ class ChunkDriver:
         if key not in self._walk_plans:
             T, gather_one, start = key
             if key == DECODE_KEY:
-                attention = DenseSchedule(self.spec.n_layers, None, self.executor.dense_ring,
+                attention = DenseSchedule(self.span.stop, None, self.executor.dense_ring,
                                           self.span[0])
                 plan = plan_decode(self.spec, self.residency, attention,
                                    self.executor.in_place_for(1), self.part)

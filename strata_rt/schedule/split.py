@@ -36,9 +36,12 @@ if TYPE_CHECKING:
 MAX_DEVICES = 16
 
 
-def parse_devices(value: object, where: str = "devices") -> tuple[int, ...]:
+def parse_devices(value: object, where: str = "devices",
+                  repeats: bool = False) -> tuple[int, ...]:
     """A `devices` setting -> the device indices: a list of distinct non-negative integers,
-    or (command line) the same as text "0,1". ConfigError naming what is wrong otherwise."""
+    or (command line) the same as text "0,1". ConfigError naming what is wrong otherwise.
+    repeats: a device may be named more than once (EngineConfig.repeat_devices, for tests:
+    two parts on one GPU run the hand-off path without a second GPU)."""
     items: list[object]
     if isinstance(value, str):
         texts = [v.strip() for v in value.split(",")]
@@ -60,7 +63,7 @@ def parse_devices(value: object, where: str = "devices") -> tuple[int, ...]:
             raise ConfigError(f"{where}: {v!r} is not a device index (an integer >= 0)",
                               source=where)
         devices.append(v)
-    if len(set(devices)) != len(devices):
+    if not repeats and len(set(devices)) != len(devices):
         raise ConfigError(f"{where}: {devices} names a device twice; each GPU holds "
                           "one part of the layers", source=where)
     if len(devices) > MAX_DEVICES:

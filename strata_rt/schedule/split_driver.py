@@ -8,6 +8,12 @@ experts of all parts for reporting, close), and `SplitDriver` answers run_chunk.
 single device decides per chunk (walk or staging, decode, lanes, in place) each part decides
 for its own layers, with its own residency and ring.
 
+On CUDA each part runs inside its backend's `current()` (its device's context made current:
+pycuda acts in the current context), and a part before the last leaves its output on the
+device: its end_chunk reads nothing back, and its `finish_chunk` (the wait and the
+finiteness verdict) runs once every part of the chunk is issued, so the host never waits
+for one part before issuing the next.
+
 STRATA_CHECK_PLAN (check_plan) on a split feeds every part's plan of every chunk to one
 split_hazards.SplitChecker in host issue order, after the parts ran: the parts' hand-offs
 are only ordered against each other, so no part's plan is complete alone.
@@ -16,6 +22,7 @@ are only ordered against each other, so no part's plan is complete alone.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -36,8 +43,14 @@ if TYPE_CHECKING:
     from .driver import Backend, HostContext
     from .plan import LogitRows
 
-#: the backends whose executors run a split's hand-offs (cuda: one device so far)
-SPLIT_BACKENDS = ("reference",)
+#: the backends whose executors run a split's hand-offs
+SPLIT_BACKENDS = ("reference", "cuda")
+
+
+def on_device(backend: Any) -> AbstractContextManager[Any]:
+    """The part's device made current for its work (a backend without devices: nothing)."""
+    current = getattr(backend, "current", None)
+    return current() if current is not None else nullcontext()
 
 
 class SplitBackend:
@@ -109,13 +122,28 @@ class SplitDriver:
                   logits: LogitRows | None = None) -> np.ndarray:
         T = int(h.shape[0])
         out = h
+        backends = self._backend.backends
         try:
-            for part, driver in zip(self.split.parts, self.drivers):
+            last_error: BaseException | None = None
+            for part, driver, b in zip(self.split.parts, self.drivers, backends):
                 rows = logits if part.last else None
-                out = (driver.run_received(T, stats, start, rows) if part.receives
-                       else driver.run_chunk(h, stats, start, rows))
-                if self.check_plan:
+                try:
+                    with on_device(b):
+                        out = (driver.run_received(T, stats, start, rows) if part.receives
+                               else driver.run_chunk(h, stats, start, rows))
+                except BaseException as e:
+                    if not part.last:
+                        raise
+                    last_error = e  # an earlier part's verdict names the earlier layer
+                if self.check_plan and last_error is None:
                     self._check(part.index, driver)
+            for b in backends[:-1]:
+                finish = getattr(b, "finish_chunk", None)
+                if finish is not None:
+                    with on_device(b):
+                        finish()
+            if last_error is not None:
+                raise last_error
         except BaseException:
             self._checker = None  # a chunk cut short leaves the hand-off order unknown
             raise
@@ -130,8 +158,9 @@ class SplitDriver:
         self._checker.feed(index, driver.last_plan)
 
     def close(self) -> None:
-        for d in self.drivers:
-            d.close()
+        for d, b in zip(self.drivers, self._backend.backends):
+            with on_device(b):
+                d.close()
 
 
 def open_split(backend_cls: Any, model: Model, store: ExpertStore, cfg: EngineConfig,

@@ -62,6 +62,11 @@ class DeviceState:
             ev = self._events[key] = self._rt.event(f"{key[0]}[{key[1]}]")
         return ev
 
+    def find_event(self, key: tuple[str, int]) -> Event | None:
+        """The plan event `key` if this device created it (a split's hand-off events live on
+        the device that records them; another part's stream waits on them there)."""
+        return self._events.get(key)
+
     @contextmanager
     def joined(self) -> Iterator[None]:
         """Every other stream waits for the compute stream's work so far on entry, and the

@@ -14,7 +14,11 @@ driver can capture the whole walk as a CUDA graph (`capture`). The chunk's input
 device at its ChunkInput op, behind a gate its host pass opens
 (strata_rt.backends.cuda.chunk_input). A second compute lane (strata_rt.schedule.lanes) brings its
 own stream and group buffers. Short chunks read fully resident groups in place, with no gather
-(strata_rt.schedule.in_place). Each layer runs its own format's kernels (a mixed file)."""
+(strata_rt.schedule.in_place). Each layer runs its own format's kernels (a mixed file).
+
+A layer split's part (strata_rt.backends.cuda.split_part) holds its own layers' router, norms,
+dense weights and KV cache, sizes its ring and memory plan for them, runs its hand-off ops
+and, unless it is the last, leaves its output on the device for the part after it."""
 
 from __future__ import annotations
 
@@ -26,17 +30,14 @@ import numpy as np
 
 from ...errors import StrataError
 from ...formats.contract import FormatKernels
-from ...models.qwen3.whole_memory import DenseTypes, WholeSizing
 from ...report.stats import Stats
 from ...report.timing import PhaseTimer
 from ...runtime.hostmap import host_device_pointer
-from ...runtime.memory import MIB
-from ...schedule.dense_schedule import DENSE_RING_SLOTS
-from ...schedule.image_cache import ImageCache, block_bytes, capacity_blocks
-from ...schedule.in_place import check_in_place, chunk_in_place, resident_parts
+from ...schedule.image_cache import ImageCache
+from ...schedule.in_place import chunk_in_place
 from ...schedule.lanes import chunk_lanes, walk_rows_hint
-from ...schedule.memory_plan import DEFAULT_RESERVE_MIB, plan_lanes, plan_memory
 from ...schedule.plan import (
+    HANDOFF_EVENTS,
     HOST,
     RESIDENT,
     Attention,
@@ -47,6 +48,7 @@ from ...schedule.plan import (
     Gather,
     GatherBatch,
     GatherRouted,
+    HandOff,
     LayerBegin,
     LayerEnd,
     Logits,
@@ -55,21 +57,29 @@ from ...schedule.plan import (
     Record,
     Wait,
 )
-from ...schedule.planner import ring_sizes
 from ...schedule.residency import Residency
+from ...schedule.split import whole_part
 from ..nonfinite import NonFiniteError
 from .context import CudaContext
+from .device_open import open_device
 from .device_state import DeviceState
 from .layer_kernels import ENGINE_SOURCE, LayerKernels
+from .products import run_products
+from .split_part import PartLink, PartReplay, run_ops, split_for_capture
 
 #: the RMSNorm flag word when no row was flagged (rmsnorm_rows lowers it with atomicMin)
 NO_ROW = (1 << 64) - 1
 
 if TYPE_CHECKING:
+    from contextlib import AbstractContextManager
+
     from ...config.engine_config import EngineConfig
     from ...models.qwen3.weights import Qwen3Model
     from ...runtime import Graph, Stream
     from ...schedule.driver import HostContext, Replay
+    from ...schedule.in_place import InPlaceSetting
+    from ...schedule.memory_plan import MemoryPlan
+    from ...schedule.split import Part
     from ...weights.model import Model
     from ...weights.store import ExpertStore
     from .whole import CudaWhole
@@ -86,12 +96,29 @@ class CudaBackend:
     kv_capacity = 0
     #: the image cache (set at open; empty unless the config gives it room)
     images = ImageCache()
+    # set at open (device_open.open_device)
+    fks: list[FormatKernels]
+    in_place: InPlaceSetting
+    lanes: int
+    residency: Residency
+    walk_slots: int
+    tokens: int
+    memory: MemoryPlan
+    kernels: LayerKernels
+    _whole: CudaWhole | None
 
     def __init__(self, model: Model, store: ExpertStore, residency: Residency | None,
-                 cfg: EngineConfig, context: HostContext, whole: Qwen3Model | None = None):
+                 cfg: EngineConfig, context: HostContext, whole: Qwen3Model | None = None,
+                 part: Part | None = None):
         if not isinstance(context, CudaContext):
             raise TypeError(f"the CUDA backend runs on a CudaContext, got {type(context).__name__}")
-        self.rt = context.runtime()
+        #: the layers this executor runs (a split's part; else all, on the first device),
+        #: and in a split every part's executor by part index (set by the split's open)
+        self.part = part if part is not None else whole_part(model.spec.n_layers)
+        self.first = self.part.first
+        self.peers: list[CudaBackend] = []
+        self._link = PartLink(self) if self.part.n_parts > 1 else None
+        self.rt = context.runtime(None if part is None else part.device)
         self.model, self.store, self.cfg = model, store, cfg
         self.whole = whole
         self.spec, self.fmt, self.lay = model.spec, model.fmt, model.layout
@@ -104,75 +131,21 @@ class CudaBackend:
         self.rt.f16_gemm = cfg.f16_gemm
         self.dev: DeviceState | None = None
         try:
-            self._open(residency)
+            with self.current():
+                self._open(residency)
         except BaseException:
             self.close()
             raise
 
+    def current(self) -> AbstractContextManager[Any]:
+        """This backend's context made current (the split driver runs each part inside it)."""
+        return self.rt.current()
+
     # ------------------------------------------------------------------ open
     def _open(self, residency: Residency | None) -> None:
-        rt, spec, lay, cfg, model = self.rt, self.spec, self.lay, self.cfg, self.model
-        routing = cfg.routing
-        assert routing is not None, "EngineConfig.resolve() sets routing"
-        # kernels first: a format without kernels fails before any memory is taken; a mixed
-        # model loads each distinct layer format's kernels once
-        self.fks = model.formats.kernels(rt)
-        self.in_place = check_in_place(cfg.in_place, model.formats.in_place_format)
-        reserve = cfg.vram_reserve_mib if cfg.vram_reserve_mib is not None else DEFAULT_RESERVE_MIB
-        available = rt.free_bytes() - int(reserve * MIB)
-        slot = lay.slot_bytes
-        fixed_res = residency.n_slots if residency is not None else None
-        rings = ring_sizes(cfg.ring_bytes, slot, spec.total_experts - (fixed_res or 0))
-        whole_sizes = None
-        if self.whole is not None:
-            assert cfg.dense_gemm is not None, "EngineConfig.resolve() sets dense_gemm"
-            self.kv_capacity = cfg.context or self.whole.spec.context
-            whole_sizes = WholeSizing(self.whole.spec, DenseTypes.of_model(self.whole),
-                                      self.kv_capacity, False, cfg.dense_gemm)
-        image_room = capacity_blocks(cfg.image_cache_mib, spec, lay)
-        assert cfg.compute_lanes is not None, "EngineConfig.resolve() sets compute_lanes"
-        self.lanes, mp = plan_lanes(cfg.compute_lanes, fixed_res, spec.total_experts, partial(
-            plan_memory, spec, lay, self.fmt.activation, available, rings.total, cfg.prefill,
-            fixed_res, routing, whole_sizes, cfg.dense, image_room))
-        #: dense ring slots when a whole model's dense weights stream (the driver plans them)
-        self.dense_ring = DENSE_RING_SLOTS if mp.dense_stream else None
-        if residency is None:
-            residency = Residency.from_budget(model, mp.n_resident, cfg.load_profile())
-            # the ring was sized for everything streaming; plan with what actually streams
-            rings = ring_sizes(cfg.ring_bytes, slot, spec.total_experts - residency.n_slots)
-        self.residency = residency
-        self.images = ImageCache.choose(spec, residency, image_room)
-        if cfg.image_cache_mib:
-            self.images.report(spec, lay)
-        self.walk_slots = rings.walk
-        self.tokens = mp.tokens
-        self.memory = mp
-        dev = self.dev = DeviceState(rt, mp.regions, max(available, 0),
-                                     self.tokens * spec.hidden * 4,
-                                     (spec.n_layers, spec.n_experts + 1), self.lanes)
-        self.kernels = LayerKernels(rt, spec, self.fmt.activation, dev.ptr, routing)
-        # poison everything first: a read of bytes nobody wrote shows up as NaN, not as luck
-        rt.memset_d8(dev.arena.base_ptr, 0xFF, dev.arena.total, dev.copy)
-        # weights that stay on the device, and the resident experts (once, at open)
-        router = self.kernels.router_weights(model.router)  # alive until the sync below
-        rt.memcpy_htod(dev.ptr["router"], router, dev.copy)
-        rt.memcpy_htod(dev.ptr["norm"], model.norm, dev.copy)
-        for i, (layer, e) in enumerate(residency.pairs):
-            off = self.store.offset(layer, e)
-            rt.memcpy_htod(dev.ptr["resident"] + i * slot,
-                           self.store.arena[off: off + model.formats.layout(layer).blob_bytes],
-                           dev.copy)
-        dev.copy.synchronize()
-        dev.fill_images(self.images, spec, residency, self.fks, lay)
-        self._whole: CudaWhole | None = None
-        if self.whole is not None:
-            from .whole import CudaWhole
-
-            assert whole_sizes is not None
-            sizing = whole_sizes.streamed() if mp.dense_stream else whole_sizes
-            self._whole = CudaWhole(rt, self.whole, dev.ptr, mp.regions["dense_ws"], sizing,
-                                    dev.copy)
-        self._timer = PhaseTimer(rt, dev.compute, dev.copy) if self.timing else None
+        open_device(self, residency)  # memory plan, arena, weights (device_open.py)
+        dev = self._device()
+        self._timer = PhaseTimer(self.rt, dev.compute, dev.copy) if self.timing else None
         self._dispatch: dict[type, Callable[[Any], None]] = {
             Copy: self._op_copy, Record: self._op_record, Wait: self._op_wait,
             Gather: self._op_gather, GatherBatch: self._op_gather_batch,
@@ -180,7 +153,7 @@ class CudaBackend:
             Products: self._op_products, Consume: _no_op, ChunkInput: self._op_chunk_input,
             LayerBegin: self._op_layer_begin,
             LayerEnd: self._op_layer_end, Attention: self._op_attention,
-            DenseCopy: self._op_dense_copy, Logits: self._op_logits,
+            DenseCopy: self._op_dense_copy, Logits: self._op_logits, HandOff: self._op_handoff,
         }
         self._counts: np.ndarray | None = None
         self._logits: np.ndarray | None = None
@@ -200,6 +173,19 @@ class CudaBackend:
     # ------------------------------------------------------------------ chunk (Executor)
     def begin_chunk(self, h: np.ndarray, stats: Stats, start: int | None = None) -> None:
         T = int(h.shape[0])
+        dev = self._begin(T, stats)
+        dev.input.start(dev.io[: T * self.spec.hidden].reshape(T, self.spec.hidden), h)
+        if start is not None and self._whole is not None:
+            if self.part.sends:  # uploaded at ChunkInput, after the receiver took the last
+                self._whole.hold_position(start)
+            else:
+                self._whole.set_position(dev.compute, start)
+
+    def begin_received(self, tokens: int, stats: Stats) -> None:
+        """A split part's chunk: its residual and position arrive with the plan's HandOff."""
+        self._begin(int(tokens), stats)
+
+    def _begin(self, T: int, stats: Stats) -> DeviceState:
         if not 0 < T <= self.tokens:
             raise StrataError(f"chunk of {T} tokens; this backend's buffers hold 1.."
                               f"{self.tokens} (prefill)")
@@ -207,20 +193,34 @@ class CudaBackend:
         if self._timer is not None and stats.chunk_index == 0:
             self._timer.reset()
         self.rt.memset_d8(dev.ptr["nonfinite"], 0xFF, 8, dev.compute)  # no row flagged yet
-        dev.input.start(dev.io[: T * self.spec.hidden].reshape(T, self.spec.hidden), h)
-        if start is not None and self._whole is not None:
-            self._whole.set_position(dev.compute, start)
         self._T = T
         self._logits = None
+        return dev
 
     def end_chunk(self, stats: Stats) -> np.ndarray:
         dev = self._device()
         if self._timer is not None:
             self._timer.end_chunk()
         io = dev.io[: self._T * self.spec.hidden].reshape(self._T, self.spec.hidden)
-        self.rt.memcpy_dtoh(io, dev.ptr["x"], dev.compute)
+        if self.part.last:
+            self.rt.memcpy_dtoh(io, dev.ptr["x"], dev.compute)
         dev.nonfinite_host[0] = NO_ROW  # what the copy below overwrites
         self.rt.memcpy_dtoh(dev.nonfinite_host, dev.ptr["nonfinite"], dev.compute)
+        if not self.part.last:  # the residual stays for the receiver; finish_chunk checks
+            return io[:0]
+        self.finish_chunk()
+        if self._timer is not None and stats.chunk_index == stats.n_chunks - 1:
+            for phase, ms in self._timer.totals_ms.items():
+                stats.phase_s[phase] += ms / 1e3
+            stats.phase_table = self._timer.table(host_s=stats.host_s)
+            stats.trace = list(self._timer.trace)
+        return io  # pinned and reused: the engine copies it out before the next chunk
+
+    def finish_chunk(self) -> None:
+        """Waits for the chunk and refuses it when its input or a row's RMSNorm input was
+        not finite (a split part before the last: called by the split driver once every
+        part of the chunk is issued, so no part waits for another on the host)."""
+        dev = self._device()
         dev.compute.synchronize()
         dev.input.finish()
         flagged = int(dev.nonfinite_host[0])
@@ -228,12 +228,6 @@ class CudaBackend:
             raise NonFiniteError("the RMSNorm before the MoE", flagged >> 32,
                                  flagged & 0xFFFFFFFF, "overflows or holds NaN/Inf: the sum "
                                  "of squares of the row is not finite (checked on the device)")
-        if self._timer is not None and stats.chunk_index == stats.n_chunks - 1:
-            for phase, ms in self._timer.totals_ms.items():
-                stats.phase_s[phase] += ms / 1e3
-            stats.phase_table = self._timer.table(host_s=stats.host_s)
-            stats.trace = list(self._timer.trace)
-        return io  # pinned and reused: the engine copies it out before the next chunk
 
     def take_logits(self) -> np.ndarray:
         if self._logits is None:
@@ -250,12 +244,13 @@ class CudaBackend:
         self._mark("host grouping")
         dev.routed.record(dev.compute)
         dev.readback.wait(dev.routed)
-        self.rt.memcpy_dtoh(dev.bounds_host[layer], self._bounds_ptr(layer), dev.readback)
+        self.rt.memcpy_dtoh(dev.bounds_host[layer - self.first], self._bounds_ptr(layer),
+                            dev.readback)
 
     def routed_counts(self, layer: int, stats: Stats) -> np.ndarray:
         dev = self._device()
         dev.readback.synchronize()
-        counts = np.diff(dev.bounds_host[layer])
+        counts = np.diff(dev.bounds_host[layer - self.first])
         if stats.routing_counts is not None:
             stats.routing_counts[layer] += counts
         return counts
@@ -266,12 +261,19 @@ class CudaBackend:
         for op in ops:
             dispatch[type(op)](op)
 
-    def capture(self, ops: Iterable[Op]) -> Graph:
+    def capture(self, ops: Iterable[Op]) -> Graph | PartReplay:
         dev = self._device()
+        before: list[Op] = []
+        after: list[Op] = []
+        if self._link is not None:  # a split's hand-off ops run live around the graph
+            before, body, after = split_for_capture(ops)
+            ops = body
         with self.rt.capture(dev.compute) as graph, dev.joined():
             self.execute(ops, Stats(), None)
         graph.upload(dev.compute)  # now, not inside the first replay the driver times
         dev.compute.synchronize()
+        if before or after:
+            return PartReplay(graph, before, after, partial(run_ops, self))
         return graph
 
     def replay(self, replay: Replay) -> None:
@@ -286,7 +288,7 @@ class CudaBackend:
         dev.compute.synchronize()
         stats.host_syncs += 1
         assert stats.routing_counts is not None
-        stats.routing_counts += np.diff(dev.bounds_host, axis=1)
+        stats.routing_counts[self.first: self.part.end] += np.diff(dev.bounds_host, axis=1)
 
     # ------------------------------------------------------------------ ops
     def _device(self) -> DeviceState:
@@ -299,7 +301,7 @@ class CudaBackend:
             self._timer.mark(phase)
 
     def _bounds_ptr(self, layer: int) -> int:
-        return self._device().ptr["bounds"] + layer * (self.spec.n_experts + 1) * 4
+        return self._device().ptr["bounds"] + (layer - self.first) * (self.spec.n_experts + 1) * 4
 
     def _src_ptr(self, g: Gather) -> int:
         kind, idx = g.src
@@ -319,10 +321,14 @@ class CudaBackend:
             self._timer.copy_end()
 
     def _op_record(self, op: Record) -> None:
+        if self._link is not None and op.event[0] in HANDOFF_EVENTS:
+            return self._link.record(op)
         dev = self._device()
         dev.event(op.event).record(dev.streams[op.stream])
 
     def _op_wait(self, op: Wait) -> None:
+        if self._link is not None and op.event[0] in HANDOFF_EVENTS:
+            return self._link.wait(op)
         dev = self._device()
         if op.stream == "compute":
             self._mark("wait copy")
@@ -371,39 +377,17 @@ class CudaBackend:
         self._mark("input")
         dev.input.enqueue()
         self.rt.memcpy_htod(dev.ptr["x"], dev.io[: self._T * self.spec.hidden], dev.compute)
+        if self.part.sends and self._whole is not None:
+            self._whole.upload_position(dev.compute)
+
+    def _op_handoff(self, op: HandOff) -> None:
+        if self._link is None:
+            raise StrataError(f"{op!r} in the plan of an executor that is no split's part")
+        self._mark("input")
+        self._link.handoff(op)
 
     def _op_products(self, op: Products) -> None:
-        spec, p, (s, gu_buf, dn_buf) = self.spec, self._device().ptr, self._lane(op)
-        gu_w: int | list[int] = gu_buf
-        dn_w: int | list[int] = dn_buf
-        H, F = spec.hidden, spec.ffn
-        ids = op.expert_ids
-        lo, hi = ids[0], ids[-1] + 1
-        if self._counts is not None:  # staging: exact counts are on the host
-            rows_hint = int(self._counts[list(ids)].max())
-            group_rows = int(self._counts[lo:hi].sum())
-            if group_rows == 0:
-                return
-        else:  # walk: counts stay on the device; kernels loop over row tiles past the hint
-            rows_hint = walk_rows_hint(self._T, spec)
-            group_rows = min(self._T * spec.top_k, len(ids) * self._T)
-        bounds = self._bounds_ptr(op.layer)
-        fk = self.fks[op.layer]
-        mmq: Callable[..., None] = fk.mmq
-        if op.slots is not None:  # in place: each expert's parts where its slot holds them
-            mmq = fk.mmq_in_place
-            gu_w, dn_w = resident_parts(p["resident"], op.slots,
-                                        self.model.formats.layout(op.layer), self.lay.slot_bytes)
-        elif op.cached is not None:
-            gu_block, dn_block = block_bytes(self.lay)
-            gu_w = p["image_gate_up"] + op.cached * gu_block
-            dn_w = p["image_down"] + op.cached * dn_block
-        self._mark("gemm gate/up")
-        mmq(s, gu_w, ids, p["act_hidden"], bounds, p["gate_up_out"], 2 * F, H, rows_hint)
-        self._mark("swiglu+quantize")
-        self.kernels.swiglu(s, bounds, lo, hi, group_rows)
-        self._mark("gemm down")
-        mmq(s, dn_w, ids, p["act_ffn"], bounds, p["down_out"], H, F, rows_hint)
+        run_products(self, op)
 
     def _whole_ops(self) -> CudaWhole:
         if self._whole is None:
@@ -434,6 +418,13 @@ class CudaBackend:
     def close(self) -> None:
         """Drops every CUDA object this backend holds; the engine then closes the runtime,
         which frees the memory."""
+        rt = getattr(self, "rt", None)
+        if rt is None:
+            return
+        with rt.current():
+            self._close()
+
+    def _close(self) -> None:
         dev, self.dev = self.dev, None
         whole, self._whole = getattr(self, "_whole", None), None
         if whole is not None:

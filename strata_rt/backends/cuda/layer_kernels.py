@@ -65,8 +65,11 @@ class LayerKernels:
     is not finite) and route_ws for the exact and f16 routings."""
 
     def __init__(self, rt: Runtime, spec: MoESpec, activation: Activation, ptr: dict[str, int],
-                 routing: str = "exact"):
+                 routing: str = "exact", first: int = 0):
         self.spec, self.activation, self.ptr, self.routing = spec, activation, ptr, routing
+        #: the first layer whose router and norm the regions hold (a layer split's part
+        #: holds its own layers only; the flag word still names the model's layer)
+        self.first = first
         self._routing: RoutingKernels | None = None
         self._exact: ExactRoutingKernels | None = None
         #: per layer: sigma of the split router and the bound on its logits' error
@@ -102,25 +105,26 @@ class LayerKernels:
         layer; the row bounds land at `bounds` (device int32 [n_experts + 1]). `mark(phase)`
         opens each phase of the timing table."""
         spec, p, T = self.spec, self.ptr, tokens
+        at = layer - self.first  # the layer's place in the router and norm regions
         H, E, K = spec.hidden, spec.n_experts, spec.top_k
         mark("rmsnorm")
         self._norm.launch(grid=(T, 1, 1), block=(ROW_THREADS, 1, 1), stream=stream,
-                          args=(p["x"], p["norm"] + layer * H * 4, p["xn"], H,
+                          args=(p["x"], p["norm"] + at * H * 4, p["xn"], H,
                                 float(spec.rms_eps), p["nonfinite"], layer))
         if self._routing is not None:
             rk = self._routing
             if self._exact is not None:
-                self._route_exact(stream, layer, T, mark)
+                self._route_exact(stream, at, T, mark)
             else:
                 mark("router gemm")
-                rk.logits(stream, p["xn"], p["router"] + layer * E * H * 2, p["logits"], T, H, E)
+                rk.logits(stream, p["xn"], p["router"] + at * E * H * 2, p["logits"], T, H, E)
                 mark("softmax top-k")
                 rk.topk(stream, p["logits"], T, E, K, p["topk_ids"], p["topk_w"], p["route_ws"])
             mark("sort")
             rk.sort(stream, p["topk_ids"], T, E, K, p["route_ws"], bounds, p["sorted_token"],
                     p["row_of"])
         else:
-            self._route_fp32(stream, layer, T, bounds, mark)
+            self._route_fp32(stream, at, T, bounds, mark)
         mark("quantize acts")
         self._acts.launch(self.activation, stream, p["xn"], H, p["sorted_token"],
                           p["act_hidden"], T * K, H)

@@ -73,11 +73,15 @@ class CudaWhole:
     """Runs Attention, DenseCopy and Logits ops for the CUDA executor. `ptr` maps the arena's
     regions (see whole_memory) and the MoE region it shares: `x`, the chunk's float32 residual.
     Streamed dense weights (sizing.dense_stream) wait in a pinned host store, one slot image per
-    layer, for their DenseCopy (which copies that layer's own bytes, not the ring slot's)."""
+    layer, for their DenseCopy (which copies that layer's own bytes, not the ring slot's).
+    A layer split's part holds layers first.. of the model only (sizing.spec counts them,
+    sizing.types holds theirs) and the head only when it is the last (sizing.head): ops name
+    the model's layers, which index the part's slots and KV cache from `first`."""
 
     def __init__(self, rt: Runtime, whole: Qwen3Model, ptr: dict[str, int], ws_bytes: int,
-                 sizing: WholeSizing, stream: Stream):
+                 sizing: WholeSizing, stream: Stream, first: int = 0):
         self.rt, self.whole, self.spec, self.ptr = rt, whole, whole.spec, ptr
+        self.first, self.n_layers, self.has_head = first, sizing.spec.n_layers, sizing.head
         self.context = sizing.context
         self.streamed = sizing.dense_stream
         spec = self.spec
@@ -88,8 +92,8 @@ class CudaWhole:
         self.dense = DenseKernels(rt, ptr["dense_ws"], ws_bytes, sizing.gemm)
         self._store = None
         if self.streamed:
-            self._store = rt.pinned({"dense": spec.n_layers * self.layout.slot_bytes})
-            self._store_bytes = self._store.view("dense").reshape(spec.n_layers, -1)
+            self._store = rt.pinned({"dense": self.n_layers * self.layout.slot_bytes})
+            self._store_bytes = self._store.view("dense").reshape(self.n_layers, -1)
         self._upload(stream)
         self._host = rt.pinned({"logits": LOGIT_ROWS * spec.vocab * 4, "position": 16})
         self._logits_host = self._host.view("logits", np.float32)
@@ -103,18 +107,19 @@ class CudaWhole:
 
     def _upload(self, stream: Stream) -> None:
         rt, spec, p, layout = self.rt, self.spec, self.ptr, self.layout
-        for layer, slot in enumerate(layout.slots):
-            image = dense_slot_bytes(self.whole, layer, slot)
+        for i, slot in enumerate(layout.slots):  # i: the part's own index of the layer
+            image = dense_slot_bytes(self.whole, self.first + i, slot)
             if self.streamed:
-                self._store_bytes[layer, : slot.nbytes] = image
+                self._store_bytes[i, : slot.nbytes] = image
                 continue
-            rt.memcpy_htod(p["dense"] + layout.resident_offset(layer), image, stream)
+            rt.memcpy_htod(p["dense"] + layout.resident_offset(i), image, stream)
             stream.synchronize()  # the pageable source goes away with the next layer
-        d = self.whole.dense
-        rt.memcpy_htod(p["head_norm"], d.output_norm.f32().astype(np.float32), stream)
-        head = self.whole.output_weight
-        rt.memcpy_htod(p["head"], np.ascontiguousarray(head.data).view(np.uint8).reshape(-1),
-                       stream)
+        if self.has_head:
+            d = self.whole.dense
+            rt.memcpy_htod(p["head_norm"], d.output_norm.f32().astype(np.float32), stream)
+            head = self.whole.output_weight
+            rt.memcpy_htod(p["head"],
+                           np.ascontiguousarray(head.data).view(np.uint8).reshape(-1), stream)
         cos, sin = rope_tables(spec, np.arange(self.context), np.float32)
         rt.memcpy_htod(p["rope_cos"], np.ascontiguousarray(cos), stream)
         rt.memcpy_htod(p["rope_sin"], np.ascontiguousarray(sin), stream)
@@ -123,24 +128,39 @@ class CudaWhole:
     def kv_pointers(self, layer: int) -> tuple[int, int]:
         """(keys, values) base addresses of one layer's cache [context, n_kv_heads, head_dim]."""
         per = kv_bytes(self.spec, self.context) // self.spec.n_layers // 2
-        base = self.ptr["kv"] + layer * 2 * per
+        base = self.ptr["kv"] + (layer - self.first) * 2 * per
         return base, base + per
 
     def set_position(self, stream: Stream, start: int) -> None:
         """Enqueues the chunk's start into the device position register (the host copy is
         not touched again before the chunk ends: the executor synchronizes at every chunk's
         end)."""
+        self.hold_position(start)
+        self.upload_position(stream)
+
+    def hold_position(self, start: int) -> None:
+        """The host half of set_position: a split's sender enqueues the upload at its
+        ChunkInput, behind its wait for the receiver's copy of the previous position."""
         self.position = int(start)
         self._position_host[0] = self.position
+
+    def upload_position(self, stream: Stream) -> None:
         self.rt.memcpy_htod(self.ptr["position"], self._position_host[:1], stream)
+
+    def receive_position(self, sender: CudaWhole, stream: Stream) -> None:
+        """A split part's HandOff: the sender's position register into this one's (a decode
+        step replayed as a graph reads it on the device) and its host copy."""
+        self.rt.memcpy_peer(self.ptr["position"], sender.ptr["position"], sender.rt, 4, stream)
+        self.position = sender.position
 
     def copy_dense(self, stream: Stream, op: DenseCopy) -> None:
         """Layer op.layer's slot image from the pinned store into dense ring slot op.slot."""
         if not self.streamed:
             raise RuntimeError("DenseCopy in a plan whose dense weights are resident")
-        nbytes = self.layout.slots[op.layer].nbytes
+        i = op.layer - self.first
+        nbytes = self.layout.slots[i].nbytes
         self.rt.memcpy_htod(self.ptr["dense"] + op.slot * self.layout.slot_bytes,
-                            self._store_bytes[op.layer, :nbytes], stream)
+                            self._store_bytes[i, :nbytes], stream)
 
     def run_attention(self, stream: Stream, op: Attention, tokens: int,
                       mark: Callable[[str], None] = _no_mark) -> None:
@@ -152,8 +172,9 @@ class CudaWhole:
             raise RuntimeError(f"Attention of layer {op.layer} with dense slot "
                                f"{op.dense_slot}, but the dense weights are "
                                f"{'streamed' if self.streamed else 'resident'}")
-        slot = self.layout.slots[op.layer]
-        base = p["dense"] + (self.layout.resident_offset(op.layer) if op.dense_slot is None
+        slot = self.layout.slots[op.layer - self.first]
+        base = p["dense"] + (self.layout.resident_offset(op.layer - self.first)
+                             if op.dense_slot is None
                              else op.dense_slot * self.layout.slot_bytes)
         H, eps = spec.hidden, float(spec.rms_eps)
         k_cache, v_cache = self.kv_pointers(op.layer)
@@ -179,6 +200,8 @@ class CudaWhole:
     def run_logits(self, stream: Stream, op: Logits, tokens: int) -> np.ndarray:
         """float32 [rows, vocab] (a new host array) of the last row or all rows of x. Each row
         slice's logits come back as one block [n, rows of the slice] per head slice."""
+        if not self.has_head:
+            raise RuntimeError("Logits on a split part before the last, which holds no head")
         spec, p = self.spec, self.ptr
         H, V = spec.hidden, spec.vocab
         head_type = self.layout.head_type

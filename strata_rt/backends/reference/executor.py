@@ -98,6 +98,9 @@ class NumpyContext:
 
     host_alloc = staticmethod(numpy_alloc)
 
+    def __init__(self, devices: object = None) -> None:
+        """devices: the split's device list, which plain numpy memory does not depend on."""
+
     def close(self) -> None:
         pass
 

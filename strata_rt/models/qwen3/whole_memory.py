@@ -186,16 +186,17 @@ class DenseLayout:
     def head_direct(self) -> bool:
         return self.head_type == DIRECT
 
-    def scratch_bytes(self, spec: Qwen3Spec) -> int:
+    def scratch_bytes(self, spec: Qwen3Spec, head: bool = True) -> int:
         """The fp16 scratch: the largest of a decoded Wqkv, a decoded Wo and a decoded head
-        slice, counting only what some weight not stored as F16 needs (0: none does)."""
+        slice, counting only what some weight not stored as F16 needs (0: none does).
+        head False: a split part before the last, which holds no head."""
         H, qd, kvd = spec.hidden, spec.q_dim, spec.kv_dim
         need = [0]
         if not all(s.qkv_direct for s in self.slots):
             need.append((qd + 2 * kvd) * H * 2)
         if not all(s.o_direct for s in self.slots):
             need.append(H * qd * 2)
-        if not self.head_direct:
+        if head and not self.head_direct:
             need.append(min(spec.vocab, HEAD_SLICE_ROWS) * H * 2)
         return max(need)
 
@@ -211,6 +212,9 @@ class WholeSizing:
     context: int
     dense_stream: bool = False
     gemm: str = "cublas"
+    #: whether the output head is on this device (a layer split: the last part only; the
+    #: others' `spec` counts their own layers and `types` holds theirs)
+    head: bool = True
 
     def streamed(self) -> WholeSizing:
         return replace(self, dense_stream=True)
@@ -231,9 +235,9 @@ def whole_fixed_regions(w: WholeSizing) -> dict[str, int]:
     dense = DENSE_RING_SLOTS * layout.slot_bytes if w.dense_stream else layout.resident_bytes
     return {
         "dense": dense,
-        "head_norm": spec.hidden * 4,
-        "head": tensor_bytes(w.types.head, spec.vocab, spec.hidden),
-        "dense_scratch": layout.scratch_bytes(spec),  # 0 when every matrix is F16
+        "head_norm": spec.hidden * 4 if w.head else 0,
+        "head": tensor_bytes(w.types.head, spec.vocab, spec.hidden) if w.head else 0,
+        "dense_scratch": layout.scratch_bytes(spec, w.head),  # 0 when every matrix is F16
         "rope_cos": context * spec.head_dim // 2 * 4,
         "rope_sin": context * spec.head_dim // 2 * 4,
         "kv": kv_bytes(spec, context),
@@ -244,8 +248,9 @@ def whole_fixed_regions(w: WholeSizing) -> dict[str, int]:
 def dense_workspace_bytes(w: WholeSizing, tokens: int) -> int:
     """The dense GEMM's workspace for chunks of up to `tokens` (the largest of its GEMMs)."""
     spec = w.spec
+    head = workspace_bytes(w.gemm, LOGIT_ROWS, spec.vocab) if w.head else 0
     return max(workspace_bytes(w.gemm, tokens, max(spec.q_dim + 2 * spec.kv_dim, spec.hidden)),
-               workspace_bytes(w.gemm, LOGIT_ROWS, spec.vocab))
+               head)
 
 
 def whole_chunk_regions(w: WholeSizing, tokens: int) -> dict[str, int]:
@@ -257,6 +262,6 @@ def whole_chunk_regions(w: WholeSizing, tokens: int) -> dict[str, int]:
         "qkv": T * (spec.q_dim + 2 * spec.kv_dim) * 2,
         "q_rot": T * spec.q_dim * 2,
         "attn_out": T * spec.q_dim * 2,
-        "head_in": LOGIT_ROWS * spec.hidden * 2,
-        "head_out": LOGIT_ROWS * spec.vocab * 4,
+        "head_in": LOGIT_ROWS * spec.hidden * 2 if w.head else 0,
+        "head_out": LOGIT_ROWS * spec.vocab * 4 if w.head else 0,
     }

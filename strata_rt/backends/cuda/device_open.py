@@ -1,0 +1,96 @@
+"""What a CUDA backend takes and fills at open, in order: its formats' kernels, the memory
+plan (chunk size, resident experts, lanes, dense policy) within the free VRAM, the arena, and
+the weights that stay on the device (router, norms, resident experts, image blocks, a whole
+model's dense part). Its own module so the executor keeps to running plans; a layer split's
+part sizes every per-layer region for its own layers (split_part.part_moe_spec)."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ...models.qwen3.whole_memory import DenseTypes, WholeSizing
+from ...runtime.memory import MIB
+from ...schedule.dense_schedule import DENSE_RING_SLOTS
+from ...schedule.image_cache import ImageCache, capacity_blocks
+from ...schedule.in_place import check_in_place
+from ...schedule.memory_plan import DEFAULT_RESERVE_MIB, plan_lanes, plan_memory
+from ...schedule.planner import ring_sizes
+from ...schedule.residency import Residency
+from .device_state import DeviceState
+from .layer_kernels import LayerKernels
+from .split_part import part_moe_spec, part_whole
+
+if TYPE_CHECKING:
+    from .executor import CudaBackend
+
+
+def open_device(b: CudaBackend, residency: Residency | None) -> None:
+    """Fills b's device state (b.rt current); residency None: derived from the budget."""
+    rt, spec, lay, cfg, model = b.rt, b.spec, b.lay, b.cfg, b.model
+    lspec, lo, hi = part_moe_spec(spec, b.part), b.part.first, b.part.end
+    routing = cfg.routing
+    assert routing is not None, "EngineConfig.resolve() sets routing"
+    # kernels first: a format without kernels fails before any memory is taken; a mixed
+    # model loads each distinct layer format's kernels once
+    b.fks = model.formats.kernels(rt)
+    b.in_place = check_in_place(cfg.in_place, model.formats.in_place_format)
+    reserve = cfg.vram_reserve_mib if cfg.vram_reserve_mib is not None else DEFAULT_RESERVE_MIB
+    available = rt.free_bytes() - int(reserve * MIB)
+    slot = lay.slot_bytes
+    fixed_res = residency.n_slots if residency is not None else None
+    rings = ring_sizes(cfg.ring_bytes, slot, lspec.total_experts - (fixed_res or 0))
+    whole_sizes = None
+    if b.whole is not None:
+        assert cfg.dense_gemm is not None, "EngineConfig.resolve() sets dense_gemm"
+        b.kv_capacity = cfg.context or b.whole.spec.context
+        wspec, types = part_whole(b.whole.spec, DenseTypes.of_model(b.whole),
+                                  b.part)
+        whole_sizes = WholeSizing(wspec, types, b.kv_capacity, False, cfg.dense_gemm,
+                                  head=b.part.last)
+    image_room = capacity_blocks(cfg.image_cache_mib, spec, lay)
+    assert cfg.compute_lanes is not None, "EngineConfig.resolve() sets compute_lanes"
+    b.lanes, mp = plan_lanes(cfg.compute_lanes, fixed_res, lspec.total_experts, partial(
+        plan_memory, lspec, lay, b.fmt.activation, available, rings.total, cfg.prefill,
+        fixed_res, routing, whole_sizes, cfg.dense, image_room))
+    #: dense ring slots when a whole model's dense weights stream (the driver plans them)
+    b.dense_ring = DENSE_RING_SLOTS if mp.dense_stream else None
+    if residency is None:
+        residency = Residency.from_budget(model, mp.n_resident, cfg.load_profile())
+        # the ring was sized for everything streaming; plan with what actually streams
+        rings = ring_sizes(cfg.ring_bytes, slot, lspec.total_experts - residency.n_slots)
+    b.residency = residency
+    b.images = ImageCache.choose(spec, residency, image_room)
+    if cfg.image_cache_mib:
+        b.images.report(spec, lay)
+    b.walk_slots = rings.walk
+    b.tokens = mp.tokens
+    b.memory = mp
+    dev = b.dev = DeviceState(rt, mp.regions, max(available, 0),
+                                 b.tokens * spec.hidden * 4,
+                                 (lspec.n_layers, spec.n_experts + 1), b.lanes)
+    b.kernels = LayerKernels(rt, spec, b.fmt.activation, dev.ptr, routing, lo)
+    # poison everything first: a read of bytes nobody wrote shows up as NaN, not as luck
+    rt.memset_d8(dev.arena.base_ptr, 0xFF, dev.arena.total, dev.copy)
+    # weights that stay on the device, and the resident experts (once, at open)
+    router = b.kernels.router_weights(model.router[lo:hi])  # alive until the sync
+    norm = np.ascontiguousarray(model.norm[lo:hi])
+    rt.memcpy_htod(dev.ptr["router"], router, dev.copy)
+    rt.memcpy_htod(dev.ptr["norm"], norm, dev.copy)
+    for i, (layer, e) in enumerate(residency.pairs):
+        off = b.store.offset(layer, e)
+        rt.memcpy_htod(dev.ptr["resident"] + i * slot,
+                       b.store.arena[off: off + model.formats.layout(layer).blob_bytes],
+                       dev.copy)
+    dev.copy.synchronize()
+    dev.fill_images(b.images, spec, residency, b.fks, lay)
+    b._whole = None
+    if b.whole is not None:
+        from .whole import CudaWhole
+
+        assert whole_sizes is not None
+        sizing = whole_sizes.streamed() if mp.dense_stream else whole_sizes
+        b._whole = CudaWhole(rt, b.whole, dev.ptr, mp.regions["dense_ws"], sizing,
+                                dev.copy, lo)
