@@ -161,6 +161,13 @@ def test_ctrl_c_and_sigterm_codes() -> None:
         assert isinstance(interrupts.Terminated(signal.SIGTERM), KeyboardInterrupt)
 
 
+def default_sigint() -> None:
+    """In the child before it runs: SIGINT back to its default. A shell without job control
+    starts background commands (a test run under nohup, a CI step sent to the background)
+    with SIGINT ignored, which Python then keeps; a user's Ctrl-C reaches a foreground run."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("sig, code, said", [
     (signal.SIGINT, 130, "interrupted after"),
     (signal.SIGTERM, 143, "terminated by SIGTERM after")])
@@ -170,7 +177,8 @@ def test_a_signal_in_a_fresh_process(tmp_path, sig, code, said) -> None:
     target = tmp_path / "run.json"
     cfg = config(tmp_path, prompts=[16] * 400)
     proc = subprocess.Popen([sys.executable, "-m", "strata_rt.cli", "run", str(cfg), "--json",
-                             str(target)], cwd=ROOT, stdout=subprocess.PIPE,
+                             str(target)], cwd=ROOT, preexec_fn=default_sigint,
+                            stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while not target.exists() and time.monotonic() < deadline and proc.poll() is None:
@@ -222,6 +230,7 @@ def test_conversion_workers_end_with_their_parent(tmp_path, signum, code) -> Non
     script = tmp_path / "convert_it.py"
     script.write_text(CONVERT)
     proc = subprocess.Popen([sys.executable, str(script), str(path)], cwd=ROOT,
+                            preexec_fn=default_sigint,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
     errors: list[str] = []
