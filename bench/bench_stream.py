@@ -25,6 +25,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench_whole import time_prefill  # noqa: E402
+
 from strata_rt.cli.common import display_path, hardware_line, markdown_table, open_engine  # noqa: E402
 from strata_rt.config.run_config import load_config  # noqa: E402
 from strata_rt.runtime.memory import MIB  # noqa: E402
@@ -53,15 +55,9 @@ def main() -> int:
             rec: dict = {"tokens": prompt.tokens}
             for arm in ARMS:
                 engine.config.prefill_stream = arm
-                walls, nbytes, mode = [], 0, "-"
-                for i in range(args.warmups + args.reps):
-                    engine.reset()
-                    t = time.perf_counter()
-                    _, st = engine.prefill(ids)
-                    if i >= args.warmups:
-                        walls.append(time.perf_counter() - t)
-                    nbytes = st.bytes_streamed
-                    mode = engine.driver.last_plan.mode if engine.driver.last_plan else "-"
+                walls, st = time_prefill(engine, ids, args.warmups, args.reps)
+                nbytes = st.bytes_streamed
+                mode = engine.driver.last_plan.mode if engine.driver.last_plan else "-"
                 rec[arm] = {"wall_s": walls, "median_s": statistics.median(walls),
                             "bytes_streamed": nbytes, "mode": mode}
                 print(f"{prompt.tokens} tokens, {arm}: {rec[arm]['median_s'] * 1e3:,.1f} ms, "

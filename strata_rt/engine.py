@@ -8,7 +8,7 @@ chunk driver and plans; a whole model's layers open with an Attention op and its
 with a Logits op.
 
 A layer split (`devices` names several GPUs) opens one backend per device over the same host
-store (schedule/split_driver.py), each running its own contiguous layers, the residual handed
+store (schedule/split/driver.py), each running its own contiguous layers, the residual handed
 from device to device; the engine sees them as one backend.
 
 The engine owns what does not depend on the backend: the model, the host expert store, the
@@ -54,7 +54,7 @@ from .schedule.driver import Backend, ChunkDriver, HostContext
 from .schedule.plan import LogitRows
 from .schedule.planner import AUTO_CHUNK_MAX
 from .schedule.residency import Residency
-from .schedule.split_driver import SplitBackend, SplitDriver, open_split
+from .schedule.split.driver import SplitBackend, SplitDriver, open_split
 from .weights.layer_formats import LayerFormats
 from .weights.model import Model
 from .weights.store import ExpertStore

@@ -28,7 +28,7 @@ from strata_rt.schedule.plan import (
 from strata_rt.schedule.planner import StagingPlanner, plan_decode, plan_walk
 from strata_rt.schedule.residency import Residency
 from strata_rt.schedule.split import LayerSplit, Part, choose_split, parse_devices
-from strata_rt.schedule.split_hazards import check_split
+from strata_rt.schedule.split.hazards import check_split
 from strata_rt.weights.model import MoESpec
 
 

@@ -7,12 +7,9 @@ runs. Absent keys keep greedy's defaults; `strata generate`'s flags override the
 from __future__ import annotations
 
 from dataclasses import fields
-from typing import TYPE_CHECKING
 
 from ..text.sampling import NAMES, SamplingParams, sampling_problems
-
-if TYPE_CHECKING:
-    from .schema import Problems
+from .problem_sink import Problems
 
 #: config key -> SamplingParams field
 SAMPLING_KEYS = {name: field for field, name in NAMES.items()}

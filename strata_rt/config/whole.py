@@ -12,7 +12,7 @@ what sizes its VRAM; `dense` says whether the dense weights stay resident or str
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
 from ..models.qwen3.gguf_full import read_dense_types, read_qwen3_spec
@@ -20,17 +20,11 @@ from ..models.qwen3.spec import Qwen3Spec
 from ..models.qwen3.whole_memory import DenseLayout, DenseTypes, WholeSizing
 from ..weights.whole_model import is_whole_gguf
 from .engine_config import DENSE_POLICIES, dense_gemm_switch
+from .problem_sink import Problems
 
 if TYPE_CHECKING:
     from ..weights.model import MoESpec
 
-
-class Problems(Protocol):
-    """What these checks need of schema.Problems (which imports this module's keys)."""
-
-    items: list[str]
-
-    def add(self, path: str, value: Any, allowed: str) -> None: ...
 
 #: the keys that make a synthetic model whole (all four, or none)
 WHOLE_REQUIRED = ("n_heads", "n_kv_heads", "head_dim", "vocab")

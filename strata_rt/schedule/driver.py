@@ -165,7 +165,7 @@ class ChunkDriver:
     engine config on every chunk, so an in-process A/B takes effect on the next prompt.
     part: one device's layers of a layer split (None: every layer). A part's plans carry
     hand-off ops that only the split checker orders, so the split driver
-    (strata_rt.schedule.split_driver) checks them across the parts instead of this driver."""
+    (strata_rt.schedule.split.driver) checks them across the parts instead of this driver."""
 
     def __init__(self, spec: MoESpec, formats: LayerFormats, cfg: EngineConfig,
                  executor: Executor, part: Part | None = None):

@@ -6,24 +6,20 @@ wait for the latest Record of that event issued before the Wait (CUDA semantics:
 moves the event; waiting on an event never recorded does not wait at all, so it is an error
 here). Cross-stream order is tracked with vector clocks of one component per stream (copy, then
 the lanes): op a happens before op b iff b's clock has caught up with a's own-stream component.
-The rules ask for an order, not for the event a planner uses to get it: a lane that waited
-for a copy which waited for a `used` record issued after a LayerBegin is ordered after it.
+The rules ask for an order, not for the event a planner uses to get it.
 
 Rejected (each message names the ring slot or the layer, the entry/expert, the lane and the ops
 with their index in the chunk's op list):
 - a Copy refilling a slot while a gather (on any lane) of the previous occupant may read it;
 - a gather reading a slot whose copy of the expected entry does not happen before it, was
   never issued, or was already overwritten;
-- a Wait on an event never recorded, and a Record or Wait on a stream that is neither the copy
-  stream nor a compute lane (host bookkeeping has no GPU stream an event could order);
+- a Wait on an event never recorded; a Record or Wait off the copy stream and the lanes;
 - a gather or Products on a stream that is not a compute lane, and a GatherBatch or
   GatherRouted member naming a lane other than its launch's;
 - a Consume passing an entry that a not-yet-launched gather (batch) still reads;
-- a Copy issued while its entry >= consumed + ring (the issuer over-running the consumer);
-- a wait cycle: the consumer needs entry k before Copy(k) is issued while the issuer needs
-  `consumed` to advance first;
-- an op reading the hidden states (LayerBegin, Attention) ahead of the chunk's ChunkInput, and
-  a second ChunkInput;
+- a Copy issued while its entry >= consumed + ring (the issuer over-running the consumer), and
+  a wait cycle (entry k needed before Copy(k) is issued, which waits for `consumed`);
+- an op reading the hidden states ahead of the chunk's ChunkInput, and a second ChunkInput;
 - Products reading a position of its lane's group buffers that does not hold the expert it
   names (each lane has its own set: an expert gathered on another lane is not there), or an
   image-cache block that does not hold its layer's group (or holds a non-resident expert), or
@@ -33,15 +29,14 @@ with their index in the chunk's op list):
   it), or that no LayerBegin of its layer precedes; a LayerEnd combining rows that a Products
   of its layer on another lane may still write (no lane_join waited on); a Products after its
   layer's LayerEnd, whose rows the combine never reads;
-- a HandOff or hand-off event fed to one device's checker alone (schedule/split_hazards.py);
-- (streamed dense weights) a DenseCopy refilling a dense slot while an Attention may still read
-  it, and an Attention whose dense slot does not hold its layer, or whose copy does not happen
-  before it.
+- a HandOff or hand-off event fed to one device's checker alone (schedule/split/hazards.py);
+- (streamed dense weights) a DenseCopy refilling a dense slot an Attention may still read, and
+  an Attention whose dense slot does not hold its layer or whose copy is not before it.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, NoReturn, Protocol
 
 from ..errors import PlanHazardError
 from .hazard_messages import Clock, Occupant, describe, event_subject
@@ -76,7 +71,6 @@ from .plan import (
 if TYPE_CHECKING:
     from .image_cache import ImageCache
     from .residency import Residency
-    from .split_hazards import HandOffLink
 
 #: the streams a clock has a component for: the copy stream, then the compute lanes
 _STREAMS: tuple[str, ...] = ("copy", *LANES)
@@ -85,6 +79,14 @@ _COMPONENT = {stream: n for n, stream in enumerate(_STREAMS)}
 _MAIN = LANES[0]
 #: what a group-buffer position holds: (layer, group, expert, op index of its gather)
 Held = tuple[int, int, int, int]
+
+
+class HandOffLink(Protocol):
+    """What a part's Checker hands its cross-device ops to (split.hazards.SplitChecker)."""
+
+    def op(self, checker: Checker, i: int, op: Record | Wait | HandOff) -> None: ...
+
+    def overwrites(self, checker: Checker, i: int, what: str) -> None: ...
 
 
 class Checker:
@@ -152,7 +154,7 @@ class Checker:
                                        and op.event[0] in HANDOFF_EVENTS):
             if self.link is None:
                 self._fail(f"op #{i} {describe(op)}: a layer split's hand-off orders two "
-                           "devices' plans; check them together (schedule.split_hazards)")
+                           "devices' plans; check them together (schedule.split.hazards)")
             self.link.op(self, i, op)
         elif isinstance(op, Copy):
             self._copy(i, op)

@@ -27,7 +27,7 @@ ring's events do.
 A layer split (several devices, strata_rt.schedule.split) gives each device a plan of its own
 layers; a receiving device's plan opens with a HandOff in place of ChunkInput, and the events
 `("handoff_ready", boundary)` / `("handoff_taken", boundary)` order it against its sender's
-plan across devices (schedule/split_hazards.py checks them).
+plan across devices (schedule/split/hazards.py checks them).
 
 Ring bookkeeping: entry k of a chunk's stream of copies goes to ring slot
 k % ring_slots. Events are `("copied", slot)` (recorded on the copy stream after a copy lands)

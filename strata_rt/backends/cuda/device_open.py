@@ -6,6 +6,7 @@ part sizes every per-layer region for its own layers (split_part.part_moe_spec).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -24,73 +25,103 @@ from .layer_kernels import LayerKernels
 from .split_part import part_moe_spec, part_whole
 
 if TYPE_CHECKING:
-    from .executor import CudaBackend
+    from ...config.engine_config import EngineConfig
+    from ...formats.contract import FormatKernels
+    from ...models.qwen3.weights import Qwen3Model
+    from ...runtime.device import Runtime
+    from ...schedule.in_place import InPlaceSetting
+    from ...schedule.memory_plan import MemoryPlan
+    from ...schedule.split import Part
+    from ...weights.model import Model
+    from ...weights.store import ExpertStore
+    from .whole import CudaWhole
 
 
-def open_device(b: CudaBackend, residency: Residency | None) -> None:
-    """Fills b's device state (b.rt current); residency None: derived from the budget."""
-    rt, spec, lay, cfg, model = b.rt, b.spec, b.lay, b.cfg, b.model
-    lspec, lo, hi = part_moe_spec(spec, b.part), b.part.first, b.part.end
+@dataclass
+class OpenedDevice:
+    """What open_device filled, for the backend to hold."""
+
+    fks: list[FormatKernels]
+    in_place: InPlaceSetting
+    kv_capacity: int
+    lanes: int
+    dense_ring: int | None
+    residency: Residency
+    images: ImageCache
+    walk_slots: int
+    tokens: int
+    memory: MemoryPlan
+    dev: DeviceState
+    kernels: LayerKernels
+    whole: CudaWhole | None
+
+
+def open_device(rt: Runtime, model: Model, store: ExpertStore, cfg: EngineConfig, part: Part,
+                whole: Qwen3Model | None, residency: Residency | None) -> OpenedDevice:
+    """A backend's device state on rt (current); residency None: derived from the budget."""
+    spec, lay, fmt = model.spec, model.layout, model.fmt
+    lspec, lo, hi = part_moe_spec(spec, part), part.first, part.end
     routing = cfg.routing
     assert routing is not None, "EngineConfig.resolve() sets routing"
     # kernels first: a format without kernels fails before any memory is taken; a mixed
     # model loads each distinct layer format's kernels once
-    b.fks = model.formats.kernels(rt)
-    b.in_place = check_in_place(cfg.in_place, model.formats.in_place_format)
+    fks = model.formats.kernels(rt)
+    in_place = check_in_place(cfg.in_place, model.formats.in_place_format)
     reserve = cfg.vram_reserve_mib if cfg.vram_reserve_mib is not None else DEFAULT_RESERVE_MIB
     available = rt.free_bytes() - int(reserve * MIB)
     slot = lay.slot_bytes
     fixed_res = residency.n_slots if residency is not None else None
     rings = ring_sizes(cfg.ring_bytes, slot, lspec.total_experts - (fixed_res or 0))
     whole_sizes = None
-    if b.whole is not None:
+    kv_capacity = 0
+    if whole is not None:
         assert cfg.dense_gemm is not None, "EngineConfig.resolve() sets dense_gemm"
-        b.kv_capacity = cfg.context or b.whole.spec.context
-        wspec, types = part_whole(b.whole.spec, DenseTypes.of_model(b.whole),
-                                  b.part)
-        whole_sizes = WholeSizing(wspec, types, b.kv_capacity, False, cfg.dense_gemm,
-                                  head=b.part.last)
+        kv_capacity = cfg.context or whole.spec.context
+        wspec, types = part_whole(whole.spec, DenseTypes.of_model(whole), part)
+        whole_sizes = WholeSizing(wspec, types, kv_capacity, False, cfg.dense_gemm,
+                                  head=part.last)
     image_room = capacity_blocks(cfg.image_cache_mib, spec, lay)
     assert cfg.compute_lanes is not None, "EngineConfig.resolve() sets compute_lanes"
-    b.lanes, mp = plan_lanes(cfg.compute_lanes, fixed_res, lspec.total_experts, partial(
-        plan_memory, lspec, lay, b.fmt.activation, available, rings.total, cfg.prefill,
+    lanes, mp = plan_lanes(cfg.compute_lanes, fixed_res, lspec.total_experts, partial(
+        plan_memory, lspec, lay, fmt.activation, available, rings.total, cfg.prefill,
         fixed_res, routing, whole_sizes, cfg.dense, image_room))
     #: dense ring slots when a whole model's dense weights stream (the driver plans them)
-    b.dense_ring = DENSE_RING_SLOTS if mp.dense_stream else None
+    dense_ring = DENSE_RING_SLOTS if mp.dense_stream else None
     if residency is None:
         residency = Residency.from_budget(model, mp.n_resident, cfg.load_profile())
         # the ring was sized for everything streaming; plan with what actually streams
         rings = ring_sizes(cfg.ring_bytes, slot, lspec.total_experts - residency.n_slots)
-    b.residency = residency
-    b.images = ImageCache.choose(spec, residency, image_room)
+    images = ImageCache.choose(spec, residency, image_room)
     if cfg.image_cache_mib:
-        b.images.report(spec, lay)
-    b.walk_slots = rings.walk
-    b.tokens = mp.tokens
-    b.memory = mp
-    dev = b.dev = DeviceState(rt, mp.regions, max(available, 0),
-                                 b.tokens * spec.hidden * 4,
-                                 (lspec.n_layers, spec.n_experts + 1), b.lanes)
-    b.kernels = LayerKernels(rt, spec, b.fmt.activation, dev.ptr, routing, lo)
-    # poison everything first: a read of bytes nobody wrote shows up as NaN, not as luck
-    rt.memset_d8(dev.arena.base_ptr, 0xFF, dev.arena.total, dev.copy)
-    # weights that stay on the device, and the resident experts (once, at open)
-    router = b.kernels.router_weights(model.router[lo:hi])  # alive until the sync
-    norm = np.ascontiguousarray(model.norm[lo:hi])
-    rt.memcpy_htod(dev.ptr["router"], router, dev.copy)
-    rt.memcpy_htod(dev.ptr["norm"], norm, dev.copy)
-    for i, (layer, e) in enumerate(residency.pairs):
-        off = b.store.offset(layer, e)
-        rt.memcpy_htod(dev.ptr["resident"] + i * slot,
-                       b.store.arena[off: off + model.formats.layout(layer).blob_bytes],
-                       dev.copy)
-    dev.copy.synchronize()
-    dev.fill_images(b.images, spec, residency, b.fks, lay)
-    b._whole = None
-    if b.whole is not None:
-        from .whole import CudaWhole
+        images.report(spec, lay)
+    dev = DeviceState(rt, mp.regions, max(available, 0),
+                      mp.tokens * spec.hidden * 4, (lspec.n_layers, spec.n_experts + 1), lanes)
+    try:  # the arena is freed here if filling it fails (the backend holds nothing yet)
+        kernels = LayerKernels(rt, spec, fmt.activation, dev.ptr, routing, lo)
+        # poison everything first: a read of bytes nobody wrote shows up as NaN, not as luck
+        rt.memset_d8(dev.arena.base_ptr, 0xFF, dev.arena.total, dev.copy)
+        # weights that stay on the device, and the resident experts (once, at open)
+        router = kernels.router_weights(model.router[lo:hi])  # alive until the sync
+        norm = np.ascontiguousarray(model.norm[lo:hi])
+        rt.memcpy_htod(dev.ptr["router"], router, dev.copy)
+        rt.memcpy_htod(dev.ptr["norm"], norm, dev.copy)
+        for i, (layer, e) in enumerate(residency.pairs):
+            off = store.offset(layer, e)
+            rt.memcpy_htod(dev.ptr["resident"] + i * slot,
+                           store.arena[off: off + model.formats.layout(layer).blob_bytes],
+                           dev.copy)
+        dev.copy.synchronize()
+        dev.fill_images(images, spec, residency, fks, lay)
+        cuda_whole = None
+        if whole is not None:
+            from .whole import CudaWhole
 
-        assert whole_sizes is not None
-        sizing = whole_sizes.streamed() if mp.dense_stream else whole_sizes
-        b._whole = CudaWhole(rt, b.whole, dev.ptr, mp.regions["dense_ws"], sizing,
-                                dev.copy, lo)
+            assert whole_sizes is not None
+            sizing = whole_sizes.streamed() if mp.dense_stream else whole_sizes
+            cuda_whole = CudaWhole(rt, whole, dev.ptr, mp.regions["dense_ws"], sizing, dev.copy,
+                                   lo)
+    except BaseException:
+        dev.close()
+        raise
+    return OpenedDevice(fks, in_place, kv_capacity, lanes, dense_ring, residency, images,
+                        rings.walk, mp.tokens, mp, dev, kernels, cuda_whole)

@@ -143,7 +143,13 @@ class CudaBackend:
 
     # ------------------------------------------------------------------ open
     def _open(self, residency: Residency | None) -> None:
-        open_device(self, residency)  # memory plan, arena, weights (device_open.py)
+        o = open_device(self.rt, self.model, self.store, self.cfg, self.part, self.whole,
+                        residency)  # memory plan, arena, weights (device_open.py)
+        self.fks, self.in_place, self.kv_capacity, self.lanes = o.fks, o.in_place, \
+            o.kv_capacity, o.lanes
+        self.dense_ring, self.residency, self.images = o.dense_ring, o.residency, o.images
+        self.walk_slots, self.tokens, self.memory = o.walk_slots, o.tokens, o.memory
+        self.dev, self.kernels, self._whole = o.dev, o.kernels, o.whole
         dev = self._device()
         self._timer = PhaseTimer(self.rt, dev.compute, dev.copy) if self.timing else None
         self._dispatch: dict[type, Callable[[Any], None]] = {

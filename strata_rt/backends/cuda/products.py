@@ -7,18 +7,47 @@ the executor to dispatch."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from ...schedule.image_cache import block_bytes
 from ...schedule.in_place import resident_parts
 from ...schedule.lanes import walk_rows_hint
 
 if TYPE_CHECKING:
+    import numpy as np
+
+    from ...formats.contract import ExpertLayout, FormatKernels
+    from ...runtime import Stream
     from ...schedule.plan import Products
-    from .executor import CudaBackend
+    from ...weights.model import Model, MoESpec
+    from .device_state import DeviceState
+    from .layer_kernels import LayerKernels
 
 
-def run_products(b: CudaBackend, op: Products) -> None:
+class ProductsHost(Protocol):
+    """What a Products op reads of the backend that runs it (executor.CudaBackend)."""
+
+    @property
+    def spec(self) -> MoESpec: ...
+    @property
+    def model(self) -> Model: ...
+    @property
+    def lay(self) -> ExpertLayout: ...
+    @property
+    def fks(self) -> list[FormatKernels]: ...
+    @property
+    def kernels(self) -> LayerKernels: ...
+    @property
+    def _T(self) -> int: ...
+    @property
+    def _counts(self) -> np.ndarray | None: ...
+    def _device(self) -> DeviceState: ...
+    def _lane(self, op: Products) -> tuple[Stream, int, int]: ...
+    def _bounds_ptr(self, layer: int) -> int: ...
+    def _mark(self, phase: str) -> None: ...
+
+
+def run_products(b: ProductsHost, op: Products) -> None:
     """Enqueues op's three launches on its lane's stream."""
     spec, p, (s, gu_buf, dn_buf) = b.spec, b._device().ptr, b._lane(op)
     gu_w: int | list[int] = gu_buf

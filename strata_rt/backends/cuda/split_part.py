@@ -22,9 +22,9 @@ hand-off touch neither the residual nor the position (copies, dense copies).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ...errors import PlanHazardError, StrataError
 from ...models.qwen3.whole_memory import DenseTypes
@@ -33,9 +33,11 @@ from ...schedule.plan import HANDOFF_EVENTS, HANDOFF_READY, HANDOFF_TAKEN, HandO
 if TYPE_CHECKING:
     from ...models.qwen3.spec import Qwen3Spec
     from ...runtime import Graph, Stream
+    from ...runtime.device import Runtime
     from ...schedule.split import Part
     from ...weights.model import MoESpec
-    from .executor import CudaBackend
+    from .device_state import DeviceState
+    from .whole import CudaWhole
 
 
 def part_moe_spec(spec: MoESpec, part: Part) -> MoESpec:
@@ -92,21 +94,39 @@ class PartReplay:
         self.graph.free()
 
 
+class LinkedPart(Protocol):
+    """What a hand-off reads of a split part's backend (executor.CudaBackend)."""
+
+    @property
+    def part(self) -> Part: ...
+    @property
+    def peers(self) -> Sequence[LinkedPart]: ...
+    @property
+    def rt(self) -> Runtime: ...
+    @property
+    def spec(self) -> MoESpec: ...
+    @property
+    def _T(self) -> int: ...
+    @property
+    def _whole(self) -> CudaWhole | None: ...
+    def _device(self) -> DeviceState: ...
+
+
 class PartLink:
     """The hand-off ops of one part: its backend, and through `peers` (every part's backend
     by part index, set when the split opens) the others'."""
 
-    def __init__(self, backend: CudaBackend):
+    def __init__(self, backend: LinkedPart):
         self.backend = backend
 
-    def _peer(self, index: int) -> CudaBackend:
+    def _peer(self, index: int) -> LinkedPart:
         peers = self.backend.peers
         if not 0 <= index < len(peers):
             raise StrataError(f"part {index} of the split is not open here (parts: "
                               f"{len(peers)})")
         return peers[index]
 
-    def _owner(self, key: tuple[str, int]) -> CudaBackend:
+    def _owner(self, key: tuple[str, int]) -> LinkedPart:
         """The part whose context holds hand-off event `key` (the part that records it)."""
         kind, boundary = key
         for b in self.backend.peers:

@@ -23,26 +23,18 @@ Rejected (each message names the part, its chunk, the boundary and the op):
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NoReturn, Protocol
+from typing import TYPE_CHECKING, NoReturn
 
-from ..errors import PlanHazardError
-from .hazards import Checker
-from .plan import HANDOFF_READY, HANDOFF_TAKEN, LANES, ChunkPlan, HandOff, Record, Wait
+from ...errors import PlanHazardError
+from ..hazards import Checker
+from ..plan import HANDOFF_READY, HANDOFF_TAKEN, LANES, ChunkPlan, HandOff, Record, Wait
 
 if TYPE_CHECKING:
-    from .image_cache import ImageCache
-    from .residency import Residency
-    from .split import LayerSplit
+    from ..image_cache import ImageCache
+    from ..residency import Residency
+    from . import LayerSplit
 
 _MAIN = LANES[0]
-
-
-class HandOffLink(Protocol):
-    """What a part's Checker hands its cross-device ops to."""
-
-    def op(self, checker: Checker, i: int, op: Record | Wait | HandOff) -> None: ...
-
-    def overwrites(self, checker: Checker, i: int, what: str) -> None: ...
 
 
 class SplitChecker:

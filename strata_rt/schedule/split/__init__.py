@@ -25,12 +25,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..errors import ConfigError
-from .plan import ChunkInput, HandOff, Op, Record, Wait, handoff_ready, handoff_taken
-from .residency import Residency, RoutingProfile
+from ...errors import ConfigError
+from ..plan import ChunkInput, HandOff, Op, Record, Wait, handoff_ready, handoff_taken
+from ..residency import Residency, RoutingProfile
 
 if TYPE_CHECKING:
-    from ..weights.model import Model
+    from ...weights.model import Model
 
 #: the most devices a split may name (one host's GPUs)
 MAX_DEVICES = 16

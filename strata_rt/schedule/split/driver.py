@@ -15,7 +15,7 @@ finiteness verdict) runs once every part of the chunk is issued, so the host nev
 for one part before issuing the next.
 
 STRATA_CHECK_PLAN (check_plan) on a split feeds every part's plan of every chunk to one
-split_hazards.SplitChecker in host issue order, after the parts ran: the parts' hand-offs
+split.hazards.SplitChecker in host issue order, after the parts ran: the parts' hand-offs
 are only ordered against each other, so no part's plan is complete alone.
 """
 
@@ -27,21 +27,21 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import ConfigError
-from .driver import ChunkDriver
-from .residency import Residency
-from .split import LayerSplit, model_split, part_residency
-from .split_hazards import SplitChecker
+from ...errors import ConfigError
+from ..driver import ChunkDriver
+from ..residency import Residency
+from . import LayerSplit, model_split, part_residency
+from .hazards import SplitChecker
 
 if TYPE_CHECKING:
-    from ..config.engine_config import EngineConfig
-    from ..models.qwen3.weights import Qwen3Model
-    from ..report.stats import Stats
-    from ..weights.layer_formats import LayerFormats
-    from ..weights.model import Model, MoESpec
-    from ..weights.store import ExpertStore
-    from .driver import Backend, HostContext
-    from .plan import LogitRows
+    from ...config.engine_config import EngineConfig
+    from ...models.qwen3.weights import Qwen3Model
+    from ...report.stats import Stats
+    from ...weights.layer_formats import LayerFormats
+    from ...weights.model import Model, MoESpec
+    from ...weights.store import ExpertStore
+    from ..driver import Backend, HostContext
+    from ..plan import LogitRows
 
 #: the backends whose executors run a split's hand-offs
 SPLIT_BACKENDS = ("reference", "cuda")
