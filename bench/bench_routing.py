@@ -39,7 +39,6 @@ from strata_rt.backends.cuda.routing_exact import (  # noqa: E402
     router_norms,
     router_scale,
     split_router,
-    split_tile,
 )
 from strata_rt.backends.cuda.routing_kernels import (  # noqa: E402
     RoutingKernels,
@@ -99,7 +98,7 @@ def bench_shape(rt, shape: str, tokens: int, reps: int, inner: int,
     ws_f16, ws_ex = alloc("ws", workspace_bytes(T, E, "f16")), alloc("wsx", workspace_bytes(T, E))
     parts = exact_workspace(ws_ex, T, E)
     sigma, norms = router_scale(router), router_norms(router)
-    tile16, tilex = gemm_tile(T, H), split_tile(T, H)
+    tile16, tilex = gemm_tile(T, H), ex.tile(T, H)
     o, n, x_ = out["fp32"], out["f16"], out["exact"]
 
     def exact_topk(tile):
@@ -124,7 +123,7 @@ def bench_shape(rt, shape: str, tokens: int, reps: int, inner: int,
         "f16 sort": lambda: rk.sort(s, n["ids"], T, E, K, ws_f16, bnd["f16"], n["st"], n["ro"]),
         **{f"exact GEMM {t}": (lambda t=t: ex.logits(s, xn, psplit, logits, parts, T, H, E,
                                                      sigma, t))
-           for t, tl in SPLIT_TILES.items() if tl.fits(H)},
+           for t, tl in ex.tiles.items() if tl.fits(H)},
         "exact top-k": lambda: exact_topk(tilex),
         "exact sort": lambda: rk.sort(s, x_["ids"], T, E, K, ws_ex, bnd["exact"], x_["st"],
                                       x_["ro"]),

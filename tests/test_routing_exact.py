@@ -15,18 +15,21 @@ from hypothesis import strategies as st
 
 from strata_rt.backends.cuda.routing_exact import (
     EXACT_SOURCE,
-    SPLIT_TILE_RULE,
+    SM90_SOURCE,
     SPLIT_TILES,
     ExactRoutingKernels,
+    WgmmaSplitTile,
     canonical_logits,
     exact_bound,
     rank,
     route_exact,
     router_norms,
     router_scale,
+    runs_on,
     softmax_weights,
     split_router,
     split_tile,
+    tile_rule,
 )
 from strata_rt.backends.cuda.routing_kernels import (
     RoutingKernels,
@@ -68,6 +71,17 @@ def near_tie_router(rng, hidden, n_experts):
     twin = base.astype(np.float64) * (1 + np.resize(eps, n_experts // 2))[:, None]
     router = np.empty((n_experts, hidden), np.float32)
     router[0::2], router[1::2] = base, twin.astype(np.float32)
+    return router
+
+
+def crowded_router(rng, hidden, n_experts):
+    """Up to 48 experts whose rows are one row scaled by 1 + 1e-7 i (i in -3..3, so exact ties
+    too): every token's candidates form one long run of near-ties, longer than a warp, that
+    only canonical logits order."""
+    router = (rng.standard_normal((n_experts, hidden)) * 2 / np.sqrt(hidden)).astype(np.float32)
+    n = min(48, n_experts)
+    scale = 1 + 1e-7 * rng.integers(-3, 4, n).astype(np.float64)
+    router[:n] = (router[0].astype(np.float64) * 4 * scale[:, None]).astype(np.float32)
     return router
 
 
@@ -157,15 +171,26 @@ def test_bound_grows_with_the_hidden_size_and_the_router():
     assert exact_bound(router_norms(w * 4), 2048).c1 > 3.9 * small.c1
 
 
-def test_tile_table_comes_from_the_kernel_source():
-    src = EXACT_SOURCE.read_text()
-    rows = re.findall(r"^SPLIT_KERNEL\((\w+),", src, flags=re.M)
-    assert rows and set(rows) == set(SPLIT_TILES)
+def test_tile_table_comes_from_the_kernel_sources():
+    rows = re.findall(r"^SPLIT_KERNEL\((\w+),", EXACT_SOURCE.read_text(), flags=re.M)
+    wg = re.findall(r"^SPLIT_SM90_KERNEL\((\w+),", SM90_SOURCE.read_text(), flags=re.M)
+    assert rows and wg and set(rows) | set(wg) == set(SPLIT_TILES)
     for t in SPLIT_TILES.values():
         assert t.shared <= 227 * 1024
+    # wgmma tiles: 64 x 128, router tiles swizzled (unpadded); run on sm_90 only
+    assert all(isinstance(SPLIT_TILES[n], WgmmaSplitTile) for n in wg)
+    assert SPLIT_TILES["wg64"].shared == (4 * (64 * 64 * 4 + 2 * 128 * 64 * 2)
+                                          + 4 * 64 * 64 * 2 + 1024)
+    assert runs_on(SPLIT_TILES["wg64"], "sm_90") and not runs_on(SPLIT_TILES["wg64"], "sm_80")
+    assert runs_on(SPLIT_TILES["m64"], "sm_80")
     assert split_tile(1, 4096) == "m16" and split_tile(9000, 4096) == "m64"
     assert split_tile(100, 1088) == "m16"
-    assert SPLIT_TILE_RULE[-1][0] is None
+    for arch in ("sm_80", "sm_89", "sm_90"):
+        rule = tile_rule(arch)
+        assert rule[-1][0] is None
+        assert all(runs_on(SPLIT_TILES[name], arch) for _, name in rule)
+    assert split_tile(9000, 4096, tile_rule("sm_90")) == "wg64"
+    assert split_tile(9000, 4096, tile_rule("sm_80")) == "m64"
 
 
 def test_workspace_holds_the_norms_and_the_rerank_list_after_the_sort():
@@ -183,7 +208,7 @@ def _run(rt, s, ex, rk, xn, router, top_k, tile=None):
     """Split GEMM, exact top-k and the sort on poisoned outputs; every output on the host."""
     T, H = xn.shape
     E = router.shape[0]
-    tile = tile or split_tile(T, H)
+    tile = tile or ex.tile(T, H)
     dx, dr = upload(rt, s, xn), upload(rt, s, split_router(router[None])[0])
     ws = poisoned(rt, s, workspace_bytes(T, E, "exact"))
     parts = exact_workspace(ws.ptr, T, E)
@@ -227,7 +252,7 @@ def kernels(rt):
 
 
 @gpu
-@pytest.mark.parametrize("kind", ["random", "near_ties"])
+@pytest.mark.parametrize("kind", ["random", "near_ties", "crowded"])
 @pytest.mark.parametrize("tokens", [1, 7, 300, 4100])
 @pytest.mark.parametrize("hidden,n_experts,top_k", SHAPES)
 def test_gpu_picks_the_canonical_experts(rt, kernels, hidden, n_experts, top_k, tokens, kind):
@@ -235,9 +260,12 @@ def test_gpu_picks_the_canonical_experts(rt, kernels, hidden, n_experts, top_k, 
     rng = np.random.default_rng(tokens * 7 + hidden)
     if kind == "random":
         xn, router = _inputs(rng, tokens, hidden, n_experts)
-    else:
+    elif kind == "near_ties":
         xn = adversarial_tokens(rng, tokens, hidden)
         router = near_tie_router(rng, hidden, n_experts)
+    else:
+        xn = rng.standard_normal((tokens, hidden), dtype=np.float32)
+        router = crowded_router(rng, hidden, n_experts)
     got = _run(rt, s, ex, rk, xn, router, top_k)
     want_ids, want_w = route_exact(xn, router, top_k)
     np.testing.assert_array_equal(got["ids"], want_ids)
@@ -264,6 +292,8 @@ def test_gpu_picks_the_canonical_experts(rt, kernels, hidden, n_experts, top_k, 
 @pytest.mark.parametrize("tile", list(SPLIT_TILES))
 def test_gpu_every_tile_and_chunk_gives_the_same_bytes(rt, kernels, tile):
     ex, rk, s = kernels
+    if tile not in ex.tiles:
+        pytest.skip(f"tile {tile} does not run on {rt.arch}")
     rng = np.random.default_rng(5)
     xn, router = _inputs(rng, 1000, 4096, 128)
     whole = _run(rt, s, ex, rk, xn, router, 8, "m64")
@@ -307,3 +337,11 @@ def test_gpu_recheck_rate_on_random_tokens_is_small(rt, kernels):
     got = _run(rt, s, ex, rk, xn, router, 8)
     assert got["rechecked"] <= 0.2 * 8192, got["rechecked"]
     print(f"re-ranked {got['rechecked']} of 8192 tokens")
+
+
+def test_rerank_launch_matches_its_kernel_source():
+    from strata_rt.backends.cuda.routing_exact import RERANK_SOURCE, RERANK_THREADS
+
+    warps = re.search(r"^#define RERANK_WARPS (\d+)", RERANK_SOURCE.read_text(), flags=re.M)
+    assert warps and int(warps.group(1)) * 32 == RERANK_THREADS
+    assert "__launch_bounds__(RERANK_WARPS * 32)" in RERANK_SOURCE.read_text()

@@ -280,3 +280,33 @@ def test_check_kernels_rebuilds_an_emptied_cache(counting_nvcc, tmp_path, monkey
     assert all(r.ok for r in check_kernels([], ("sm_90",)))
     assert counting_nvcc() == 2, "check-kernels must rebuild an emptied cubin, not pass it"
     assert cubins[0].stat().st_size > 0
+
+
+@needs_nvcc
+def test_check_kernels_builds_an_arch_specific_source_for_sm_90a_too(counting_nvcc, tmp_path,
+                                                                    monkeypatch):
+    """A source that guards a body with the sm_90a feature macro is also checked for sm_90a,
+    where that body compiles (a broken body there fails the check; elsewhere it is empty)."""
+    from strata_rt.runtime import check_kernels
+    from strata_rt.runtime import compile as compile_mod
+
+    common = tmp_path / "kernels" / "common"
+    common.mkdir(parents=True)
+    (common / "plain.cu").write_text('extern "C" __global__ void plain(int* p) { *p = 1; }\n')
+    (common / "wg.cu").write_text(
+        "#if defined(__CUDA_ARCH_FEAT_SM90_ALL)\n"
+        'extern "C" __global__ void wg(int* p) { asm volatile("wgmma.fence.sync.aligned;"); '
+        "*p = nope; }\n#endif\n")
+    monkeypatch.setattr(compile_mod, "KERNELS_ROOT", tmp_path / "kernels")
+    got = {(r.source.name, r.arch): r for r in check_kernels([], ("sm_80", "sm_90"))}
+    assert set(got) == {("plain.cu", "sm_80"), ("plain.cu", "sm_90"), ("wg.cu", "sm_80"),
+                        ("wg.cu", "sm_90"), ("wg.cu", "sm_90a")}
+    assert got[("wg.cu", "sm_80")].ok and got[("wg.cu", "sm_90")].ok
+    assert not got[("wg.cu", "sm_90a")].ok and "nope" in got[("wg.cu", "sm_90a")].message
+
+
+def test_arch_specific_targets_use_the_explicit_gencode_form():
+    from strata_rt.runtime.compile import arch_flag
+
+    assert arch_flag("sm_90") == "-arch=sm_90"
+    assert arch_flag("sm_90a") == "-gencode=arch=compute_90a,code=sm_90a"

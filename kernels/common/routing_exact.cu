@@ -2,7 +2,8 @@
 // float64 logits pick, at tensor-core speed. Three launches replace routing.cu's GEMM and top-k
 // (its scan and scatter sort the result):
 //
-// 1. router_logits_split_<tile>: approximate logits on tensor cores from split operands.
+// 1. router_logits_split_<tile>: approximate logits on tensor cores from split operands
+//    (here on mma.sync; routing_split_sm90.cu's wgmma tiles give the same bytes on sm_90).
 //    x = xh + 2^-11 xl and w' = w / sigma = wh + 2^-11 wl, each part fp16 (xl and wl are the
 //    rounding residuals scaled up by 2^11, so they keep 11 significant bits where fp16 would
 //    flush them); three mma products per fragment, xh wh + 2^-11 (xh wl + xl wh), carry about
@@ -17,9 +18,10 @@
 //    consecutive picks 0..k (the k+1-th included) exceeds 2 B(t), the approximate order is the
 //    canonical one, proven by the bound, and the warp writes the token's outputs. Otherwise the
 //    token joins a list for
-// 3. route_rerank_w<NPL>: a block per listed token computes the canonical logit of every
-//    candidate that could still be among the top k (approximate logit within 2 B(t) of the k-th;
-//    every expert for a token whose x could not be split) and ranks those.
+// 3. route_rerank_w<NPL> (routing_rerank.cu): a block per listed token takes the candidates
+//    that could still be among the top k (approximate logit within 2 B(t) of the k-th; every
+//    expert for a token whose x could not be split), computes the canonical logits of those
+//    whose order the bound leaves open (runs of neighbours within 2 B(t)) and ranks them.
 //    Weights: float32 softmax of the approximate logits over all experts (of the canonical ones
 //    where x could not be split), renormalised over the picks.
 //
@@ -35,26 +37,8 @@
 
 #include "common/mma.cuh"
 #include "common/route_keys.cuh"
-
-#define ROUTE_TILE 32
-#define F16_LIMIT 65504.0f
-#define LO_SCALE 2048.0f              // 2^11: the residual's scale-up
-#define LO_UNSCALE 4.8828125e-4f      // 2^-11
-#define CHUNK_K 64                    // the xh wh products of CHUNK_K columns sum in fresh registers
-
-// x -> (fp16 hi, fp16 scaled residual); `bad` set when x cannot be split (beyond fp16's range,
-// NaN): such a token's approximate logits are not trusted (its norm becomes +inf).
-__device__ __forceinline__ void split_f16(float x, __half& hi, __half& lo, bool& bad) {
-    bad = bad || !(fabsf(x) <= F16_LIMIT);
-    const float xc = fabsf(x) <= F16_LIMIT ? x : 0.0f;
-    hi = __float2half_rn(xc);
-    lo = __float2half_rn(__fmul_rn(__fsub_rn(xc, __half2float(hi)), LO_SCALE));
-}
-
-__device__ __forceinline__ unsigned pack_h2(__half a, __half b) {
-    const __half2 h = __halves2half2(a, b);
-    return *reinterpret_cast<const unsigned*>(&h);
-}
+#include "common/route_pick.cuh"
+#include "common/route_split.cuh"
 
 // logits[t, e] = sigma * (xh wh + 2^-11 (xh wl + xl wh)) over c; xnorm[t] = |x_t|_2 (blocks with
 // blockIdx.y == 0 write it). router_split: wh [E, H] fp16, then wl [E, H] fp16. Block tile BM
@@ -261,8 +245,7 @@ __device__ __forceinline__ void router_gemm_split(const float* __restrict__ xn,
             float out[4];
 #pragma unroll
             for (int v = 0; v < 4; ++v)
-                out[v] = __fmul_rn(__fadd_rn(acc[i][j][v], __fmul_rn(cross[i][j][v], LO_UNSCALE)),
-                                   sigma);
+                out[v] = split_logit(acc[i][j][v], cross[i][j][v], sigma);
             if (t < tokens)
                 *reinterpret_cast<float2*>(logits + (size_t)t * n_experts + e) =
                     make_float2(out[0], out[1]);
@@ -309,84 +292,6 @@ SPLIT_KERNEL(m16, 16, 64, 1, 4, 64, 3, 2)
 SPLIT_KERNEL(m16k128, 16, 64, 1, 4, 128, 2, 2)
 
 // ---------------------------------------------------------------------------- exact top-k
-// A token the top-k kernel could not settle, for route_rerank: its canonical candidates are the
-// experts whose approximate logit is >= thresh (every expert when `all` is set).
-struct Rerank {
-    int token;
-    int all;
-    double thresh;
-};
-
-__device__ __forceinline__ unsigned long long warp_max_u64(unsigned long long v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const unsigned long long u = __shfl_xor_sync(0xffffffffu, v, o);
-        v = u > v ? u : v;
-    }
-    return v;
-}
-
-// Picks `picks` entries by descending key, ties to the lower id; lane j < picks gets pick j's id
-// and key. Entry lane + 32 i has key[i] and id[i]; key 0 marks an entry that is not there.
-template <int NPL, typename Key>
-__device__ __forceinline__ void warp_pick(const Key (&key)[NPL], const int (&id)[NPL],
-                                          int picks, int lane, int& my_id, Key& my_key) {
-    unsigned taken = 0u;
-    for (int j = 0; j < picks; ++j) {
-        int best = -1;
-        Key best_key = 0;
-#pragma unroll
-        for (int i = 0; i < NPL; ++i) {
-            const bool avail = !((taken >> i) & 1u) && key[i] != 0;
-            if (avail && (best < 0 || key[i] > best_key ||
-                          (key[i] == best_key && id[i] < id[best]))) {
-                best = i;
-                best_key = key[i];
-            }
-        }
-        Key kmax;
-        if constexpr (sizeof(Key) == 8)
-            kmax = warp_max_u64(best >= 0 ? best_key : 0ull);
-        else
-            kmax = __reduce_max_sync(0xffffffffu, best >= 0 ? best_key : 0u);
-        int mine = 0x7fffffff;
-#pragma unroll
-        for (int i = 0; i < NPL; ++i)
-            if (i == best && best_key == kmax) mine = id[i];
-        const unsigned win = __reduce_min_sync(0xffffffffu, (unsigned)mine);
-#pragma unroll
-        for (int i = 0; i < NPL; ++i)
-            if (i == best && (unsigned)id[i] == win) taken |= 1u << i;
-        if (lane == j) {
-            my_id = (int)win;
-            my_key = kmax;
-        }
-    }
-}
-
-// float32 softmax of v over the experts (lane l sums l, l + 32, ... then an xor tree), taken at
-// each lane's pick and renormalised over the k picks in pick order; m is the largest v.
-template <int NPL>
-__device__ __forceinline__ float pick_weight(const float (&v)[NPL], int n_experts, int top_k,
-                                             float m, int my_id, int lane) {
-    float s = 0.0f;
-#pragma unroll
-    for (int i = 0; i < NPL; ++i)
-        if (lane + 32 * i < n_experts) s = __fadd_rn(s, expf(v[i] - m));
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, o));
-    float mine = 0.0f;  // the pick's value, from the lane that holds it
-#pragma unroll
-    for (int i = 0; i < NPL; ++i) {
-        const float vi = __shfl_sync(0xffffffffu, v[i], my_id & 31);
-        if (i == (my_id >> 5)) mine = vi;
-    }
-    const float p = lane < top_k ? __fdiv_rn(expf(__fadd_rn(mine, 0.0f) - m), s) : 0.0f;
-    float sum_top = 0.0f;
-    for (int j = 0; j < top_k; ++j) sum_top = __fadd_rn(sum_top, __shfl_sync(0xffffffffu, p, j));
-    return __fdiv_rn(p, sum_top);
-}
-
 // One warp per token, 32 tokens (one sort tile) per block of 1024 threads. Ranks the approximate
 // logits (picks 0..k; ties to the lower id). Certain (every gap between consecutive picks
 // j, j+1 for j < k exceeds 2 B(t), B(t) = c1 * xnorm[t] + c0): writes ids, weights (float32
@@ -411,11 +316,9 @@ __device__ __forceinline__ void topk_exact_warp(
         const float* l = logits + (size_t)t * n_experts;
         float v[NPL];
         unsigned key[NPL];
-        int id[NPL];
 #pragma unroll
         for (int i = 0; i < NPL; ++i) {
             const int e = lane + 32 * i;
-            id[i] = e;
             v[i] = e < n_experts ? l[e] : 0.0f;
             // an approximate logit never maps to key 0 (that is the NaN pattern 0xffffffff)
             key[i] = e < n_experts ? max(float_key(v[i]), 1u) : 0u;
@@ -423,7 +326,7 @@ __device__ __forceinline__ void topk_exact_warp(
         const int picks = min(top_k + 1, n_experts);
         int my_id = 0;
         unsigned my_key = 0u;
-        warp_pick<NPL, unsigned>(key, id, picks, lane, my_id, my_key);
+        warp_pick<NPL, unsigned>(key, picks, lane, my_id, my_key);
 
         const float norm = xnorm[t];
         const double bound = c1 * (double)norm + c0;
@@ -432,10 +335,11 @@ __device__ __forceinline__ void topk_exact_warp(
                            !((double)key_float(my_key) - (double)key_float(next_key) > 2.0 * bound);
         const bool unsure = !(norm >= 1e-15f && norm <= 1e30f);
         if (__any_sync(0xffffffffu, close) || unsure) {
-            const double kth = (double)key_float(__shfl_sync(0xffffffffu, my_key, top_k - 1));
+            const float kth = key_float(__shfl_sync(0xffffffffu, my_key, top_k - 1));
             if (lane == 0) {
                 const int slot = atomicAdd(n_rerank, 1);  // < tokens: each token is listed once
-                if (slot < tokens) rerank[slot] = Rerank{t, unsure ? 1 : 0, kth - 2.0 * bound};
+                const float gap = unsure ? 0.0f : __double2float_ru(2.0 * bound);
+                if (slot < tokens) rerank[slot] = Rerank{t, unsure ? 1 : 0, kth, gap};
                 atomicAdd(n_rerank + 2, 1);  // a running total for tests and benchmarks
 
             }
@@ -469,141 +373,3 @@ TOPK_EXACT_KERNEL(4)
 TOPK_EXACT_KERNEL(8)
 TOPK_EXACT_KERNEL(16)
 
-// ---------------------------------------------------------------------------- re-ranking
-#define RERANK_WARPS 8
-#define RERANK_UNROLL 16
-
-// The canonical logit of x and w (see the top of this file), by one warp: lane l's sequential
-// float64 sum over c = l, l + 32, ..., then the xor tree. The unrolled loads keep RERANK_UNROLL
-// of the lane's elements in flight; the sum still adds them in ascending c.
-__device__ __forceinline__ double canonical_logit(const float* x, const float* __restrict__ w,
-                                                  int hidden, int lane) {
-    double acc = 0.0;
-    int c = lane;
-    for (; c + 32 * (RERANK_UNROLL - 1) < hidden; c += 32 * RERANK_UNROLL) {
-        float xv[RERANK_UNROLL], wv[RERANK_UNROLL];
-#pragma unroll
-        for (int u = 0; u < RERANK_UNROLL; ++u) {
-            xv[u] = x[c + 32 * u];
-            wv[u] = __ldg(w + c + 32 * u);
-        }
-#pragma unroll
-        for (int u = 0; u < RERANK_UNROLL; ++u) acc = __fma_rn((double)xv[u], (double)wv[u], acc);
-    }
-    for (; c < hidden; c += 32) acc = __fma_rn((double)x[c], (double)__ldg(w + c), acc);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) acc = __dadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, o));
-    return acc;
-}
-
-// Block b re-ranks the tokens rerank[b], rerank[b + gridDim.x], ...: the token's x is staged in
-// dynamic shared memory (hidden floats: the launcher's `shared`), the warps compute the
-// canonical logits of the token's candidates, warp 0 picks the top k of them by canonical logit
-// (ties to the lower id) and writes ids, weights (float32 softmax of the approximate logits, or
-// of the canonical ones for a token with `all` set: then every expert is a candidate) and the
-// tile mask bits. n_experts <= 32 * NPL.
-template <int NPL>
-__device__ __forceinline__ void rerank_block(
-    const float* __restrict__ logits, const float* __restrict__ xn,
-    const float* __restrict__ router32, int tokens, int hidden, int n_experts, int top_k,
-    int* __restrict__ n_rerank, const Rerank* __restrict__ rerank,
-    int* __restrict__ ids, float* __restrict__ weights, unsigned* __restrict__ masks,
-    int n_tiles) {
-    __shared__ float val[32 * NPL];
-    __shared__ double canon[32 * NPL];
-    __shared__ int cand[32 * NPL];
-    __shared__ int n_cand;
-    extern __shared__ __align__(16) float xs[];  // the token's x (hidden floats)
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int n = min(*n_rerank, tokens);
-    for (int j = blockIdx.x; j < n; j += gridDim.x) {
-        const Rerank r = rerank[j];
-        const int t = r.token;
-        __syncthreads();  // the previous token's reads of the shared arrays are done
-        if (threadIdx.x == 0) n_cand = 0;
-        for (int e = threadIdx.x; e < n_experts; e += blockDim.x) {
-            val[e] = logits[(size_t)t * n_experts + e];
-            canon[e] = 0.0;
-        }
-        __syncthreads();
-        for (int e = threadIdx.x; e < n_experts; e += blockDim.x)
-            if (r.all || (double)val[e] >= r.thresh) cand[atomicAdd(&n_cand, 1)] = e;
-        for (int c = threadIdx.x * 4; c < hidden; c += blockDim.x * 4)  // x once per token
-            *reinterpret_cast<float4*>(xs + c) =
-                *reinterpret_cast<const float4*>(xn + (size_t)t * hidden + c);
-        __syncthreads();
-        const float* x = xs;
-        for (int c = warp; c < n_cand; c += RERANK_WARPS) {
-            const int e = cand[c];
-            const double L = canonical_logit(x, router32 + (size_t)e * hidden, hidden, lane);
-            if (lane == 0) {
-                canon[e] = L;
-                if (r.all) val[e] = __double2float_rn(L);
-            }
-        }
-        __syncthreads();
-        if (warp == 0) {
-            unsigned long long key[NPL];
-            int id[NPL];
-            float v[NPL];
-            // each lane holds experts lane + 32 i; key 0: not a candidate
-#pragma unroll
-            for (int i = 0; i < NPL; ++i) {
-                const int e = lane + 32 * i;
-                id[i] = e;
-                v[i] = e < n_experts ? val[e] : 0.0f;
-                key[i] = 0ull;
-            }
-            for (int c = 0; c < n_cand; ++c) {
-                const int e = cand[c];
-                if ((e & 31) == lane) {
-#pragma unroll
-                    for (int i = 0; i < NPL; ++i)
-                        if (i == (e >> 5)) key[i] = max(double_key(canon[e]), 1ull);
-                }
-            }
-            int my_id = 0;
-            unsigned long long my_key = 0ull;
-            warp_pick<NPL, unsigned long long>(key, id, top_k, lane, my_id, my_key);
-            float m = -__int_as_float(0x7f800000);
-#pragma unroll
-            for (int i = 0; i < NPL; ++i)
-                if (lane + 32 * i < n_experts) m = fmaxf(m, v[i]);
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-            const float w = pick_weight<NPL>(v, n_experts, top_k, m, my_id, lane);
-            if (lane < top_k) {
-                ids[(size_t)t * top_k + lane] = my_id;
-                weights[(size_t)t * top_k + lane] = w;
-                atomicOr(&masks[(size_t)my_id * n_tiles + t / ROUTE_TILE],
-                         1u << (t & (ROUTE_TILE - 1)));
-            }
-        }
-    }
-    // the last block to finish (every block read the count above) zeroes the count and itself,
-    // so the next top-k launch lists from zero whoever launches it
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence();
-        if (atomicAdd(n_rerank + 1, 1) == (int)gridDim.x - 1) {
-            n_rerank[0] = 0;
-            n_rerank[1] = 0;
-        }
-    }
-}
-
-#define RERANK_KERNEL(NPL)                                                                     \
-    extern "C" __global__ void __launch_bounds__(RERANK_WARPS * 32) route_rerank_w##NPL(       \
-        const float* __restrict__ logits, const float* __restrict__ xn,                        \
-        const float* __restrict__ router32, int tokens, int hidden, int n_experts, int top_k,  \
-        int* __restrict__ n_rerank, const Rerank* __restrict__ rerank,                         \
-        int* __restrict__ ids, float* __restrict__ weights, unsigned* __restrict__ masks,      \
-        int n_tiles) {                                                                         \
-        rerank_block<NPL>(logits, xn, router32, tokens, hidden, n_experts, top_k, n_rerank,    \
-                          rerank, ids, weights, masks, n_tiles);                               \
-    }
-RERANK_KERNEL(1)
-RERANK_KERNEL(2)
-RERANK_KERNEL(4)
-RERANK_KERNEL(8)
-RERANK_KERNEL(16)

@@ -151,6 +151,20 @@ def _read_source(source: Path, what: str) -> tuple[Path, bytes]:
         raise KernelBuildError(f"{what} source {source}: cannot read it ({e})") from None
 
 
+#: the marker of a source with arch-specific instructions (wgmma): check_kernels also builds it
+#: for ARCH_SPECIFIC, where its guarded body compiles (other targets compile it empty)
+ARCH_SPECIFIC_MARK = "__CUDA_ARCH_FEAT_SM90_ALL"
+ARCH_SPECIFIC = "sm_90a"
+
+
+def arch_flag(arch: str) -> str:
+    """nvcc's target flag: the explicit -gencode form for an arch-specific target ("sm_90a"),
+    whose -arch shorthand some nvcc versions also expand to a plain pass that rejects wgmma."""
+    if arch.endswith("a"):
+        return f"-gencode=arch=compute_{arch[3:]},code={arch}"
+    return f"-arch={arch}"
+
+
 def compile_cubin(source: Path, arch: str, defines: Defines | None = None,
                   extra_flags: Iterable[str] = ()) -> Path:
     """Compiles `source` for `arch` (e.g. "sm_90") and returns the cached cubin's path.
@@ -160,7 +174,7 @@ def compile_cubin(source: Path, arch: str, defines: Defines | None = None,
     if not arch.startswith("sm_"):
         raise KernelBuildError(f"arch {arch!r} for {source.name}: expected sm_XY, e.g. sm_90")
     nvcc = _require_nvcc()
-    flags = [*BASE_FLAGS, f"-arch={arch}", *include_flags(), *_define_flags(defines),
+    flags = [*BASE_FLAGS, arch_flag(arch), *include_flags(), *_define_flags(defines),
              *extra_flags]
     key = _cache_key(source, text, arch, flags, nvcc_version(nvcc))
     target = cache_dir() / f"{source.stem}-{arch}-{key[:24]}.cubin"
@@ -314,6 +328,16 @@ def kernel_jobs(owners: Iterable[KernelOwner]) -> list[tuple[str, Path]]:
     return [(name, path) for path, name in jobs.items()]
 
 
+def _arches_of(source: Path, arches: tuple[str, ...]) -> tuple[str, ...]:
+    """The arches a source is checked for: also ARCH_SPECIFIC when it guards a body for it
+    and the check covers the plain sm_90."""
+    try:
+        marked = ARCH_SPECIFIC_MARK in source.read_text(errors="replace")
+    except OSError:
+        marked = False  # compile_cubin reports the unreadable source
+    return (*arches, ARCH_SPECIFIC) if marked and "sm_90" in arches else arches
+
+
 def check_kernels(owners: Iterable[KernelOwner], arches: Iterable[str] = ("sm_80", "sm_90"),
                   workers: int | None = None) -> list[KernelCheck]:
     """Compiles the shared kernels and every owner's sources for every arch (in parallel;
@@ -325,7 +349,8 @@ def check_kernels(owners: Iterable[KernelOwner], arches: Iterable[str] = ("sm_80
         raise KernelBuildError(
             f"no kernel sources in {KERNELS_ROOT / 'common'}: this strata_rt install lacks "
             "its CUDA sources; reinstall it from a wheel or sdist built from its source tree")
-    tasks = [(owner, src, arch) for owner, src in jobs for arch in arches]
+    arches = tuple(arches)
+    tasks = [(owner, src, arch) for owner, src in jobs for arch in _arches_of(src, arches)]
 
     def one(task: tuple[str, Path, str]) -> KernelCheck:
         owner, src, arch = task

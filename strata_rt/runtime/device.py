@@ -212,9 +212,11 @@ class Runtime:
 
     # ---------------------------------------------------------------- code
     def module(self, source: Path, defines: Defines | None = None,
-               extra_flags: tuple[str, ...] = ()) -> Module:
-        """Compiles `source` for this device (disk-cached) and loads it once per runtime."""
-        cubin = compile_cubin(Path(source), self.arch, defines, extra_flags)
+               extra_flags: tuple[str, ...] = (), *, arch: str | None = None) -> Module:
+        """Compiles `source` for this device (disk-cached) and loads it once per runtime.
+        `arch`: a target other than the device's own, e.g. "sm_90a" for a source with
+        arch-specific instructions on an sm_90 device."""
+        cubin = compile_cubin(Path(source), arch or self.arch, defines, extra_flags)
         if cubin not in self._modules:
             self._modules[cubin] = Module(self, cubin, Path(source))
         return self._modules[cubin]

@@ -36,21 +36,25 @@ class Kernel:
         self.name = name
         self.arg_types = arg_types
         self.func = func.prepare(arg_types)
-        self._shared_opted = DEFAULT_SHARED_LIMIT
+        # the limits cover static and dynamic shared memory together
+        self._static_shared = int(func.get_attribute(
+            runtime.drv.function_attribute.SHARED_SIZE_BYTES))
+        self._shared_opted = max(0, DEFAULT_SHARED_LIMIT - self._static_shared)
 
     def _opt_in_shared(self, shared: int) -> None:
-        limit = self.runtime.max_shared_optin
+        limit = self.runtime.max_shared_optin - self._static_shared
         if shared > limit:
             raise StrataError(f"kernel {self.name}: {shared} bytes of dynamic shared memory "
-                              f"asked, the device allows at most {limit}")
+                              f"asked beside {self._static_shared} static, the device allows "
+                              f"at most {limit}")
         drv = self.runtime.drv
         self.func.set_attribute(drv.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, shared)
         self._shared_opted = shared
 
     def launch(self, grid: Sequence[int], block: Sequence[int], stream: Stream,
                args: Sequence, shared: int = 0) -> None:
-        """Enqueues one launch on `stream`; more than 48 KiB of dynamic shared memory is
-        opted into once per kernel (the attribute is sticky)."""
+        """Enqueues one launch on `stream`; more than 48 KiB of shared memory (static and
+        dynamic) is opted into once per kernel (the attribute is sticky)."""
         if shared > self._shared_opted:
             self._opt_in_shared(shared)
         block = tuple(block)

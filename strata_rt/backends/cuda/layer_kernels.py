@@ -29,7 +29,6 @@ from .routing_exact import (
     exact_bound,
     router_norms,
     split_router,
-    split_tile,
 )
 from .routing_kernels import (
     RoutingKernels,
@@ -135,7 +134,7 @@ class LayerKernels:
         H, E, K = spec.hidden, spec.n_experts, spec.top_k
         router = p["router"] + layer * E * H * 8
         ws = exact_workspace(p["route_ws"], T, E)
-        tile = split_tile(T, H)
+        tile = self._exact.tile(T, H)
         mark("router gemm")
         self._exact.logits(stream, p["xn"], router, p["logits"], ws, T, H, E,
                            self._sigma[layer], tile)

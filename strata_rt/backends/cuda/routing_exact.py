@@ -17,10 +17,12 @@ hi and scaled-residual parts of x and of w / sigma, three mma products) gives lo
 bound B(t) = c1 |x_t|_2 + c0 of the canonical ones (`ExactBound` derives c1 and c0, assuming
 nothing better of the tensor cores' accumulation than one unit in the last place of float32 per
 summand); then one warp per token ranks them. Where consecutive picks 0..k are more than 2 B(t)
-apart the order is proven; elsewhere the warp recomputes the canonical logit of every expert
-that could still be among the top k and ranks those. The reference backend computes the
-canonical logits of every token and must pick the same experts (tested on the GPU against
-random and adversarial near-ties).
+apart the order is proven; elsewhere a re-rank block computes the canonical logits of the
+candidates whose place the bound leaves open (those with another candidate within 2 B(t):
+typically a near-tied pair) and ranks the candidates by them. The GEMM runs on wgmma on sm_90
+(routing_split_sm90.cu) and on mma.sync elsewhere, with the same bytes. The reference backend
+computes the canonical logits of every token and must pick the same experts (tested on the GPU
+against random and adversarial near-ties).
 """
 
 from __future__ import annotations
@@ -44,6 +46,11 @@ if TYPE_CHECKING:
     from ...runtime import Runtime, Stream
 
 EXACT_SOURCE = KERNELS_ROOT / "common" / "routing_exact.cu"
+#: the re-ranking of the tokens the bound leaves open
+RERANK_SOURCE = KERNELS_ROOT / "common" / "routing_rerank.cu"
+#: the split GEMM on wgmma (sm_90 devices, compiled for sm_90a)
+SM90_SOURCE = KERNELS_ROOT / "common" / "routing_split_sm90.cu"
+SM90_ARCH, SM90_RUNS_ON = "sm_90a", "sm_90"
 #: lanes of the canonical sum (one warp): the hidden size must be a multiple of it
 CANONICAL_LANES = 32
 F16_LIMIT = 65504.0
@@ -67,10 +74,33 @@ class SplitTile(GemmTile):
         return self.stages * (self.bm * row * 4 + 2 * self.bn * row * 2) + 4 * self.bm * row * 2
 
 
+class WgmmaSplitTile(SplitTile):
+    """One instantiation router_gemm_split_sm90 (routing_split_sm90.cu): two warpgroups on
+    64 tokens x 128 experts; operands in wgmma's unswizzled shared-memory layout."""
+
+    @property
+    def shared(self) -> int:
+        """Dynamic shared memory: the ring of float32 x and fp16 hi/lo router tiles, two
+        buffers of a K step's x split into fp16 hi and lo tiles (swizzled, unpadded), and 1024
+        bytes to align the swizzle atoms."""
+        return (self.stages * (self.bm * self.bk * 4 + 2 * self.bn * self.bk * 2)
+                + 4 * self.bm * self.bk * 2 + 1024)
+
+
 def _tiles_of_source() -> dict[str, SplitTile]:
-    """The tiles routing_exact.cu instantiates (its SPLIT_KERNEL lines: the one source)."""
-    rows = kernel_lines(EXACT_SOURCE, "SPLIT_KERNEL")
-    return {name: SplitTile(*(int(v) for v in args[:6])) for name, *args in rows}
+    """The tiles the two sources instantiate (their SPLIT_KERNEL / SPLIT_SM90_KERNEL lines:
+    the one source of the table)."""
+    tiles: dict[str, SplitTile] = {}
+    for name, *args in kernel_lines(EXACT_SOURCE, "SPLIT_KERNEL"):
+        tiles[name] = SplitTile(*(int(v) for v in args[:6]))
+    for name, *args in kernel_lines(SM90_SOURCE, "SPLIT_SM90_KERNEL"):
+        tiles[name] = WgmmaSplitTile(*(int(v) for v in args[:6]))
+    return tiles
+
+
+def runs_on(tile: SplitTile, arch: str) -> bool:
+    """Whether a tile's kernel runs on a device of `arch` (the wgmma tiles: sm_90 only)."""
+    return not isinstance(tile, WgmmaSplitTile) or arch == SM90_RUNS_ON
 
 
 #: the split GEMM's tiles by name (same bytes from all: each logit is the same chain)
@@ -80,6 +110,13 @@ SPLIT_TILES: dict[str, SplitTile] = _tiles_of_source()
 #: bench/bench_routing.py's tile table on an H200: many 16-token blocks up to 2,048 tokens (one
 #: wave), 64-token blocks beyond; m16k128 was within 2% of m16 everywhere
 SPLIT_TILE_RULE: tuple[tuple[int | None, str], ...] = ((2048, "m16"), (None, "m64"))
+#: the rule on sm_90 devices, where the wgmma tile takes the long chunks
+SPLIT_TILE_RULE_SM90: tuple[tuple[int | None, str], ...] = ((1024, "m16"), (None, "wg64"))
+
+
+def tile_rule(arch: str) -> tuple[tuple[int | None, str], ...]:
+    """The tile rule of a device's arch."""
+    return SPLIT_TILE_RULE_SM90 if arch == SM90_RUNS_ON else SPLIT_TILE_RULE
 
 
 def split_tile(tokens: int, hidden: int,
@@ -239,8 +276,11 @@ def exact_bound(norms: RouterNorms, hidden: int) -> ExactBound:
 
 
 # ----------------------------------------------------------------------------- launchers
-#: blocks of the re-rank launch at most (each loops over the listed tokens)
-RERANK_BLOCKS = 1056
+#: threads of a re-rank block (routing_rerank.cu: RERANK_WARPS warps per listed token)
+RERANK_THREADS = 64
+#: blocks of the re-rank launch at most (each loops over the listed tokens): twelve per SM of
+#: an H100 / H200, about what the kernel's registers let reside at once
+RERANK_BLOCKS = 1584
 
 
 class ExactRoutingKernels:
@@ -249,12 +289,22 @@ class ExactRoutingKernels:
 
     def __init__(self, runtime: Runtime):
         mod = runtime.module(EXACT_SOURCE)
-        self._gemm = {name: mod.kernel(f"router_logits_split_{name}", "PPPPPiiif")
-                      for name in SPLIT_TILES}
+        self.arch = runtime.arch
+        #: the tiles whose kernels run on this device
+        self.tiles = {name: t for name, t in SPLIT_TILES.items() if runs_on(t, self.arch)}
+        sm90 = (runtime.module(SM90_SOURCE, arch=SM90_ARCH) if self.arch == SM90_RUNS_ON
+                else None)
+        self._gemm = {name: (sm90 if isinstance(t, WgmmaSplitTile) and sm90 else mod).kernel(
+            f"router_logits_split_{name}", "PPPPPiiif") for name, t in self.tiles.items()}
         self._topk = {npl: mod.kernel(f"topk_exact_w{npl}", "PPiiiddPPPiPP")
                       for npl in _TOPK_NPL}
-        self._rerank = {npl: mod.kernel(f"route_rerank_w{npl}", "PPPiiiiPPPPPi")
+        rerank = runtime.module(RERANK_SOURCE)
+        self._rerank = {npl: rerank.kernel(f"route_rerank_w{npl}", "PPPiiiiPPPPPi")
                         for npl in _TOPK_NPL}
+
+    def tile(self, tokens: int, hidden: int) -> str:
+        """The split GEMM tile for a chunk of `tokens` on this device."""
+        return split_tile(tokens, hidden, tile_rule(self.arch))
 
     def logits(self, stream: Stream, xn: int, router: int, logits: int, ws: ExactWorkspace,
                tokens: int, hidden: int, n_experts: int, sigma: float, tile: str) -> None:
@@ -266,6 +316,9 @@ class ExactRoutingKernels:
             raise RoutingShapeError(f"split GEMM operands must be 16-byte aligned; got xn=0x"
                                     f"{xn:x}, router=0x{router:x}")
         t = SPLIT_TILES[tile]
+        if tile not in self.tiles:
+            raise RoutingShapeError(f"split GEMM tile {tile!r} does not run on {self.arch} "
+                                    f"(it needs {SM90_RUNS_ON})")
         if not t.fits(hidden):
             raise RoutingShapeError(f"split GEMM tile {tile!r} steps K by {t.bk}: hidden="
                                     f"{hidden} is not a multiple of it")
@@ -286,7 +339,7 @@ class ExactRoutingKernels:
                                args=(logits, ws.xnorm, tokens, n_experts, top_k,
                                      float(bound.c1), float(bound.c0), ids, weights, masks, nt,
                                      ws.n_rerank, ws.rerank))
-        self._rerank[npl].launch(grid=(min(tokens, RERANK_BLOCKS), 1, 1), block=(256, 1, 1),
-                                 stream=stream, shared=hidden * 4,
+        self._rerank[npl].launch(grid=(min(tokens, RERANK_BLOCKS), 1, 1),
+                                 block=(RERANK_THREADS, 1, 1), stream=stream,
                                  args=(logits, xn, router32, tokens, hidden, n_experts, top_k,
                                        ws.n_rerank, ws.rerank, ids, weights, masks, nt))

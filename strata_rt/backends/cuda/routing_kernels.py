@@ -132,7 +132,7 @@ def sort_workspace_bytes(tokens: int, n_experts: int) -> int:
     return (2 * n_experts * n_tiles(tokens) + n_experts) * 4
 
 
-#: bytes of one entry of the exact routing's re-rank list (routing_exact.cu's struct Rerank)
+#: bytes of one entry of the exact routing's re-rank list (route_pick.cuh: struct Rerank)
 RERANK_ENTRY_BYTES = 16
 
 

@@ -1,0 +1,159 @@
+// The exact routing's re-ranking (see routing_exact.cu for the definition and the bound): the
+// tokens the top-k warp could not settle get canonical logits for the experts whose place the
+// bound leaves open, and their picks from those.
+
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#include "common/route_keys.cuh"
+#include "common/route_pick.cuh"
+
+// ---------------------------------------------------------------------------- re-ranking
+#define RERANK_WARPS 2
+#define RERANK_UNROLL 32
+
+// The canonical logit of x and w (see routing_exact.cu), by one warp: lane l's sequential
+// float64 sum over c = l, l + 32, ..., then the xor tree. The unrolled loads keep RERANK_UNROLL
+// elements of both rows in flight; the sum still adds them in ascending c.
+__device__ __forceinline__ double canonical_logit(const float* __restrict__ x,
+                                                  const float* __restrict__ w, int hidden,
+                                                  int lane) {
+    double acc = 0.0;
+    int c = lane;
+    for (; c + 32 * (RERANK_UNROLL - 1) < hidden; c += 32 * RERANK_UNROLL) {
+        float xv[RERANK_UNROLL], wv[RERANK_UNROLL];
+#pragma unroll
+        for (int u = 0; u < RERANK_UNROLL; ++u) {
+            xv[u] = __ldg(x + c + 32 * u);
+            wv[u] = __ldg(w + c + 32 * u);
+        }
+#pragma unroll
+        for (int u = 0; u < RERANK_UNROLL; ++u) acc = __fma_rn((double)xv[u], (double)wv[u], acc);
+    }
+    for (; c < hidden; c += 32) acc = __fma_rn((double)__ldg(x + c), (double)__ldg(w + c), acc);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) acc = __dadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, o));
+    return acc;
+}
+
+// Block b re-ranks the listed tokens b, b + gridDim.x, ...
+// Candidates: the experts whose approximate logit is >= kth - gap (every expert for a token
+// with `all` set); no other expert can reach the top k. A candidate with no other candidate
+// within gap = 2 B(t) is isolated: every expert is more than 2 B(t) above or below it, so its
+// canonical logit keeps its approximate place among all of them. Only the others (typically a
+// near-tied pair, not the whole top k; every expert for `all`) get canonical logits. The key
+// of a candidate is then its approximate logit if isolated, else its canonical logit: two
+// experts more than 2 B(t) apart compare the same whichever key each has, and experts closer
+// than that both have canonical keys, so the top k by key (ties to the lower id) is the top k
+// by canonical logit. Each warp finds the candidates itself (no barrier before the products),
+// the n-th expert that needs a canonical logit goes to warp n % RERANK_WARPS, and after one
+// barrier warp 0 picks and writes ids, weights (float32 softmax of the approximate logits, or
+// of the canonical ones for `all`) and the tile mask bits. n_experts <= 32 * NPL.
+template <int NPL>
+__device__ __forceinline__ void rerank_block(
+    const float* __restrict__ logits, const float* __restrict__ xn,
+    const float* __restrict__ router32, int tokens, int hidden, int n_experts, int top_k,
+    int* __restrict__ n_rerank, const Rerank* __restrict__ rerank,
+    int* __restrict__ ids, float* __restrict__ weights, unsigned* __restrict__ masks,
+    int n_tiles) {
+    __shared__ double canon_s[32 * NPL];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int n = min(*n_rerank, tokens);
+    for (int j = blockIdx.x; j < n; j += gridDim.x) {
+        const Rerank r = rerank[j];
+        const int t = r.token;
+        const double gap = (double)r.gap, thresh = (double)r.kth - gap;
+        float v[NPL];
+        bool cand[NPL], iso[NPL];
+#pragma unroll
+        for (int i = 0; i < NPL; ++i) {
+            const int e = lane + 32 * i;
+            v[i] = e < n_experts ? logits[(size_t)t * n_experts + e] : 0.0f;
+            cand[i] = e < n_experts && (r.all || (double)v[i] >= thresh);
+            iso[i] = cand[i] && !r.all;
+        }
+        if (!r.all) {
+#pragma unroll
+            for (int i2 = 0; i2 < NPL; ++i2) {
+                unsigned m = __ballot_sync(0xffffffffu, cand[i2]);
+                while (m) {
+                    const int l2 = __ffs(m) - 1;
+                    m &= m - 1;
+                    const double v2 = (double)__shfl_sync(0xffffffffu, v[i2], l2);
+#pragma unroll
+                    for (int i = 0; i < NPL; ++i)
+                        if (cand[i] && !(i == i2 && lane == l2) && fabs((double)v[i] - v2) <= gap)
+                            iso[i] = false;
+                }
+            }
+        }
+        const float* x = xn + (size_t)t * hidden;
+        int q = 0;
+#pragma unroll
+        for (int i2 = 0; i2 < NPL; ++i2) {
+            unsigned m = __ballot_sync(0xffffffffu, cand[i2] && !iso[i2]);
+            while (m) {
+                const int e = __ffs(m) - 1 + 32 * i2;
+                m &= m - 1;
+                if (q++ % RERANK_WARPS == warp) {
+                    const double L = canonical_logit(x, router32 + (size_t)e * hidden, hidden,
+                                                     lane);
+                    if (lane == 0) canon_s[e] = L;
+                }
+            }
+        }
+        __syncthreads();
+        if (warp == 0) {
+            unsigned long long key[NPL];
+#pragma unroll
+            for (int i = 0; i < NPL; ++i) {
+                const int e = lane + 32 * i;
+                const double c = cand[i] && !iso[i] ? canon_s[e] : 0.0;
+                key[i] = cand[i] ? max(double_key(iso[i] ? (double)v[i] : c), 1ull) : 0ull;
+                if (r.all && cand[i]) v[i] = __double2float_rn(c);
+            }
+            int my_id = 0;
+            unsigned long long my_key = 0ull;
+            warp_pick<NPL, unsigned long long>(key, top_k, lane, my_id, my_key);
+            float mx = -__int_as_float(0x7f800000);
+#pragma unroll
+            for (int i = 0; i < NPL; ++i)
+                if (lane + 32 * i < n_experts) mx = fmaxf(mx, v[i]);
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+            const float w = pick_weight<NPL>(v, n_experts, top_k, mx, my_id, lane);
+            if (lane < top_k) {
+                ids[(size_t)t * top_k + lane] = my_id;
+                weights[(size_t)t * top_k + lane] = w;
+                atomicOr(&masks[(size_t)my_id * n_tiles + t / ROUTE_TILE],
+                         1u << (t & (ROUTE_TILE - 1)));
+            }
+        }
+        __syncthreads();  // canon_s is free for the block's next token
+    }
+    // the last block to finish (every block read the count above) zeroes the count and itself,
+    // so the next top-k launch lists from zero whoever launches it
+    if (threadIdx.x == 0) {
+        __threadfence();
+        if (atomicAdd(n_rerank + 1, 1) == (int)gridDim.x - 1) {
+            n_rerank[0] = 0;
+            n_rerank[1] = 0;
+        }
+    }
+}
+
+#define RERANK_KERNEL(NPL)                                                                     \
+    extern "C" __global__ void __launch_bounds__(RERANK_WARPS * 32) route_rerank_w##NPL(       \
+        const float* __restrict__ logits, const float* __restrict__ xn,                        \
+        const float* __restrict__ router32, int tokens, int hidden, int n_experts, int top_k,  \
+        int* __restrict__ n_rerank, const Rerank* __restrict__ rerank,                         \
+        int* __restrict__ ids, float* __restrict__ weights, unsigned* __restrict__ masks,      \
+        int n_tiles) {                                                                         \
+        rerank_block<NPL>(logits, xn, router32, tokens, hidden, n_experts, top_k, n_rerank,    \
+                          rerank, ids, weights, masks, n_tiles);                               \
+    }
+RERANK_KERNEL(1)
+RERANK_KERNEL(2)
+RERANK_KERNEL(4)
+RERANK_KERNEL(8)
+RERANK_KERNEL(16)
