@@ -23,6 +23,23 @@ __device__ __forceinline__ unsigned pack_h2(__half a, __half b) {
     return *reinterpret_cast<const unsigned*>(&h);
 }
 
+// A float4 of x split into four fp16 hi and four scaled-residual halves (two half2 words each,
+// in order), its squares added to sq in order (the token norm of the bound)
+__device__ __forceinline__ void split_float4(float4 v, uint2& hi, uint2& lo, float& sq,
+                                             bool& bad) {
+    __half h0, h1, h2, h3, l0, l1, l2, l3;
+    split_f16(v.x, h0, l0, bad);
+    split_f16(v.y, h1, l1, bad);
+    split_f16(v.z, h2, l2, bad);
+    split_f16(v.w, h3, l3, bad);
+    sq = __fmaf_rn(v.x, v.x, sq);
+    sq = __fmaf_rn(v.y, v.y, sq);
+    sq = __fmaf_rn(v.z, v.z, sq);
+    sq = __fmaf_rn(v.w, v.w, sq);
+    hi = make_uint2(pack_h2(h0, h1), pack_h2(h2, h3));
+    lo = make_uint2(pack_h2(l0, l1), pack_h2(l2, l3));
+}
+
 // The logit of one accumulator triple: sigma * (hi-hi sum + 2^-11 cross sum), rounded as
 // every split kernel rounds it.
 __device__ __forceinline__ float split_logit(float acc, float cross, float sigma) {

@@ -21,8 +21,7 @@
 
 #include "common/mma.cuh"
 #include "common/route_keys.cuh"
-
-#define ROUTE_TILE 32
+#include "common/route_pick.cuh"
 #define F16_LIMIT 65504.0f
 
 // ---------------------------------------------------------------------------- router logits
@@ -238,47 +237,17 @@ __device__ __forceinline__ void topk_softmax_warp(const float* __restrict__ logi
         for (int i = 0; i < NPL; ++i) {
             const int e = lane + 32 * i;
             v[i] = e < n_experts ? l[e] : 0.0f;
-            key[i] = e < n_experts ? float_key(v[i]) : 0u;
+            // a logit never maps to key 0 (the NaN pattern), which marks an absent entry
+            key[i] = e < n_experts ? max(float_key(v[i]), 1u) : 0u;
         }
-        unsigned taken = 0u;
         int my_id = 0;
-        unsigned my_key = 0u, top_key = 0u;
-        for (int j = 0; j < top_k; ++j) {
-            int best = -1;
-            unsigned best_key = 0u;
-#pragma unroll
-            for (int i = 0; i < NPL; ++i) {
-                const bool avail = lane + 32 * i < n_experts && !((taken >> i) & 1u);
-                if (avail && (best < 0 || key[i] > best_key)) {
-                    best = i;
-                    best_key = key[i];
-                }
-            }
-            const unsigned kmax = __reduce_max_sync(0xffffffffu, best >= 0 ? best_key : 0u);
-            const unsigned cand =
-                best >= 0 && best_key == kmax ? (unsigned)(lane + 32 * best) : 0xffffffffu;
-            const unsigned win = __reduce_min_sync(0xffffffffu, cand);
-            if (best >= 0 && cand == win) taken |= 1u << best;
-            if (j == 0) top_key = kmax;
-            if (lane == j) {
-                my_id = (int)win;
-                my_key = kmax;
-            }
-        }
-        const float m = key_float(top_key);
-        float s = 0.0f;
-#pragma unroll
-        for (int i = 0; i < NPL; ++i)
-            if (lane + 32 * i < n_experts) s = __fadd_rn(s, expf(v[i] - m));
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, o));
-        const float p = lane < top_k ? __fdiv_rn(expf(key_float(my_key) - m), s) : 0.0f;
-        float sum_top = 0.0f;
-        for (int j = 0; j < top_k; ++j)
-            sum_top = __fadd_rn(sum_top, __shfl_sync(0xffffffffu, p, j));
+        unsigned my_key = 0u;
+        warp_pick<NPL, unsigned>(key, top_k, lane, my_id, my_key);
+        const float m = key_float(__shfl_sync(0xffffffffu, my_key, 0));
+        const float w = pick_weight<NPL>(v, n_experts, top_k, m, my_id, lane);
         if (lane < top_k) {
             ids[(size_t)t * top_k + lane] = my_id;
-            weights[(size_t)t * top_k + lane] = __fdiv_rn(p, sum_top);
+            weights[(size_t)t * top_k + lane] = w;
             atomicOr(&tile_mask[my_id], 1u << (t & (ROUTE_TILE - 1)));
         }
     }

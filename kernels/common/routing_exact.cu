@@ -119,17 +119,10 @@ __device__ __forceinline__ void router_gemm_split(const float* __restrict__ xn,
             const int i = threadIdx.x + p * THREADS;
             const int r = i / V4, c = (i % V4) * 4;
             const float4 v = *reinterpret_cast<const float4*>(a32 + r * AS + c);
-            __half h0, h1, h2, h3, l0, l1, l2, l3;
-            split_f16(v.x, h0, l0, bad[p]);
-            split_f16(v.y, h1, l1, bad[p]);
-            split_f16(v.z, h2, l2, bad[p]);
-            split_f16(v.w, h3, l3, bad[p]);
-            sq[p] = __fmaf_rn(v.x, v.x, sq[p]);
-            sq[p] = __fmaf_rn(v.y, v.y, sq[p]);
-            sq[p] = __fmaf_rn(v.z, v.z, sq[p]);
-            sq[p] = __fmaf_rn(v.w, v.w, sq[p]);
-            *reinterpret_cast<uint2*>(hi + r * BS + c) = make_uint2(pack_h2(h0, h1), pack_h2(h2, h3));
-            *reinterpret_cast<uint2*>(lo + r * BS + c) = make_uint2(pack_h2(l0, l1), pack_h2(l2, l3));
+            uint2 h, l;
+            split_float4(v, h, l, sq[p], bad[p]);
+            *reinterpret_cast<uint2*>(hi + r * BS + c) = h;
+            *reinterpret_cast<uint2*>(lo + r * BS + c) = l;
         }
     };
     auto split = [&](int stage, int buf) {

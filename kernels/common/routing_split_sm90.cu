@@ -138,18 +138,11 @@ __device__ __forceinline__ void load_router(const Block& b, unsigned char* bh, u
 // half xf % 2 of chunk xf / 2); the square sum and the bad flag of the row's norm
 __device__ __forceinline__ void split_store(const Block& b, float4 v, int r, unsigned char* hi,
                                             unsigned char* lo, float& sq, bool& bad) {
-    __half h0, h1, h2, h3, l0, l1, l2, l3;
-    split_f16(v.x, h0, l0, bad);
-    split_f16(v.y, h1, l1, bad);
-    split_f16(v.z, h2, l2, bad);
-    split_f16(v.w, h3, l3, bad);
-    sq = __fmaf_rn(v.x, v.x, sq);
-    sq = __fmaf_rn(v.y, v.y, sq);
-    sq = __fmaf_rn(v.z, v.z, sq);
-    sq = __fmaf_rn(v.w, v.w, sq);
+    uint2 h, l;
+    split_float4(v, h, l, sq, bad);
     const int off = sw128(r, b.xf >> 1) + (b.xf & 1) * 8;
-    *reinterpret_cast<uint2*>(hi + off) = make_uint2(pack_h2(h0, h1), pack_h2(h2, h3));
-    *reinterpret_cast<uint2*>(lo + off) = make_uint2(pack_h2(l0, l1), pack_h2(l2, l3));
+    *reinterpret_cast<uint2*>(hi + off) = h;
+    *reinterpret_cast<uint2*>(lo + off) = l;
 }
 
 // issues one K step's twelve products: per 16 columns part (+)= xh wh, cross += xh wl + xl wh
