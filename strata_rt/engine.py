@@ -272,7 +272,10 @@ class Engine:
             raise ConfigError(f"{T} tokens after the {first} cached ones exceed the context of "
                               f"{self.context_tokens} positions; reset() the engine or shorten "
                               "the prompt", source="prefill")
-        h = whole.dense.token_embd.rows(ids).astype(np.float32)
+        # the backend looks the rows up itself (input "tokens": on the GPU), or takes the
+        # rows decoded here (EngineConfig.embedding "host", or a type no GPU decoder reads)
+        x = (ids.astype(np.int32) if backend.input_kind == "tokens"
+             else whole.dense.token_embd.rows(ids).astype(np.float32))
         stats, partial = self._start_stats(T, record_routing)
         n_chunks = stats.n_chunks
         logits: list[np.ndarray] = []
@@ -281,7 +284,7 @@ class Engine:
             stats.chunk_index = c
             rows: LogitRows | None = "all" if all_logits else (
                 "last" if c == n_chunks - 1 else None)
-            out = self._chunk(h[lo:hi], stats, first + lo, start=first + lo, logits=rows)
+            out = self._chunk(x[lo:hi], stats, first + lo, start=first + lo, logits=rows)
             if rows is not None:
                 chunk_logits = np.array(backend.take_logits(), dtype=np.float32)
                 # every backend's logits come back to the host: checked there (vocab floats
@@ -296,11 +299,11 @@ class Engine:
         self._finish(stats, partial, t0, T)
         return (np.concatenate(logits) if all_logits else logits[-1][0]), stats
 
-    def _chunk(self, h: np.ndarray, stats: Stats, offset: int, **kw: Any) -> np.ndarray:
+    def _chunk(self, x: np.ndarray, stats: Stats, offset: int, **kw: Any) -> np.ndarray:
         """driver.run_chunk, with a non-finite intermediate value named by its position in
         the prompt (the backend knows only the row in the chunk, which starts at `offset`)."""
         try:
-            return self.driver.run_chunk(h, stats, **kw)
+            return self.driver.run_chunk(x, stats, **kw)
         except NonFiniteError as e:  # the weights may be the cause: a GGUF is named too
             src = self.config.model.get("gguf") if isinstance(self.config.model, dict) else None
             raise e.shifted(offset, None if src is None else

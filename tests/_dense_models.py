@@ -19,8 +19,8 @@ from strata_rt.formats.ggml_types import ggml_type
 from strata_rt.models.qwen3 import Qwen3Model, Qwen3Spec
 from strata_rt.models.qwen3.weights import DenseTensor, DenseWeights, LayerWeights
 
-#: the matrices the GPU holds in their type (the embedding stays as it is: its rows are looked
-#: up on the host)
+#: the matrices the GPU holds in their type for the dense GEMMs (the embedding is held in its
+#: type too, but its rows are gathered by token id, not multiplied: with_embedding sets its type)
 MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output")
 #: the types the gguf package quantizes; the others are drawn as blocks
 QUANTIZABLE = ("F32", "F16", "BF16", "Q8_0")
@@ -73,6 +73,14 @@ def dense_model(spec: Qwen3Spec, seed: int, layer_types: list[dict[str, str]],
     return Qwen3Model(spec, DenseWeights(embd, d.output_norm, output, tuple(layers)), base.moe)
 
 
+def with_embedding(model: Qwen3Model, type_name: str, rng: np.random.Generator) -> Qwen3Model:
+    """The model with its token embedding stored as `type_name` (quantized by the gguf package
+    where it can, else random blocks; a tied head is the same tensor, so it changes too)."""
+    d = model.dense
+    return Qwen3Model(model.spec, replace(d, token_embd=_as(d.token_embd, type_name, rng)),
+                      model.moe)
+
+
 def uniform(spec: Qwen3Spec, seed: int, type_name: str, **kw) -> Qwen3Model:
     """Every projection and the head in one type."""
     return dense_model(spec, seed, [dict.fromkeys(MATRICES, type_name)], type_name, **kw)
@@ -95,4 +103,4 @@ def as_fp16_model(model: Qwen3Model) -> Qwen3Model:
 
 
 __all__ = ["MATRICES", "TYPES", "as_fp16_model", "block_tensor", "dense_model", "fp16_images",
-           "uniform"]
+           "uniform", "with_embedding"]

@@ -12,7 +12,7 @@ from strata_rt.formats.ggml_types import TYPES, GgmlType
 from strata_rt.gemm.ggml_decoders import DecoderSpec
 
 __all__ = ["QUANTIZABLE", "gguf_quantize", "moderate_blocks", "quantize_source",
-           "random_blocks"]
+           "random_blocks", "row_ids", "row_matrix"]
 
 
 def moderate_blocks(rng: np.random.Generator, t: GgmlType | DecoderSpec,
@@ -60,3 +60,23 @@ def gguf_quantize(t: GgmlType, weights: np.ndarray) -> np.ndarray | None:
 
 #: the types gguf.quants.quantize handles (found by asking it, not listed)
 QUANTIZABLE: tuple[GgmlType, ...] = tuple(t for t in TYPES if gguf_quantizes(t))
+
+
+def row_matrix(rng: np.random.Generator, t: GgmlType, vocab: int, cols: int) -> np.ndarray:
+    """A [vocab, cols] matrix of t as raw rows (uint8 [vocab, row bytes]), as an embedding
+    would be stored: the gguf package's quantizer output where it has one (of values at
+    scales 1e-3 .. 1e3 per row), else random valid blocks (finite scales)."""
+    if t in QUANTIZABLE:
+        w = rng.standard_normal((vocab, cols)).astype(np.float32)
+        w *= (10.0 ** rng.uniform(-3, 3, (vocab, 1))).astype(np.float32)
+        raw = gguf_quantize(t, w)
+        assert raw is not None
+        return raw
+    return random_blocks(rng, t, vocab * cols // t.block_values).reshape(vocab, -1)
+
+
+def row_ids(rng: np.random.Generator, vocab: int, n: int) -> np.ndarray:
+    """n int32 row ids (n >= 5) with repeats, the first and the last row among them."""
+    ids = rng.integers(0, vocab, n).astype(np.int32)
+    ids[:4] = [0, vocab - 1, ids[4], ids[4]]
+    return ids

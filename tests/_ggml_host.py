@@ -74,8 +74,8 @@ def build(source: Path = HARNESS, extra_flags: tuple[str, ...] = ()) -> Path:
 
 
 class HostDecoder:
-    """ctypes front of a host library: decode(t, raw) and the compiled traits (the built-in
-    harness), decode_suffix and fused_geometry (any build's STRATA_GGML_KERNELS exports)."""
+    """ctypes front of a host library: decode(t, raw), rows(t, table, ids, cols) and the
+    compiled traits (the built-in harness), decode_suffix and fused_geometry (any build's STRATA_GGML_KERNELS exports)."""
 
     def __init__(self, path: Path):
         self.path = path
@@ -89,6 +89,10 @@ class HostDecoder:
         self.lib.ggml_host_decode_chunks.restype = ctypes.c_int
         self.lib.ggml_host_traits.argtypes = [ctypes.c_int] + [ctypes.POINTER(ctypes.c_int)] * 3
         self.lib.ggml_host_traits.restype = ctypes.c_int
+        self.lib.ggml_host_rows.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_longlong,
+                                            ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+                                            ctypes.c_int, ctypes.c_void_p]
+        self.lib.ggml_host_rows.restype = ctypes.c_int
 
     def decode(self, t: GgmlType, raw: np.ndarray, chunks: bool = False) -> np.ndarray:
         """float32 values of whole blocks of t (raw: uint8, any shape), pair by pair
@@ -100,6 +104,20 @@ class HostDecoder:
         rc = fn(t.type_id, src.ctypes.data, n, out.ctypes.data)
         if rc != 0:
             raise ValueError(f"{fn.__name__}({t.name}, {n} values) returned {rc}")
+        return out
+
+    def rows(self, t: GgmlType, table: np.ndarray, ids: np.ndarray, cols: int) -> np.ndarray:
+        """float32 [len(ids), cols]: rows `ids` of the [vocab, cols] matrix `table` (raw rows
+        of t, uint8 [vocab, row bytes]) as the row gather walks them (kernels/ggml/rows.cuh:
+        NaN for an id outside the matrix)."""
+        src = np.ascontiguousarray(table, dtype=np.uint8)
+        vocab, row_bytes = src.shape
+        ids32 = np.ascontiguousarray(ids, dtype=np.int32)
+        out = np.empty((ids32.size, cols), dtype=np.float32)
+        rc = self.lib.ggml_host_rows(t.type_id, src.ctypes.data, row_bytes, vocab,
+                                     ids32.ctypes.data, ids32.size, cols, out.ctypes.data)
+        if rc != 0:
+            raise ValueError(f"ggml_host_rows({t.name}, {ids32.size} ids of {cols}) returned {rc}")
         return out
 
     def decode_suffix(self, suffix: str, block_values: int, block_bytes: int, raw: np.ndarray,

@@ -181,7 +181,8 @@ def test_plugins_option_and_missing_file(tmp_path: Path) -> None:
 
 def test_inspect_a_whole_model_file_shows_dense_weights_and_kv_cache(tmp_path, capsys):
     """A GGUF with token_embd.weight: dense weights by type, what they take on the GPU as
-    stored (here F32) with the fp16 decode scratch, the KV cache per 1K tokens, and a budget's
+    stored (here F32) with the fp16 decode scratch and the token embedding (looked up on the
+    GPU in its type), the KV cache per 1K tokens, and a budget's
     split: the dense part first (streamed when the resident weights do not fit), the experts
     counted in what is left."""
     from strata_rt.config.hostmem import format_bytes
@@ -200,16 +201,18 @@ def test_inspect_a_whole_model_file_shows_dense_weights_and_kv_cache(tmp_path, c
     head = TINY_SPEC.vocab * TINY_SPEC.hidden
     assert f"on the GPU, as stored: attention weights and norms " \
            f"{format_bytes(layout.resident_bytes)}, output head {format_bytes(4 * head)}, " \
-           f"fp16 decode scratch {format_bytes(2 * head)}" in out
+           f"fp16 decode scratch {format_bytes(2 * head)}, " \
+           f"token embedding {format_bytes(4 * head)}" in out  # looked up on the GPU
     assert "holds the dense weights streaming per layer (they do not fit)" in out
     assert "| F32 " in out or "| F16 " in out
     assert main(["inspect", str(path), "--budget-gib", "0.0104"]) == 0
     out = capsys.readouterr().out
     assert "holds the dense weights resident" in out
     fp16_row = next(line for line in out.splitlines() if line.startswith("| fp16 "))
-    slot = 393_216  # an FP16 expert of the tiny shape; 0.0104 GiB less the dense part: 9
+    slot = 393_216  # an FP16 expert of the tiny shape; 0.0104 GiB less the dense part
+    # (the F32 embedding included): 7
     left = float(out.split(" left for experts")[0].rsplit("; ", 1)[1].split()[0])
-    assert fp16_row.split("|")[5].strip() == str(int(left * (1 << 20)) // slot) == "9"
+    assert fp16_row.split("|")[5].strip() == str(int(left * (1 << 20)) // slot) == "7"
 
 
 def test_inspect_of_moe_layers_only_has_no_whole_model_lines(tmp_path, capsys):

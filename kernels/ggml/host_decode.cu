@@ -4,8 +4,10 @@
 // shared templates' host exports (templates.cuh, STRATA_GGML_HOST) add, per type SUFFIX,
 // ggml_host_decode_SUFFIX and ggml_host_fused_SUFFIX (the fused tiles' geometry, which the
 // launcher's formula must match), as a plugin's own source built the same way exports them.
+// ggml_host_rows walks the row gather of rows.cuh (rows by id, float32) the same way.
 #define STRATA_GGML_HOST
 #include "decode.cuh"
+#include "rows.cuh"
 #include "templates.cuh"
 
 #define GGML_HOST_EXPORTS(name, id, qk, nbytes) \
@@ -38,6 +40,27 @@ int decode_chunks(const uint8_t* src, long long nvalues, float* out) {
     return 0;
 }
 
+template <ggml::Type T>
+int rows_run(const uint8_t* table, long long row_bytes, int vocab, const int* ids, int n_ids,
+             int cols, float* out) {
+    using D = ggml::Decode<T>;
+    if (n_ids < 0 || cols <= 0 || cols % 8 || cols % D::block_values ||
+        row_bytes != (long long)(cols / D::block_values) * D::block_bytes)
+        return -2;
+    for (int r = 0; r < n_ids; ++r) {
+        for (long long c = 0; c < cols / 8; ++c) {
+            ggml::Pair p[4];
+            ggml::row_chunk8<D>(table, row_bytes, vocab, ids[r], c, p);
+            float* o = out + (long long)r * cols + 8 * c;
+            for (int k = 0; k < 4; ++k) {
+                o[2 * k] = p[k].x;
+                o[2 * k + 1] = p[k].y;
+            }
+        }
+    }
+    return 0;
+}
+
 }  // namespace
 
 // Decodes nvalues values (even, whole blocks) of type type_id from src into out.
@@ -63,6 +86,21 @@ extern "C" int ggml_host_decode_chunks(int type_id, const uint8_t* src, long lon
     case id:                                                                       \
         if (nvalues < 0 || nvalues % 8 || nvalues % qk) return -2;                 \
         return decode_chunks<ggml::Type::name>(src, nvalues, out);
+        GGML_TYPES(GGML_CASE)
+#undef GGML_CASE
+    }
+    return -1;
+}
+
+// Rows ids[0..n_ids) of a [vocab, cols] matrix of type type_id (row_bytes per row) into float32
+// out [n_ids, cols], as the row gather walks them (rows.cuh: NaN rows for ids outside the
+// matrix). Returns 0, -1 for a type without a decoder, -2 for a geometry the gather refuses.
+extern "C" int ggml_host_rows(int type_id, const uint8_t* table, long long row_bytes, int vocab,
+                              const int* ids, int n_ids, int cols, float* out) {
+    switch (type_id) {
+#define GGML_CASE(name, id, qk, nbytes) \
+    case id:                            \
+        return rows_run<ggml::Type::name>(table, row_bytes, vocab, ids, n_ids, cols, out);
         GGML_TYPES(GGML_CASE)
 #undef GGML_CASE
     }

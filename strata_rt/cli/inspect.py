@@ -96,6 +96,7 @@ def _whole_model(path: Path, tensors: dict, budget_gib: float | None
     budget holds for them before any expert, and those bytes. None for MoE layers alone."""
     if "token_embd.weight" not in tensors:
         return None
+    from ..config.engine_config import embedding_switch
     from ..config.hostmem import format_bytes
     from ..models.qwen3.gguf_full import read_qwen3_spec
     from ..models.qwen3.whole_memory import DenseTypes, WholeSizing, whole_fixed_regions
@@ -113,8 +114,12 @@ def _whole_model(path: Path, tensors: dict, budget_gib: float | None
                                   else None)
     except KeyError as e:  # the whole-model checks would name it too; nothing to size without
         raise GGUFError(f"{path}: tensor {e.args[0]} is missing") from None
-    sizing = WholeSizing(spec, types, spec.context)
+    sizing = WholeSizing(spec, types, spec.context,
+                         embedding=embedding_switch() == "device")
     on_gpu = whole_fixed_regions(sizing)
+    embd = (f"token embedding {format_bytes(on_gpu['embd'])}" if on_gpu["embd"] else
+            "token embedding in the head's bytes" if sizing.embd_in_head else
+            "token embedding rows decoded on the host")
     kv_1k = spec.kv_bytes_per_token(2) * 1024
     lines = [f"whole model: vocabulary {spec.vocab:,}, {spec.n_heads} query heads / "
              f"{spec.n_kv_heads} KV heads x {spec.head_dim}, rope theta {spec.rope_theta:g}, "
@@ -124,7 +129,7 @@ def _whole_model(path: Path, tensors: dict, budget_gib: float | None
                             [[t, n, f"{b / MIB:,.1f}"] for t, (n, b) in sorted(by_type.items())]),
              f"on the GPU, as stored: attention weights and norms "
              f"{format_bytes(on_gpu['dense'])}, output head {format_bytes(on_gpu['head'])}, "
-             f"fp16 decode scratch {format_bytes(on_gpu['dense_scratch'])}; KV cache "
+             f"fp16 decode scratch {format_bytes(on_gpu['dense_scratch'])}, {embd}; KV cache "
              f"(fp16) per 1K tokens: {format_bytes(kv_1k)}, at the {spec.context:,}-token "
              f"context {format_bytes(kv_1k * spec.context // 1024)}"]
     if budget_gib is None:
@@ -136,8 +141,9 @@ def _whole_model(path: Path, tensors: dict, budget_gib: float | None
         held, how = resident, "the dense weights resident"
     else:
         held, how = streamed, "the dense weights streaming per layer (they do not fit)"
-    lines.append(f"a {budget_gib:g} GiB budget holds {how}, the output head, RoPE tables and "
-                 f"the KV cache at the full context in {format_bytes(held)}; "
+    lines.append(f"a {budget_gib:g} GiB budget holds {how}, the output head, the token "
+                 f"embedding, RoPE tables and the KV cache at the full context in "
+                 f"{format_bytes(held)}; "
                  f"{format_bytes(max(0, budget - held))} left for experts, a chunk and the "
                  "ring (a smaller `context` leaves more)")
     return "\n".join(lines), held

@@ -40,6 +40,7 @@ DENSE_POLICIES = ("auto", "resident", "stream")
 DECODES = env.choices("STRATA_DECODE")
 PREFILL_STREAMS = env.choices("STRATA_PREFILL_STREAM")
 DENSE_GEMMS = env.choices("STRATA_DENSE_GEMM")
+EMBEDDINGS = env.choices("STRATA_EMBEDDING")
 F16_GEMMS = env.choices("STRATA_F16_GEMM")
 
 
@@ -61,6 +62,13 @@ def dense_gemm_switch() -> str:
     """STRATA_DENSE_GEMM ("cublas" when unset): what `dense_gemm` resolves to, also read by a
     run config's checks, which size a whole model's dense workspace before the engine opens."""
     return env.choice("STRATA_DENSE_GEMM", DENSE_GEMMS[0])
+
+
+def embedding_switch() -> str:
+    """STRATA_EMBEDDING ("device" when unset): what `embedding` resolves to, also read by a
+    run config's checks, which count the embedding the GPU would hold before the engine
+    opens."""
+    return env.choice("STRATA_EMBEDDING", EMBEDDINGS[0])
 
 
 @dataclass(init=False)
@@ -122,6 +130,11 @@ class EngineConfig:
     cuda_graph: bool | None = None
     #: a whole model's dense GEMM: "cublas" or "own"; None: STRATA_DENSE_GEMM, else cublas
     dense_gemm: str | None = None
+    #: a whole model's token embedding (EMBEDDINGS): "device" (the CUDA backend keeps it in
+    #: VRAM in its GGUF type and looks each chunk's token ids up on the GPU) or "host" (the
+    #: rows are decoded on the host and uploaded as hidden states: the same bytes);
+    #: None: STRATA_EMBEDDING, else device
+    embedding: str | None = None
     #: the grouped fp16 GEMM: "auto", "cutlass" or "own" (strata_rt.gemm.cutlass_gemm.cutlass_for);
     #: None: STRATA_F16_GEMM, else auto
     f16_gemm: str | None = None
@@ -228,7 +241,7 @@ class EngineConfig:
             problems.append(f"ring_bytes: got {self.ring_bytes!r}; allowed: a positive size "
                             "(at most 1 PiB)")
         for name, allowed in (("decode", DECODES), ("prefill_stream", PREFILL_STREAMS),
-                              ("dense_gemm", DENSE_GEMMS),
+                              ("dense_gemm", DENSE_GEMMS), ("embedding", EMBEDDINGS),
                               ("f16_gemm", F16_GEMMS)):
             value = getattr(self, name)
             if value is not None and value not in allowed:
@@ -274,6 +287,8 @@ class EngineConfig:
             self.cuda_graph = env.flag("STRATA_CUDA_GRAPH", default=True)
         if self.dense_gemm is None:
             self.dense_gemm = dense_gemm_switch()
+        if self.embedding is None:
+            self.embedding = embedding_switch()
         if self.f16_gemm is None:
             self.f16_gemm = env.choice("STRATA_F16_GEMM", F16_GEMMS[0])
         return self

@@ -14,9 +14,10 @@ Where each is read (tests/test_switches.py holds every module to it):
   STRATA_PREFILL_GATHER_ONE, STRATA_PREFILL_TIMING, STRATA_PREFILL_DUMP_R,
   STRATA_PREFILL_TRACE, STRATA_WALK_MIN_TOKENS, STRATA_CHECK_PLAN, STRATA_MMQ_KERNEL,
   STRATA_DECODE, STRATA_PREFILL_STREAM, STRATA_IMAGE_CACHE_MIB, STRATA_COMPUTE_LANES, STRATA_IN_PLACE,
-  STRATA_CUDA_GRAPH, STRATA_ROUTING, STRATA_DENSE_GEMM and STRATA_F16_GEMM. A run config's
-  checks (config/schema.py, config/whole.py) size the engine before it exists: they take
-  STRATA_MMQ_KERNEL and STRATA_DENSE_GEMM through engine_config's readers, and
+  STRATA_CUDA_GRAPH, STRATA_ROUTING, STRATA_DENSE_GEMM, STRATA_EMBEDDING and STRATA_F16_GEMM.
+  A run config's checks (config/schema.py, config/whole.py) size the engine before it exists:
+  they take STRATA_MMQ_KERNEL, STRATA_DENSE_GEMM and STRATA_EMBEDDING through engine_config's
+  readers, and
   config/schema.py reads STRATA_ROUTING for the router's buffers.
 - process switches, which say where the process finds its tools and plugins or which checks
   it runs rather than what an engine computes, stay where they are used: STRATA_KERNEL_CACHE
@@ -133,6 +134,12 @@ SWITCHES: dict[str, Switch] = {
                "a whole model's dense projections and output head: cublas (cuBLAS GemmEx, the "
                "default) or own (the project's fp16 GEMM, whose bytes do not depend on the "
                "chunk's row count, so GPU logits are the same bytes for any chunking)."),
+        Switch("STRATA_EMBEDDING", "choice:device,host",
+               "a whole model's token embedding on the CUDA backend: device (the default: it "
+               "stays in VRAM in its GGUF type, and each chunk uploads its token ids, whose "
+               "rows the GPU decodes) or host (the rows are decoded on the host and uploaded "
+               "as float32 hidden states; the same bytes, without the VRAM of an embedding "
+               "the output head does not share)."),
         Switch("STRATA_F16_GEMM", "choice:auto,cutlass,own",
                "the grouped fp16 GEMM (fp16 images: FP16, IQ3_XXS f16_gemm): auto (on sm_90 "
                "CUTLASS's wgmma kernels for launches of 96 rows per expert or more when "

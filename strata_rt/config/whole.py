@@ -19,7 +19,7 @@ from ..models.qwen3.gguf_full import read_dense_types, read_qwen3_spec
 from ..models.qwen3.spec import Qwen3Spec
 from ..models.qwen3.whole_memory import DenseLayout, DenseTypes, WholeSizing
 from ..weights.whole_model import is_whole_gguf
-from .engine_config import DENSE_POLICIES, dense_gemm_switch
+from .engine_config import DENSE_POLICIES, dense_gemm_switch, embedding_switch
 from .problem_sink import Problems
 
 if TYPE_CHECKING:
@@ -46,7 +46,8 @@ def check_whole(p: Problems, doc: dict, geom: MoESpec | None, gguf: Path | None
         return None, options, None
     if gguf is not None:
         return spec, options, read_dense_types(gguf)
-    return spec, options, DenseTypes.uniform(spec.n_layers, options["dense_type"])
+    return spec, options, DenseTypes.uniform(spec.n_layers, options["dense_type"],
+                                             options["tied"] is True)
 
 
 def _check_whole(p: Problems, doc: dict, geom: MoESpec | None, gguf: Path | None
@@ -130,10 +131,12 @@ def check_dense(p: Problems, doc: dict, whole: Qwen3Spec | None) -> str:
 
 def whole_sizing(whole: Qwen3Spec | None, types: DenseTypes | None, context: int | None
                  ) -> WholeSizing | None:
-    """How a whole model's device memory is sized (dense GEMM from STRATA_DENSE_GEMM)."""
+    """How a whole model's device memory is sized (dense GEMM from STRATA_DENSE_GEMM, the
+    embedding on the device unless STRATA_EMBEDDING says host)."""
     if whole is None or types is None:
         return None
-    return WholeSizing(whole, types, context or whole.context, False, dense_gemm_switch())
+    return WholeSizing(whole, types, context or whole.context, False, dense_gemm_switch(),
+                       embedding=embedding_switch() == "device")
 
 
 #: bytes per value of the dense types a synthetic whole model may store

@@ -11,7 +11,7 @@ checker verifies both).
 
 from __future__ import annotations
 
-from .plan import Attention, DenseCopy, Op, Record, Wait, dense_copied, dense_used
+from .plan import Attention, DenseCopy, InputKind, Op, Record, Wait, dense_copied, dense_used
 
 #: dense ring slots when the dense weights stream (one computing, one arriving)
 DENSE_RING_SLOTS = 2
@@ -20,13 +20,16 @@ DENSE_RING_SLOTS = 2
 class DenseSchedule:
     """The dense ops of one chunk at absolute position `start` (None: the position is read on
     the device, a decode plan); ring None: dense resident. Layers first..n_layers-1: a layer
-    split's part streams its own layers' dense weights through its own ring (first 0: all)."""
+    split's part streams its own layers' dense weights through its own ring (first 0: all).
+    `input_kind`: what the chunk's ChunkInput brings (a whole model's token ids, when the
+    executor looks their embedding rows up itself; else the hidden states)."""
 
     def __init__(self, n_layers: int, start: int | None, ring: int | None = None,
-                 first: int = 0):
+                 first: int = 0, input_kind: InputKind = "hidden"):
         if ring is not None and ring < 1:
             raise ValueError(f"dense ring of {ring} slots; at least 1")
         self.n_layers, self.start, self.ring, self.first = n_layers, start, ring, first
+        self.input_kind: InputKind = input_kind
 
     def _copy(self, layer: int) -> list[Op]:
         assert self.ring is not None

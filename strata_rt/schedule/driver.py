@@ -33,6 +33,7 @@ from .dense_schedule import DenseSchedule
 from .image_cache import ImageCache
 from .plan import (
     ChunkPlan,
+    InputKind,
     LayerBegin,
     LogitRows,
     Logits,
@@ -93,6 +94,10 @@ class Executor(Protocol):
     #: slots of the dense ring when a whole model's dense weights stream; None: resident
     #: (or MoE layers alone)
     dense_ring: int | None
+    #: what begin_chunk takes for a whole model's chunk, and the kind of its plans'
+    #: ChunkInput: "tokens" where the executor looks the embedding rows up itself, else
+    #: "hidden" (MoE layers alone always)
+    input_kind: InputKind
     def lanes_for(self, tokens: int) -> int:
         """Compute lanes a chunk of `tokens` is planned with (strata_rt.schedule.lanes)."""
 
@@ -105,12 +110,14 @@ class Executor(Protocol):
         """Whether GatherRouted runs here (the format's kernels skip unrouted experts on the
         device and read the host store); without it a decode step takes the staging ring."""
 
-    def begin_chunk(self, h: np.ndarray, stats: Stats, start: int | None = None) -> None:
-        """Takes the chunk's hidden states float32 [T, hidden] (a whole model: the
-        embedding rows of its tokens) and its absolute position (None: MoE layers alone),
-        which an Attention op without a start reads. The states reach the device at the
-        plan's ChunkInput op; a chunk whose states are not all finite raises ConfigError
-        (here or at end_chunk) and never reaches the device as such."""
+    def begin_chunk(self, x: np.ndarray, stats: Stats, start: int | None = None) -> None:
+        """Takes the chunk's input and its absolute position (None: MoE layers alone), which
+        an Attention op without a start reads. The input is what `input_kind` names: hidden
+        states float32 [T, hidden] (a whole model's: the embedding rows of its tokens), or a
+        whole model's T token ids. It reaches the device at the plan's ChunkInput op; a
+        chunk whose states are not all finite, or whose ids are not all inside the
+        vocabulary, raises ConfigError (here or at end_chunk) and never reaches the device
+        as such."""
 
     def route_layer(self, layer: int) -> None:
         """Enqueues (or runs) one layer's routing ahead of a staging-ring layer."""
@@ -196,13 +203,14 @@ class ChunkDriver:
         return self.executor.residency
 
     # ------------------------------------------------------------------ a chunk
-    def run_chunk(self, h: np.ndarray, stats: Stats, start: int | None = None,
+    def run_chunk(self, x: np.ndarray, stats: Stats, start: int | None = None,
                   logits: LogitRows | None = None) -> np.ndarray:
-        """Runs one chunk. MoE layers alone when start is None; a whole model's chunk at
-        absolute position `start` otherwise (each layer opens with its Attention, and
-        `logits` asks for the output head over the last row or all rows afterwards)."""
-        self.executor.begin_chunk(h, stats, start)
-        return self._run(int(h.shape[0]), stats, start, logits)
+        """Runs one chunk of input x (as the executor's input_kind names it). MoE layers
+        alone when start is None; a whole model's chunk at absolute position `start`
+        otherwise (each layer opens with its Attention, and `logits` asks for the output head
+        over the last row or all rows afterwards)."""
+        self.executor.begin_chunk(x, stats, start)
+        return self._run(int(x.shape[0]), stats, start, logits)
 
     def run_received(self, tokens: int, stats: Stats, start: int | None = None,
                      logits: LogitRows | None = None) -> np.ndarray:
@@ -323,7 +331,8 @@ class ChunkDriver:
         """A whole model's attention ops for a chunk at `start` (None: MoE layers alone)."""
         if start is None:
             return None
-        return DenseSchedule(self.span.stop, start, self.executor.dense_ring, self.span[0])
+        return DenseSchedule(self.span.stop, start, self.executor.dense_ring, self.span[0],
+                             self.executor.input_kind)
 
     def walk_plan(self, T: int, start: int | None = None
                   ) -> tuple[ChunkPlan, dict[type, int], int]:
@@ -340,7 +349,7 @@ class ChunkDriver:
             T, gather_one, start = key
             if key == DECODE_KEY:
                 attention = DenseSchedule(self.span.stop, None, self.executor.dense_ring,
-                                          self.span[0])
+                                          self.span[0], self.executor.input_kind)
                 plan = plan_decode(self.spec, self.residency, attention,
                                    self.executor.in_place_for(1), self.part)
             elif gather_one == ROUTED:

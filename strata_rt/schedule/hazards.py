@@ -20,6 +20,8 @@ with their index in the chunk's op list):
 - a Copy issued while its entry >= consumed + ring (the issuer over-running the consumer), and
   a wait cycle (entry k needed before Copy(k) is issued, which waits for `consumed`);
 - an op reading the hidden states ahead of the chunk's ChunkInput, and a second ChunkInput;
+  a ChunkInput of an unknown kind, or of token ids in a plan whose layer opens without its
+  Attention (only a whole model has an embedding to look them up in);
 - Products reading a position of its lane's group buffers that does not hold the expert it
   names (each lane has its own set: an expert gathered on another lane is not there), or an
   image-cache block that does not hold its layer's group (or holds a non-resident expert), or
@@ -39,11 +41,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, NoReturn, Protocol
 
 from ..errors import PlanHazardError
+from .hazard_dense import DenseRing
 from .hazard_messages import Clock, Occupant, describe, event_subject
 from .hazard_sources import cached_problem, in_place_problem
 from .plan import (
     HANDOFF_EVENTS,
     HOST,
+    INPUT_KINDS,
     LANE_FORK,
     LANE_JOIN,
     LANES,
@@ -111,20 +115,26 @@ class Checker:
         #: lane -> its group buffers: pos -> what the position holds
         self.buffers: dict[str, dict[int, Held]] = {lane: {} for lane in LANES}
         self.n = 0                                 # ops seen
-        #: op index of the chunk's ChunkInput (-1: it came before the ops fed here)
+        #: op index of the chunk's ChunkInput (-1: it came before the ops fed here), its
+        #: kind (None: unknown), and the layers whose Attention ran (a whole model's)
         self.input_op: int | None = -1 if input_arrived else None
+        self.input_kind: str | None = None
+        self.attended: set[int] = set()
         #: layer -> (clock, op index) of its LayerBegin, and of its LayerEnd once combined
         self.begun: dict[int, tuple[Clock, int]] = {}
         self.ended: dict[int, int] = {}
         #: layer -> (clock, op index, op) of its Products not yet combined
         self.multiplied: dict[int, list[tuple[Clock, int, Products]]] = {}
-        #: dense slot -> (layer, clock of its copy, op index); and the Attentions reading it
-        self.dense: dict[int, tuple[int, Clock, int]] = {}
-        self.dense_readers: dict[int, list[tuple[Clock, int]]] = {}
+        #: the dense ring slots of streamed dense weights (hazard_dense)
+        self.dense = DenseRing(self._before)
 
     # ------------------------------------------------------------------ helpers
     def _fail(self, msg: str) -> NoReturn:
         raise PlanHazardError(msg)
+
+    def _check(self, problem: str | None) -> None:
+        if problem is not None:
+            self._fail(problem)
 
     def _tick(self, stream: str) -> Clock:
         c = self.clock[stream]
@@ -188,16 +198,25 @@ class Checker:
         elif isinstance(op, Consume):
             self._consume(i, op, readers)
         elif isinstance(op, DenseCopy):
-            self._dense_copy(i, op)
+            self._check(self.dense.copy(i, op, self._tick("copy")))
         elif isinstance(op, ChunkInput):
+            if op.kind not in INPUT_KINDS:
+                self._fail(f"op #{i} {op!r}: kind must be one of {', '.join(INPUT_KINDS)}")
             self.arrive(i, "ChunkInput")
+            self.input_kind = op.kind
             self._tick(op.stream)
         elif isinstance(op, Attention):
             self._needs_input(i, op)
-            self._attention(i, op, self._tick(op.stream))
+            self._check(self.dense.read(i, op, self._tick(op.stream)))
+            self.attended.add(op.layer)
             self.wrote = self.clock[_MAIN][_COMPONENT[_MAIN]]
         elif isinstance(op, LayerBegin):
             self._needs_input(i, op)
+            if self.input_kind == "tokens" and op.layer not in self.attended:
+                self._fail(f"op #{i} {describe(op)} routes the embedding rows of the chunk's "
+                           "token ids with no Attention of its layer before it: a ChunkInput "
+                           "of token ids needs a whole model (MoE layers alone have no "
+                           "embedding)")
             self.begun[op.layer] = (self._tick(op.stream), i)
         elif isinstance(op, LayerEnd):
             self._combine(i, op, self._tick(op.stream))
@@ -398,31 +417,6 @@ class Checker:
                 return (f"; op #{have[3]} gathered it on {lane}, and each lane multiplies "
                         "only what it gathered into its own buffers")
         return ""
-
-    def _dense_copy(self, i: int, op: DenseCopy) -> None:
-        now = self._tick("copy")
-        for clock, j in self.dense_readers.get(op.slot, []):
-            if not self._before(clock, _MAIN, now):
-                self._fail(f"dense slot {op.slot}: op #{i} {describe(op)} may overwrite it while op "
-                           f"#{j} (an Attention reading layer {self.dense[op.slot][0]}) still reads "
-                           "it; the copy stream must wait for that Attention's dense_used record")
-        self.dense[op.slot] = (op.layer, now, i)
-        self.dense_readers[op.slot] = []
-
-    def _attention(self, i: int, op: Attention, now: Clock) -> None:
-        s = op.dense_slot
-        if s is None:
-            return  # resident dense weights: nothing to order
-        occ = self.dense.get(s)
-        if occ is None:
-            self._fail(f"dense slot {s}: op #{i} {describe(op)} reads it before any DenseCopy")
-        if occ[0] != op.layer:
-            self._fail(f"dense slot {s}: op #{i} {describe(op)} finds layer {occ[0]} there "
-                       f"(copied by op #{occ[2]})")
-        if not self._before(occ[1], "copy", now):
-            self._fail(f"dense slot {s}: op #{i} {describe(op)} may run before op #{occ[2]} "
-                       f"{describe(DenseCopy(occ[0], s))} lands (no wait on its dense_copied record)")
-        self.dense_readers[s].append((now, i))
 
     def _consume(self, i: int, op: Consume, readers: dict[int, int]) -> None:
         if op.entry + 1 < self.consumed:

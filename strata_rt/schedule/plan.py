@@ -196,15 +196,27 @@ class Consume:
     stream: StreamName = field(default="host", init=False)
 
 
+#: what a ChunkInput brings: "hidden", float32 [T, hidden] hidden states (MoE layers alone, or
+#: a whole model's embedding rows decoded on the host), or "tokens", a whole model's T token
+#: ids, whose embedding rows the executor looks up itself (the CUDA executor uploads T int32
+#: and decodes the rows on the GPU from the embedding it keeps in its GGUF type)
+InputKind = Literal["hidden", "tokens"]
+INPUT_KINDS: tuple[InputKind, ...] = ("hidden", "tokens")
+
+
 @dataclass(frozen=True)
 class ChunkInput:
-    """The chunk's input hidden states reach the device. Every plan holds it once, in its
-    first layer, before any op that reads the hidden states (the checker refuses a LayerBegin
-    or Attention ahead of it). Executors take the input at begin_chunk; the CUDA executor's
-    upload waits here, on the device, for its host pass over the input (the finite check and
-    the copy into pinned memory), so a walk's copy stream starts streaming experts while the
-    host still works on the input."""
+    """The chunk's input reaches the device and becomes its hidden states (`kind`: see
+    InputKind). Every plan holds it once, in its first layer, before any op that reads the
+    hidden states (the checker refuses a LayerBegin or Attention ahead of it, and token ids in
+    a plan whose first layer opens without an Attention: only a whole model has an
+    embedding). Executors take the input at begin_chunk; the CUDA executor's upload waits
+    here, on the device, for its host pass over the input (the finite check and the copy into
+    pinned memory, or the ids' range check and copy), so a walk's copy stream starts streaming
+    experts while the host still works on the input; token ids are then looked up on the
+    compute stream, writing the residual as the upload of hidden states would."""
 
+    kind: InputKind = "hidden"
     stream: StreamName = field(default="compute", init=False)
 
 

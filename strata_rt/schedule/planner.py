@@ -40,6 +40,7 @@ from .plan import (
     Gather,
     GatherBatch,
     GatherRouted,
+    InputKind,
     LayerBegin,
     LayerEnd,
     LayerPlan,
@@ -291,7 +292,7 @@ def plan_walk(spec: MoESpec, residency: Residency, ring_slots: int, gather_one: 
     if attention is not None:  # the first dense layers go before any expert
         b.ops.extend(attention.chunk_ops())
     b.issue_available()  # the copies do not wait for the chunk's input
-    b.ops.extend(_prologue(part))
+    b.ops.extend(_prologue(part, attention))
     layers = []
     all_experts = list(range(spec.n_experts))
     for layer in span:
@@ -312,9 +313,12 @@ def _span(spec: MoESpec, part: Part | None) -> range:
     return range(spec.n_layers) if part is None else part.layers
 
 
-def _prologue(part: Part | None) -> list[Op]:
-    """What brings the chunk's hidden states in: ChunkInput, or a split part's hand-off."""
-    return [ChunkInput()] if part is None else part.prologue()
+def _prologue(part: Part | None, attention: DenseSchedule | None) -> list[Op]:
+    """What brings the chunk's hidden states in: ChunkInput (of the kind a whole model's
+    schedule names: its token ids where the executor looks the embedding up), or a split
+    part's hand-off."""
+    kind: InputKind = "hidden" if attention is None else attention.input_kind
+    return [ChunkInput(kind)] if part is None else part.prologue(kind)
 
 
 def plan_decode(spec: MoESpec, residency: Residency, attention: DenseSchedule,
@@ -350,7 +354,7 @@ def _routed_layers(spec: MoESpec, residency: Residency, attention: DenseSchedule
                    in_place: bool, tokens: int, mode: Literal["decode", "routed"],
                    part: Part | None) -> ChunkPlan:
     ops: list[Op] = [*attention.chunk_ops()] if attention is not None else []
-    ops += _prologue(part)
+    ops += _prologue(part, attention)
     layers = []
     span = _span(spec, part)
     for layer in span:
@@ -405,7 +409,7 @@ class StagingPlanner:
         if layer == self.span[0] and self.attention is not None:
             ops += self.attention.chunk_ops()
         if layer == self.span[0]:
-            ops += _prologue(self.part)
+            ops += _prologue(self.part, self.attention)
         if self.attention is not None:
             ops += self.attention.layer_ops(layer)
         self._b.ops.extend(ops)

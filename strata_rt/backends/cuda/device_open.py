@@ -6,6 +6,7 @@ part sizes every per-layer region for its own layers (split_part.part_moe_spec).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
@@ -31,10 +32,13 @@ if TYPE_CHECKING:
     from ...runtime.device import Runtime
     from ...schedule.in_place import InPlaceSetting
     from ...schedule.memory_plan import MemoryPlan
+    from ...schedule.plan import InputKind
     from ...schedule.split import Part
     from ...weights.model import Model
     from ...weights.store import ExpertStore
     from .whole import CudaWhole
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -54,6 +58,8 @@ class OpenedDevice:
     dev: DeviceState
     kernels: LayerKernels
     whole: CudaWhole | None
+    #: what the backend's chunks bring (driver.Executor.input_kind)
+    input_kind: InputKind = "hidden"
 
 
 def open_device(rt: Runtime, model: Model, store: ExpertStore, cfg: EngineConfig, part: Part,
@@ -78,8 +84,13 @@ def open_device(rt: Runtime, model: Model, store: ExpertStore, cfg: EngineConfig
         assert cfg.dense_gemm is not None, "EngineConfig.resolve() sets dense_gemm"
         kv_capacity = cfg.context or whole.spec.context
         wspec, types = part_whole(whole.spec, DenseTypes.of_model(whole), part)
+        # the first part looks the chunk's token ids up (the others receive the residual)
         whole_sizes = WholeSizing(wspec, types, kv_capacity, False, cfg.dense_gemm,
-                                  head=part.last)
+                                  head=part.last,
+                                  embedding=not part.receives and cfg.embedding == "device")
+        if whole_sizes.embedding and not whole_sizes.embeds:
+            log.info("token embedding %s: no GPU decoder for the type; its rows are decoded "
+                     "on the host", types.embd)
     image_room = capacity_blocks(cfg.image_cache_mib, spec, lay)
     assert cfg.compute_lanes is not None, "EngineConfig.resolve() sets compute_lanes"
     lanes, mp = plan_lanes(cfg.compute_lanes, fixed_res, lspec.total_experts, partial(
@@ -95,7 +106,8 @@ def open_device(rt: Runtime, model: Model, store: ExpertStore, cfg: EngineConfig
     if cfg.image_cache_mib:
         images.report(spec, lay)
     dev = DeviceState(rt, mp.regions, max(available, 0),
-                      mp.tokens * spec.hidden * 4, (lspec.n_layers, spec.n_experts + 1), lanes)
+                      mp.tokens * spec.hidden * 4, (lspec.n_layers, spec.n_experts + 1), lanes,
+                      mp.tokens)
     try:  # the arena is freed here if filling it fails (the backend holds nothing yet)
         kernels = LayerKernels(rt, spec, fmt.activation, dev.ptr, routing, lo)
         # poison everything first: a read of bytes nobody wrote shows up as NaN, not as luck
@@ -123,5 +135,6 @@ def open_device(rt: Runtime, model: Model, store: ExpertStore, cfg: EngineConfig
     except BaseException:
         dev.close()
         raise
+    kind: InputKind = "tokens" if whole_sizes is not None and whole_sizes.embeds else "hidden"
     return OpenedDevice(fks, in_place, kv_capacity, lanes, dense_ring, residency, images,
-                        rings.walk, mp.tokens, mp, dev, kernels, cuda_whole)
+                        rings.walk, mp.tokens, mp, dev, kernels, cuda_whole, kind)

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 class DeviceState:
     def __init__(self, rt: Runtime, regions: dict[str, int], budget: int, io_bytes: int,
-                 bounds_shape: tuple[int, int], lanes: int = 1):
+                 bounds_shape: tuple[int, int], lanes: int = 1, max_tokens: int = 1):
         self.compute = rt.stream("compute")
         self.copy = rt.stream("copy")
         #: routed-set read-backs go on their own stream, never behind the copies of blobs
@@ -42,10 +42,12 @@ class DeviceState:
             self.lanes[lane] = (self.streams[lane], self.ptr[gate_up], self.ptr[down])
         n_bounds = bounds_shape[0] * bounds_shape[1]
         self.host = rt.pinned({"io": io_bytes, "bounds": n_bounds * 4, "gate": 4,
-                               "nonfinite": 8})
+                               "nonfinite": 8, "ids": max(1, max_tokens) * 4})
         self.io = self.host.view("io", np.float32)
-        #: the chunk's input: the host pass into `io`, and the gate the upload waits at
-        self.input = InputPass(rt.gate(self.host.view("gate", np.uint32)), self.compute)
+        #: the chunk's input: the host pass into `io` (or, for a whole model's token ids,
+        #: `ids`), and the gate the upload waits at
+        self.input = InputPass(rt.gate(self.host.view("gate", np.uint32)), self.compute,
+                               self.io, self.host.view("ids", np.int32))
         self.bounds_host = self.host.view("bounds", np.int32).reshape(bounds_shape)
         #: the RMSNorm's flag word, read back after each chunk (all ones: every row finite)
         self.nonfinite_host = self.host.view("nonfinite", np.uint64)

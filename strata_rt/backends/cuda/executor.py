@@ -12,8 +12,9 @@ reads each layer's row bounds back on a stream of their own (never queued behind
 walk's kernels read them on the device and nothing comes back until the chunk ends, so the
 driver can capture the whole walk as a CUDA graph (`capture`). The chunk's input reaches the
 device at its ChunkInput op, behind a gate its host pass opens
-(strata_rt.backends.cuda.chunk_input). A second compute lane (strata_rt.schedule.lanes) brings its
-own stream and group buffers. Short chunks read fully resident groups in place, with no gather
+(strata_rt.backends.cuda.chunk_input): hidden states, or a whole model's token ids, whose
+embedding rows the GPU then decodes into the residual (CudaWhole.embed). A second compute lane
+(strata_rt.schedule.lanes) brings its own stream and group buffers. Short chunks read fully resident groups in place, with no gather
 (strata_rt.schedule.in_place). Each layer runs its own format's kernels (a mixed file).
 
 A layer split's part (strata_rt.backends.cuda.split_part) holds its own layers' router, norms,
@@ -23,7 +24,6 @@ and, unless it is the last, leaves its output on the device for the part after i
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -60,12 +60,13 @@ from ...schedule.plan import (
 from ...schedule.residency import Residency
 from ...schedule.split import whole_part
 from ..nonfinite import NonFiniteError
+from .chunk_input import chunk_token_ids
 from .context import CudaContext
 from .device_open import open_device
 from .device_state import DeviceState
 from .layer_kernels import ENGINE_SOURCE, LayerKernels
 from .products import run_products
-from .split_part import PartLink, PartReplay, run_ops, split_for_capture
+from .split_part import PartLink, PartReplay, capture_plan
 
 #: the RMSNorm flag word when no row was flagged (rmsnorm_rows lowers it with atomicMin)
 NO_ROW = (1 << 64) - 1
@@ -79,6 +80,7 @@ if TYPE_CHECKING:
     from ...schedule.driver import HostContext, Replay
     from ...schedule.in_place import InPlaceSetting
     from ...schedule.memory_plan import MemoryPlan
+    from ...schedule.plan import InputKind
     from ...schedule.split import Part
     from ...weights.model import Model
     from ...weights.store import ExpertStore
@@ -96,6 +98,9 @@ class CudaBackend:
     kv_capacity = 0
     #: the image cache (set at open; empty unless the config gives it room)
     images = ImageCache()
+    #: "tokens" where a whole model's chunks bring token ids, looked up on the GPU (set at
+    #: open, device_open); else "hidden"
+    input_kind: InputKind = "hidden"
     # set at open (device_open.open_device)
     fks: list[FormatKernels]
     in_place: InPlaceSetting
@@ -150,6 +155,7 @@ class CudaBackend:
         self.dense_ring, self.residency, self.images = o.dense_ring, o.residency, o.images
         self.walk_slots, self.tokens, self.memory = o.walk_slots, o.tokens, o.memory
         self.dev, self.kernels, self._whole = o.dev, o.kernels, o.whole
+        self.input_kind = o.input_kind
         dev = self._device()
         self._timer = PhaseTimer(self.rt, dev.compute, dev.copy) if self.timing else None
         self._dispatch: dict[type, Callable[[Any], None]] = {
@@ -177,10 +183,16 @@ class CudaBackend:
                               self.spec)
 
     # ------------------------------------------------------------------ chunk (Executor)
-    def begin_chunk(self, h: np.ndarray, stats: Stats, start: int | None = None) -> None:
-        T = int(h.shape[0])
-        dev = self._begin(T, stats)
-        dev.input.start(dev.io[: T * self.spec.hidden].reshape(T, self.spec.hidden), h)
+    def begin_chunk(self, x: np.ndarray, stats: Stats, start: int | None = None) -> None:
+        """x: hidden states float32 [T, hidden], or (input_kind "tokens") T token ids, which
+        are range-checked here, before anything is enqueued (chunk_input)."""
+        ids = (chunk_token_ids(x, self._whole_ops().spec.vocab)
+               if self.input_kind == "tokens" else None)
+        dev = self._begin(int(x.shape[0]), stats)
+        if ids is None:
+            dev.input.start(x, self.spec.hidden)
+        else:
+            dev.input.start_tokens(ids)
         if start is not None and self._whole is not None:
             if self.part.sends:  # uploaded at ChunkInput, after the receiver took the last
                 self._whole.hold_position(start)
@@ -268,19 +280,7 @@ class CudaBackend:
             dispatch[type(op)](op)
 
     def capture(self, ops: Iterable[Op]) -> Graph | PartReplay:
-        dev = self._device()
-        before: list[Op] = []
-        after: list[Op] = []
-        if self._link is not None:  # a split's hand-off ops run live around the graph
-            before, body, after = split_for_capture(ops)
-            ops = body
-        with self.rt.capture(dev.compute) as graph, dev.joined():
-            self.execute(ops, Stats(), None)
-        graph.upload(dev.compute)  # now, not inside the first replay the driver times
-        dev.compute.synchronize()
-        if before or after:
-            return PartReplay(graph, before, after, partial(run_ops, self))
-        return graph
+        return capture_plan(self, ops, linked=self._link is not None)
 
     def replay(self, replay: Replay) -> None:
         replay.launch(self._device().compute)
@@ -378,11 +378,15 @@ class CudaBackend:
                            self._mark)
 
     def _op_chunk_input(self, op: ChunkInput) -> None:
-        """The upload waits at the gate until begin_chunk's host pass has filled `io`."""
+        """The upload waits at the gate until begin_chunk's host pass has filled `io` (the
+        hidden states) or `ids` (token ids, whose embedding rows are then decoded into x)."""
+        if op.kind != self.input_kind:
+            raise StrataError(f"{op!r} in the plan of an executor whose chunks bring "
+                              f"{self.input_kind!r} input")
         dev = self._device()
         self._mark("input")
-        dev.input.enqueue()
-        self.rt.memcpy_htod(dev.ptr["x"], dev.io[: self._T * self.spec.hidden], dev.compute)
+        dev.input.upload(self.rt, op.kind, self._T, self.spec.hidden, dev.ptr,
+                         lambda s, ids, T: self._whole_ops().embed(s, ids, T))
         if self.part.sends and self._whole is not None:
             self._whole.upload_position(dev.compute)
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ...errors import PlanHazardError, StrataError
@@ -48,9 +49,9 @@ def part_moe_spec(spec: MoESpec, part: Part) -> MoESpec:
 
 def part_whole(spec: Qwen3Spec, types: DenseTypes, part: Part) -> tuple[Qwen3Spec, DenseTypes]:
     """A whole model's dimensions and dense types for a part's own layers (its dense slots
-    and KV cache hold those only)."""
+    and KV cache hold those only; the head's and the embedding's types stay)."""
     return (replace(spec, n_layers=part.end - part.first),
-            DenseTypes(types.layers[part.first: part.end], types.head))
+            replace(types, layers=types.layers[part.first: part.end]))
 
 
 def is_handoff(op: Op) -> bool:
@@ -177,3 +178,24 @@ def run_ops(backend: Any, ops: list[Op]) -> None:
         from ...report.stats import Stats
 
         backend.execute(ops, Stats(), None)
+
+
+def capture_plan(backend: Any, ops: Iterable[Op], linked: bool) -> Graph | PartReplay:
+    """The CUDA executor's capture of `ops` as one graph on its compute stream (every other
+    stream joined in); a split part's (`linked`) hand-off ops are left out of it and run live
+    around each replay (the module doc)."""
+    from ...report.stats import Stats
+
+    dev = backend._device()
+    before: list[Op] = []
+    after: list[Op] = []
+    if linked:
+        before, body, after = split_for_capture(ops)
+        ops = body
+    with backend.rt.capture(dev.compute) as graph, dev.joined():
+        backend.execute(ops, Stats(), None)
+    graph.upload(dev.compute)  # now, not inside the first replay the driver times
+    dev.compute.synchronize()
+    if before or after:
+        return PartReplay(graph, before, after, partial(run_ops, backend))
+    return graph

@@ -21,6 +21,11 @@ Nothing here synchronises except Logits, which the chunk's end would wait for an
 
 A sampled decode step draws its token from the last Logits op's row where the head left it
 (`sample_last`, strata_rt.backends.cuda.sampling_kernels): one id comes back for it.
+
+The token embedding (on the device that looks token ids up, sizing.embeds) goes to the device
+once too, in its GGUF type (a tied head's bytes serve it where the head is on this device);
+`embed` decodes the rows of a chunk's uploaded ids into x as float32 (strata_rt.gemm.ggml_rows:
+gguf.quants.dequantize's values bit for bit, the rows the host path uploaded).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ...gemm.ggml_rows import GgmlRows
 from ...models.qwen3.reference import rope_tables
 from ...models.qwen3.whole_memory import LOGIT_ROWS, DenseSlot, WholeSizing, kv_bytes
 from ...schedule.plan import Attention, DenseCopy, Logits
@@ -90,6 +96,13 @@ class CudaWhole:
         self.attention = AttentionKernels(rt, spec.n_heads, spec.n_kv_heads, spec.head_dim,
                                           self.context)
         self.dense = DenseKernels(rt, ptr["dense_ws"], ws_bytes, sizing.gemm)
+        #: the embedding's row gather (its kernel loaded now, not inside a captured graph)
+        self.rows: GgmlRows | None = None
+        self.embd_type = whole.dense.token_embd.type_name
+        self._embd_in_head = sizing.embd_in_head
+        if sizing.embeds:
+            self.rows = GgmlRows(rt)
+            self.rows.kernel(self.embd_type)
         self._store = None
         if self.streamed:
             self._store = rt.pinned({"dense": self.n_layers * self.layout.slot_bytes})
@@ -120,10 +133,23 @@ class CudaWhole:
             head = self.whole.output_weight
             rt.memcpy_htod(p["head"],
                            np.ascontiguousarray(head.data).view(np.uint8).reshape(-1), stream)
+        if self.rows is not None and not self._embd_in_head:
+            embd = self.whole.dense.token_embd
+            rt.memcpy_htod(p["embd"],
+                           np.ascontiguousarray(embd.data).view(np.uint8).reshape(-1), stream)
         cos, sin = rope_tables(spec, np.arange(self.context), np.float32)
         rt.memcpy_htod(p["rope_cos"], np.ascontiguousarray(cos), stream)
         rt.memcpy_htod(p["rope_sin"], np.ascontiguousarray(sin), stream)
         stream.synchronize()
+
+    def embed(self, stream: Stream, ids: int, tokens: int) -> None:
+        """x[r] = float32 row ids[r] of the embedding for r < tokens (ids: int32 on the
+        device, inside the vocabulary: the executor checked them before the upload)."""
+        if self.rows is None:
+            raise RuntimeError("a ChunkInput of token ids, but this device holds no embedding")
+        table = self.ptr["head" if self._embd_in_head else "embd"]
+        self.rows.rows(stream, self.embd_type, table, ids, self.ptr["x"], tokens,
+                       self.spec.vocab, self.spec.hidden)
 
     def kv_pointers(self, layer: int) -> tuple[int, int]:
         """(keys, values) base addresses of one layer's cache [context, n_kv_heads, head_dim]."""

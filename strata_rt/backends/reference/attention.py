@@ -34,6 +34,11 @@ class ReferenceDense:
         self.kv_capacity = self.cache.max_tokens
         self._tables: tuple[int, int, np.ndarray, np.ndarray] | None = None
 
+    def embed(self, ids: np.ndarray) -> np.ndarray:
+        """float32 [T, hidden] embedding rows of token ids, decoded on the host (the bytes
+        the engine's host path uploads and the CUDA backend's row gather writes)."""
+        return self.ref.model.dense.token_embd.rows(ids).astype(np.float32)
+
     def _rope(self, start: int, tokens: int) -> tuple[np.ndarray, np.ndarray]:
         """cos, sin of the chunk's positions (computed once per chunk, shared by its layers)."""
         t = self._tables

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, NoReturn
 import numpy as np
 
 from ...formats.contract import MMQ_GROUP
+from ...models.qwen3.whole_memory import gpu_decodes
 from ...report.stats import Stats
 from ...report.timing import format_table
 from ...schedule.dense_schedule import DENSE_RING_SLOTS
@@ -46,6 +47,7 @@ from ...schedule.plan import (
     GatherBatch,
     GatherRouted,
     HandOff,
+    InputKind,
     LayerBegin,
     LayerEnd,
     Logits,
@@ -59,7 +61,7 @@ from ...schedule.planner import ring_sizes
 from ...schedule.residency import Residency
 from ...weights.model import rms_norm, silu
 from ...weights.store import ExpertStore, numpy_alloc
-from ..cuda.chunk_input import input_not_finite
+from ..cuda.chunk_input import chunk_token_ids, input_not_finite
 from ..cuda.routing_exact import route_exact
 from ..host_copy import all_finite
 from ..nonfinite import check_finite, check_rms_input
@@ -129,6 +131,12 @@ class ReferenceBackend:
         #: a whole model's attention, KV cache and head (None: MoE layers alone)
         self.dense = (ReferenceDense(whole, cfg.context, first) if whole is not None
                       else None)
+        #: "tokens": a whole model's chunks bring token ids, decoded at ChunkInput (decided as
+        #: the CUDA backend decides it, so both run the same plans); else "hidden"
+        self.input_kind: InputKind = "tokens" if (
+            whole is not None and first == 0 and cfg.embedding == "device"
+            and gpu_decodes(whole.dense.token_embd.type_name)) else "hidden"
+        self._ids = np.empty(0, np.int32)
         if self.dense is not None:
             self.kv_capacity = self.dense.kv_capacity
         #: dense ring slots when cfg.dense is "stream" (the plan's DenseCopy ops are then
@@ -180,10 +188,16 @@ class ReferenceBackend:
         self.routes: list[np.ndarray] = []
 
     # ------------------------------------------------------------------ chunk (Executor)
-    def begin_chunk(self, h: np.ndarray, stats: Stats, start: int | None = None) -> None:
-        if not all_finite(h):
+    def begin_chunk(self, x: np.ndarray, stats: Stats, start: int | None = None) -> None:
+        """x: hidden states [T, hidden], or (input_kind "tokens") T token ids, range-checked
+        here and decoded at the plan's ChunkInput (the residual is NaN until then, so a plan
+        that reads it first fails loudly)."""
+        if self.input_kind == "tokens":
+            self._ids = chunk_token_ids(x, self._whole().spec.vocab)
+            x = np.full((self._ids.size, self.spec.hidden), np.nan, np.float32)
+        elif not all_finite(x):
             raise input_not_finite()
-        self._h = np.array(h, dtype=np.float32, copy=True)
+        self._h = np.array(x, dtype=np.float32, copy=True)
         self._state = None
         self._stats = stats
         self.routes = []
@@ -296,10 +310,16 @@ class ReferenceBackend:
             elif isinstance(op, HandOff):
                 self._receive(op, h)
                 phase = "handoff"
-            elif isinstance(op, Record | Wait | Consume | ChunkInput):
+            elif isinstance(op, ChunkInput):  # begin_chunk took hidden states; ids: rows
+                if op.kind != self.input_kind:
+                    raise RuntimeError(f"{op!r} in the plan of an executor whose chunks bring "
+                                       f"{self.input_kind!r} input")
+                if op.kind == "tokens":
+                    h[...] = self._whole().embed(self._ids)
+                continue
+            elif isinstance(op, Record | Wait | Consume):
                 # one thread runs every op in host order: a valid linearisation of any
-                # schedule the checker accepts, so events have nothing left to order (and
-                # begin_chunk took the input)
+                # schedule the checker accepts, so events have nothing left to order
                 continue
             else:
                 raise TypeError(f"unknown plan op {op!r}")

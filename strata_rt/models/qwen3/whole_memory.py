@@ -16,15 +16,17 @@ each has its own offsets; resident layers are packed by their own sizes, a strea
 slots are the largest layer's.
 
 Fixed regions: the dense slots (every layer's when resident; a ring of DENSE_RING_SLOTS when
-they stream), the head (output_norm, Wout [vocab, hidden] in its type), the dense scratch, the
+they stream), the head (output_norm, Wout [vocab, hidden] in its type), the token embedding in
+its type (on the device that looks the chunk's token ids up; none when the head is tied to it
+and on that device, whose bytes then serve both), the dense scratch, the
 RoPE tables [context, head_dim / 2] of cos and sin and the KV cache (fp16, n_layers x 2 x
 context x kv_dim). The dense scratch is one fp16 buffer the compute stream decodes into before
 each GEMM whose weight is not F16: a layer's Wqkv, then its Wo, and at the end HEAD_SLICE_ROWS
 rows of the head at a time. Attention and Logits ops run in stream order on the compute stream,
 so one buffer, sized for the largest of these, serves them all. Per chunk: the normed rows,
 q/k/v, q after RoPE, the attention output, the head's scratch (at most LOGIT_ROWS rows per
-output GEMM) and the dense GEMM's workspace (cuBLAS's, or the fp32 scratch of the
-batch-invariant "own" GEMM, which grows with the chunk).
+output GEMM), the dense GEMM's workspace (cuBLAS's, or the fp32 scratch of the
+batch-invariant "own" GEMM, which grows with the chunk) and the chunk's int32 token ids.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from ...backends.cuda.dense_kernels import workspace_bytes
+from ...formats.ggml_types import NAMES
 from ...runtime.memory import align_up
 from ...schedule.dense_schedule import DENSE_RING_SLOTS
 from .spec import Qwen3Spec
@@ -78,19 +81,29 @@ class LayerTypes:
     o: str
 
 
+def gpu_decodes(type_name: str | None) -> bool:
+    """Whether the GGML decoders (kernels/ggml) decode `type_name`: an embedding of another
+    type (or of none known) is looked up on the host."""
+    return type_name in NAMES
+
+
 @dataclass(frozen=True)
 class DenseTypes:
-    """The GGML type names of every dense matrix the GPU holds: each layer's projections and
-    the output head (the embedding's type when the head is tied)."""
+    """The GGML type names of every dense matrix the GPU holds: each layer's projections, the
+    output head (the embedding's type when the head is tied) and the embedding (None: not
+    known, as when only the head's type was given; `tied`: the head is the embedding, so one
+    copy in VRAM serves both)."""
 
     layers: tuple[LayerTypes, ...]
     head: str
+    embd: str | None = None
+    tied: bool = False
 
     @classmethod
-    def uniform(cls, n_layers: int, type_name: str) -> DenseTypes:
+    def uniform(cls, n_layers: int, type_name: str, tied: bool = False) -> DenseTypes:
         """Every matrix of one type (a synthetic model's `dense_type`)."""
         t = type_name.upper()
-        return cls((LayerTypes(t, t, t, t),) * n_layers, t)
+        return cls((LayerTypes(t, t, t, t),) * n_layers, t, t, tied)
 
     @classmethod
     def lookup(cls, n_layers: int, type_of: Callable[[str], str | None]) -> DenseTypes:
@@ -104,15 +117,16 @@ class DenseTypes:
 
         layers = tuple(LayerTypes(get("attn_q", i), get("attn_k", i), get("attn_v", i),
                                   get("attn_output", i)) for i in range(n_layers))
-        head = type_of(tensor_name("output"))
-        return cls(layers, get("token_embd") if head is None else head)
+        head, embd = type_of(tensor_name("output")), get("token_embd")
+        return cls(layers, embd if head is None else head, embd, head is None)
 
     @classmethod
     def of_model(cls, whole: Qwen3Model) -> DenseTypes:
         layers = tuple(LayerTypes(lw.attn_q.type_name, lw.attn_k.type_name,
                                   lw.attn_v.type_name, lw.attn_output.type_name)
                        for lw in whole.dense.layers)
-        return cls(layers, whole.output_weight.type_name)
+        return cls(layers, whole.output_weight.type_name, whole.dense.token_embd.type_name,
+                   whole.tied)
 
 
 @dataclass(frozen=True)
@@ -215,9 +229,23 @@ class WholeSizing:
     #: whether the output head is on this device (a layer split: the last part only; the
     #: others' `spec` counts their own layers and `types` holds theirs)
     head: bool = True
+    #: whether this device looks the chunk's token ids up in the embedding (the first part of
+    #: a split; False: the host decodes the rows, EngineConfig.embedding "host")
+    embedding: bool = True
 
     def streamed(self) -> WholeSizing:
         return replace(self, dense_stream=True)
+
+    @property
+    def embeds(self) -> bool:
+        """Whether the device holds the embedding and decodes its rows: asked to, and of a
+        type the GGML decoders decode."""
+        return self.embedding and gpu_decodes(self.types.embd)
+
+    @property
+    def embd_in_head(self) -> bool:
+        """Whether the rows are read from the head region (a tied head on this device)."""
+        return self.embeds and self.types.tied and self.head
 
     def layout(self) -> DenseLayout:
         return DenseLayout.of(self.spec, self.types)
@@ -237,6 +265,10 @@ def whole_fixed_regions(w: WholeSizing) -> dict[str, int]:
         "dense": dense,
         "head_norm": spec.hidden * 4 if w.head else 0,
         "head": tensor_bytes(w.types.head, spec.vocab, spec.hidden) if w.head else 0,
+        # the embedding in its type, unless the tied head's bytes serve it (or the host looks
+        # the rows up)
+        "embd": (tensor_bytes(w.types.embd, spec.vocab, spec.hidden)
+                 if w.embeds and w.types.embd is not None and not w.embd_in_head else 0),
         "dense_scratch": layout.scratch_bytes(spec, w.head),  # 0 when every matrix is F16
         "rope_cos": context * spec.head_dim // 2 * 4,
         "rope_sin": context * spec.head_dim // 2 * 4,
@@ -264,4 +296,5 @@ def whole_chunk_regions(w: WholeSizing, tokens: int) -> dict[str, int]:
         "attn_out": T * spec.q_dim * 2,
         "head_in": LOGIT_ROWS * spec.hidden * 2 if w.head else 0,
         "head_out": LOGIT_ROWS * spec.vocab * 4 if w.head else 0,
+        "token_ids": T * 4 if w.embeds else 0,  # the chunk's ids, uploaded for the lookup
     }

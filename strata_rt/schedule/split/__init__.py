@@ -26,7 +26,16 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ...errors import ConfigError
-from ..plan import ChunkInput, HandOff, Op, Record, Wait, handoff_ready, handoff_taken
+from ..plan import (
+    ChunkInput,
+    HandOff,
+    InputKind,
+    Op,
+    Record,
+    Wait,
+    handoff_ready,
+    handoff_taken,
+)
 from ..residency import Residency, RoutingProfile
 
 if TYPE_CHECKING:
@@ -101,15 +110,16 @@ class Part:
         """The part that runs a whole model's output head."""
         return not self.sends
 
-    def prologue(self) -> list[Op]:
-        """The ops that bring the chunk's hidden states to this part's device. A sender first
-        waits until its receiver copied the previous chunk's residual (handoff_taken; the
-        first chunk's wait finds no record, which CUDA treats as already complete)."""
+    def prologue(self, kind: InputKind = "hidden") -> list[Op]:
+        """The ops that bring the chunk's hidden states to this part's device: the first
+        part's ChunkInput of `kind`, the others' hand-off. A sender first waits until its
+        receiver copied the previous chunk's residual (handoff_taken; the first chunk's wait
+        finds no record, which CUDA treats as already complete)."""
         ops: list[Op] = []
         if self.sends:
             ops.append(Wait(handoff_taken(self.end), "compute"))
         if not self.receives:
-            return [*ops, ChunkInput()]
+            return [*ops, ChunkInput(kind)]
         return [*ops, Wait(handoff_ready(self.first), "compute"),
                 HandOff(self.first, self.index - 1, self.index),
                 Record(handoff_taken(self.first), "compute")]

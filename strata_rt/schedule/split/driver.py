@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from ...weights.model import Model, MoESpec
     from ...weights.store import ExpertStore
     from ..driver import Backend, HostContext
-    from ..plan import LogitRows
+    from ..plan import InputKind, LogitRows
 
 #: the backends whose executors run a split's hand-offs
 SPLIT_BACKENDS = ("reference", "cuda")
@@ -67,6 +67,11 @@ class SplitBackend:
         r = first.residency
         pairs = [pair for b in self.backends for pair in b.residency.pairs]
         self.residency = Residency(r.n_layers, r.n_experts, pairs, slot_bytes)
+
+    @property
+    def input_kind(self) -> InputKind:
+        """What the first part's chunks bring (the others receive the residual)."""
+        return self.backends[0].input_kind
 
     @property
     def resident_bytes(self) -> list[int]:
@@ -118,10 +123,11 @@ class SplitDriver:
     def plans(self) -> list[Any]:
         return [d.last_plan for d in self.drivers]
 
-    def run_chunk(self, h: np.ndarray, stats: Stats, start: int | None = None,
+    def run_chunk(self, x: np.ndarray, stats: Stats, start: int | None = None,
                   logits: LogitRows | None = None) -> np.ndarray:
-        T = int(h.shape[0])
-        out = h
+        """x: the first part's input (hidden states, or a whole model's token ids)."""
+        T = int(x.shape[0])
+        out = x
         backends = self._backend.backends
         try:
             last_error: BaseException | None = None
@@ -130,7 +136,7 @@ class SplitDriver:
                 try:
                     with on_device(b):
                         out = (driver.run_received(T, stats, start, rows) if part.receives
-                               else driver.run_chunk(h, stats, start, rows))
+                               else driver.run_chunk(x, stats, start, rows))
                 except BaseException as e:
                     if not part.last:
                         raise
