@@ -345,4 +345,3 @@ def test_rerank_launch_matches_its_kernel_source():
     warps = re.search(r"^#define RERANK_WARPS (\d+)", RERANK_SOURCE.read_text(), flags=re.M)
     assert warps and int(warps.group(1)) * 32 == RERANK_THREADS
     assert "__launch_bounds__(RERANK_WARPS * 32)" in RERANK_SOURCE.read_text()
-

@@ -5,31 +5,35 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
-#include "common/mma.cuh"
 #include "common/route_keys.cuh"
 #include "common/route_pick.cuh"
 
 // ---------------------------------------------------------------------------- re-ranking
 #define RERANK_WARPS 2
+#define RERANK_UNROLL 32
 
-// The canonical logit of x and w (see routing_exact.cu), both staged in shared memory, by one
-// warp: lane l's sequential float64 sum over c = l, l + 32, ..., then the xor tree.
-__device__ __forceinline__ double canonical_logit(const float* x, const float* w, int hidden,
+// The canonical logit of x and w (see routing_exact.cu), by one warp: lane l's sequential
+// float64 sum over c = l, l + 32, ..., then the xor tree. The unrolled loads keep RERANK_UNROLL
+// elements of both rows in flight; the sum still adds them in ascending c.
+__device__ __forceinline__ double canonical_logit(const float* __restrict__ x,
+                                                  const float* __restrict__ w, int hidden,
                                                   int lane) {
     double acc = 0.0;
-#pragma unroll 8
-    for (int c = lane; c < hidden; c += 32) acc = __fma_rn((double)x[c], (double)w[c], acc);
+    int c = lane;
+    for (; c + 32 * (RERANK_UNROLL - 1) < hidden; c += 32 * RERANK_UNROLL) {
+        float xv[RERANK_UNROLL], wv[RERANK_UNROLL];
+#pragma unroll
+        for (int u = 0; u < RERANK_UNROLL; ++u) {
+            xv[u] = __ldg(x + c + 32 * u);
+            wv[u] = __ldg(w + c + 32 * u);
+        }
+#pragma unroll
+        for (int u = 0; u < RERANK_UNROLL; ++u) acc = __fma_rn((double)xv[u], (double)wv[u], acc);
+    }
+    for (; c < hidden; c += 32) acc = __fma_rn((double)__ldg(x + c), (double)__ldg(w + c), acc);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) acc = __dadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, o));
     return acc;
-}
-
-// a float32 row of `hidden` values into shared memory, 16 bytes per lane and copy, by the
-// `threads` threads numbered `me` (one commit group)
-__device__ __forceinline__ void stage_row(float* dst, const float* __restrict__ src, int hidden,
-                                          int me, int threads) {
-    for (int c = me * 4; c < hidden; c += threads * 4) cp_async16(dst + c, src + c, 16);
-    cp_async_commit();
 }
 
 // Block b re-ranks the listed tokens b, b + gridDim.x, ...
@@ -41,13 +45,10 @@ __device__ __forceinline__ void stage_row(float* dst, const float* __restrict__ 
 // of a candidate is then its approximate logit if isolated, else its canonical logit: two
 // experts more than 2 B(t) apart compare the same whichever key each has, and experts closer
 // than that both have canonical keys, so the top k by key (ties to the lower id) is the top k
-// by canonical logit. Latency is the cost here (a token is one chain of steps), so: the
-// token's x row is copied into shared memory while the warps find the candidates (each warp
-// itself, no barrier); the n-th expert that needs a canonical logit goes to warp n %
-// RERANK_WARPS, which copies that router row beside x (every copy of a row in flight at once)
-// and sums from shared memory; after one barrier warp 0 picks and writes ids, weights (float32
-// softmax of the approximate logits, or of the canonical ones for `all`) and the tile mask
-// bits. Dynamic shared memory: (1 + RERANK_WARPS) * hidden floats. n_experts <= 32 * NPL.
+// by canonical logit. Each warp finds the candidates itself (no barrier before the products),
+// the n-th expert that needs a canonical logit goes to warp n % RERANK_WARPS, and after one
+// barrier warp 0 picks and writes ids, weights (float32 softmax of the approximate logits, or
+// of the canonical ones for `all`) and the tile mask bits. n_experts <= 32 * NPL.
 template <int NPL>
 __device__ __forceinline__ void rerank_block(
     const float* __restrict__ logits, const float* __restrict__ xn,
@@ -56,15 +57,11 @@ __device__ __forceinline__ void rerank_block(
     int* __restrict__ ids, float* __restrict__ weights, unsigned* __restrict__ masks,
     int n_tiles) {
     __shared__ double canon_s[32 * NPL];
-    extern __shared__ __align__(16) float rows[];  // x, then one router row per warp
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    float* xs = rows;
-    float* ws = rows + (size_t)(1 + warp) * hidden;
     const int n = min(*n_rerank, tokens);
     for (int j = blockIdx.x; j < n; j += gridDim.x) {
         const Rerank r = rerank[j];
         const int t = r.token;
-        stage_row(xs, xn + (size_t)t * hidden, hidden, threadIdx.x, blockDim.x);
         const double gap = (double)r.gap, thresh = (double)r.kth - gap;
         float v[NPL];
         bool cand[NPL], iso[NPL];
@@ -90,8 +87,7 @@ __device__ __forceinline__ void rerank_block(
                 }
             }
         }
-        cp_async_wait<0>();
-        __syncthreads();  // x is in shared memory for every warp
+        const float* x = xn + (size_t)t * hidden;
         int q = 0;
 #pragma unroll
         for (int i2 = 0; i2 < NPL; ++i2) {
@@ -99,13 +95,11 @@ __device__ __forceinline__ void rerank_block(
             while (m) {
                 const int e = __ffs(m) - 1 + 32 * i2;
                 m &= m - 1;
-                if (q++ % RERANK_WARPS != warp) continue;
-                stage_row(ws, router32 + (size_t)e * hidden, hidden, lane, 32);
-                cp_async_wait<0>();
-                __syncwarp();
-                const double L = canonical_logit(xs, ws, hidden, lane);
-                if (lane == 0) canon_s[e] = L;
-                __syncwarp();  // every lane read ws before the next row lands there
+                if (q++ % RERANK_WARPS == warp) {
+                    const double L = canonical_logit(x, router32 + (size_t)e * hidden, hidden,
+                                                     lane);
+                    if (lane == 0) canon_s[e] = L;
+                }
             }
         }
         __syncthreads();
@@ -135,7 +129,7 @@ __device__ __forceinline__ void rerank_block(
                          1u << (t & (ROUTE_TILE - 1)));
             }
         }
-        __syncthreads();  // shared memory is free for the block's next token
+        __syncthreads();  // canon_s is free for the block's next token
     }
     // the last block to finish (every block read the count above) zeroes the count and itself,
     // so the next top-k launch lists from zero whoever launches it

@@ -278,9 +278,9 @@ def exact_bound(norms: RouterNorms, hidden: int) -> ExactBound:
 # ----------------------------------------------------------------------------- launchers
 #: threads of a re-rank block (routing_rerank.cu: RERANK_WARPS warps per listed token)
 RERANK_THREADS = 64
-#: blocks of the re-rank launch at most (each loops over the listed tokens): eight per SM of
-#: an H100 / H200, about what a token's rows in shared memory let reside at once
-RERANK_BLOCKS = 1056
+#: blocks of the re-rank launch at most (each loops over the listed tokens): twelve per SM of
+#: an H100 / H200, about what the kernel's registers let reside at once
+RERANK_BLOCKS = 1584
 
 
 class ExactRoutingKernels:
@@ -341,6 +341,5 @@ class ExactRoutingKernels:
                                      ws.n_rerank, ws.rerank))
         self._rerank[npl].launch(grid=(min(tokens, RERANK_BLOCKS), 1, 1),
                                  block=(RERANK_THREADS, 1, 1), stream=stream,
-                                 shared=(1 + RERANK_THREADS // 32) * hidden * 4,
                                  args=(logits, xn, router32, tokens, hidden, n_experts, top_k,
                                        ws.n_rerank, ws.rerank, ids, weights, masks, nt))
