@@ -110,8 +110,9 @@ SPLIT_TILES: dict[str, SplitTile] = _tiles_of_source()
 #: bench/bench_routing.py's tile table on an H200: many 16-token blocks up to 2,048 tokens (one
 #: wave), 64-token blocks beyond; m16k128 was within 2% of m16 everywhere
 SPLIT_TILE_RULE: tuple[tuple[int | None, str], ...] = ((2048, "m16"), (None, "m64"))
-#: the rule on sm_90 devices, where the wgmma tile takes the long chunks
-SPLIT_TILE_RULE_SM90: tuple[tuple[int | None, str], ...] = ((1024, "m16"), (None, "wg64"))
+#: the rule on sm_90 devices: the wgmma tile takes the chunks beyond 2,048 tokens, where it
+#: beats every mma.sync tile (bench/results/routing-h200-wgmma.md; m16 stays ahead up to 2,048)
+SPLIT_TILE_RULE_SM90: tuple[tuple[int | None, str], ...] = ((2048, "m16"), (None, "wg64"))
 
 
 def tile_rule(arch: str) -> tuple[tuple[int | None, str], ...]:
