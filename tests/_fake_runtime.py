@@ -170,7 +170,7 @@ class FakeRuntime:
         self._arenas += 1
         return self.arena
 
-    def module(self, source, defines=None):
+    def module(self, source, defines=None, extra_flags=(), *, arch=None):
         return FakeModule(self, source)
 
     def memcpy_htod(self, dst, host, stream):

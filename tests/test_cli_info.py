@@ -179,10 +179,12 @@ def test_plugins_option_and_missing_file(tmp_path: Path) -> None:
     assert "Traceback" not in done.stderr
 
 
-def test_inspect_a_whole_model_file_shows_dense_weights_and_kv_cache(tmp_path, capsys):
+def test_inspect_a_whole_model_file_shows_dense_weights_and_kv_cache(tmp_path, capsys,
+                                                                    monkeypatch):
     """A GGUF with token_embd.weight: dense weights by type, what they take on the GPU as
-    stored (here F32) with the fp16 decode scratch and the token embedding (looked up on the
-    GPU in its type), the KV cache per 1K tokens, and a budget's
+    stored (here F32) with the fp16 decode scratch and the token embedding (an F32 one the
+    head does not share: its rows stay on the host by default, on the GPU in its type with
+    STRATA_EMBEDDING=device), the KV cache per 1K tokens, and a budget's
     split: the dense part first (streamed when the resident weights do not fit), the experts
     counted in what is left."""
     from strata_rt.config.hostmem import format_bytes
@@ -193,6 +195,7 @@ def test_inspect_a_whole_model_file_shows_dense_weights_and_kv_cache(tmp_path, c
 
     path = write_qwen3_gguf(tmp_path / "tiny.gguf", Qwen3Model.synthetic(TINY_SPEC, 1, "fp16"))
     layout = DenseLayout.of(TINY_SPEC, DenseTypes.uniform(TINY_SPEC.n_layers, "F32"))
+    monkeypatch.setenv("STRATA_EMBEDDING", "device")
     assert main(["inspect", str(path), "--budget-gib", "0.001"]) == 0
     out = capsys.readouterr().out
     kv_1k = TINY_SPEC.n_layers * 2 * TINY_SPEC.n_kv_heads * TINY_SPEC.head_dim * 2 * 1024
@@ -213,6 +216,13 @@ def test_inspect_a_whole_model_file_shows_dense_weights_and_kv_cache(tmp_path, c
     # (the F32 embedding included): 7
     left = float(out.split(" left for experts")[0].rsplit("; ", 1)[1].split()[0])
     assert fp16_row.split("|")[5].strip() == str(int(left * (1 << 20)) // slot) == "7"
+    monkeypatch.delenv("STRATA_EMBEDDING")  # auto: the F32 rows stay on the host, 2 slots more
+    assert main(["inspect", str(path), "--budget-gib", "0.0104"]) == 0
+    out = capsys.readouterr().out
+    assert "token embedding rows decoded on the host" in out
+    fp16_row = next(line for line in out.splitlines() if line.startswith("| fp16 "))
+    left = float(out.split(" left for experts")[0].rsplit("; ", 1)[1].split()[0])
+    assert fp16_row.split("|")[5].strip() == str(int(left * (1 << 20)) // slot) == "9"
 
 
 def test_inspect_of_moe_layers_only_has_no_whole_model_lines(tmp_path, capsys):

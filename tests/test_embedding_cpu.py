@@ -274,6 +274,34 @@ def test_the_memory_plan_counts_the_embedding_in_its_type():
     assert regions(replace(untied, embd=None)) == (0, q8, 0)
 
 
+def test_auto_keeps_a_plain_float_embedding_on_the_host_unless_the_head_holds_it():
+    """The default rule: a quantized embedding is looked up on the GPU (decoding its rows on
+    the host is slow); an F32 / F16 / BF16 one only when a tied head on the device holds its
+    bytes anyway (elsewhere its rows cost the host a copy, while in VRAM they would take expert
+    slots); "device" takes every decodable type, "host" none."""
+    from strata_rt.models.qwen3.whole_memory import embeds_on_gpu
+
+    for t in ("F32", "F16", "BF16"):
+        assert not embeds_on_gpu("auto", t, False) and embeds_on_gpu("auto", t, True)
+        assert embeds_on_gpu("device", t, False) and not embeds_on_gpu("host", t, True)
+    for t in ("Q8_0", "Q4_K", "Q6_K", "IQ3_XXS"):
+        assert embeds_on_gpu("auto", t, False) and embeds_on_gpu("device", t, False)
+        assert not embeds_on_gpu("host", t, False)
+    assert not embeds_on_gpu("auto", "TQ2_0", True) and not embeds_on_gpu("device", None, False)
+    H, V = TINY.hidden, TINY.vocab
+    f16 = DenseTypes.uniform(TINY.n_layers, "F16")
+    auto = WholeSizing(TINY, f16, 64, embedding_mode="auto")
+    assert not auto.embeds and whole_fixed_regions(auto)["embd"] == 0
+    assert whole_chunk_regions(auto, 100)["token_ids"] == 0
+    dev = WholeSizing(TINY, f16, 64, embedding_mode="device")
+    assert dev.embeds and whole_fixed_regions(dev)["embd"] == tensor_bytes("F16", V, H)
+    tied = WholeSizing(TINY, DenseTypes.uniform(TINY.n_layers, "F16", tied=True), 64,
+                       embedding_mode="auto")
+    assert tied.embeds and tied.embd_in_head and whole_fixed_regions(tied)["embd"] == 0
+    split_first = replace(tied, head=False)  # the head sits on another device: host rows
+    assert not split_first.embeds
+
+
 def test_a_run_configs_sizing_follows_the_embedding_switch(monkeypatch):
     """What a run config's checks size before the engine opens: the embedding on the GPU
     unless STRATA_EMBEDDING=host (the engine's own rule, EngineConfig.embedding)."""
@@ -286,6 +314,13 @@ def test_a_run_configs_sizing_follows_the_embedding_switch(monkeypatch):
     monkeypatch.setenv("STRATA_EMBEDDING", "host")
     sizing = whole_sizing(TINY, types, None)
     assert sizing is not None and whole_fixed_regions(sizing)["embd"] == 0
+    plain = DenseTypes.uniform(TINY.n_layers, "F16")
+    monkeypatch.delenv("STRATA_EMBEDDING", raising=False)  # auto: an F16 one stays on the host
+    sizing = whole_sizing(TINY, plain, None)
+    assert sizing is not None and whole_fixed_regions(sizing)["embd"] == 0
+    monkeypatch.setenv("STRATA_EMBEDDING", "device")
+    sizing = whole_sizing(TINY, plain, None)
+    assert sizing is not None and whole_fixed_regions(sizing)["embd"] > 0
 
 
 def test_dense_types_know_the_embedding(rng):

@@ -115,7 +115,8 @@ def _whole_model(path: Path, tensors: dict, budget_gib: float | None
     except KeyError as e:  # the whole-model checks would name it too; nothing to size without
         raise GGUFError(f"{path}: tensor {e.args[0]} is missing") from None
     sizing = WholeSizing(spec, types, spec.context,
-                         embedding=embedding_switch() == "device")
+                         embedding=embedding_switch() != "host",
+                         embedding_mode=embedding_switch())
     on_gpu = whole_fixed_regions(sizing)
     embd = (f"token embedding {format_bytes(on_gpu['embd'])}" if on_gpu["embd"] else
             "token embedding in the head's bytes" if sizing.embd_in_head else

@@ -65,7 +65,7 @@ def dense_gemm_switch() -> str:
 
 
 def embedding_switch() -> str:
-    """STRATA_EMBEDDING ("device" when unset): what `embedding` resolves to, also read by a
+    """STRATA_EMBEDDING ("auto" when unset): what `embedding` resolves to, also read by a
     run config's checks, which count the embedding the GPU would hold before the engine
     opens."""
     return env.choice("STRATA_EMBEDDING", EMBEDDINGS[0])
@@ -131,9 +131,10 @@ class EngineConfig:
     #: a whole model's dense GEMM: "cublas" or "own"; None: STRATA_DENSE_GEMM, else cublas
     dense_gemm: str | None = None
     #: a whole model's token embedding (EMBEDDINGS): "device" (the CUDA backend keeps it in
-    #: VRAM in its GGUF type and looks each chunk's token ids up on the GPU) or "host" (the
-    #: rows are decoded on the host and uploaded as hidden states: the same bytes);
-    #: None: STRATA_EMBEDDING, else device
+    #: VRAM in its GGUF type and looks each chunk's token ids up on the GPU), "host" (the
+    #: rows are decoded on the host and uploaded as hidden states: the same bytes) or "auto"
+    #: (whole_memory.embeds_on_gpu: device unless a plain float type the head does not share);
+    #: None: STRATA_EMBEDDING, else auto
     embedding: str | None = None
     #: the grouped fp16 GEMM: "auto", "cutlass" or "own" (strata_rt.gemm.cutlass_gemm.cutlass_for);
     #: None: STRATA_F16_GEMM, else auto

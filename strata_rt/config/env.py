@@ -134,12 +134,14 @@ SWITCHES: dict[str, Switch] = {
                "a whole model's dense projections and output head: cublas (cuBLAS GemmEx, the "
                "default) or own (the project's fp16 GEMM, whose bytes do not depend on the "
                "chunk's row count, so GPU logits are the same bytes for any chunking)."),
-        Switch("STRATA_EMBEDDING", "choice:device,host",
-               "a whole model's token embedding on the CUDA backend: device (the default: it "
-               "stays in VRAM in its GGUF type, and each chunk uploads its token ids, whose "
-               "rows the GPU decodes) or host (the rows are decoded on the host and uploaded "
-               "as float32 hidden states; the same bytes, without the VRAM of an embedding "
-               "the output head does not share)."),
+        Switch("STRATA_EMBEDDING", "choice:auto,device,host",
+               "a whole model's token embedding on the CUDA backend: device (it stays in VRAM "
+               "in its GGUF type, and each chunk uploads its token ids, whose rows the GPU "
+               "decodes), host (the rows are decoded on the host and uploaded as float32 "
+               "hidden states; the same bytes, without the VRAM of an embedding the output "
+               "head does not share) or auto (the default: device for a quantized embedding "
+               "or one a tied head on the device holds anyway, host for an F32, F16 or BF16 "
+               "one, whose rows the host only copies)."),
         Switch("STRATA_F16_GEMM", "choice:auto,cutlass,own",
                "the grouped fp16 GEMM (fp16 images: FP16, IQ3_XXS f16_gemm): auto (on sm_90 "
                "CUTLASS's wgmma kernels for launches of 96 rows per expert or more when "

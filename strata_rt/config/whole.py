@@ -132,11 +132,11 @@ def check_dense(p: Problems, doc: dict, whole: Qwen3Spec | None) -> str:
 def whole_sizing(whole: Qwen3Spec | None, types: DenseTypes | None, context: int | None
                  ) -> WholeSizing | None:
     """How a whole model's device memory is sized (dense GEMM from STRATA_DENSE_GEMM, the
-    embedding on the device unless STRATA_EMBEDDING says host)."""
+    embedding where STRATA_EMBEDDING puts it: embeds_on_gpu)."""
     if whole is None or types is None:
         return None
     return WholeSizing(whole, types, context or whole.context, False, dense_gemm_switch(),
-                       embedding=embedding_switch() == "device")
+                       embedding=embedding_switch() != "host", embedding_mode=embedding_switch())
 
 
 #: bytes per value of the dense types a synthetic whole model may store

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ...models.qwen3.whole_memory import DenseTypes, WholeSizing
+from ...models.qwen3.whole_memory import DenseTypes, WholeSizing, gpu_decodes
 from ...runtime.memory import MIB
 from ...schedule.dense_schedule import DENSE_RING_SLOTS
 from ...schedule.image_cache import ImageCache, capacity_blocks
@@ -87,10 +87,13 @@ def open_device(rt: Runtime, model: Model, store: ExpertStore, cfg: EngineConfig
         # the first part looks the chunk's token ids up (the others receive the residual)
         whole_sizes = WholeSizing(wspec, types, kv_capacity, False, cfg.dense_gemm,
                                   head=part.last,
-                                  embedding=not part.receives and cfg.embedding == "device")
+                                  embedding=not part.receives and cfg.embedding != "host",
+                                  embedding_mode=cfg.embedding or "auto")
         if whole_sizes.embedding and not whole_sizes.embeds:
-            log.info("token embedding %s: no GPU decoder for the type; its rows are decoded "
-                     "on the host", types.embd)
+            log.info("token embedding %s: its rows are decoded on the host (%s)", types.embd,
+                     "no GPU decoder for the type" if not gpu_decodes(types.embd) else
+                     "a plain float type the head does not share; STRATA_EMBEDDING=device "
+                     "keeps it on the GPU")
     image_room = capacity_blocks(cfg.image_cache_mib, spec, lay)
     assert cfg.compute_lanes is not None, "EngineConfig.resolve() sets compute_lanes"
     lanes, mp = plan_lanes(cfg.compute_lanes, fixed_res, lspec.total_experts, partial(

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, NoReturn
 import numpy as np
 
 from ...formats.contract import MMQ_GROUP
-from ...models.qwen3.whole_memory import gpu_decodes
+from ...models.qwen3.whole_memory import DenseTypes, embeds_on_gpu
 from ...report.stats import Stats
 from ...report.timing import format_table
 from ...schedule.dense_schedule import DENSE_RING_SLOTS
@@ -134,8 +134,9 @@ class ReferenceBackend:
         #: "tokens": a whole model's chunks bring token ids, decoded at ChunkInput (decided as
         #: the CUDA backend decides it, so both run the same plans); else "hidden"
         self.input_kind: InputKind = "tokens" if (
-            whole is not None and first == 0 and cfg.embedding == "device"
-            and gpu_decodes(whole.dense.token_embd.type_name)) else "hidden"
+            whole is not None and first == 0 and embeds_on_gpu(
+                cfg.embedding or "auto", whole.dense.token_embd.type_name,
+                DenseTypes.of_model(whole).tied and (part is None or part.last))) else "hidden"
         self._ids = np.empty(0, np.int32)
         if self.dense is not None:
             self.kv_capacity = self.dense.kv_capacity

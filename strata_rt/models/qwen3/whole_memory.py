@@ -87,6 +87,21 @@ def gpu_decodes(type_name: str | None) -> bool:
     return type_name in NAMES
 
 
+#: embedding types whose rows the host copies rather than decodes
+PLAIN_TYPES = frozenset({"F32", "F16", "BF16"})
+
+
+def embeds_on_gpu(mode: str, type_name: str | None, shares_head: bool) -> bool:
+    """Whether the device holds a whole model's embedding and looks the token ids up
+    (EngineConfig.embedding `mode`). "device": every type the GGML decoders decode; "auto":
+    those too, but a plain float type only when a tied head on the device holds its bytes
+    anyway: its rows cost the host a copy, while in VRAM they would take expert slots (an F16
+    embedding of the 235B shape is 1.2 GiB); "host": none."""
+    if mode == "host" or not gpu_decodes(type_name):
+        return False
+    return mode == "device" or shares_head or type_name not in PLAIN_TYPES
+
+
 @dataclass(frozen=True)
 class DenseTypes:
     """The GGML type names of every dense matrix the GPU holds: each layer's projections, the
@@ -229,9 +244,11 @@ class WholeSizing:
     #: whether the output head is on this device (a layer split: the last part only; the
     #: others' `spec` counts their own layers and `types` holds theirs)
     head: bool = True
-    #: whether this device looks the chunk's token ids up in the embedding (the first part of
-    #: a split; False: the host decodes the rows, EngineConfig.embedding "host")
+    #: whether this device would look the chunk's token ids up in the embedding (the first
+    #: part of a split; False: the host decodes the rows, EngineConfig.embedding "host")
     embedding: bool = True
+    #: EngineConfig.embedding ("auto", "device"): which types the device looks up itself
+    embedding_mode: str = "device"
 
     def streamed(self) -> WholeSizing:
         return replace(self, dense_stream=True)
@@ -239,8 +256,9 @@ class WholeSizing:
     @property
     def embeds(self) -> bool:
         """Whether the device holds the embedding and decodes its rows: asked to, and of a
-        type the GGML decoders decode."""
-        return self.embedding and gpu_decodes(self.types.embd)
+        type `embeds_on_gpu` takes."""
+        return self.embedding and embeds_on_gpu(self.embedding_mode, self.types.embd,
+                                                self.types.tied and self.head)
 
     @property
     def embd_in_head(self) -> bool:
