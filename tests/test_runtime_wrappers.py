@@ -81,6 +81,7 @@ class _FakeDriver:
 
     class function_attribute:  # noqa: N801
         MAX_DYNAMIC_SHARED_SIZE_BYTES = "max_dyn_smem"
+        SHARED_SIZE_BYTES = "static_smem"
 
     class event_flags:  # noqa: N801
         DISABLE_TIMING = 2
@@ -170,6 +171,13 @@ class _FakeDriver:
                 drv.calls.append(("host_free", len(self)))
 
         class Function:
+            def __init__(self, static=0):
+                self.static = static
+
+            def get_attribute(self, attr):
+                assert attr == "static_smem"
+                return self.static
+
             def prepare(self, arg_types):
                 self.arg_types = arg_types
                 return self
@@ -185,9 +193,9 @@ class _FakeDriver:
                 self.data = data
 
             def get_function(self, name):
-                if name != "k":
+                if name not in ("k", "s"):
                     raise drv.LogicError("named symbol not found")
-                return Function()
+                return Function(1024 if name == "s" else 0)  # s: 1 KiB of static memory
 
         self.Device, self.Stream, self.Event = Device, Stream, Event
         self._Allocation, self._HostAllocation, self._Module = Allocation, HostAllocation, Module
@@ -319,6 +327,14 @@ def test_fake_module_kernel_launch_and_shared_opt_in(fake, tmp_path, monkeypatch
     assert opt_ins == [("set_attribute", "max_dyn_smem", 100 * 1024)], "opt in once, when needed"
     with pytest.raises(StrataError, match="device allows at most 232448"):
         k.launch((1, 1, 1), (32, 1, 1), s, (0,), shared=232448 + 1)
+    # static shared memory counts into both limits: 48 KiB dynamic beside 1 KiB static opts in
+    ks = mod.kernel("s", "P")
+    ks.launch((1, 1, 1), (32, 1, 1), s, (0,), shared=47 * 1024)
+    ks.launch((1, 1, 1), (32, 1, 1), s, (0,), shared=48 * 1024)
+    assert [c for c in fake.calls if c[0] == "set_attribute"][1:] == [
+        ("set_attribute", "max_dyn_smem", 48 * 1024)]
+    with pytest.raises(StrataError, match="1024 static, the device allows at most 231424"):
+        ks.launch((1, 1, 1), (32, 1, 1), s, (0,), shared=232448)
     with pytest.raises(StrataError, match="no kernel 'other'"):
         mod.kernel("other", "P")
     with pytest.raises(StrataError, match=r"argument codes \['X'\]"):
