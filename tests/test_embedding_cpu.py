@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from _dense_models import block_tensor, with_embedding
 from _ggml_blocks import row_ids, row_matrix
+from _launch_log import LoggingRuntime
 
 from strata_rt.engine import Engine, EngineConfig
 from strata_rt.errors import ConfigError, FormatError, PlanHazardError
@@ -112,35 +113,8 @@ def test_the_row_walk_refuses_a_geometry_the_gather_cannot_take():
 
 
 # ---------------------------------------------------------------------------- the launcher
-class _Kernel:
-    def __init__(self, log: list, name: str):
-        self.log, self.name = log, name
-
-    def launch(self, grid, block, stream, args, shared=0):
-        self.log.append((self.name, tuple(grid), tuple(block), tuple(args)))
-
-
-class _Module:
-    def __init__(self, log: list):
-        self.log = log
-
-    def kernel(self, name: str, arg_types: str) -> _Kernel:
-        assert arg_types == ROWS_ARG_TYPES
-        return _Kernel(self.log, name)
-
-
-class _Runtime:
-    def __init__(self):
-        self.log: list = []
-        self.sources: list = []
-
-    def module(self, source, defines=None, extra_flags=()):
-        self.sources.append(source)
-        return _Module(self.log)
-
-
 def test_rows_launch_arguments_and_grid():
-    rt = _Runtime()
+    rt = LoggingRuntime(ROWS_ARG_TYPES)
     rows = GgmlRows(rt)  # type: ignore[arg-type]
     assert rt.sources == [ROWS_SOURCE]
     rows.rows("stream", "Q4_K", 0x1001, 0x2000, 0x10000, 300, 151936, 2048)
@@ -154,20 +128,19 @@ def test_rows_launch_arguments_and_grid():
     assert rt.log[-1][1] == (4096, 1, 1)  # at most ROWS_MAX_BLOCKS: the threads stride
 
 
-def test_rows_launcher_refuses_what_the_kernel_cannot_do():
-    rows = GgmlRows(_Runtime())  # type: ignore[arg-type]
-    with pytest.raises(FormatError, match="whole number"):
-        rows.rows(None, "Q4_K", 1, 1, 0, 1, 10, 200)
-    with pytest.raises(FormatError, match="multiple of 8"):
-        rows.rows(None, "F16", 1, 1, 0, 1, 10, 12)
-    with pytest.raises(FormatError, match="16-byte"):
-        rows.rows(None, "Q8_0", 1, 1, 8, 1, 10, 32)
-    with pytest.raises(FormatError, match="device addresses"):
-        rows.rows(None, "Q8_0", 0, 1, 16, 1, 10, 32)
-    with pytest.raises(FormatError, match="must be 1.."):
-        rows.rows(None, "Q8_0", 1, 1, 16, 0, 10, 32)
-    with pytest.raises(FormatError, match="no decoder"):
-        rows.rows(None, "Q8_1", 1, 1, 16, 1, 10, 32)
+@pytest.mark.parametrize("message, type_name, table, out, ids_off, tokens, hidden", [
+    ("whole number", "Q4_K", 1, 1, 0, 1, 200),
+    ("multiple of 8", "F16", 1, 1, 0, 1, 12),
+    ("16-byte", "Q8_0", 1, 1, 8, 1, 32),
+    ("device addresses", "Q8_0", 0, 1, 16, 1, 32),
+    ("must be 1..", "Q8_0", 1, 1, 16, 0, 32),
+    ("no decoder", "Q8_1", 1, 1, 16, 1, 32),
+])
+def test_rows_launcher_refuses_what_the_kernel_cannot_do(message, type_name, table, out, ids_off,
+                                                         tokens, hidden):
+    rows = GgmlRows(LoggingRuntime(ROWS_ARG_TYPES))  # type: ignore[arg-type]
+    with pytest.raises(FormatError, match=message):
+        rows.rows(None, type_name, table, out, ids_off, tokens, 10, hidden)
 
 
 def test_rows_reference_is_gguf_of_the_rows(rng):

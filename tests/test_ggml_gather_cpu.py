@@ -8,6 +8,7 @@ import re
 
 import numpy as np
 import pytest
+from _launch_log import LoggingRuntime
 
 from strata_rt.errors import FormatError
 from strata_rt.formats.ggml_types import TYPES, ggml_type
@@ -21,33 +22,6 @@ from strata_rt.gemm.ggml_gather import (
 )
 from strata_rt.resources import KERNELS_ROOT
 from strata_rt.runtime.compile import compile_cubin, kernel_jobs, nvcc_available
-
-
-class _Kernel:
-    def __init__(self, log: list, name: str, arg_types: str):
-        self.log, self.name, self.arg_types = log, name, arg_types
-
-    def launch(self, grid, block, stream, args, shared=0):
-        self.log.append((self.name, tuple(grid), tuple(block), tuple(args)))
-
-
-class _Module:
-    def __init__(self, log: list):
-        self.log = log
-
-    def kernel(self, name: str, arg_types: str) -> _Kernel:
-        assert arg_types == GATHER_ARG_TYPES
-        return _Kernel(self.log, name, arg_types)
-
-
-class _Runtime:
-    def __init__(self):
-        self.log: list = []
-        self.sources: list = []
-
-    def module(self, source, defines=None, extra_flags=()):
-        self.sources.append(source)
-        return _Module(self.log)
 
 
 @pytest.mark.skipif(not nvcc_available(), reason="nvcc not found (PATH or STRATA_NVCC)")
@@ -66,7 +40,7 @@ def test_check_kernels_compiles_the_ggml_sources():
 
 
 def test_launch_arguments_and_grid():
-    rt = _Runtime()
+    rt = LoggingRuntime(GATHER_ARG_TYPES)
     gg = GgmlGather(rt)  # type: ignore[arg-type]
     assert rt.sources == [GATHER_SOURCE]
     srcs = [0x1001, 0, 0x3003]
@@ -84,7 +58,7 @@ def test_launch_arguments_and_grid():
 
 
 def test_launcher_refuses_what_the_kernel_cannot_do():
-    gg = GgmlGather(_Runtime())  # type: ignore[arg-type]
+    gg = GgmlGather(LoggingRuntime(GATHER_ARG_TYPES))  # type: ignore[arg-type]
     with pytest.raises(FormatError, match="whole number"):
         gg.gather(None, "IQ2_S", [1], 0, 2, 300)
     with pytest.raises(FormatError, match="multiple of 8"):

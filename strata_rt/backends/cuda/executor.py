@@ -14,8 +14,8 @@ driver can capture the whole walk as a CUDA graph (`capture`). The chunk's input
 device at its ChunkInput op, behind a gate its host pass opens
 (strata_rt.backends.cuda.chunk_input): hidden states, or a whole model's token ids, whose
 embedding rows the GPU then decodes into the residual (CudaWhole.embed). A second compute lane
-(strata_rt.schedule.lanes) brings its own stream and group buffers. Short chunks read fully resident groups in place, with no gather
-(strata_rt.schedule.in_place). Each layer runs its own format's kernels (a mixed file).
+(strata_rt.schedule.lanes) brings its own stream and group buffers. Short chunks read fully
+resident groups in place (strata_rt.schedule.in_place). Each layer runs its format's kernels.
 
 A layer split's part (strata_rt.backends.cuda.split_part) holds its own layers' router, norms,
 dense weights and KV cache, sizes its ring and memory plan for them, runs its hand-off ops
@@ -184,8 +184,8 @@ class CudaBackend:
 
     # ------------------------------------------------------------------ chunk (Executor)
     def begin_chunk(self, x: np.ndarray, stats: Stats, start: int | None = None) -> None:
-        """x: hidden states float32 [T, hidden], or (input_kind "tokens") T token ids, which
-        are range-checked here, before anything is enqueued (chunk_input)."""
+        """x: hidden states float32 [T, hidden], or (input_kind "tokens") T token ids,
+        range-checked here before anything is enqueued (chunk_input)."""
         ids = (chunk_token_ids(x, self._whole_ops().spec.vocab)
                if self.input_kind == "tokens" else None)
         dev = self._begin(int(x.shape[0]), stats)
@@ -378,11 +378,9 @@ class CudaBackend:
                            self._mark)
 
     def _op_chunk_input(self, op: ChunkInput) -> None:
-        """The upload waits at the gate until begin_chunk's host pass has filled `io` (the
-        hidden states) or `ids` (token ids, whose embedding rows are then decoded into x)."""
+        """The upload waits at the gate for begin_chunk's host pass (hidden states or ids)."""
         if op.kind != self.input_kind:
-            raise StrataError(f"{op!r} in the plan of an executor whose chunks bring "
-                              f"{self.input_kind!r} input")
+            raise StrataError(f"{op!r}: this executor's chunks bring {self.input_kind!r} input")
         dev = self._device()
         self._mark("input")
         dev.input.upload(self.rt, op.kind, self._T, self.spec.hidden, dev.ptr,
