@@ -1,10 +1,11 @@
 """The GGML decoders (kernels/ggml/) on the CPU, in CI without a GPU: built by nvcc as host code
 and compared with gguf.quants.dequantize byte for byte, for every type, on thousands of random
-blocks (finite scales, edge scales first), on blocks the package's quantizer writes where it
-can, on IQ3_XXS blocks of the project's own quantizer, and on unconstrained bytes (NaN-aware:
-a NaN or infinite scale). Also: the generated headers match their sources, and the compiled
-traits match the Python table; and a plugin's own decoder (the example plugin's TQ2_0, built
-from its source alone). Skipped, with the reason, only where nvcc is absent."""
+blocks (finite scales, edge scales first; the gather's 8-value path also on blocks starting at
+every byte offset), on blocks the package's quantizer writes where it can, on IQ3_XXS blocks of
+the project's own quantizer, and on unconstrained bytes (NaN-aware: a NaN or infinite scale).
+Also: the generated headers match their sources, and the compiled traits match the Python
+table; and a plugin's own decoder (the example plugin's TQ2_0, built from its source alone).
+Skipped, with the reason, only where nvcc is absent."""
 
 from __future__ import annotations
 
@@ -129,6 +130,25 @@ def test_random_blocks_decode_bit_exact(dec, rng, name):
         assert np.isfinite(want).all() or t.name == "MXFP4"  # MXFP4's 2^127 * 12 is inf
     assert_bits_equal(t, dec.decode(t, raw), want, "random blocks")
     assert_bits_equal(t, dec.decode(t, raw, chunks=True), want, "random blocks, gather path")
+
+
+@needs_nvcc
+@pytest.mark.parametrize("name", IDS)
+def test_gather_path_decodes_blocks_at_any_byte(dec, rng, name):
+    """The gather's 8-value path reads blocks wherever they start (a source may start at any
+    byte; the K-quants' chunk8 picks its load widths from each address): at every offset from a
+    16-byte boundary, every value of every block equals the package's bit for bit."""
+    t = ggml_type(name)
+    raw = blocks_for(rng, t)[:64].reshape(-1)  # 64 blocks: every block start modulo 16
+    want = reference(t, raw)
+    buf = np.zeros(raw.size + 32, np.uint8)
+    base = -buf.ctypes.data % 16
+    for offset in range(16):
+        src = buf[base + offset: base + offset + raw.size]
+        src[:] = raw
+        assert src.ctypes.data % 16 == offset
+        assert_bits_equal(t, dec.decode(t, src, chunks=True), want,
+                          f"gather path, source at 16n + {offset}")
 
 
 @needs_nvcc

@@ -88,11 +88,26 @@ template <> struct Decode<Type::IQ3_S> : Traits<Type::IQ3_S>, SubBlock<Decode<Ty
         const uint32_t sc = (b[106 + (s >> 1)] >> (4 * (s & 1))) & 15u;
         return {GGML_MUL(f16_at(b), (float)(1u + 2u * sc)), 0, b[74 + (i >> 3)]};
     }
+    // value l (0..7) of the 8 that share s, from its 4-value grid entry
+    GGML_HD static float level(uint32_t entry, int l, const GridScale& s) {
+        return GGML_MUL(GGML_MUL(s.db, grid_byte(entry, l & 3)), sign_of((s.signs >> l) & 1u));
+    }
     GGML_HD static float value(const uint8_t* b, int j, const GridScale& s) {
-        const int gi = j >> 2, l = j & 7;
+        const int gi = j >> 2;
         const uint32_t idx = b[2 + gi] | (((uint32_t)(b[66 + (gi >> 3)] >> (gi & 7)) & 1u) << 8);
-        const uint32_t entry = GGML_IQ3S_GRID[idx];
-        return GGML_MUL(GGML_MUL(s.db, grid_byte(entry, j & 3)), sign_of((s.signs >> l) & 1u));
+        return level(GGML_IQ3S_GRID[idx], j & 7, s);
+    }
+    // the two entries of values i .. i + 7 from one u16 of low index bits (read a byte at a
+    // time: an alignment test costs more than the load it saves) and one ninth-bit byte
+    GGML_HD static void chunk8(const uint8_t* b, int i, Pair (&out)[4]) {
+        const GridScale s = scale(b, i);
+        const uint32_t lo = load_u16(b + 2 + (i >> 2));
+        const uint32_t hi = (uint32_t)b[66 + (i >> 5)] >> ((i >> 2) & 7);
+        const uint32_t e[2] = {GGML_IQ3S_GRID[(lo & 255u) | ((hi & 1u) << 8)],
+                               GGML_IQ3S_GRID[(lo >> 8) | ((hi & 2u) << 7)]};
+GGML_UNROLL
+        for (int p = 0; p < 4; ++p)
+            out[p] = {level(e[p >> 1], 2 * p, s), level(e[p >> 1], 2 * p + 1, s)};
     }
 };
 

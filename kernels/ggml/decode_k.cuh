@@ -4,6 +4,12 @@
 // order. Values i and i + 1 share every scale (scales cover 16 or 32 values) and differ only in
 // their quant bits.
 //
+// The gathers decode 8 values at a time (chunk8): values i .. i + 7 (i a multiple of 8) of every
+// bit plane below lie in 8 consecutive bytes at one bit position, so each plane is one load8
+// (decode_common.cuh) and one shift and mask of two words instead of 8 byte loads and shifts;
+// value() and chunk8 then give the same quant to the same level(), so both do the same float
+// arithmetic.
+//
 // Bit layouts, value j of a block (h = j / 128 selects a half, l = j % 32):
 //   2-bit planes (Q2_K, Q3_K low bits): byte h*32 + l, bits 2*((j / 32) % 4)
 //   4-bit planes (Q4_K, Q5_K): byte (j / 64)*32 + l, nibble (j / 32) % 2
@@ -38,6 +44,28 @@ struct DM {
     float d, m;
 };
 
+// value = d * q - m
+GGML_HD float dm_level(uint32_t q, DM s) { return GGML_SUB(GGML_MUL(s.d, (float)q), s.m); }
+
+// values i .. i + 7 of a chunk from their 8 quants (value i + k: byte k of q), each by D::level
+template <class D, class S> GGML_HD void pairs8(Bytes8 q, const S& s, Pair (&out)[4]) {
+GGML_UNROLL
+    for (int p = 0; p < 4; ++p)
+        out[p] = {D::level(byte8(q, 2 * p), s), D::level(byte8(q, 2 * p + 1), s)};
+}
+
+// the 8 crumbs (2-bit plane) or nibbles (4-bit plane) of values i .. i + 7 (layouts above)
+GGML_HD Bytes8 crumbs8(const uint8_t* qs, int i) {
+    return field8(load8(qs + (i >> 7) * 32 + (i & 31)), 2 * ((i >> 5) & 3), 3u);
+}
+GGML_HD Bytes8 nibbles8(const uint8_t* qs, int i) {
+    return field8(load8(qs + (i >> 6) * 32 + (i & 31)), 4 * ((i >> 5) & 1), 15u);
+}
+// the high bits (mask bytes 0..31, bit j / 32) of values i .. i + 7
+GGML_HD Bytes8 high_bits8(const uint8_t* mask, int i) {
+    return field8(load8(mask + (i & 31)), i >> 5, 1u);
+}
+
 // scales (lo nibble: scale, hi: min) at 0, 2-bit quants at 16, d at 80, dmin at 82:
 // value = (d * scale) * q - dmin * min
 template <> struct Decode<Type::Q2_K> : Traits<Type::Q2_K>, SubBlock<Decode<Type::Q2_K>> {
@@ -45,13 +73,18 @@ template <> struct Decode<Type::Q2_K> : Traits<Type::Q2_K>, SubBlock<Decode<Type
         const uint32_t sc = b[i >> 4];
         return {GGML_MUL(f16_at(b + 80), (float)(sc & 15u)), GGML_MUL(f16_at(b + 82), (float)(sc >> 4))};
     }
+    GGML_HD static float level(uint32_t q, DM s) { return dm_level(q, s); }
     GGML_HD static float value(const uint8_t* b, int j, DM s) {
-        return GGML_SUB(GGML_MUL(s.d, (float)crumb256(b + 16, j)), s.m);
+        return level(crumb256(b + 16, j), s);
+    }
+    GGML_HD static void chunk8(const uint8_t* b, int i, Pair (&out)[4]) {
+        pairs8<Decode>(crumbs8(b + 16, i), scale(b, i), out);
     }
 };
 
 // high-bit mask at 0, 2-bit quants at 32, 6-bit scales at 96 (low nibbles in bytes 0..7, top
-// 2 bits in bytes 8..11), d at 108: value = (d * (scale - 32)) * (q - (mask bit clear ? 4 : 0))
+// 2 bits in bytes 8..11), d at 108: value = (d * (scale - 32)) * (q - (mask bit clear ? 4 : 0)),
+// the factor being (q | mask bit << 2) - 4
 template <> struct Decode<Type::Q3_K> : Traits<Type::Q3_K>, SubBlock<Decode<Type::Q3_K>> {
     GGML_HD static float scale(const uint8_t* b, int i) {
         const int k = i >> 4;
@@ -59,9 +92,13 @@ template <> struct Decode<Type::Q3_K> : Traits<Type::Q3_K>, SubBlock<Decode<Type
         const uint32_t hi = (b[104 + (k & 3)] >> (2 * (k >> 2))) & 3u;
         return GGML_MUL(f16_at(b + 108), (float)((int)(lo | (hi << 4)) - 32));
     }
+    // u: q | mask bit << 2
+    GGML_HD static float level(uint32_t u, float dl) { return GGML_MUL(dl, (float)((int)u - 4)); }
     GGML_HD static float value(const uint8_t* b, int j, float dl) {
-        const int high = (int)(((b[j & 31] >> (j >> 5)) & 1u) ^ 1u);
-        return GGML_MUL(dl, (float)((int)crumb256(b + 32, j) - 4 * high));
+        return level(crumb256(b + 32, j) | (((b[j & 31] >> (j >> 5)) & 1u) << 2), dl);
+    }
+    GGML_HD static void chunk8(const uint8_t* b, int i, Pair (&out)[4]) {
+        pairs8<Decode>(merge8(crumbs8(b + 32, i), high_bits8(b, i), 2), scale(b, i), out);
     }
 };
 
@@ -73,17 +110,24 @@ template <> struct Decode<Type::Q4_K> : Traits<Type::Q4_K>, SubBlock<Decode<Type
         scale_min_k4(b + 4, i >> 5, sc, mn);
         return {GGML_MUL(f16_at(b), (float)sc), GGML_MUL(f16_at(b + 2), (float)mn)};
     }
+    GGML_HD static float level(uint32_t q, DM s) { return dm_level(q, s); }
     GGML_HD static float value(const uint8_t* b, int j, DM s) {
-        return GGML_SUB(GGML_MUL(s.d, (float)nibble256(b + 16, j)), s.m);
+        return level(nibble256(b + 16, j), s);
+    }
+    GGML_HD static void chunk8(const uint8_t* b, int i, Pair (&out)[4]) {
+        pairs8<Decode>(nibbles8(b + 16, i), scale(b, i), out);
     }
 };
 
 // as Q4_K with a fifth bit: high-bit mask at 16, nibbles at 48
 template <> struct Decode<Type::Q5_K> : Traits<Type::Q5_K>, SubBlock<Decode<Type::Q5_K>> {
     GGML_HD static DM scale(const uint8_t* b, int i) { return Decode<Type::Q4_K>::scale(b, i); }
+    GGML_HD static float level(uint32_t q, DM s) { return dm_level(q, s); }
     GGML_HD static float value(const uint8_t* b, int j, DM s) {
-        const uint32_t q = nibble256(b + 48, j) | (((b[16 + (j & 31)] >> (j >> 5)) & 1u) << 4);
-        return GGML_SUB(GGML_MUL(s.d, (float)q), s.m);
+        return level(nibble256(b + 48, j) | (((b[16 + (j & 31)] >> (j >> 5)) & 1u) << 4), s);
+    }
+    GGML_HD static void chunk8(const uint8_t* b, int i, Pair (&out)[4]) {
+        pairs8<Decode>(merge8(nibbles8(b + 48, i), high_bits8(b + 16, i), 4), scale(b, i), out);
     }
 };
 
@@ -94,9 +138,15 @@ template <> struct Decode<Type::Q6_K> : Traits<Type::Q6_K>, SubBlock<Decode<Type
     GGML_HD static float scale(const uint8_t* b, int i) {
         return GGML_MUL(f16_at(b + 208), (float)(int8_t)b[192 + (i >> 4)]);
     }
+    // u: low | high << 4
+    GGML_HD static float level(uint32_t u, float dl) { return GGML_MUL(dl, (float)((int)u - 32)); }
     GGML_HD static float value(const uint8_t* b, int j, float dl) {
         const uint32_t lo = (b[(j >> 7) * 64 + (j & 63)] >> (4 * ((j >> 6) & 1))) & 15u;
-        return GGML_MUL(dl, (float)((int)(lo | (crumb256(b + 128, j) << 4)) - 32));
+        return level(lo | (crumb256(b + 128, j) << 4), dl);
+    }
+    GGML_HD static void chunk8(const uint8_t* b, int i, Pair (&out)[4]) {
+        const Bytes8 lo = field8(load8(b + (i >> 7) * 64 + (i & 63)), 4 * ((i >> 6) & 1), 15u);
+        pairs8<Decode>(merge8(lo, crumbs8(b + 128, i), 4), scale(b, i), out);
     }
 };
 
@@ -110,8 +160,16 @@ template <> struct Decode<Type::IQ4_XS> : Traits<Type::IQ4_XS>, SubBlock<Decode<
         const uint32_t hi = (load_u16(b + 2) >> (2 * s)) & 3u;
         return GGML_MUL(f16_at(b), (float)((int)(lo | (hi << 4)) - 32));
     }
+    GGML_HD static float level(uint32_t q, float dl) {
+        return GGML_MUL(dl, (float)GGML_IQ4NL_VALUES[q]);
+    }
     GGML_HD static float value(const uint8_t* b, int j, float dl) {
-        return GGML_MUL(dl, (float)GGML_IQ4NL_VALUES[nibble32(b + 8 + 16 * (j >> 5), j & 31)]);
+        return level(nibble32(b + 8 + 16 * (j >> 5), j & 31), dl);
+    }
+    // values i .. i + 7 of sub-block i / 32: one nibble of bytes (i % 16) .. + 7 of its 16
+    GGML_HD static void chunk8(const uint8_t* b, int i, Pair (&out)[4]) {
+        const Bytes8 q = field8(load8(b + 8 + 16 * (i >> 5) + (i & 15)), 4 * ((i >> 4) & 1), 15u);
+        pairs8<Decode>(q, scale(b, i), out);
     }
 };
 

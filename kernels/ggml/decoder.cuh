@@ -47,7 +47,8 @@ template <class D> GGML_HD bool chunk8_hook(const uint8_t*, int, Pair (&)[4], lo
 // A decoder whose eight values i .. i + 7 (i a multiple of 8) share what `D::scale(block, i)`
 // returns (a sub-block's scale, its grid entry, its sign bits): value j is
 // `D::value(block, j, scale)`. Deriving from SubBlock<D> gives pair() and chunk8() from those
-// two, so each value is computed once, in one place.
+// two, so each value is computed once, in one place (a decoder's own chunk8, which reads the
+// eight values' bits at once, hides this one).
 template <class D> struct SubBlock {
     GGML_HD static Pair pair(const uint8_t* b, int i) {
         const auto s = D::scale(b, i);
