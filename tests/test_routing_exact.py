@@ -18,6 +18,7 @@ from strata_rt.backends.cuda.routing_exact import (
     SM90_SOURCE,
     SPLIT_TILES,
     ExactRoutingKernels,
+    WgmmaProducerTile,
     WgmmaSplitTile,
     canonical_logits,
     exact_bound,
@@ -182,6 +183,12 @@ def test_tile_table_comes_from_the_kernel_sources():
     assert SPLIT_TILES["wg64"].shared == (4 * (64 * 64 * 4 + 2 * 128 * 64 * 2)
                                           + 4 * 64 * 64 * 2 + 1024)
     assert runs_on(SPLIT_TILES["wg64"], "sm_90") and not runs_on(SPLIT_TILES["wg64"], "sm_80")
+    # the producer schedule: three warpgroups, x in registers, a ring of split stages
+    assert isinstance(SPLIT_TILES["wg64p"], WgmmaProducerTile)
+    assert SPLIT_TILES["wg64p"].threads == 384 and SPLIT_TILES["wg64"].threads == 256
+    assert isinstance(SPLIT_TILES["wg128p"], WgmmaProducerTile)
+    assert SPLIT_TILES["wg128p"].threads == 256
+    assert SPLIT_TILES["wg64p"].shared == 4 * (2 * 128 * 64 * 2 + 2 * 64 * 64 * 2) + 1024
     assert runs_on(SPLIT_TILES["m64"], "sm_80")
     assert split_tile(1, 4096) == "m16" and split_tile(9000, 4096) == "m64"
     assert split_tile(100, 1088) == "m16"
@@ -189,7 +196,7 @@ def test_tile_table_comes_from_the_kernel_sources():
         rule = tile_rule(arch)
         assert rule[-1][0] is None
         assert all(runs_on(SPLIT_TILES[name], arch) for _, name in rule)
-    assert split_tile(9000, 4096, tile_rule("sm_90")) == "wg64"
+    assert split_tile(9000, 4096, tile_rule("sm_90")) == "wg64s3"
     assert split_tile(9000, 4096, tile_rule("sm_80")) == "m64"
 
 
@@ -305,6 +312,11 @@ def test_gpu_every_tile_and_chunk_gives_the_same_bytes(rt, kernels, tile):
     for k in ("logits", "ids", "weights"):
         assert part[k].tobytes() == whole[k][967:].tobytes(), k
     np.testing.assert_allclose(got["xnorm"], whole["xnorm"], rtol=1e-6)
+    # fewer experts than a block's columns, a short K loop, one partial block of tokens
+    xn, router = _inputs(rng, 77, 1024, 64)
+    small, ref = _run(rt, s, ex, rk, xn, router, 8, tile), _run(rt, s, ex, rk, xn, router, 8, "m64")
+    for k in ("logits", "ids", "weights"):
+        assert small[k].tobytes() == ref[k].tobytes(), k
 
 
 @gpu

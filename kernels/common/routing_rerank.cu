@@ -9,7 +9,7 @@
 #include "common/route_pick.cuh"
 
 // ---------------------------------------------------------------------------- re-ranking
-#define RERANK_WARPS 2
+#define RERANK_WARPS 4
 #define RERANK_UNROLL 32
 
 // The canonical logit of x and w (see routing_exact.cu), by one warp: lane l's sequential

@@ -12,15 +12,18 @@
 // logit is sigma * (acc + 2^-11 cross). Each instruction computes a 16-column step of products
 // exactly as mma.sync m16n8k16 does, so tiles of either kernel give the same bytes (tested).
 //
-// Block: 64 tokens x 128 experts, two warpgroups (warpgroup w: experts 64 w .. 64 w + 63), K
-// steps of 64. The fp16 tiles (x's hi and lo parts, the router's) are K-major in wgmma's
+// Block: 64 tokens x 128 experts, K steps of 64; warpgroup w (0, 1) multiplies experts
+// 64 w .. 64 w + 63. The fp16 tiles (x's hi and lo parts, the router's) are K-major in wgmma's
 // 128-byte swizzle: a row's 16-byte chunks permuted by the row index, so coalesced copies and
 // the split's stores hit every bank once. A STAGES-deep cp.async ring carries float32 x and the
 // router tiles; each thread splits the x it copied itself (its own cp.async wait covers what it
 // reads); the tensor cores multiply step s while the threads split step s + 1, and one barrier
-// per K step publishes the next step's tiles and frees the last one's. (A schedule that keeps
-// step s's products running while step s + 1's are issued needs the adds of `part` between
-// them, and ptxas then serializes the wgmma, which undoes the overlap.)
+// per K step publishes the next step's tiles and frees the last one's (router_gemm_split_sm90).
+// The producer schedule (router_gemm_split_sm90_ws) gives the copies and the split to a third
+// warpgroup that runs ahead through a ring of finished stages, handed over by named barriers,
+// so the two multiplying warpgroups never wait on a block-wide barrier or on the split. (A
+// schedule that keeps step s's products running while step s + 1's are issued needs the adds
+// of `part` between them, and ptxas then serializes the wgmma, which undoes the overlap.)
 //
 // Compiled for sm_90a only (the launcher asks for it); other targets compile an empty file.
 
@@ -31,151 +34,104 @@
 #include "common/route_split.cuh"
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#include "common/wgmma.cuh"
 
 namespace {
 
-// the waits below carry a memory clobber: a thread reads what its own cp.async wrote with no
-// barrier in between, so the compiler must not hoist those reads above the wait
-template <int N>
-__device__ __forceinline__ void cp_wait_mem() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
-__device__ __forceinline__ void fence_async_smem() {
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-
-__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_commit() {
-    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-}
-
-// Ties the accumulator registers to program order around the asynchronous instructions: reads
-// after the wait and writes before the issue cannot be moved across them.
-__device__ __forceinline__ void pin(float (&d)[32]) {
-#pragma unroll
-    for (int i = 0; i < 32; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-
-// Shared-memory matrix descriptor of a K-major tile in the 128-byte swizzle: rows of 64 halves
-// (128 bytes) at a 128-byte stride, 16-byte chunk c of row r stored at chunk c ^ (r % 8), tiles
-// 1024-byte aligned. SBO: 1024 bytes from one 8-row group to the next; LBO unused (1). A step
-// of 16 columns inside the row adds 32 bytes to the start address.
-__device__ __forceinline__ uint64_t sw128_desc(const void* p) {
-    const uint64_t a = (smem_addr(p) & 0x3FFFFu) >> 4;
-    return a | (1ull << 16) | ((uint64_t)(1024 >> 4) << 32) | (1ull << 62);
-}
-
-// byte offset of 16-byte chunk c of row r in a 128-byte-swizzled tile
-__device__ __forceinline__ int sw128(int r, int c) { return r * 128 + ((c ^ (r & 7)) << 4); }
-
-// d (64 x 64 float32 over the warpgroup) = A (64 x 16, descriptor) * B (16 x 64, descriptor),
-// both K-major, + (accumulate ? d : 0)
-__device__ __forceinline__ void wgmma_64x64x16(float (&d)[32], uint64_t da, uint64_t db,
-                                               int accumulate) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
-        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
-        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, "
-        "%32, %33, p, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]),
-          "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]),
-          "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
-          "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]),
-          "+f"(d[31])
-        : "l"(da), "l"(db), "r"(accumulate));
-}
-
-template <int N>
-__device__ __forceinline__ void wg_wait() {
-    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-
-// The shape both schedules share: 64 tokens x 128 experts, two warpgroups, K steps of 64.
-constexpr int BM = 64, BN = 128, BK = 64, THREADS = 256;
-constexpr int V4 = BK / 4;               // float4s per x row and K step
-constexpr int PER = BM * V4 / THREADS;   // x float4s per thread: float4 xf of rows xr0 + 16 p
-constexpr int CH = BK / 8;               // 16-byte fp16 chunks per router row
-constexpr int BPER = BN * CH / THREADS;  // router chunks per thread and part
+// The shape both schedules share: 64 tokens x 128 experts, two multiplying warpgroups, K steps
+// of 64.
+constexpr int BM = 64, BN = 128, BK = 64;
+constexpr int V4 = BK / 4;  // float4s per x row and K step
+constexpr int CH = BK / 8;  // 16-byte fp16 chunks per router row
 constexpr int X_TILE = BM * BK * 4, B_TILE = BN * BK * 2, A_TILE = BM * BK * 2;  // bytes
 static_assert(BK == CHUNK_K, "one K step is one chunk of fresh hi-hi sums");
-static_assert(PER * THREADS == BM * V4 && BPER * THREADS == BN * CH, "K step");
 static_assert(X_TILE % 1024 == 0 && B_TILE % 1024 == 0 && A_TILE % 1024 == 0,
               "swizzle atoms stay 1024-byte aligned");
 
-// The block's place and the per-thread roles of its copies and its split.
-struct Block {
-    int m0, n0, wg, warp, lane, xf, xr0, bc, br0;
-    __device__ Block()
-        : m0(blockIdx.x * BM), n0(blockIdx.y * BN), wg(threadIdx.x >> 7),
-          warp((threadIdx.x >> 5) & 3), lane(threadIdx.x & 31), xf(threadIdx.x % V4),
-          xr0(threadIdx.x / V4), bc(threadIdx.x % CH), br0(threadIdx.x / CH) {}
+// The copy and split roles of thread `tid` of the NT threads that share them: float4 xf of x
+// rows x_row(p), router chunk bc of rows b_row(p). The V4 lanes of one x row sit in one warp
+// (their square sums meet in an xor tree), in the order routing_exact.cu's tiles add them.
+template <int NT>
+struct Roles {
+    static constexpr int PER = BM * V4 / NT;   // x float4s per thread and K step
+    static constexpr int BPER = BN * CH / NT;  // router chunks per thread and part
+    static_assert(PER * NT == BM * V4 && BPER * NT == BN * CH && NT % 32 == 0, "K step");
+    int xf, xr0, bc, br0;
+    __device__ explicit Roles(int tid) : xf(tid % V4), xr0(tid / V4), bc(tid % CH), br0(tid / CH) {}
+    __device__ int x_row(int p) const { return xr0 + p * (NT / V4); }
+    __device__ int b_row(int p) const { return br0 + p * (NT / CH); }
 };
 
-__device__ __forceinline__ unsigned char* align1024(unsigned char* p) {
-    return reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(p) + 1023) &
-                                            ~uintptr_t(1023));
-}
-
 // this thread's router chunks of K step `step` into swizzled tiles bh / bl
-__device__ __forceinline__ void load_router(const Block& b, unsigned char* bh, unsigned char* bl,
+template <int NT>
+__device__ __forceinline__ void load_router(const Roles<NT>& ro, int n0, unsigned char* bh,
+                                            unsigned char* bl,
                                             const __half* __restrict__ router_split, int step,
                                             int hidden, int n_experts) {
     const size_t lo_off = (size_t)n_experts * hidden;
 #pragma unroll
-    for (int p = 0; p < BPER; ++p) {
-        const int r = b.br0 + p * (THREADS / CH), e = b.n0 + r;
-        const size_t at = e < n_experts ? (size_t)e * hidden + step * BK + 8 * b.bc : 0;
+    for (int p = 0; p < Roles<NT>::BPER; ++p) {
+        const int r = ro.b_row(p), e = n0 + r;
+        const size_t at = e < n_experts ? (size_t)e * hidden + step * BK + 8 * ro.bc : 0;
         const int bytes = e < n_experts ? 16 : 0;
-        cp_async16(bh + sw128(r, b.bc), router_split + at, bytes);
-        cp_async16(bl + sw128(r, b.bc), router_split + lo_off + at, bytes);
+        cp_async16(bh + wg::sw128(r, ro.bc), router_split + at, bytes);
+        cp_async16(bl + wg::sw128(r, ro.bc), router_split + lo_off + at, bytes);
     }
 }
 
-// float4 v of row r, split into the swizzled hi / lo tiles (four halves: 8 bytes each, at
-// half xf % 2 of chunk xf / 2); the square sum and the bad flag of the row's norm
-__device__ __forceinline__ void split_store(const Block& b, float4 v, int r, unsigned char* hi,
+// float4 v (float4 xf of row r), split into the swizzled hi / lo tiles (four halves: 8 bytes
+// each, at half xf % 2 of chunk xf / 2); the square sum and the bad flag of the row's norm
+__device__ __forceinline__ void split_store(int xf, float4 v, int r, unsigned char* hi,
                                             unsigned char* lo, float& sq, bool& bad) {
     uint2 h, l;
     split_float4(v, h, l, sq, bad);
-    const int off = sw128(r, b.xf >> 1) + (b.xf & 1) * 8;
+    const int off = wg::sw128(r, xf >> 1) + (xf & 1) * 8;
     *reinterpret_cast<uint2*>(hi + off) = h;
     *reinterpret_cast<uint2*>(lo + off) = l;
 }
 
-// issues one K step's twelve products: per 16 columns part (+)= xh wh, cross += xh wl + xl wh
-__device__ __forceinline__ void issue_step(const Block& b, float (&part)[32], float (&cross)[32],
-                                           const unsigned char* ah, const unsigned char* al,
-                                           const unsigned char* bh, const unsigned char* bl) {
-    bh += b.wg * 64 * 128;  // this warpgroup's 64 router rows
-    bl += b.wg * 64 * 128;
-    wg_fence();
-#pragma unroll
-    for (int kk = 0; kk < BK / 16; ++kk) {
-        const uint64_t dah = sw128_desc(ah + 32 * kk), dal = sw128_desc(al + 32 * kk);
-        const uint64_t dbh = sw128_desc(bh + 32 * kk), dbl = sw128_desc(bl + 32 * kk);
-        wgmma_64x64x16(part, dah, dbh, kk > 0);
-        wgmma_64x64x16(cross, dah, dbl, 1);
-        wgmma_64x64x16(cross, dal, dbh, 1);
-    }
-    wg_commit();
+// one 16-column product of an N-column warpgroup tile (N = 64 or 128)
+template <int N>
+__device__ __forceinline__ void mma_step(float (&d)[N / 2], uint64_t da, uint64_t db, int acc) {
+    if constexpr (N == 128)
+        wg::mma_64x128x16(d, da, db, acc);
+    else
+        wg::mma_64x64x16(d, da, db, acc);
 }
 
-// logits and norms: accumulator d[4 j + v] is row 16 warp + lane / 4 (+8 for v >= 2), column
-// 8 j + 2 (lane % 4) (+1 for odd v) of the warpgroup's 64 x 64 tile; the V4 lanes that split a
-// row add their square sums in routing_exact.cu's xor tree (blocks with blockIdx.y == 0)
-__device__ __forceinline__ void epilogue(const Block& b, const float (&acc)[32],
-                                         const float (&cross)[32], const float (&sq)[PER],
-                                         const bool (&bad)[PER], float* __restrict__ logits,
-                                         float* __restrict__ xnorm, int tokens, int n_experts,
-                                         float sigma) {
-    const int g = b.lane >> 2, q = b.lane & 3;
+// issues one K step's twelve products of warpgroup w, whose experts are rows N w .. N w + N - 1
+// of the router tiles: per 16 columns part (+)= xh wh, cross += xh wl + xl wh
+template <int N>
+__device__ __forceinline__ void issue_step(int w, float (&part)[N / 2], float (&cross)[N / 2],
+                                           const unsigned char* ah, const unsigned char* al,
+                                           const unsigned char* bh, const unsigned char* bl) {
+    bh += w * N * 128;
+    bl += w * N * 128;
+    wg::fence();
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-        const int e = b.n0 + b.wg * 64 + 8 * j + 2 * q;
-        const int t = b.m0 + 16 * b.warp + g;
+    for (int kk = 0; kk < BK / 16; ++kk) {
+        const uint64_t dah = wg::sw128_desc(ah + 32 * kk), dal = wg::sw128_desc(al + 32 * kk);
+        const uint64_t dbh = wg::sw128_desc(bh + 32 * kk), dbl = wg::sw128_desc(bl + 32 * kk);
+        mma_step<N>(part, dah, dbh, kk > 0);
+        mma_step<N>(cross, dah, dbl, 1);
+        mma_step<N>(cross, dal, dbh, 1);
+    }
+    wg::commit();
+}
+
+// logits of warpgroup w's 64 x N tile: accumulator d[4 j + v] is row 16 warp + lane / 4 (+8
+// for v >= 2), column 8 j + 2 (lane % 4) (+1 for odd v)
+template <int N>
+__device__ __forceinline__ void store_logits(int w, int m0, int n0, const float (&acc)[N / 2],
+                                             const float (&cross)[N / 2],
+                                             float* __restrict__ logits, int tokens,
+                                             int n_experts, float sigma) {
+    const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
+    const int g = lane >> 2, q = lane & 3;
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j) {
+        const int e = n0 + w * N + 8 * j + 2 * q;
+        const int t = m0 + 16 * warp + g;
         if (e >= n_experts) continue;
         const float2 top = make_float2(split_logit(acc[4 * j], cross[4 * j], sigma),
                                        split_logit(acc[4 * j + 1], cross[4 * j + 1], sigma));
@@ -185,23 +141,37 @@ __device__ __forceinline__ void epilogue(const Block& b, const float (&acc)[32],
         if (t + 8 < tokens)
             *reinterpret_cast<float2*>(logits + (size_t)(t + 8) * n_experts + e) = bot;
     }
+}
+
+// the token norms of the rows this thread split: the V4 lanes of a row add their square sums
+// in routing_exact.cu's xor tree (blocks with blockIdx.y == 0)
+template <int NT>
+__device__ __forceinline__ void store_norms(const Roles<NT>& ro, int m0,
+                                            const float (&sq)[Roles<NT>::PER],
+                                            const bool (&bad)[Roles<NT>::PER],
+                                            float* __restrict__ xnorm, int tokens) {
     if (blockIdx.y != 0) return;
 #pragma unroll
-    for (int p = 0; p < PER; ++p) {
+    for (int p = 0; p < Roles<NT>::PER; ++p) {
         float s = bad[p] ? __int_as_float(0x7f800000) : sq[p];
 #pragma unroll
         for (int o = V4 / 2; o > 0; o >>= 1) s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, o));
-        const int t = b.m0 + b.xr0 + p * (THREADS / V4);
-        if (b.xf == 0 && t < tokens) xnorm[t] = __fsqrt_rn(s);
+        const int t = m0 + ro.x_row(p);
+        if (ro.xf == 0 && t < tokens) xnorm[t] = __fsqrt_rn(s);
     }
+}
+
+__device__ __forceinline__ void zero_rerank_count(int* __restrict__ n_rerank) {
+    if (n_rerank != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x < 2)
+        n_rerank[threadIdx.x] = 0;
 }
 
 }  // namespace
 
 // logits[t, e] and xnorm[t] as routing_exact.cu's router_gemm_split writes them (block (0, 0)
-// zeroes the re-rank count). Dynamic shared memory: STAGES * (X_TILE + 2 B_TILE) + 2 * 2 A_TILE
-// + 1024 (the launcher gives 1024 bytes more than the tiles take: the swizzle atoms need
-// 1024-byte alignment, which the dynamic window's start does not promise).
+// zeroes the re-rank count); 256 threads. Dynamic shared memory: STAGES * (X_TILE + 2 B_TILE)
+// + 2 * 2 A_TILE + 1024 (the launcher gives 1024 bytes more than the tiles take: the swizzle
+// atoms need 1024-byte alignment, which the dynamic window's start does not promise).
 template <int STAGES>
 __device__ __forceinline__ void router_gemm_split_sm90(const float* __restrict__ xn,
                                                        const __half* __restrict__ router_split,
@@ -209,43 +179,45 @@ __device__ __forceinline__ void router_gemm_split_sm90(const float* __restrict__
                                                        float* __restrict__ xnorm,
                                                        int* __restrict__ n_rerank, int tokens,
                                                        int hidden, int n_experts, float sigma) {
+    constexpr int NT = 256;
+    using R = Roles<NT>;
     static_assert(STAGES >= 2, "the ring refills one stage while it reads another");
     static_assert(STAGES * (X_TILE + 2 * B_TILE) + 4 * A_TILE + 1024 <= 227 * 1024, "smem");
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    unsigned char* Xs = align1024(smem_raw);        // STAGES x [BM][BK] float32
+    unsigned char* Xs = wg::align1024(smem_raw);    // STAGES x [BM][BK] float32
     unsigned char* Bh = Xs + STAGES * X_TILE;       // STAGES x [BN][BK] fp16, swizzled
     unsigned char* Bl = Bh + STAGES * B_TILE;
     unsigned char* Ah = Bl + STAGES * B_TILE;       // 2 buffers x [hi, lo] [BM][BK], swizzled
-    const Block b;
+    const R ro(threadIdx.x);
+    const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN, w = threadIdx.x >> 7;
     const int steps = hidden / BK;
-    if (n_rerank != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x < 2)
-        n_rerank[threadIdx.x] = 0;
+    zero_rerank_count(n_rerank);
 
     auto load = [&](int stage, int step) {
 #pragma unroll
-        for (int p = 0; p < PER; ++p) {
-            const int r = b.xr0 + p * (THREADS / V4), t = b.m0 + r;
-            const float* src = t < tokens ? xn + (size_t)t * hidden + step * BK + 4 * b.xf : xn;
-            cp_async16(Xs + stage * X_TILE + (r * BK + 4 * b.xf) * 4, src, t < tokens ? 16 : 0);
+        for (int p = 0; p < R::PER; ++p) {
+            const int r = ro.x_row(p), t = m0 + r;
+            const float* src = t < tokens ? xn + (size_t)t * hidden + step * BK + 4 * ro.xf : xn;
+            cp_async16(Xs + stage * X_TILE + (r * BK + 4 * ro.xf) * 4, src, t < tokens ? 16 : 0);
         }
-        load_router(b, Bh + stage * B_TILE, Bl + stage * B_TILE, router_split, step, hidden,
+        load_router(ro, n0, Bh + stage * B_TILE, Bl + stage * B_TILE, router_split, step, hidden,
                     n_experts);
     };
-    float sq[PER];
-    bool bad[PER];
+    float sq[R::PER];
+    bool bad[R::PER];
 #pragma unroll
-    for (int p = 0; p < PER; ++p) {
+    for (int p = 0; p < R::PER; ++p) {
         sq[p] = 0.0f;
         bad[p] = false;
     }
     auto split = [&](int stage, int buf) {
         unsigned char* hi = Ah + buf * 2 * A_TILE;
 #pragma unroll
-        for (int p = 0; p < PER; ++p) {
-            const int r = b.xr0 + p * (THREADS / V4);
+        for (int p = 0; p < R::PER; ++p) {
+            const int r = ro.x_row(p);
             const float4 v =
-                *reinterpret_cast<const float4*>(Xs + stage * X_TILE + (r * BK + 4 * b.xf) * 4);
-            split_store(b, v, r, hi, hi + A_TILE, sq[p], bad[p]);
+                *reinterpret_cast<const float4*>(Xs + stage * X_TILE + (r * BK + 4 * ro.xf) * 4);
+            split_store(ro.xf, v, r, hi, hi + A_TILE, sq[p], bad[p]);
         }
     };
 
@@ -257,55 +229,190 @@ __device__ __forceinline__ void router_gemm_split_sm90(const float* __restrict__
         if (s < steps) load(s, s);
         cp_async_commit();
     }
-    cp_wait_mem<STAGES - 2>();
+    wg::cp_wait_mem<STAGES - 2>();
     split(0, 0);
-    fence_async_smem();
+    wg::fence_async_smem();
     __syncthreads();
 
     for (int step = 0; step < steps; ++step) {
         const int buf = step & 1, stage = step % STAGES;
-        pin(part);
-        pin(cross);
-        issue_step(b, part, cross, Ah + buf * 2 * A_TILE, Ah + buf * 2 * A_TILE + A_TILE,
-                   Bh + stage * B_TILE, Bl + stage * B_TILE);
+        wg::pin(part);
+        wg::pin(cross);
+        issue_step<64>(w, part, cross, Ah + buf * 2 * A_TILE, Ah + buf * 2 * A_TILE + A_TILE,
+                       Bh + stage * B_TILE, Bl + stage * B_TILE);
         // while the tensor cores multiply: refill the stage step-1 used (every warpgroup
         // finished it before the last barrier) and split step+1
         const int next = step + STAGES - 1;
         if (next < steps) load(next % STAGES, next);
         cp_async_commit();
         if (step + 1 < steps) {
-            cp_wait_mem<STAGES - 2>();
+            wg::cp_wait_mem<STAGES - 2>();
             split((step + 1) % STAGES, buf ^ 1);
-            fence_async_smem();
+            wg::fence_async_smem();
         }
-        wg_wait<0>();
-        pin(part);
-        pin(cross);
+        wg::wait<0>();
+        wg::pin(part);
+        wg::pin(cross);
 #pragma unroll
         for (int i = 0; i < 32; ++i) acc[i] = __fadd_rn(acc[i], part[i]);
         __syncthreads();  // step+1's tiles are visible; nobody reads this step's any more
     }
-    epilogue(b, acc, cross, sq, bad, logits, xnorm, tokens, n_experts, sigma);
+    store_logits<64>(w, m0, n0, acc, cross, logits, tokens, n_experts, sigma);
+    store_norms(ro, m0, sq, bad, xnorm, tokens);
 }
 
-#define SPLIT_SM90_KERNEL(NAME, BM_, BN_, WARPS_M, WARPS_N, BK_, STAGES, FN)                  \
-    extern "C" __global__ void __launch_bounds__(WARPS_M * WARPS_N * 32, 1)                   \
+// The same logits and norms from 128 (CWG + 1) threads: CWG multiplying warpgroups (two of 64
+// experts each, or one of all 128: wgmma's N = 128 reads each x tile once per 128 experts,
+// which halves the shared-memory reads of x per product), then a producer warpgroup that
+// copies the router tiles, loads x into registers two steps ahead and splits it into a ring
+// of STAGES stages [Bh, Bl, Ah, Al]. Stage s of step k is handed over on named barriers: the
+// producer arrives on full(s, w) once the stage is written and fenced for the async proxy,
+// warpgroup w syncs on it before its products; the multiplying warpgroups arrive on empty(s)
+// once their products of the stage are done, and the producer syncs on it before it refills
+// the stage for step k + STAGES (the last STAGES steps are never refilled, so nobody arrives
+// on them: every barrier completes before the block exits). Dynamic shared memory:
+// STAGES * (2 B_TILE + 2 A_TILE) + 1024.
+template <int STAGES, int CWG>
+__device__ __forceinline__ void split_sm90_producer(const float* __restrict__ xn,
+                                                    const __half* __restrict__ router_split,
+                                                    float* __restrict__ logits,
+                                                    float* __restrict__ xnorm,
+                                                    int* __restrict__ n_rerank, int tokens,
+                                                    int hidden, int n_experts, float sigma) {
+    constexpr int STAGE = 2 * B_TILE + 2 * A_TILE, NT = 128, N = BN / CWG;
+    constexpr int FULL_COUNT = 128 + NT, EMPTY_COUNT = 128 * CWG + NT;
+    // the producers publish step i - 2 at iteration i and refill stage i % STAGES after step
+    // i - STAGES: STAGES > 3 leaves the multiplying warpgroups a published step to work on
+    static_assert(STAGES >= 3 && 3 * STAGES <= 15, "named barriers 1 .. 15");
+    static_assert(STAGES * STAGE + 1024 <= 227 * 1024, "smem");
+    static_assert(CWG == 1 || CWG == 2, "one or two multiplying warpgroups");
+    using R = Roles<NT>;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    unsigned char* ring = wg::align1024(smem_raw);
+    const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN, w = threadIdx.x >> 7;
+    const int steps = hidden / BK;
+    auto full = [](int s, int g) { return 1 + 2 * s + g; };
+    auto empty = [](int s) { return 1 + 2 * STAGES + s; };
+    zero_rerank_count(n_rerank);
+
+    if (w == CWG) {
+        const R ro(threadIdx.x - 128 * CWG);
+        float sq[R::PER];
+        bool bad[R::PER];
+        float4 xa[R::PER], xb[R::PER], xc[R::PER];
+#pragma unroll
+        for (int p = 0; p < R::PER; ++p) {
+            sq[p] = 0.0f;
+            bad[p] = false;
+        }
+        // iteration i: refill stage i % STAGES with step i's router tiles and load step i's x
+        // into `nxt`, then split step i - 2's x (`cur`) into its stage and hand the stage over
+        auto produce = [&](int i, float4 (&nxt)[R::PER], const float4 (&cur)[R::PER]) {
+            if (i < steps) {
+                const int s = i % STAGES;
+                if (i >= STAGES) wg::bar_sync(empty(s), EMPTY_COUNT);
+                unsigned char* st = ring + s * STAGE;
+                load_router(ro, n0, st, st + B_TILE, router_split, i, hidden, n_experts);
+                cp_async_commit();
+#pragma unroll
+                for (int p = 0; p < R::PER; ++p) {
+                    const int t = m0 + ro.x_row(p);
+                    nxt[p] = t < tokens ? __ldg(reinterpret_cast<const float4*>(
+                                              xn + (size_t)t * hidden + i * BK + 4 * ro.xf))
+                                        : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                }
+            }
+            if (i >= 2 && i <= steps + 1) {
+                const int s = (i - 2) % STAGES;
+                unsigned char* ah = ring + s * STAGE + 2 * B_TILE;
+#pragma unroll
+                for (int p = 0; p < R::PER; ++p)
+                    split_store(ro.xf, cur[p], ro.x_row(p), ah, ah + A_TILE, sq[p], bad[p]);
+                // step i - 2's router tiles (the groups of the steps after it may fly on)
+                if (i < steps)
+                    wg::cp_wait_mem<2>();
+                else if (i == steps)
+                    wg::cp_wait_mem<1>();
+                else
+                    wg::cp_wait_mem<0>();
+                wg::fence_async_smem();
+#pragma unroll
+                for (int g = 0; g < CWG; ++g) wg::bar_arrive(full(s, g), FULL_COUNT);
+            }
+        };
+        for (int i = 0; i <= steps + 1; i += 3) {
+            produce(i, xa, xb);
+            produce(i + 1, xb, xc);
+            produce(i + 2, xc, xa);
+        }
+        store_norms(ro, m0, sq, bad, xnorm, tokens);
+        return;
+    }
+
+    float acc[N / 2], part[N / 2], cross[N / 2];
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) acc[i] = part[i] = cross[i] = 0.0f;
+    for (int step = 0; step < steps; ++step) {
+        const int s = step % STAGES;
+        const unsigned char* st = ring + s * STAGE;
+        wg::bar_sync(full(s, w), FULL_COUNT);
+        wg::pin(part);
+        wg::pin(cross);
+        issue_step<N>(w, part, cross, st + 2 * B_TILE, st + 2 * B_TILE + A_TILE, st,
+                      st + B_TILE);
+        wg::wait<0>();
+        wg::pin(part);
+        wg::pin(cross);
+        if (step + STAGES < steps) wg::bar_arrive(empty(s), EMPTY_COUNT);
+#pragma unroll
+        for (int i = 0; i < N / 2; ++i) acc[i] = __fadd_rn(acc[i], part[i]);
+    }
+    store_logits<N>(w, m0, n0, acc, cross, logits, tokens, n_experts, sigma);
+}
+
+// the producer schedule with two multiplying warpgroups (384 threads) and with one (256)
+template <int STAGES>
+__device__ __forceinline__ void router_gemm_split_sm90_ws(const float* __restrict__ xn,
+                                                          const __half* __restrict__ router_split,
+                                                          float* __restrict__ logits,
+                                                          float* __restrict__ xnorm,
+                                                          int* __restrict__ n_rerank,
+                                                          int tokens, int hidden, int n_experts,
+                                                          float sigma) {
+    split_sm90_producer<STAGES, 2>(xn, router_split, logits, xnorm, n_rerank, tokens, hidden,
+                                   n_experts, sigma);
+}
+template <int STAGES>
+__device__ __forceinline__ void router_gemm_split_sm90_n128(const float* __restrict__ xn,
+                                                           const __half* __restrict__ router_split,
+                                                           float* __restrict__ logits,
+                                                           float* __restrict__ xnorm,
+                                                           int* __restrict__ n_rerank,
+                                                           int tokens, int hidden, int n_experts,
+                                                           float sigma) {
+    split_sm90_producer<STAGES, 1>(xn, router_split, logits, xnorm, n_rerank, tokens, hidden,
+                                   n_experts, sigma);
+}
+
+// One kernel per tile line (backends/cuda/routing_exact.py reads these lines: name, block
+// shape, warps, stages and the schedule, whose threads and shared memory the launcher knows).
+#define SPLIT_SM90_KERNEL(NAME, BM_, BN_, WARPS, BK_, STAGES, FN)                              \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32, 1)                                \
         router_logits_split_##NAME(const float* __restrict__ xn,                              \
                                    const __half* __restrict__ router_split,                   \
                                    float* __restrict__ logits, float* __restrict__ xnorm,     \
                                    int* __restrict__ n_rerank, int tokens, int hidden,        \
                                    int n_experts, float sigma) {                              \
-        static_assert(BM_ == BM && BN_ == BN && BK_ == BK && WARPS_M * WARPS_N * 32 == THREADS, \
-                      "the one block shape");                                                 \
+        static_assert(BM_ == BM && BN_ == BN && BK_ == BK, "the one block shape");            \
         FN<STAGES>(xn, router_split, logits, xnorm, n_rerank, tokens, hidden, n_experts,      \
                    sigma);                                                                    \
     }
 
 #else
-#define SPLIT_SM90_KERNEL(NAME, BM_, BN_, WARPS_M, WARPS_N, BK_, STAGES, FN)
+#define SPLIT_SM90_KERNEL(NAME, BM_, BN_, WARPS, BK_, STAGES, FN)
 #endif
 
-// Tiles (backends/cuda/routing_exact.py reads these lines: name, block shape, stages and the
-// schedule, whose shared memory the launcher computes).
-SPLIT_SM90_KERNEL(wg64, 64, 128, 4, 2, 64, 4, router_gemm_split_sm90)
-SPLIT_SM90_KERNEL(wg64s3, 64, 128, 4, 2, 64, 3, router_gemm_split_sm90)
+SPLIT_SM90_KERNEL(wg64, 64, 128, 8, 64, 4, router_gemm_split_sm90)
+SPLIT_SM90_KERNEL(wg64s3, 64, 128, 8, 64, 3, router_gemm_split_sm90)
+SPLIT_SM90_KERNEL(wg64p, 64, 128, 12, 64, 4, router_gemm_split_sm90_ws)
+SPLIT_SM90_KERNEL(wg128p, 64, 128, 8, 64, 4, router_gemm_split_sm90_n128)

@@ -75,8 +75,8 @@ class SplitTile(GemmTile):
 
 
 class WgmmaSplitTile(SplitTile):
-    """One instantiation router_gemm_split_sm90 (routing_split_sm90.cu): two warpgroups on
-    64 tokens x 128 experts; operands in wgmma's unswizzled shared-memory layout."""
+    """One instantiation router_gemm_split_sm90<STAGES> (routing_split_sm90.cu): two
+    warpgroups on 64 tokens x 128 experts, operands in wgmma's 128-byte swizzle."""
 
     @property
     def shared(self) -> int:
@@ -87,14 +87,36 @@ class WgmmaSplitTile(SplitTile):
                 + 4 * self.bm * self.bk * 2 + 1024)
 
 
+class WgmmaProducerTile(WgmmaSplitTile):
+    """One instantiation router_gemm_split_sm90_ws<STAGES> (or _n128): two multiplying
+    warpgroups of 64 experts (one of 128) and a producer warpgroup that copies and splits into
+    a ring of finished stages."""
+
+    @property
+    def shared(self) -> int:
+        """Dynamic shared memory: STAGES stages of fp16 hi/lo router and x tiles (x reaches
+        the producer's registers, not shared memory), and 1024 bytes of alignment."""
+        return self.stages * (2 * self.bn * self.bk * 2 + 2 * self.bm * self.bk * 2) + 1024
+
+
+#: the schedules of routing_split_sm90.cu's tile lines, by function name
+_SM90_SCHEDULES: dict[str, type[WgmmaSplitTile]] = {
+    "router_gemm_split_sm90": WgmmaSplitTile,
+    "router_gemm_split_sm90_ws": WgmmaProducerTile,
+    "router_gemm_split_sm90_n128": WgmmaProducerTile,
+}
+
+
 def _tiles_of_source() -> dict[str, SplitTile]:
     """The tiles the two sources instantiate (their SPLIT_KERNEL / SPLIT_SM90_KERNEL lines:
     the one source of the table)."""
     tiles: dict[str, SplitTile] = {}
     for name, *args in kernel_lines(EXACT_SOURCE, "SPLIT_KERNEL"):
         tiles[name] = SplitTile(*(int(v) for v in args[:6]))
-    for name, *args in kernel_lines(SM90_SOURCE, "SPLIT_SM90_KERNEL"):
-        tiles[name] = WgmmaSplitTile(*(int(v) for v in args[:6]))
+    for name, bm, bn, warps, bk, stages, schedule in kernel_lines(SM90_SOURCE,
+                                                                  "SPLIT_SM90_KERNEL"):
+        tiles[name] = _SM90_SCHEDULES[schedule](int(bm), int(bn), int(warps), 1, int(bk),
+                                                int(stages))
     return tiles
 
 
@@ -110,9 +132,11 @@ SPLIT_TILES: dict[str, SplitTile] = _tiles_of_source()
 #: bench/bench_routing.py's tile table on an H200: many 16-token blocks up to 2,048 tokens (one
 #: wave), 64-token blocks beyond; m16k128 was within 2% of m16 everywhere
 SPLIT_TILE_RULE: tuple[tuple[int | None, str], ...] = ((2048, "m16"), (None, "m64"))
-#: the rule on sm_90 devices: the wgmma tile takes the chunks beyond 2,048 tokens, where it
-#: beats every mma.sync tile (bench/results/routing-h200-wgmma.md; m16 stays ahead up to 2,048)
-SPLIT_TILE_RULE_SM90: tuple[tuple[int | None, str], ...] = ((2048, "m16"), (None, "wg64"))
+#: the rule on sm_90 devices: the three-stage wgmma tile takes the chunks beyond 2,048 tokens,
+#: where it beats every mma.sync tile; m16 stays ahead up to 2,048. The producer-warpgroup
+#: tiles (wg64p, wg128p) cut a block's latency at small chunks but not the time at 8,192
+#: tokens (bench/results/routing-h200-producer.md)
+SPLIT_TILE_RULE_SM90: tuple[tuple[int | None, str], ...] = ((2048, "m16"), (None, "wg64s3"))
 
 
 def tile_rule(arch: str) -> tuple[tuple[int | None, str], ...]:
@@ -278,9 +302,9 @@ def exact_bound(norms: RouterNorms, hidden: int) -> ExactBound:
 
 # ----------------------------------------------------------------------------- launchers
 #: threads of a re-rank block (routing_rerank.cu: RERANK_WARPS warps per listed token)
-RERANK_THREADS = 64
+RERANK_THREADS = 128
 #: blocks of the re-rank launch at most (each loops over the listed tokens): twelve per SM of
-#: an H100 / H200, about what the kernel's registers let reside at once
+#: an H100 / H200; blocks past the list's end exit at once
 RERANK_BLOCKS = 1584
 
 
