@@ -19,7 +19,7 @@
 // router tiles; each thread splits the x it copied itself (its own cp.async wait covers what it
 // reads); the tensor cores multiply step s while the threads split step s + 1, and one barrier
 // per K step publishes the next step's tiles and frees the last one's (router_gemm_split_sm90).
-// The producer schedule (router_gemm_split_sm90_ws) gives the copies and the split to a third
+// The producer schedule (split_sm90_producer) gives the copies and the split to a third
 // warpgroup that runs ahead through a ring of finished stages, handed over by named barriers,
 // so the two multiplying warpgroups never wait on a block-wide barrier or on the split. (A
 // schedule that keeps step s's products running while step s + 1's are issued needs the adds
@@ -172,7 +172,7 @@ __device__ __forceinline__ void zero_rerank_count(int* __restrict__ n_rerank) {
 // zeroes the re-rank count); 256 threads. Dynamic shared memory: STAGES * (X_TILE + 2 B_TILE)
 // + 2 * 2 A_TILE + 1024 (the launcher gives 1024 bytes more than the tiles take: the swizzle
 // atoms need 1024-byte alignment, which the dynamic window's start does not promise).
-template <int STAGES>
+template <int STAGES, int WARPS>
 __device__ __forceinline__ void router_gemm_split_sm90(const float* __restrict__ xn,
                                                        const __half* __restrict__ router_split,
                                                        float* __restrict__ logits,
@@ -180,6 +180,7 @@ __device__ __forceinline__ void router_gemm_split_sm90(const float* __restrict__
                                                        int* __restrict__ n_rerank, int tokens,
                                                        int hidden, int n_experts, float sigma) {
     constexpr int NT = 256;
+    static_assert(WARPS * 32 == NT, "two warpgroups that copy, split and multiply");
     using R = Roles<NT>;
     static_assert(STAGES >= 2, "the ring refills one stage while it reads another");
     static_assert(STAGES * (X_TILE + 2 * B_TILE) + 4 * A_TILE + 1024 <= 227 * 1024, "smem");
@@ -272,7 +273,7 @@ __device__ __forceinline__ void router_gemm_split_sm90(const float* __restrict__
 // the stage for step k + STAGES (the last STAGES steps are never refilled, so nobody arrives
 // on them: every barrier completes before the block exits). Dynamic shared memory:
 // STAGES * (2 B_TILE + 2 A_TILE) + 1024.
-template <int STAGES, int CWG>
+template <int STAGES, int WARPS, int CWG = WARPS / 4 - 1>
 __device__ __forceinline__ void split_sm90_producer(const float* __restrict__ xn,
                                                     const __half* __restrict__ router_split,
                                                     float* __restrict__ logits,
@@ -370,30 +371,6 @@ __device__ __forceinline__ void split_sm90_producer(const float* __restrict__ xn
     store_logits<N>(w, m0, n0, acc, cross, logits, tokens, n_experts, sigma);
 }
 
-// the producer schedule with two multiplying warpgroups (384 threads) and with one (256)
-template <int STAGES>
-__device__ __forceinline__ void router_gemm_split_sm90_ws(const float* __restrict__ xn,
-                                                          const __half* __restrict__ router_split,
-                                                          float* __restrict__ logits,
-                                                          float* __restrict__ xnorm,
-                                                          int* __restrict__ n_rerank,
-                                                          int tokens, int hidden, int n_experts,
-                                                          float sigma) {
-    split_sm90_producer<STAGES, 2>(xn, router_split, logits, xnorm, n_rerank, tokens, hidden,
-                                   n_experts, sigma);
-}
-template <int STAGES>
-__device__ __forceinline__ void router_gemm_split_sm90_n128(const float* __restrict__ xn,
-                                                           const __half* __restrict__ router_split,
-                                                           float* __restrict__ logits,
-                                                           float* __restrict__ xnorm,
-                                                           int* __restrict__ n_rerank,
-                                                           int tokens, int hidden, int n_experts,
-                                                           float sigma) {
-    split_sm90_producer<STAGES, 1>(xn, router_split, logits, xnorm, n_rerank, tokens, hidden,
-                                   n_experts, sigma);
-}
-
 // One kernel per tile line (backends/cuda/routing_exact.py reads these lines: name, block
 // shape, warps, stages and the schedule, whose threads and shared memory the launcher knows).
 #define SPLIT_SM90_KERNEL(NAME, BM_, BN_, WARPS, BK_, STAGES, FN)                              \
@@ -404,7 +381,7 @@ __device__ __forceinline__ void router_gemm_split_sm90_n128(const float* __restr
                                    int* __restrict__ n_rerank, int tokens, int hidden,        \
                                    int n_experts, float sigma) {                              \
         static_assert(BM_ == BM && BN_ == BN && BK_ == BK, "the one block shape");            \
-        FN<STAGES>(xn, router_split, logits, xnorm, n_rerank, tokens, hidden, n_experts,      \
+        FN<STAGES, WARPS>(xn, router_split, logits, xnorm, n_rerank, tokens, hidden, n_experts,      \
                    sigma);                                                                    \
     }
 
@@ -414,5 +391,5 @@ __device__ __forceinline__ void router_gemm_split_sm90_n128(const float* __restr
 
 SPLIT_SM90_KERNEL(wg64, 64, 128, 8, 64, 4, router_gemm_split_sm90)
 SPLIT_SM90_KERNEL(wg64s3, 64, 128, 8, 64, 3, router_gemm_split_sm90)
-SPLIT_SM90_KERNEL(wg64p, 64, 128, 12, 64, 4, router_gemm_split_sm90_ws)
-SPLIT_SM90_KERNEL(wg128p, 64, 128, 8, 64, 4, router_gemm_split_sm90_n128)
+SPLIT_SM90_KERNEL(wg64p, 64, 128, 12, 64, 4, split_sm90_producer)
+SPLIT_SM90_KERNEL(wg128p, 64, 128, 8, 64, 4, split_sm90_producer)

@@ -88,9 +88,9 @@ class WgmmaSplitTile(SplitTile):
 
 
 class WgmmaProducerTile(WgmmaSplitTile):
-    """One instantiation router_gemm_split_sm90_ws<STAGES> (or _n128): two multiplying
-    warpgroups of 64 experts (one of 128) and a producer warpgroup that copies and splits into
-    a ring of finished stages."""
+    """One instantiation split_sm90_producer<STAGES, WARPS>: two multiplying warpgroups of 64
+    experts (12 warps) or one of 128 (8 warps), and a producer warpgroup that copies and
+    splits into a ring of finished stages."""
 
     @property
     def shared(self) -> int:
@@ -102,8 +102,7 @@ class WgmmaProducerTile(WgmmaSplitTile):
 #: the schedules of routing_split_sm90.cu's tile lines, by function name
 _SM90_SCHEDULES: dict[str, type[WgmmaSplitTile]] = {
     "router_gemm_split_sm90": WgmmaSplitTile,
-    "router_gemm_split_sm90_ws": WgmmaProducerTile,
-    "router_gemm_split_sm90_n128": WgmmaProducerTile,
+    "split_sm90_producer": WgmmaProducerTile,
 }
 
 
