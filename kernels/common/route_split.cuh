@@ -9,6 +9,16 @@
 #define LO_UNSCALE 4.8828125e-4f      // 2^-11
 #define CHUNK_K 64                    // the xh wh products of CHUNK_K columns sum in fresh registers
 
+// The split GEMM's parameters, the one list every tile's device function and kernel takes
+// (the kernels' ABI: backends/cuda/routing_exact.py launches them with these arguments):
+// logits[t, e] and xnorm[t] from xn [T, H] float32 and router_split (wh [E, H] fp16, then wl);
+// n_rerank: the re-rank count the GEMM zeroes for the top-k launch after it (null: none).
+#define SPLIT_GEMM_PARAMS                                                                     \
+    const float *__restrict__ xn, const __half *__restrict__ router_split,                    \
+        float *__restrict__ logits, float *__restrict__ xnorm, int *__restrict__ n_rerank,    \
+        int tokens, int hidden, int n_experts, float sigma
+#define SPLIT_GEMM_ARGS xn, router_split, logits, xnorm, n_rerank, tokens, hidden, n_experts, sigma
+
 // x -> (fp16 hi, fp16 scaled residual); `bad` set when x cannot be split (beyond fp16's range,
 // NaN): such a token's approximate logits are not trusted (its norm becomes +inf).
 __device__ __forceinline__ void split_f16(float x, __half& hi, __half& lo, bool& bad) {

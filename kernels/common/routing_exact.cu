@@ -45,12 +45,7 @@
 // tokens x BN experts, WARPS_M x WARPS_N warps, K steps of BK through a STAGES-deep cp.async
 // ring; x lands float32 and is split once per K step into the Ah / Al tiles every warp reads.
 template <int BM, int BN, int WARPS_M, int WARPS_N, int BK, int STAGES>
-__device__ __forceinline__ void router_gemm_split(const float* __restrict__ xn,
-                                                  const __half* __restrict__ router_split,
-                                                  float* __restrict__ logits,
-                                                  float* __restrict__ xnorm,
-                                                  int* __restrict__ n_rerank, int tokens,
-                                                  int hidden, int n_experts, float sigma) {
+__device__ __forceinline__ void router_gemm_split(SPLIT_GEMM_PARAMS) {
     constexpr int THREADS = WARPS_M * WARPS_N * 32;
     constexpr int WM = BM / WARPS_M, WN = BN / WARPS_N;
     constexpr int MT = WM / 16, NT = WN / 8;
@@ -267,14 +262,8 @@ __device__ __forceinline__ void router_gemm_split(const float* __restrict__ xn,
 // 8) * 2.
 #define SPLIT_KERNEL(NAME, BM, BN, WM_, WN_, BK, STAGES, MINB)                                \
     extern "C" __global__ void __launch_bounds__(WM_ * WN_ * 32, MINB)                        \
-        router_logits_split_##NAME(const float* __restrict__ xn,                              \
-                                   const __half* __restrict__ router_split,                   \
-                                   float* __restrict__ logits, float* __restrict__ xnorm,     \
-                                   int* __restrict__ n_rerank, int tokens, int hidden,        \
-                                   int n_experts, float sigma) {                              \
-        router_gemm_split<BM, BN, WM_, WN_, BK, STAGES>(xn, router_split, logits, xnorm,     \
-                                                        n_rerank, tokens, hidden, n_experts,  \
-                                                        sigma);                               \
+        router_logits_split_##NAME(SPLIT_GEMM_PARAMS) {                                       \
+        router_gemm_split<BM, BN, WM_, WN_, BK, STAGES>(SPLIT_GEMM_ARGS);                     \
     }
 SPLIT_KERNEL(m64, 64, 128, 2, 4, 64, 3, 1)
 SPLIT_KERNEL(m64w16, 64, 128, 4, 4, 64, 3, 1)

@@ -173,12 +173,7 @@ __device__ __forceinline__ void zero_rerank_count(int* __restrict__ n_rerank) {
 // + 2 * 2 A_TILE + 1024 (the launcher gives 1024 bytes more than the tiles take: the swizzle
 // atoms need 1024-byte alignment, which the dynamic window's start does not promise).
 template <int STAGES, int WARPS>
-__device__ __forceinline__ void router_gemm_split_sm90(const float* __restrict__ xn,
-                                                       const __half* __restrict__ router_split,
-                                                       float* __restrict__ logits,
-                                                       float* __restrict__ xnorm,
-                                                       int* __restrict__ n_rerank, int tokens,
-                                                       int hidden, int n_experts, float sigma) {
+__device__ __forceinline__ void router_gemm_split_sm90(SPLIT_GEMM_PARAMS) {
     constexpr int NT = 256;
     static_assert(WARPS * 32 == NT, "two warpgroups that copy, split and multiply");
     using R = Roles<NT>;
@@ -274,12 +269,7 @@ __device__ __forceinline__ void router_gemm_split_sm90(const float* __restrict__
 // on them: every barrier completes before the block exits). Dynamic shared memory:
 // STAGES * (2 B_TILE + 2 A_TILE) + 1024.
 template <int STAGES, int WARPS, int CWG = WARPS / 4 - 1>
-__device__ __forceinline__ void split_sm90_producer(const float* __restrict__ xn,
-                                                    const __half* __restrict__ router_split,
-                                                    float* __restrict__ logits,
-                                                    float* __restrict__ xnorm,
-                                                    int* __restrict__ n_rerank, int tokens,
-                                                    int hidden, int n_experts, float sigma) {
+__device__ __forceinline__ void split_sm90_producer(SPLIT_GEMM_PARAMS) {
     constexpr int STAGE = 2 * B_TILE + 2 * A_TILE, NT = 128, N = BN / CWG;
     constexpr int FULL_COUNT = 128 + NT, EMPTY_COUNT = 128 * CWG + NT;
     // the producers publish step i - 2 at iteration i and refill stage i % STAGES after step
@@ -375,14 +365,9 @@ __device__ __forceinline__ void split_sm90_producer(const float* __restrict__ xn
 // shape, warps, stages and the schedule, whose threads and shared memory the launcher knows).
 #define SPLIT_SM90_KERNEL(NAME, BM_, BN_, WARPS, BK_, STAGES, FN)                              \
     extern "C" __global__ void __launch_bounds__(WARPS * 32, 1)                                \
-        router_logits_split_##NAME(const float* __restrict__ xn,                              \
-                                   const __half* __restrict__ router_split,                   \
-                                   float* __restrict__ logits, float* __restrict__ xnorm,     \
-                                   int* __restrict__ n_rerank, int tokens, int hidden,        \
-                                   int n_experts, float sigma) {                              \
+        router_logits_split_##NAME(SPLIT_GEMM_PARAMS) {                                       \
         static_assert(BM_ == BM && BN_ == BN && BK_ == BK, "the one block shape");            \
-        FN<STAGES, WARPS>(xn, router_split, logits, xnorm, n_rerank, tokens, hidden, n_experts,      \
-                   sigma);                                                                    \
+        FN<STAGES, WARPS>(SPLIT_GEMM_ARGS);                                                   \
     }
 
 #else
