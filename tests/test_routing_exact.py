@@ -280,16 +280,17 @@ def test_gpu_picks_the_canonical_experts(rt, kernels, hidden, n_experts, top_k, 
     for name, arr in zip(("bounds", "sorted_token", "row_of"),
                          counting_sort_ref(got["ids"], n_experts), strict=True):
         np.testing.assert_array_equal(got[name], arr, err_msg=name)
-    # the proof's premise: every finite token's logits within B(t) of the float64 product
+    # the proof's premise: every trusted token's logits (a norm within fp16's range) within
+    # B(t) of the float64 product
     x64 = xn.astype(np.float64)
     ref = x64 @ router.astype(np.float64).T
-    ok = np.isfinite(got["xnorm"])
+    ok = got["xnorm"] <= 65504.0
     b = got["bound"].c1 * got["xnorm"][ok].astype(np.float64) + got["bound"].c0
     err = np.abs(got["logits"][ok].astype(np.float64) - ref[ok])
     assert (err <= b[:, None]).all(), f"max err / bound {(err / b[:, None]).max():.3f}"
     np.testing.assert_allclose(got["xnorm"][ok], np.sqrt((x64[ok] ** 2).sum(axis=1)), rtol=1e-5)
     if kind == "near_ties" and tokens >= 5:
-        assert not np.isfinite(got["xnorm"][1])  # beyond fp16: always re-ranked
+        assert not got["xnorm"][1] <= 65504.0  # a value beyond fp16: always re-ranked
         assert got["rechecked"] >= 2
     print(f"{kind} T={tokens} H={hidden} E={n_experts}: re-ranked {got['rechecked']} of "
           f"{tokens}; max err/bound {(err / b[:, None]).max():.3f}")

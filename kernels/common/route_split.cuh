@@ -19,35 +19,28 @@
         int tokens, int hidden, int n_experts, float sigma
 #define SPLIT_GEMM_ARGS xn, router_split, logits, xnorm, n_rerank, tokens, hidden, n_experts, sigma
 
-// x -> (fp16 hi, fp16 scaled residual); `bad` set when x cannot be split (beyond fp16's range,
-// NaN): such a token's approximate logits are not trusted (its norm becomes +inf).
-__device__ __forceinline__ void split_f16(float x, __half& hi, __half& lo, bool& bad) {
-    bad = bad || !(fabsf(x) <= F16_LIMIT);
-    const float xc = fabsf(x) <= F16_LIMIT ? x : 0.0f;
-    hi = __float2half_rn(xc);
-    lo = __float2half_rn(__fmul_rn(__fsub_rn(xc, __half2float(hi)), LO_SCALE));
-}
-
-__device__ __forceinline__ unsigned pack_h2(__half a, __half b) {
-    const __half2 h = __halves2half2(a, b);
-    return *reinterpret_cast<const unsigned*>(&h);
+// Two values x0, x1 -> one half2 word of fp16 hi parts and one of scaled residuals (x0 in the
+// low half). No clamp: a token whose norm is at most F16_LIMIT has no value beyond fp16's range,
+// and any other token (a larger norm, or NaN / inf, which the norm carries) is re-ranked whole
+// from its canonical logits, so its approximate ones are never read.
+__device__ __forceinline__ void split_pair(float x0, float x1, unsigned& hi, unsigned& lo) {
+    const __half2 h = __floats2half2_rn(x0, x1);
+    const float2 hf = __half22float2(h);
+    const __half2 l = __floats2half2_rn(__fmul_rn(__fsub_rn(x0, hf.x), LO_SCALE),
+                                        __fmul_rn(__fsub_rn(x1, hf.y), LO_SCALE));
+    hi = *reinterpret_cast<const unsigned*>(&h);
+    lo = *reinterpret_cast<const unsigned*>(&l);
 }
 
 // A float4 of x split into four fp16 hi and four scaled-residual halves (two half2 words each,
 // in order), its squares added to sq in order (the token norm of the bound)
-__device__ __forceinline__ void split_float4(float4 v, uint2& hi, uint2& lo, float& sq,
-                                             bool& bad) {
-    __half h0, h1, h2, h3, l0, l1, l2, l3;
-    split_f16(v.x, h0, l0, bad);
-    split_f16(v.y, h1, l1, bad);
-    split_f16(v.z, h2, l2, bad);
-    split_f16(v.w, h3, l3, bad);
+__device__ __forceinline__ void split_float4(float4 v, uint2& hi, uint2& lo, float& sq) {
+    split_pair(v.x, v.y, hi.x, lo.x);
+    split_pair(v.z, v.w, hi.y, lo.y);
     sq = __fmaf_rn(v.x, v.x, sq);
     sq = __fmaf_rn(v.y, v.y, sq);
     sq = __fmaf_rn(v.z, v.z, sq);
     sq = __fmaf_rn(v.w, v.w, sq);
-    hi = make_uint2(pack_h2(h0, h1), pack_h2(h2, h3));
-    lo = make_uint2(pack_h2(l0, l1), pack_h2(l2, l3));
 }
 
 // The logit of one accumulator triple: sigma * (hi-hi sum + 2^-11 cross sum), rounded as

@@ -11,19 +11,21 @@
 //    fresh registers and are then added to the running sum with one round-to-nearest float32
 //    add, which bounds the tensor cores' own accumulation error by one chunk's worth and makes
 //    every tile's sums the same chain. The same pass writes each
-//    token's norm |x|_2 (+inf when a value is beyond fp16's range or not finite), from which the
-//    launcher's constants give a rigorous bound B(t) = c1 |x|_2 + c0 on |approx - canonical| for
-//    every logit of the token (backends/cuda/routing_exact.py derives c1 and c0).
+//    token's norm |x|_2 (NaN or inf where x holds them), from which the launcher's constants
+//    give a rigorous bound B(t) = c1 |x|_2 + c0 on |approx - canonical| for every logit of the
+//    token (backends/cuda/routing_exact.py derives c1 and c0). A norm of at most 65504 keeps
+//    every value of x inside fp16's range, so the split needs no clamp; a token with a larger
+//    norm, a NaN or inf one, or one below 1e-15 is re-ranked whole (step 3).
 // 2. topk_exact_w<NPL>: one warp per token ranks the approximate logits. Where every gap between
 //    consecutive picks 0..k (the k+1-th included) exceeds 2 B(t), the approximate order is the
 //    canonical one, proven by the bound, and the warp writes the token's outputs. Otherwise the
 //    token joins a list for
 // 3. route_rerank_w<NPL> (routing_rerank.cu): a block per listed token takes the candidates
 //    that could still be among the top k (approximate logit within 2 B(t) of the k-th; every
-//    expert for a token whose x could not be split), computes the canonical logits of those
+//    expert for a token re-ranked whole), computes the canonical logits of those
 //    whose order the bound leaves open (runs of neighbours within 2 B(t)) and ranks them.
 //    Weights: float32 softmax of the approximate logits over all experts (of the canonical ones
-//    where x could not be split), renormalised over the picks.
+//    where the token is re-ranked whole), renormalised over the picks.
 //
 // The canonical logit of token t and expert e, the routing's definition
 // (backends/cuda/routing_exact.py's numpy twin computes the same bits): lane l of 32 sums x[c] *
@@ -99,12 +101,8 @@ __device__ __forceinline__ void router_gemm_split(SPLIT_GEMM_PARAMS) {
     };
 
     float sq[PER];
-    bool bad[PER];
 #pragma unroll
-    for (int p = 0; p < PER; ++p) {
-        sq[p] = 0.0f;
-        bad[p] = false;
-    }
+    for (int p = 0; p < PER; ++p) sq[p] = 0.0f;
     // float4 p of this thread's share of a K step (p < PER), split into the Ah / Al buffer
     auto split_one = [&](int stage, int buf, int p) {
         const float* a32 = As + stage * BM * AS;
@@ -115,7 +113,7 @@ __device__ __forceinline__ void router_gemm_split(SPLIT_GEMM_PARAMS) {
             const int r = i / V4, c = (i % V4) * 4;
             const float4 v = *reinterpret_cast<const float4*>(a32 + r * AS + c);
             uint2 h, l;
-            split_float4(v, h, l, sq[p], bad[p]);
+            split_float4(v, h, l, sq[p]);
             *reinterpret_cast<uint2*>(hi + r * BS + c) = h;
             *reinterpret_cast<uint2*>(lo + r * BS + c) = l;
         }
@@ -247,7 +245,7 @@ __device__ __forceinline__ void router_gemm_split(SPLIT_GEMM_PARAMS) {
     if (blockIdx.y != 0) return;
 #pragma unroll
     for (int p = 0; p < PER; ++p) {
-        float s = bad[p] ? __int_as_float(0x7f800000) : sq[p];
+        float s = sq[p];
 #pragma unroll
         for (int o = V4 / 2; o > 0; o >>= 1) s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, o));
         const int i = threadIdx.x + p * THREADS;
@@ -315,7 +313,7 @@ __device__ __forceinline__ void topk_exact_warp(
         const unsigned next_key = __shfl_down_sync(0xffffffffu, my_key, 1);
         const bool close = lane + 1 < picks &&
                            !((double)key_float(my_key) - (double)key_float(next_key) > 2.0 * bound);
-        const bool unsure = !(norm >= 1e-15f && norm <= 1e30f);
+        const bool unsure = !(norm >= 1e-15f && norm <= F16_LIMIT);
         if (__any_sync(0xffffffffu, close) || unsure) {
             const float kth = key_float(__shfl_sync(0xffffffffu, my_key, top_k - 1));
             if (lane == 0) {

@@ -62,29 +62,56 @@ struct Roles {
     __device__ int b_row(int p) const { return br0 + p * (NT / CH); }
 };
 
-// this thread's router chunks of K step `step` into swizzled tiles bh / bl
+// Where this thread's copies of every K step come from and go to, worked out once: x float4s
+// (rows past the chunk's last read nothing: zero bytes from a valid address) and router chunks
+// (rows past the last expert likewise); step k's sources are k * BK values further on.
 template <int NT>
-__device__ __forceinline__ void load_router(const Roles<NT>& ro, int n0, unsigned char* bh,
-                                            unsigned char* bl,
-                                            const __half* __restrict__ router_split, int step,
-                                            int hidden, int n_experts) {
-    const size_t lo_off = (size_t)n_experts * hidden;
+struct Copies {
+    using R = Roles<NT>;
+    const float* x[R::PER];
+    const __half* b[R::BPER];
+    int x_bytes[R::PER], b_bytes[R::BPER], x_at[R::PER], b_at[R::BPER];
+    size_t lo_off;
+    __device__ Copies(const R& ro, int m0, int n0, const float* __restrict__ xn,
+                      const __half* __restrict__ router_split, int tokens, int hidden,
+                      int n_experts)
+        : lo_off((size_t)n_experts * hidden) {
 #pragma unroll
-    for (int p = 0; p < Roles<NT>::BPER; ++p) {
-        const int r = ro.b_row(p), e = n0 + r;
-        const size_t at = e < n_experts ? (size_t)e * hidden + step * BK + 8 * ro.bc : 0;
-        const int bytes = e < n_experts ? 16 : 0;
-        cp_async16(bh + wg::sw128(r, ro.bc), router_split + at, bytes);
-        cp_async16(bl + wg::sw128(r, ro.bc), router_split + lo_off + at, bytes);
+        for (int p = 0; p < R::PER; ++p) {
+            const int r = ro.x_row(p), t = m0 + r;
+            x[p] = xn + (size_t)(t < tokens ? t : 0) * hidden + 4 * ro.xf;
+            x_bytes[p] = t < tokens ? 16 : 0;
+            x_at[p] = (r * BK + 4 * ro.xf) * 4;
+        }
+#pragma unroll
+        for (int p = 0; p < R::BPER; ++p) {
+            const int r = ro.b_row(p), e = n0 + r;
+            b[p] = router_split + (size_t)(e < n_experts ? e : 0) * hidden + 8 * ro.bc;
+            b_bytes[p] = e < n_experts ? 16 : 0;
+            b_at[p] = wg::sw128(r, ro.bc);
+        }
     }
-}
+    // x of K step `step` into the float32 tile xs ([BM][BK], unswizzled)
+    __device__ void load_x(unsigned char* xs, int step) const {
+#pragma unroll
+        for (int p = 0; p < R::PER; ++p) cp_async16(xs + x_at[p], x[p] + step * BK, x_bytes[p]);
+    }
+    // the router chunks of K step `step` into the swizzled tiles bh / bl
+    __device__ void load_router(unsigned char* bh, unsigned char* bl, int step) const {
+#pragma unroll
+        for (int p = 0; p < R::BPER; ++p) {
+            cp_async16(bh + b_at[p], b[p] + step * BK, b_bytes[p]);
+            cp_async16(bl + b_at[p], b[p] + lo_off + step * BK, b_bytes[p]);
+        }
+    }
+};
 
 // float4 v (float4 xf of row r), split into the swizzled hi / lo tiles (four halves: 8 bytes
-// each, at half xf % 2 of chunk xf / 2); the square sum and the bad flag of the row's norm
+// each, at half xf % 2 of chunk xf / 2); the square sum of the row's norm
 __device__ __forceinline__ void split_store(int xf, float4 v, int r, unsigned char* hi,
-                                            unsigned char* lo, float& sq, bool& bad) {
+                                            unsigned char* lo, float& sq) {
     uint2 h, l;
-    split_float4(v, h, l, sq, bad);
+    split_float4(v, h, l, sq);
     const int off = wg::sw128(r, xf >> 1) + (xf & 1) * 8;
     *reinterpret_cast<uint2*>(hi + off) = h;
     *reinterpret_cast<uint2*>(lo + off) = l;
@@ -100,18 +127,19 @@ __device__ __forceinline__ void mma_step(float (&d)[N / 2], uint64_t da, uint64_
 }
 
 // issues one K step's twelve products of warpgroup w, whose experts are rows N w .. N w + N - 1
-// of the router tiles: per 16 columns part (+)= xh wh, cross += xh wl + xl wh
+// of the router tiles: per 16 columns part (+)= xh wh, cross += xh wl + xl wh. The tiles by
+// their descriptors (each 16 columns: 32 bytes further on).
 template <int N>
 __device__ __forceinline__ void issue_step(int w, float (&part)[N / 2], float (&cross)[N / 2],
-                                           const unsigned char* ah, const unsigned char* al,
-                                           const unsigned char* bh, const unsigned char* bl) {
-    bh += w * N * 128;
-    bl += w * N * 128;
+                                           uint64_t ah, uint64_t al, uint64_t bh,
+                                           uint64_t bl) {
+    bh = wg::desc_at(bh, w * N * 128);
+    bl = wg::desc_at(bl, w * N * 128);
     wg::fence();
 #pragma unroll
     for (int kk = 0; kk < BK / 16; ++kk) {
-        const uint64_t dah = wg::sw128_desc(ah + 32 * kk), dal = wg::sw128_desc(al + 32 * kk);
-        const uint64_t dbh = wg::sw128_desc(bh + 32 * kk), dbl = wg::sw128_desc(bl + 32 * kk);
+        const uint64_t dah = wg::desc_at(ah, 32 * kk), dal = wg::desc_at(al, 32 * kk);
+        const uint64_t dbh = wg::desc_at(bh, 32 * kk), dbl = wg::desc_at(bl, 32 * kk);
         mma_step<N>(part, dah, dbh, kk > 0);
         mma_step<N>(cross, dah, dbl, 1);
         mma_step<N>(cross, dal, dbh, 1);
@@ -148,12 +176,11 @@ __device__ __forceinline__ void store_logits(int w, int m0, int n0, const float 
 template <int NT>
 __device__ __forceinline__ void store_norms(const Roles<NT>& ro, int m0,
                                             const float (&sq)[Roles<NT>::PER],
-                                            const bool (&bad)[Roles<NT>::PER],
                                             float* __restrict__ xnorm, int tokens) {
     if (blockIdx.y != 0) return;
 #pragma unroll
     for (int p = 0; p < Roles<NT>::PER; ++p) {
-        float s = bad[p] ? __int_as_float(0x7f800000) : sq[p];
+        float s = sq[p];
 #pragma unroll
         for (int o = V4 / 2; o > 0; o >>= 1) s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, o));
         const int t = m0 + ro.x_row(p);
@@ -188,24 +215,16 @@ __device__ __forceinline__ void router_gemm_split_sm90(SPLIT_GEMM_PARAMS) {
     const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN, w = threadIdx.x >> 7;
     const int steps = hidden / BK;
     zero_rerank_count(n_rerank);
+    const Copies<NT> cp(ro, m0, n0, xn, router_split, tokens, hidden, n_experts);
+    const uint64_t d0 = wg::sw128_desc(Xs);  // the descriptors of every tile derive from it
 
     auto load = [&](int stage, int step) {
-#pragma unroll
-        for (int p = 0; p < R::PER; ++p) {
-            const int r = ro.x_row(p), t = m0 + r;
-            const float* src = t < tokens ? xn + (size_t)t * hidden + step * BK + 4 * ro.xf : xn;
-            cp_async16(Xs + stage * X_TILE + (r * BK + 4 * ro.xf) * 4, src, t < tokens ? 16 : 0);
-        }
-        load_router(ro, n0, Bh + stage * B_TILE, Bl + stage * B_TILE, router_split, step, hidden,
-                    n_experts);
+        cp.load_x(Xs + stage * X_TILE, step);
+        cp.load_router(Bh + stage * B_TILE, Bl + stage * B_TILE, step);
     };
     float sq[R::PER];
-    bool bad[R::PER];
 #pragma unroll
-    for (int p = 0; p < R::PER; ++p) {
-        sq[p] = 0.0f;
-        bad[p] = false;
-    }
+    for (int p = 0; p < R::PER; ++p) sq[p] = 0.0f;
     auto split = [&](int stage, int buf) {
         unsigned char* hi = Ah + buf * 2 * A_TILE;
 #pragma unroll
@@ -213,7 +232,7 @@ __device__ __forceinline__ void router_gemm_split_sm90(SPLIT_GEMM_PARAMS) {
             const int r = ro.x_row(p);
             const float4 v =
                 *reinterpret_cast<const float4*>(Xs + stage * X_TILE + (r * BK + 4 * ro.xf) * 4);
-            split_store(ro.xf, v, r, hi, hi + A_TILE, sq[p], bad[p]);
+            split_store(ro.xf, v, r, hi, hi + A_TILE, sq[p]);
         }
     };
 
@@ -234,8 +253,9 @@ __device__ __forceinline__ void router_gemm_split_sm90(SPLIT_GEMM_PARAMS) {
         const int buf = step & 1, stage = step % STAGES;
         wg::pin(part);
         wg::pin(cross);
-        issue_step<64>(w, part, cross, Ah + buf * 2 * A_TILE, Ah + buf * 2 * A_TILE + A_TILE,
-                       Bh + stage * B_TILE, Bl + stage * B_TILE);
+        const int a_at = (int)(Ah - Xs) + buf * 2 * A_TILE, b_at = (int)(Bh - Xs) + stage * B_TILE;
+        issue_step<64>(w, part, cross, wg::desc_at(d0, a_at), wg::desc_at(d0, a_at + A_TILE),
+                       wg::desc_at(d0, b_at), wg::desc_at(d0, b_at + STAGES * B_TILE));
         // while the tensor cores multiply: refill the stage step-1 used (every warpgroup
         // finished it before the last barrier) and split step+1
         const int next = step + STAGES - 1;
@@ -254,7 +274,7 @@ __device__ __forceinline__ void router_gemm_split_sm90(SPLIT_GEMM_PARAMS) {
         __syncthreads();  // step+1's tiles are visible; nobody reads this step's any more
     }
     store_logits<64>(w, m0, n0, acc, cross, logits, tokens, n_experts, sigma);
-    store_norms(ro, m0, sq, bad, xnorm, tokens);
+    store_norms(ro, m0, sq, xnorm, tokens);
 }
 
 // The same logits and norms from 128 (CWG + 1) threads: CWG multiplying warpgroups (two of 64
@@ -286,16 +306,14 @@ __device__ __forceinline__ void split_sm90_producer(SPLIT_GEMM_PARAMS) {
     auto empty = [](int s) { return 1 + 2 * STAGES + s; };
     zero_rerank_count(n_rerank);
 
+    const uint64_t d0 = wg::sw128_desc(ring);
     if (w == CWG) {
         const R ro(threadIdx.x - 128 * CWG);
+        const Copies<NT> cp(ro, m0, n0, xn, router_split, tokens, hidden, n_experts);
         float sq[R::PER];
-        bool bad[R::PER];
         float4 xa[R::PER], xb[R::PER], xc[R::PER];
 #pragma unroll
-        for (int p = 0; p < R::PER; ++p) {
-            sq[p] = 0.0f;
-            bad[p] = false;
-        }
+        for (int p = 0; p < R::PER; ++p) sq[p] = 0.0f;
         // iteration i: refill stage i % STAGES with step i's router tiles and load step i's x
         // into `nxt`, then split step i - 2's x (`cur`) into its stage and hand the stage over
         auto produce = [&](int i, float4 (&nxt)[R::PER], const float4 (&cur)[R::PER]) {
@@ -303,22 +321,20 @@ __device__ __forceinline__ void split_sm90_producer(SPLIT_GEMM_PARAMS) {
                 const int s = i % STAGES;
                 if (i >= STAGES) wg::bar_sync(empty(s), EMPTY_COUNT);
                 unsigned char* st = ring + s * STAGE;
-                load_router(ro, n0, st, st + B_TILE, router_split, i, hidden, n_experts);
+                cp.load_router(st, st + B_TILE, i);
                 cp_async_commit();
 #pragma unroll
-                for (int p = 0; p < R::PER; ++p) {
-                    const int t = m0 + ro.x_row(p);
-                    nxt[p] = t < tokens ? __ldg(reinterpret_cast<const float4*>(
-                                              xn + (size_t)t * hidden + i * BK + 4 * ro.xf))
-                                        : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                }
+                for (int p = 0; p < R::PER; ++p)
+                    nxt[p] = cp.x_bytes[p] ? __ldg(reinterpret_cast<const float4*>(cp.x[p] +
+                                                                                   i * BK))
+                                           : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
             }
             if (i >= 2 && i <= steps + 1) {
                 const int s = (i - 2) % STAGES;
                 unsigned char* ah = ring + s * STAGE + 2 * B_TILE;
 #pragma unroll
                 for (int p = 0; p < R::PER; ++p)
-                    split_store(ro.xf, cur[p], ro.x_row(p), ah, ah + A_TILE, sq[p], bad[p]);
+                    split_store(ro.xf, cur[p], ro.x_row(p), ah, ah + A_TILE, sq[p]);
                 // step i - 2's router tiles (the groups of the steps after it may fly on)
                 if (i < steps)
                     wg::cp_wait_mem<2>();
@@ -336,7 +352,7 @@ __device__ __forceinline__ void split_sm90_producer(SPLIT_GEMM_PARAMS) {
             produce(i + 1, xb, xc);
             produce(i + 2, xc, xa);
         }
-        store_norms(ro, m0, sq, bad, xnorm, tokens);
+        store_norms(ro, m0, sq, xnorm, tokens);
         return;
     }
 
@@ -345,12 +361,12 @@ __device__ __forceinline__ void split_sm90_producer(SPLIT_GEMM_PARAMS) {
     for (int i = 0; i < N / 2; ++i) acc[i] = part[i] = cross[i] = 0.0f;
     for (int step = 0; step < steps; ++step) {
         const int s = step % STAGES;
-        const unsigned char* st = ring + s * STAGE;
         wg::bar_sync(full(s, w), FULL_COUNT);
         wg::pin(part);
         wg::pin(cross);
-        issue_step<N>(w, part, cross, st + 2 * B_TILE, st + 2 * B_TILE + A_TILE, st,
-                      st + B_TILE);
+        const uint64_t d = wg::desc_at(d0, s * STAGE);
+        issue_step<N>(w, part, cross, wg::desc_at(d, 2 * B_TILE),
+                      wg::desc_at(d, 2 * B_TILE + A_TILE), d, wg::desc_at(d, B_TILE));
         wg::wait<0>();
         wg::pin(part);
         wg::pin(cross);

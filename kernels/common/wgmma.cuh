@@ -61,9 +61,17 @@ __device__ __forceinline__ uint64_t sw128_desc(const void* p) {
 // byte offset of 16-byte chunk c of row r in a 128-byte-swizzled tile
 __device__ __forceinline__ int sw128(int r, int c) { return r * 128 + ((c ^ (r & 7)) << 4); }
 
+// the descriptor of the tile `bytes` past the one d describes (bytes a multiple of 16; every
+// shared address fits the descriptor's 14-bit field, so the add never carries out of it)
+__device__ __forceinline__ uint64_t desc_at(uint64_t d, int bytes) {
+    return d + (uint64_t)(bytes >> 4);
+}
+
+// p moved up to the next 1024-byte boundary of the shared window; pointer arithmetic on p, so
+// the compiler still knows the result points into shared memory (shared loads and stores
+// rather than generic ones)
 __device__ __forceinline__ unsigned char* align1024(unsigned char* p) {
-    return reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(p) + 1023) &
-                                            ~uintptr_t(1023));
+    return p + ((1024u - (smem_addr(p) & 1023u)) & 1023u);
 }
 
 // d (64 x 64 float32 over the warpgroup) = A (64 x 16, descriptor) * B (16 x 64, descriptor),

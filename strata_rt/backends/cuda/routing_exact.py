@@ -57,7 +57,8 @@ F16_LIMIT = 65504.0
 LO_SCALE = 2.0 ** 11
 #: columns whose xh wh products the split GEMM sums in fresh registers (routing_exact.cu)
 CHUNK_K = 64
-#: tokens' norms below this (or not finite) are not trusted: every expert is re-ranked
+#: tokens' norms below this, above F16_LIMIT (a value of x beyond fp16's range) or not finite
+#: are not trusted: every expert is re-ranked
 NORM_FLOOR = 1e-15
 _TOPK_NPL = (1, 2, 4, 8, 16)
 
