@@ -12,6 +12,7 @@
 #include <stdint.h>
 
 #include "common/q8_1.cuh"
+#include "common/swiglu.cuh"
 
 #define ROUTER_BM 64
 #define ROUTER_BN 64
@@ -206,10 +207,6 @@ expert_scatter(const int* __restrict__ ids, int pairs, int top_k, const int* __r
         base_row += total;
         if (base_row == end_row) return;  // uniform across the block
     }
-}
-
-__device__ __forceinline__ float swiglu(float gate, float up) {
-    return __fmul_rn(__fdiv_rn(gate, __fadd_rn(1.0f, expf(-gate))), up);
 }
 
 // SwiGLU over the rows of experts lo..hi-1 (rows bounds[lo] .. bounds[hi]-1): v = silu(gate)*up

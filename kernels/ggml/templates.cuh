@@ -5,6 +5,8 @@
 //   STRATA_GGML_GATHER(SUFFIX, DEC)    ggml_gather_SUFFIX: the batched dequantizing gather
 //   STRATA_GGML_FUSED(SUFFIX, DEC)     ggml_fused_SUFFIX_<tile>, ggml_fused_at_SUFFIX_<tile>:
 //                                      the grouped GEMM decoding native blocks in its main loop
+//   STRATA_GGML_GEMV(SUFFIX, DEC)      ggml_gemv_gate_up_SUFFIX, ggml_gemv_down_SUFFIX: the
+//                                      decode step's matrix-vector products (gemv.cuh)
 //
 // A plugin with its own type writes one .cu: #include "ggml/templates.cuh", its decoder struct,
 // and one STRATA_GGML_KERNELS line (DEC must not hold a top-level comma: use a typedef).
@@ -45,6 +47,7 @@
 #include <stdint.h>
 
 #include "decoder.cuh"
+#include "gemv.cuh"
 
 // The fused GEMM's tiles: name, BM (activation rows), WARPS (BN = 16 * WARPS weight rows),
 // STAGES (at most), min blocks per SM. The one list: strata_rt/gemm/ggml_fused.py reads it
@@ -365,7 +368,8 @@ __device__ __forceinline__ void fused_grouped_at(const GgmlSrcs16& srcs, const I
 
 #define STRATA_GGML_KERNELS(SUFFIX, DEC) \
     STRATA_GGML_GATHER(SUFFIX, DEC)      \
-    STRATA_GGML_FUSED(SUFFIX, DEC)
+    STRATA_GGML_FUSED(SUFFIX, DEC)       \
+    STRATA_GGML_GEMV(SUFFIX, DEC)
 
 #else  // STRATA_GGML_HOST: the decoder and the tiles' geometry as host exports
 
