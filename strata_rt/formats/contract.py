@@ -302,6 +302,12 @@ class QuantFormat:
         cls = self.kernels_class()
         return cls is not None and cls.gather_batch is not FormatKernels.gather_batch
 
+    def offers_gemv_routed(self) -> bool:
+        """Whether this format's launchers override gemv_routed (a decode step may then run
+        plan.RoutedExperts; STRATA_DECODE=gemv refuses a model with a layer that lacks it)."""
+        cls = self.kernels_class()
+        return cls is not None and cls.gemv_routed is not FormatKernels.gemv_routed
+
     def kernels_class(self) -> type[FormatKernels] | None:
         """The FormatKernels subclass holding this format's launchers (None: no kernels).
         Importable without CUDA, so the registry can inspect it on any machine."""
@@ -358,6 +364,16 @@ class FormatKernels:
         (formats with in_place_max_rows > 0); mmq with position p's part of the expert read
         where it lies, at sources[p] (its resident slot plus the part's offset in the blob),
         so no gather precedes the products; the same bytes as gathering, then mmq.
+    gemv_routed(stream, experts, ids, row_of, acts, mid, out, pairs): optional; a decode
+        step's expert products as matrix-vector launches over the layer's `pairs` routed
+        (token, k) pairs (plan.RoutedExperts): experts = device table of the layer's
+        n_experts blob addresses (uint64; resident slot or device-mapped host store), ids /
+        row_of = the routing's expert and sorted row of each pair, acts = the fp16
+        activations [rows, hidden], mid = fp16 SwiGLU rows [rows, ffn] it writes, out = float32
+        [rows, hidden] at row row_of[p] (what the combine reads, as mmq writes it). The
+        activation encoding must be F16; the results agree with gathering, mmq and SwiGLU
+        within float32 rounding of the sums (not bit for bit). Formats without it decode
+        through the routed gathers (QuantFormat.offers_gemv_routed says which).
 
     The MMQ kernel ABI every format follows (strata_rt.formats.launchers.launch_mmq launches it; the
     conformance suite checks it against the compiled kernel's parameters):
@@ -400,3 +416,10 @@ class FormatKernels:
 
         raise PluginError(f"format {self.fmt.name} cannot read experts in place (its "
                           "in_place_max_rows is 0); its products read the group buffers")
+
+    def gemv_routed(self, stream, experts: int, ids: int, row_of: int, acts: int, mid: int,
+                    out: int, pairs: int) -> None:
+        from ..errors import PluginError
+
+        raise PluginError(f"format {self.fmt.name} has no matrix-vector kernels for routed "
+                          "experts; its decode steps take the routed gathers")

@@ -41,6 +41,7 @@ from ..gemm.ggml_decoders import DecoderSpec
 from ..gemm.ggml_fused import FUSED_SOURCE
 from ..gemm.ggml_gather import GATHER_SOURCE as DEQUANT_GATHER_SOURCE
 from ..gemm.ggml_gather import images_reference
+from ..gemm.ggml_gemv import GEMV_SOURCE
 from ..gemm.grouped_gemm import GEMM_SOURCE, fp16_image_layout, fp16_image_values, gemm_reference
 from .activations import F16, Q8_1, Activation
 from .contract import ExpertLayout, QuantFormat, expert_rows
@@ -377,7 +378,8 @@ class GGMLFormat(QuantFormat):
     def kernel_sources(self) -> list[Path]:
         """What the launchers load: the gathers (the byte copy, or the dequantizing gather),
         the fp16 GEMM for f16_gemm, and the decoding GEMM where a variant reads blocks (f16_fused,
-        f16_gemm in place); a plugin type's decoder_source stands for the GGML kernels."""
+        f16_gemm in place) and the decode step's matrix-vector kernels; a plugin type's
+        decoder_source stands for the GGML kernels."""
         uses_fused = self.variant == F16_FUSED or self.in_place_max_rows > 0
         ggml = [] if self.images_are_blocks and not uses_fused else (
             [self.decoder_source] if self.decoder_source is not None else
@@ -385,7 +387,9 @@ class GGMLFormat(QuantFormat):
              *([FUSED_SOURCE] if uses_fused else [])])
         copy = [COPY_GATHER_SOURCE] if self.images_are_blocks else []
         gemm = [GEMM_SOURCE] if self.variant == F16_GEMM else []
-        return [*copy, *ggml, *gemm]
+        own = self.decoder_source
+        gemv = [GEMV_SOURCE] if own is None else [] if own in ggml else [own]
+        return [*copy, *ggml, *gemv, *gemm]
 
     def kernels_class(self) -> type[FormatKernels] | None:
         """GGMLKernels for the fp16 variants; a subclass with exact variants overrides this

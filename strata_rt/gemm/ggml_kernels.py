@@ -7,7 +7,9 @@ products of f16_gemm and f16_fused on one runtime.
   launch for the 2*ffn gate/up rows and one for the down rows;
 - products: f16_gemm multiplies fp16 images with the grouped fp16 GEMM (GroupedGemm.gemm);
   f16_fused, and f16_gemm's in-place products, run the GEMM that decodes blocks in its main
-  loop (strata_rt.gemm.ggml_fused, imported on first use, so the other paths never need it).
+  loop (strata_rt.gemm.ggml_fused, imported on first use, so the other paths never need it);
+- a decode step's routed experts (gemv_routed): the matrix-vector kernels of
+  strata_rt.gemm.ggml_gemv, gate/up of the format's type, down of its down type.
 
 A format with kernels of its own for these steps (IQ3_XXS) subclasses this and overrides
 open_gemm, dequantizing_gather, fused_gemm and fused_gemm_at; the choice of step stays here.
@@ -24,6 +26,7 @@ from ..formats.launchers import NativeKernels, check_aligned
 from .ggml_decoders import DecoderSpec, GgmlKey
 from .ggml_fused import GgmlFused
 from .ggml_gather import GgmlGather
+from .ggml_gemv import GgmlGemv
 from .grouped_gemm import GroupedGemm
 
 if TYPE_CHECKING:
@@ -61,6 +64,7 @@ class GGMLKernels(FormatKernels):
         self._dequant = None if self._copy is not None else self.open_dequantizing_gather()
         self._gemm = self.open_gemm() if self.variant == F16_GEMM else None
         self._fused: GgmlFused | None = None
+        self._gemv: GgmlGemv | None = None
 
     # ------------------------------------------------------------------ what a subclass swaps
     def open_gemm(self) -> GroupedGemm:
@@ -100,6 +104,19 @@ class GGMLKernels(FormatKernels):
             self._fused = GgmlFused(self.runtime) if self.decoder_source is None else GgmlFused(
                 self.runtime, source=self.decoder_source, decoders=self._own)
         return self._fused
+
+    def gemv(self) -> GgmlGemv:
+        """The matrix-vector kernels' launchers, opened on first use; `prepare_gemv` loads
+        both parts' kernels (ahead of a capture, where no module may load)."""
+        if self._gemv is None:
+            self._gemv = GgmlGemv(self.runtime) if self.decoder_source is None else GgmlGemv(
+                self.runtime, source=self.decoder_source, decoders=self._own)
+        return self._gemv
+
+    def prepare_gemv(self) -> None:
+        g = self.gemv()
+        g.kernel(self.decoder, "gate_up")
+        g.kernel(self.down_decoder, "down")
 
     def fused_gemm(self, stream: Any, weights: int, expert_ids: tuple[int, ...], acts: int,
                    bounds: int, out: int, m: int, k: int, rows_hint: int) -> None:
@@ -153,6 +170,15 @@ class GGMLKernels(FormatKernels):
             self._gemm.gemm(stream, weights, expert_ids, acts, bounds, out, m, k, rows_hint)
         else:
             self.fused_gemm(stream, weights, expert_ids, acts, bounds, out, m, k, rows_hint)
+
+    def gemv_routed(self, stream, experts: int, ids: int, row_of: int, acts: int, mid: int,
+                    out: int, pairs: int) -> None:
+        lay = self.layout
+        g = self.gemv()
+        g.launch(stream, "gate_up", self.decoder, experts, lay.gate_up_offset, ids, row_of,
+                 acts, mid, pairs, lay.hidden, lay.ffn)
+        g.launch(stream, "down", self.down_decoder, experts, lay.down_offset, ids, row_of, mid,
+                 out, pairs, lay.hidden, lay.ffn)
 
     def mmq_in_place(self, stream, sources: list[int], expert_ids: tuple[int, ...], acts: int,
                      bounds: int, out: int, m: int, k: int, rows_hint: int) -> None:

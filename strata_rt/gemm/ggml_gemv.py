@@ -1,0 +1,135 @@
+"""Launchers of the decode step's matrix-vector products over a layer's routed experts, for
+every built-in GGML type (kernels/ggml/gemv.cu) or a plugin's own decoder (its .cu with one
+STRATA_GGML_KERNELS line; kernels/ggml/gemv.cuh).
+
+Why: a one-token step routes top_k experts per layer, and the grouped products launch per
+group of 16 experts whatever the routing; these launch once per product per layer, over the
+routed (token, k) pairs only, each block reading its expert's blocks where they lie (resident
+slot or pinned host store) through a device table of blob addresses, so the step gathers
+nothing and still replays as one CUDA graph.
+
+Numerics: the weights are the gathers' fp16 values and the inputs the routed path's fp16
+activations; the sums are float32 in a fixed order other than the tensor cores', so the
+results agree with the grouped products within float32 rounding, not bit for bit.
+`gemv_reference` is the numpy twin the tests compare with.
+
+Modules: as the fused GEMM's (ggml_fused.py), one type per module, compiled when first used.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..errors import FormatError
+from ..resources import KERNELS_ROOT
+from .ggml_decoders import DecoderModule, DecoderSpec, GgmlKey
+from .ggml_fused import ONLY_DEFINE
+
+if TYPE_CHECKING:
+    from ..runtime import Runtime
+
+GEMV_SOURCE = KERNELS_ROOT / "ggml" / "gemv.cu"
+GEMV_HEADER = KERNELS_ROOT / "ggml" / "gemv.cuh"
+#: argument types: experts, offset, ids, row_of, acts, out, hidden, ffn
+GEMV_ARG_TYPES = "PqPPPPii"
+#: the two products: gate/up (with SwiGLU) and down
+PARTS = ("gate_up", "down")
+#: the kernels take their rows' values in steps of 8 (one 16-byte load of fp16 inputs)
+GEMV_VALUES = 8
+
+
+def _warps_of(text: str) -> int:
+    found = re.search(r"constexpr int GEMV_WARPS = (\d+);", text)
+    if found is None:
+        raise FormatError(f"{GEMV_HEADER.name}: no GEMV_WARPS line")
+    return int(found.group(1))
+
+
+#: output rows per block (one warp each), as gemv.cuh states them
+GEMV_WARPS = _warps_of(GEMV_HEADER.read_text())
+GEMV_THREADS = 32 * GEMV_WARPS
+
+
+def kernel_name(d: DecoderSpec, part: str) -> str:
+    """ggml_gemv_gate_up_<SUFFIX> or ggml_gemv_down_<SUFFIX>."""
+    return f"ggml_gemv_{part}_{d.name}"
+
+
+def gemv_problem(d: DecoderSpec, hidden: int, ffn: int) -> str | None:
+    """Why the kernels cannot run a part of type d for these dimensions (None: they can):
+    rows of whole blocks, and row lengths in steps of GEMV_VALUES."""
+    for label, k in (("hidden", hidden), ("ffn", ffn)):
+        if k <= 0 or k % d.block_values or k % GEMV_VALUES:
+            return (f"{d.name} matrix-vector products need {label} = {k} a positive multiple "
+                    f"of {d.block_values} (a block) and of {GEMV_VALUES}")
+    return None
+
+
+class GgmlGemv(DecoderModule):
+    """Prepared launches of the matrix-vector kernels. Default: the built-in types of gemv.cu,
+    each type's module compiled and loaded when first used (`kernel` loads one ahead of a
+    capture). With `source` (a plugin's .cu) and `decoders` (the specs of its
+    STRATA_GGML_KERNELS lines): that module's kernels."""
+
+    def __init__(self, runtime: Runtime, *, source: str | Path | None = None,
+                 decoders: Iterable[DecoderSpec] = ()):
+        super().__init__(runtime, "GgmlGemv", GEMV_SOURCE, source=source, decoders=decoders)
+        self._module: Any = None if self._builtin else runtime.module(self.source)
+        self._modules: dict[str, Any] = {}
+        self._kernels: dict[tuple[str, str], Any] = {}
+
+    def kernel(self, gtype: GgmlKey, part: str) -> Any:
+        d = self.decoder(gtype)
+        if part not in PARTS:
+            raise FormatError(f"matrix-vector part {part!r}: one of {', '.join(PARTS)}")
+        key = (d.name, part)
+        if key not in self._kernels:
+            if self._builtin:
+                if d.name not in self._modules:
+                    self._modules[d.name] = self.runtime.module(
+                        self.source, defines={ONLY_DEFINE: d.name})
+                mod = self._modules[d.name]
+            else:
+                mod = self._module
+            self._kernels[key] = mod.kernel(kernel_name(d, part), GEMV_ARG_TYPES)
+        return self._kernels[key]
+
+    def launch(self, stream: Any, part: str, gtype: GgmlKey, experts: int, offset: int,
+               ids: int, row_of: int, acts: int, out: int, pairs: int, hidden: int,
+               ffn: int) -> None:
+        """One launch over `pairs` routed (token, k) pairs: part "gate_up" writes fp16
+        silu(gate) * up rows [rows, ffn] at `out` from fp16 `acts` [rows, hidden]; "down"
+        writes float32 rows [rows, hidden] from fp16 `acts` [rows, ffn]; pair p's expert is
+        ids[p], its row row_of[p], its blob at experts[ids[p]] (a device table of addresses)
+        with the part `offset` bytes into it."""
+        d = self.decoder(gtype)
+        why = gemv_problem(d, hidden, ffn)
+        if why is not None:
+            raise FormatError(why)
+        if pairs < 1:
+            raise FormatError(f"{d.name} matrix-vector products over {pairs} pairs")
+        if min(experts, ids, row_of, acts, out) <= 0 or (acts | out) % 16:
+            raise FormatError(f"{d.name} matrix-vector products: device addresses needed, "
+                              "inputs and outputs on 16 bytes")
+        rows = ffn if part == "gate_up" else hidden
+        self.kernel(d, part).launch(
+            grid=(-(-rows // GEMV_WARPS), int(pairs), 1), block=(GEMV_THREADS, 1, 1),
+            stream=stream, args=(int(experts), int(offset), int(ids), int(row_of), int(acts),
+                                 int(out), int(hidden), int(ffn)))
+
+
+def gemv_reference(weights: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """numpy twin of one product's sums: float32 of float64 fp16(weights) @ fp16(x) (the
+    kernels' inputs, summed exactly here), [rows] for one input row x [k]."""
+    w = np.asarray(weights, np.float32).astype(np.float16).astype(np.float64)
+    v = np.asarray(x, np.float32).astype(np.float16).astype(np.float64)
+    return (w @ v).astype(np.float32)
+
+
+__all__ = ["GEMV_ARG_TYPES", "GEMV_SOURCE", "GEMV_THREADS", "GEMV_WARPS", "PARTS", "GgmlGemv",
+           "gemv_problem", "gemv_reference", "kernel_name"]
