@@ -106,17 +106,11 @@ class GGMLKernels(FormatKernels):
         return self._fused
 
     def gemv(self) -> GgmlGemv:
-        """The matrix-vector kernels' launchers, opened on first use; `prepare_gemv` loads
-        both parts' kernels (ahead of a capture, where no module may load)."""
+        """The matrix-vector kernels' launchers, opened on first use."""
         if self._gemv is None:
             self._gemv = GgmlGemv(self.runtime) if self.decoder_source is None else GgmlGemv(
                 self.runtime, source=self.decoder_source, decoders=self._own)
         return self._gemv
-
-    def prepare_gemv(self) -> None:
-        g = self.gemv()
-        g.kernel(self.decoder, "gate_up")
-        g.kernel(self.down_decoder, "down")
 
     def fused_gemm(self, stream: Any, weights: int, expert_ids: tuple[int, ...], acts: int,
                    bounds: int, out: int, m: int, k: int, rows_hint: int) -> None:

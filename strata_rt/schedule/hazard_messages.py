@@ -31,6 +31,7 @@ from .plan import (
     Op,
     Products,
     Record,
+    RoutedExperts,
     Wait,
 )
 
@@ -59,6 +60,8 @@ def describe(op: Op) -> str:
                 f"{on_lane(op.stream)}")
     if isinstance(op, Products):
         return f"Products(layer {op.layer}, group {op.group}){on_lane(op.stream)}"
+    if isinstance(op, RoutedExperts):
+        return f"RoutedExperts(layer {op.layer}){on_lane(op.stream)}"
     if isinstance(op, Record | Wait):
         return f"{type(op).__name__}({op.event[0]}[{op.event[1]}]) on {op.stream}"
     if isinstance(op, DenseCopy):

@@ -1,11 +1,15 @@
-"""What the hazard checker (strata_rt.schedule.hazards) asks of Products that read no group buffer:
-an image-cache block (Products.cached) or resident slots read in place (Products.slots).
+"""What the hazard checker (strata_rt.schedule.hazards) asks of products that read no group
+buffer: an image-cache block (Products.cached), resident slots read in place (Products.slots),
+or a RoutedExperts reading every expert of its layer where it lies (a resident slot or the host
+store).
 
-Neither source is written during a chunk (image blocks and resident slots are filled once at
-open), so no stream order protects them; what can go wrong is reading the wrong bytes: a block
-or a slot that holds another layer's or another expert's weights, or an expert that is not
-resident at all. Each check returns the problem as text (None when there is none), and the
-checker raises it with the op's index.
+None of these sources is written during a chunk (image blocks and resident slots are filled
+once at open, the host store never), so no stream order protects them; what can go wrong is
+reading the wrong bytes: a block or a slot that holds another layer's or another expert's
+weights, an expert that is not resident at all, or a ring slot no Copy fed. A RoutedExperts
+also writes every routed row of its layer, so no other products of that layer may write them.
+Each check returns the problem as text (None when there is none), and the checker raises it
+with the op's index.
 """
 
 from __future__ import annotations
@@ -14,11 +18,55 @@ from typing import TYPE_CHECKING
 
 from ..formats.contract import MMQ_GROUP
 from .hazard_messages import describe
-from .plan import Products
+from .plan import HOST, RESIDENT, Products, RoutedExperts
 
 if TYPE_CHECKING:
+    from .hazard_messages import Clock
     from .image_cache import ImageCache
     from .residency import Residency
+
+#: a layer's products the checker saw before its combine: (clock, op index, op)
+Multiplied = list[tuple["Clock", int, "Products | RoutedExperts"]]
+
+
+def products_problem(i: int, op: Products | RoutedExperts, earlier: Multiplied,
+                     residency: Residency | None, images: ImageCache | None) -> str | None:
+    """The checks of this module that apply to op; earlier: the products of op's layer
+    issued before it."""
+    for _, j, p in earlier:
+        if isinstance(p, RoutedExperts) or isinstance(op, RoutedExperts):
+            return (f"layer {op.layer}: op #{i} {describe(op)} and op #{j} {describe(p)} both "
+                    "write the layer's routed rows (a RoutedExperts computes every expert of "
+                    "its layer: no other products of the layer belong beside it)")
+    if isinstance(op, RoutedExperts):
+        return routed_problem(i, op, residency)
+    if op.slots is not None:
+        return in_place_problem(i, op, op.slots, residency)
+    if op.cached is not None:
+        return cached_problem(i, op, op.cached, images, residency)
+    return None
+
+
+def routed_problem(i: int, op: RoutedExperts, residency: Residency | None) -> str | None:
+    """One source per expert of the layer, each a resident slot that holds the expert or the
+    host store for an expert that is not resident: no Copy feeds this op, so never a ring
+    slot."""
+    what = f"op #{i} {describe(op)}"
+    n = None if residency is None else residency.mask().shape[1]
+    if n is not None and len(op.sources) != n:
+        return f"{what} names {len(op.sources)} sources for the layer's {n} experts"
+    for e, (kind, idx) in enumerate(op.sources):
+        have = None if residency is None else residency.slot(op.layer, e)
+        if kind not in (RESIDENT, HOST):
+            return (f"{what} reads expert {e} from {kind} {idx}: it reads experts where they "
+                    "lie (a resident slot or the host store), never through the ring")
+        if residency is not None and kind == RESIDENT and have != idx:
+            where = "is not resident" if have is None else f"lies in resident slot {have}"
+            return f"{what}, but expert {e} of layer {op.layer} {where}, not in slot {idx}"
+        if kind == HOST and have is not None:
+            return (f"{what} reads expert {e} of layer {op.layer} from the host store, but it "
+                    f"resides in slot {have}")
+    return None
 
 
 def cached_problem(i: int, op: Products, block: int, cache: ImageCache | None,

@@ -25,8 +25,10 @@ with their index in the chunk's op list):
 - Products reading a position of its lane's group buffers that does not hold the expert it
   names (each lane has its own set: an expert gathered on another lane is not there), or an
   image-cache block that does not hold its layer's group (or holds a non-resident expert), or
-  resident slots read in place that do not hold its experts (strata_rt.schedule.hazard_sources);
-- (compute lanes) a Products or GatherRouted off the first lane, reading its layer's routing,
+  resident slots read in place that do not hold its experts, and a RoutedExperts whose sources
+  are not where its layer's experts lie, or beside other products of its layer
+  (strata_rt.schedule.hazard_sources);
+- (compute lanes) a Products, RoutedExperts or GatherRouted off the first lane, reading its layer's routing,
   that its layer's LayerBegin does not happen before (no Wait on a lane_fork recorded after
   it), or that no LayerBegin of its layer precedes; a LayerEnd combining rows that a Products
   of its layer on another lane may still write (no lane_join waited on); a Products after its
@@ -43,7 +45,7 @@ from typing import TYPE_CHECKING, NoReturn, Protocol
 from ..errors import PlanHazardError
 from .hazard_dense import DenseRing
 from .hazard_messages import Clock, Occupant, describe, event_subject
-from .hazard_sources import cached_problem, in_place_problem
+from .hazard_sources import Multiplied, products_problem
 from .plan import (
     HANDOFF_EVENTS,
     HOST,
@@ -69,6 +71,7 @@ from .plan import (
     Op,
     Products,
     Record,
+    RoutedExperts,
     Wait,
 )
 
@@ -124,7 +127,7 @@ class Checker:
         self.begun: dict[int, tuple[Clock, int]] = {}
         self.ended: dict[int, int] = {}
         #: layer -> (clock, op index, op) of its Products not yet combined
-        self.multiplied: dict[int, list[tuple[Clock, int, Products]]] = {}
+        self.multiplied: dict[int, Multiplied] = {}
         #: the dense ring slots of streamed dense weights (hazard_dense)
         self.dense = DenseRing(self._before)
 
@@ -193,7 +196,7 @@ class Checker:
                     self._reads_routing(i, op, g.layer, now)
                 self._gather(i, g, now, f"op #{i} {describe(op)} member {describe(g)}",
                              f"{describe(g)} in {describe(op)}", host_ok=routed)
-        elif isinstance(op, Products):
+        elif isinstance(op, Products | RoutedExperts):
             self._products(i, op, self._launch(i, op))
         elif isinstance(op, Consume):
             self._consume(i, op, readers)
@@ -247,7 +250,8 @@ class Checker:
             self._fail(f"op #{i} {describe(op)}: stream must be one of {', '.join(_STREAMS)} "
                        "(an event orders GPU streams; host bookkeeping runs on none)")
 
-    def _launch(self, i: int, op: Gather | GatherBatch | GatherRouted | Products) -> Clock:
+    def _launch(self, i: int, op: Gather | GatherBatch | GatherRouted | Products | RoutedExperts
+                ) -> Clock:
         """Ticks the lane the launch names, which must be a compute lane."""
         if op.stream not in LANES:
             self._fail(f"op #{i} {describe(op)}: gathers and products run on a compute "
@@ -265,7 +269,7 @@ class Checker:
                        f"{g.stream}, not the launch's {op.stream}: one launch fills one "
                        "lane's group buffers, so every member must name that lane")
 
-    def _reads_routing(self, i: int, op: GatherRouted | Products, layer: int,
+    def _reads_routing(self, i: int, op: GatherRouted | Products | RoutedExperts, layer: int,
                        now: Clock) -> None:
         """An op reading layer `layer`'s routing (bounds, quantized activations) off the main
         lane must be ordered after the layer's LayerBegin (on the main lane it is, by stream
@@ -382,22 +386,17 @@ class Checker:
         """Into the group buffers of the gather's lane (the launch checked it is one)."""
         self.buffers[g.stream][g.pos] = (g.layer, g.group, g.expert, i)
 
-    def _products(self, i: int, op: Products, now: Clock) -> None:
+    def _products(self, i: int, op: Products | RoutedExperts, now: Clock) -> None:
         if op.layer in self.ended:
             self._fail(f"layer {op.layer}: op #{i} {describe(op)} runs after op "
                        f"#{self.ended[op.layer]} LayerEnd(layer {op.layer}), whose combine "
                        "has already read the layer's rows: products belong before it")
         self._reads_routing(i, op, op.layer, now)
+        self._check(products_problem(i, op, self.multiplied.get(op.layer, []), self.residency,
+                                     self.images))
         self.multiplied.setdefault(op.layer, []).append((now, i, op))
-        # products reading no group buffer: resident slots in place, or an image block
-        why = None
-        if op.slots is not None:
-            why = in_place_problem(i, op, op.slots, self.residency)
-        elif op.cached is not None:
-            why = cached_problem(i, op, op.cached, self.images, self.residency)
-        if why is not None:
-            self._fail(why)
-        if op.slots is not None or op.cached is not None:
+        # products reading no group buffer: a RoutedExperts, resident slots, an image block
+        if isinstance(op, RoutedExperts) or op.slots is not None or op.cached is not None:
             return
         for p, e in enumerate(op.expert_ids):
             have = self.buffers[op.stream].get(p)

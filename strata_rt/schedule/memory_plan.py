@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 AUTO_CHUNK_STEP = 64
 #: VRAM left free when the config names no reserve (driver, modules, other processes)
 DEFAULT_RESERVE_MIB = 512
+#: bytes of one entry of the expert table (a blob's device address; plan.RoutedExperts)
+EXPERT_TABLE_ENTRY = 8
 
 
 def chunk_regions(spec: MoESpec, activation: Activation, tokens: int,
@@ -80,6 +82,8 @@ def fixed_regions(spec: MoESpec, layout: ExpertLayout, ring_slots: int,
         "router": L * E * H * ROUTER_BYTES[routing],
         "norm": L * H * 4,
         "bounds": L * (E + 1) * 4,
+        # per (layer, expert) the device address its blob is read at by a RoutedExperts
+        "expert_table": L * E * EXPERT_TABLE_ENTRY,
         # one word: the earliest (layer << 32 | row) whose RMSNorm input is not finite
         "nonfinite": 8,
         "ring": ring_slots * layout.slot_bytes,

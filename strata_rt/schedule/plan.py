@@ -38,9 +38,11 @@ entry k may be issued only while k < (last consumed entry + 1) + ring_slots.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
+
+from ..formats.contract import MMQ_GROUP
 
 StreamName = Literal["copy", "compute", "compute2", "host"]
 #: the compute lanes in order; lane i owns group-buffer set i
@@ -48,7 +50,7 @@ LANES: tuple[StreamName, ...] = ("compute", "compute2")
 #: ("copied", slot) or ("used", slot)
 EventKey = tuple[str, int]
 #: ("resident", resident slot index), ("ring", ring slot) or ("host", 0): the blob read over
-#: PCIe from the pinned host store by the gather itself (GatherRouted only)
+#: PCIe from the pinned host store by the gather itself (GatherRouted and RoutedExperts only)
 Source = tuple[str, int]
 
 COPIED = "copied"
@@ -189,6 +191,39 @@ class Products:
 
 
 @dataclass(frozen=True)
+class RoutedExperts:
+    """A decode step's expert products of `layer` as matrix-vector launches over the (token, k)
+    pairs its routing picked (FormatKernels.gemv_routed): one launch for gate/up with SwiGLU
+    into the activation rows, one for down into the output rows the combine reads, each block
+    reading its expert's blocks where they lie. sources[e] is where expert e of the layer lies:
+    ("resident", slot) or ("host", 0), the pinned host store read over PCIe; the executor
+    turns them into the device table of blob addresses the kernels index by expert id. It
+    stands for the layer's GatherRouted + Products per group (the same experts, the same
+    rows), without group buffers and without a launch per group of 16 experts, so a step's
+    work follows the top_k experts it routes; like them it is the same for every routed set,
+    and a step still replays as one CUDA graph."""
+
+    layer: int
+    sources: tuple[Source, ...]
+    stream: StreamName = "compute"
+
+    def stands_for(self) -> list[Op]:
+        """The layer's GatherRouted + Products per group that this op replaces (what the
+        numpy executor runs for it)."""
+        groups = range(-(-len(self.sources) // MMQ_GROUP))
+        return [op for g in groups for op in routed_group(self.layer, g, self.sources)]
+
+
+def routed_group(layer: int, group: int, sources: Sequence[Source]) -> list[Op]:
+    """Group `group`'s GatherRouted (members read from `sources`, a layer's source per
+    expert) and its Products on the first lane: a decode plan's group without gemv."""
+    first = group * MMQ_GROUP
+    experts = range(first, min(first + MMQ_GROUP, len(sources)))
+    members = tuple(Gather(group, e - first, layer, e, sources[e]) for e in experts)
+    return [GatherRouted(group, members), Products(layer, group, tuple(experts))]
+
+
+@dataclass(frozen=True)
 class Consume:
     """Host bookkeeping: the issuer may reuse the slots of entries <= entry."""
 
@@ -287,8 +322,8 @@ class Logits:
     stream: StreamName = field(default="compute", init=False)
 
 
-Op = (Copy | Record | Wait | Gather | GatherBatch | GatherRouted | Products | Consume
-      | ChunkInput | LayerBegin | LayerEnd | Attention | DenseCopy | Logits | HandOff)
+Op = (Copy | Record | Wait | Gather | GatherBatch | GatherRouted | Products | RoutedExperts
+      | Consume | ChunkInput | LayerBegin | LayerEnd | Attention | DenseCopy | Logits | HandOff)
 
 
 @dataclass(frozen=True)
@@ -302,7 +337,8 @@ class ChunkPlan:
     """mode "staging": layers planned one by one from the routed sets (chunks that route few
     experts, planner.takes_walk); mode "walk": the whole chunk planned up front,
     routing-independent; mode "decode": a one-token step of a whole model planned up front,
-    its routed experts gathered straight from where they live (planner.plan_decode); mode
+    its routed experts gathered straight from where they live, or multiplied there by
+    RoutedExperts (planner.plan_decode); mode
     "routed": a prefill chunk planned the decode way, so only its routed experts cross PCIe
     (planner.plan_routed)."""
 

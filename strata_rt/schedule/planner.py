@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING, Literal
 
 from ..formats.contract import MMQ_GROUP
 from .plan import (
-    HOST,
     LANES,
     RESIDENT,
     RING,
@@ -39,7 +38,6 @@ from .plan import (
     Copy,
     Gather,
     GatherBatch,
-    GatherRouted,
     InputKind,
     LayerBegin,
     LayerEnd,
@@ -47,11 +45,13 @@ from .plan import (
     Op,
     Products,
     Record,
+    RoutedExperts,
     StreamName,
     Wait,
     copied,
     lane_fork,
     lane_join,
+    routed_group,
     used,
 )
 
@@ -322,7 +322,8 @@ def _prologue(part: Part | None, attention: DenseSchedule | None) -> list[Op]:
 
 
 def plan_decode(spec: MoESpec, residency: Residency, attention: DenseSchedule,
-                in_place: bool = False, part: Part | None = None) -> ChunkPlan:
+                in_place: bool = False, part: Part | None = None,
+                gemv: bool = False) -> ChunkPlan:
     """A whole model's one-token step with the routed set kept on the device: per layer its
     Attention (dense copies as `attention` schedules them; its start None, so the position is
     read on the device), the routing, one GatherRouted per group of 16 experts (resident ones
@@ -332,11 +333,13 @@ def plan_decode(spec: MoESpec, residency: Residency, attention: DenseSchedule,
     captured replay serves every step, where the staging ring reads each layer's routed set
     back to the host and plans after it. in_place: a group whose experts are all resident
     gathers nothing; its products read the routed experts' slots in place. part: as for
-    plan_walk (the hand-off brings the position with the residual)."""
+    plan_walk (the hand-off brings the position with the residual). gemv: each layer's
+    experts run as one RoutedExperts (matrix-vector launches over the routed pairs, reading
+    every expert where it lies) in place of the groups' gathers and products."""
     if attention.start is not None:
         raise ValueError(f"a decode plan reads its position on the device; the dense schedule "
                          f"fixes start {attention.start}")
-    return _routed_layers(spec, residency, attention, in_place, 1, "decode", part)
+    return _routed_layers(spec, residency, attention, in_place, 1, "decode", part, gemv)
 
 
 def plan_routed(spec: MoESpec, residency: Residency, attention: DenseSchedule | None,
@@ -352,7 +355,7 @@ def plan_routed(spec: MoESpec, residency: Residency, attention: DenseSchedule | 
 
 def _routed_layers(spec: MoESpec, residency: Residency, attention: DenseSchedule | None,
                    in_place: bool, tokens: int, mode: Literal["decode", "routed"],
-                   part: Part | None) -> ChunkPlan:
+                   part: Part | None, gemv: bool = False) -> ChunkPlan:
     ops: list[Op] = [*attention.chunk_ops()] if attention is not None else []
     ops += _prologue(part, attention)
     layers = []
@@ -361,17 +364,15 @@ def _routed_layers(spec: MoESpec, residency: Residency, attention: DenseSchedule
         if attention is not None:
             ops += attention.layer_ops(layer)
         ops.append(LayerBegin(layer))
-        for g, experts in enumerate(_groups(list(range(spec.n_experts)))):
+        sources = tuple(residency.source(layer, e) for e in range(spec.n_experts))
+        if gemv:
+            ops.append(RoutedExperts(layer, sources))
+        for g, experts in enumerate([] if gemv else _groups(list(range(spec.n_experts)))):
             slots = resident_slots(residency, layer, experts) if in_place else None
             if slots is not None:
                 ops.append(Products(layer, g, tuple(experts), slots=slots))
-                continue
-            members = []
-            for pos, e in enumerate(experts):
-                slot = residency.slot(layer, e)
-                src = (HOST, 0) if slot is None else (RESIDENT, slot)
-                members.append(Gather(g, pos, layer, e, src))
-            ops += [GatherRouted(g, tuple(members)), Products(layer, g, tuple(experts))]
+            else:
+                ops += routed_group(layer, g, sources)
         ops.append(LayerEnd(layer))
         if layer == span[-1] and part is not None:
             ops += part.epilogue()

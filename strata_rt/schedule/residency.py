@@ -21,6 +21,7 @@ import numpy as np
 from ..config.input_files import DATA_LIMIT, InputFileError, read_text
 from ..errors import ConfigError
 from ..runtime.memory import mib
+from .plan import HOST, RESIDENT, Source
 
 if TYPE_CHECKING:
     from ..weights.model import Model
@@ -136,6 +137,12 @@ class Residency:
     def slot(self, layer: int, e: int) -> int | None:
         s = int(self._slot[layer, e])
         return None if s < 0 else s
+
+    def source(self, layer: int, e: int) -> Source:
+        """Where a decode step's launch reads the expert without a ring: its resident slot,
+        else the host store (plan.Source)."""
+        s = self.slot(layer, e)
+        return (HOST, 0) if s is None else (RESIDENT, s)
 
     def mask(self) -> np.ndarray:
         """bool [n_layers, n_experts]: True where resident."""

@@ -11,11 +11,12 @@ Execution. Each plan op becomes one driver call on the stream the op names. The 
 reads each layer's row bounds back on a stream of their own (never queued behind copies); the
 walk's kernels read them on the device and nothing comes back until the chunk ends, so the
 driver can capture the whole walk as a CUDA graph (`capture`). The chunk's input reaches the
-device at its ChunkInput op, behind a gate its host pass opens
-(strata_rt.backends.cuda.chunk_input): hidden states, or a whole model's token ids, whose
-embedding rows the GPU then decodes into the residual (CudaWhole.embed). A second compute lane
-(strata_rt.schedule.lanes) brings its own stream and group buffers. Short chunks read fully
-resident groups in place (strata_rt.schedule.in_place). Each layer runs its format's kernels.
+device at its ChunkInput op, behind a gate its host pass opens (chunk_input): hidden states,
+or a whole model's token ids, whose embedding rows the GPU then decodes into the residual
+(CudaWhole.embed). A second compute lane (strata_rt.schedule.lanes) brings its own stream and
+group buffers. Short chunks read fully resident groups in place (strata_rt.schedule.in_place);
+a decode step's RoutedExperts reads its experts where they lie (routed_experts). Each layer
+runs its format's kernels.
 
 A layer split's part (strata_rt.backends.cuda.split_part) holds its own layers' router, norms,
 dense weights and KV cache, sizes its ring and memory plan for them, runs its hand-off ops
@@ -55,6 +56,7 @@ from ...schedule.plan import (
     Op,
     Products,
     Record,
+    RoutedExperts,
     Wait,
 )
 from ...schedule.residency import Residency
@@ -66,6 +68,7 @@ from .device_open import open_device
 from .device_state import DeviceState
 from .layer_kernels import ENGINE_SOURCE, LayerKernels
 from .products import run_products
+from .routed_experts import RoutedExpertsRunner
 from .split_part import PartLink, PartReplay, capture_plan
 
 #: the RMSNorm flag word when no row was flagged (rmsnorm_rows lowers it with atomicMin)
@@ -158,12 +161,13 @@ class CudaBackend:
         self.input_kind = o.input_kind
         dev = self._device()
         self._timer = PhaseTimer(self.rt, dev.compute, dev.copy) if self.timing else None
+        self._routed = RoutedExpertsRunner(self)
         self._dispatch: dict[type, Callable[[Any], None]] = {
             Copy: self._op_copy, Record: self._op_record, Wait: self._op_wait,
             Gather: self._op_gather, GatherBatch: self._op_gather_batch,
-            GatherRouted: self._op_gather_routed,
-            Products: self._op_products, Consume: _no_op, ChunkInput: self._op_chunk_input,
-            LayerBegin: self._op_layer_begin,
+            GatherRouted: self._op_gather_routed, Consume: _no_op,
+            Products: lambda op: run_products(self, op), RoutedExperts: self._routed.run,
+            ChunkInput: self._op_chunk_input, LayerBegin: self._op_layer_begin,
             LayerEnd: self._op_layer_end, Attention: self._op_attention,
             DenseCopy: self._op_dense_copy, Logits: self._op_logits, HandOff: self._op_handoff,
         }
@@ -393,9 +397,6 @@ class CudaBackend:
             raise StrataError(f"{op!r} in the plan of an executor that is no split's part")
         self._mark("input")
         self._link.handoff(op)
-
-    def _op_products(self, op: Products) -> None:
-        run_products(self, op)
 
     def _whole_ops(self) -> CudaWhole:
         if self._whole is None:

@@ -8,11 +8,12 @@ gives wrong numbers here too, so this backend also tests what the planners emit.
 
 Arithmetic: routing in float32 (RMSNorm, router logits, softmax, top-k with ties to the lower
 id, renormalised weights); gate/up and down through `fmt.mmq_reference` on activations from
-`fmt.prepare_activations`; SwiGLU in float32, re-quantized for down; the combine in float32 in
-top-k order (descending probability); residual add in float32. Every RMSNorm's input is
-checked first (NaN, infinity, or a mean square that overflows and would normalise the row to
-zeros), and so are the router's softmax and the residual after each attention and MoE block:
-a value that left float32's range is a NonFiniteError naming the layer and the row.
+`fmt.prepare_activations` (a RoutedExperts: its groups' products); SwiGLU in float32,
+re-quantized for down; the combine in float32 in top-k order (descending probability);
+residual add in float32. Every RMSNorm's input is checked first (NaN, infinity, or a mean
+square that overflows and would normalise the row to zeros), and so are the router's softmax
+and the residual after each attention and MoE block: a value that left float32's range is a
+NonFiniteError naming the layer and the row.
 
 Memory: without `expert_cache` the reference backend keeps no expert resident (it has no VRAM
 to measure), so every expert streams. The image cache (`image_cache_mib`) is host arrays here,
@@ -54,6 +55,7 @@ from ...schedule.plan import (
     Op,
     Products,
     Record,
+    RoutedExperts,
     Wait,
     lane_index,
 )
@@ -279,6 +281,9 @@ class ReferenceBackend:
             elif isinstance(op, Products):
                 self._products(op)
                 phase = "products"
+            elif isinstance(op, RoutedExperts):  # the same experts and rows, group by group
+                self._execute_ops(op.stands_for(), h, stats)
+                continue
             elif isinstance(op, LayerBegin):
                 if self._state is None or self._state.layer != op.layer:
                     self._begin(op.layer, h, stats)
@@ -319,9 +324,7 @@ class ReferenceBackend:
                     h[...] = self._whole().embed(self._ids)
                 continue
             elif isinstance(op, Record | Wait | Consume):
-                # one thread runs every op in host order: a valid linearisation of any
-                # schedule the checker accepts, so events have nothing left to order
-                continue
+                continue  # one thread runs every op in host order: nothing left to order
             else:
                 raise TypeError(f"unknown plan op {op!r}")
             stats.phase_s[phase] += time.perf_counter() - t0
@@ -420,8 +423,7 @@ class ReferenceBackend:
 
     def _slot_images(self, slots: tuple[int, ...], layer: int
                      ) -> tuple[np.ndarray, np.ndarray]:
-        """The images the products see of resident slots read in place (the format's images,
-        as its gather would have written them)."""
+        """The images the products see of resident slots read in place (as gathered)."""
         parts = [self._images(self.resident[s], layer) for s in slots]
         return np.stack([gu for gu, _ in parts]), np.stack([dn for _, dn in parts])
 

@@ -1,0 +1,102 @@
+"""A RoutedExperts op on the CUDA backend: a layer's expert products as the format's
+matrix-vector launches over the routed (token, k) pairs (FormatKernels.gemv_routed), each
+block reading its expert where the op's sources say it lies.
+
+The kernels index a device table of blob addresses by expert id (the `expert_table` region:
+one uint64 per expert of every layer this backend runs), since the routed set never reaches
+the host. A layer's row is written from the op's sources the first time they are seen (a
+resident slot's address, or the pinned host store's device-mapped address plus the expert's
+offset) by a copy on the compute stream ahead of the launches; the driver runs a plan plainly
+before it captures it, so every row is in place (and every kernel module loaded, which the
+launchers do on first use) before a capture, which then holds the launches alone. Its own
+module to keep the executor to dispatch."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+
+from ...errors import StrataError
+from ...runtime.hostmap import host_device_pointer
+from ...schedule.memory_plan import EXPERT_TABLE_ENTRY
+from ...schedule.plan import HOST, RESIDENT, RoutedExperts, Source
+
+if TYPE_CHECKING:
+    from ...formats.contract import ExpertLayout, FormatKernels
+    from ...runtime import Runtime
+    from ...weights.model import MoESpec
+    from ...weights.store import ExpertStore
+    from .device_state import DeviceState
+
+class RoutedHost(Protocol):
+    """What a RoutedExperts op reads of the backend that runs it (executor.CudaBackend)."""
+
+    @property
+    def spec(self) -> MoESpec: ...
+    @property
+    def lay(self) -> ExpertLayout: ...
+    @property
+    def fks(self) -> list[FormatKernels]: ...
+    @property
+    def rt(self) -> Runtime: ...
+    @property
+    def store(self) -> ExpertStore: ...
+    @property
+    def first(self) -> int: ...
+    @property
+    def _T(self) -> int: ...
+    def _device(self) -> DeviceState: ...
+    def _mark(self, phase: str) -> None: ...
+
+
+class RoutedExpertsRunner:
+    """The host copy of the expert table and which sources each layer's row holds."""
+
+    def __init__(self, backend: RoutedHost):
+        self.b = backend
+        #: per layer: the row's host copy (kept while the copy may read it) and its sources
+        self._rows: dict[int, tuple[tuple[Source, ...], np.ndarray]] = {}
+        self._store_dev: int | None = None
+
+    def address(self, layer: int, expert: int, src: Source) -> int:
+        """The device address of an expert's blob at `src` (a resident slot or the host
+        store; a ring slot is refused: no Copy feeds this op)."""
+        kind, idx = src
+        dev = self.b._device()
+        if kind == RESIDENT:
+            return dev.ptr["resident"] + idx * self.b.lay.slot_bytes
+        if kind == HOST:
+            if self._store_dev is None:  # the host store's device address, looked up once
+                self._store_dev = host_device_pointer(self.b.store.arena)
+            return self._store_dev + self.b.store.offset(layer, expert)
+        raise StrataError(f"RoutedExperts(layer {layer}) reads expert {expert} from {kind} "
+                          f"{idx}: it reads resident slots and the host store only")
+
+    def table(self, op: RoutedExperts) -> int:
+        """The device address of op's layer's row, written from op.sources when they are new."""
+        b, dev = self.b, self.b._device()
+        E, at = b.spec.n_experts, op.layer - b.first
+        if len(op.sources) != E:
+            raise StrataError(f"RoutedExperts(layer {op.layer}) names {len(op.sources)} sources "
+                              f"for {E} experts")
+        ptr = dev.ptr["expert_table"] + at * E * EXPERT_TABLE_ENTRY
+        held = self._rows.get(op.layer)
+        if held is None or held[0] != op.sources:
+            row = np.array([self.address(op.layer, e, s) for e, s in enumerate(op.sources)],
+                           np.uint64)
+            b.rt.memcpy_htod(ptr, row, dev.compute)
+            self._rows[op.layer] = (op.sources, row)
+        return ptr
+
+    def run(self, op: RoutedExperts) -> None:
+        """Enqueues op's two launches on its stream, after its table row."""
+        b = self.b
+        if op.stream != "compute":
+            raise StrataError(f"RoutedExperts(layer {op.layer}) on {op.stream}: it runs on the "
+                              "compute stream, which holds the layer's routing")
+        table = self.table(op)
+        p = b._device().ptr
+        b._mark("gemv experts")
+        b.fks[op.layer].gemv_routed(b._device().compute, table, p["topk_ids"], p["row_of"], p["act_hidden"],
+                       p["act_ffn"], p["down_out"], b._T * b.spec.top_k)
