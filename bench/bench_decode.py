@@ -70,7 +70,7 @@ from strata_rt.models.qwen3.whole_memory import (  # noqa: E402
 )
 from strata_rt.report.stats import Stats  # noqa: E402
 from strata_rt.runtime.memory import MIB  # noqa: E402
-from strata_rt.schedule.driver import DECODE_KEY  # noqa: E402
+from strata_rt.schedule.plan_keys import DECODE_KEY  # noqa: E402
 from strata_rt.text.generate import EngineSession, GenerateResult, greedy  # noqa: E402
 
 #: the regimes: name -> share of the experts resident

@@ -14,7 +14,7 @@ from strata_rt.formats.contract import MMQ_GROUP
 from strata_rt.models.qwen3 import Qwen3Model, Qwen3Spec
 from strata_rt.quants.iq3_xxs import IQ3XXS
 from strata_rt.quants.iq3_xxs_device import MMQ_VARIANTS
-from strata_rt.schedule.driver import DECODE_KEY
+from strata_rt.schedule.plan_keys import DECODE_KEY
 
 pytestmark = pytest.mark.gpu
 

@@ -121,7 +121,9 @@ class EngineConfig:
     #: the format's MMQ variant (STRATA_MMQ_KERNEL); None after resolve: the format's default
     mmq_kernel: str | None = None
     #: a whole model's one-token steps: "routed" (the decode plan, where the format's gathers
-    #: offer it) or "staging" (the staging ring); None: STRATA_DECODE, else routed
+    #: offer it), "staging" (the staging ring) or "gemv" (the decode plan with matrix-vector
+    #: launches over the routed experts; every layer's format must offer them); None:
+    #: STRATA_DECODE, else routed
     decode: str | None = None
     #: how prefill chunks stream (PREFILL_STREAMS): "auto", "walk" or "routed";
     #: None: STRATA_PREFILL_STREAM, else auto

@@ -80,12 +80,16 @@ SWITCHES: dict[str, Switch] = {
         Switch("STRATA_MMQ_KERNEL", "str",
                "MMQ variant for formats that offer several (see `strata plugins`); "
                "default: the format's fastest measured variant."),
-        Switch("STRATA_DECODE", "choice:routed,staging",
+        Switch("STRATA_DECODE", "choice:routed,staging,gemv",
                "a whole model's one-token steps (greedy decoding): routed (the routed set "
                "stays on the device, gathers read routed experts from their slots or straight "
                "from host memory, and the step replays as a CUDA graph; the default where the "
-               "format's kernels offer it) or staging (the staging ring: the routed set comes "
-               "back to the host every layer and only the routed experts are copied)."),
+               "format's kernels offer it), staging (the staging ring: the routed set comes "
+               "back to the host every layer and only the routed experts are copied) or gemv "
+               "(as routed, but each layer's experts run as two matrix-vector launches over "
+               "the routed experts only, read where they lie; not bit-identical to routed: the "
+               "sums run in another order; a model with a layer whose format has no such "
+               "kernels is refused)."),
         Switch("STRATA_PREFILL_STREAM", "choice:auto,walk,routed",
                "how a prefill chunk streams its non-resident experts: walk (the copy engine "
                "streams every one beside the compute), routed (the gathers read only the "

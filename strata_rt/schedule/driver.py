@@ -40,6 +40,14 @@ from .plan import (
     Op,
 )
 from .plan_counts import add_counts, copy_bytes, op_counts
+from .plan_keys import (
+    DECODE_KEYS,
+    GEMV_DECODE_KEY,
+    ROUTED,
+    WalkKey,
+    decode_key,
+    decodes_planned,
+)
 from .planner import (
     STAGING_RING_SLOTS,
     StagingPlanner,
@@ -61,12 +69,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: what a walk plan (and its graph) depends on: chunk size, gather_one, attention start; a
-#: routed plan's key has ROUTED in gather_one's place
-WalkKey = tuple[int, bool | str, int | None]
-ROUTED = "routed"
-#: the key of the decode plan: one token, any gather mode, the position read on the device
-DECODE_KEY: WalkKey = (1, False, -1)
 
 
 class Replay(Protocol):
@@ -193,6 +195,7 @@ class ChunkDriver:
         self._replays: dict[WalkKey, Replay] = {}
         #: the routing measured per chunk length, and the walk-or-routed rule on it
         self.streams = StreamChooser()
+        _ = self.decode_key  # decode "gemv" on a model that cannot run it fails at open
 
     @property
     def gather_one(self) -> bool:
@@ -244,10 +247,16 @@ class ChunkDriver:
 
     @property
     def decodes_routed(self) -> bool:
-        """Whether a whole model's one-token step runs the decode plan (the config's decode
-        "routed", the default, on an executor whose format gathers routed experts) rather than
-        the staging ring. Read on every step, so a changed field takes the next step."""
-        return self.executor.routed_gathers and self.cfg.decode == "routed"
+        """Whether a whole model's one-token step runs a decode plan rather than the staging
+        ring (plan_keys.decodes_planned). Read on every step, so a changed field takes the
+        next step."""
+        return decodes_planned(self.cfg.decode, self.executor.routed_gathers)
+
+    @property
+    def decode_key(self) -> WalkKey:
+        """The decode plan a step runs (plan_keys.decode_key: decode "gemv" on a model that
+        cannot run it is a ConfigError)."""
+        return decode_key(self.cfg.decode, self.formats, self.span)
 
     def stream_mode(self, T: int) -> str:
         """"routed" where a T-token chunk takes the routed plan (forced by prefill_stream, or
@@ -271,7 +280,7 @@ class ChunkDriver:
         the trial finds it faster). Its routed set never reaches the host during the step; it
         is read back afterwards (one small copy) for the counters: an expert streamed is a
         routed expert that is not resident, read over PCIe by its gather."""
-        self._run_routed(1, stats, DECODE_KEY)
+        self._run_routed(1, stats, self.decode_key)
 
     def _run_routed(self, T: int, stats: Stats, key: WalkKey) -> None:
         """The decode plan or a chunk's routed plan; the routing comes back after the chunk
@@ -281,7 +290,7 @@ class ChunkDriver:
         streamed = int(np.dot(per_layer, self.executor.layer_blob_bytes))
         stats.experts_streamed += int(per_layer.sum())
         stats.bytes_streamed += streamed
-        if key != DECODE_KEY:
+        if key not in DECODE_KEYS:
             self.streams.observe(T, streamed)
 
     def _with_routing(self, stats: Stats, run: Any) -> np.ndarray:
@@ -342,16 +351,17 @@ class ChunkDriver:
 
     def decode_plan(self) -> tuple[ChunkPlan, dict[type, int], int]:
         """The decode plan of a whole model's one-token step, its op counts and copy bytes."""
-        return self._planned(DECODE_KEY)
+        return self._planned(self.decode_key)
 
     def _planned(self, key: WalkKey) -> tuple[ChunkPlan, dict[type, int], int]:
         if key not in self._walk_plans:
             T, gather_one, start = key
-            if key == DECODE_KEY:
+            if key in DECODE_KEYS:
                 attention = DenseSchedule(self.span.stop, None, self.executor.dense_ring,
                                           self.span[0], self.executor.input_kind)
                 plan = plan_decode(self.spec, self.residency, attention,
-                                   self.executor.in_place_for(1), self.part)
+                                   self.executor.in_place_for(1), self.part,
+                                   gemv=key == GEMV_DECODE_KEY)
             elif gather_one == ROUTED:
                 plan = plan_routed(self.spec, self.residency, self._schedule(start),
                                    self.executor.in_place_for(T), T, self.part)
@@ -421,7 +431,7 @@ class ChunkDriver:
                 self._replays[key] = self.executor.capture(
                     op for lp in plan.layers for op in lp.ops)
             except Exception as e:  # a refused capture must not lose the prompt
-                what = ("decode step" if key == DECODE_KEY else
+                what = ("decode step" if key in DECODE_KEYS else
                         f"{key[0]}-token {'routed plan' if key[1] == ROUTED else 'walk'}")
                 log.warning("capture of the %s failed (%s); launching it op by op", what, e)
                 trial["choice"] = "plain"
