@@ -119,7 +119,8 @@ __device__ __forceinline__ void gemv_rows(const uint8_t* const (&rows)[NR],
                 gemv_fetch<S>(rows[j] + (kt + 1) * stage_row, stage_bytes(kt + 1), lane, next[j]);
         }
         if (8 * lane < stage_values(kt)) {
-            const uint4 xa = *reinterpret_cast<const uint4*>(x + (size_t)kt * GEMV_STAGE + 8 * lane);
+            const __half* xs = x + (size_t)kt * GEMV_STAGE + 8 * lane;
+            const uint4 xa = *reinterpret_cast<const uint4*>(xs);
             const __half2* xh = reinterpret_cast<const __half2*>(&xa);
             float2 xf[4];
 #pragma unroll

@@ -96,7 +96,9 @@ class RoutedExpertsRunner:
             raise StrataError(f"RoutedExperts(layer {op.layer}) on {op.stream}: it runs on the "
                               "compute stream, which holds the layer's routing")
         table = self.table(op)
-        p = b._device().ptr
+        dev = b._device()
+        p = dev.ptr
         b._mark("gemv experts")
-        b.fks[op.layer].gemv_routed(b._device().compute, table, p["topk_ids"], p["row_of"], p["act_hidden"],
-                       p["act_ffn"], p["down_out"], b._T * b.spec.top_k)
+        b.fks[op.layer].gemv_routed(dev.compute, table, p["topk_ids"], p["row_of"],
+                                    p["act_hidden"], p["act_ffn"], p["down_out"],
+                                    b._T * b.spec.top_k)
