@@ -7,15 +7,18 @@ proven or re-ranked per token; the default).
     python bench/bench_routing.py [--tokens 254,2048,8192] [--shapes 30b,235b] [--reps 15]
                                   [--inner 20] [--json PATH]
 
-Each cell is GPU time per launch: `inner` back-to-back launches captured in one CUDA graph
-(so the Python launch cost never starves the GPU), replayed between two timing events; the
-median of `reps` replays after two warm-ups. "total" is router GEMM + top-k + sort, the routing
+Each cell is GPU time per launch: `inner` back-to-back launches captured in one CUDA graph (so
+the Python launch cost never starves the GPU), replayed between two timing events; the median
+of `reps` replays after two warm-ups. "total" is router GEMM + top-k + sort, the routing
 measure (rmsnorm_rows, which all keep, is shown beside it); "sequence" times a chain replayed
-as one graph. The exact chain's split GEMM is also timed with every tile whose K step divides
-the hidden size (second table). Inputs: xn from rmsnorm_rows on random hidden states, a random
-router (std 2/sqrt(hidden)); each chain's picks are compared with the canonical ones
-(routing_exact.route_exact: fraction of tokens whose expert set differs), the exact chain's ids
-and sort must equal them exactly, and the tokens its top-k re-ranked are counted.
+as one graph. The exact chain launches overlapped where the device allows it (sm_90: each
+kernel's blocks start while the one before finishes, runtime/overlap.py); "plain" is the same
+chain launched ordinarily, timed in the same run. The exact chain's split GEMM is also timed
+with every tile whose K step divides the hidden size (second table). Inputs: xn from
+rmsnorm_rows on random hidden states, a random router (std 2/sqrt(hidden)); each chain's picks
+are compared with the canonical ones (routing_exact.route_exact: fraction of tokens whose
+expert set differs), the exact chain's ids and sort must equal them exactly, and the tokens its
+top-k re-ranked are counted.
 """
 
 from __future__ import annotations
@@ -73,6 +76,13 @@ def bench_shape(rt, shape: str, tokens: int, reps: int, inner: int,
     k_bounds = eng.kernel("expert_bounds", "PiiP")
     k_scatter = eng.kernel("expert_scatter", "PiiPPP")
     rk, ex = RoutingKernels(rt), ExactRoutingKernels(rt)
+    # the same chain with every kernel launched ordinarily (the runtime's default overlaps the
+    # exact chain's launches on sm_90: runtime/overlap.py), timed beside it
+    overlap, rt.overlap_launches = rt.overlap_launches, False
+    try:
+        rk0, ex0 = RoutingKernels(rt), ExactRoutingKernels(rt)
+    finally:
+        rt.overlap_launches = overlap
 
     x = rng.standard_normal((T, H), dtype=np.float32)
     w = (1 + 0.1 * rng.standard_normal(H)).astype(np.float32)
@@ -101,7 +111,7 @@ def bench_shape(rt, shape: str, tokens: int, reps: int, inner: int,
     tile16, tilex = gemm_tile(T, H), ex.tile(T, H)
     o, n, x_ = out["fp32"], out["f16"], out["exact"]
 
-    def exact_topk(tile):
+    def exact_topk(ex):
         ex.topk(s, logits=logits, xn=xn, router32=psplit + E * H * 4, ws=parts, tokens=T,
                 hidden=H, n_experts=E, top_k=K, bound=exact_bound(norms, H),
                 ids=x_["ids"], weights=x_["w"], masks=ws_ex)
@@ -124,9 +134,13 @@ def bench_shape(rt, shape: str, tokens: int, reps: int, inner: int,
         **{f"exact GEMM {t}": (lambda t=t: ex.logits(s, xn, psplit, logits, parts, T, H, E,
                                                      sigma, t))
            for t, tl in ex.tiles.items() if tl.fits(H)},
-        "exact top-k": lambda: exact_topk(tilex),
+        "exact top-k": lambda: exact_topk(ex),
         "exact sort": lambda: rk.sort(s, x_["ids"], T, E, K, ws_ex, bnd["exact"], x_["st"],
                                       x_["ro"]),
+        "plain GEMM": lambda: ex0.logits(s, xn, psplit, logits, parts, T, H, E, sigma, tilex),
+        "plain top-k": lambda: exact_topk(ex0),
+        "plain sort": lambda: rk0.sort(s, x_["ids"], T, E, K, ws_ex, bnd["exact"], x_["st"],
+                                       x_["ro"]),
     }
     launches["exact GEMM"] = launches[f"exact GEMM {tilex}"]
 
@@ -174,7 +188,7 @@ def bench_shape(rt, shape: str, tokens: int, reps: int, inner: int,
 
     us = {name: time_us(fn) for name, fn in launches.items() if name != "exact GEMM"}
     us["exact GEMM"] = us[f"exact GEMM {tilex}"]
-    for c in CHAINS:
+    for c in (*CHAINS, "plain"):
         us[f"{c} total"] = us[f"{c} GEMM"] + us[f"{c} top-k"] + us[f"{c} sort"]
         names = [f"{c} GEMM", f"{c} top-k", f"{c} sort"]
         us[f"{c} sequence"] = time_us(lambda names=names: [launches[m]() for m in names])
@@ -189,7 +203,8 @@ def bench_shape(rt, shape: str, tokens: int, reps: int, inner: int,
 
 def table(rows: list[dict]) -> str:
     cols = ["rmsnorm"] + [f"{c} {p}" for c in ("fp32", "f16") for p in ("total",)] + [
-        "exact GEMM", "exact top-k", "exact sort", "exact total"]
+        "exact GEMM", "exact top-k", "exact sort", "exact total", "exact sequence",
+        "plain total", "plain sequence"]
     lines = ["| shape | tokens | " + " | ".join(cols) + " | target | exact vs fp32 / f16 "
              "| picks differ from canonical: fp32 / f16 / exact | re-ranked tokens | sort |",
              "|---" * (len(cols) + 7) + "|"]

@@ -59,7 +59,7 @@ class FakeModule:
     def __init__(self, rt, source):
         self.rt, self.text = rt, Path(source).read_text()
 
-    def kernel(self, name, types):
+    def kernel(self, name, types, overlap=False):
         return FakeKernel(self.rt, name, types)
 
 

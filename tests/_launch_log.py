@@ -16,7 +16,7 @@ class LoggedModule:
     def __init__(self, log: list, arg_types: str):
         self.log, self.arg_types = log, arg_types
 
-    def kernel(self, name: str, arg_types: str) -> LoggedKernel:
+    def kernel(self, name: str, arg_types: str, overlap: bool = False) -> LoggedKernel:
         assert arg_types == self.arg_types, (name, arg_types)
         return LoggedKernel(self.log, name)
 

@@ -44,7 +44,7 @@ class _Module:
     def __init__(self, rt: _Runtime):
         self.rt = rt
 
-    def kernel(self, name: str, arg_types: str) -> RecordingKernel:
+    def kernel(self, name: str, arg_types: str, overlap: bool = False) -> RecordingKernel:
         k = self.rt.kernels.setdefault(name, RecordingKernel())
         k.arg_types = arg_types  # type: ignore[attr-defined]
         return k

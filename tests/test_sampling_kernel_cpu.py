@@ -32,7 +32,7 @@ class Launches:
         rt = self
 
         class Module:
-            def kernel(self, name, codes):
+            def kernel(self, name, codes, overlap=False):
                 rt.loaded.append((Path(source), name, codes))
 
                 class Kernel:

@@ -30,6 +30,7 @@ PROCESS_SWITCHES = {
     "STRATA_DISABLE_PLUGINS": "strata_rt/formats/registry.py",
     "STRATA_HOST_MEMORY_CHECK": "strata_rt/config/hostmem.py",
     "STRATA_CUTLASS_DIR": "strata_rt/gemm/cutlass_gemm.py",
+    "STRATA_OVERLAP_LAUNCH": "strata_rt/runtime/device.py",
 }
 ENGINE_SWITCHES = frozenset(env.SWITCHES) - frozenset(PROCESS_SWITCHES)
 #: what may be read outside config/engine_config.py and the process switches' modules, and why

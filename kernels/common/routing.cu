@@ -20,6 +20,7 @@
 #include <stdint.h>
 
 #include "common/mma.cuh"
+#include "common/prior_grid.cuh"
 #include "common/route_keys.cuh"
 #include "common/route_pick.cuh"
 #define F16_LIMIT 65504.0f
@@ -302,6 +303,7 @@ __device__ __forceinline__ int block_exclusive_scan(int v, int* total) {
 extern "C" __global__ void __launch_bounds__(SCAN_THREADS)
 route_tile_scan(const unsigned* __restrict__ masks, int n_tiles, int* __restrict__ tile_off,
                 int* __restrict__ totals) {
+    wait_prior_grid();
     const unsigned* m = masks + (size_t)blockIdx.x * n_tiles;
     int* off = tile_off + (size_t)blockIdx.x * n_tiles;
     int carry = 0;
@@ -324,6 +326,7 @@ route_scatter(const int* __restrict__ ids, int tokens, int top_k, int n_experts,
               const unsigned* __restrict__ masks, const int* __restrict__ tile_off,
               const int* __restrict__ totals, int n_tiles, int* __restrict__ bounds,
               int* __restrict__ sorted_token, int* __restrict__ row_of) {
+    wait_prior_grid();
     __shared__ int start[512 + 1];
     if (threadIdx.x < 32) {
         const int lane = threadIdx.x;

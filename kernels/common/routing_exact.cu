@@ -38,6 +38,7 @@
 #include <stdint.h>
 
 #include "common/mma.cuh"
+#include "common/prior_grid.cuh"
 #include "common/route_keys.cuh"
 #include "common/route_pick.cuh"
 #include "common/route_split.cuh"
@@ -261,6 +262,7 @@ __device__ __forceinline__ void router_gemm_split(SPLIT_GEMM_PARAMS) {
 #define SPLIT_KERNEL(NAME, BM, BN, WM_, WN_, BK, STAGES, MINB)                                \
     extern "C" __global__ void __launch_bounds__(WM_ * WN_ * 32, MINB)                        \
         router_logits_split_##NAME(SPLIT_GEMM_PARAMS) {                                       \
+        wait_prior_grid();                                                                    \
         router_gemm_split<BM, BN, WM_, WN_, BK, STAGES>(SPLIT_GEMM_ARGS);                     \
     }
 SPLIT_KERNEL(m64, 64, 128, 2, 4, 64, 3, 1)
@@ -344,6 +346,7 @@ __device__ __forceinline__ void topk_exact_warp(
         int n_experts, int top_k, double c1, double c0, int* __restrict__ ids,                 \
         float* __restrict__ weights, unsigned* __restrict__ masks, int n_tiles,                \
         int* __restrict__ n_rerank, Rerank* __restrict__ rerank) {                             \
+        wait_prior_grid();                                                                     \
         topk_exact_warp<NPL>(logits, xnorm, tokens, n_experts, top_k, c1, c0, ids, weights,    \
                              masks, n_tiles, n_rerank, rerank);                                \
     }

@@ -5,6 +5,7 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
+#include "common/prior_grid.cuh"
 #include "common/route_keys.cuh"
 #include "common/route_pick.cuh"
 
@@ -149,6 +150,7 @@ __device__ __forceinline__ void rerank_block(
         int* __restrict__ n_rerank, const Rerank* __restrict__ rerank,                         \
         int* __restrict__ ids, float* __restrict__ weights, unsigned* __restrict__ masks,      \
         int n_tiles) {                                                                         \
+        wait_prior_grid();                                                                     \
         rerank_block<NPL>(logits, xn, router32, tokens, hidden, n_experts, top_k, n_rerank,    \
                           rerank, ids, weights, masks, n_tiles);                               \
     }

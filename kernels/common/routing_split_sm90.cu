@@ -31,6 +31,7 @@
 #include <stdint.h>
 
 #include "common/mma.cuh"
+#include "common/prior_grid.cuh"
 #include "common/route_split.cuh"
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -383,6 +384,7 @@ __device__ __forceinline__ void split_sm90_producer(SPLIT_GEMM_PARAMS) {
     extern "C" __global__ void __launch_bounds__(WARPS * 32, 1)                                \
         router_logits_split_##NAME(SPLIT_GEMM_PARAMS) {                                       \
         static_assert(BM_ == BM && BN_ == BN && BK_ == BK, "the one block shape");            \
+        wait_prior_grid();                                                                    \
         FN<STAGES, WARPS>(SPLIT_GEMM_ARGS);                                                   \
     }
 

@@ -23,7 +23,8 @@ Where each is read (tests/test_switches.py holds every module to it):
   it runs rather than what an engine computes, stay where they are used: STRATA_KERNEL_CACHE
   and STRATA_NVCC in runtime/compile.py, STRATA_CONVERT_CACHE in weights/convert_cache.py, STRATA_PLUGINS and STRATA_DISABLE_PLUGINS in
   formats/registry.py (the CLI's `--plugins` sets STRATA_PLUGINS in cli/__init__.py),
-  STRATA_HOST_MEMORY_CHECK in config/hostmem.py, STRATA_CUTLASS_DIR in gemm/cutlass_gemm.py. Outside
+  STRATA_HOST_MEMORY_CHECK in config/hostmem.py, STRATA_CUTLASS_DIR in gemm/cutlass_gemm.py,
+  STRATA_OVERLAP_LAUNCH in runtime/device.py (how kernels launch, not what they compute). Outside
   this list, gemm/cublas.py reads CUDA_HOME and CUDA_PATH to find the CUDA toolkit's libcublas.
 """
 
@@ -154,6 +155,11 @@ SWITCHES: dict[str, Switch] = {
         Switch("STRATA_CUTLASS_DIR", "path",
                "a CUTLASS checkout (include/, tools/util/include/) to build the sm_90 "
                "grouped GEMM with, instead of the nvidia-cutlass package's headers."),
+        Switch("STRATA_OVERLAP_LAUNCH", "flag",
+               "0: launch every kernel ordinarily; by default (1) the kernels that wait for the "
+               "grid before them in the kernel (the routing chain) launch overlapped with it "
+               "on sm_90 and later (programmatic dependent launch), the same results without "
+               "the launch gap."),
         Switch("STRATA_HOST_MEMORY_CHECK", "flag",
                "0: skip the check that the host has the memory a run needs before it "
                "allocates (for systems that overcommit or swap); sizes beyond a 64-bit "

@@ -70,7 +70,7 @@ class Recorder:
                                            tuple(args), shared))
 
         class _Module:
-            def kernel(self, name: str, arg_types: str) -> _Kernel:
+            def kernel(self, name: str, arg_types: str, overlap: bool = False) -> _Kernel:
                 rec.prepared.append(Prepared(Path(source), name, arg_types, frozen,
                                              tuple(extra_flags)))
                 return _Kernel(name, arg_types)

@@ -13,6 +13,8 @@ class DriverContext(Protocol):
     drv: Any
     #: the opt-in shared-memory limit of one block, bytes
     max_shared_optin: int
+    #: whether kernels asked for with overlap=True launch overlapped (runtime/overlap.py)
+    overlap_launches: bool
 
     def _own(self, obj: Any) -> None:
         """Registers something with a `free()` that must run before the context dies."""

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..config import env
 from ..errors import CudaUnavailableError, StrataError
 from .compile import Defines, compile_cubin
 from .gate import HostGate
@@ -75,6 +76,9 @@ class Runtime:
         self.name = self.device.name()
         self.max_shared_optin = int(self.device.get_attribute(
             drv.device_attribute.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN))
+        #: kernels asked for with overlap=True launch overlapped (programmatic dependent
+        #: launch, sm_90 and later); STRATA_OVERLAP_LAUNCH=0 launches every kernel ordinarily
+        self.overlap_launches = major >= 9 and env.flag("STRATA_OVERLAP_LAUNCH", True)
         self._owned: weakref.WeakSet = weakref.WeakSet()
         self._modules: dict[Path, Module] = {}
         self.context = self.device.make_context()

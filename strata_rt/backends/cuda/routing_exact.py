@@ -319,13 +319,15 @@ class ExactRoutingKernels:
         self.tiles = {name: t for name, t in SPLIT_TILES.items() if runs_on(t, self.arch)}
         sm90 = (runtime.module(SM90_SOURCE, arch=SM90_ARCH) if self.arch == SM90_RUNS_ON
                 else None)
+        # every launch of the chain waits for the grid before it in the kernel (prior_grid.cuh)
         self._gemm = {name: (sm90 if isinstance(t, WgmmaSplitTile) and sm90 else mod).kernel(
-            f"router_logits_split_{name}", "PPPPPiiif") for name, t in self.tiles.items()}
-        self._topk = {npl: mod.kernel(f"topk_exact_w{npl}", "PPiiiddPPPiPP")
+            f"router_logits_split_{name}", "PPPPPiiif", overlap=True)
+            for name, t in self.tiles.items()}
+        self._topk = {npl: mod.kernel(f"topk_exact_w{npl}", "PPiiiddPPPiPP", overlap=True)
                       for npl in _TOPK_NPL}
         rerank = runtime.module(RERANK_SOURCE)
-        self._rerank = {npl: rerank.kernel(f"route_rerank_w{npl}", "PPPiiiiPPPPPi")
-                        for npl in _TOPK_NPL}
+        self._rerank = {npl: rerank.kernel(f"route_rerank_w{npl}", "PPPiiiiPPPPPi",
+                                           overlap=True) for npl in _TOPK_NPL}
 
     def tile(self, tokens: int, hidden: int) -> str:
         """The split GEMM tile for a chunk of `tokens` on this device."""

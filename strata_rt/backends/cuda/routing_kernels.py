@@ -291,8 +291,8 @@ class RoutingKernels:
         self._gemm = {name: mod.kernel(f"router_logits_f16_{name}", "PPPiii")
                       for name in GEMM_TILES}
         self._topk = {npl: mod.kernel(f"topk_softmax_w{npl}", "PiiiPPPi") for npl in _TOPK_NPL}
-        self._scan = mod.kernel("route_tile_scan", "PiPP")
-        self._scatter = mod.kernel("route_scatter", "PiiiPPPiPPP")
+        self._scan = mod.kernel("route_tile_scan", "PiPP", overlap=True)
+        self._scatter = mod.kernel("route_scatter", "PiiiPPPiPPP", overlap=True)
 
     def logits(self, stream: Stream, xn: int, router16: int, logits: int, tokens: int,
                hidden: int, n_experts: int, tile: str | None = None) -> None:
