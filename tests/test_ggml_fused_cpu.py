@@ -29,6 +29,8 @@ from strata_rt.gemm.ggml_fused import (
     pick_tile,
 )
 from strata_rt.gemm.ggml_gather import GATHER_ARG_TYPES, GgmlGather
+from strata_rt.gemm.ggml_gemv import GEMV_THREADS, PARTS
+from strata_rt.gemm.ggml_gemv import kernel_name as gemv_kernel_name
 from strata_rt.runtime.compile import compile_cubin, kernel_jobs, nvcc_available
 
 needs_nvcc = pytest.mark.skipif(not nvcc_available(), reason="nvcc not found (PATH or "
@@ -122,14 +124,19 @@ def test_one_type_build_fits_its_register_budget(tmp_path, name):
 
 @needs_nvcc
 def test_plugin_source_builds_its_gather_and_fused_kernels(tmp_path):
-    """The example plugin's one macro line instantiates its gather and every fused tile."""
+    """The example plugin's one macro line instantiates its gather, every fused tile and its
+    two matrix-vector kernels."""
 
     class Gather:
         threads, min_blocks = 256, 1
 
+    class Gemv:
+        threads, min_blocks = GEMV_THREADS, 1
+
     tiles = {kernel_name(TQ2, t, at): t for t in TILES for at in (False, True)}
-    assert_fits_registers(PLUGIN_SOURCE, "sm_90", {**tiles, "ggml_gather_TQ2_0": Gather},
-                          tmp_path)
+    gemv = {gemv_kernel_name(TQ2, part): Gemv for part in PARTS}
+    assert_fits_registers(PLUGIN_SOURCE, "sm_90",
+                          {**tiles, **gemv, "ggml_gather_TQ2_0": Gather}, tmp_path)
 
 
 @needs_nvcc

@@ -42,10 +42,15 @@ class _FakeLib:
         return 0
 
     def cuLaunchKernelEx(self, cfg, f, params, extra):
+        # the argument values are read now, as the driver copies them at the launch: their
+        # storage is the launcher's own and gone once it returns
         c = cfg._obj
         a = c.attrs.contents
+        read = [ctypes.c_uint64, ctypes.c_int32, ctypes.c_uint32, ctypes.c_float,
+                ctypes.c_double, ctypes.c_int64]
+        values = [t.from_address(params[i]).value for i, t in enumerate(read)]
         self.calls.append(("launch", tuple(c.grid), tuple(c.block), c.shared, c.stream,
-                           a.id, a.value, c.n_attrs, params, extra))
+                           a.id, a.value, c.n_attrs, values, extra))
         return 0
 
 
@@ -56,12 +61,9 @@ def test_arguments_are_packed_in_order_with_their_types():
     fn.launch((3, 2, 1), (128, 1, 1), 0xABC0, "PiIfdq",
               (0xDEAD_BEEF_0000, -7, 4_000_000_000, 1.5, 0.1, -(2**40)), 4096)
     assert lib.calls[0] == ("attr", 8, 99_000)
-    _, grid, block, shared, stream, aid, aval, n, params, extra = lib.calls[1]
+    _, grid, block, shared, stream, aid, aval, n, got, extra = lib.calls[1]
     assert (grid, block, shared, stream, aid, aval, n, extra) == (
         (3, 2, 1), (128, 1, 1), 4096, 0xABC0, 6, 1, 1, None)
-    read = [ctypes.c_uint64, ctypes.c_int32, ctypes.c_uint32, ctypes.c_float, ctypes.c_double,
-            ctypes.c_int64]
-    got = [t.from_address(params[i]).value for i, t in enumerate(read)]
     assert got == [0xDEAD_BEEF_0000, -7, 4_000_000_000, 1.5, 0.1, -(2**40)]
 
 
