@@ -197,6 +197,11 @@ def test_tile_table_comes_from_the_kernel_sources():
         assert rule[-1][0] is None
         assert all(runs_on(SPLIT_TILES[name], arch) for _, name in rule)
     assert split_tile(9000, 4096, tile_rule("sm_90")) == "wg64s3"
+    sm90 = tile_rule("sm_90")
+    assert [split_tile(t, 4096, sm90) for t in (1, 1024, 1025, 1536, 4096, 4097)] == [
+        "m16k128", "m16k128", "wg128p", "wg128p", "wg128p", "wg64s3"]
+    # 1,088 is no multiple of m16k128's K step: m16 takes its short chunks
+    assert [split_tile(t, 1088, sm90) for t in (1000, 1025)] == ["m16", "wg128p"]
     assert split_tile(9000, 4096, tile_rule("sm_80")) == "m64"
 
 

@@ -77,25 +77,32 @@ __device__ __forceinline__ void warp_pick(const Key (&key)[NPL], int picks, int 
 }
 
 // float32 softmax of v over the experts (lane l sums l, l + 32, ... then an xor tree), taken at
-// each lane's pick and renormalised over the k picks in pick order; m is the largest v.
+// each lane's pick and renormalised over the k picks in pick order; m is the largest v and
+// mine the value of this lane's pick (its v, -0 read as +0).
 template <int NPL>
-__device__ __forceinline__ float pick_weight(const float (&v)[NPL], int n_experts, int top_k,
-                                             float m, int my_id, int lane) {
+__device__ __forceinline__ float pick_weight_of(const float (&v)[NPL], int n_experts, int top_k,
+                                                float m, float mine, int lane) {
     float s = 0.0f;
 #pragma unroll
     for (int i = 0; i < NPL; ++i)
         if (lane + 32 * i < n_experts) s = __fadd_rn(s, expf(v[i] - m));
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, o));
-    float mine = 0.0f;  // the pick's value, from the lane that holds it
-#pragma unroll
-    for (int i = 0; i < NPL; ++i) {
-        const float vi = __shfl_sync(0xffffffffu, v[i], my_id & 31);
-        if (i == (my_id >> 5)) mine = vi;
-    }
-    const float p = lane < top_k ? __fdiv_rn(expf(__fadd_rn(mine, 0.0f) - m), s) : 0.0f;
+    const float p = lane < top_k ? __fdiv_rn(expf(mine - m), s) : 0.0f;
     float sum_top = 0.0f;
     for (int j = 0; j < top_k; ++j) sum_top = __fadd_rn(sum_top, __shfl_sync(0xffffffffu, p, j));
     return __fdiv_rn(p, sum_top);
 }
 
+// The same, the pick's value fetched from the lane that holds expert my_id.
+template <int NPL>
+__device__ __forceinline__ float pick_weight(const float (&v)[NPL], int n_experts, int top_k,
+                                             float m, int my_id, int lane) {
+    float mine = 0.0f;
+#pragma unroll
+    for (int i = 0; i < NPL; ++i) {
+        const float vi = __shfl_sync(0xffffffffu, v[i], my_id & 31);
+        if (i == (my_id >> 5)) mine = vi;
+    }
+    return pick_weight_of<NPL>(v, n_experts, top_k, m, __fadd_rn(mine, 0.0f), lane);
+}

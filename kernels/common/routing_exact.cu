@@ -327,7 +327,8 @@ __device__ __forceinline__ void topk_exact_warp(
             }
         } else {
             const float m = key_float(__shfl_sync(0xffffffffu, my_key, 0));
-            const float w = pick_weight<NPL>(v, n_experts, top_k, m, my_id, lane);
+            // the pick's key is its value (-0 as +0): no lane holds a NaN on this path
+            const float w = pick_weight_of<NPL>(v, n_experts, top_k, m, key_float(my_key), lane);
             if (lane < top_k) {
                 ids[(size_t)t * top_k + lane] = my_id;
                 weights[(size_t)t * top_k + lane] = w;

@@ -58,11 +58,16 @@ __device__ __forceinline__ void rerank_block(
     int* __restrict__ ids, float* __restrict__ weights, unsigned* __restrict__ masks,
     int n_tiles) {
     __shared__ double canon_s[32 * NPL];
+    __shared__ int pick_s[32 * NPL];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int n = min(*n_rerank, tokens);
     for (int j = blockIdx.x; j < n; j += gridDim.x) {
         const Rerank r = rerank[j];
         const int t = r.token;
+        // the token's row of x, which the canonical sums read once the candidates are known:
+        // asked into L2 now, beside the load of its logits
+        for (int c = 32 * threadIdx.x; c < hidden; c += 32 * blockDim.x)
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(xn + (size_t)t * hidden + c));
         const double gap = (double)r.gap, thresh = (double)r.kth - gap;
         float v[NPL];
         bool cand[NPL], iso[NPL];
@@ -113,9 +118,30 @@ __device__ __forceinline__ void rerank_block(
                 key[i] = cand[i] ? max(double_key(iso[i] ? (double)v[i] : c), 1ull) : 0ull;
                 if (r.all && cand[i]) v[i] = __double2float_rn(c);
             }
-            int my_id = 0;
-            unsigned long long my_key = 0ull;
-            warp_pick<NPL, unsigned long long>(key, top_k, lane, my_id, my_key);
+            // each candidate's place among the candidates: how many have a larger key, or the
+            // same key and a lower id (the order warp_pick gives); places below top_k are the
+            // picks, and pick_s[j] holds the expert of place j
+            int place[NPL];
+#pragma unroll
+            for (int i = 0; i < NPL; ++i) place[i] = 0;
+#pragma unroll
+            for (int i2 = 0; i2 < NPL; ++i2) {
+                unsigned m = __ballot_sync(0xffffffffu, key[i2] != 0ull);
+                while (m) {
+                    const int l2 = __ffs(m) - 1;
+                    m &= m - 1;
+                    const unsigned long long k2 = __shfl_sync(0xffffffffu, key[i2], l2);
+#pragma unroll
+                    for (int i = 0; i < NPL; ++i)
+                        place[i] += k2 > key[i] ||
+                                    (k2 == key[i] && (i2 < i || (i2 == i && l2 < lane)));
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < NPL; ++i)
+                if (key[i] != 0ull && place[i] < top_k) pick_s[place[i]] = lane + 32 * i;
+            __syncwarp();
+            const int my_id = lane < top_k ? pick_s[lane] : 0;
             float mx = -__int_as_float(0x7f800000);
 #pragma unroll
             for (int i = 0; i < NPL; ++i)
@@ -132,11 +158,12 @@ __device__ __forceinline__ void rerank_block(
         }
         __syncthreads();  // canon_s is free for the block's next token
     }
-    // the last block to finish (every block read the count above) zeroes the count and itself,
-    // so the next top-k launch lists from zero whoever launches it
-    if (threadIdx.x == 0) {
-        __threadfence();
-        if (atomicAdd(n_rerank + 1, 1) == (int)gridDim.x - 1) {
+    // the last block with a token to finish zeroes the count and itself, so the next top-k
+    // launch lists from zero whoever launches it. Each of those min(n, gridDim.x) blocks read
+    // the count before its last barrier; a block without a token takes no part (it read the
+    // count too, or reads zero after the reset: either way it has nothing to do)
+    if (threadIdx.x == 0 && (int)blockIdx.x < n) {
+        if (atomicAdd(n_rerank + 1, 1) == min(n, (int)gridDim.x) - 1) {
             n_rerank[0] = 0;
             n_rerank[1] = 0;
         }

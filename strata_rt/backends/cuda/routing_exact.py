@@ -132,11 +132,13 @@ SPLIT_TILES: dict[str, SplitTile] = _tiles_of_source()
 #: bench/bench_routing.py's tile table on an H200: many 16-token blocks up to 2,048 tokens (one
 #: wave), 64-token blocks beyond; m16k128 was within 2% of m16 everywhere
 SPLIT_TILE_RULE: tuple[tuple[int | None, str], ...] = ((2048, "m16"), (None, "m64"))
-#: the rule on sm_90 devices: the three-stage wgmma tile takes the chunks beyond 2,048 tokens,
-#: where it beats every mma.sync tile; m16 stays ahead up to 2,048. The producer-warpgroup
-#: tiles (wg64p, wg128p) cut a block's latency at small chunks but not the time at 8,192
-#: tokens (bench/results/routing-h200-producer.md)
-SPLIT_TILE_RULE_SM90: tuple[tuple[int | None, str], ...] = ((2048, "m16"), (None, "wg64s3"))
+#: the rule on sm_90 devices (bench/results/routing-h200-tiles.md, both router shapes): m16k128
+#: up to 1,024 tokens (m16 where the hidden size is no multiple of its K step of 128), the
+#: producer-warpgroup tile wg128p up to 4,096 (from 1,536 tokens on it beats m16 by 10-16%,
+#: whose blocks no longer fit one wave), and the three-stage wgmma tile beyond, where neither
+#: producer tile keeps up
+SPLIT_TILE_RULE_SM90: tuple[tuple[int | None, str], ...] = (
+    (1024, "m16k128"), (1024, "m16"), (4096, "wg128p"), (None, "wg64s3"))
 
 
 def tile_rule(arch: str) -> tuple[tuple[int | None, str], ...]:
