@@ -29,7 +29,7 @@ from strata_rt.gemm.ggml_fused import (
     pick_tile,
 )
 from strata_rt.gemm.ggml_gather import GATHER_ARG_TYPES, GgmlGather
-from strata_rt.gemm.ggml_gemv import GEMV_THREADS, PARTS
+from strata_rt.gemm.ggml_gemv import GEMV_ARG_TYPES, GEMV_SOURCE, GEMV_THREADS, PARTS, GgmlGemv
 from strata_rt.gemm.ggml_gemv import kernel_name as gemv_kernel_name
 from strata_rt.runtime.compile import compile_cubin, kernel_jobs, nvcc_available
 
@@ -163,6 +163,28 @@ def test_builtin_modules_are_built_per_type_on_first_use():
                           (FUSED_SOURCE, {ONLY_DEFINE: "Q6_K"})]
     assert rt.kernels["ggml_fused_Q4_K_m32"].arg_types == MMQ_ARG_TYPES  # type: ignore
     assert rt.kernels["ggml_fused_at_Q6_K_m64"].arg_types == AT_ARG_TYPES  # type: ignore
+
+
+def test_gemv_modules_are_built_per_type_and_a_plugins_once():
+    rt = _Runtime()
+    gv = GgmlGemv(rt)  # type: ignore[arg-type]
+    assert rt.modules == []
+    for gtype, part in (("Q4_K", "gate_up"), ("Q4_K", "down"), ("Q6_K", "down"),
+                        ("Q4_K", "gate_up")):
+        gv.kernel(gtype, part)
+    assert rt.modules == [(GEMV_SOURCE, {ONLY_DEFINE: "Q4_K"}),
+                          (GEMV_SOURCE, {ONLY_DEFINE: "Q6_K"})]
+    assert rt.kernels["ggml_gemv_down_Q6_K"].arg_types == GEMV_ARG_TYPES  # type: ignore
+    # a plugin's one module loads when the launcher is made, once for all its kernels
+    rt = _Runtime()
+    gp = GgmlGemv(rt, source=PLUGIN_SOURCE, decoders=[TQ2])  # type: ignore[arg-type]
+    assert rt.modules == [(PLUGIN_SOURCE, None)]
+    gp.kernel("TQ2_0", "gate_up")
+    gp.kernel("TQ2_0", "down")
+    assert rt.modules == [(PLUGIN_SOURCE, None)]
+    assert set(rt.kernels) == {"ggml_gemv_gate_up_TQ2_0", "ggml_gemv_down_TQ2_0"}
+    with pytest.raises(FormatError, match="part"):
+        gp.kernel("TQ2_0", "up")
 
 
 @pytest.mark.parametrize("name", ["Q4_K", "F16", "IQ3_XXS", "MXFP4"])

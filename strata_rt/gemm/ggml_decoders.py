@@ -29,6 +29,8 @@ from ..formats.launchers import MmqTile
 from ..resources import KERNELS_ROOT
 
 TEMPLATES_HEADER = KERNELS_ROOT / "ggml" / "templates.cuh"
+#: the define that makes a built-in source (fused.cu, gemv.cu) build one type's kernels
+ONLY_DEFINE = "STRATA_GGML_ONLY"
 #: values of K one stage takes (1-value types: 256 bytes of a row), as FusedStage
 STAGE_VALUES = 256
 STAGE_ROW_BYTES_1 = 256
@@ -129,7 +131,7 @@ def own_decoders(decoders: Iterable[DecoderSpec]) -> dict[str, DecoderSpec]:
 
 
 class DecoderModule:
-    """What both GGML launchers (GgmlGather, GgmlFused) keep of where their kernels come from:
+    """What the GGML launchers (GgmlGather, GgmlFused, GgmlGemv) keep of where their kernels come from:
     the built-in types' source, or a plugin's `source` with the `decoders` its
     STRATA_GGML_KERNELS lines instantiate; and which spec a launch of a given type runs."""
 
@@ -141,10 +143,21 @@ class DecoderModule:
         if not self._builtin and not self._own:
             raise FormatError(f"{kind} over {source}: name its decoders (DecoderSpec)")
         self.source = builtin_source if source is None else Path(source)
+        self._modules: dict[str, Any] = {}
 
     def decoder(self, gtype: GgmlKey) -> DecoderSpec:
         """The spec this launcher runs for gtype (FormatError when it has no kernel for it)."""
         return resolve(gtype, self._own, self._builtin)
+
+    def module_of(self, d: DecoderSpec) -> Any:
+        """The loaded module holding d's kernels: for the built-in types one module per type
+        (the source built with ONLY_DEFINE=<type>, compiled when first asked for), else the
+        plugin's one module, loaded once."""
+        key = d.name if self._builtin else ""
+        if key not in self._modules:
+            self._modules[key] = (self.runtime.module(self.source, defines={ONLY_DEFINE: key})
+                                  if self._builtin else self.runtime.module(self.source))
+        return self._modules[key]
 
 
 @dataclass(frozen=True)

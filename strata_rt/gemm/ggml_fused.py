@@ -28,6 +28,7 @@ from ..formats.contract import MMQ_GROUP
 from ..formats.launchers import MMQ_ARG_TYPES, launch_mmq, pick_by_rows
 from ..resources import KERNELS_ROOT
 from .ggml_decoders import (
+    ONLY_DEFINE,
     TILES,
     TILES_BY_NAME,
     DecoderModule,
@@ -41,8 +42,6 @@ if TYPE_CHECKING:
     from ..runtime import Runtime
 
 FUSED_SOURCE = KERNELS_ROOT / "ggml" / "fused.cu"
-#: the define that makes fused.cu build one type's kernels
-ONLY_DEFINE = "STRATA_GGML_ONLY"
 #: the in-place kernels' arguments: 16 image addresses before the MMQ arguments (no weights)
 AT_ARG_TYPES = "P" * MMQ_GROUP + MMQ_ARG_TYPES.replace("P", "", 1)
 #: (largest rows_hint, tile) in order; beyond the last bound the last tile. First guesses, as
@@ -93,21 +92,14 @@ class GgmlFused(DecoderModule):
     def __init__(self, runtime: Runtime, *, source: str | Path | None = None,
                  decoders: Iterable[DecoderSpec] = ()):
         super().__init__(runtime, "GgmlFused", FUSED_SOURCE, source=source, decoders=decoders)
-        self._module: Any = None if self._builtin else runtime.module(self.source)
-        self._modules: dict[str, Any] = {}
+        if not self._builtin:  # a plugin's module loads now: its build errors surface here
+            self.module_of(next(iter(self._own.values())))
         self._kernels: dict[tuple[str, str, bool], Any] = {}
 
     def kernel(self, d: DecoderSpec, tile: FusedTile, in_place: bool = False) -> Any:
         key = (d.name, tile.name, in_place)
         if key not in self._kernels:
-            if self._builtin:
-                if d.name not in self._modules:
-                    self._modules[d.name] = self.runtime.module(
-                        self.source, defines={ONLY_DEFINE: d.name})
-                mod = self._modules[d.name]
-            else:
-                mod = self._module
-            self._kernels[key] = mod.kernel(kernel_name(d, tile, in_place),
+            self._kernels[key] = self.module_of(d).kernel(kernel_name(d, tile, in_place),
                                             AT_ARG_TYPES if in_place else MMQ_ARG_TYPES)
         return self._kernels[key]
 

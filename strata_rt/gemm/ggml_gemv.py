@@ -28,7 +28,6 @@ import numpy as np
 from ..errors import FormatError
 from ..resources import KERNELS_ROOT
 from .ggml_decoders import DecoderModule, DecoderSpec, GgmlKey
-from .ggml_fused import ONLY_DEFINE
 
 if TYPE_CHECKING:
     from ..runtime import Runtime
@@ -79,8 +78,8 @@ class GgmlGemv(DecoderModule):
     def __init__(self, runtime: Runtime, *, source: str | Path | None = None,
                  decoders: Iterable[DecoderSpec] = ()):
         super().__init__(runtime, "GgmlGemv", GEMV_SOURCE, source=source, decoders=decoders)
-        self._module: Any = None if self._builtin else runtime.module(self.source)
-        self._modules: dict[str, Any] = {}
+        if not self._builtin:  # a plugin's module loads now: its build errors surface here
+            self.module_of(next(iter(self._own.values())))
         self._kernels: dict[tuple[str, str], Any] = {}
 
     def kernel(self, gtype: GgmlKey, part: str) -> Any:
@@ -89,14 +88,7 @@ class GgmlGemv(DecoderModule):
             raise FormatError(f"matrix-vector part {part!r}: one of {', '.join(PARTS)}")
         key = (d.name, part)
         if key not in self._kernels:
-            if self._builtin:
-                if d.name not in self._modules:
-                    self._modules[d.name] = self.runtime.module(
-                        self.source, defines={ONLY_DEFINE: d.name})
-                mod = self._modules[d.name]
-            else:
-                mod = self._module
-            self._kernels[key] = mod.kernel(kernel_name(d, part), GEMV_ARG_TYPES)
+            self._kernels[key] = self.module_of(d).kernel(kernel_name(d, part), GEMV_ARG_TYPES)
         return self._kernels[key]
 
     def launch(self, stream: Any, part: str, gtype: GgmlKey, experts: int, offset: int,
