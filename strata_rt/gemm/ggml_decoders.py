@@ -131,33 +131,39 @@ def own_decoders(decoders: Iterable[DecoderSpec]) -> dict[str, DecoderSpec]:
 
 
 class DecoderModule:
-    """What the GGML launchers (GgmlGather, GgmlFused, GgmlGemv) keep of where their kernels come from:
-    the built-in types' source, or a plugin's `source` with the `decoders` its
-    STRATA_GGML_KERNELS lines instantiate; and which spec a launch of a given type runs."""
+    """What the GGML launchers (gather, rows, fused GEMM, matrix-vector) keep of where their
+    kernels come from: the built-in types' source, or a plugin's `source` with the `decoders`
+    its STRATA_GGML_KERNELS lines instantiate; which spec a launch of a given type runs; and
+    the loaded modules. One module holds every type's kernels, loaded at once (a plugin's
+    build errors surface when the launcher is made), except for a built-in source with
+    `per_type`, built once per type with ONLY_DEFINE=<type> when that type is first asked for
+    (the fused and matrix-vector sources, whose full builds take minutes)."""
 
     def __init__(self, runtime: Any, kind: str, builtin_source: Path, *,
-                 source: str | Path | None = None, decoders: Iterable[DecoderSpec] = ()):
+                 source: str | Path | None = None, decoders: Iterable[DecoderSpec] = (),
+                 per_type: bool = False):
         self.runtime = runtime
         self._own = own_decoders(decoders)
         self._builtin = source is None
         if not self._builtin and not self._own:
             raise FormatError(f"{kind} over {source}: name its decoders (DecoderSpec)")
         self.source = builtin_source if source is None else Path(source)
+        self._per_type = per_type and self._builtin
         self._modules: dict[str, Any] = {}
+        if not self._per_type:
+            self._modules[""] = runtime.module(self.source)
 
     def decoder(self, gtype: GgmlKey) -> DecoderSpec:
         """The spec this launcher runs for gtype (FormatError when it has no kernel for it)."""
         return resolve(gtype, self._own, self._builtin)
 
-    def module_of(self, d: DecoderSpec) -> Any:
-        """The loaded module holding d's kernels: for the built-in types one module per type
-        (the source built with ONLY_DEFINE=<type>, compiled when first asked for), else the
-        plugin's one module, loaded once."""
-        key = d.name if self._builtin else ""
-        if key not in self._modules:
-            self._modules[key] = (self.runtime.module(self.source, defines={ONLY_DEFINE: key})
-                                  if self._builtin else self.runtime.module(self.source))
-        return self._modules[key]
+    def module_of(self, name: str) -> Any:
+        """The loaded module holding the kernels of the type called `name` (class doc)."""
+        if not self._per_type:
+            return self._modules[""]
+        if name not in self._modules:
+            self._modules[name] = self.runtime.module(self.source, defines={ONLY_DEFINE: name})
+        return self._modules[name]
 
 
 @dataclass(frozen=True)

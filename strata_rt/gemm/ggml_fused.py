@@ -91,16 +91,15 @@ class GgmlFused(DecoderModule):
 
     def __init__(self, runtime: Runtime, *, source: str | Path | None = None,
                  decoders: Iterable[DecoderSpec] = ()):
-        super().__init__(runtime, "GgmlFused", FUSED_SOURCE, source=source, decoders=decoders)
-        if not self._builtin:  # a plugin's module loads now: its build errors surface here
-            self.module_of(next(iter(self._own.values())))
+        super().__init__(runtime, "GgmlFused", FUSED_SOURCE, source=source, decoders=decoders,
+                         per_type=True)
         self._kernels: dict[tuple[str, str, bool], Any] = {}
 
     def kernel(self, d: DecoderSpec, tile: FusedTile, in_place: bool = False) -> Any:
         key = (d.name, tile.name, in_place)
         if key not in self._kernels:
-            self._kernels[key] = self.module_of(d).kernel(kernel_name(d, tile, in_place),
-                                            AT_ARG_TYPES if in_place else MMQ_ARG_TYPES)
+            self._kernels[key] = self.module_of(d.name).kernel(
+                kernel_name(d, tile, in_place), AT_ARG_TYPES if in_place else MMQ_ARG_TYPES)
         return self._kernels[key]
 
     def native_image_bytes(self, gtype: GgmlKey, m: int, k: int) -> int:

@@ -69,13 +69,12 @@ class GgmlGather(DecoderModule):
                  decoders: Iterable[DecoderSpec] = ()):
         super().__init__(runtime, "GgmlGather", GATHER_SOURCE, source=source,
                          decoders=decoders)
-        self._module = runtime.module(self.source)
         self._kernels: dict[str, Any] = {}
 
     def kernel(self, t: GgmlType | DecoderSpec) -> Any:
         if t.name not in self._kernels:
-            self._kernels[t.name] = self._module.kernel(f"ggml_gather_{t.name}",
-                                                        GATHER_ARG_TYPES)
+            self._kernels[t.name] = self.module_of(t.name).kernel(f"ggml_gather_{t.name}",
+                                                                  GATHER_ARG_TYPES)
         return self._kernels[t.name]
 
     def gather(self, stream: Any, gtype: GgmlKey, srcs: Sequence[int], dst: int, rows: int,

@@ -77,9 +77,8 @@ class GgmlGemv(DecoderModule):
 
     def __init__(self, runtime: Runtime, *, source: str | Path | None = None,
                  decoders: Iterable[DecoderSpec] = ()):
-        super().__init__(runtime, "GgmlGemv", GEMV_SOURCE, source=source, decoders=decoders)
-        if not self._builtin:  # a plugin's module loads now: its build errors surface here
-            self.module_of(next(iter(self._own.values())))
+        super().__init__(runtime, "GgmlGemv", GEMV_SOURCE, source=source, decoders=decoders,
+                         per_type=True)
         self._kernels: dict[tuple[str, str], Any] = {}
 
     def kernel(self, gtype: GgmlKey, part: str) -> Any:
@@ -88,7 +87,8 @@ class GgmlGemv(DecoderModule):
             raise FormatError(f"matrix-vector part {part!r}: one of {', '.join(PARTS)}")
         key = (d.name, part)
         if key not in self._kernels:
-            self._kernels[key] = self.module_of(d).kernel(kernel_name(d, part), GEMV_ARG_TYPES)
+            self._kernels[key] = self.module_of(d.name).kernel(kernel_name(d, part),
+                                                               GEMV_ARG_TYPES)
         return self._kernels[key]
 
     def launch(self, stream: Any, part: str, gtype: GgmlKey, experts: int, offset: int,

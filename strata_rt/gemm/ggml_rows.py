@@ -46,13 +46,13 @@ class GgmlRows(DecoderModule):
 
     def __init__(self, runtime: Runtime):
         super().__init__(runtime, "GgmlRows", ROWS_SOURCE)
-        self._module = runtime.module(self.source)
         self._kernels: dict[str, Any] = {}
 
     def kernel(self, gtype: GgmlKey) -> Any:
         t = self.decoder(gtype)
         if t.name not in self._kernels:
-            self._kernels[t.name] = self._module.kernel(f"ggml_rows_{t.name}", ROWS_ARG_TYPES)
+            self._kernels[t.name] = self.module_of(t.name).kernel(f"ggml_rows_{t.name}",
+                                                                  ROWS_ARG_TYPES)
         return self._kernels[t.name]
 
     def rows(self, stream: Any, gtype: GgmlKey, table: int, ids: int, out: int, n_ids: int,
