@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from mmq_common import median_ms, runtime_event_timer, tflops, torch_event_timer  # noqa: E402
 
-from strata_rt.backends.cuda.dense_kernels import GEMM_IMPLS, DenseKernels, workspace_bytes  # noqa: E402
+from strata_rt.backends.cuda.dense.kernels import GEMM_IMPLS, DenseKernels, workspace_bytes  # noqa: E402
 
 #: name -> (hidden, q_dim, kv_dim)
 MODELS = {"30b": (2048, 4096, 512), "235b": (4096, 8192, 512)}

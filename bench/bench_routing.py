@@ -16,7 +16,7 @@ kernel's blocks start while the one before finishes, runtime/overlap.py); "plain
 chain launched ordinarily, timed in the same run. The exact chain's split GEMM is also timed
 with every tile whose K step divides the hidden size (second table). Inputs: xn from
 rmsnorm_rows on random hidden states, a random router (std 2/sqrt(hidden)); each chain's picks
-are compared with the canonical ones (routing_exact.route_exact: fraction of tokens whose
+are compared with the canonical ones (routing.exact.route_exact: fraction of tokens whose
 expert set differs), the exact chain's ids and sort must equal them exactly, and the tokens its
 top-k re-ranked are counted.
 """
@@ -34,7 +34,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from strata_rt.backends.cuda.routing_exact import (  # noqa: E402
+from strata_rt.backends.cuda.routing.exact import (  # noqa: E402
     SPLIT_TILES,
     ExactRoutingKernels,
     exact_bound,
@@ -43,7 +43,7 @@ from strata_rt.backends.cuda.routing_exact import (  # noqa: E402
     router_scale,
     split_router,
 )
-from strata_rt.backends.cuda.routing_kernels import (  # noqa: E402
+from strata_rt.backends.cuda.routing.kernels import (  # noqa: E402
     RoutingKernels,
     counting_sort_ref,
     exact_workspace,

@@ -223,7 +223,7 @@ def test_whole_model_control_flow_on_fake_runtime(fake, monkeypatch, dense, fixe
     """A whole model on the CUDA backend, without a GPU: the layer's five dense launches per
     Attention (norm, qkv GEMM, q/k norms + RoPE, attention, o GEMM accumulating into x), the
     head per chunk, dense copies only when streaming, and the hazard checker on every plan."""
-    import strata_rt.backends.cuda.dense_kernels as dk
+    import strata_rt.backends.cuda.dense.kernels as dk
     from strata_rt.models.qwen3 import Qwen3Model, Qwen3Spec
 
     monkeypatch.setattr(dk, "Cublas", _RecordingCublas)

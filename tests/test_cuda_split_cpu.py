@@ -73,7 +73,7 @@ def test_whole_model_split_holds_each_parts_layers(fake, monkeypatch, fixed_walk
     the position register travels with the residual; only the last part runs Logits."""
     from test_cuda_engine_cpu import _RecordingCublas
 
-    import strata_rt.backends.cuda.dense_kernels as dk
+    import strata_rt.backends.cuda.dense.kernels as dk
     import strata_rt.backends.cuda.executor as ex
 
     monkeypatch.setattr(dk, "Cublas", _RecordingCublas)

@@ -1,4 +1,4 @@
-"""Dense projections, RMSNorm and logits without a GPU (strata_rt/backends/cuda/dense_kernels.py,
+"""Dense projections, RMSNorm and logits without a GPU (strata_rt/backends/cuda/dense/kernels.py,
 strata_rt/gemm/cublas.py): the cuBLAS lookup (nothing loaded on import, a clear error naming every
 path tried), the RMSNorm twin against a float64 RMSNorm, the launches of the batch-invariant
 GEMM path and their argument packing against the PTX. On a GPU: tests/test_dense_gpu.py."""
@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from strata_rt.backends.cuda.dense_kernels import (
+from strata_rt.backends.cuda.dense.kernels import (
     DENSE_SOURCE,
     NORM_THREADS,
     OWN_BOUNDS_BYTES,
@@ -30,7 +30,7 @@ from strata_rt.weights.model import rms_norm
 
 # ------------------------------------------------------------------------------ CPU
 def test_import_loads_no_library():
-    code = ("import strata_rt.gemm.cublas, strata_rt.backends.cuda.dense_kernels\n"
+    code = ("import strata_rt.gemm.cublas, strata_rt.backends.cuda.dense.kernels\n"
             "maps = open('/proc/self/maps').read()\n"
             "print('cublas' in maps)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

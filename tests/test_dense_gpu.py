@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from strata_rt.backends.cuda.dense_kernels import (
+from strata_rt.backends.cuda.dense.kernels import (
     GEMM_IMPLS,
     DenseKernels,
     logits_reference,

@@ -1,5 +1,5 @@
 """The dense part in its GGUF types, without a GPU (strata_rt/models/qwen3/whole_memory.py,
-strata_rt/backends/cuda/whole.py, strata_rt/backends/cuda/dense_decode.py): slot layouts and
+strata_rt/backends/cuda/whole.py, strata_rt/backends/cuda/dense/decode.py): slot layouts and
 sizes per type, layers of different types, the fp16 scratch, the memory plan, the types read
 from a file's header, and the slot images decoded by the gather's numpy twin into exactly the
 fp16 matrices the fp16 slot held. On a GPU: tests/test_dense_types_gpu.py."""
@@ -11,7 +11,7 @@ import pytest
 from _dense_models import MATRICES, TYPES, dense_model, fp16_images, uniform
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from strata_rt.backends.cuda.dense_decode import head_slices
+from strata_rt.backends.cuda.dense.decode import head_slices
 from strata_rt.backends.cuda.whole import dense_slot_bytes
 from strata_rt.formats.registry import registry
 from strata_rt.gemm.ggml_gather import images_reference

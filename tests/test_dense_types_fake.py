@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from _dense_models import MATRICES, dense_model
 
-from strata_rt.backends.cuda import dense_decode
+from strata_rt.backends.cuda.dense import decode as dense_decode
 from strata_rt.engine import Engine, EngineConfig
 from strata_rt.formats.contract import MMQ_GROUP
 from strata_rt.models.qwen3 import Qwen3Spec
@@ -43,7 +43,7 @@ class _Gemms:
 
 
 def _open(fake, monkeypatch, model, **kw) -> Engine:
-    import strata_rt.backends.cuda.dense_kernels as dk
+    import strata_rt.backends.cuda.dense.kernels as dk
 
     monkeypatch.setattr(dk, "Cublas", _Gemms)
     eng = Engine.open(EngineConfig(model=model, backend="cuda", expert_cache=SPEC.n_experts,

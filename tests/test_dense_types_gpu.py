@@ -1,4 +1,4 @@
-"""The dense part in its GGUF types on the GPU (strata_rt/backends/cuda/dense_decode.py,
+"""The dense part in its GGUF types on the GPU (strata_rt/backends/cuda/dense/decode.py,
 strata_rt/backends/cuda/whole.py): the fp16 Wqkv, Wo and head slices decoded on the device are,
 byte for byte, the fp16 matrices the host uploaded before the weights kept their types; and a
 whole model gives the same logits and greedy tokens, byte for byte, as the same model with those
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from _dense_models import MATRICES, TYPES, as_fp16_model, dense_model, fp16_images, uniform
 
-from strata_rt.backends.cuda import dense_decode
-from strata_rt.backends.cuda.dense_decode import DenseDecode, head_slices
+from strata_rt.backends.cuda.dense import decode as dense_decode
+from strata_rt.backends.cuda.dense.decode import DenseDecode, head_slices
 from strata_rt.backends.cuda.whole import dense_slot_bytes
 from strata_rt.engine import Engine
 from strata_rt.models.qwen3 import Qwen3Spec

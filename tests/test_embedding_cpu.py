@@ -380,7 +380,7 @@ class _Gemms:
 def _fake_engine(fake, monkeypatch, model: Qwen3Model, **kw) -> tuple[Engine, list]:
     """A whole model on the fake runtime; returns the engine and a log of its host-to-device
     copies (dst, bytes, dtype) made after open."""
-    import strata_rt.backends.cuda.dense_kernels as dk
+    import strata_rt.backends.cuda.dense.kernels as dk
     import strata_rt.backends.cuda.executor as ex
 
     monkeypatch.setattr(dk, "Cublas", _Gemms)

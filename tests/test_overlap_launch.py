@@ -109,14 +109,14 @@ def test_gpu_overlapped_routing_gives_the_ordinary_bytes(rt):
     """The exact routing chain launched overlapped and ordinarily, direct and as a replayed
     graph of back-to-back chains (each replay's first launch overlapping the previous one's
     last): the same bytes every time."""
-    from strata_rt.backends.cuda.routing_exact import (
+    from strata_rt.backends.cuda.routing.exact import (
         ExactRoutingKernels,
         exact_bound,
         router_norms,
         router_scale,
         split_router,
     )
-    from strata_rt.backends.cuda.routing_kernels import (
+    from strata_rt.backends.cuda.routing.kernels import (
         RoutingKernels,
         exact_workspace,
         workspace_bytes,

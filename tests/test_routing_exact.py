@@ -1,4 +1,4 @@
-"""Exact routing (strata_rt/backends/cuda/routing_exact.py, kernels/common/routing_exact.cu): the
+"""Exact routing (strata_rt/backends/cuda/routing/exact.py, kernels/common/routing_exact.cu): the
 definition and its fast CPU path on the CPU; on a GPU, the kernels' picks against the definition on
 random and adversarial inputs (near-ties down to exact ties), the bound the proof rests on, the
 weights, every tile's bytes and chunk independence, outputs poisoned first."""
@@ -13,7 +13,7 @@ from _device_buffers import download, poisoned, upload
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from strata_rt.backends.cuda.routing_exact import (
+from strata_rt.backends.cuda.routing.exact import (
     EXACT_SOURCE,
     SM90_SOURCE,
     SPLIT_TILES,
@@ -32,7 +32,7 @@ from strata_rt.backends.cuda.routing_exact import (
     split_tile,
     tile_rule,
 )
-from strata_rt.backends.cuda.routing_kernels import (
+from strata_rt.backends.cuda.routing.kernels import (
     RoutingKernels,
     counting_sort_ref,
     exact_workspace,
@@ -358,7 +358,7 @@ def test_gpu_recheck_rate_on_random_tokens_is_small(rt, kernels):
 
 
 def test_rerank_launch_matches_its_kernel_source():
-    from strata_rt.backends.cuda.routing_exact import RERANK_SOURCE, RERANK_THREADS
+    from strata_rt.backends.cuda.routing.exact import RERANK_SOURCE, RERANK_THREADS
 
     warps = re.search(r"^#define RERANK_WARPS (\d+)", RERANK_SOURCE.read_text(), flags=re.M)
     assert warps and int(warps.group(1)) * 32 == RERANK_THREADS

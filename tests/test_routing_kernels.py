@@ -13,8 +13,8 @@ from _device_buffers import download, poisoned, upload
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from strata_rt.backends.cuda import routing_kernels
-from strata_rt.backends.cuda.routing_kernels import (
+from strata_rt.backends.cuda.routing import kernels as routing_kernels
+from strata_rt.backends.cuda.routing.kernels import (
     GEMM_TILE_RULE,
     GEMM_TILES,
     HIDDEN_MULTIPLE,

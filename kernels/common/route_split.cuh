@@ -10,7 +10,7 @@
 #define CHUNK_K 64                    // the xh wh products of CHUNK_K columns sum in fresh registers
 
 // The split GEMM's parameters, the one list every tile's device function and kernel takes
-// (the kernels' ABI: backends/cuda/routing_exact.py launches them with these arguments):
+// (the kernels' ABI: backends/cuda/routing/exact.py launches them with these arguments):
 // logits[t, e] and xnorm[t] from xn [T, H] float32 and router_split (wh [E, H] fp16, then wl);
 // n_rerank: the re-rank count the GEMM zeroes for the top-k launch after it (null: none).
 #define SPLIT_GEMM_PARAMS                                                                     \

@@ -164,7 +164,7 @@ __device__ __forceinline__ void router_gemm(const float* __restrict__ xn,
 }
 
 // Tile shapes, all with the same per-output chain (so the same bytes); the launcher picks one by
-// chunk length (backends/cuda/routing_kernels.py: GEMM_TILES, GEMM_TILE_RULE). Each block walks
+// chunk length (backends/cuda/routing/kernels.py: GEMM_TILES, GEMM_TILE_RULE). Each block walks
 // hidden in serial K steps, and a step costs about one memory latency however little it moves, so
 // the tiles trade the number of steps a block takes against how many blocks fill the chip.
 // Dynamic shared memory: STAGES * (BM * (BK + 8) * 4 + BN * (BK + 8) * 2) + BM * (BK + 8) * 2

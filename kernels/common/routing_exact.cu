@@ -13,7 +13,7 @@
 //    every tile's sums the same chain. The same pass writes each
 //    token's norm |x|_2 (NaN or inf where x holds them), from which the launcher's constants
 //    give a rigorous bound B(t) = c1 |x|_2 + c0 on |approx - canonical| for every logit of the
-//    token (backends/cuda/routing_exact.py derives c1 and c0). A norm of at most 65504 keeps
+//    token (backends/cuda/routing/exact.py derives c1 and c0). A norm of at most 65504 keeps
 //    every value of x inside fp16's range, so the split needs no clamp; a token with a larger
 //    norm, a NaN or inf one, or one below 1e-15 is re-ranked whole (step 3).
 // 2. topk_exact_w<NPL>: one warp per token ranks the approximate logits. Where every gap between
@@ -28,7 +28,7 @@
 //    where the token is re-ranked whole), renormalised over the picks.
 //
 // The canonical logit of token t and expert e, the routing's definition
-// (backends/cuda/routing_exact.py's numpy twin computes the same bits): lane l of 32 sums x[c] *
+// (backends/cuda/routing/exact.py's numpy twin computes the same bits): lane l of 32 sums x[c] *
 // w[c] for c = l, l + 32, ... in ascending c in float64 (each product of two float32 values is
 // exact in float64), then the 32 partial sums meet in an xor tree (offsets 16, 8, 4, 2, 1).
 //
@@ -255,7 +255,7 @@ __device__ __forceinline__ void router_gemm_split(SPLIT_GEMM_PARAMS) {
     }
 }
 
-// Tiles (backends/cuda/routing_exact.py: SPLIT_TILES, SPLIT_TILE_RULE); every tile gives the same
+// Tiles (backends/cuda/routing/exact.py: SPLIT_TILES, SPLIT_TILE_RULE); every tile gives the same
 // bytes, since each logit is the same chain of mma steps and K-step sums whatever block computes
 // it. Dynamic shared memory: STAGES * (BM * (BK + 8) * 4 + 2 * BN * (BK + 8) * 2) + 4 * BM * (BK +
 // 8) * 2.

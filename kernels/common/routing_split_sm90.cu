@@ -378,7 +378,7 @@ __device__ __forceinline__ void split_sm90_producer(SPLIT_GEMM_PARAMS) {
     store_logits<N>(w, m0, n0, acc, cross, logits, tokens, n_experts, sigma);
 }
 
-// One kernel per tile line (backends/cuda/routing_exact.py reads these lines: name, block
+// One kernel per tile line (backends/cuda/routing/exact.py reads these lines: name, block
 // shape, warps, stages and the schedule, whose threads and shared memory the launcher knows).
 #define SPLIT_SM90_KERNEL(NAME, BM_, BN_, WARPS, BK_, STAGES, FN)                              \
     extern "C" __global__ void __launch_bounds__(WARPS * 32, 1)                                \

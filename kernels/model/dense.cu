@@ -1,5 +1,5 @@
 // The dense model's own small kernels beside the cuBLAS GEMMs
-// (strata_rt/backends/cuda/dense_kernels.py): RMSNorm of float32 residual rows into fp16 GEMM
+// (strata_rt/backends/cuda/dense/kernels.py): RMSNorm of float32 residual rows into fp16 GEMM
 // operands, and the two helpers of the batch-invariant GEMM path (its row bounds and its epilogue).
 //
 // Every float operation carries an explicit rounding intrinsic (__fmul_rn, __fadd_rn, ...):

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..backends.cuda.routing_kernels import ROUTINGS
+from ..backends.cuda.routing.kernels import ROUTINGS
 from ..errors import ConfigError
 from ..schedule.image_cache import ImageCacheSetting, check_setting, parse_setting
 from ..schedule.in_place import InPlaceSetting, parse_in_place
@@ -116,7 +116,7 @@ class EngineConfig:
     dump_r: str | None = None
     #: a Chrome/Perfetto trace file of the streams (STRATA_PREFILL_TRACE); implies timing
     trace: str | None = None
-    #: CUDA routing kernels (routing_kernels.ROUTINGS): "exact" (default), "f16" or "fp32"
+    #: CUDA routing kernels (routing.kernels.ROUTINGS): "exact" (default), "f16" or "fp32"
     routing: str | None = None
     #: the format's MMQ variant (STRATA_MMQ_KERNEL); None after resolve: the format's default
     mmq_kernel: str | None = None

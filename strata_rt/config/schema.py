@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ..backends.cuda.routing_kernels import ROUTINGS
+from ..backends.cuda.routing.kernels import ROUTINGS
 from ..errors import ConfigError, FormatError
 from ..runtime.memory import MIB
 from ..schedule.memory_plan import DEFAULT_RESERVE_MIB, MemoryPlan, plan_memory

@@ -17,7 +17,7 @@ one handle serves any stream; scalars are host values (pointer mode host).
 Determinism: cuBLAS gives the same bytes run after run for the same shapes, stream-ordered on
 the same GPU model and library version; it does not promise that a row's result is
 independent of how many rows the call has (its kernel and split-K choice depend on the
-shape), so chunking a prompt differently may change bytes. strata_rt.backends.cuda.dense_kernels
+shape), so chunking a prompt differently may change bytes. strata_rt.backends.cuda.dense.kernels
 offers a batch-invariant alternative (STRATA_DENSE_GEMM=own).
 """
 

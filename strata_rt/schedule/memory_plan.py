@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..backends.cuda.routing_kernels import ROUTER_BYTES, workspace_bytes
+from ..backends.cuda.routing.kernels import ROUTER_BYTES, workspace_bytes
 from ..errors import BudgetError
 from ..formats.activations import Activation
 from ..formats.contract import MMQ_GROUP, ExpertLayout
@@ -65,7 +65,7 @@ def fixed_regions(spec: MoESpec, layout: ExpertLayout, ring_slots: int,
                   routing: str = "exact", image_blocks: int = 0,
                   lanes: int = 1) -> dict[str, int]:
     """Device bytes that do not depend on the chunk or the residency (the router weights take
-    routing_kernels.ROUTER_BYTES[routing] bytes each; image_blocks: room of the
+    routing.kernels.ROUTER_BYTES[routing] bytes each; image_blocks: room of the
     image cache, strata_rt.schedule.image_cache; lanes: compute lanes, each with its group
     buffers)."""
     L, H, E = spec.n_layers, spec.hidden, spec.n_experts

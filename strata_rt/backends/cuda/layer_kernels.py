@@ -3,7 +3,7 @@ logits, softmax top-k, counting sort by expert) with the activation encoding of 
 SwiGLU with re-encoding, and the weighted combine into the residual.
 
 Routing comes in three kernel sets (STRATA_ROUTING): "exact" (the default: the canonical picks
-of strata_rt/backends/cuda/routing_exact.py, whatever the near-ties: a split-operand tensor-core
+of strata_rt/backends/cuda/routing/exact.py, whatever the near-ties: a split-operand tensor-core
 GEMM and a warp top-k that proves its order or re-ranks the candidates in float64), "f16"
 (kernels/common/routing.cu: the router GEMM on tensor cores with fp16 operands, so a near-tie
 can flip) and "fp32" (kernels/common/engine.cu: float32 logits on CUDA cores, one thread per
@@ -23,14 +23,14 @@ import numpy as np
 
 from ...formats.activations import Activation, ActivationKernels
 from ...resources import KERNELS_ROOT
-from .routing_exact import (
+from .routing.exact import (
     ExactBound,
     ExactRoutingKernels,
     exact_bound,
     router_norms,
     split_router,
 )
-from .routing_kernels import (
+from .routing.kernels import (
     RoutingKernels,
     check_routing_shape,
     exact_workspace,

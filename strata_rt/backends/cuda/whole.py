@@ -40,8 +40,8 @@ from ...models.qwen3.reference import rope_tables
 from ...models.qwen3.whole_memory import LOGIT_ROWS, DenseSlot, WholeSizing, kv_bytes
 from ...schedule.plan import Attention, DenseCopy, Logits
 from .attention_kernels import AttentionKernels
-from .dense_decode import DenseDecode, head_slices
-from .dense_kernels import DenseKernels
+from .dense.decode import DenseDecode, head_slices
+from .dense.kernels import DenseKernels
 
 if TYPE_CHECKING:
     from collections.abc import Sequence

@@ -64,7 +64,7 @@ from ...schedule.residency import Residency
 from ...weights.model import rms_norm, silu
 from ...weights.store import ExpertStore, numpy_alloc
 from ..cuda.chunk_input import chunk_token_ids, input_not_finite
-from ..cuda.routing_exact import route_exact
+from ..cuda.routing.exact import route_exact
 from ..host_copy import all_finite
 from ..nonfinite import check_finite, check_rms_input
 from .attention import ReferenceDense

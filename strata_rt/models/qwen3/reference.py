@@ -28,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from ...backends.cuda.routing_exact import route_exact
+from ...backends.cuda.routing.exact import route_exact
 from ...backends.nonfinite import NonFiniteError, check_rms_input
 from ...config.prompts import check_token_ids
 from ...errors import BudgetError, ConfigError

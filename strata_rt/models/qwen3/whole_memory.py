@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from ...backends.cuda.dense_kernels import workspace_bytes
+from ...backends.cuda.dense.kernels import workspace_bytes
 from ...formats.ggml_types import NAMES
 from ...runtime.memory import align_up
 from ...schedule.dense_schedule import DENSE_RING_SLOTS

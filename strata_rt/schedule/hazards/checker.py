@@ -27,7 +27,7 @@ with their index in the chunk's op list):
   image-cache block that does not hold its layer's group (or holds a non-resident expert), or
   resident slots read in place that do not hold its experts, and a RoutedExperts whose sources
   are not where its layer's experts lie, or beside other products of its layer
-  (strata_rt.schedule.hazard_sources);
+  (strata_rt.schedule.hazards.sources);
 - (compute lanes) a Products, RoutedExperts or GatherRouted off the first lane, reading its layer's routing,
   that its layer's LayerBegin does not happen before (no Wait on a lane_fork recorded after
   it), or that no LayerBegin of its layer precedes; a LayerEnd combining rows that a Products
@@ -42,11 +42,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, NoReturn, Protocol
 
-from ..errors import PlanHazardError
-from .hazard_dense import DenseRing
-from .hazard_messages import Clock, Occupant, describe, event_subject
-from .hazard_sources import Multiplied, products_problem
-from .plan import (
+from ...errors import PlanHazardError
+from ..plan import (
     HANDOFF_EVENTS,
     HOST,
     INPUT_KINDS,
@@ -74,10 +71,13 @@ from .plan import (
     RoutedExperts,
     Wait,
 )
+from .dense import DenseRing
+from .messages import Clock, Occupant, describe, event_subject
+from .sources import Multiplied, products_problem
 
 if TYPE_CHECKING:
-    from .image_cache import ImageCache
-    from .residency import Residency
+    from ..image_cache import ImageCache
+    from ..residency import Residency
 
 #: the streams a clock has a component for: the copy stream, then the compute lanes
 _STREAMS: tuple[str, ...] = ("copy", *LANES)
@@ -128,7 +128,7 @@ class Checker:
         self.ended: dict[int, int] = {}
         #: layer -> (clock, op index, op) of its Products not yet combined
         self.multiplied: dict[int, Multiplied] = {}
-        #: the dense ring slots of streamed dense weights (hazard_dense)
+        #: the dense ring slots of streamed dense weights (hazards.dense)
         self.dense = DenseRing(self._before)
 
     # ------------------------------------------------------------------ helpers

@@ -2,7 +2,7 @@
 weights: a DenseCopy must not refill a dense ring slot an Attention may still read, and an
 Attention must find its own layer in its slot, copied before it runs.
 
-Its own module so that schedule/hazards.py keeps to the ordering of the expert ring and the
+Its own module so that schedule/hazards/checker.py keeps to the ordering of the expert ring and the
 lanes; the clocks and the happens-before test are the checker's (passed in). Each check
 returns the problem as text (None when there is none), and the checker raises it.
 """
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .hazard_messages import Clock, describe
-from .plan import LANES, Attention, DenseCopy
+from ..plan import LANES, Attention, DenseCopy
+from .messages import Clock, describe
 
 #: the lane every Attention runs on
 _MAIN = LANES[0]

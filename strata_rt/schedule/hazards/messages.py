@@ -1,7 +1,7 @@
 """How the hazard checker (strata_rt.schedule.hazards) names ops, events and ring-slot occupants in
 its messages, and the occupant record it keeps per ring slot.
 
-A module of its own so that schedule/hazards.py keeps to one job, replaying a plan's ordering, while
+A module of its own so that schedule/hazards/checker.py keeps to one job, replaying a plan's ordering, while
 its messages name every op the same way: the launch with what it reads or writes, and its compute
 lane where that is not the first one (a reader of a two-lane plan needs the lane to see which
 stream misses a wait; a one-lane plan's messages read as they always did).
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .plan import (
+from ..plan import (
     COPIED,
     DENSE_COPIED,
     DENSE_USED,

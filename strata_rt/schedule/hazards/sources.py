@@ -16,14 +16,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..formats.contract import MMQ_GROUP
-from .hazard_messages import describe
-from .plan import HOST, RESIDENT, Products, RoutedExperts
+from ...formats.contract import MMQ_GROUP
+from ..plan import HOST, RESIDENT, Products, RoutedExperts
+from .messages import describe
 
 if TYPE_CHECKING:
-    from .hazard_messages import Clock
-    from .image_cache import ImageCache
-    from .residency import Residency
+    from ..image_cache import ImageCache
+    from ..residency import Residency
+    from .messages import Clock
 
 #: a layer's products the checker saw before its combine: (clock, op index, op)
 Multiplied = list[tuple["Clock", int, "Products | RoutedExperts"]]

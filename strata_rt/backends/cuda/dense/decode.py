@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ...formats.ggml_types import ggml_type
-from ...gemm.ggml_gather import GgmlGather
-from ...models.qwen3.whole_memory import (
+from ....formats.ggml_types import ggml_type
+from ....gemm.ggml_gather import GgmlGather
+from ....models.qwen3.whole_memory import (
     DIRECT,
     HEAD_SLICE_ROWS,
     DenseLayout,
@@ -28,8 +28,8 @@ from ...models.qwen3.whole_memory import (
 )
 
 if TYPE_CHECKING:
-    from ...models.qwen3.spec import Qwen3Spec
-    from ...runtime import Runtime, Stream
+    from ....models.qwen3.spec import Qwen3Spec
+    from ....runtime import Runtime, Stream
 
 
 def head_slices(vocab: int, direct: bool) -> list[tuple[int, int]]:

@@ -29,14 +29,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ...errors import StrataError
-from ...formats.launchers import check_aligned
-from ...gemm.cublas import WORKSPACE_BYTES, Cublas
-from ...gemm.grouped_gemm import K_MULTIPLE, TILE_N, GroupedGemm
-from ...resources import KERNELS_ROOT
+from ....errors import StrataError
+from ....formats.launchers import check_aligned
+from ....gemm.cublas import WORKSPACE_BYTES, Cublas
+from ....gemm.grouped_gemm import K_MULTIPLE, TILE_N, GroupedGemm
+from ....resources import KERNELS_ROOT
 
 if TYPE_CHECKING:
-    from ...runtime import Runtime, Stream
+    from ....runtime import Runtime, Stream
 
 log = logging.getLogger(__name__)
 

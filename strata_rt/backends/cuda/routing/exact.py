@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-from ...resources import KERNELS_ROOT, kernel_lines
-from .routing_kernels import (
+from ....resources import KERNELS_ROOT, kernel_lines
+from .kernels import (
     HIDDEN_MULTIPLE,
     ExactWorkspace,
     GemmTile,
@@ -43,7 +43,7 @@ from .routing_kernels import (
 )
 
 if TYPE_CHECKING:
-    from ...runtime import Runtime, Stream
+    from ....runtime import Runtime, Stream
 
 EXACT_SOURCE = KERNELS_ROOT / "common" / "routing_exact.cu"
 #: the re-ranking of the tokens the bound leaves open

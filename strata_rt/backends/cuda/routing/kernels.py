@@ -27,16 +27,16 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-from ...errors import StrataError
-from ...resources import KERNELS_ROOT
+from ....errors import StrataError
+from ....resources import KERNELS_ROOT
 
 if TYPE_CHECKING:
-    from ...runtime import Runtime, Stream
+    from ....runtime import Runtime, Stream
 
 
 ROUTING_SOURCE = KERNELS_ROOT / "common" / "routing.cu"
 #: routing kernels of the CUDA backend (STRATA_ROUTING), the default first: "exact" (the
-#: canonical picks of backends/cuda/routing_exact.py: split-operand tensor-core logits, proven or
+#: canonical picks of backends/cuda/routing/exact.py: split-operand tensor-core logits, proven or
 #: re-ranked), "f16" (these kernels: fp16 operands, near-ties may flip) or "fp32" (engine.cu's
 #: float32 CUDA-core kernels)
 ROUTINGS = ("exact", "f16", "fp32")
