@@ -301,6 +301,80 @@ def test_gpu_picks_the_canonical_experts(rt, kernels, hidden, n_experts, top_k, 
           f"{tokens}; max err/bound {(err / b[:, None]).max():.3f}")
 
 
+def _run_one(rt, s, ex, rk, xn, router, top_k):
+    """The one-token launch and the sort on poisoned outputs; ids, weights and the sort's
+    outputs on the host."""
+    T, H = xn.shape
+    E = router.shape[0]
+    assert T == 1
+    dx, dr = upload(rt, s, xn), upload(rt, s, split_router(router[None])[0])
+    ws = poisoned(rt, s, workspace_bytes(T, E, "exact"))
+    out = {"ids": poisoned(rt, s, top_k * 4), "weights": poisoned(rt, s, top_k * 4),
+           "bounds": poisoned(rt, s, (E + 1) * 4), "sorted_token": poisoned(rt, s, top_k * 4),
+           "row_of": poisoned(rt, s, top_k * 4)}
+    ex.one(s, xn=dx.ptr, router32=dr.ptr + E * H * 4, hidden=H, n_experts=E, top_k=top_k,
+           ids=out["ids"].ptr, weights=out["weights"].ptr, masks=ws.ptr)
+    rk.sort(s, out["ids"].ptr, T, E, top_k, ws.ptr, out["bounds"].ptr,
+            out["sorted_token"].ptr, out["row_of"].ptr)
+    shapes = {"ids": (np.int32, (T, top_k)), "weights": (np.float32, (T, top_k)),
+              "bounds": (np.int32, (E + 1,)), "sorted_token": (np.int32, (T * top_k,)),
+              "row_of": (np.int32, (T * top_k,))}
+    return {k: download(rt, s, out[k], *shapes[k]) for k in shapes}
+
+
+@gpu
+@pytest.mark.parametrize("kind", ["random", "near_ties", "crowded", "zero"])
+@pytest.mark.parametrize("hidden,n_experts,top_k", [*SHAPES, (512, 320, 16)])
+def test_gpu_one_token_launch_picks_the_canonical_experts(rt, kernels, hidden, n_experts,
+                                                          top_k, kind):
+    """A decode step's routing (one launch, no split GEMM): the definition's picks on random,
+    near-tied and crowded routers and an all-zero token (every logit ties: the lowest ids),
+    its weights, and the sort's outputs from its mask words."""
+    ex, rk, s = kernels
+    rng = np.random.default_rng(hidden + n_experts + len(kind))
+    xn = rng.standard_normal((1, hidden), dtype=np.float32)
+    router = {"near_ties": near_tie_router, "crowded": crowded_router}.get(
+        kind, lambda r, h, e: _inputs(r, 1, h, e)[1])(rng, hidden, n_experts)
+    if kind == "zero":
+        xn[:] = 0.0
+    got = _run_one(rt, s, ex, rk, xn, router, top_k)
+    want_ids, want_w = route_exact(xn, router, top_k)
+    np.testing.assert_array_equal(got["ids"], want_ids)
+    np.testing.assert_allclose(got["weights"], want_w, rtol=2e-5, atol=1e-7)
+    for name, arr in zip(("bounds", "sorted_token", "row_of"),
+                         counting_sort_ref(got["ids"], n_experts), strict=True):
+        np.testing.assert_array_equal(got[name], arr, err_msg=name)
+    if kind == "zero":
+        np.testing.assert_array_equal(got["ids"][0], np.arange(top_k))
+
+
+@gpu
+@pytest.mark.parametrize("hidden,n_experts,top_k", SHAPES)
+def test_gpu_one_token_launch_gives_the_chains_bytes_for_a_token_it_reranks_in_full(
+        rt, kernels, hidden, n_experts, top_k):
+    """A token whose norm is beyond fp16's range goes through the chain's full re-ranking
+    (canonical logits of every expert); the one-token launch gives its ids and weights byte
+    for byte."""
+    ex, rk, s = kernels
+    rng = np.random.default_rng(hidden * 3 + top_k)
+    xn, router = _inputs(rng, 1, hidden, n_experts)
+    xn[0, 5] = 1.0e5
+    chain = _run(rt, s, ex, rk, xn, router, top_k)
+    assert chain["rechecked"] == 1
+    one = _run_one(rt, s, ex, rk, xn, router, top_k)
+    assert one["ids"].tobytes() == chain["ids"].tobytes()
+    assert one["weights"].tobytes() == chain["weights"].tobytes()
+
+
+def test_one_token_launch_matches_its_kernel_source():
+    from strata_rt.backends.cuda.routing_exact import RERANK_SOURCE, one_threads
+
+    text = RERANK_SOURCE.read_text()
+    assert "#define ONE_WARPS_OF(NPL) ((NPL) >= 16 ? 16 : 32)" in text
+    assert "__launch_bounds__(ONE_WARPS_OF(NPL) * 32) route_one_w##NPL" in text
+    assert [one_threads(n) for n in (1, 2, 4, 8, 16)] == [1024] * 4 + [512]
+
+
 @gpu
 @pytest.mark.parametrize("tile", list(SPLIT_TILES))
 def test_gpu_every_tile_and_chunk_gives_the_same_bytes(rt, kernels, tile):

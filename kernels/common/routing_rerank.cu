@@ -186,3 +186,75 @@ RERANK_KERNEL(2)
 RERANK_KERNEL(4)
 RERANK_KERNEL(8)
 RERANK_KERNEL(16)
+
+// ---------------------------------------------------------------------------- one token
+// A chunk of one token (a decode step) needs no split GEMM, bound or list: the block's warps
+// compute the canonical logit of every expert outright (expert e by warp e % warps, with
+// canonical_logit above), then warp 0 ranks them (ties to the lower id) and writes ids,
+// weights (float32 softmax of the canonical logits rounded to float32) and each expert's tile
+// mask word: what route_rerank writes for a token with `all` set, byte for byte. 32 warps up
+// to 256 experts, 16 beyond (warp 0's keys of 512 experts need the registers).
+#define ONE_WARPS_OF(NPL) ((NPL) >= 16 ? 16 : 32)
+
+template <int NPL>
+__device__ __forceinline__ void route_one_block(
+    const float* __restrict__ xn, const float* __restrict__ router32, int hidden,
+    int n_experts, int top_k, int* __restrict__ ids, float* __restrict__ weights,
+    unsigned* __restrict__ masks) {
+    __shared__ double canon_s[32 * NPL];
+    __shared__ int pick_s[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int e = warp; e < n_experts; e += ONE_WARPS_OF(NPL)) {
+        const double L = canonical_logit(xn, router32 + (size_t)e * hidden, hidden, lane);
+        if (lane == 0) canon_s[e] = L;
+    }
+    __syncthreads();
+    if (warp != 0) return;
+    unsigned long long key[NPL];
+    float v[NPL];
+#pragma unroll
+    for (int i = 0; i < NPL; ++i) {
+        const int e = lane + 32 * i;
+        const double c = e < n_experts ? canon_s[e] : 0.0;
+        key[i] = e < n_experts ? max(double_key(c), 1ull) : 0ull;
+        v[i] = e < n_experts ? __double2float_rn(c) : 0.0f;
+    }
+    int my_id = 0;
+    unsigned long long my_key = 0ull;
+    warp_pick<NPL, unsigned long long>(key, top_k, lane, my_id, my_key);
+    float mx = -__int_as_float(0x7f800000);
+#pragma unroll
+    for (int i = 0; i < NPL; ++i)
+        if (lane + 32 * i < n_experts) mx = fmaxf(mx, v[i]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    const float w = pick_weight<NPL>(v, n_experts, top_k, mx, my_id, lane);
+    if (lane < top_k) {
+        ids[lane] = my_id;
+        weights[lane] = w;
+        pick_s[lane] = my_id;
+    }
+    __syncwarp();
+#pragma unroll
+    for (int i = 0; i < NPL; ++i) {
+        const int e = lane + 32 * i;
+        if (e >= n_experts) continue;
+        unsigned bit = 0u;
+        for (int j = 0; j < top_k; ++j) bit |= pick_s[j] == e ? 1u : 0u;
+        masks[e] = bit;  // one tile: token 0 is bit 0
+    }
+}
+
+#define ROUTE_ONE_KERNEL(NPL)                                                                  \
+    extern "C" __global__ void __launch_bounds__(ONE_WARPS_OF(NPL) * 32) route_one_w##NPL(     \
+        const float* __restrict__ xn, const float* __restrict__ router32, int hidden,          \
+        int n_experts, int top_k, int* __restrict__ ids, float* __restrict__ weights,          \
+        unsigned* __restrict__ masks) {                                                        \
+        wait_prior_grid();                                                                     \
+        route_one_block<NPL>(xn, router32, hidden, n_experts, top_k, ids, weights, masks);     \
+    }
+ROUTE_ONE_KERNEL(1)
+ROUTE_ONE_KERNEL(2)
+ROUTE_ONE_KERNEL(4)
+ROUTE_ONE_KERNEL(8)
+ROUTE_ONE_KERNEL(16)

@@ -133,6 +133,12 @@ class LayerKernels:
         spec, p = self.spec, self.ptr
         H, E, K = spec.hidden, spec.n_experts, spec.top_k
         router = p["router"] + layer * E * H * 8
+        if T == 1:  # a decode step: the canonical logits outright, one launch
+            mark("router gemm")
+            self._exact.one(stream, xn=p["xn"], router32=router + E * H * 4, hidden=H,
+                            n_experts=E, top_k=K, ids=p["topk_ids"], weights=p["topk_w"],
+                            masks=p["route_ws"])
+            return
         ws = exact_workspace(p["route_ws"], T, E)
         tile = self._exact.tile(T, H)
         mark("router gemm")
