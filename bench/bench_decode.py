@@ -132,15 +132,29 @@ def step_read_bytes(engine: Engine, position: float) -> dict[str, float]:
 
 # ---------------------------------------------------------------------- one regime
 class RecordingSession(EngineSession):
-    """The engine session, keeping each prefill's Stats (per-step copies and phase tables)."""
+    """The engine session, keeping each prefill's Stats (per-step copies and phase tables);
+    with `profile`, each one-token step (not the prompt) runs inside the profiler's range."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, profile: bool = False):
         super().__init__(engine)
         self.calls: list[Stats] = []
+        self.profile = False
+        self._profile = profile
+
+    def arm(self) -> None:
+        """Profile the steps from here on (the warm-ups ran outside the range)."""
+        self.profile = self._profile
 
     def prefill(self, token_ids: Any, all_logits: bool = False
                 ) -> tuple[np.ndarray, Stats | None]:
-        logits, stats = super().prefill(token_ids, all_logits)
+        ranged = self.profile and len(token_ids) == 1
+        if ranged:
+            profiler_range(True)
+        try:
+            logits, stats = super().prefill(token_ids, all_logits)
+        finally:
+            if ranged:
+                profiler_range(False)
         if stats is not None:
             self.calls.append(stats)
         return logits, stats
@@ -153,14 +167,27 @@ def open_regime(base: EngineConfig, whole: Any, resident: int, timing: bool) -> 
     return Engine.open(cfg)
 
 
-def run_regime(engine: Engine, ids: np.ndarray, steps: int, warmups: int
-               ) -> tuple[GenerateResult, list[Stats]]:
+def profiler_range(on: bool) -> None:
+    """Opens (on) or closes the CUDA profiler's capture range (cuProfilerStart / Stop), which
+    `ncu --profile-from-start off` and `nsys --capture-range=cudaProfilerApi` honour."""
+    import ctypes
+
+    lib = ctypes.CDLL("libcuda.so.1")
+    rc = lib.cuProfilerStart() if on else lib.cuProfilerStop()
+    if rc != 0:
+        raise SystemExit(f"cuProfiler{'Start' if on else 'Stop'} failed: CUresult {rc}")
+
+
+def run_regime(engine: Engine, ids: np.ndarray, steps: int, warmups: int,
+               profile: bool = False) -> tuple[GenerateResult, list[Stats]]:
     """Warm-up runs of 4 steps, then the timed run of `steps` steps after the prompt's token
-    -> (result, the steps' Stats)."""
-    session = RecordingSession(engine)
+    -> (result, the steps' Stats). With `profile` the profiler's range covers the timed
+    run's one-token steps."""
+    session = RecordingSession(engine, profile)
     for _ in range(warmups):
         greedy(session, ids, min(steps + 1, 5), eos_id=None)
     session.calls.clear()
+    session.arm()
     result = greedy(session, ids, steps + 1, eos_id=None)  # the first token is the prompt's
     return result, session.calls[1:]  # calls[0] is the prompt's prefill
 
@@ -278,6 +305,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="untimed greedy runs of 4 steps per regime and path first (default 2)")
     ap.add_argument("--timing", action="store_true",
                     help="phase table of a step (as STRATA_PREFILL_TIMING=1; slows the steps)")
+    ap.add_argument("--profile", action="store_true",
+                    help="open the CUDA profiler's capture range around the timed one-token steps "
+                         "(for ncu --profile-from-start off, or nsys "
+                         "--capture-range=cudaProfilerApi)")
     ap.add_argument("--json", help="also write the results to this JSON file")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"),
                     help="directory of the dated .json/.md results ('' for none)")
@@ -344,7 +375,8 @@ def main(argv: list[str] | None = None) -> int:
             opened = time.perf_counter() - t
             for path in args.path_list:
                 engine.config.decode = path  # the driver reads it on every step
-                result, step_stats = run_regime(engine, ids, args.steps, args.warmups)
+                result, step_stats = run_regime(engine, ids, args.steps, args.warmups,
+                                                     args.profile)
                 rec = summarise(f"{name} {path}", engine, result, step_stats, ceilings)
                 rec["path"], rec["open_s"] = path, opened
                 rec["decode_graph"] = engine.driver.graph_trials.get(engine.driver.decode_key)

@@ -301,25 +301,27 @@ def test_gpu_picks_the_canonical_experts(rt, kernels, hidden, n_experts, top_k, 
           f"{tokens}; max err/bound {(err / b[:, None]).max():.3f}")
 
 
-def _run_one(rt, s, ex, rk, xn, router, top_k):
-    """The one-token launch and the sort on poisoned outputs; ids, weights and the sort's
-    outputs on the host."""
+def _run_one(rt, s, ex, xn, router, top_k):
+    """The one-token launches on poisoned outputs and workspace; every output on the host."""
     T, H = xn.shape
     E = router.shape[0]
     assert T == 1
     dx, dr = upload(rt, s, xn), upload(rt, s, split_router(router[None])[0])
     ws = poisoned(rt, s, workspace_bytes(T, E, "exact"))
+    assert workspace_bytes(T, E, "exact") >= E * 8
     out = {"ids": poisoned(rt, s, top_k * 4), "weights": poisoned(rt, s, top_k * 4),
            "bounds": poisoned(rt, s, (E + 1) * 4), "sorted_token": poisoned(rt, s, top_k * 4),
            "row_of": poisoned(rt, s, top_k * 4)}
     ex.one(s, xn=dx.ptr, router32=dr.ptr + E * H * 4, hidden=H, n_experts=E, top_k=top_k,
-           ids=out["ids"].ptr, weights=out["weights"].ptr, masks=ws.ptr)
-    rk.sort(s, out["ids"].ptr, T, E, top_k, ws.ptr, out["bounds"].ptr,
-            out["sorted_token"].ptr, out["row_of"].ptr)
+           canon=ws.ptr, ids=out["ids"].ptr, weights=out["weights"].ptr,
+           bounds=out["bounds"].ptr, sorted_token=out["sorted_token"].ptr,
+           row_of=out["row_of"].ptr)
     shapes = {"ids": (np.int32, (T, top_k)), "weights": (np.float32, (T, top_k)),
               "bounds": (np.int32, (E + 1,)), "sorted_token": (np.int32, (T * top_k,)),
               "row_of": (np.int32, (T * top_k,))}
-    return {k: download(rt, s, out[k], *shapes[k]) for k in shapes}
+    got = {k: download(rt, s, out[k], *shapes[k]) for k in shapes}
+    got["canon"] = download(rt, s, ws, np.float64, (E,))
+    return got
 
 
 @gpu
@@ -329,7 +331,7 @@ def test_gpu_one_token_launch_picks_the_canonical_experts(rt, kernels, hidden, n
                                                           top_k, kind):
     """A decode step's routing (one launch, no split GEMM): the definition's picks on random,
     near-tied and crowded routers and an all-zero token (every logit ties: the lowest ids),
-    its weights, and the sort's outputs from its mask words."""
+    its canonical logits byte for byte, its weights, and the sort's outputs."""
     ex, rk, s = kernels
     rng = np.random.default_rng(hidden + n_experts + len(kind))
     xn = rng.standard_normal((1, hidden), dtype=np.float32)
@@ -337,7 +339,8 @@ def test_gpu_one_token_launch_picks_the_canonical_experts(rt, kernels, hidden, n
         kind, lambda r, h, e: _inputs(r, 1, h, e)[1])(rng, hidden, n_experts)
     if kind == "zero":
         xn[:] = 0.0
-    got = _run_one(rt, s, ex, rk, xn, router, top_k)
+    got = _run_one(rt, s, ex, xn, router, top_k)
+    assert got["canon"].tobytes() == canonical_logits(xn, router)[0].tobytes()
     want_ids, want_w = route_exact(xn, router, top_k)
     np.testing.assert_array_equal(got["ids"], want_ids)
     np.testing.assert_allclose(got["weights"], want_w, rtol=2e-5, atol=1e-7)
@@ -361,18 +364,20 @@ def test_gpu_one_token_launch_gives_the_chains_bytes_for_a_token_it_reranks_in_f
     xn[0, 5] = 1.0e5
     chain = _run(rt, s, ex, rk, xn, router, top_k)
     assert chain["rechecked"] == 1
-    one = _run_one(rt, s, ex, rk, xn, router, top_k)
+    one = _run_one(rt, s, ex, xn, router, top_k)
     assert one["ids"].tobytes() == chain["ids"].tobytes()
     assert one["weights"].tobytes() == chain["weights"].tobytes()
+    for name in ("bounds", "sorted_token", "row_of"):
+        assert one[name].tobytes() == chain[name].tobytes(), name
 
 
 def test_one_token_launch_matches_its_kernel_source():
-    from strata_rt.backends.cuda.routing_exact import RERANK_SOURCE, one_threads
+    from strata_rt.backends.cuda.routing.exact import ONE_WARPS, RERANK_SOURCE
 
     text = RERANK_SOURCE.read_text()
-    assert "#define ONE_WARPS_OF(NPL) ((NPL) >= 16 ? 16 : 32)" in text
-    assert "__launch_bounds__(ONE_WARPS_OF(NPL) * 32) route_one_w##NPL" in text
-    assert [one_threads(n) for n in (1, 2, 4, 8, 16)] == [1024] * 4 + [512]
+    assert f"#define ONE_WARPS {ONE_WARPS}\n" in text
+    for npl in (1, 2, 4, 8, 16):
+        assert f"ROUTE_ONE_PICK_KERNEL({npl})" in text
 
 
 @gpu

@@ -188,34 +188,38 @@ RERANK_KERNEL(8)
 RERANK_KERNEL(16)
 
 // ---------------------------------------------------------------------------- one token
-// A chunk of one token (a decode step) needs no split GEMM, bound or list: the block's warps
-// compute the canonical logit of every expert outright (expert e by warp e % warps, with
-// canonical_logit above), then warp 0 ranks them (ties to the lower id) and writes ids,
-// weights (float32 softmax of the canonical logits rounded to float32) and each expert's tile
-// mask word: what route_rerank writes for a token with `all` set, byte for byte. 32 warps up
-// to 256 experts, 16 beyond (warp 0's keys of 512 experts need the registers).
-#define ONE_WARPS_OF(NPL) ((NPL) >= 16 ? 16 : 32)
+// A chunk of one token (a decode step) needs no split GEMM, bound, list or sort. Two launches:
+// route_one_logits writes the canonical logit (canonical_logit above) of every expert, one warp
+// per expert, as float64 into `canon` [n_experts]; route_one_pick (one warp) ranks them (ties to
+// the lower id) and writes ids, weights (float32 softmax of the canonical logits rounded to
+// float32: what route_rerank writes for a token with `all` set, byte for byte) and the sort's
+// outputs for one token: bounds [n_experts + 1], sorted_token and row_of [top_k]. Nothing is
+// kept between launches, so no counter needs a reset.
+#define ONE_WARPS 4
+
+extern "C" __global__ void __launch_bounds__(ONE_WARPS * 32) route_one_logits(
+    const float* __restrict__ xn, const float* __restrict__ router32, int hidden,
+    int n_experts, double* __restrict__ canon) {
+    wait_prior_grid();
+    const int lane = threadIdx.x & 31;
+    const int e = blockIdx.x * ONE_WARPS + (threadIdx.x >> 5);
+    if (e >= n_experts) return;
+    const double L = canonical_logit(xn, router32 + (size_t)e * hidden, hidden, lane);
+    if (lane == 0) canon[e] = L;
+}
 
 template <int NPL>
-__device__ __forceinline__ void route_one_block(
-    const float* __restrict__ xn, const float* __restrict__ router32, int hidden,
-    int n_experts, int top_k, int* __restrict__ ids, float* __restrict__ weights,
-    unsigned* __restrict__ masks) {
-    __shared__ double canon_s[32 * NPL];
-    __shared__ int pick_s[32];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    for (int e = warp; e < n_experts; e += ONE_WARPS_OF(NPL)) {
-        const double L = canonical_logit(xn, router32 + (size_t)e * hidden, hidden, lane);
-        if (lane == 0) canon_s[e] = L;
-    }
-    __syncthreads();
-    if (warp != 0) return;
+__device__ __forceinline__ void route_one_pick_warp(
+    const double* __restrict__ canon, int n_experts, int top_k, int* __restrict__ ids,
+    float* __restrict__ weights, int* __restrict__ bounds, int* __restrict__ sorted_token,
+    int* __restrict__ row_of) {
+    const int lane = threadIdx.x & 31;
     unsigned long long key[NPL];
     float v[NPL];
 #pragma unroll
     for (int i = 0; i < NPL; ++i) {
         const int e = lane + 32 * i;
-        const double c = e < n_experts ? canon_s[e] : 0.0;
+        const double c = e < n_experts ? canon[e] : 0.0;
         key[i] = e < n_experts ? max(double_key(c), 1ull) : 0ull;
         v[i] = e < n_experts ? __double2float_rn(c) : 0.0f;
     }
@@ -229,32 +233,33 @@ __device__ __forceinline__ void route_one_block(
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
     const float w = pick_weight<NPL>(v, n_experts, top_k, mx, my_id, lane);
+    // the sort of one token: an expert's rows start after the picks with a lower id
+    int below = 0;
+    for (int j = 0; j < top_k; ++j) below += __shfl_sync(0xffffffffu, my_id, j) < my_id;
     if (lane < top_k) {
         ids[lane] = my_id;
         weights[lane] = w;
-        pick_s[lane] = my_id;
+        sorted_token[lane] = 0;
+        row_of[lane] = below;
     }
-    __syncwarp();
-#pragma unroll
-    for (int i = 0; i < NPL; ++i) {
-        const int e = lane + 32 * i;
-        if (e >= n_experts) continue;
-        unsigned bit = 0u;
-        for (int j = 0; j < top_k; ++j) bit |= pick_s[j] == e ? 1u : 0u;
-        masks[e] = bit;  // one tile: token 0 is bit 0
+    for (int e = lane; e <= n_experts; e += 32) {
+        int start = 0;
+        for (int j = 0; j < top_k; ++j) start += __shfl_sync(0xffffffffu, my_id, j) < e;
+        bounds[e] = start;
     }
 }
 
-#define ROUTE_ONE_KERNEL(NPL)                                                                  \
-    extern "C" __global__ void __launch_bounds__(ONE_WARPS_OF(NPL) * 32) route_one_w##NPL(     \
-        const float* __restrict__ xn, const float* __restrict__ router32, int hidden,          \
-        int n_experts, int top_k, int* __restrict__ ids, float* __restrict__ weights,          \
-        unsigned* __restrict__ masks) {                                                        \
+#define ROUTE_ONE_PICK_KERNEL(NPL)                                                             \
+    extern "C" __global__ void __launch_bounds__(32) route_one_pick_w##NPL(                    \
+        const double* __restrict__ canon, int n_experts, int top_k, int* __restrict__ ids,     \
+        float* __restrict__ weights, int* __restrict__ bounds, int* __restrict__ sorted_token, \
+        int* __restrict__ row_of) {                                                            \
         wait_prior_grid();                                                                     \
-        route_one_block<NPL>(xn, router32, hidden, n_experts, top_k, ids, weights, masks);     \
+        route_one_pick_warp<NPL>(canon, n_experts, top_k, ids, weights, bounds, sorted_token,  \
+                                 row_of);                                                      \
     }
-ROUTE_ONE_KERNEL(1)
-ROUTE_ONE_KERNEL(2)
-ROUTE_ONE_KERNEL(4)
-ROUTE_ONE_KERNEL(8)
-ROUTE_ONE_KERNEL(16)
+ROUTE_ONE_PICK_KERNEL(1)
+ROUTE_ONE_PICK_KERNEL(2)
+ROUTE_ONE_PICK_KERNEL(4)
+ROUTE_ONE_PICK_KERNEL(8)
+ROUTE_ONE_PICK_KERNEL(16)

@@ -112,16 +112,25 @@ class LayerKernels:
                                 float(spec.rms_eps), p["nonfinite"], layer))
         if self._routing is not None:
             rk = self._routing
-            if self._exact is not None:
-                self._route_exact(stream, at, T, mark)
-            else:
+            if self._exact is not None and T == 1:  # a decode step: two launches, sorted
                 mark("router gemm")
-                rk.logits(stream, p["xn"], p["router"] + at * E * H * 2, p["logits"], T, H, E)
-                mark("softmax top-k")
-                rk.topk(stream, p["logits"], T, E, K, p["topk_ids"], p["topk_w"], p["route_ws"])
-            mark("sort")
-            rk.sort(stream, p["topk_ids"], T, E, K, p["route_ws"], bounds, p["sorted_token"],
-                    p["row_of"])
+                self._exact.one(stream, xn=p["xn"], router32=p["router"] + (2 * at + 1) * E * H
+                                * 4, hidden=H, n_experts=E, top_k=K, canon=p["route_ws"],
+                                ids=p["topk_ids"], weights=p["topk_w"], bounds=bounds,
+                                sorted_token=p["sorted_token"], row_of=p["row_of"])
+            else:
+                if self._exact is not None:
+                    self._route_exact(stream, at, T, mark)
+                else:
+                    mark("router gemm")
+                    rk.logits(stream, p["xn"], p["router"] + at * E * H * 2, p["logits"], T, H,
+                              E)
+                    mark("softmax top-k")
+                    rk.topk(stream, p["logits"], T, E, K, p["topk_ids"], p["topk_w"],
+                            p["route_ws"])
+                mark("sort")
+                rk.sort(stream, p["topk_ids"], T, E, K, p["route_ws"], bounds,
+                        p["sorted_token"], p["row_of"])
         else:
             self._route_fp32(stream, at, T, bounds, mark)
         mark("quantize acts")
@@ -133,12 +142,6 @@ class LayerKernels:
         spec, p = self.spec, self.ptr
         H, E, K = spec.hidden, spec.n_experts, spec.top_k
         router = p["router"] + layer * E * H * 8
-        if T == 1:  # a decode step: the canonical logits outright, one launch
-            mark("router gemm")
-            self._exact.one(stream, xn=p["xn"], router32=router + E * H * 4, hidden=H,
-                            n_experts=E, top_k=K, ids=p["topk_ids"], weights=p["topk_w"],
-                            masks=p["route_ws"])
-            return
         ws = exact_workspace(p["route_ws"], T, E)
         tile = self._exact.tile(T, H)
         mark("router gemm")

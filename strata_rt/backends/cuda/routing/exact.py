@@ -310,9 +310,8 @@ RERANK_THREADS = 128
 RERANK_BLOCKS = 1584
 
 
-def one_threads(npl: int) -> int:
-    """Threads of the one-token kernel route_one_w<npl> (routing_rerank.cu's ONE_WARPS_OF)."""
-    return 32 * (16 if npl >= 16 else 32)
+#: warps (one expert each) per block of route_one_logits (routing_rerank.cu's ONE_WARPS)
+ONE_WARPS = 4
 
 
 class ExactRoutingKernels:
@@ -335,8 +334,9 @@ class ExactRoutingKernels:
         rerank = runtime.module(RERANK_SOURCE)
         self._rerank = {npl: rerank.kernel(f"route_rerank_w{npl}", "PPPiiiiPPPPPi",
                                            overlap=True) for npl in _TOPK_NPL}
-        self._one = {npl: rerank.kernel(f"route_one_w{npl}", "PPiiiPPP", overlap=True)
-                     for npl in _TOPK_NPL}
+        self._one_logits = rerank.kernel("route_one_logits", "PPiiP", overlap=True)
+        self._one_pick = {npl: rerank.kernel(f"route_one_pick_w{npl}", "PiiPPPPP", overlap=True)
+                          for npl in _TOPK_NPL}
 
     def tile(self, tokens: int, hidden: int) -> str:
         """The split GEMM tile for a chunk of `tokens` on this device."""
@@ -381,13 +381,18 @@ class ExactRoutingKernels:
                                        ws.n_rerank, ws.rerank, ids, weights, masks, nt))
 
     def one(self, stream: Stream, *, xn: int, router32: int, hidden: int, n_experts: int,
-            top_k: int, ids: int, weights: int, masks: int) -> None:
-        """A chunk of one token in one launch, in place of logits + topk: the canonical
-        logits of every expert computed outright, then ids int32 [1, k], weights float32
-        [1, k] and the mask words (one tile) as topk writes them for a token it re-ranks in
-        full. `router32`: the layer's float32 router rows."""
+            top_k: int, canon: int, ids: int, weights: int, bounds: int, sorted_token: int,
+            row_of: int) -> None:
+        """A chunk of one token in two launches, in place of logits, top-k and sort: the
+        canonical logit of every expert (float64 into `canon`, n_experts * 8 bytes), then ids
+        int32 [1, k] and weights float32 [1, k] as topk writes them for a token it re-ranks in
+        full, and the sort's bounds, sorted_token and row_of. `router32`: the layer's float32
+        router rows."""
         check_routing_shape(HIDDEN_MULTIPLE, n_experts, top_k, 1)
         npl = next(n for n in _TOPK_NPL if 32 * n >= n_experts)
-        self._one[npl].launch(grid=(1, 1, 1), block=(one_threads(npl), 1, 1), stream=stream,
-                              args=(xn, router32, hidden, n_experts, top_k, ids, weights,
-                                    masks))
+        self._one_logits.launch(grid=(-(-n_experts // ONE_WARPS), 1, 1),
+                                block=(32 * ONE_WARPS, 1, 1), stream=stream,
+                                args=(xn, router32, hidden, n_experts, canon))
+        self._one_pick[npl].launch(grid=(1, 1, 1), block=(32, 1, 1), stream=stream,
+                                   args=(canon, n_experts, top_k, ids, weights, bounds,
+                                         sorted_token, row_of))
