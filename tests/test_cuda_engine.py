@@ -225,15 +225,17 @@ def test_swiglu_kernels_cover_exactly_the_group_rows(rt, rng, kind):
 
 
 @gpu
-def test_combine_is_bit_exact(rt, rng):
+@pytest.mark.parametrize("T,splits", [(300, 1), (300, 2), (1, 2), (1, 3), (5, 3)])
+def test_combine_is_bit_exact(rt, rng, T, splits):
+    """Whatever the column split of the grid (a decode step's row over several blocks)."""
     mod, s = _launch_setup(rt)
-    T, H, K = 300, 512, 4
+    H, K = 512, 4
     y = rng.standard_normal((T * K, H), dtype=np.float32)
     row_of = rng.permutation(T * K).astype(np.int32)
     w = rng.random((T, K), dtype=np.float32)
     x = rng.standard_normal((T, H), dtype=np.float32)
     dy, dro, dw, dx = upload(rt, s, y), upload(rt, s, row_of), upload(rt, s, w), upload(rt, s, x)
-    mod.kernel("combine_residual", "PPPiiP").launch((T, 1, 1), (256, 1, 1), s,
+    mod.kernel("combine_residual", "PPPiiP").launch((T, splits, 1), (256, 1, 1), s,
                                                     (dy.ptr, dro.ptr, dw.ptr, K, H, dx.ptr))
     acc = np.zeros((T, H), np.float32)
     rows = row_of.reshape(T, K)
@@ -464,3 +466,16 @@ def test_in_place_products_give_the_same_bytes(small_model, rng, cache, lanes,
     for setting in ("on", "auto"):
         for i, (a, b) in enumerate(zip(got["off"], got[setting])):
             assert a.tobytes() == b.tobytes(), f"run {i}: in_place {setting} differs from off"
+
+
+def test_combine_spreads_a_short_chunks_rows_over_column_blocks():
+    from strata_rt.backends.cuda.layer_kernels import (
+        COMBINE_SPLIT_BELOW,
+        ROW_THREADS,
+        combine_splits,
+    )
+
+    assert combine_splits(1, 2048) == 2048 // ROW_THREADS
+    assert combine_splits(COMBINE_SPLIT_BELOW - 1, 4096) == 4096 // ROW_THREADS
+    assert combine_splits(COMBINE_SPLIT_BELOW, 2048) == 1
+    assert combine_splits(1, ROW_THREADS - 1) == 1

@@ -242,7 +242,9 @@ extern "C" __global__ void swiglu_f16(const float* __restrict__ gu, const int* _
 }
 
 // x[t] += sum_j w[t,j] * y[row_of[t,j]], the sum taken in top-k order with separate rounding
-// of every product and sum (no FMA contraction), then one rounded residual add.
+// of every product and sum (no FMA contraction), then one rounded residual add. Grid (tokens,
+// column blocks): a short chunk spreads each row's columns over gridDim.y blocks (every column
+// is summed alike, so the bytes do not depend on the grid).
 extern "C" __global__ void combine_residual(const float* __restrict__ y, const int* __restrict__ row_of,
                                            const float* __restrict__ weights, int top_k,
                                            int hidden, float* __restrict__ x) {
@@ -250,7 +252,7 @@ extern "C" __global__ void combine_residual(const float* __restrict__ y, const i
     const int* rows = row_of + (size_t)t * top_k;
     const float* w = weights + (size_t)t * top_k;
     float* xt = x + (size_t)t * hidden;
-    for (int c = threadIdx.x; c < hidden; c += blockDim.x) {
+    for (int c = blockIdx.y * blockDim.x + threadIdx.x; c < hidden; c += gridDim.y * blockDim.x) {
         float acc = 0.0f;
         for (int j = 0; j < top_k; ++j)
             acc = __fadd_rn(acc, __fmul_rn(w[j], y[(size_t)rows[j] * hidden + c]));

@@ -50,6 +50,14 @@ ROUTER_TILE = 64
 TOPK_THREADS = 128
 SCATTER_THREADS = 1024
 ROW_THREADS = 256
+#: chunks shorter than this spread each row of the MoE combine over several blocks
+COMBINE_SPLIT_BELOW = 128
+
+
+def combine_splits(tokens: int, hidden: int) -> int:
+    """Blocks per token row of combine_residual: one per ROW_THREADS columns for a short chunk
+    (a decode step would otherwise run one block on one SM), else one."""
+    return -(-hidden // ROW_THREADS) if tokens < COMBINE_SPLIT_BELOW else 1
 SWIGLU_THREADS = 128
 #: the SwiGLU kernels stride over rows, so a capped grid covers any row count
 SWIGLU_MAX_BLOCKS = 2048
@@ -181,6 +189,7 @@ class LayerKernels:
     def combine(self, stream: Stream, tokens: int) -> None:
         """x += sum over k of w_k * down output of (token, k), in top-k order."""
         spec, p = self.spec, self.ptr
-        self._combine.launch(grid=(tokens, 1, 1), block=(ROW_THREADS, 1, 1), stream=stream,
+        self._combine.launch(grid=(tokens, combine_splits(tokens, spec.hidden), 1),
+                             block=(ROW_THREADS, 1, 1), stream=stream,
                              args=(p["down_out"], p["row_of"], p["topk_w"], spec.top_k,
                                    spec.hidden, p["x"]))
