@@ -31,10 +31,8 @@
 //
 // Loads: a warp copies each stage of its weight rows (256 values, whole blocks) into its own
 // shared buffer with 16-byte loads of the aligned chunks covering the stage's bytes (a row may
-// start anywhere: rows of some types are not multiples of 16 bytes), a group of stages at a
-// time (up to GEMV_GROUP_BYTES per row), the next group's loads in flight in registers while
-// it decodes the current one; the decoder then reads shared memory. A one-token product waits
-// on memory latency far more than on decoding, hence groups rather than single stages.
+// start anywhere: rows of some types are not multiples of 16 bytes), the next stage's loads in
+// flight in registers while it decodes the current one; the decoder then reads shared memory.
 #pragma once
 
 #include <stdint.h>
@@ -55,21 +53,12 @@ constexpr int GEMV_THREADS = 32 * GEMV_WARPS;
 // values of K one stage takes: one 8-value chunk per lane
 constexpr int GEMV_STAGE = 256;
 
-// bytes of weight rows a warp asks for at once, per row: GemvStage::group stages of it
-constexpr int GEMV_GROUP_BYTES = 1024;
-constexpr int GEMV_GROUP_MAX = 8;
-
 template <class D> struct GemvStage {
     static constexpr int bytes = GEMV_STAGE / D::block_values * D::block_bytes;
     // 16-byte chunks that cover a stage's bytes from any start, per lane, and shared bytes
     static constexpr int chunks = (bytes + 15 + 15) / 16;
     static constexpr int loads = (chunks + 31) / 32;
     static constexpr int span = 16 * chunks;
-    // stages whose loads are in flight together (a row of 2,048 IQ3_XXS values is one group)
-    static constexpr int group = GEMV_GROUP_BYTES / bytes < 1 ? 1
-                                 : GEMV_GROUP_BYTES / bytes > GEMV_GROUP_MAX
-                                     ? GEMV_GROUP_MAX
-                                     : GEMV_GROUP_BYTES / bytes;
     static_assert(D::block_values == 1 || GEMV_STAGE % D::block_values == 0,
                   "whole blocks per stage");
 };
@@ -93,52 +82,43 @@ __device__ __forceinline__ void gemv_fetch(const uint8_t* s, int nbytes, int lan
 }
 
 // acc[j] = sum over k of fp16(W_j[k]) * x[k] for NR weight rows starting at rows[j] (k values
-// each, whole blocks of D), partial per lane (the caller reduces over the warp). Stages go in
-// groups of S::group: the next group's loads are in flight in registers while the warp decodes
-// the current one from shared memory, so a warp has up to GEMV_GROUP_BYTES of every row
-// outstanding rather than one stage. sh: this warp's shared bytes, NR * S::group * S::span.
+// each, whole blocks of D), partial per lane (the caller reduces over the warp). sh: this
+// warp's shared bytes, NR * GemvStage<D>::span.
 template <class D, int NR>
 __device__ __forceinline__ void gemv_rows(const uint8_t* const (&rows)[NR],
                                           const __half* __restrict__ x, int k, uint8_t* sh,
                                           float (&acc)[NR]) {
     using S = GemvStage<D>;
-    constexpr int G = S::group;
     const int lane = threadIdx.x & 31;
     const int stages = (k + GEMV_STAGE - 1) / GEMV_STAGE;
-    uint4 next[NR][G][S::loads];
+    uint4 next[NR][S::loads];
     auto stage_values = [&](int kt) { return min(GEMV_STAGE, k - kt * GEMV_STAGE); };
     auto stage_bytes = [&](int kt) { return stage_values(kt) / D::block_values * D::block_bytes; };
+#pragma unroll
+    for (int j = 0; j < NR; ++j) {
+        acc[j] = 0.0f;
+        gemv_fetch<S>(rows[j], stage_bytes(0), lane, next[j]);
+    }
     const long long stage_row = (long long)S::bytes;  // bytes from one full stage to the next
-    auto fetch = [&](int g) {
-#pragma unroll
-        for (int j = 0; j < NR; ++j)
-#pragma unroll
-            for (int u = 0; u < G; ++u) {
-                const int kt = g * G + u;
-                if (kt < stages)
-                    gemv_fetch<S>(rows[j] + kt * stage_row, stage_bytes(kt), lane, next[j][u]);
-            }
-    };
-#pragma unroll
-    for (int j = 0; j < NR; ++j) acc[j] = 0.0f;
-    fetch(0);
 #pragma unroll 1
-    for (int g = 0; g * G < stages; ++g) {
+    for (int kt = 0; kt < stages; ++kt) {
+        int mis[NR];
 #pragma unroll
-        for (int j = 0; j < NR; ++j)
+        for (int j = 0; j < NR; ++j) {
+            const uint8_t* s = rows[j] + kt * stage_row;
+            mis[j] = (int)((uintptr_t)s & 15u);
 #pragma unroll
-            for (int u = 0; u < G; ++u)
-#pragma unroll
-                for (int l = 0; l < S::loads; ++l)
-                    if (g * G + u < stages && lane + 32 * l < S::chunks)
-                        *reinterpret_cast<uint4*>(sh + (j * G + u) * S::span +
-                                                  16 * (lane + 32 * l)) = next[j][u][l];
+            for (int l = 0; l < S::loads; ++l)
+                if (lane + 32 * l < S::chunks)
+                    *reinterpret_cast<uint4*>(sh + j * S::span + 16 * (lane + 32 * l)) = next[j][l];
+        }
         __syncwarp();
-        if ((g + 1) * G < stages) fetch(g + 1);
+        if (kt + 1 < stages) {
 #pragma unroll
-        for (int u = 0; u < G; ++u) {
-            const int kt = g * G + u;
-            if (kt >= stages || 8 * lane >= stage_values(kt)) continue;
+            for (int j = 0; j < NR; ++j)
+                gemv_fetch<S>(rows[j] + (kt + 1) * stage_row, stage_bytes(kt + 1), lane, next[j]);
+        }
+        if (8 * lane < stage_values(kt)) {
             const __half* xs = x + (size_t)kt * GEMV_STAGE + 8 * lane;
             const uint4 xa = *reinterpret_cast<const uint4*>(xs);
             const __half2* xh = reinterpret_cast<const __half2*>(&xa);
@@ -147,9 +127,8 @@ __device__ __forceinline__ void gemv_rows(const uint8_t* const (&rows)[NR],
             for (int p = 0; p < 4; ++p) xf[p] = __half22float2(xh[p]);
 #pragma unroll
             for (int j = 0; j < NR; ++j) {
-                const int mis = (int)((uintptr_t)(rows[j] + kt * stage_row) & 15u);
                 Pair w[4];
-                chunk8_of<D>(sh + (j * G + u) * S::span + mis, lane, w);
+                chunk8_of<D>(sh + j * S::span + mis[j], lane, w);
                 float a = acc[j];
 #pragma unroll
                 for (int p = 0; p < 4; ++p) {
@@ -159,7 +138,7 @@ __device__ __forceinline__ void gemv_rows(const uint8_t* const (&rows)[NR],
                 acc[j] = a;
             }
         }
-        __syncwarp();  // every lane is done with the group the next one overwrites
+        __syncwarp();  // every lane is done with the stage the next one overwrites
     }
 #pragma unroll
     for (int j = 0; j < NR; ++j)
@@ -187,7 +166,7 @@ __device__ __forceinline__ void gemv_gate_up(const uint8_t* const* __restrict__ 
                                              const int* __restrict__ row_of,
                                              const __half* __restrict__ acts,
                                              __half* __restrict__ out, int hidden, int ffn) {
-    __shared__ __align__(16) uint8_t sh[GEMV_WARPS][2 * GemvStage<D>::group * GemvStage<D>::span];
+    __shared__ __align__(16) uint8_t sh[GEMV_WARPS][2 * GemvStage<D>::span];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int i = blockIdx.x * GEMV_WARPS + warp;
     if (i >= ffn) return;  // no block-wide barrier follows
@@ -210,7 +189,7 @@ __device__ __forceinline__ void gemv_down(const uint8_t* const* __restrict__ exp
                                           const int* __restrict__ row_of,
                                           const __half* __restrict__ acts,
                                           float* __restrict__ out, int hidden, int ffn) {
-    __shared__ __align__(16) uint8_t sh[GEMV_WARPS][GemvStage<D>::group * GemvStage<D>::span];
+    __shared__ __align__(16) uint8_t sh[GEMV_WARPS][GemvStage<D>::span];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int i = blockIdx.x * GEMV_WARPS + warp;
     if (i >= hidden) return;
