@@ -35,6 +35,14 @@ steps launch plainly and run slower). Results: <out>/decode-<config>-<time>.{jso
     python bench/bench_decode.py --steps 128 --prompt 2048 --regimes quarter
     STRATA_PREFILL_TIMING=1 python bench/bench_decode.py --steps 16
     python bench/bench_decode.py --config configs/tiny-qwen3moe.yaml --backend reference
+    python bench/bench_decode.py --paths gemv --llama-bench PATH   # with the llama.cpp column
+
+With `--llama-bench`, llama.cpp decodes the same model first, in this process's run: the
+config's synthetic model written once as a GGUF into `--peer-dir` (bench/peer_llama, the file
+bench_peer_llama.py calls iq3: IQ3_XXS experts as stored, F16 dense), `llama-bench -p 0 -n
+STEPS` per regime (quarter: the experts of 3/4 of the layers in host memory, -ncmoe), and the
+table gains its tokens/s and ours/llama.cpp. llama-bench decodes from an empty context, this
+benchmark after `--prompt` tokens (a longer KV cache per step), which the table's note says.
 """
 
 from __future__ import annotations
@@ -52,6 +60,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from peer_llama import llama  # noqa: E402
+from peer_llama.files import ensure_file, shape_of  # noqa: E402
 from torch_clock import cuda_seconds, pinned_h2d_gb_s  # noqa: E402
 
 from strata_rt.cli.common import (  # noqa: E402
@@ -264,11 +274,30 @@ def report(rec: dict[str, Any], args: argparse.Namespace) -> None:
               f"{args.prompt + args.steps - 1}):\n{rec['phase_table']}", flush=True)
 
 
+def llama_decode(cfg: Config, args: argparse.Namespace, n_layers: int) -> dict[str, Any]:
+    """llama-bench's decode of the config's model, per regime: {regime: {tokens_per_s (None
+    when the command failed, whatever it printed before), command, error}} and the file
+    (module doc)."""
+    written = ensure_file(args.peer_dir, shape_of(cfg, False), "iq3")
+    out: dict[str, Any] = {"file": written.path.name, "file_bytes": written.bytes,
+                           "reused": written.reused, "regimes": {}}
+    for name in args.regime_list:
+        cmd = llama.decode_command(args.llama_bench, written.path,
+                                   llama.n_cpu_moe(name, n_layers), args.steps, 1)
+        inv = llama.run(cmd, args.llama_timeout)
+        rate = llama.decode_rate(inv.records)  # a run that failed shows no rate
+        out["regimes"][name] = {"tokens_per_s": None if inv.error else rate,
+                                "printed_tokens_per_s": rate, "command": llama.shown(cmd),
+                                "error": inv.error}
+    return out
+
+
 def fmt(value: float | None, spec: str, scale: float = 1.0) -> str:
     return "-" if value is None else format(value * scale, spec)
 
 
-def row(rec: dict[str, Any]) -> list[str]:
+def row(rec: dict[str, Any], peer: dict[str, Any] | None = None) -> list[str]:
+    """One table row; with `peer` (llama_decode's regimes) its two llama.cpp cells too."""
     b = rec["bounds_tokens_per_s"]
     tps = rec["decode_tokens_per_s"]
 
@@ -280,12 +309,23 @@ def row(rec: dict[str, Any]) -> list[str]:
             fmt(rec["host_share"], ".0%"), f"{rec['experts_per_step']:,.1f}",
             f"{rec['bytes_per_step'] / MIB:,.1f}", fmt(b.get("pcie"), ",.1f"), ratio("pcie"),
             f"{rec['read_bytes_total_per_step'] / MIB:,.1f}", fmt(b.get("hbm"), ",.1f"),
-            ratio("hbm"), fmt(rec["ttft_s"], ",.1f", 1e3)]
+            ratio("hbm"), fmt(rec["ttft_s"], ",.1f", 1e3)] + ([] if peer is None else
+                                                              peer_cells(rec, peer))
+
+
+def peer_cells(rec: dict[str, Any], peer: dict[str, Any]) -> list[str]:
+    """llama.cpp's tokens/s in the record's regime and ours over it ('failed' if it did)."""
+    got = peer.get(rec["regime"].split()[0], {})
+    theirs, tps = got.get("tokens_per_s"), rec["decode_tokens_per_s"]
+    if theirs is None:
+        return ["failed" if got.get("error") else "-", "-"]
+    return [f"{theirs:,.1f}", f"{tps / theirs:.2f}x" if tps else "-"]
 
 
 HEADERS = ["regime and path", "resident", "tokens/s", "step ms", "host ms", "host share",
            "experts/step", "streamed MiB/step", "PCIe bound tok/s", "ours/PCIe",
            "read MiB/step", "HBM bound tok/s", "ours/HBM", "TTFT ms"]
+PEER_HEADERS = ["llama.cpp tok/s", "ours/llama.cpp"]
 
 
 # ---------------------------------------------------------------------- main
@@ -309,6 +349,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="open the CUDA profiler's capture range around the timed one-token steps "
                          "(for ncu --profile-from-start off, or nsys "
                          "--capture-range=cudaProfilerApi)")
+    ap.add_argument("--llama-bench", metavar="PATH",
+                    help="llama.cpp's llama-bench: decode the same model with it first and add "
+                         "its tokens/s to the table")
+    ap.add_argument("--peer-dir", type=Path, default=Path.home() / ".cache" / "strata_rt" /
+                    "peer-llama", help="where the config's model is written as a GGUF for "
+                                       "llama-bench, once (default ~/.cache/strata_rt/peer-llama)")
+    ap.add_argument("--llama-timeout", type=float, default=1800.0,
+                    help="seconds each llama-bench command may take (default 1800)")
     ap.add_argument("--json", help="also write the results to this JSON file")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"),
                     help="directory of the dated .json/.md results ('' for none)")
@@ -367,6 +415,12 @@ def main(argv: list[str] | None = None) -> int:
               + f" (HBM datasheet {H200_HBM_DATASHEET / 1e9:,.0f} GB/s)", flush=True)
     if timing:
         print("note: timing on: steps launch with phase events and run slower", flush=True)
+    peer = None
+    if args.llama_bench:
+        peer = llama_decode(cfg, args, spec.n_layers)
+        for name, got in peer["regimes"].items():
+            print(f"llama.cpp {name}: {fmt(got['tokens_per_s'], ',.1f')} tokens/s"
+                  + (f" ({got['error']})" if got["error"] else ""), flush=True)
     records = []
     for name in args.regime_list:
         resident = round(total * REGIMES[name])
@@ -382,7 +436,9 @@ def main(argv: list[str] | None = None) -> int:
                 rec["decode_graph"] = engine.driver.graph_trials.get(engine.driver.decode_key)
                 records.append(rec)
                 report(rec, args)
-    table = markdown_table(HEADERS, [row(r) for r in records])
+    headers = HEADERS + (PEER_HEADERS if peer else [])
+    table = markdown_table(headers, [row(r, None if peer is None else peer["regimes"])
+                                     for r in records])
     parts = "; ".join(f"{k} {v / MIB:,.1f} MiB" for k, v in
                       records[0]["read_bytes_per_step"].items()) if records else ""
     notes = [f"read per step (HBM bound), at the mean position: {parts}",
@@ -391,6 +447,11 @@ def main(argv: list[str] | None = None) -> int:
              "host share: engine host seconds (Stats.host_s) / step wall, summed over steps"]
     if missing:
         notes.insert(0, f"no bounds: {missing}")
+    if peer is not None:
+        cmds = "; ".join(f"`{g['command']}`" for g in peer["regimes"].values())
+        notes.append(f"llama.cpp: the same model as {peer['file']} (IQ3_XXS experts as "
+                     f"stored, F16 dense), {args.steps} tokens from an empty context (ours "
+                     f"after {args.prompt} prompt tokens): {cmds}")
     exact = [r for r in records if r["path"] in EXACT_PATHS]
     same = len({tuple(r["ids"]) for r in exact}) <= 1
     if len(exact) > 1:
@@ -405,7 +466,8 @@ def main(argv: list[str] | None = None) -> int:
            "backend": backend, "prompt_tokens": args.prompt, "steps": args.steps,
            "timing": timing, "blob_bytes": blob, "ceilings": ceilings,
            "ceilings_missing": missing, "hbm_datasheet_gb_s": H200_HBM_DATASHEET / 1e9,
-           "model_build_s": built, "ids_match": same, "regimes": records, "table": table, "notes": notes}
+           "model_build_s": built, "ids_match": same, "regimes": records, "llama": peer,
+           "table": table, "notes": notes}
     if args.json_path is not None:
         write_json(args.json_path, doc)
     if args.out:

@@ -138,14 +138,10 @@ def regime_prompts(args: argparse.Namespace, regime: str, context: int) -> list[
     return [p for p in args.prompt_list if p <= cap]
 
 
-def n_cpu_moe(regime: str, n_layers: int) -> int:
-    return n_layers * 3 // 4 if regime == "quarter" else 0
-
-
 def llama_plan(args: argparse.Namespace, exe: str, path: Path, regime: str, prompts: list[int],
                n_layers: int) -> list[tuple[list[str], list[int]]]:
     """(command, the prompt lengths it measures; [] for decode) of one regime."""
-    n = n_cpu_moe(regime, n_layers)
+    n = llama.n_cpu_moe(regime, n_layers)
     cmds = []
     for cmd in llama.prefill_commands(exe, path, n, prompts, args.reps):
         covered = [int(x) for x in cmd[cmd.index("-p") + 1].split(",")]
@@ -155,14 +151,6 @@ def llama_plan(args: argparse.Namespace, exe: str, path: Path, regime: str, prom
     return cmds
 
 
-def shown(cmd: list[str]) -> str:
-    """A command as recorded: the program and the model by their names (no machine paths)."""
-    out = list(cmd)
-    out[0] = Path(cmd[0]).name
-    out[cmd.index("-m") + 1] = Path(cmd[cmd.index("-m") + 1]).name
-    return " ".join(out)
-
-
 def run_llama(args: argparse.Namespace, plan: list[tuple[list[str], list[int]]]
               ) -> dict[str, Any]:
     res: dict[str, Any] = {"prefill": {}, "errors": {}, "decode": None, "decode_error": None,
@@ -170,7 +158,7 @@ def run_llama(args: argparse.Namespace, plan: list[tuple[list[str], list[int]]]
     for cmd, covered in plan:
         inv = llama.run(cmd, args.timeout)
         rec = inv.to_json()
-        rec["command"] = shown(cmd)
+        rec["command"] = llama.shown(cmd)
         res["invocations"].append(rec)
         if covered:
             for n, best in llama.best_prefill(inv.records).items():
@@ -242,10 +230,10 @@ def run_file(args: argparse.Namespace, shape: Shape, mix: str, context: int, har
     for regime in args.regime_list:
         prompts = regime_prompts(args, regime, context)
         reg: dict[str, Any] = {"prompts": prompts, "strata": None, "llama": None,
-                               "n_cpu_moe": n_cpu_moe(regime, n_layers)}
+                               "n_cpu_moe": llama.n_cpu_moe(regime, n_layers)}
         if not args.skip_llama:
             plan = llama_plan(args, args.llama_bench, written.path, regime, prompts, n_layers)
-            commands += [shown(c) for c, _ in plan]
+            commands += [llama.shown(c) for c, _ in plan]
             reg["llama"] = run_llama(args, plan)
             ok &= not reg["llama"]["errors"] and not reg["llama"]["decode_error"]
         regimes[regime] = reg
@@ -278,7 +266,7 @@ def run_file(args: argparse.Namespace, shape: Shape, mix: str, context: int, har
            "file": {"name": written.path.name, "mix": mix, "bytes": written.bytes,
                     "reused": written.reused, "write_s": written.seconds,
                     "description": DESCRIPTIONS[mix]},
-           "n_cpu_moe": n_cpu_moe("quarter", n_layers), "llama_commands": commands,
+           "n_cpu_moe": llama.n_cpu_moe("quarter", n_layers), "llama_commands": commands,
            "strata_configs": configs, "regimes": regimes, "notes": notes}
     md = report.markdown(doc)
     print("\n" + md, flush=True)

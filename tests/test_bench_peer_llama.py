@@ -19,6 +19,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
+from _fake_llama import FIELDS, fake_llama  # noqa: E402
 from peer_llama import files, llama, mixes, report  # noqa: E402
 from peer_llama.files import TINY, Shape, ensure_file, vocab_for  # noqa: E402
 
@@ -33,22 +34,6 @@ TINY_SHAPE = Shape("tiny", TINY, {"tied": False, "dense_type": "F16"}, 1)
 #: layers whose attn_v and ffn_down_exps Q4_K_M stores in Q6_K, of 48
 MORE_BITS_48 = {0, 1, 2, 3, 4, 5, 8, 11, 14, 17, 20, 23, 26, 29, 32, 35, 38, 41,
                 42, 43, 44, 45, 46, 47}
-#: llama-bench's JSON fields (tools/llama-bench: test::get_fields, then the samples)
-FIELDS: dict[str, Any] = {
-    "build_commit": "abc1234", "build_number": 6000, "cpu_info": "AMD EPYC",
-    "gpu_info": "NVIDIA H200", "backends": "CUDA", "model_filename": "m.gguf",
-    "model_type": "qwen3moe 30B.A3B IQ3_XXS - 3.0625 bpw", "model_size": 12000000000,
-    "model_n_params": 30532122624, "n_batch": 8192, "n_ubatch": 512, "n_threads": 16,
-    "cpu_mask": "0x0", "cpu_strict": False, "poll": 50, "type_k": "f16", "type_v": "f16",
-    "n_gpu_layers": 99, "n_cpu_moe": 36, "split_mode": "layer", "main_gpu": 0,
-    "no_kv_offload": False, "flash_attn": 1, "devices": "auto", "tensor_split": "0.00",
-    "tensor_buft_overrides": "none", "load_mode": "none", "lazy_mode": "none",
-    "embeddings": False, "no_op_offload": 0, "no_host": False, "repack": True,
-    "fit_target": 0, "fit_min_ctx": 0, "n_prompt": 512, "n_gen": 0, "n_depth": 0,
-    "test_time": "2026-12-01T10:00:00Z", "avg_ns": 0, "stddev_ns": 0, "avg_ts": 0.0,
-    "stddev_ts": 0.0}
-
-
 def record(n_prompt: int, n_gen: int, n_ubatch: int, ts: float) -> dict[str, Any]:
     n = n_prompt + n_gen
     ns = int(n / ts * 1e9)
@@ -238,37 +223,6 @@ def test_tables_give_ratios_and_failures():
 
 
 # ---------------------------------------------------------------------- the command
-def fake_llama(folder: Path) -> Path:
-    """A stand-in llama-bench: llama-bench's JSON for its -p/-n/-ub/-ncmoe, printed test by
-    test (FAKE_LLAMA_MODE: ok; fail: one test, then exit 3; slow: one test, then a hang)."""
-    path = folder / "llama-bench"
-    path.write_text(f"""#!{sys.executable}
-import json, os, sys, time
-a = sys.argv[1:]
-opt = lambda k, d: a[a.index(k) + 1] if k in a else d
-mode = os.environ.get("FAKE_LLAMA_MODE", "ok")
-template = json.loads({json.dumps(json.dumps(FIELDS))})
-tests = [(int(p), 0, int(u)) for p in opt("-p", "0").split(",") if int(p)
-         for u in opt("-ub", "512").split(",")]
-tests += [(0, int(opt("-n", "0")), 512)] if int(opt("-n", "0")) else []
-print("[")
-for i, (p, g, u) in enumerate(tests):
-    ts = (1000.0 + u) if p else 100.0
-    ns = int((p + g) / ts * 1e9)
-    rec = dict(template, n_prompt=p, n_gen=g, n_ubatch=u, n_cpu_moe=int(opt("-ncmoe", "0")),
-               avg_ts=ts, avg_ns=ns, samples_ns=[ns], samples_ts=[ts])
-    print((",\\n" if i else "") + json.dumps(rec, indent=2), end="", flush=True)
-    if mode != "ok":
-        print("ggml_cuda error: out of memory", file=sys.stderr, flush=True)
-        if mode == "slow":
-            time.sleep(60)
-        sys.exit(3)
-print("\\n]")
-""")
-    path.chmod(0o755)
-    return path
-
-
 def _cli(args: list[str], tmp_path: Path, env: dict[str, str] | None = None
          ) -> subprocess.CompletedProcess:
     full = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get(

@@ -32,6 +32,20 @@ LONG_UBATCH = 8192
 ERR_TAIL = 2000
 
 
+def n_cpu_moe(regime: str, n_layers: int) -> int:
+    """llama.cpp's -ncmoe for a regime: quarter keeps the experts of 3/4 of the layers in host
+    memory (a quarter on the GPU, as strata's quarter regime), all keeps none there."""
+    return n_layers * 3 // 4 if regime == "quarter" else 0
+
+
+def shown(cmd: list[str]) -> str:
+    """A command as recorded: the program and the model by their names (no machine paths)."""
+    out = list(cmd)
+    out[0] = Path(cmd[0]).name
+    out[cmd.index("-m") + 1] = Path(cmd[cmd.index("-m") + 1]).name
+    return " ".join(out)
+
+
 def base_args(exe: str, model: Path, n_cpu_moe: int) -> list[str]:
     """Every layer on the GPU, weights loaded into llama.cpp's own buffers (-lm none), flash
     attention, the experts of the first n_cpu_moe layers kept in host memory."""

@@ -1,0 +1,71 @@
+"""bench/bench_decode.py on any machine: the tiny config on the reference backend, with a
+stand-in llama-bench for the llama.cpp column."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from _fake_llama import fake_llama
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "bench" / "bench_decode.py"
+TINY = ROOT / "configs" / "tiny-qwen3moe.yaml"
+
+
+def _cli(args: list[str], cwd: Path, env: dict[str, str] | None = None
+         ) -> subprocess.CompletedProcess:
+    full = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get(
+        "PYTHONPATH", "")]), **(env or {})}
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True,
+                          cwd=cwd, env=full, timeout=300, check=False)
+
+
+def _run(tmp_path: Path, out: str, env: dict[str, str] | None = None
+         ) -> tuple[subprocess.CompletedProcess, dict]:
+    exe = fake_llama(tmp_path)
+    done = _cli(["--config", str(TINY), "--backend", "reference", "--steps", "2", "--warmups",
+                 "0", "--prompt", "8", "--paths", "staging", "--llama-bench", str(exe),
+                 "--peer-dir", str(tmp_path / "files"), "--out", str(tmp_path / out)],
+                tmp_path, env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    (js,) = (tmp_path / out).glob("decode-tiny-qwen3moe-*.json")
+    return done, json.loads(js.read_text())
+
+
+def test_help_teaches_the_peer_and_profiler_flags(tmp_path):
+    done = _cli(["--help"], tmp_path)
+    assert done.returncode == 0
+    for flag in ("--llama-bench", "--peer-dir", "--llama-timeout", "--profile", "--paths"):
+        assert flag in done.stdout
+
+
+def test_the_table_carries_llama_cpps_column_for_the_same_model(tmp_path):
+    done, doc = _run(tmp_path, "ok")
+    peer = doc["llama"]
+    assert peer["file"] == "tiny-qwen3moe-iq3.gguf" and not peer["reused"]
+    assert (tmp_path / "files" / peer["file"]).stat().st_size == peer["file_bytes"]
+    # quarter: the experts of 3/4 of the 2 layers in host memory; all: none
+    assert "-ncmoe 1 -p 0 -n 2" in peer["regimes"]["quarter"]["command"]
+    assert "-ncmoe 0 -p 0 -n 2" in peer["regimes"]["all"]["command"]
+    assert all(str(tmp_path) not in g["command"] for g in peer["regimes"].values())
+    head, _, *rows = doc["table"].splitlines()
+    assert head.split("|")[-3:-1] == [" llama.cpp tok/s ", " ours/llama.cpp "]
+    for rec, line in zip(doc["regimes"], rows, strict=True):
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert cells[-2] == "100.0"  # the stand-in's decode rate
+        assert cells[-1] == f"{rec['decode_tokens_per_s'] / 100.0:.2f}x"
+    assert "from an empty context" in doc["notes"][-2] + doc["notes"][-1]
+    again, doc2 = _run(tmp_path, "again")
+    assert doc2["llama"]["reused"]  # the file is written once
+
+
+def test_a_failing_llama_bench_is_a_cell_not_a_traceback(tmp_path):
+    done, doc = _run(tmp_path, "bad", {"FAKE_LLAMA_MODE": "fail"})
+    assert "Traceback" not in done.stdout + done.stderr
+    assert doc["llama"]["regimes"]["all"]["error"] == "exit code 3"
+    for line in doc["table"].splitlines()[2:]:
+        assert [c.strip() for c in line.strip("|").split("|")][-2:] == ["failed", "-"]
