@@ -216,6 +216,17 @@ def test_workspace_holds_the_norms_and_the_rerank_list_after_the_sort():
 
 
 # ============================================================================ GPU
+def _assert_the_definitions_picks(got, xn, router, top_k):
+    """ids equal the definition's, weights within float32 rounding, and the sort's outputs
+    those of the ids."""
+    want_ids, want_w = route_exact(xn, router, top_k)
+    np.testing.assert_array_equal(got["ids"], want_ids)
+    np.testing.assert_allclose(got["weights"], want_w, rtol=2e-5, atol=1e-7)
+    for name, arr in zip(("bounds", "sorted_token", "row_of"),
+                         counting_sort_ref(got["ids"], router.shape[0]), strict=True):
+        np.testing.assert_array_equal(got[name], arr, err_msg=name)
+
+
 def _run(rt, s, ex, rk, xn, router, top_k, tile=None):
     """Split GEMM, exact top-k and the sort on poisoned outputs; every output on the host."""
     T, H = xn.shape
@@ -279,12 +290,7 @@ def test_gpu_picks_the_canonical_experts(rt, kernels, hidden, n_experts, top_k, 
         xn = rng.standard_normal((tokens, hidden), dtype=np.float32)
         router = crowded_router(rng, hidden, n_experts)
     got = _run(rt, s, ex, rk, xn, router, top_k)
-    want_ids, want_w = route_exact(xn, router, top_k)
-    np.testing.assert_array_equal(got["ids"], want_ids)
-    np.testing.assert_allclose(got["weights"], want_w, rtol=2e-5, atol=1e-7)
-    for name, arr in zip(("bounds", "sorted_token", "row_of"),
-                         counting_sort_ref(got["ids"], n_experts), strict=True):
-        np.testing.assert_array_equal(got[name], arr, err_msg=name)
+    _assert_the_definitions_picks(got, xn, router, top_k)
     # the proof's premise: every trusted token's logits (a norm within fp16's range) within
     # B(t) of the float64 product
     x64 = xn.astype(np.float64)
@@ -341,12 +347,7 @@ def test_gpu_one_token_launch_picks_the_canonical_experts(rt, kernels, hidden, n
         xn[:] = 0.0
     got = _run_one(rt, s, ex, xn, router, top_k)
     assert got["canon"].tobytes() == canonical_logits(xn, router)[0].tobytes()
-    want_ids, want_w = route_exact(xn, router, top_k)
-    np.testing.assert_array_equal(got["ids"], want_ids)
-    np.testing.assert_allclose(got["weights"], want_w, rtol=2e-5, atol=1e-7)
-    for name, arr in zip(("bounds", "sorted_token", "row_of"),
-                         counting_sort_ref(got["ids"], n_experts), strict=True):
-        np.testing.assert_array_equal(got[name], arr, err_msg=name)
+    _assert_the_definitions_picks(got, xn, router, top_k)
     if kind == "zero":
         np.testing.assert_array_equal(got["ids"][0], np.arange(top_k))
 
