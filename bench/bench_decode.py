@@ -143,17 +143,14 @@ def step_read_bytes(engine: Engine, position: float) -> dict[str, float]:
 # ---------------------------------------------------------------------- one regime
 class RecordingSession(EngineSession):
     """The engine session, keeping each prefill's Stats (per-step copies and phase tables);
-    with `profile`, each one-token step (not the prompt) runs inside the profiler's range."""
+    with `profile` set, each one-token step (not the prompt) runs inside the profiler's
+    range."""
 
-    def __init__(self, engine: Engine, profile: bool = False):
+    def __init__(self, engine: Engine):
         super().__init__(engine)
         self.calls: list[Stats] = []
+        #: whether one-token steps run inside the profiler's range (off for the warm-ups)
         self.profile = False
-        self._profile = profile
-
-    def arm(self) -> None:
-        """Profile the steps from here on (the warm-ups ran outside the range)."""
-        self.profile = self._profile
 
     def prefill(self, token_ids: Any, all_logits: bool = False
                 ) -> tuple[np.ndarray, Stats | None]:
@@ -193,11 +190,11 @@ def run_regime(engine: Engine, ids: np.ndarray, steps: int, warmups: int,
     """Warm-up runs of 4 steps, then the timed run of `steps` steps after the prompt's token
     -> (result, the steps' Stats). With `profile` the profiler's range covers the timed
     run's one-token steps."""
-    session = RecordingSession(engine, profile)
+    session = RecordingSession(engine)
     for _ in range(warmups):
         greedy(session, ids, min(steps + 1, 5), eos_id=None)
     session.calls.clear()
-    session.arm()
+    session.profile = profile
     result = greedy(session, ids, steps + 1, eos_id=None)  # the first token is the prompt's
     return result, session.calls[1:]  # calls[0] is the prompt's prefill
 

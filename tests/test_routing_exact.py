@@ -443,3 +443,36 @@ def test_rerank_launch_matches_its_kernel_source():
     warps = re.search(r"^#define RERANK_WARPS (\d+)", RERANK_SOURCE.read_text(), flags=re.M)
     assert warps and int(warps.group(1)) * 32 == RERANK_THREADS
     assert "__launch_bounds__(RERANK_WARPS * 32)" in RERANK_SOURCE.read_text()
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_a_decode_step_routes_in_two_launches_on_the_layers_float32_rows(tokens):
+    """The launch sequence of LayerKernels.route (a recording runtime, no GPU): one token goes
+    through route_one_logits and route_one_pick on the float32 part of its layer's split
+    router, with no counting sort; a chunk goes through the split GEMM, top-k and the sort."""
+    from _fake_runtime import FakeRuntime, FakeStream
+
+    from strata_rt.backends.cuda.layer_kernels import LayerKernels
+    from strata_rt.formats.registry import registry
+    from strata_rt.weights.model import QWEN3_30B_SPEC
+
+    spec = QWEN3_30B_SPEC
+    rt = FakeRuntime(np.random.default_rng(0), spec)
+    names = ("x", "xn", "norm", "router", "logits", "topk_ids", "topk_w", "sorted_token",
+             "row_of", "act_hidden", "route_ws", "nonfinite")
+    ptr = {n: (i + 1) << 32 for i, n in enumerate(names)}
+    lk = LayerKernels(rt, spec, registry()["iq3_xxs"].activation, ptr, "exact", first=0)
+    rng = np.random.default_rng(1)
+    router = (rng.standard_normal((2, spec.n_experts, spec.hidden)) * 0.05).astype(np.float32)
+    lk.router_weights(router)
+    lk.route(FakeStream("compute"), 1, tokens, bounds=7 << 32, mark=lambda phase: None)
+    E, H = spec.n_experts, spec.hidden
+    layer1 = ptr["router"] + E * H * 8
+    launched = [name for name, _, _ in rt.launched_on]
+    if tokens == 1:
+        assert launched[1:3] == ["route_one_logits", "route_one_pick_w4"]
+        assert rt.launched_on[1][2][1] == layer1 + E * H * 4  # the float32 rows
+        assert not any("scan" in n or "scatter" in n or "split" in n for n in launched)
+    else:
+        assert "route_one_logits" not in launched
+        assert any("split" in n for n in launched) and any("scatter" in n for n in launched)

@@ -53,14 +53,15 @@ ROW_THREADS = 256
 #: chunks shorter than this spread each row of the MoE combine over several blocks
 COMBINE_SPLIT_BELOW = 128
 
+SWIGLU_THREADS = 128
+#: the SwiGLU kernels stride over rows, so a capped grid covers any row count
+SWIGLU_MAX_BLOCKS = 2048
+
 
 def combine_splits(tokens: int, hidden: int) -> int:
     """Blocks per token row of combine_residual: one per ROW_THREADS columns for a short chunk
     (a decode step would otherwise run one block on one SM), else one."""
     return -(-hidden // ROW_THREADS) if tokens < COMBINE_SPLIT_BELOW else 1
-SWIGLU_THREADS = 128
-#: the SwiGLU kernels stride over rows, so a capped grid covers any row count
-SWIGLU_MAX_BLOCKS = 2048
 
 
 class LayerKernels:
@@ -118,45 +119,50 @@ class LayerKernels:
         self._norm.launch(grid=(T, 1, 1), block=(ROW_THREADS, 1, 1), stream=stream,
                           args=(p["x"], p["norm"] + at * H * 4, p["xn"], H,
                                 float(spec.rms_eps), p["nonfinite"], layer))
-        if self._routing is not None:
-            rk = self._routing
-            if self._exact is not None and T == 1:  # a decode step: two launches, sorted
-                mark("router gemm")
-                self._exact.one(stream, xn=p["xn"], router32=p["router"] + (2 * at + 1) * E * H
-                                * 4, hidden=H, n_experts=E, top_k=K, canon=p["route_ws"],
-                                ids=p["topk_ids"], weights=p["topk_w"], bounds=bounds,
-                                sorted_token=p["sorted_token"], row_of=p["row_of"])
-            else:
-                if self._exact is not None:
-                    self._route_exact(stream, at, T, mark)
-                else:
-                    mark("router gemm")
-                    rk.logits(stream, p["xn"], p["router"] + at * E * H * 2, p["logits"], T, H,
-                              E)
-                    mark("softmax top-k")
-                    rk.topk(stream, p["logits"], T, E, K, p["topk_ids"], p["topk_w"],
-                            p["route_ws"])
-                mark("sort")
-                rk.sort(stream, p["topk_ids"], T, E, K, p["route_ws"], bounds,
-                        p["sorted_token"], p["row_of"])
-        else:
+        if self._routing is None:
             self._route_fp32(stream, at, T, bounds, mark)
+        elif self._exact is not None and T == 1:  # a decode step: two launches, sorted too
+            mark("router gemm")
+            self._exact.one(stream, xn=p["xn"], router32=self._exact_router(at)[1], hidden=H,
+                            n_experts=E, top_k=K, canon=p["route_ws"], ids=p["topk_ids"],
+                            weights=p["topk_w"], bounds=bounds,
+                            sorted_token=p["sorted_token"], row_of=p["row_of"])
+        else:
+            if self._exact is not None:
+                self._route_exact(stream, at, T, mark)
+            else:
+                mark("router gemm")
+                self._routing.logits(stream, p["xn"], p["router"] + at * E * H * 2,
+                                     p["logits"], T, H, E)
+                mark("softmax top-k")
+                self._routing.topk(stream, p["logits"], T, E, K, p["topk_ids"], p["topk_w"],
+                                   p["route_ws"])
+            mark("sort")
+            self._routing.sort(stream, p["topk_ids"], T, E, K, p["route_ws"], bounds,
+                               p["sorted_token"], p["row_of"])
         mark("quantize acts")
         self._acts.launch(self.activation, stream, p["xn"], H, p["sorted_token"],
                           p["act_hidden"], T * K, H)
+
+    def _exact_router(self, layer: int) -> tuple[int, int]:
+        """The device addresses of a layer's split router (split_router's layout: the fp16 hi
+        and lo parts, then the float32 rows) and of its float32 rows."""
+        E, H = self.spec.n_experts, self.spec.hidden
+        split = self.ptr["router"] + layer * E * H * 8
+        return split, split + E * H * 4
 
     def _route_exact(self, stream: Stream, layer: int, T: int, mark: Mark) -> None:
         assert self._exact is not None and self._logit_bounds, "router_weights() ran at open"
         spec, p = self.spec, self.ptr
         H, E, K = spec.hidden, spec.n_experts, spec.top_k
-        router = p["router"] + layer * E * H * 8
+        router, router32 = self._exact_router(layer)
         ws = exact_workspace(p["route_ws"], T, E)
         tile = self._exact.tile(T, H)
         mark("router gemm")
         self._exact.logits(stream, p["xn"], router, p["logits"], ws, T, H, E,
                            self._sigma[layer], tile)
         mark("softmax top-k")
-        self._exact.topk(stream, logits=p["logits"], xn=p["xn"], router32=router + E * H * 4,
+        self._exact.topk(stream, logits=p["logits"], xn=p["xn"], router32=router32,
                          ws=ws, tokens=T, hidden=H, n_experts=E, top_k=K,
                          bound=self._logit_bounds[layer], ids=p["topk_ids"],
                          weights=p["topk_w"], masks=p["route_ws"])
