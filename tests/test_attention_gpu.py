@@ -28,6 +28,7 @@ from strata_rt.backends.cuda.attention_kernels import (
     qk_norm_rope_reference,
     rope_cos_sin,
 )
+from strata_rt.backends.cuda.attention_shapes import HEAD_DIMS
 from strata_rt.errors import ConfigError
 from strata_rt.formats.numerics import nmse
 from strata_rt.formats.testing_abi import Recorder
@@ -98,7 +99,7 @@ def test_launch_shapes_and_argument_lists_match_the_source():
     assert re.search(r"#define AT_KV (\d+)", src).group(1) == str(KV_TILE)
     assert re.search(r"#define AT_WARPS (\d+)", src).group(1) == str(ak.ATTEND_THREADS // 32)
     assert re.search(r"#define NR_WARPS (\d+)", src).group(1) == str(ak.NORM_ROPE_WARPS)
-    for hd in ak.HEAD_DIMS:
+    for hd in HEAD_DIMS:
         assert f"ATTEND_KERNEL({hd})" in src and f"QK_NORM_ROPE_KERNEL({hd})" in src
     rt = Recorder()
     kern = AttentionKernels(rt, 32, 4, 128, context=40000)

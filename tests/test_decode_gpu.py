@@ -2,8 +2,8 @@
 unrouted experts, read host memory over PCIe) against the plain batched gather, whole
 greedy runs through the decode plan - plain launches, then CUDA-graph replays at moving
 positions - against the staging ring, byte for byte, and the gemv decode plan (matrix-vector
-launches over the routed experts) against the routed one: the same greedy tokens, logits
-within NMSE 1e-4."""
+launches over the routed experts) against the routed one, and the split decode attention
+against the tiled kernel: the same greedy tokens, logits within NMSE 1e-4."""
 
 from __future__ import annotations
 
@@ -141,3 +141,27 @@ def test_gemv_decode_follows_the_routed_decode(monkeypatch, fmt) -> None:
         print(f"{fmt} step {step}: logits NMSE {err:.3g} (gemv vs routed)")
         assert err <= GEMV_LOGITS_NMSE, (fmt, step, err)
     assert g_streamed == r_streamed > 0
+
+
+#: split decode attention against the tiled kernel (float32 probabilities against fp16 ones)
+SPLIT_LOGITS_NMSE = 1e-4
+
+
+@pytest.mark.parametrize("decode", ["routed", "gemv"])
+def test_split_decode_attention_follows_the_tiled_kernel(monkeypatch, decode) -> None:
+    """Eight greedy steps (plain launches, then the captured graph replayed at moving
+    positions, which reads the position on the device): decode_attention "split" gives the
+    tiled kernel's greedy tokens, every step's logits within SPLIT_LOGITS_NMSE; the prompt's
+    own logits (a 45-token chunk, tiled either way) are the same bytes."""
+    model = Qwen3Model.synthetic(SPEC, 24, "iq3_xxs")
+    monkeypatch.setenv("STRATA_DECODE_ATTENTION", "split")
+    split, _, trial, _ = _greedy(model, decode, monkeypatch)
+    assert "plain" in trial and "graph" in trial and "error" not in trial, trial
+    monkeypatch.setenv("STRATA_DECODE_ATTENTION", "tiled")
+    tiled, _, _, _ = _greedy(model, decode, monkeypatch)
+    assert np.array_equal(split[0], tiled[0])
+    assert [int(x.argmax()) for x in split] == [int(x.argmax()) for x in tiled]
+    errs = [nmse(a, b) for a, b in zip(split[1:], tiled[1:])]
+    print(f"{decode}: logits NMSE split vs tiled per step {[f'{e:.2g}' for e in errs]}")
+    assert max(errs) <= SPLIT_LOGITS_NMSE, errs
+    assert max(errs) > 0  # the steps did take the split kernels

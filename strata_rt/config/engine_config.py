@@ -38,6 +38,7 @@ BACKENDS = ("auto", "cuda", "reference")
 DENSE_POLICIES = ("auto", "resident", "stream")
 #: the choices of the switches resolved into fields of the same meaning (config/env.py lists them)
 DECODES = env.choices("STRATA_DECODE")
+DECODE_ATTENTIONS = env.choices("STRATA_DECODE_ATTENTION")
 PREFILL_STREAMS = env.choices("STRATA_PREFILL_STREAM")
 DENSE_GEMMS = env.choices("STRATA_DENSE_GEMM")
 EMBEDDINGS = env.choices("STRATA_EMBEDDING")
@@ -125,6 +126,10 @@ class EngineConfig:
     #: launches over the routed experts; every layer's format must offer them); None:
     #: STRATA_DECODE, else routed
     decode: str | None = None
+    #: a whole model's attention in one-token chunks on the CUDA backend (DECODE_ATTENTIONS):
+    #: "split" (over the cache length, merged) or "tiled" (the prefill's kernel);
+    #: None: STRATA_DECODE_ATTENTION, else split
+    decode_attention: str | None = None
     #: how prefill chunks stream (PREFILL_STREAMS): "auto", "walk" or "routed";
     #: None: STRATA_PREFILL_STREAM, else auto
     prefill_stream: str | None = None
@@ -243,7 +248,8 @@ class EngineConfig:
         if self.ring_bytes is not None and not _whole(self.ring_bytes, 1, 1 << 50):
             problems.append(f"ring_bytes: got {self.ring_bytes!r}; allowed: a positive size "
                             "(at most 1 PiB)")
-        for name, allowed in (("decode", DECODES), ("prefill_stream", PREFILL_STREAMS),
+        for name, allowed in (("decode", DECODES), ("decode_attention", DECODE_ATTENTIONS),
+                              ("prefill_stream", PREFILL_STREAMS),
                               ("dense_gemm", DENSE_GEMMS), ("embedding", EMBEDDINGS),
                               ("f16_gemm", F16_GEMMS)):
             value = getattr(self, name)
@@ -284,6 +290,8 @@ class EngineConfig:
             self.mmq_kernel = mmq_kernel_switch()
         if self.decode is None:
             self.decode = env.choice("STRATA_DECODE", DECODES[0])
+        if self.decode_attention is None:
+            self.decode_attention = env.choice("STRATA_DECODE_ATTENTION", DECODE_ATTENTIONS[0])
         if self.prefill_stream is None:
             self.prefill_stream = env.choice("STRATA_PREFILL_STREAM", PREFILL_STREAMS[0])
         if self.cuda_graph is None:

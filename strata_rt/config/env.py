@@ -13,8 +13,8 @@ Where each is read (tests/test_switches.py holds every module to it):
   launchers, the GEMMs and the formats never read the environment. They are
   STRATA_PREFILL_GATHER_ONE, STRATA_PREFILL_TIMING, STRATA_PREFILL_DUMP_R,
   STRATA_PREFILL_TRACE, STRATA_WALK_MIN_TOKENS, STRATA_CHECK_PLAN, STRATA_MMQ_KERNEL,
-  STRATA_DECODE, STRATA_PREFILL_STREAM, STRATA_IMAGE_CACHE_MIB, STRATA_COMPUTE_LANES, STRATA_IN_PLACE,
-  STRATA_CUDA_GRAPH, STRATA_ROUTING, STRATA_DENSE_GEMM, STRATA_EMBEDDING and STRATA_F16_GEMM.
+  STRATA_DECODE, STRATA_DECODE_ATTENTION, STRATA_PREFILL_STREAM, STRATA_IMAGE_CACHE_MIB,
+  STRATA_COMPUTE_LANES, STRATA_IN_PLACE, STRATA_CUDA_GRAPH, STRATA_ROUTING, STRATA_DENSE_GEMM, STRATA_EMBEDDING and STRATA_F16_GEMM.
   A run config's checks (config/schema.py, config/whole.py) size the engine before it exists:
   they take STRATA_MMQ_KERNEL, STRATA_DENSE_GEMM and STRATA_EMBEDDING through engine_config's
   readers, and
@@ -91,6 +91,12 @@ SWITCHES: dict[str, Switch] = {
                "the routed experts only, read where they lie; not bit-identical to routed: the "
                "sums run in another order; a model with a layer whose format has no such "
                "kernels is refused)."),
+        Switch("STRATA_DECODE_ATTENTION", "choice:split,tiled",
+               "a whole model's one-token chunks (decode steps) on the CUDA backend: split "
+               "(the default: the cache is split over 32 blocks per KV head and the parts "
+               "merged, float32 probabilities; within NMSE 1e-4 of tiled, not its bytes) or "
+               "tiled (the prefill's attention kernel, one block per KV head: a one-token "
+               "chunk's bytes are those of the same row inside a longer chunk)."),
         Switch("STRATA_PREFILL_STREAM", "choice:auto,walk,routed",
                "how a prefill chunk streams its non-resident experts: walk (the copy engine "
                "streams every one beside the compute), routed (the gathers read only the "

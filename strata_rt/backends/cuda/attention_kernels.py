@@ -23,7 +23,6 @@ far below that, around 1e-7).
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -32,16 +31,13 @@ from ...errors import ConfigError
 from ...models.qwen3.reference import apply_rope, rope_tables
 from ...resources import KERNELS_ROOT
 from ...weights.model import rms_norm
+from .attention_shapes import check_attention_shape, scale_log2
 
 if TYPE_CHECKING:
     from ...models.qwen3.spec import Qwen3Spec
     from ...runtime import Runtime, Stream
 
 ATTENTION_SOURCE = KERNELS_ROOT / "model" / "attention.cu"
-#: head dimensions with a kernel (template instances of attention.cu)
-HEAD_DIMS = (64, 128)
-#: query heads per KV head at most (a block holds 128 // group positions of the whole group)
-MAX_GROUP = 16
 #: query rows (positions x heads of one group) per attention block; attention.cu's AT_ROWS
 BLOCK_ROWS = 128
 #: cache rows per K/V tile (AT_KV); tiles sit at absolute positions j * KV_TILE
@@ -60,30 +56,6 @@ def attend_shared_bytes(head_dim: int) -> int:
 def positions_per_block(n_heads: int, n_kv_heads: int) -> int:
     """Query positions one attention block serves (all `group` heads of each)."""
     return BLOCK_ROWS // (n_heads // n_kv_heads)
-
-
-def check_attention_shape(n_heads: int, n_kv_heads: int, head_dim: int, tokens: int = 1,
-                          start: int = 0, context: int | None = None) -> None:
-    """Raises ConfigError naming every head layout or chunk the kernels do not support."""
-    problems = []
-    if n_kv_heads < 1 or n_heads < 1 or n_heads % n_kv_heads:
-        problems.append(f"n_heads={n_heads}, n_kv_heads={n_kv_heads} (both >= 1 and n_heads "
-                        f"a multiple of n_kv_heads)")
-    elif n_heads // n_kv_heads > MAX_GROUP:
-        problems.append(f"group={n_heads // n_kv_heads} query heads per KV head (at most "
-                        f"{MAX_GROUP})")
-    if head_dim not in HEAD_DIMS:
-        problems.append(f"head_dim={head_dim} (the kernels exist for "
-                        f"{', '.join(map(str, HEAD_DIMS))})")
-    if tokens < 1:
-        problems.append(f"tokens={tokens} (at least 1)")
-    if start < 0:
-        problems.append(f"start={start} (a position, >= 0)")
-    if context is not None and start + tokens > context:
-        problems.append(f"positions {start}..{start + tokens - 1} (the KV cache holds "
-                        f"{context} positions)")
-    if problems:
-        raise ConfigError(problems, source="GPU attention")
 
 
 def _check_aligned(**pointers: int) -> None:
@@ -164,7 +136,7 @@ class AttentionKernels:
         self.context = context
         self.positions_per_block = positions_per_block(n_heads, n_kv_heads)
         self.shared = attend_shared_bytes(head_dim)
-        self.scale_log2 = float(np.float32(head_dim ** -0.5 * math.log2(math.e)))
+        self.scale_log2 = scale_log2(head_dim)
         mod = rt.module(ATTENTION_SOURCE)
         self._norm_rope = mod.kernel(f"qk_norm_rope_hd{head_dim}", "PiiPPPPfPPPiiP")
         self._attend = mod.kernel(f"attend_hd{head_dim}", "PPPPiiiifP")

@@ -134,7 +134,7 @@ def open_device(rt: Runtime, model: Model, store: ExpertStore, cfg: EngineConfig
             assert whole_sizes is not None
             sizing = whole_sizes.streamed() if mp.dense_stream else whole_sizes
             cuda_whole = CudaWhole(rt, whole, dev.ptr, mp.regions["dense_ws"], sizing, dev.copy,
-                                   lo)
+                                   lo, cfg.decode_attention or "split")
     except BaseException:
         dev.close()
         raise

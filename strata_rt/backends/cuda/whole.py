@@ -13,6 +13,11 @@ weights, which the GEMMs read in place):
     o    = causal GQA attention over K, V [0, start+T)   AttentionKernels.attend
     x   += o . Wo^T                                  DenseKernels.gemm (fp32, accumulate)
 
+A one-token chunk (a decode step) attends with DecodeAttention instead under decode_attention
+"split" (the default, where the head layout has its kernels): the one query row per head is
+spread over the cache length (32 blocks per KV head, float32 parts in `decode_part`) and
+merged, two launches where the tiled kernel runs one block per KV head.
+
 Logits: the chosen rows of x through RMSNorm * output_norm and the output head into float32, at
 most LOGIT_ROWS rows per GEMM, each row slice copied back before the next (the host array is the
 result). A head not stored as F16 is decoded HEAD_SLICE_ROWS vocabulary rows at a time before
@@ -39,7 +44,9 @@ from ...gemm.ggml_rows import GgmlRows
 from ...models.qwen3.reference import rope_tables
 from ...models.qwen3.whole_memory import LOGIT_ROWS, DenseSlot, WholeSizing, kv_bytes
 from ...schedule.plan import Attention, DenseCopy, Logits
+from .attention_decode import DecodeAttention
 from .attention_kernels import AttentionKernels
+from .attention_shapes import decode_supported
 from .dense.decode import DenseDecode, head_slices
 from .dense.kernels import DenseKernels
 
@@ -85,7 +92,8 @@ class CudaWhole:
     the model's layers, which index the part's slots and KV cache from `first`."""
 
     def __init__(self, rt: Runtime, whole: Qwen3Model, ptr: dict[str, int], ws_bytes: int,
-                 sizing: WholeSizing, stream: Stream, first: int = 0):
+                 sizing: WholeSizing, stream: Stream, first: int = 0,
+                 decode_attention: str = "split"):
         self.rt, self.whole, self.spec, self.ptr = rt, whole, whole.spec, ptr
         self.first, self.n_layers, self.has_head = first, sizing.spec.n_layers, sizing.head
         self.context = sizing.context
@@ -95,6 +103,12 @@ class CudaWhole:
         self.decode = DenseDecode(rt, spec, self.layout, ptr["dense_scratch"])
         self.attention = AttentionKernels(rt, spec.n_heads, spec.n_kv_heads, spec.head_dim,
                                           self.context)
+        #: a one-token chunk's attention (None: the tiled kernel serves every chunk)
+        self.decode_attention: DecodeAttention | None = None
+        if decode_attention == "split" and decode_supported(spec.n_heads, spec.n_kv_heads,
+                                                            spec.head_dim):
+            self.decode_attention = DecodeAttention(rt, spec.n_heads, spec.n_kv_heads,
+                                                    spec.head_dim, context=self.context)
         self.dense = DenseKernels(rt, ptr["dense_ws"], ws_bytes, sizing.gemm)
         #: the embedding's row gather (its kernel loaded now, not inside a captured graph)
         self.rows: GgmlRows | None = None
@@ -217,7 +231,13 @@ class CudaWhole:
         ak.qk_norm_rope(stream, p["qkv"], T, start, base + slot.q_norm, base + slot.k_norm, p["rope_cos"], p["rope_sin"], eps,
                         p["q_rot"], k_cache, v_cache, start_dev)
         mark("attention")
-        ak.attend(stream, p["q_rot"], k_cache, v_cache, start, T, p["attn_out"], start_dev)
+        if T == 1 and self.decode_attention is not None:
+            self.decode_attention.attend(stream, q=p["q_rot"], k_cache=k_cache,
+                                         v_cache=v_cache, start=start, part=p["decode_part"],
+                                         out=p["attn_out"], start_dev=start_dev)
+        else:
+            ak.attend(stream, p["q_rot"], k_cache, v_cache, start, T, p["attn_out"],
+                      start_dev)
         mark("dense o")
         wo = self.decode.wo(stream, base, slot)
         dk.gemm(stream, p["attn_out"], wo, p["x"], T, H, spec.q_dim,

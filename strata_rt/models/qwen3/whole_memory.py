@@ -19,8 +19,9 @@ Fixed regions: the dense slots (every layer's when resident; a ring of DENSE_RIN
 they stream), the head (output_norm, Wout [vocab, hidden] in its type), the token embedding in
 its type (on the device that looks the chunk's token ids up; none when the head is tied to it
 and on that device, whose bytes then serve both), the dense scratch, the
-RoPE tables [context, head_dim / 2] of cos and sin and the KV cache (fp16, n_layers x 2 x
-context x kv_dim). The dense scratch is one fp16 buffer the compute stream decodes into before
+RoPE tables [context, head_dim / 2] of cos and sin, the KV cache (fp16, n_layers x 2 x
+context x kv_dim) and the split decode attention's float32 parts (n_heads x splits x
+(head_dim + 2), where the layout has split kernels). The dense scratch is one fp16 buffer the compute stream decodes into before
 each GEMM whose weight is not F16: a layer's Wqkv, then its Wo, and at the end HEAD_SLICE_ROWS
 rows of the head at a time. Attention and Logits ops run in stream order on the compute stream,
 so one buffer, sized for the largest of these, serves them all. Per chunk: the normed rows,
@@ -35,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from ...backends.cuda.attention_shapes import decode_part_bytes, decode_supported
 from ...backends.cuda.dense.kernels import workspace_bytes
 from ...formats.ggml_types import NAMES
 from ...runtime.memory import align_up
@@ -292,6 +294,10 @@ def whole_fixed_regions(w: WholeSizing) -> dict[str, int]:
         "rope_sin": context * spec.head_dim // 2 * 4,
         "kv": kv_bytes(spec, context),
         "position": 16,  # the chunk's start, read by a decode step replayed as a graph
+        # the split attention's parts in a one-token chunk (float32 per head and split)
+        "decode_part": (decode_part_bytes(spec.n_heads, spec.head_dim)
+                        if decode_supported(spec.n_heads, spec.n_kv_heads, spec.head_dim)
+                        else 0),
     }
 
 
