@@ -216,13 +216,15 @@ def test_inspect_a_whole_model_file_shows_dense_weights_and_kv_cache(tmp_path, c
     # (the F32 embedding included): 7
     left = float(out.split(" left for experts")[0].rsplit("; ", 1)[1].split()[0])
     assert fp16_row.split("|")[5].strip() == str(int(left * (1 << 20)) // slot) == "7"
-    monkeypatch.delenv("STRATA_EMBEDDING")  # auto: the F32 rows stay on the host, 2 slots more
+    monkeypatch.delenv("STRATA_EMBEDDING")  # auto: the F32 rows stay on the host, a slot more
     assert main(["inspect", str(path), "--budget-gib", "0.0104"]) == 0
     out = capsys.readouterr().out
     assert "token embedding rows decoded on the host" in out
     fp16_row = next(line for line in out.splitlines() if line.startswith("| fp16 "))
     left = float(out.split(" left for experts")[0].rsplit("; ", 1)[1].split()[0])
-    assert fp16_row.split("|")[5].strip() == str(int(left * (1 << 20)) // slot) == "9"
+    # the printed MiB are rounded to 0.1: the table's count lies within that rounding
+    assert fp16_row.split("|")[5].strip() == "8"
+    assert int((left - 0.05) * (1 << 20)) // slot <= 8 <= int((left + 0.05) * (1 << 20)) // slot
 
 
 def test_inspect_of_moe_layers_only_has_no_whole_model_lines(tmp_path, capsys):
