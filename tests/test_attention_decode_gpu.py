@@ -51,6 +51,33 @@ def test_shape_check_names_every_problem():
     assert decode_part_bytes(32, 128, 32) == 32 * 32 * 130 * 4
 
 
+def test_launches_grids_and_arguments_without_a_gpu():
+    """A decode step's two launches: the split over (KV heads, splits) blocks of DECODE_WARPS
+    warps with the position and the device position, then the merge per head; addresses the
+    vector loads cannot take and positions past the cache are refused before a launch."""
+    from strata_rt.formats.testing_abi import Recorder
+
+    rt = Recorder()
+    dec = DecodeAttention(rt, 32, 4, 128, context=1024)
+    dec.attend(None, q=0x1000, k_cache=0x2000, v_cache=0x3000, start=300, part=0x4000,
+               out=0x5004, start_dev=0x6000)
+    (n1, g1, b1, _, a1), (n2, g2, b2, _, a2) = rt.calls
+    assert (n1, g1, b1) == ("decode_split_hd128_g8", (4, 32, 1), (32 * DECODE_WARPS, 1, 1))
+    assert a1[:6] == (0x1000, 0x2000, 0x3000, 0x4000, 300, 4) and a1[7] == 0x6000
+    assert (n2, g2, b2) == ("decode_merge_hd128", (32, 1, 1), (128, 1, 1))
+    assert a2 == (0x4000, 32, a1[6], 0x5004)
+    with pytest.raises(ConfigError, match="part = 16392"):
+        dec.attend(None, q=0x1000, k_cache=0x2000, v_cache=0x3000, start=3, part=0x4008,
+                   out=0x5000)
+    with pytest.raises(ConfigError, match="out = 20482"):
+        dec.attend(None, q=0x1000, k_cache=0x2000, v_cache=0x3000, start=3, part=0x4000,
+                   out=0x5002)
+    with pytest.raises(ConfigError, match="holds 1024 positions"):
+        dec.attend(None, q=0x1000, k_cache=0x2000, v_cache=0x3000, start=1024, part=0x4000,
+                   out=0x5000)
+    assert len(rt.calls) == 2
+
+
 # ============================================================================ GPU
 @pytest.fixture
 def stream(rt):

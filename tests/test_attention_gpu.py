@@ -120,7 +120,7 @@ def test_launch_shapes_and_argument_lists_match_the_source():
     assert rt.calls[-1][4][9] == 0xA000  # a decode step's kernels read the start from there
     # group 3: 42 positions per block, rows 126 of 128
     assert AttentionKernels(Recorder(), 6, 2, 64).attend_grid(100) == (3, 2, 1)
-    with pytest.raises(ConfigError, match="16-byte aligned"):
+    with pytest.raises(ConfigError, match=r"q = 24584 \(0x6008\) is not a multiple of 16"):
         kern.attend(None, 0x6008, 0x7000, 0x8000, 0, 7, 0x9000)
     with pytest.raises(ConfigError, match="holds 40000 positions"):
         kern.attend(None, 0x6000, 0x7000, 0x8000, 39000, 1001, 0x9000)

@@ -8,13 +8,12 @@ one keeps them in float32); both are within the tested tolerance of the float64 
 
 from __future__ import annotations
 
-import re
 from typing import TYPE_CHECKING
 
-from ...errors import ConfigError
 from ...resources import KERNELS_ROOT
 from .attention_shapes import (
     DECODE_SPLITS,
+    check_aligned,
     check_attention_shape,
     check_decode_shape,
     decode_part_bytes,
@@ -25,17 +24,8 @@ if TYPE_CHECKING:
     from ...runtime import Runtime, Stream
 
 DECODE_SOURCE = KERNELS_ROOT / "model" / "attention_decode.cu"
-
-
-def _warps_of(text: str) -> int:
-    found = re.search(r"#define DEC_WARPS (\d+)", text)
-    if found is None:
-        raise ConfigError(f"{DECODE_SOURCE.name}: no DEC_WARPS line", source="GPU attention")
-    return int(found.group(1))
-
-
 #: warps per split block (attention_decode.cu's DEC_WARPS)
-DECODE_WARPS = _warps_of(DECODE_SOURCE.read_text())
+DECODE_WARPS = 4
 
 
 class DecodeAttention:
@@ -62,11 +52,8 @@ class DecodeAttention:
         `start`; the caller checks it against the cache), or 0."""
         check_attention_shape(self.n_heads, self.n_kv_heads, self.head_dim, 1, start,
                               self.context)
-        bad = [f"{n}=0x{p:x}" for n, p in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache),
-                                            ("part", part)) if p % 16] + \
-            ([f"out=0x{out:x} (4-byte aligned)"] if out % 4 else [])
-        if bad:
-            raise ConfigError([f"{b} is not aligned" for b in bad], source="GPU attention")
+        check_aligned({"q": q, "k_cache": k_cache, "v_cache": v_cache, "part": part})
+        check_aligned({"out": out}, align=4)
         self._split.launch(grid=(self.n_kv_heads, self.splits, 1),
                            block=(32 * DECODE_WARPS, 1, 1), stream=stream,
                            args=(q, k_cache, v_cache, part, start, self.n_kv_heads,

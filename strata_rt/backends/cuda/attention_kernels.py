@@ -31,7 +31,7 @@ from ...errors import ConfigError
 from ...models.qwen3.reference import apply_rope, rope_tables
 from ...resources import KERNELS_ROOT
 from ...weights.model import rms_norm
-from .attention_shapes import check_attention_shape, scale_log2
+from .attention_shapes import check_aligned, check_attention_shape, scale_log2
 
 if TYPE_CHECKING:
     from ...models.qwen3.spec import Qwen3Spec
@@ -56,12 +56,6 @@ def attend_shared_bytes(head_dim: int) -> int:
 def positions_per_block(n_heads: int, n_kv_heads: int) -> int:
     """Query positions one attention block serves (all `group` heads of each)."""
     return BLOCK_ROWS // (n_heads // n_kv_heads)
-
-
-def _check_aligned(**pointers: int) -> None:
-    bad = [f"{name}=0x{p:x}" for name, p in pointers.items() if p % 16]
-    if bad:
-        raise ConfigError([f"{b} is not 16-byte aligned" for b in bad], source="GPU attention")
 
 
 # ----------------------------------------------------------------------------- numpy twins
@@ -169,7 +163,7 @@ class AttentionKernels:
         q, k_cache and v_cache must be 16-byte aligned. start_dev as for qk_norm_rope."""
         check_attention_shape(self.n_heads, self.n_kv_heads, self.head_dim, T, start,
                               self.context)
-        _check_aligned(q=q, k_cache=k_cache, v_cache=v_cache)
+        check_aligned({"q": q, "k_cache": k_cache, "v_cache": v_cache})
         if out % 4:
             raise ConfigError(f"out=0x{out:x} is not 4-byte aligned", source="GPU attention")
         self._attend.launch(grid=self.attend_grid(T), block=(ATTEND_THREADS, 1, 1),

@@ -9,6 +9,7 @@ import math
 import numpy as np
 
 from ...errors import ConfigError
+from ...formats.contract import first_misaligned
 
 #: head dimensions with a kernel (template instances of attention.cu and attention_decode.cu)
 HEAD_DIMS = (64, 128)
@@ -47,6 +48,14 @@ def check_attention_shape(n_heads: int, n_kv_heads: int, head_dim: int, tokens: 
                         f"{context} positions)")
     if problems:
         raise ConfigError(problems, source="GPU attention")
+
+
+def check_aligned(pointers: dict[str, int], align: int = 16) -> None:
+    """Raises ConfigError naming the first device address the attention kernels' vector loads
+    cannot take (formats.contract.first_misaligned)."""
+    why = first_misaligned(pointers, align)
+    if why is not None:
+        raise ConfigError(f"device address not aligned: {why}", source="GPU attention")
 
 
 def decode_part_bytes(n_heads: int, head_dim: int, splits: int = DECODE_SPLITS) -> int:

@@ -21,7 +21,8 @@ its type (on the device that looks the chunk's token ids up; none when the head 
 and on that device, whose bytes then serve both), the dense scratch, the
 RoPE tables [context, head_dim / 2] of cos and sin, the KV cache (fp16, n_layers x 2 x
 context x kv_dim) and the split decode attention's float32 parts (n_heads x splits x
-(head_dim + 2), where the layout has split kernels). The dense scratch is one fp16 buffer the compute stream decodes into before
+(head_dim + 2), where the layout has split kernels). The dense scratch is one fp16 buffer the
+compute stream decodes into before
 each GEMM whose weight is not F16: a layer's Wqkv, then its Wo, and at the end HEAD_SLICE_ROWS
 rows of the head at a time. Attention and Logits ops run in stream order on the compute stream,
 so one buffer, sized for the largest of these, serves them all. Per chunk: the normed rows,
