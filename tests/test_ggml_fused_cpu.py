@@ -29,7 +29,16 @@ from strata_rt.gemm.ggml_fused import (
     pick_tile,
 )
 from strata_rt.gemm.ggml_gather import GATHER_ARG_TYPES, GgmlGather
-from strata_rt.gemm.ggml_gemv import GEMV_ARG_TYPES, GEMV_SOURCE, GEMV_THREADS, PARTS, GgmlGemv
+from strata_rt.gemm.ggml_gemv import (
+    GEMV_ARG_TYPES,
+    GEMV_ROWS,
+    GEMV_SOURCE,
+    GEMV_THREADS,
+    GEMV_WARPS,
+    PARTS,
+    GgmlGemv,
+    stage_values,
+)
 from strata_rt.gemm.ggml_gemv import kernel_name as gemv_kernel_name
 from strata_rt.runtime.compile import compile_cubin, kernel_jobs, nvcc_available
 
@@ -185,6 +194,28 @@ def test_gemv_modules_are_built_per_type_and_a_plugins_once():
     assert set(rt.kernels) == {"ggml_gemv_gate_up_TQ2_0", "ggml_gemv_down_TQ2_0"}
     with pytest.raises(FormatError, match="part"):
         gp.kernel("TQ2_0", "up")
+
+
+@pytest.mark.parametrize("name,hidden,ffn,values", [("IQ3_XXS", 2048, 768, 256),
+                                                     ("Q8_0", 288, 160, 256),
+                                                     ("F16", 512, 136, 128),
+                                                     ("F32", 384, 136, 64)])
+def test_gemv_launch_geometry(name, hidden, ffn, values):
+    """gate/up tiles are 8 output rows (16 weight rows), down tiles 16; a block has one warp
+    per K stage up to GEMV_WARPS; stages shrink for the wide types (whole blocks kept)."""
+    rt = _Runtime()
+    gv = GgmlGemv(rt)  # type: ignore[arg-type]
+    d = gv.decoder(name)
+    assert stage_values(d) == values and values % d.block_values == 0
+    gv.launch(None, "gate_up", name, 16, 0, 32, 48, 64, 80, 8, hidden, ffn)
+    gv.launch(None, "down", name, 16, 1024, 32, 48, 64, 80, 8, hidden, ffn)
+    (gu,) = rt.kernels[f"ggml_gemv_gate_up_{name}"].calls
+    (dn,) = rt.kernels[f"ggml_gemv_down_{name}"].calls
+    assert GEMV_ROWS == 16
+    assert gu.grid == (-(-ffn // 8), 8, 1) and dn.grid == (-(-hidden // 16), 8, 1)
+    assert gu.block == (32 * min(GEMV_WARPS, -(-hidden // values)), 1, 1)
+    assert dn.block == (32 * min(GEMV_WARPS, -(-ffn // values)), 1, 1)
+    assert dn.args == (16, 1024, 32, 48, 64, 80, hidden, ffn)
 
 
 @pytest.mark.parametrize("name", ["Q4_K", "F16", "IQ3_XXS", "MXFP4"])

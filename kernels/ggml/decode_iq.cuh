@@ -78,6 +78,37 @@ template <> struct Decode<Type::IQ3_XXS> : Traits<Type::IQ3_XXS>, SubBlock<Decod
         const uint32_t entry = GGML_IQ3XXS_GRID[b[2 + (j >> 2)]];
         return GGML_MUL(GGML_MUL(s.db, grid_byte(entry, j & 3)), sign_of(parity_sign(s.signs, j & 7)));
     }
+#ifndef STRATA_GGML_HOST
+    // The eight values in fp16 arithmetic (decoder.cuh's chunk8_h2). Each float32 value above is
+    // exact: d (11 significant bits) times (2 scale + 1) / 4 (5 bits) times the grid byte (at
+    // most 62: 6 bits) needs at most 22 bits. So its fp16 rounding is one correctly rounded
+    // fp16 product d * m with m = grid * (2 scale + 1) / 4, which fp16 holds exactly (at most
+    // 480.5 in steps of 1/4): m comes from 1024 + grid (the byte under the exponent of 1024)
+    // by one exact fma, the signs flip bits 15 and 31 of each word.
+    // tests/test_iq3_xxs_f16_decode.py checks the argument against gguf in numpy.
+    __device__ static void chunk8_h2(const uint8_t* b, int i, unsigned (&out)[4]) {
+        const uint32_t aux = load_u32(b + 66 + 4 * (i >> 5));
+        const uint32_t idx = (aux >> (7 * ((i >> 3) & 3))) & 127u;
+        const uint32_t pattern = idx | (((uint32_t)__popc(idx) & 1u) << 7);
+        const __half sc = __float2half_rn((float)(2u * (aux >> 28) + 1u) * 0.25f);
+        const __half2 sc2 = __half2half2(sc), off2 = __half2half2(__hmul(sc, __float2half_rn(-1024.0f)));
+        const __half2 d2 = __half2half2(__ushort_as_half((unsigned short)load_u16(b)));
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const uint32_t entry = GGML_IQ3XXS_GRID[b[2 + (i >> 2) + e]];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int j = 4 * e + 2 * h;  // the word's first value
+                const uint32_t biased = __byte_perm(entry, 0x64u, h ? 0x4342u : 0x4140u);
+                const __half2 m = __hfma2(*reinterpret_cast<const __half2*>(&biased), sc2, off2);
+                const uint32_t sign = ((pattern << (15 - j)) | (pattern << (30 - j))) & 0x80008000u;
+                const uint32_t ms = *reinterpret_cast<const uint32_t*>(&m) ^ sign;
+                const __half2 w = __hmul2_rn(*reinterpret_cast<const __half2*>(&ms), d2);
+                out[2 * e + h] = *reinterpret_cast<const unsigned*>(&w);
+            }
+        }
+    }
+#endif
 };
 
 // d at 0, low 8 bits of the grid indices at 2, their ninth bits at 66, sign bytes at 74, 4-bit

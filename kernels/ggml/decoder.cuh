@@ -15,6 +15,10 @@
 
 #include "decode_common.cuh"
 
+#ifndef STRATA_GGML_HOST
+#include <cuda_fp16.h>
+#endif
+
 namespace ggml {
 
 // Values v and v + 1 (v even) of a run of blocks stored one after the other from `src` (a
@@ -85,5 +89,44 @@ GGML_UNROLL
         }
     }
 }
+
+#ifndef STRATA_GGML_HOST
+// On the device a decoder may also give `static __device__ void chunk8_h2(const uint8_t*
+// block, int i, unsigned (&out)[4])`: values i .. i + 7 (i a multiple of 8) as four fp16x2
+// words (value i + 2p in the low half of word p), each the fp16 value (round to nearest even)
+// of what chunk8 returns, bit for bit, computed in fp16 arithmetic where that is exact (the
+// gathers' byte-exact test holds it to the float32 path). The consumers of fp16 weights take
+// it through chunk8_f16_of.
+template <class D>
+__device__ __forceinline__ auto chunk8_h2_hook(const uint8_t* b, int i, unsigned (&out)[4], int)
+    -> decltype(D::chunk8_h2(b, i, out), bool()) {
+    D::chunk8_h2(b, i, out);
+    return true;
+}
+template <class D>
+__device__ __forceinline__ bool chunk8_h2_hook(const uint8_t*, int, unsigned (&)[4], long) {
+    return false;
+}
+
+// Values 8c .. 8c + 7 of a run of blocks as four fp16x2 words (value 8c + 2p low in word p),
+// each rounded to nearest even: what the gathers store and the matrix-vector kernels multiply.
+// FP16_MATH: take the decoder's chunk8_h2 where it has one (the matrix-vector kernels do; the
+// gathers take the float32 path, the one their byte-exact GPU test has held so far).
+template <class D, bool FP16_MATH = true>
+__device__ __forceinline__ void chunk8_f16_of(const uint8_t* src, long long c, unsigned (&out)[4]) {
+    if (FP16_MATH && D::block_values > 1) {
+        const long long v = 8 * c;
+        const uint8_t* b = src + (v / D::block_values) * D::block_bytes;
+        if (chunk8_h2_hook<D>(b, (int)(v % D::block_values), out, 0)) return;
+    }
+    Pair p[4];
+    chunk8_of<D>(src, c, p);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+        const __half2 h = __floats2half2_rn(p[q].x, p[q].y);
+        out[q] = *reinterpret_cast<const unsigned*>(&h);
+    }
+}
+#endif  // STRATA_GGML_HOST
 
 }  // namespace ggml

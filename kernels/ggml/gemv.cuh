@@ -13,25 +13,34 @@
 // Arguments (both kernels): experts, the layer's table of n_experts blob addresses (device
 // memory, uploaded before the step is captured); offset, where the product's part starts in a
 // blob; ids and row_of, the routing's expert and sorted row of each pair (engine.cu); acts, the
-// fp16 input rows; out, the output rows; hidden, ffn. Grid (rows / GEMV_WARPS, pairs), block
-// GEMV_THREADS: warp w of block x computes output row x * GEMV_WARPS + w.
+// fp16 input rows; out, the output rows; hidden, ffn. Grid (row tiles, pairs), block
+// 32 * warps threads with 1 <= warps <= GEMV_WARPS (gemv_warps: the launcher's choice).
 //   gate/up: acts = the fp16 activations [rows, hidden] (act_hidden), out = fp16 [rows, ffn]
 //            (act_ffn): silu(gate_i) * up_i of gate row i and up row ffn + i, rounded to fp16;
+//            a tile is 8 such i (its 16 weight rows: 8 gate, then the 8 up rows beside them);
 //   down:    acts = those fp16 rows [rows, ffn], out = float32 [rows, hidden] (down_out, what
-//            the combine reads: row row_of[p], as the grouped products write it).
+//            the combine reads: row row_of[p], as the grouped products write it); a tile is 16
+//            output rows.
 // A pair whose expert has no address (0) writes NaN, so a table that misses an expert is seen.
 //
-// Numerics: each weight is the fp16 value (round to nearest even) of the decoder's float32
-// value, as the gathers and the decoding GEMM round it, so the products multiply the routed
-// path's weights by the routed path's fp16 activations; each product of two fp16 values is
-// exact in float32, accumulated in float32: lane l sums its 8 values of every 256-value stage
-// in order, then the warp adds its lanes in a fixed butterfly. Only the order of the sum
-// differs from the tensor-core products, so the results agree within float32 rounding of the
-// sums (not bit for bit); the order is fixed, so a run's bytes do not depend on the grid.
+// Work: a tile's 16 weight rows are the A operand of tensor-core products (mma m16n8k16, fp16
+// operands, float32 accumulators) and the input row is B, the same in all 8 of B's columns.
+// The K dimension goes in stages of GemvStage::values values; the block's warps take
+// consecutive runs of stages, each warp accumulating its own run in its fragments, and the
+// block adds the warps' sums in warp order. Inside a stage lane (g, c) (g = lane / 4, c = lane
+// % 4) decodes chunks of 8 values c, c + 4, c + 8, ... of rows g and g + 8 (the mma's k slots
+// are a permutation of the stage's values, the same for A and B, which a dot product allows):
+// the four lanes of a row read neighbouring bytes, the eight rows sit in different banks.
 //
-// Loads: a warp copies each stage of its weight rows (256 values, whole blocks) into its own
-// shared buffer with 16-byte loads of the aligned chunks covering the stage's bytes (a row may
-// start anywhere: rows of some types are not multiples of 16 bytes), the next stage's loads in
+// Numerics: each weight is the fp16 value (round to nearest even) of the decoder's float32
+// value, as the gathers and the decoding GEMM round it, and each product of two fp16 values is
+// exact in the float32 accumulators, as in the grouped products; the order of the sums differs
+// from theirs, so the results agree within float32 rounding of the sums (not bit for bit). The
+// order is fixed by the grid, the warps and the stage, so a run's bytes do not vary.
+//
+// Loads: each warp copies each stage of its 16 weight rows (whole blocks) into its own shared
+// buffer with 16-byte loads of the aligned chunks covering each row's bytes (a row may start
+// anywhere: rows of some types are not multiples of 16 bytes), the next stage's loads in
 // flight in registers while it decodes the current one; the decoder then reads shared memory.
 #pragma once
 
@@ -42,108 +51,130 @@
 #ifndef STRATA_GGML_HOST
 #include <cuda_fp16.h>
 
+#include "common/mma.cuh"
 #include "common/swiglu.cuh"
 
 namespace ggml {
 
-// output rows per block (one warp each) and threads per block; the launcher
-// (strata_rt/gemm/ggml_gemv.py) reads GEMV_WARPS from this line
-constexpr int GEMV_WARPS = 8;
+// warps per block at most (each a run of the K stages); the launcher
+// (strata_rt/gemm/ggml_gemv.py) reads GEMV_WARPS and GEMV_ROWS from these lines
+constexpr int GEMV_WARPS = 4;
 constexpr int GEMV_THREADS = 32 * GEMV_WARPS;
-// values of K one stage takes: one 8-value chunk per lane
-constexpr int GEMV_STAGE = 256;
+// weight rows of a tile (the mma's M)
+constexpr int GEMV_ROWS = 16;
+// a stage's bytes per row stay at most this, where whole blocks allow (F16, BF16, F32 halve
+// their stage): the copies of the next stage live in registers
+constexpr int GEMV_STAGE_BYTES = 288;
+
+// chunks of 8 values per lane and stage: 8 (256 values a stage), halved while a row's stage
+// would be over GEMV_STAGE_BYTES and still hold whole blocks
+template <class D> constexpr int gemv_cpl() {
+    int cpl = 8;
+    while (cpl > 1 && 32 * cpl / D::block_values * D::block_bytes > GEMV_STAGE_BYTES &&
+           (16 * cpl) % D::block_values == 0)
+        cpl /= 2;
+    return cpl;
+}
 
 template <class D> struct GemvStage {
-    static constexpr int bytes = GEMV_STAGE / D::block_values * D::block_bytes;
-    // 16-byte chunks that cover a stage's bytes from any start, per lane, and shared bytes
+    static constexpr int cpl = gemv_cpl<D>();
+    static constexpr int values = 32 * cpl;
+    static constexpr int bytes = values / D::block_values * D::block_bytes;
+    // 16-byte chunks that cover a row's stage from any start, the shared bytes of one row
+    // (padded to an odd number of 16-byte units past a multiple of 128 bytes: the 8 rows a
+    // warp's lanes read at once then start in 8 different groups of 4 banks), and the loads
+    // per lane for the tile's 16 rows
     static constexpr int chunks = (bytes + 15 + 15) / 16;
-    static constexpr int loads = (chunks + 31) / 32;
-    static constexpr int span = 16 * chunks;
-    static_assert(D::block_values == 1 || GEMV_STAGE % D::block_values == 0,
-                  "whole blocks per stage");
+    static constexpr int span = 16 * ((chunks + 6) / 8 * 8 + 1);
+    static constexpr int loads = (GEMV_ROWS * chunks + 31) / 32;
+    static_assert(D::block_values == 1 || values % D::block_values == 0, "whole blocks per stage");
 };
 
-// fp16 rounding of a decoded weight, back in float32 (exact)
-__device__ __forceinline__ float gemv_f16(float w) { return __half2float(__float2half_rn(w)); }
+// A tile's 16 weight rows: row r < 8 is matrix row min(a + r, la), row r >= 8 is min(b + r - 8,
+// lb) (rows past the matrix repeat its last row; their sums are not written)
+struct GemvRows {
+    const uint8_t* part;
+    long long row_bytes;
+    int a, la, b, lb;
+    __device__ __forceinline__ const uint8_t* operator()(int r) const {
+        const int i = r < GEMV_ROWS / 2 ? min(a + r, la) : min(b + r - GEMV_ROWS / 2, lb);
+        return part + (long long)i * row_bytes;
+    }
+};
 
-// The aligned 16-byte chunks covering `nbytes` bytes from s: chunk lane + 32 l into r[l] (zero
-// past the bytes: a chunk beyond them is never read, it may lie past the part).
+// The stage kt of the tile's rows: chunk q = lane + 32 l of the 16 rows' covering chunks (row
+// q / chunks) into r[l]; zero past a row's bytes (never read; it may lie past the part).
 template <class S>
-__device__ __forceinline__ void gemv_fetch(const uint8_t* s, int nbytes, int lane,
+__device__ __forceinline__ void gemv_fetch(const GemvRows& rows, int kt, int nbytes, int lane,
                                            uint4 (&r)[S::loads]) {
-    const uintptr_t a0 = (uintptr_t)s & ~(uintptr_t)15;
-    const uintptr_t end = (uintptr_t)s + (uintptr_t)nbytes;
 #pragma unroll
     for (int l = 0; l < S::loads; ++l) {
-        const uintptr_t at = a0 + 16u * (uintptr_t)(lane + 32 * l);
-        r[l] = (lane + 32 * l < S::chunks && at < end) ? *reinterpret_cast<const uint4*>(at)
-                                                       : make_uint4(0u, 0u, 0u, 0u);
+        const int q = lane + 32 * l, row = q / S::chunks, j = q - row * S::chunks;
+        r[l] = make_uint4(0u, 0u, 0u, 0u);
+        if (row < GEMV_ROWS) {
+            const uint8_t* s = rows(row) + (long long)kt * S::bytes;
+            const uintptr_t at = ((uintptr_t)s & ~(uintptr_t)15) + 16u * (uintptr_t)j;
+            if (at < (uintptr_t)s + (uintptr_t)nbytes) r[l] = *reinterpret_cast<const uint4*>(at);
+        }
     }
 }
 
-// acc[j] = sum over k of fp16(W_j[k]) * x[k] for NR weight rows starting at rows[j] (k values
-// each, whole blocks of D), partial per lane (the caller reduces over the warp). sh: this
-// warp's shared bytes, NR * GemvStage<D>::span.
-template <class D, int NR>
-__device__ __forceinline__ void gemv_rows(const uint8_t* const (&rows)[NR],
-                                          const __half* __restrict__ x, int k, uint8_t* sh,
-                                          float (&acc)[NR]) {
+// The warp's run of stages [s0, s1) of the tile's rows times x (k values): d as the mma leaves
+// it (lane (g, c): d[0] row g, d[2] row g + 8, in column 2c; all columns alike). sh: this
+// warp's shared bytes, GEMV_ROWS * GemvStage<D>::span.
+template <class D>
+__device__ __forceinline__ void gemv_tile(const GemvRows& rows, const __half* __restrict__ x,
+                                          int k, int s0, int s1, uint8_t* sh, float (&d)[4]) {
     using S = GemvStage<D>;
-    const int lane = threadIdx.x & 31;
-    const int stages = (k + GEMV_STAGE - 1) / GEMV_STAGE;
-    uint4 next[NR][S::loads];
-    auto stage_values = [&](int kt) { return min(GEMV_STAGE, k - kt * GEMV_STAGE); };
+    const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    auto stage_values = [&](int kt) { return min(S::values, k - kt * S::values); };
     auto stage_bytes = [&](int kt) { return stage_values(kt) / D::block_values * D::block_bytes; };
 #pragma unroll
-    for (int j = 0; j < NR; ++j) {
-        acc[j] = 0.0f;
-        gemv_fetch<S>(rows[j], stage_bytes(0), lane, next[j]);
-    }
-    const long long stage_row = (long long)S::bytes;  // bytes from one full stage to the next
+    for (int i = 0; i < 4; ++i) d[i] = 0.0f;
+    if (s0 >= s1) return;
+    const uint8_t* const row_lo = rows(g);
+    const uint8_t* const row_hi = rows(g + GEMV_ROWS / 2);
+    uint4 next[S::loads];
+    gemv_fetch<S>(rows, s0, stage_bytes(s0), lane, next);
 #pragma unroll 1
-    for (int kt = 0; kt < stages; ++kt) {
-        int mis[NR];
+    for (int kt = s0; kt < s1; ++kt) {
 #pragma unroll
-        for (int j = 0; j < NR; ++j) {
-            const uint8_t* s = rows[j] + kt * stage_row;
-            mis[j] = (int)((uintptr_t)s & 15u);
-#pragma unroll
-            for (int l = 0; l < S::loads; ++l)
-                if (lane + 32 * l < S::chunks)
-                    *reinterpret_cast<uint4*>(sh + j * S::span + 16 * (lane + 32 * l)) = next[j][l];
+        for (int l = 0; l < S::loads; ++l) {
+            const int q = lane + 32 * l, row = q / S::chunks;
+            if (row < GEMV_ROWS)
+                *reinterpret_cast<uint4*>(sh + row * S::span + 16 * (q - row * S::chunks)) = next[l];
         }
         __syncwarp();
-        if (kt + 1 < stages) {
+        if (kt + 1 < s1) gemv_fetch<S>(rows, kt + 1, stage_bytes(kt + 1), lane, next);
+        const int nv = stage_values(kt);
+        const long long at = (long long)kt * S::bytes;
+        const uint8_t* lo = sh + g * S::span + (int)((uintptr_t)(row_lo + at) & 15u);
+        const uint8_t* hi = sh + (g + GEMV_ROWS / 2) * S::span + (int)((uintptr_t)(row_hi + at) & 15u);
+        const __half* xs = x + (long long)kt * S::values;
 #pragma unroll
-            for (int j = 0; j < NR; ++j)
-                gemv_fetch<S>(rows[j] + (kt + 1) * stage_row, stage_bytes(kt + 1), lane, next[j]);
-        }
-        if (8 * lane < stage_values(kt)) {
-            const __half* xs = x + (size_t)kt * GEMV_STAGE + 8 * lane;
-            const uint4 xa = *reinterpret_cast<const uint4*>(xs);
-            const __half2* xh = reinterpret_cast<const __half2*>(&xa);
-            float2 xf[4];
-#pragma unroll
-            for (int p = 0; p < 4; ++p) xf[p] = __half22float2(xh[p]);
-#pragma unroll
-            for (int j = 0; j < NR; ++j) {
-                Pair w[4];
-                chunk8_of<D>(sh + j * S::span + mis[j], lane, w);
-                float a = acc[j];
-#pragma unroll
-                for (int p = 0; p < 4; ++p) {
-                    a = __fmaf_rn(gemv_f16(w[p].x), xf[p].x, a);
-                    a = __fmaf_rn(gemv_f16(w[p].y), xf[p].y, a);
-                }
-                acc[j] = a;
+        for (int m = 0; m < S::cpl; ++m) {
+            const int ch = 4 * m + c;  // this lane's chunk of the stage
+            unsigned a0[4] = {0u, 0u, 0u, 0u}, a1[4] = {0u, 0u, 0u, 0u};
+            uint4 xv = make_uint4(0u, 0u, 0u, 0u);
+            if (8 * ch < nv) {
+                unsigned w[4], v[4];
+                chunk8_f16_of<D>(lo, ch, w);
+                chunk8_f16_of<D>(hi, ch, v);
+                xv = *reinterpret_cast<const uint4*>(xs + 8 * ch);
+                a0[0] = w[0];
+                a0[1] = v[0];
+                a0[2] = w[1];
+                a0[3] = v[1];
+                a1[0] = w[2];
+                a1[1] = v[2];
+                a1[2] = w[3];
+                a1[3] = v[3];
             }
+            mma_f16_16x8x16(d, a0, xv.x, xv.y, d);
+            mma_f16_16x8x16(d, a1, xv.z, xv.w, d);
         }
         __syncwarp();  // every lane is done with the stage the next one overwrites
     }
-#pragma unroll
-    for (int j = 0; j < NR; ++j)
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], o);
 }
 
 // the routed pair of this block: its expert's part (null: no address) and its sorted row
@@ -160,27 +191,52 @@ __device__ __forceinline__ GemvPair gemv_pair(const uint8_t* const* __restrict__
     return {blob == nullptr ? nullptr : blob + offset, row_of[p]};
 }
 
+// The block's tile times x (k values), the warps' runs of stages added in warp order: thread t
+// gets the sums of tile rows t % 16 (x) and (t + 8) % 16 (y). Every thread of the block calls it
+// (one barrier).
+template <class D>
+__device__ __forceinline__ float2 gemv_block(const GemvRows& rows, const __half* __restrict__ x,
+                                             int k) {
+    using S = GemvStage<D>;
+    __shared__ __align__(16) uint8_t sh[GEMV_WARPS][GEMV_ROWS * S::span];
+    __shared__ float part_sums[GEMV_WARPS][GEMV_ROWS];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    const int stages = (k + S::values - 1) / S::values, per = (stages + warps - 1) / warps;
+    const int s0 = min(stages, warp * per), s1 = min(stages, s0 + per);
+    float d[4];
+    gemv_tile<D>(rows, x, k, s0, s1, sh[warp], d);
+    if ((lane & 3) == 0) {
+        part_sums[warp][lane >> 2] = d[0];
+        part_sums[warp][(lane >> 2) + GEMV_ROWS / 2] = d[2];
+    }
+    __syncthreads();
+    const int r = threadIdx.x % GEMV_ROWS, r2 = (r + GEMV_ROWS / 2) % GEMV_ROWS;
+    float2 s = make_float2(part_sums[0][r], part_sums[0][r2]);
+    for (int w = 1; w < warps; ++w) {
+        s.x += part_sums[w][r];
+        s.y += part_sums[w][r2];
+    }
+    return s;
+}
+
 template <class D>
 __device__ __forceinline__ void gemv_gate_up(const uint8_t* const* __restrict__ experts,
                                              long long offset, const int* __restrict__ ids,
                                              const int* __restrict__ row_of,
                                              const __half* __restrict__ acts,
                                              __half* __restrict__ out, int hidden, int ffn) {
-    __shared__ __align__(16) uint8_t sh[GEMV_WARPS][2 * GemvStage<D>::span];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int i = blockIdx.x * GEMV_WARPS + warp;
-    if (i >= ffn) return;  // no block-wide barrier follows
+    const int i0 = blockIdx.x * (GEMV_ROWS / 2), t = threadIdx.x;
     const GemvPair q = gemv_pair(experts, offset, ids, row_of);
-    __half* o = out + (size_t)q.row * ffn + i;
-    if (q.part == nullptr) {
-        if (lane == 0) *o = __float2half_rn(__int_as_float(0x7fc00000));
+    __half* o = out + (size_t)q.row * ffn + i0;
+    const bool writes = t < GEMV_ROWS / 2 && i0 + t < ffn;
+    if (q.part == nullptr) {  // the whole block leaves: no barrier is waited for
+        if (writes) o[t] = __float2half_rn(__int_as_float(0x7fc00000));
         return;
     }
-    const long long row_bytes = (long long)(hidden / D::block_values) * D::block_bytes;
-    const uint8_t* const rows[2] = {q.part + i * row_bytes, q.part + (ffn + i) * row_bytes};
-    float acc[2];
-    gemv_rows<D, 2>(rows, acts + (size_t)q.row * hidden, hidden, sh[warp], acc);
-    if (lane == 0) *o = __float2half_rn(swiglu(acc[0], acc[1]));
+    const GemvRows rows{q.part, (long long)(hidden / D::block_values) * D::block_bytes,
+                        i0, ffn - 1, ffn + i0, 2 * ffn - 1};
+    const float2 s = gemv_block<D>(rows, acts + (size_t)q.row * hidden, hidden);
+    if (writes) o[t] = __float2half_rn(swiglu(s.x, s.y));
 }
 
 template <class D>
@@ -189,21 +245,18 @@ __device__ __forceinline__ void gemv_down(const uint8_t* const* __restrict__ exp
                                           const int* __restrict__ row_of,
                                           const __half* __restrict__ acts,
                                           float* __restrict__ out, int hidden, int ffn) {
-    __shared__ __align__(16) uint8_t sh[GEMV_WARPS][GemvStage<D>::span];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int i = blockIdx.x * GEMV_WARPS + warp;
-    if (i >= hidden) return;
+    const int i0 = blockIdx.x * GEMV_ROWS, t = threadIdx.x;
     const GemvPair q = gemv_pair(experts, offset, ids, row_of);
-    float* o = out + (size_t)q.row * hidden + i;
+    float* o = out + (size_t)q.row * hidden + i0;
+    const bool writes = t < GEMV_ROWS && i0 + t < hidden;
     if (q.part == nullptr) {
-        if (lane == 0) *o = __int_as_float(0x7fc00000);
+        if (writes) o[t] = __int_as_float(0x7fc00000);
         return;
     }
-    const long long row_bytes = (long long)(ffn / D::block_values) * D::block_bytes;
-    const uint8_t* const rows[1] = {q.part + i * row_bytes};
-    float acc[1];
-    gemv_rows<D, 1>(rows, acts + (size_t)q.row * ffn, ffn, sh[warp], acc);
-    if (lane == 0) *o = acc[0];
+    const GemvRows rows{q.part, (long long)(ffn / D::block_values) * D::block_bytes,
+                        i0, hidden - 1, i0 + GEMV_ROWS / 2, hidden - 1};
+    const float2 s = gemv_block<D>(rows, acts + (size_t)q.row * ffn, ffn);
+    if (writes) o[t] = s.x;
 }
 
 }  // namespace ggml

@@ -133,14 +133,8 @@ __device__ __forceinline__ void gather_run(const GgmlSrcs16& srcs, uint8_t* dst,
     const long long chunks = values / 8;
     const long long step = (long long)gridDim.x * blockDim.x;
     for (long long c = (long long)blockIdx.x * blockDim.x + threadIdx.x; c < chunks; c += step) {
-        Pair v[4];
-        chunk8_of<D>(src, c, v);
         unsigned w[4];
-#pragma unroll
-        for (int p = 0; p < 4; ++p) {
-            const __half2 h = __floats2half2_rn(v[p].x, v[p].y);  // value 8c + 2p: low half
-            w[p] = *reinterpret_cast<const unsigned*>(&h);
-        }
+        chunk8_f16_of<D, false>(src, c, w);
         out[c] = make_uint4(w[0], w[1], w[2], w[3]);
     }
 }

@@ -9,8 +9,8 @@ slot or pinned host store) through a device table of blob addresses, so the step
 nothing and still replays as one CUDA graph.
 
 Numerics: the weights are the gathers' fp16 values and the inputs the routed path's fp16
-activations; the sums are float32 in a fixed order other than the tensor cores', so the
-results agree with the grouped products within float32 rounding, not bit for bit.
+activations, multiplied on tensor cores into float32 sums in a fixed order other than the
+grouped products', so the results agree with them within float32 rounding, not bit for bit.
 `gemv_reference` is the numpy twin the tests compare with.
 
 Modules: as the fused GEMM's (ggml_fused.py), one type per module, compiled when first used.
@@ -42,16 +42,36 @@ PARTS = ("gate_up", "down")
 GEMV_VALUES = 8
 
 
-def _warps_of(text: str) -> int:
-    found = re.search(r"constexpr int GEMV_WARPS = (\d+);", text)
+def _constant_of(text: str, name: str) -> int:
+    found = re.search(rf"constexpr int {name} = (\d+);", text)
     if found is None:
-        raise FormatError(f"{GEMV_HEADER.name}: no GEMV_WARPS line")
+        raise FormatError(f"{GEMV_HEADER.name}: no {name} line")
     return int(found.group(1))
 
 
-#: output rows per block (one warp each), as gemv.cuh states them
-GEMV_WARPS = _warps_of(GEMV_HEADER.read_text())
+_HEADER_TEXT = GEMV_HEADER.read_text()
+#: warps per block at most (each takes a run of the K stages), as gemv.cuh states them
+GEMV_WARPS = _constant_of(_HEADER_TEXT, "GEMV_WARPS")
 GEMV_THREADS = 32 * GEMV_WARPS
+#: weight rows of a tile (the tensor-core product's M): 8 gate/up output rows, 16 down rows
+GEMV_ROWS = _constant_of(_HEADER_TEXT, "GEMV_ROWS")
+#: a stage's bytes per row at most, where whole blocks allow (gemv.cuh's gemv_cpl)
+GEMV_STAGE_BYTES = _constant_of(_HEADER_TEXT, "GEMV_STAGE_BYTES")
+
+
+def stage_values(d: DecoderSpec) -> int:
+    """Values of K one stage of type d takes (gemv.cuh's GemvStage::values): 256, halved
+    while a row's stage is over GEMV_STAGE_BYTES and still holds whole blocks."""
+    cpl = 8
+    while (cpl > 1 and 32 * cpl // d.block_values * d.block_bytes > GEMV_STAGE_BYTES
+           and (16 * cpl) % d.block_values == 0):
+        cpl //= 2
+    return 32 * cpl
+
+
+def gemv_warps(d: DecoderSpec, k: int) -> int:
+    """Warps of a block for a product over k values: one per stage, GEMV_WARPS at most."""
+    return max(1, min(GEMV_WARPS, -(-k // stage_values(d))))
 
 
 def kernel_name(d: DecoderSpec, part: str) -> str:
@@ -108,9 +128,10 @@ class GgmlGemv(DecoderModule):
         if min(experts, ids, row_of, acts, out) <= 0 or (acts | out) % 16:
             raise FormatError(f"{d.name} matrix-vector products: device addresses needed, "
                               "inputs and outputs on 16 bytes")
-        rows = ffn if part == "gate_up" else hidden
+        tiles = -(-ffn // (GEMV_ROWS // 2)) if part == "gate_up" else -(-hidden // GEMV_ROWS)
+        warps = gemv_warps(d, hidden if part == "gate_up" else ffn)
         self.kernel(d, part).launch(
-            grid=(-(-rows // GEMV_WARPS), int(pairs), 1), block=(GEMV_THREADS, 1, 1),
+            grid=(tiles, int(pairs), 1), block=(32 * warps, 1, 1),
             stream=stream, args=(int(experts), int(offset), int(ids), int(row_of), int(acts),
                                  int(out), int(hidden), int(ffn)))
 
@@ -123,5 +144,6 @@ def gemv_reference(weights: np.ndarray, x: np.ndarray) -> np.ndarray:
     return (w @ v).astype(np.float32)
 
 
-__all__ = ["GEMV_ARG_TYPES", "GEMV_SOURCE", "GEMV_THREADS", "GEMV_WARPS", "PARTS", "GgmlGemv",
-           "gemv_problem", "gemv_reference", "kernel_name"]
+__all__ = ["GEMV_ARG_TYPES", "GEMV_ROWS", "GEMV_SOURCE", "GEMV_THREADS", "GEMV_WARPS", "PARTS",
+           "GgmlGemv", "gemv_problem", "gemv_reference", "gemv_warps", "kernel_name",
+           "stage_values"]
