@@ -198,15 +198,52 @@ class FakeRuntime:
         self.closed = True
 
 
-def install(monkeypatch, rng, spec) -> dict:
-    """Runtime.open returns a FakeRuntime (kept in the returned dict under "rt"); the CUTLASS
+class FakeBuffer:
+    """A device allocation of BenchRuntime: an address and a size."""
+
+    def __init__(self, ptr, nbytes):
+        self.ptr, self.nbytes = ptr, nbytes
+
+    def free(self):
+        pass
+
+
+class BenchRuntime(FakeRuntime):
+    """The recording runtime plus what the benchmarks call: allocations at distinct aligned
+    addresses, pinned arenas that can be freed, device copies, synchronize."""
+
+    name, max_shared_optin, f16_gemm = "fake", 232448, "own"
+
+    def __init__(self, rng, spec, device=0):
+        super().__init__(rng, spec, device)
+        self.next = 1 << 36
+
+    def alloc(self, nbytes):
+        buf = FakeBuffer(self.next, nbytes)
+        self.next += -(-max(nbytes, 1) // 4096) * 4096
+        return buf
+
+    def pinned(self, sizes, portable=False):
+        arena = super().pinned(sizes, portable)
+        arena.free = lambda: None
+        return arena
+
+    def memcpy_dtod(self, dst, src, nbytes, stream):
+        self.copies += 1
+
+    def synchronize(self):
+        pass
+
+
+def install(monkeypatch, rng, spec, cls: type[FakeRuntime] = FakeRuntime) -> dict:
+    """Runtime.open returns a `cls` (kept in the returned dict under "rt"); the CUTLASS
     library stays out (the fake runs no library kernels)."""
     import strata_rt.runtime as runtime_pkg
 
     holder: dict = {"rts": []}
 
     def open_fake(device=0):
-        holder["rt"] = FakeRuntime(rng, spec, device)
+        holder["rt"] = cls(rng, spec, device)
         holder["rts"].append(holder["rt"])
         return holder["rt"]
 

@@ -50,48 +50,12 @@ def test_table_renders_rates_and_errors():
     assert "| q4_k | 30b | host | - | FormatError: no | | |" in text
 
 
-class _Buf:
-    def __init__(self, ptr, nbytes):
-        self.ptr, self.nbytes = ptr, nbytes
-
-    def free(self):
-        pass
-
-
-class _Runtime(_fake_runtime.FakeRuntime):
-    name, f16_gemm = "fake", "own"
-
-    def __init__(self, rng, spec):
-        super().__init__(rng, spec)
-        self.next = 1 << 36
-
-    def alloc(self, nbytes):
-        buf = _Buf(self.next, nbytes)
-        self.next += -(-max(nbytes, 1) // 4096) * 4096
-        return buf
-
-    def pinned(self, sizes, portable=False):
-        arena = super().pinned(sizes, portable)
-        arena.free = lambda: None  # type: ignore[attr-defined]
-        return arena
-
-    def memcpy_dtod(self, dst, src, nbytes, stream):
-        self.copies += 1
-
-
 def test_a_whole_run_through_the_real_launchers(monkeypatch, tmp_path, capsys):
-    import strata_rt.runtime as runtime_pkg
     import strata_rt.runtime.hostmap as hostmap
 
-    holder: dict = {}
     spec = MoESpec(n_layers=1, hidden=256, ffn=256, n_experts=128, top_k=8)
-
-    def open_fake(device=0):
-        holder["rt"] = _Runtime(np.random.default_rng(0), spec)
-        return holder["rt"]
-
-    monkeypatch.setattr(runtime_pkg.Runtime, "open", staticmethod(open_fake))
-    monkeypatch.setenv("STRATA_F16_GEMM", "own")
+    holder = _fake_runtime.install(monkeypatch, np.random.default_rng(0), spec,
+                                   _fake_runtime.BenchRuntime)
     monkeypatch.setattr(hostmap, "host_device_pointer", lambda host: 1 << 40)
     monkeypatch.setitem(bench_gemv.MODELS, "tiny", ("tiny", 256, 512))
     out = tmp_path / "r.json"

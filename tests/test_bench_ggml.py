@@ -86,48 +86,13 @@ def test_table_renders_ratios_and_the_gathers_below_the_goal():
     assert bench_ggml.table(json.loads(json.dumps(res))) == text
 
 
-class _Buf:
-    def __init__(self, ptr, nbytes):
-        self.ptr, self.nbytes = ptr, nbytes
-
-    def free(self):
-        pass
-
-
-class _Runtime(_fake_runtime.FakeRuntime):
-    """The recording runtime plus what the benchmark calls: allocations at distinct aligned
-    addresses, device copies, synchronize."""
-
-    name, max_shared_optin, f16_gemm = "fake", 232448, "own"
-
-    def __init__(self, rng, spec):
-        super().__init__(rng, spec)
-        self.next = 1 << 36
-
-    def alloc(self, nbytes):
-        buf = _Buf(self.next, nbytes)
-        self.next += -(-max(nbytes, 1) // 4096) * 4096
-        return buf
-
-    def memcpy_dtod(self, dst, src, nbytes, stream):
-        self.copies += 1
-
-    def synchronize(self):
-        pass
+#: the recording runtime with what the benchmark calls (allocations, device copies)
+_Runtime = _fake_runtime.BenchRuntime
 
 
 def test_a_whole_run_through_the_real_launchers(monkeypatch, tmp_path, capsys):
-    import strata_rt.runtime as runtime_pkg
-
-    holder: dict = {}
     spec = MoESpec(n_layers=1, hidden=256, ffn=256, n_experts=128, top_k=8)
-
-    def open_fake(device=0):
-        holder["rt"] = _Runtime(np.random.default_rng(0), spec)
-        return holder["rt"]
-
-    monkeypatch.setattr(runtime_pkg.Runtime, "open", staticmethod(open_fake))
-    monkeypatch.setenv("STRATA_F16_GEMM", "own")
+    holder = _fake_runtime.install(monkeypatch, np.random.default_rng(0), spec, _Runtime)
     monkeypatch.setitem(bench_ggml.MODELS, "tiny", ("tiny", 256, 512))
     out = tmp_path / "r.json"
     names = ["q4_k", "fp16", "f32", "mxfp4", "iq1_m"]

@@ -94,9 +94,9 @@ GGML_UNROLL
 // On the device a decoder may also give `static __device__ void chunk8_h2(const uint8_t*
 // block, int i, unsigned (&out)[4])`: values i .. i + 7 (i a multiple of 8) as four fp16x2
 // words (value i + 2p in the low half of word p), each the fp16 value (round to nearest even)
-// of what chunk8 returns, bit for bit, computed in fp16 arithmetic where that is exact (the
-// gathers' byte-exact test holds it to the float32 path). The consumers of fp16 weights take
-// it through chunk8_f16_of.
+// of what chunk8 returns, bit for bit, computed in fp16 arithmetic where that is exact (a
+// decoder's own numpy argument test, and the matrix-vector kernels' GPU test against gguf, hold
+// it). The consumers of fp16 weights take it through chunk8_f16_of.
 template <class D>
 __device__ __forceinline__ auto chunk8_h2_hook(const uint8_t* b, int i, unsigned (&out)[4], int)
     -> decltype(D::chunk8_h2(b, i, out), bool()) {
