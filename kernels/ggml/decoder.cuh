@@ -17,6 +17,8 @@
 
 #ifndef STRATA_GGML_HOST
 #include <cuda_fp16.h>
+
+#include <type_traits>
 #endif
 
 namespace ggml {
@@ -91,33 +93,59 @@ GGML_UNROLL
 }
 
 #ifndef STRATA_GGML_HOST
-// On the device a decoder may also give `static __device__ void chunk8_h2(const uint8_t*
-// block, int i, unsigned (&out)[4])`: values i .. i + 7 (i a multiple of 8) as four fp16x2
-// words (value i + 2p in the low half of word p), each the fp16 value (round to nearest even)
-// of what chunk8 returns, bit for bit, computed in fp16 arithmetic where that is exact (a
-// decoder's own numpy argument test, and the matrix-vector kernels' GPU test against gguf, hold
-// it). The consumers of fp16 weights take it through chunk8_f16_of.
-template <class D>
-__device__ __forceinline__ auto chunk8_h2_hook(const uint8_t* b, int i, unsigned (&out)[4], int)
+// On the device a decoder may also give `static __device__ void chunk8_h2(const uint8_t* block,
+// int i, unsigned (&out)[4], const Shared& tables)`: values i .. i + 7 (i a multiple of 8) as
+// four fp16x2 words (value i + 2p in the low half of word p), each the fp16 value (round to
+// nearest even) of what chunk8 returns, bit for bit, computed in fp16 arithmetic where that is
+// exact. `Shared` is the decoder's struct of tables a block keeps in shared memory and
+// `static __device__ void fill_shared(Shared&)` fills it (every thread of the block calls it,
+// a barrier follows); a decoder without tables gives neither and takes `chunk8_h2(block, i,
+// out)`. chunk8_h2 may assume the block starts at an even address (GGML blocks are of even
+// size, the parts that hold them start aligned). The consumers of fp16 weights take it through
+// chunk8_f16_of.
+template <class D, class = void> struct SharedOf {
+    struct Type {};
+    __device__ static void fill(Type&) {}
+};
+template <class D> struct SharedOf<D, std::void_t<typename D::Shared>> {
+    using Type = typename D::Shared;
+    __device__ static void fill(Type& tables) { D::fill_shared(tables); }
+};
+// the block-shared tables of decoder D (an empty struct for most)
+template <class D> using shared_of = typename SharedOf<D>::Type;
+
+template <class D, class S>
+__device__ __forceinline__ auto chunk8_h2_hook(const uint8_t* b, int i, unsigned (&out)[4],
+                                               const S& tables, int)
+    -> decltype(D::chunk8_h2(b, i, out, tables), bool()) {
+    D::chunk8_h2(b, i, out, tables);
+    return true;
+}
+template <class D, class S>
+__device__ __forceinline__ auto chunk8_h2_hook(const uint8_t* b, int i, unsigned (&out)[4],
+                                               const S&, long)
     -> decltype(D::chunk8_h2(b, i, out), bool()) {
     D::chunk8_h2(b, i, out);
     return true;
 }
-template <class D>
-__device__ __forceinline__ bool chunk8_h2_hook(const uint8_t*, int, unsigned (&)[4], long) {
+template <class D, class S>
+__device__ __forceinline__ bool chunk8_h2_hook(const uint8_t*, int, unsigned (&)[4], const S&,
+                                               ...) {
     return false;
 }
 
 // Values 8c .. 8c + 7 of a run of blocks as four fp16x2 words (value 8c + 2p low in word p),
 // each rounded to nearest even: what the gathers store and the matrix-vector kernels multiply.
-// FP16_MATH: take the decoder's chunk8_h2 where it has one (the matrix-vector kernels do; the
-// gathers take the float32 path, the one their byte-exact GPU test has held so far).
-template <class D, bool FP16_MATH = true>
-__device__ __forceinline__ void chunk8_f16_of(const uint8_t* src, long long c, unsigned (&out)[4]) {
-    if (FP16_MATH && D::block_values > 1) {
+// With `tables` (the block's filled shared_of<D>) the decoder's chunk8_h2 serves where it has
+// one (the matrix-vector kernels); without, the float32 path (the gathers: the one their
+// byte-exact GPU test has held so far).
+template <class D>
+__device__ __forceinline__ void chunk8_f16_of(const uint8_t* src, long long c, unsigned (&out)[4],
+                                              const shared_of<D>* tables = nullptr) {
+    if (tables != nullptr && D::block_values > 1) {
         const long long v = 8 * c;
         const uint8_t* b = src + (v / D::block_values) * D::block_bytes;
-        if (chunk8_h2_hook<D>(b, (int)(v % D::block_values), out, 0)) return;
+        if (chunk8_h2_hook<D>(b, (int)(v % D::block_values), out, *tables, 0)) return;
     }
     Pair p[4];
     chunk8_of<D>(src, c, p);

@@ -124,7 +124,8 @@ __device__ __forceinline__ void gemv_fetch(const GemvRows& rows, int kt, int nby
 // warp's shared bytes, GEMV_ROWS * GemvStage<D>::span.
 template <class D>
 __device__ __forceinline__ void gemv_tile(const GemvRows& rows, const __half* __restrict__ x,
-                                          int k, int s0, int s1, uint8_t* sh, float (&d)[4]) {
+                                          int k, int s0, int s1, uint8_t* sh,
+                                          const shared_of<D>& tables, float (&d)[4]) {
     using S = GemvStage<D>;
     const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     auto stage_values = [&](int kt) { return min(S::values, k - kt * S::values); };
@@ -158,8 +159,8 @@ __device__ __forceinline__ void gemv_tile(const GemvRows& rows, const __half* __
             uint4 xv = make_uint4(0u, 0u, 0u, 0u);
             if (8 * ch < nv) {
                 unsigned w[4], v[4];
-                chunk8_f16_of<D>(lo, ch, w);
-                chunk8_f16_of<D>(hi, ch, v);
+                chunk8_f16_of<D>(lo, ch, w, &tables);
+                chunk8_f16_of<D>(hi, ch, v, &tables);
                 xv = *reinterpret_cast<const uint4*>(xs + 8 * ch);
                 a0[0] = w[0];
                 a0[1] = v[0];
@@ -193,18 +194,21 @@ __device__ __forceinline__ GemvPair gemv_pair(const uint8_t* const* __restrict__
 
 // The block's tile times x (k values), the warps' runs of stages added in warp order: thread t
 // gets the sums of tile rows t % 16 (x) and (t + 8) % 16 (y). Every thread of the block calls it
-// (one barrier).
+// (two barriers).
 template <class D>
 __device__ __forceinline__ float2 gemv_block(const GemvRows& rows, const __half* __restrict__ x,
                                              int k) {
     using S = GemvStage<D>;
     __shared__ __align__(16) uint8_t sh[GEMV_WARPS][GEMV_ROWS * S::span];
     __shared__ float part_sums[GEMV_WARPS][GEMV_ROWS];
+    __shared__ shared_of<D> tables;  // the decoder's tables, if it has any
+    SharedOf<D>::fill(tables);
+    __syncthreads();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
     const int stages = (k + S::values - 1) / S::values, per = (stages + warps - 1) / warps;
     const int s0 = min(stages, warp * per), s1 = min(stages, s0 + per);
     float d[4];
-    gemv_tile<D>(rows, x, k, s0, s1, sh[warp], d);
+    gemv_tile<D>(rows, x, k, s0, s1, sh[warp], tables, d);
     if ((lane & 3) == 0) {
         part_sums[warp][lane >> 2] = d[0];
         part_sums[warp][(lane >> 2) + GEMV_ROWS / 2] = d[2];
