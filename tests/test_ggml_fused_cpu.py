@@ -30,6 +30,8 @@ from strata_rt.gemm.ggml_fused import (
 )
 from strata_rt.gemm.ggml_gather import GATHER_ARG_TYPES, GgmlGather
 from strata_rt.gemm.ggml_gemv import (
+    DENSE_ARG_TYPES,
+    DENSE_MODES,
     GEMV_ARG_TYPES,
     GEMV_ROWS,
     GEMV_SOURCE,
@@ -134,7 +136,7 @@ def test_one_type_build_fits_its_register_budget(tmp_path, name):
 @needs_nvcc
 def test_plugin_source_builds_its_gather_and_fused_kernels(tmp_path):
     """The example plugin's one macro line instantiates its gather, every fused tile and its
-    two matrix-vector kernels."""
+    three matrix-vector kernels."""
 
     class Gather:
         threads, min_blocks = 256, 1
@@ -143,7 +145,7 @@ def test_plugin_source_builds_its_gather_and_fused_kernels(tmp_path):
         threads, min_blocks = GEMV_THREADS, 1
 
     tiles = {kernel_name(TQ2, t, at): t for t in TILES for at in (False, True)}
-    gemv = {gemv_kernel_name(TQ2, part): Gemv for part in PARTS}
+    gemv = {gemv_kernel_name(TQ2, part): Gemv for part in (*PARTS, "dense")}
     assert_fits_registers(PLUGIN_SOURCE, "sm_90",
                           {**tiles, **gemv, "ggml_gather_TQ2_0": Gather}, tmp_path)
 
@@ -216,6 +218,29 @@ def test_gemv_launch_geometry(name, hidden, ffn, values):
     assert gu.block == (32 * min(GEMV_WARPS, -(-hidden // values)), 1, 1)
     assert dn.block == (32 * min(GEMV_WARPS, -(-ffn // values)), 1, 1)
     assert dn.args == (16, 1024, 32, 48, 64, 80, hidden, ffn)
+
+
+@pytest.mark.parametrize("name,rows,k", [("Q4_K", 5120, 2048), ("F16", 2048, 4096),
+                                         ("Q8_0", 40, 288)])
+def test_gemv_dense_launch_geometry_and_refusals(name, rows, k):
+    """A dense matrix times one row: tiles of 16 rows, one warp per K stage up to GEMV_WARPS,
+    the mode as its number; bad modes, lengths and addresses are refused, named."""
+    rt = _Runtime()
+    gv = GgmlGemv(rt)  # type: ignore[arg-type]
+    d = gv.decoder(name)
+    for mode, code in DENSE_MODES.items():
+        gv.dense(None, name, 1 << 20, 1 << 21, 1 << 22, rows, k, mode)
+        call = rt.kernels[f"ggml_gemv_dense_{name}"].calls[-1]
+        assert call.grid == (-(-rows // 16), 1, 1)
+        assert call.block == (32 * min(GEMV_WARPS, -(-k // stage_values(d))), 1, 1)
+        assert call.args == (1 << 20, 1 << 21, 1 << 22, rows, k, code)
+    assert rt.kernels[f"ggml_gemv_dense_{name}"].arg_types == DENSE_ARG_TYPES  # type: ignore
+    with pytest.raises(FormatError, match="mode"):
+        gv.dense(None, name, 1 << 20, 1 << 21, 1 << 22, rows, k, "bf16")
+    with pytest.raises(FormatError, match="multiple"):
+        gv.dense(None, name, 1 << 20, 1 << 21, 1 << 22, rows, k + 4, "f32")
+    with pytest.raises(FormatError, match="16 bytes"):
+        gv.dense(None, name, 1 << 20, (1 << 21) + 8, 1 << 22, rows, k, "f32")
 
 
 @pytest.mark.parametrize("name", ["Q4_K", "F16", "IQ3_XXS", "MXFP4"])

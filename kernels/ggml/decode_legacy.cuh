@@ -23,6 +23,25 @@ template <> struct Decode<Type::F32> : Traits<Type::F32> {
 // fp16 words, widened exactly
 template <> struct Decode<Type::F16> : Traits<Type::F16> {
     GGML_HD static Pair pair(const uint8_t* b, int) { return {f16_at(b), f16_at(b + 2)}; }
+#ifndef STRATA_GGML_HOST
+    // eight values as stored (an fp16 value is its own rounding; a NaN keeps its payload,
+    // which the float32 path need not), from an even address in the widest loads it allows
+    __device__ static void chunk8_h2(const uint8_t* b, int, unsigned (&out)[4]) {
+        const uintptr_t a = (uintptr_t)b;
+        if ((a & 15) == 0) {
+            const uint4 v = load_aligned<uint4>(b);
+            out[0] = v.x, out[1] = v.y, out[2] = v.z, out[3] = v.w;
+        } else if ((a & 3) == 0) {
+#pragma unroll
+            for (int p = 0; p < 4; ++p) out[p] = load_aligned<uint32_t>(b + 4 * p);
+        } else {
+#pragma unroll
+            for (int p = 0; p < 4; ++p)
+                out[p] = load_aligned<uint16_t>(b + 4 * p) |
+                         ((uint32_t)load_aligned<uint16_t>(b + 4 * p + 2) << 16);
+        }
+    }
+#endif
 };
 
 // bfloat16: the top half of a float32 word

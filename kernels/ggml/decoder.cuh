@@ -94,7 +94,8 @@ GGML_UNROLL
 
 #ifndef STRATA_GGML_HOST
 // On the device a decoder may also give `static __device__ void chunk8_h2(const uint8_t* block,
-// int i, unsigned (&out)[4], const Shared& tables)`: values i .. i + 7 (i a multiple of 8) as
+// int i, unsigned (&out)[4], const Shared& tables)`: values i .. i + 7 (i a multiple of 8; a
+// 1-value type: the 8 blocks from `block`, i = 0) as
 // four fp16x2 words (value i + 2p in the low half of word p), each the fp16 value (round to
 // nearest even) of what chunk8 returns, bit for bit, computed in fp16 arithmetic where that is
 // exact. `Shared` is the decoder's struct of tables a block keeps in shared memory and
@@ -142,10 +143,11 @@ __device__ __forceinline__ bool chunk8_h2_hook(const uint8_t*, int, unsigned (&)
 template <class D>
 __device__ __forceinline__ void chunk8_f16_of(const uint8_t* src, long long c, unsigned (&out)[4],
                                               const shared_of<D>* tables = nullptr) {
-    if (tables != nullptr && D::block_values > 1) {
+    if (tables != nullptr) {  // a 1-value type's chunk: 8 blocks from the first, i = 0
         const long long v = 8 * c;
-        const uint8_t* b = src + (v / D::block_values) * D::block_bytes;
-        if (chunk8_h2_hook<D>(b, (int)(v % D::block_values), out, *tables, 0)) return;
+        const uint8_t* b = src + (D::block_values == 1 ? v : v / D::block_values) * D::block_bytes;
+        const int i = D::block_values == 1 ? 0 : (int)(v % D::block_values);
+        if (chunk8_h2_hook<D>(b, i, out, *tables, 0)) return;
     }
     Pair p[4];
     chunk8_of<D>(src, c, p);

@@ -1,7 +1,8 @@
 // The decode step's matrix-vector products over a layer's routed experts, written once against a
 // decoder struct (decoder.cuh), so a type is its decoder and nothing more:
 //
-//   STRATA_GGML_GEMV(SUFFIX, DEC)   ggml_gemv_gate_up_SUFFIX, ggml_gemv_down_SUFFIX
+//   STRATA_GGML_GEMV(SUFFIX, DEC)   ggml_gemv_gate_up_SUFFIX, ggml_gemv_down_SUFFIX,
+//                                   ggml_gemv_dense_SUFFIX
 //
 // Why: one token routes top_k experts per layer; a grouped GEMM over 16-expert groups (gather,
 // MMQ, SwiGLU, MMQ per group) launches for every group whatever the routing and tiles for many
@@ -263,6 +264,28 @@ __device__ __forceinline__ void gemv_down(const uint8_t* const* __restrict__ exp
     if (writes) o[t] = s.x;
 }
 
+// A dense matrix times one token's row (a decode step's projections and output head, read in
+// the weight's own type): W [rows, k] of type D (rows of whole blocks, one after another from
+// w) times fp16 x [k]. mode 0: out fp16 [rows] = fp16(sum); 1: out float32 [rows] = sum; 2:
+// out float32 [rows] += sum (one rounding: the residual add of the o projection). Grid
+// (ceil(rows / 16)), block as the expert products'.
+template <class D>
+__device__ __forceinline__ void gemv_dense(const uint8_t* __restrict__ w,
+                                           const __half* __restrict__ x, void* __restrict__ out,
+                                           int rows, int k, int mode) {
+    const int i0 = blockIdx.x * GEMV_ROWS, t = threadIdx.x;
+    const GemvRows tile{w, (long long)(k / D::block_values) * D::block_bytes,
+                        i0, rows - 1, i0 + GEMV_ROWS / 2, rows - 1};
+    const float2 s = gemv_block<D>(tile, x, k);
+    if (t >= GEMV_ROWS || i0 + t >= rows) return;
+    if (mode == 0) {
+        static_cast<__half*>(out)[i0 + t] = __float2half_rn(s.x);
+    } else {
+        float* o = static_cast<float*>(out) + i0 + t;
+        *o = mode == 1 ? s.x : __fadd_rn(*o, s.x);
+    }
+}
+
 }  // namespace ggml
 
 #define STRATA_GGML_GEMV_ARGS                                                                 \
@@ -279,6 +302,11 @@ __device__ __forceinline__ void gemv_down(const uint8_t* const* __restrict__ exp
     ggml_gemv_down_##SUFFIX(STRATA_GGML_GEMV_ARGS, float* __restrict__ out, int hidden,        \
                             int ffn) {                                                         \
         ggml::gemv_down<DEC>(experts, offset, ids, row_of, acts, out, hidden, ffn);            \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(ggml::GEMV_THREADS)                          \
+    ggml_gemv_dense_##SUFFIX(const uint8_t* __restrict__ w, const __half* __restrict__ x,      \
+                             void* __restrict__ out, int rows, int k, int mode) {              \
+        ggml::gemv_dense<DEC>(w, x, out, rows, k, mode);                                       \
     }
 
 #else  // STRATA_GGML_HOST: nothing of these kernels runs on the host

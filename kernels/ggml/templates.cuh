@@ -5,8 +5,9 @@
 //   STRATA_GGML_GATHER(SUFFIX, DEC)    ggml_gather_SUFFIX: the batched dequantizing gather
 //   STRATA_GGML_FUSED(SUFFIX, DEC)     ggml_fused_SUFFIX_<tile>, ggml_fused_at_SUFFIX_<tile>:
 //                                      the grouped GEMM decoding native blocks in its main loop
-//   STRATA_GGML_GEMV(SUFFIX, DEC)      ggml_gemv_gate_up_SUFFIX, ggml_gemv_down_SUFFIX: the
-//                                      decode step's matrix-vector products (gemv.cuh)
+//   STRATA_GGML_GEMV(SUFFIX, DEC)      ggml_gemv_gate_up_SUFFIX, ggml_gemv_down_SUFFIX,
+//                                      ggml_gemv_dense_SUFFIX: the decode step's matrix-vector
+//                                      products (gemv.cuh)
 //
 // A plugin with its own type writes one .cu: #include "ggml/templates.cuh", its decoder struct,
 // and one STRATA_GGML_KERNELS line (DEC must not hold a top-level comma: use a typedef).

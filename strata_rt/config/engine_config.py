@@ -39,6 +39,7 @@ DENSE_POLICIES = ("auto", "resident", "stream")
 #: the choices of the switches resolved into fields of the same meaning (config/env.py lists them)
 DECODES = env.choices("STRATA_DECODE")
 DECODE_ATTENTIONS = env.choices("STRATA_DECODE_ATTENTION")
+DECODE_DENSES = env.choices("STRATA_DECODE_DENSE")
 PREFILL_STREAMS = env.choices("STRATA_PREFILL_STREAM")
 DENSE_GEMMS = env.choices("STRATA_DENSE_GEMM")
 EMBEDDINGS = env.choices("STRATA_EMBEDDING")
@@ -130,6 +131,10 @@ class EngineConfig:
     #: "split" (over the cache length, merged) or "tiled" (the prefill's kernel);
     #: None: STRATA_DECODE_ATTENTION, else split
     decode_attention: str | None = None
+    #: a whole model's dense projections and head in one-token chunks on the CUDA backend
+    #: (DECODE_DENSES): "gemm" (the chunk's GEMMs) or "gemv" (matrix-vector kernels reading
+    #: each weight in its own type); None: STRATA_DECODE_DENSE, else gemm
+    decode_dense: str | None = None
     #: how prefill chunks stream (PREFILL_STREAMS): "auto", "walk" or "routed";
     #: None: STRATA_PREFILL_STREAM, else auto
     prefill_stream: str | None = None
@@ -249,6 +254,7 @@ class EngineConfig:
             problems.append(f"ring_bytes: got {self.ring_bytes!r}; allowed: a positive size "
                             "(at most 1 PiB)")
         for name, allowed in (("decode", DECODES), ("decode_attention", DECODE_ATTENTIONS),
+                              ("decode_dense", DECODE_DENSES),
                               ("prefill_stream", PREFILL_STREAMS),
                               ("dense_gemm", DENSE_GEMMS), ("embedding", EMBEDDINGS),
                               ("f16_gemm", F16_GEMMS)):
@@ -292,6 +298,8 @@ class EngineConfig:
             self.decode = env.choice("STRATA_DECODE", DECODES[0])
         if self.decode_attention is None:
             self.decode_attention = env.choice("STRATA_DECODE_ATTENTION", DECODE_ATTENTIONS[0])
+        if self.decode_dense is None:
+            self.decode_dense = env.choice("STRATA_DECODE_DENSE", DECODE_DENSES[0])
         if self.prefill_stream is None:
             self.prefill_stream = env.choice("STRATA_PREFILL_STREAM", PREFILL_STREAMS[0])
         if self.cuda_graph is None:

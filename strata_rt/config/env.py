@@ -13,7 +13,8 @@ Where each is read (tests/test_switches.py holds every module to it):
   launchers, the GEMMs and the formats never read the environment. They are
   STRATA_PREFILL_GATHER_ONE, STRATA_PREFILL_TIMING, STRATA_PREFILL_DUMP_R,
   STRATA_PREFILL_TRACE, STRATA_WALK_MIN_TOKENS, STRATA_CHECK_PLAN, STRATA_MMQ_KERNEL,
-  STRATA_DECODE, STRATA_DECODE_ATTENTION, STRATA_PREFILL_STREAM, STRATA_IMAGE_CACHE_MIB,
+  STRATA_DECODE, STRATA_DECODE_ATTENTION, STRATA_DECODE_DENSE, STRATA_PREFILL_STREAM,
+  STRATA_IMAGE_CACHE_MIB,
   STRATA_COMPUTE_LANES, STRATA_IN_PLACE, STRATA_CUDA_GRAPH, STRATA_ROUTING, STRATA_DENSE_GEMM,
   STRATA_EMBEDDING and STRATA_F16_GEMM.
   A run config's checks (config/schema.py, config/whole.py) size the engine before it exists:
@@ -98,6 +99,12 @@ SWITCHES: dict[str, Switch] = {
                "merged, float32 probabilities; within NMSE 1e-4 of tiled, not its bytes) or "
                "tiled (the prefill's attention kernel, one block per KV head: a one-token "
                "chunk's bytes are those of the same row inside a longer chunk)."),
+        Switch("STRATA_DECODE_DENSE", "choice:gemm,gemv",
+               "a whole model's dense projections and output head in one-token chunks (decode "
+               "steps) on the CUDA backend: gemm (the default: the chunk's GEMMs, weights not "
+               "stored as F16 decoded into an fp16 scratch first) or gemv (matrix-vector "
+               "kernels that read each weight in its own type; within NMSE 1e-4 of gemm, not "
+               "its bytes: the sums run in another order)."),
         Switch("STRATA_PREFILL_STREAM", "choice:auto,walk,routed",
                "how a prefill chunk streams its non-resident experts: walk (the copy engine "
                "streams every one beside the compute), routed (the gathers read only the "

@@ -38,6 +38,10 @@ GEMV_HEADER = KERNELS_ROOT / "ggml" / "gemv.cuh"
 GEMV_ARG_TYPES = "PqPPPPii"
 #: the two products: gate/up (with SwiGLU) and down
 PARTS = ("gate_up", "down")
+#: argument types of ggml_gemv_dense_<TYPE>: w, x, out, rows, k, mode
+DENSE_ARG_TYPES = "PPPiii"
+#: what ggml_gemv_dense writes: fp16 rows, float32 rows, or float32 rows added into out
+DENSE_MODES = {"f16": 0, "f32": 1, "add_f32": 2}
 #: the kernels take their rows' values in steps of 8 (one 16-byte load of fp16 inputs)
 GEMV_VALUES = 8
 
@@ -75,7 +79,7 @@ def gemv_warps(d: DecoderSpec, k: int) -> int:
 
 
 def kernel_name(d: DecoderSpec, part: str) -> str:
-    """ggml_gemv_gate_up_<SUFFIX> or ggml_gemv_down_<SUFFIX>."""
+    """ggml_gemv_gate_up_<SUFFIX>, ggml_gemv_down_<SUFFIX> or ggml_gemv_dense_<SUFFIX>."""
     return f"ggml_gemv_{part}_{d.name}"
 
 
@@ -102,14 +106,37 @@ class GgmlGemv(DecoderModule):
         self._kernels: dict[tuple[str, str], Any] = {}
 
     def kernel(self, gtype: GgmlKey, part: str) -> Any:
+        """The kernel of a part ("gate_up", "down" or "dense") of type gtype, loaded once."""
         d = self.decoder(gtype)
-        if part not in PARTS:
-            raise FormatError(f"matrix-vector part {part!r}: one of {', '.join(PARTS)}")
+        if part not in (*PARTS, "dense"):
+            raise FormatError(f"matrix-vector part {part!r}: one of {', '.join(PARTS)}, dense")
         key = (d.name, part)
         if key not in self._kernels:
-            self._kernels[key] = self.module_of(d.name).kernel(kernel_name(d, part),
-                                                               GEMV_ARG_TYPES)
+            types = DENSE_ARG_TYPES if part == "dense" else GEMV_ARG_TYPES
+            self._kernels[key] = self.module_of(d.name).kernel(kernel_name(d, part), types)
         return self._kernels[key]
+
+    def dense(self, stream: Any, gtype: GgmlKey, w: int, x: int, out: int, rows: int, k: int,
+              mode: str) -> None:
+        """One token's row through a dense matrix in its own type: out [rows] of W [rows, k]
+        (type gtype, rows one after another from w) times fp16 x [k]; mode (DENSE_MODES)
+        "f16" writes fp16, "f32" float32, "add_f32" adds float32 into out."""
+        d = self.decoder(gtype)
+        if mode not in DENSE_MODES:
+            raise FormatError(f"dense matrix-vector mode {mode!r}: one of "
+                              f"{', '.join(DENSE_MODES)}")
+        if rows < 1 or k <= 0 or k % d.block_values or k % GEMV_VALUES:
+            raise FormatError(f"{d.name} dense matrix-vector product of {rows} rows of {k}: "
+                              f"needs rows >= 1 and k a positive multiple of {d.block_values} "
+                              f"(a block) and of {GEMV_VALUES}")
+        if min(w, x, out) <= 0 or x % 16 or w % 2 or out % (2 if mode == "f16" else 4):
+            raise FormatError(f"{d.name} dense matrix-vector product: device addresses needed, "
+                              "the input on 16 bytes, the weights on 2, the output on its "
+                              "element")
+        self.kernel(d, "dense").launch(
+            grid=(-(-rows // GEMV_ROWS), 1, 1), block=(32 * gemv_warps(d, k), 1, 1),
+            stream=stream, args=(int(w), int(x), int(out), int(rows), int(k),
+                                 DENSE_MODES[mode]))
 
     def launch(self, stream: Any, part: str, gtype: GgmlKey, experts: int, offset: int,
                ids: int, row_of: int, acts: int, out: int, pairs: int, hidden: int,
@@ -144,6 +171,6 @@ def gemv_reference(weights: np.ndarray, x: np.ndarray) -> np.ndarray:
     return (w @ v).astype(np.float32)
 
 
-__all__ = ["GEMV_ARG_TYPES", "GEMV_ROWS", "GEMV_SOURCE", "GEMV_THREADS", "GEMV_WARPS", "PARTS",
-           "GgmlGemv", "gemv_problem", "gemv_reference", "gemv_warps", "kernel_name",
+__all__ = ["DENSE_ARG_TYPES", "DENSE_MODES", "GEMV_ARG_TYPES", "GEMV_ROWS", "GEMV_SOURCE",
+           "GEMV_THREADS", "GEMV_WARPS", "PARTS", "GgmlGemv", "gemv_problem", "gemv_reference", "gemv_warps", "kernel_name",
            "stage_values"]

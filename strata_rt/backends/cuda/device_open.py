@@ -134,7 +134,8 @@ def open_device(rt: Runtime, model: Model, store: ExpertStore, cfg: EngineConfig
             assert whole_sizes is not None
             sizing = whole_sizes.streamed() if mp.dense_stream else whole_sizes
             cuda_whole = CudaWhole(rt, whole, dev.ptr, mp.regions["dense_ws"], sizing, dev.copy,
-                                   lo, cfg.decode_attention or "split")
+                                   lo, cfg.decode_attention or "split",
+                                   cfg.decode_dense or "gemm")
     except BaseException:
         dev.close()
         raise

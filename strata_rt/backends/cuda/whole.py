@@ -16,7 +16,10 @@ weights, which the GEMMs read in place):
 A one-token chunk (a decode step) attends with DecodeAttention instead under decode_attention
 "split" (the default, where the head layout has its kernels): the one query row per head is
 spread over the cache length (32 blocks per KV head, float32 parts in `decode_part`) and
-merged, two launches where the tiled kernel runs one block per KV head.
+merged, two launches where the tiled kernel runs one block per KV head. Under decode_dense
+"gemv" its projections and head are matrix-vector launches that read each weight in its own
+type (GgmlGemv.dense: q, k and v as one launch per run of one type, Wo adding into x, the head
+into float32 logits), with no decode into the scratch.
 
 Logits: the chosen rows of x through RMSNorm * output_norm and the output head into float32, at
 most LOGIT_ROWS rows per GEMM, each row slice copied back before the next (the host array is the
@@ -40,9 +43,16 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ...gemm.ggml_gemv import GgmlGemv
 from ...gemm.ggml_rows import GgmlRows
 from ...models.qwen3.reference import rope_tables
-from ...models.qwen3.whole_memory import LOGIT_ROWS, DenseSlot, WholeSizing, kv_bytes
+from ...models.qwen3.whole_memory import (
+    LOGIT_ROWS,
+    DenseSlot,
+    WholeSizing,
+    kv_bytes,
+    tensor_bytes,
+)
 from ...schedule.plan import Attention, DenseCopy, Logits
 from .attention_decode import DecodeAttention
 from .attention_kernels import AttentionKernels
@@ -61,6 +71,24 @@ if TYPE_CHECKING:
 
 def _no_mark(phase: str) -> None:
     """The default of run_attention's `mark`: no timing table."""
+
+
+def qkv_runs(slot: DenseSlot, hidden: int, q_dim: int,
+             kv_dim: int) -> list[tuple[str, int, int, int]]:
+    """(type, byte offset in the slot, first row of Wqkv, rows) of each run of q, k, v that
+    shares a type (they lie one after another in the slot): one matrix-vector launch each."""
+    runs: list[tuple[str, int, int, int]] = []
+    row = 0
+    for type_name, offset, rows in ((slot.types.q, slot.q, q_dim), (slot.types.k, slot.k, kv_dim),
+                                    (slot.types.v, slot.v, kv_dim)):
+        if runs and runs[-1][0] == type_name:
+            t, off, first, n = runs[-1]
+            runs[-1] = (t, off, first, n + rows)
+        else:
+            runs.append((type_name, offset, row, rows))
+        row += rows
+    assert all(off + tensor_bytes(t, n, hidden) <= slot.o for t, off, _, n in runs)
+    return runs
 
 
 def dense_slot_bytes(whole: Qwen3Model, layer: int, slot: DenseSlot) -> np.ndarray:
@@ -93,7 +121,7 @@ class CudaWhole:
 
     def __init__(self, rt: Runtime, whole: Qwen3Model, ptr: dict[str, int], ws_bytes: int,
                  sizing: WholeSizing, stream: Stream, first: int = 0,
-                 decode_attention: str = "split"):
+                 decode_attention: str = "split", decode_dense: str = "gemm"):
         self.rt, self.whole, self.spec, self.ptr = rt, whole, whole.spec, ptr
         self.first, self.n_layers, self.has_head = first, sizing.spec.n_layers, sizing.head
         self.context = sizing.context
@@ -110,6 +138,17 @@ class CudaWhole:
             self.decode_attention = DecodeAttention(rt, spec.n_heads, spec.n_kv_heads,
                                                     spec.head_dim, context=self.context)
         self.dense = DenseKernels(rt, ptr["dense_ws"], ws_bytes, sizing.gemm)
+        #: a one-token chunk's projections and head as matrix-vector launches (None: GEMMs);
+        #: every type's kernel loaded now, not inside a captured graph
+        self.gemv: GgmlGemv | None = None
+        if decode_dense == "gemv":
+            self.gemv = GgmlGemv(rt)
+            types = {t for s in self.layout.slots
+                     for t in (s.types.q, s.types.k, s.types.v, s.types.o)}
+            if self.has_head:
+                types.add(self.layout.head_type)
+            for name in sorted(types):
+                self.gemv.kernel(name, "dense")
         #: the embedding's row gather (its kernel loaded now, not inside a captured graph)
         self.rows: GgmlRows | None = None
         self.embd_type = whole.dense.token_embd.type_name
@@ -222,11 +261,17 @@ class CudaWhole:
         start, start_dev = op.start, 0
         if start is None:  # the register set_position filled (a decode step's plan)
             start, start_dev = self.position, self.ptr["position"]
+        gemv = self.gemv if T == 1 else None
         mark("dense qkv")
         dk.rmsnorm_f16(stream, p["x"], base + slot.attn_norm, p["xa"], T, H, eps)
-        wqkv = self.decode.wqkv(stream, base, slot)
-        dk.gemm(stream, p["xa"], wqkv, p["qkv"], T,
-                spec.q_dim + 2 * spec.kv_dim, H, out_f32=False, accumulate=False)
+        if gemv is not None:
+            for type_name, offset, row, rows in qkv_runs(slot, H, spec.q_dim, spec.kv_dim):
+                gemv.dense(stream, type_name, base + offset, p["xa"], p["qkv"] + 2 * row, rows,
+                           H, "f16")
+        else:
+            wqkv = self.decode.wqkv(stream, base, slot)
+            dk.gemm(stream, p["xa"], wqkv, p["qkv"], T,
+                    spec.q_dim + 2 * spec.kv_dim, H, out_f32=False, accumulate=False)
         mark("qk norm+rope")
         ak.qk_norm_rope(stream, p["qkv"], T, start, base + slot.q_norm, base + slot.k_norm, p["rope_cos"], p["rope_sin"], eps,
                         p["q_rot"], k_cache, v_cache, start_dev)
@@ -239,6 +284,10 @@ class CudaWhole:
             ak.attend(stream, p["q_rot"], k_cache, v_cache, start, T, p["attn_out"],
                       start_dev)
         mark("dense o")
+        if gemv is not None:
+            gemv.dense(stream, slot.types.o, base + slot.o, p["attn_out"], p["x"], H, spec.q_dim,
+                       "add_f32")
+            return
         wo = self.decode.wo(stream, base, slot)
         dk.gemm(stream, p["attn_out"], wo, p["x"], T, H, spec.q_dim,
                 out_f32=True, accumulate=True)
@@ -260,11 +309,15 @@ class CudaWhole:
             n = min(LOGIT_ROWS, tokens - r0)
             self.dense.rmsnorm_f16(stream, p["x"] + r0 * H * 4, p["head_norm"], p["head_in"],
                                    n, H, float(spec.rms_eps))
-            for v0, rows in slices:
-                if r0 == first or len(slices) > 1:  # one slice: decoded once per call
-                    w = self.decode.head_slice(stream, p["head"], head_type, v0, rows)
-                self.dense.gemm(stream, p["head_in"], w, p["head_out"] + v0 * n * 4, n, rows,
-                                H, out_f32=True, accumulate=False)
+            if tokens == 1 and self.gemv is not None:  # a decode step: the head in its type
+                self.gemv.dense(stream, head_type, p["head"], p["head_in"], p["head_out"], V, H,
+                                "f32")
+            else:
+                for v0, rows in slices:
+                    if r0 == first or len(slices) > 1:  # one slice: decoded once per call
+                        w = self.decode.head_slice(stream, p["head"], head_type, v0, rows)
+                    self.dense.gemm(stream, p["head_in"], w, p["head_out"] + v0 * n * 4, n,
+                                    rows, H, out_f32=True, accumulate=False)
             host = self._logits_host[: n * V]
             self.rt.memcpy_dtoh(host, p["head_out"], stream)
             stream.synchronize()

@@ -2,7 +2,7 @@
 // shared templates (strata_rt's kernels/ggml/templates.cuh) instantiate its dequantizing gather,
 // its fused grouped GEMMs and its decode-step matrix-vector kernels (ggml_gather_TQ2_0,
 // ggml_fused_TQ2_0_<tile>, ggml_fused_at_TQ2_0_<tile>, ggml_gemv_gate_up_TQ2_0,
-// ggml_gemv_down_TQ2_0) from the one macro line at the end.
+// ggml_gemv_down_TQ2_0, ggml_gemv_dense_TQ2_0) from the one macro line at the end.
 //
 // Format (256 values, 66 bytes): 64 bytes of 2-bit codes, then the fp16 scale d at byte 64.
 // Value j's code sits in byte (j / 128) * 32 + j % 32 at bits 2 * ((j / 32) % 4); the value is
