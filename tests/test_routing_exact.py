@@ -353,6 +353,66 @@ def test_gpu_one_token_launch_picks_the_canonical_experts(rt, kernels, hidden, n
 
 
 @gpu
+@pytest.mark.parametrize("overflow", [False, True])
+@pytest.mark.parametrize("hidden,n_experts,top_k", SHAPES)
+def test_gpu_one_token_launch_with_the_norm_gives_the_four_launches_bytes(
+        rt, kernels, hidden, n_experts, top_k, overflow):
+    """route_one_norm_logits + pick (one_normed) against rmsnorm_rows, route_one_logits, pick
+    and convert_f16_rows on the same residual row: xn, the canonical logits, ids, weights, the
+    sort, the token's fp16 activation rows and the finiteness flag, byte for byte (a row whose
+    squares overflow: the same flag word)."""
+    from strata_rt.backends.cuda.layer_kernels import ENGINE_SOURCE
+    from strata_rt.formats.activations import F16, ActivationKernels
+
+    ex, _, s = kernels
+    rng = np.random.default_rng(hidden * 5 + top_k + overflow)
+    x = (rng.standard_normal((1, hidden)) * 3).astype(np.float32)
+    if overflow:
+        x[0, 3] = 3e38
+    w = (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32)
+    router = _inputs(rng, 1, hidden, n_experts)[1]
+    E, eps, layer = n_experts, 1e-6, 9
+    dx, dw = upload(rt, s, x), upload(rt, s, w)
+    dr = upload(rt, s, split_router(router[None])[0])
+    router32 = dr.ptr + E * hidden * 4
+    got = []
+    for fused in (False, True):
+        b = {"xn": poisoned(rt, s, hidden * 4), "act": poisoned(rt, s, top_k * hidden * 2),
+             "canon": poisoned(rt, s, E * 8), "ids": poisoned(rt, s, top_k * 4),
+             "weights": poisoned(rt, s, top_k * 4), "bounds": poisoned(rt, s, (E + 1) * 4),
+             "sorted_token": poisoned(rt, s, top_k * 4), "row_of": poisoned(rt, s, top_k * 4)}
+        flag = upload(rt, s, np.full(1, np.iinfo(np.uint64).max, np.uint64))
+        sort = dict(ids=b["ids"].ptr, weights=b["weights"].ptr, bounds=b["bounds"].ptr,
+                    sorted_token=b["sorted_token"].ptr, row_of=b["row_of"].ptr)
+        if fused:
+            ex.one_normed(s, x=dx.ptr, norm_w=dw.ptr, eps=eps, router32=router32,
+                          hidden=hidden, n_experts=E, top_k=top_k, canon=b["canon"].ptr,
+                          xn=b["xn"].ptr, act=b["act"].ptr, bad=flag.ptr, layer=layer, **sort)
+        else:
+            rt.module(ENGINE_SOURCE).kernel("rmsnorm_rows", "PPPifPi").launch(
+                (1, 1, 1), (256, 1, 1), s, (dx.ptr, dw.ptr, b["xn"].ptr, hidden, eps, flag.ptr,
+                                            layer))
+            ex.one(s, xn=b["xn"].ptr, router32=router32, hidden=hidden, n_experts=E,
+                   top_k=top_k, canon=b["canon"].ptr, **sort)
+            ActivationKernels(rt).launch(F16, s, b["xn"].ptr, hidden, b["sorted_token"].ptr,
+                                         b["act"].ptr, top_k, hidden)
+        shapes = {"xn": (np.float32, (hidden,)), "act": (np.float16, (top_k, hidden)),
+                  "canon": (np.float64, (E,)), "ids": (np.int32, (top_k,)),
+                  "weights": (np.float32, (top_k,)), "bounds": (np.int32, (E + 1,)),
+                  "sorted_token": (np.int32, (top_k,)), "row_of": (np.int32, (top_k,))}
+        out = {k: download(rt, s, b[k], *shapes[k]) for k in shapes}
+        out["flag"] = download(rt, s, flag, np.uint64, (1,), check_tail=False)
+        for buf in (*b.values(), flag):
+            buf.free()
+        got.append(out)
+    for name in got[0]:
+        assert got[1][name].tobytes() == got[0][name].tobytes(), name
+    assert int(got[1]["flag"][0]) == ((layer << 32) if overflow else np.iinfo(np.uint64).max)
+    for buf in (dx, dw, dr):
+        buf.free()
+
+
+@gpu
 @pytest.mark.parametrize("hidden,n_experts,top_k", SHAPES)
 def test_gpu_one_token_launch_gives_the_chains_bytes_for_a_token_it_reranks_in_full(
         rt, kernels, hidden, n_experts, top_k):
@@ -377,6 +437,10 @@ def test_one_token_launch_matches_its_kernel_source():
 
     text = RERANK_SOURCE.read_text()
     assert f"#define ONE_WARPS {ONE_WARPS}\n" in text
+    from strata_rt.backends.cuda.routing.exact import ONE_NORM_WARPS
+
+    assert f"#define ONE_NORM_WARPS {ONE_NORM_WARPS}\n" in text
+    assert ONE_NORM_WARPS * 32 == 256  # rmsnorm_rows' block: the norm's bytes
     for npl in (1, 2, 4, 8, 16):
         assert f"ROUTE_ONE_PICK_KERNEL({npl})" in text
 
@@ -445,15 +509,20 @@ def test_rerank_launch_matches_its_kernel_source():
     assert "__launch_bounds__(RERANK_WARPS * 32)" in RERANK_SOURCE.read_text()
 
 
+@pytest.mark.parametrize("activation", ["f16", "q8_1"])
 @pytest.mark.parametrize("tokens", [1, 5])
-def test_a_decode_step_routes_in_two_launches_on_the_layers_float32_rows(tokens):
+def test_a_decode_step_routes_in_two_launches_on_the_layers_float32_rows(tokens, activation):
     """The launch sequence of LayerKernels.route (a recording runtime, no GPU): one token goes
-    through route_one_logits and route_one_pick on the float32 part of its layer's split
-    router, with no counting sort; a chunk goes through the split GEMM, top-k and the sort."""
+    through the one-token logits and pick on the float32 part of its layer's split router,
+    with no counting sort; with fp16 activations the norm and the activations ride in the
+    logits launch (route_one_norm_logits: no rmsnorm_rows, no convert_f16_rows); with q8_1 ones
+    rmsnorm_rows runs first and the activations after. A chunk goes through the split GEMM,
+    top-k and the sort."""
     from _fake_runtime import FakeRuntime, FakeStream
 
     from strata_rt.backends.cuda.layer_kernels import LayerKernels
-    from strata_rt.formats.registry import registry
+    from strata_rt.backends.cuda.routing.exact import ONE_NORM_WARPS
+    from strata_rt.formats.activations import F16, Q8_1
     from strata_rt.weights.model import QWEN3_30B_SPEC
 
     spec = QWEN3_30B_SPEC
@@ -461,7 +530,8 @@ def test_a_decode_step_routes_in_two_launches_on_the_layers_float32_rows(tokens)
     names = ("x", "xn", "norm", "router", "logits", "topk_ids", "topk_w", "sorted_token",
              "row_of", "act_hidden", "route_ws", "nonfinite")
     ptr = {n: (i + 1) << 32 for i, n in enumerate(names)}
-    lk = LayerKernels(rt, spec, registry()["iq3_xxs"].activation, ptr, "exact", first=0)
+    act = F16 if activation == "f16" else Q8_1
+    lk = LayerKernels(rt, spec, act, ptr, "exact", first=0)
     rng = np.random.default_rng(1)
     router = (rng.standard_normal((2, spec.n_experts, spec.hidden)) * 0.05).astype(np.float32)
     lk.router_weights(router)
@@ -469,10 +539,19 @@ def test_a_decode_step_routes_in_two_launches_on_the_layers_float32_rows(tokens)
     E, H = spec.n_experts, spec.hidden
     layer1 = ptr["router"] + E * H * 8
     launched = [name for name, _, _ in rt.launched_on]
-    if tokens == 1:
-        assert launched[1:3] == ["route_one_logits", "route_one_pick_w4"]
+    if tokens == 1 and act is F16:
+        assert launched == ["route_one_norm_logits", "route_one_pick_w4"]
+        args = rt.launched_on[0][2]
+        assert args[:4] == (ptr["x"], ptr["norm"] + H * 4, float(spec.rms_eps),
+                            layer1 + E * H * 4)
+        assert args[7:] == (ptr["xn"], ptr["act_hidden"], spec.top_k, ptr["nonfinite"], 1)
+        assert E % ONE_NORM_WARPS == 0
+    elif tokens == 1:
+        assert launched[:3] == ["rmsnorm_rows", "route_one_logits", "route_one_pick_w4"]
         assert rt.launched_on[1][2][1] == layer1 + E * H * 4  # the float32 rows
-        assert not any("scan" in n or "scatter" in n or "split" in n for n in launched)
+        assert launched[3:] == ["quantize_q8_1_rows"]
     else:
-        assert "route_one_logits" not in launched
+        assert "route_one_logits" not in launched and "route_one_norm_logits" not in launched
         assert any("split" in n for n in launched) and any("scatter" in n for n in launched)
+    if tokens == 1:
+        assert not any("scan" in n or "scatter" in n or "split" in n for n in launched)

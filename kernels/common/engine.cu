@@ -12,28 +12,12 @@
 #include <stdint.h>
 
 #include "common/q8_1.cuh"
+#include "common/row_norm.cuh"
 #include "common/swiglu.cuh"
 
 #define ROUTER_BM 64
 #define ROUTER_BN 64
 #define ROUTER_BK 16
-
-// Block-wide sum with a fixed tree, so the result is the same on every run.
-__device__ __forceinline__ float block_sum(float v, float* scratch) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    if (warp == 0) {
-        v = lane < nwarps ? scratch[lane] : 0.0f;
-        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-        if (lane == 0) scratch[0] = v;
-    }
-    __syncthreads();
-    const float total = scratch[0];
-    __syncthreads();
-    return total;
-}
 
 // xn[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w.  One block per token.
 // A row whose sum of squares is not finite (it holds NaN or Inf, or its squares overflow, which
@@ -45,12 +29,7 @@ extern "C" __global__ void rmsnorm_rows(const float* __restrict__ x, const float
                                         unsigned long long* __restrict__ bad, int layer) {
     __shared__ float scratch[32];
     const float* row = x + (size_t)blockIdx.x * hidden;
-    float ss = 0.0f;
-    for (int c = threadIdx.x; c < hidden; c += blockDim.x) ss = fmaf(row[c], row[c], ss);
-    ss = block_sum(ss, scratch);
-    if (threadIdx.x == 0 && !isfinite(ss))
-        atomicMin(bad, ((unsigned long long)layer << 32) | blockIdx.x);
-    const float r = 1.0f / sqrtf(ss / (float)hidden + eps);
+    const float r = row_rms_scale(row, hidden, eps, scratch, bad, layer, blockIdx.x, true);
     float* out = xn + (size_t)blockIdx.x * hidden;
     for (int c = threadIdx.x; c < hidden; c += blockDim.x) out[c] = row[c] * r * w[c];
 }

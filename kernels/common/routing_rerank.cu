@@ -8,6 +8,7 @@
 #include "common/prior_grid.cuh"
 #include "common/route_keys.cuh"
 #include "common/route_pick.cuh"
+#include "common/row_norm.cuh"
 
 // ---------------------------------------------------------------------------- re-ranking
 #define RERANK_WARPS 4
@@ -15,7 +16,9 @@
 
 // The canonical logit of x and w (see routing_exact.cu), by one warp: lane l's sequential
 // float64 sum over c = l, l + 32, ..., then the xor tree. The unrolled loads keep RERANK_UNROLL
-// elements of both rows in flight; the sum still adds them in ascending c.
+// elements of both rows in flight; the sum still adds them in ascending c. X_SHARED: x is in
+// shared memory (read plainly; __ldg reads global memory only).
+template <bool X_SHARED = false>
 __device__ __forceinline__ double canonical_logit(const float* __restrict__ x,
                                                   const float* __restrict__ w, int hidden,
                                                   int lane) {
@@ -25,13 +28,19 @@ __device__ __forceinline__ double canonical_logit(const float* __restrict__ x,
         float xv[RERANK_UNROLL], wv[RERANK_UNROLL];
 #pragma unroll
         for (int u = 0; u < RERANK_UNROLL; ++u) {
-            xv[u] = __ldg(x + c + 32 * u);
+            if constexpr (X_SHARED)
+                xv[u] = x[c + 32 * u];
+            else
+                xv[u] = __ldg(x + c + 32 * u);
             wv[u] = __ldg(w + c + 32 * u);
         }
 #pragma unroll
         for (int u = 0; u < RERANK_UNROLL; ++u) acc = __fma_rn((double)xv[u], (double)wv[u], acc);
     }
-    for (; c < hidden; c += 32) acc = __fma_rn((double)__ldg(x + c), (double)__ldg(w + c), acc);
+    for (; c < hidden; c += 32) {
+        const float xc = X_SHARED ? x[c] : __ldg(x + c);
+        acc = __fma_rn((double)xc, (double)__ldg(w + c), acc);
+    }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) acc = __dadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, o));
     return acc;
@@ -205,6 +214,42 @@ extern "C" __global__ void __launch_bounds__(ONE_WARPS * 32) route_one_logits(
     const int e = blockIdx.x * ONE_WARPS + (threadIdx.x >> 5);
     if (e >= n_experts) return;
     const double L = canonical_logit(xn, router32 + (size_t)e * hidden, hidden, lane);
+    if (lane == 0) canon[e] = L;
+}
+
+// route_one_norm_logits: route_one_logits with the layer's RMSNorm in front, for a decode
+// step whose experts take fp16 activations: every block normalises the token's residual row x
+// into shared memory (row_norm.cuh: the bytes rmsnorm_rows writes) and its ONE_NORM_WARPS warps
+// take one expert each; block 0 also writes xn, the fp16 activations of the token's act_rows
+// sorted rows (all the same token: what convert_f16_rows writes from xn) and the norm's
+// finiteness flag. Two launches of a decode step's routing fewer (the norm, the activations).
+// Dynamic shared memory: hidden floats.
+#define ONE_NORM_WARPS 8
+
+extern "C" __global__ void __launch_bounds__(ONE_NORM_WARPS * 32) route_one_norm_logits(
+    const float* __restrict__ x, const float* __restrict__ norm_w, float eps,
+    const float* __restrict__ router32, int hidden, int n_experts, double* __restrict__ canon,
+    float* __restrict__ xn, __half* __restrict__ act, int act_rows,
+    unsigned long long* __restrict__ bad, int layer) {
+    wait_prior_grid();
+    extern __shared__ float xs[];
+    __shared__ float scratch[32];
+    const bool first = blockIdx.x == 0;
+    const float r = row_rms_scale(x, hidden, eps, scratch, bad, layer, 0u, first);
+    for (int c = threadIdx.x; c < hidden; c += blockDim.x) {
+        const float v = x[c] * r * norm_w[c];
+        xs[c] = v;
+        if (first) {
+            xn[c] = v;
+            const __half h = __float2half_rn(v);
+            for (int k = 0; k < act_rows; ++k) act[(size_t)k * hidden + c] = h;
+        }
+    }
+    __syncthreads();
+    const int lane = threadIdx.x & 31;
+    const int e = blockIdx.x * ONE_NORM_WARPS + (threadIdx.x >> 5);
+    if (e >= n_experts) return;
+    const double L = canonical_logit<true>(xs, router32 + (size_t)e * hidden, hidden, lane);
     if (lane == 0) canon[e] = L;
 }
 

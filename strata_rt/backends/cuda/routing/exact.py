@@ -312,6 +312,9 @@ RERANK_BLOCKS = 1584
 
 #: warps (one expert each) per block of route_one_logits (routing_rerank.cu's ONE_WARPS)
 ONE_WARPS = 4
+#: warps (one expert each) per block of route_one_norm_logits (ONE_NORM_WARPS): 256 threads,
+#: the block rmsnorm_rows normalises a row with, so the norm's bytes are the same
+ONE_NORM_WARPS = 8
 
 
 class ExactRoutingKernels:
@@ -335,6 +338,8 @@ class ExactRoutingKernels:
         self._rerank = {npl: rerank.kernel(f"route_rerank_w{npl}", "PPPiiiiPPPPPi",
                                            overlap=True) for npl in _TOPK_NPL}
         self._one_logits = rerank.kernel("route_one_logits", "PPiiP", overlap=True)
+        self._one_norm_logits = rerank.kernel("route_one_norm_logits", "PPfPiiPPPiPi",
+                                              overlap=True)
         self._one_pick = {npl: rerank.kernel(f"route_one_pick_w{npl}", "PiiPPPPP", overlap=True)
                           for npl in _TOPK_NPL}
 
@@ -389,10 +394,34 @@ class ExactRoutingKernels:
         full, and the sort's bounds, sorted_token and row_of. `router32`: the layer's float32
         router rows."""
         check_routing_shape(HIDDEN_MULTIPLE, n_experts, top_k, 1)
-        npl = next(n for n in _TOPK_NPL if 32 * n >= n_experts)
         self._one_logits.launch(grid=(-(-n_experts // ONE_WARPS), 1, 1),
                                 block=(32 * ONE_WARPS, 1, 1), stream=stream,
                                 args=(xn, router32, hidden, n_experts, canon))
+        self._pick_one(stream, canon, n_experts, top_k, ids, weights, bounds, sorted_token,
+                       row_of)
+
+    def one_normed(self, stream: Stream, *, x: int, norm_w: int, eps: float, router32: int,
+                   hidden: int, n_experts: int, top_k: int, canon: int, xn: int, act: int,
+                   bad: int, layer: int, ids: int, weights: int, bounds: int,
+                   sorted_token: int, row_of: int) -> None:
+        """`one` with the layer's RMSNorm in front, for a decode step whose experts take fp16
+        activations: the token's residual row x normalised by norm_w in every block of the
+        logits launch (rmsnorm_rows' bytes, written to xn by the first), the token's top_k
+        sorted rows of fp16 activations written to `act` (convert_f16_rows' bytes) and the
+        norm's finiteness flag lowered at `bad` for `layer`; then `one`'s pick. Two launches
+        in place of four."""
+        check_routing_shape(HIDDEN_MULTIPLE, n_experts, top_k, 1)
+        self._one_norm_logits.launch(
+            grid=(-(-n_experts // ONE_NORM_WARPS), 1, 1), block=(32 * ONE_NORM_WARPS, 1, 1),
+            stream=stream, shared=4 * hidden,
+            args=(x, norm_w, float(eps), router32, hidden, n_experts, canon, xn, act, top_k,
+                  bad, layer))
+        self._pick_one(stream, canon, n_experts, top_k, ids, weights, bounds, sorted_token,
+                       row_of)
+
+    def _pick_one(self, stream: Stream, canon: int, n_experts: int, top_k: int, ids: int,
+                  weights: int, bounds: int, sorted_token: int, row_of: int) -> None:
+        npl = next(n for n in _TOPK_NPL if 32 * n >= n_experts)
         self._one_pick[npl].launch(grid=(1, 1, 1), block=(32, 1, 1), stream=stream,
                                    args=(canon, n_experts, top_k, ids, weights, bounds,
                                          sorted_token, row_of))
