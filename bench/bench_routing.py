@@ -35,7 +35,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from strata_rt.backends.cuda.routing.exact import (  # noqa: E402
-    SPLIT_TILES,
     ExactRoutingKernels,
     exact_bound,
     route_exact,
@@ -51,6 +50,7 @@ from strata_rt.backends.cuda.routing.kernels import (  # noqa: E402
     router_f16,
     workspace_bytes,
 )
+from strata_rt.backends.cuda.routing.split_tiles import SPLIT_TILES  # noqa: E402
 from strata_rt.resources import KERNELS_ROOT  # noqa: E402
 
 ENGINE_SOURCE = KERNELS_ROOT / "common" / "engine.cu"
@@ -61,16 +61,19 @@ ROUTER_TILE, TOPK_THREADS, SCATTER_THREADS, ROW_THREADS = 64, 128, 1024, 256
 #: the issue's ceilings for the exact chain (GEMM + top-k + sort) at 8K tokens
 TARGET_US = {"30b": 60, "235b": 120}
 CHAINS = ("fp32", "f16", "exact")
+#: the presplit chain's tile (sm_90): the split RMSNorm, this tile, the top-k whose re-rank
+#: normalises from x, the sort
+PRESPLIT_TILE = "wg64h4"
 
 
 def bench_shape(rt, shape: str, tokens: int, reps: int, inner: int,
-                rng: np.random.Generator) -> dict:
+                rng: np.random.Generator, presplit_tile: str = PRESPLIT_TILE) -> dict:
     H, E, K = SHAPES[shape]
     T = tokens
     s = rt.stream("bench")
     ev = [rt.event("t0", timing=True), rt.event("t1", timing=True)]
     eng = rt.module(ENGINE_SOURCE)
-    k_norm = eng.kernel("rmsnorm_rows", "PPPif")
+    k_norm = eng.kernel("rmsnorm_rows", "PPPifPi")
     k_router = eng.kernel("router_logits", "PPPiii")
     k_topk = eng.kernel("topk_softmax", "PiiiPP")
     k_bounds = eng.kernel("expert_bounds", "PiiP")
@@ -102,23 +105,28 @@ def bench_shape(rt, shape: str, tokens: int, reps: int, inner: int,
     px, pw, pr, pr16 = up("x", x), up("w", w), up("router", router), up("r16", router_f16(router))
     psplit = up("split", split_router(router[None])[0])
     xn, logits = alloc("xn", T * H * 4), alloc("logits", T * E * 4)
+    xp, flag = alloc("xp", T * H * 4), up("flag", np.full(2, -1, np.int64))
+    presplit = presplit_tile in ex.tiles  # its tiles run on sm_90 only
+    chains = (*CHAINS, "presplit") if presplit else CHAINS
     out = {c: {n: alloc(f"{c}_{n}", T * K * 4) for n in ("ids", "w", "st", "ro")}
-           for c in CHAINS}
-    bnd = {c: alloc(f"{c}_b", (E + 1) * 4) for c in CHAINS}
+           for c in chains}
+    bnd = {c: alloc(f"{c}_b", (E + 1) * 4) for c in chains}
     ws_f16, ws_ex = alloc("ws", workspace_bytes(T, E, "f16")), alloc("wsx", workspace_bytes(T, E))
     parts = exact_workspace(ws_ex, T, E)
     sigma, norms = router_scale(router), router_norms(router)
     tile16, tilex = gemm_tile(T, H), ex.tile(T, H)
     o, n, x_ = out["fp32"], out["f16"], out["exact"]
 
-    def exact_topk(ex):
-        ex.topk(s, logits=logits, xn=xn, router32=psplit + E * H * 4, ws=parts, tokens=T,
-                hidden=H, n_experts=E, top_k=K, bound=exact_bound(norms, H),
-                ids=x_["ids"], weights=x_["w"], masks=ws_ex)
+    def exact_topk(ex, chain="exact"):
+        c = out[chain]
+        ex.topk(s, logits=logits, xn=px if chain == "presplit" else xn,
+                router32=psplit + E * H * 4, ws=parts, tokens=T, hidden=H, n_experts=E,
+                top_k=K, bound=exact_bound(norms, H), ids=c["ids"], weights=c["w"],
+                masks=ws_ex, norm_w=pw if chain == "presplit" else 0)
 
     launches = {
         "rmsnorm": lambda: k_norm.launch((T, 1, 1), (ROW_THREADS, 1, 1), s,
-                                         (px, pw, xn, H, 1e-6)),
+                                         (px, pw, xn, H, 1e-6, flag, 0)),
         "fp32 GEMM": lambda: k_router.launch((-(-T // ROUTER_TILE), -(-E // ROUTER_TILE), 1),
                                              (256, 1, 1), s, (xn, pr, logits, T, H, E)),
         "fp32 top-k": lambda: k_topk.launch((-(-T // TOPK_THREADS), 1, 1), (TOPK_THREADS, 1, 1),
@@ -131,8 +139,8 @@ def bench_shape(rt, shape: str, tokens: int, reps: int, inner: int,
         "f16 GEMM": lambda: rk.logits(s, xn, pr16, logits, T, H, E, tile16),
         "f16 top-k": lambda: rk.topk(s, logits, T, E, K, n["ids"], n["w"], ws_f16),
         "f16 sort": lambda: rk.sort(s, n["ids"], T, E, K, ws_f16, bnd["f16"], n["st"], n["ro"]),
-        **{f"exact GEMM {t}": (lambda t=t: ex.logits(s, xn, psplit, logits, parts, T, H, E,
-                                                     sigma, t))
+        **{f"exact GEMM {t}": (lambda t=t: ex.logits(s, xp if SPLIT_TILES[t].presplit else xn,
+                                                     psplit, logits, parts, T, H, E, sigma, t))
            for t, tl in ex.tiles.items() if tl.fits(H)},
         "exact top-k": lambda: exact_topk(ex),
         "exact sort": lambda: rk.sort(s, x_["ids"], T, E, K, ws_ex, bnd["exact"], x_["st"],
@@ -143,6 +151,16 @@ def bench_shape(rt, shape: str, tokens: int, reps: int, inner: int,
                                        x_["ro"]),
     }
     launches["exact GEMM"] = launches[f"exact GEMM {tilex}"]
+    if presplit:
+        launches.update({
+            "split rmsnorm": lambda: ex.norm_split(s, x=px, norm_w=pw, eps=1e-6, parts=xp,
+                                                   ws=parts, tokens=T, hidden=H, bad=flag,
+                                                   layer=0),
+            "presplit top-k": lambda: exact_topk(ex, "presplit"),
+            "presplit sort": lambda: rk.sort(s, out["presplit"]["ids"], T, E, K, ws_ex,
+                                             bnd["presplit"], out["presplit"]["st"],
+                                             out["presplit"]["ro"])})
+        launches["presplit GEMM"] = launches[f"exact GEMM {presplit_tile}"]
 
     def down(ptr, count):
         host = np.empty(count, np.int32)
@@ -150,26 +168,31 @@ def bench_shape(rt, shape: str, tokens: int, reps: int, inner: int,
         s.synchronize()
         return host
 
-    # correctness first: each chain from the same xn, its GEMM right before its top-k
+    # correctness first: each chain from the same xn (the presplit chain from its split
+    # RMSNorm of the same x), its GEMM right before its top-k
     rt.memset_d8(parts.reranked_total, 0, 4, s)
     launches["rmsnorm"]()
-    for c in CHAINS:
+    for c in chains:
+        if c == "presplit":
+            launches["split rmsnorm"]()
         launches[f"{c} GEMM"]()
         launches[f"{c} top-k"]()
         launches[f"{c} sort"]()
-    ids = {c: down(out[c]["ids"], T * K).reshape(T, K) for c in CHAINS}
+    ids = {c: down(out[c]["ids"], T * K).reshape(T, K) for c in chains}
     rechecked = int(down(parts.reranked_total, 1)[0])
     xn_host = np.empty(T * H, np.float32)
     rt.memcpy_dtoh(xn_host, xn, s)
     s.synchronize()
     canonical, _ = route_exact(xn_host.reshape(T, H), router, K)
     differ = {c: float((np.sort(ids[c], 1) != np.sort(canonical, 1)).any(axis=1).mean())
-              for c in CHAINS}
-    want = counting_sort_ref(ids["exact"], E)
-    sort_ok = (np.array_equal(ids["exact"], canonical)
-               and np.array_equal(down(bnd["exact"], E + 1), want[0])
-               and np.array_equal(down(x_["st"], T * K), want[1])
-               and np.array_equal(down(x_["ro"], T * K), want[2]))
+              for c in chains}
+    sort_ok = True
+    for c in chains[2:]:  # the exact chains: the canonical ids and their sort, exactly
+        want = counting_sort_ref(ids[c], E)
+        sort_ok = sort_ok and (np.array_equal(ids[c], canonical)
+                               and np.array_equal(down(bnd[c], E + 1), want[0])
+                               and np.array_equal(down(out[c]["st"], T * K), want[1])
+                               and np.array_equal(down(out[c]["ro"], T * K), want[2]))
 
     def time_us(fn) -> float:
         for _ in range(2):
@@ -188,36 +211,56 @@ def bench_shape(rt, shape: str, tokens: int, reps: int, inner: int,
 
     us = {name: time_us(fn) for name, fn in launches.items() if name != "exact GEMM"}
     us["exact GEMM"] = us[f"exact GEMM {tilex}"]
-    for c in (*CHAINS, "plain"):
+    for c in (*chains, "plain"):
         us[f"{c} total"] = us[f"{c} GEMM"] + us[f"{c} top-k"] + us[f"{c} sort"]
         names = [f"{c} GEMM", f"{c} top-k", f"{c} sort"]
         us[f"{c} sequence"] = time_us(lambda names=names: [launches[m]() for m in names])
+    if presplit:
+        # the presplit chain's own RMSNorm does more than rmsnorm_rows: its total carries
+        # the difference, so it compares with the others as the layer spends it
+        us["norm delta"] = us["split rmsnorm"] - us["rmsnorm"]
+        us["presplit total"] += us["norm delta"]
+        us["presplit sequence"] += us["norm delta"]
     for b in bufs.values():
         b.free()
+    # the chain a layer with fp16 activations runs (LayerKernels.route): presplit where the
+    # rule picks a presplit tile for the chunk
+    default = ("presplit" if presplit and SPLIT_TILES[ex.tile(T, H, presplit=True)].presplit
+               else "exact")
     return {"shape": shape, "hidden": H, "experts": E, "top_k": K, "tokens": T,
-            "gemm_tile": tilex, "f16_tile": tile16, "us": us,
+            "gemm_tile": tilex, "f16_tile": tile16, "us": us, "default_chain": default,
+            "presplit_tile": presplit_tile if presplit else None,
             "gemm_us_by_tile": {t: us[f"exact GEMM {t}"] for t in SPLIT_TILES
                                 if f"exact GEMM {t}" in us},
             "picks_differ_from_canonical": differ, "rechecked": rechecked, "sort_ok": sort_ok}
 
 
 def table(rows: list[dict]) -> str:
+    """The chains per shape and length. "presplit total" includes the split RMSNorm's extra
+    time over rmsnorm_rows ("norm delta"); the target is checked on the chain a layer with
+    fp16 activations runs (`default`)."""
     cols = ["rmsnorm"] + [f"{c} {p}" for c in ("fp32", "f16") for p in ("total",)] + [
         "exact GEMM", "exact top-k", "exact sort", "exact total", "exact sequence",
         "plain total", "plain sequence"]
-    lines = ["| shape | tokens | " + " | ".join(cols) + " | target | exact vs fp32 / f16 "
-             "| picks differ from canonical: fp32 / f16 / exact | re-ranked tokens | sort |",
-             "|---" * (len(cols) + 7) + "|"]
+    if all("presplit total" in r["us"] for r in rows):
+        cols += ["norm delta", "presplit GEMM", "presplit top-k", "presplit total",
+                 "presplit sequence"]
+    lines = ["| shape | tokens | " + " | ".join(cols) + " | default | target | default vs "
+             "fp32 / f16 | picks differ from canonical: fp32 / f16 / exact | re-ranked tokens "
+             "| sort |", "|---" * (len(cols) + 8) + "|"]
     for r in rows:
         u, d = r["us"], r["picks_differ_from_canonical"]
         cells = [f"{u[c]:.1f}" for c in cols]
         cells[cols.index("exact GEMM")] += f" ({r['gemm_tile']})"
-        target = TARGET_US[r["shape"]]
-        mark = "ok" if u["exact total"] <= target else "over"
+        if "presplit GEMM" in cols:
+            cells[cols.index("presplit GEMM")] += f" ({r['presplit_tile']})"
+        target, chain = TARGET_US[r["shape"]], r["default_chain"]
+        total = u[f"{chain} total"]
+        mark = "ok" if total <= target else "over"
         lines.append(
             f"| {r['shape']} | {r['tokens']} | " + " | ".join(cells)
-            + f" | <= {target} {mark} | {u['fp32 total'] / u['exact total']:.2f}x / "
-            f"{u['f16 total'] / u['exact total']:.2f}x"
+            + f" | {chain} {total:.1f} | <= {target} {mark} | {u['fp32 total'] / total:.2f}x / "
+            f"{u['f16 total'] / total:.2f}x"
             + f" | {100 * d['fp32']:.2f}% / {100 * d['f16']:.2f}% / {100 * d['exact']:.2f}%"
             + f" | {r['rechecked']} ({100 * r['rechecked'] / r['tokens']:.1f}%)"
             + f" | {'ok' if r['sort_ok'] else 'WRONG'} |")

@@ -14,23 +14,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from strata_rt.backends.cuda.routing.exact import (
-    EXACT_SOURCE,
-    SM90_SOURCE,
-    SPLIT_TILES,
     ExactRoutingKernels,
-    WgmmaProducerTile,
-    WgmmaSplitTile,
     canonical_logits,
     exact_bound,
     rank,
     route_exact,
     router_norms,
     router_scale,
-    runs_on,
     softmax_weights,
     split_router,
-    split_tile,
-    tile_rule,
+    x_parts,
 )
 from strata_rt.backends.cuda.routing.kernels import (
     RoutingKernels,
@@ -38,6 +31,17 @@ from strata_rt.backends.cuda.routing.kernels import (
     exact_workspace,
     n_tiles,
     workspace_bytes,
+)
+from strata_rt.backends.cuda.routing.split_tiles import (
+    EXACT_SOURCE,
+    SM90_SOURCE,
+    SPLIT_TILES,
+    WgmmaPresplitTile,
+    WgmmaProducerTile,
+    WgmmaSplitTile,
+    runs_on,
+    split_tile,
+    tile_rule,
 )
 
 gpu = pytest.mark.gpu
@@ -200,6 +204,18 @@ def test_tile_table_comes_from_the_kernel_sources():
     sm90 = tile_rule("sm_90")
     assert [split_tile(t, 4096, sm90) for t in (1, 1024, 1025, 1536, 4096, 4097)] == [
         "m16k128", "m16k128", "wg128p", "wg128p", "wg128p", "wg64s3"]
+    # presplit tiles: only where the caller gives x split, and then beyond 4,096 tokens
+    presplit = [n for n, t in SPLIT_TILES.items() if t.presplit]
+    assert presplit and all(n in wg and isinstance(SPLIT_TILES[n], WgmmaPresplitTile)
+                            for n in presplit)
+    assert all(split_tile(t, h, rule) not in presplit for t in (1, 5000, 9000)
+               for h in (1024, 4096) for rule in (sm90, tile_rule("sm_80")))
+    assert split_tile(9000, 4096, sm90, presplit=True) in presplit
+    assert split_tile(4096, 4096, sm90, presplit=True) == "wg128p"
+    assert split_tile(9000, 4096, tile_rule("sm_80"), presplit=True) == "m64"
+    for n in presplit:
+        t = SPLIT_TILES[n]
+        assert t.threads == 256 and t.shared == t.stages * (2 * 128 * 64 * 2 + 2 * 64 * 64 * 2) + 1024
     # 1,088 is no multiple of m16k128's K step: m16 takes its short chunks
     assert [split_tile(t, 1088, sm90) for t in (1000, 1025)] == ["m16", "wg128p"]
     assert split_tile(9000, 4096, tile_rule("sm_80")) == "m64"
@@ -208,7 +224,8 @@ def test_tile_table_comes_from_the_kernel_sources():
 def test_workspace_holds_the_norms_and_the_rerank_list_after_the_sort():
     ws = 0x10000
     parts = exact_workspace(ws, 1000, 128)
-    assert parts.xnorm % 16 == 0 and parts.n_rerank >= parts.xnorm + 4000
+    assert parts.xnorm % 16 == 0 and parts.rscale >= parts.xnorm + 4000
+    assert parts.rscale % 16 == 0 and parts.n_rerank >= parts.rscale + 4000
     assert parts.rerank % 16 == 0 and parts.rerank > parts.n_rerank
     assert parts.rerank + 16 * 1000 <= ws + workspace_bytes(1000, 128, "exact")
     assert workspace_bytes(1000, 128, "f16") < workspace_bytes(1000, 128, "exact")
@@ -236,11 +253,18 @@ def _run(rt, s, ex, rk, xn, router, top_k, tile=None):
     ws = poisoned(rt, s, workspace_bytes(T, E, "exact"))
     parts = exact_workspace(ws.ptr, T, E)
     rt.memset_d8(parts.reranked_total, 0, 4, s)
+    gemm_x = dx
+    if SPLIT_TILES[tile].presplit:
+        # a presplit tile reads x's parts and the norms as the split RMSNorm writes them
+        gemm_x = upload(rt, s, x_parts(xn))
+        norms = np.sqrt((xn.astype(np.float64) ** 2).sum(axis=1)).astype(np.float32)
+        rt.memcpy_htod(parts.xnorm, norms, s)
     out = {"logits": poisoned(rt, s, T * E * 4), "ids": poisoned(rt, s, T * top_k * 4),
            "weights": poisoned(rt, s, T * top_k * 4), "bounds": poisoned(rt, s, (E + 1) * 4),
            "sorted_token": poisoned(rt, s, T * top_k * 4),
            "row_of": poisoned(rt, s, T * top_k * 4)}
-    ex.logits(s, dx.ptr, dr.ptr, out["logits"].ptr, parts, T, H, E, router_scale(router), tile)
+    ex.logits(s, gemm_x.ptr, dr.ptr, out["logits"].ptr, parts, T, H, E, router_scale(router),
+              tile)
     bound = exact_bound(router_norms(router), H)
     ex.topk(s, logits=out["logits"].ptr, xn=dx.ptr, router32=dr.ptr + E * H * 4, ws=parts,
             tokens=T, hidden=H, n_experts=E, top_k=top_k, bound=bound, ids=out["ids"].ptr,
@@ -257,7 +281,7 @@ def _run(rt, s, ex, rk, xn, router, top_k, tile=None):
     got["xnorm"] = host.view(np.float32).copy()
     got["rechecked"] = _read_int(rt, s, parts.reranked_total)
     got["listed_now"] = _read_int(rt, s, parts.n_rerank)
-    got["parts"], got["buffers"] = parts, (dx, dr, ws, out)
+    got["parts"], got["buffers"] = parts, (dx, dr, ws, out, gemm_x)
     got["bound"] = bound
     return got
 
@@ -461,7 +485,8 @@ def test_gpu_every_tile_and_chunk_gives_the_same_bytes(rt, kernels, tile):
     part = _run(rt, s, ex, rk, xn[967:], router, 8, tile)
     for k in ("logits", "ids", "weights"):
         assert part[k].tobytes() == whole[k][967:].tobytes(), k
-    np.testing.assert_allclose(got["xnorm"], whole["xnorm"], rtol=1e-6)
+    np.testing.assert_allclose(got["xnorm"], whole["xnorm"],
+                               rtol=1e-5 if SPLIT_TILES[tile].presplit else 1e-6)
     # fewer experts than a block's columns, a short K loop, one partial block of tokens
     xn, router = _inputs(rng, 77, 1024, 64)
     small, ref = _run(rt, s, ex, rk, xn, router, 8, tile), _run(rt, s, ex, rk, xn, router, 8, "m64")
@@ -479,7 +504,7 @@ def test_gpu_rerank_list_resets_itself(rt, kernels):
     router = near_tie_router(rng, 1024, 64)
     first = _run(rt, s, ex, rk, xn, router, 8)
     assert first["listed_now"] == 0 and first["rechecked"] == 300  # reset after the re-rank
-    parts, (dx, dr, ws, out) = first["parts"], first["buffers"]
+    parts, (dx, dr, ws, out, _) = first["parts"], first["buffers"]
     rt.memset_d8(out["ids"].ptr, 0xFF, 300 * 8 * 4, s)
     rt.memset_d8(ws.ptr, 0xFF, 64 * n_tiles(300) * 4, s)  # the tile masks
     ex.topk(s, logits=out["logits"].ptr, xn=dx.ptr, router32=dr.ptr + 64 * 1024 * 4, ws=parts,

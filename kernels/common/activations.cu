@@ -33,3 +33,16 @@ convert_f16_rows(const float* x, int x_stride, const int* index, __half* out, in
     dst[0] = __halves2half2(__float2half_rn(v.x), __float2half_rn(v.y));
     dst[1] = __halves2half2(__float2half_rn(v.z), __float2half_rn(v.w));
 }
+
+// Rows index[0..rows-1] of fp16 x (row pitch x_stride halves) copied into out [rows, k]: the
+// experts' fp16 activations where the exact routing's RMSNorm wrote xn's fp16 hi parts
+// (routing_norm_split.cu), which are convert_f16_rows' bytes of xn. Same grid as the others.
+extern "C" __global__ void __launch_bounds__(128)
+gather_f16_rows(const __half* x, int x_stride, const int* index, __half* out, int rows, int k) {
+    const int row = blockIdx.x;
+    const int c8 = blockIdx.y * 128 + threadIdx.x;
+    if (row >= rows || c8 * 8 >= k) return;
+    const long long src = index ? index[row] : row;
+    reinterpret_cast<uint4*>(out + (long long)row * k)[c8] =
+        reinterpret_cast<const uint4*>(x + src * (long long)x_stride)[c8];
+}

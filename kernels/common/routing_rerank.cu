@@ -59,9 +59,13 @@ __device__ __forceinline__ double canonical_logit(const float* __restrict__ x,
 // the n-th expert that needs a canonical logit goes to warp n % RERANK_WARPS, and after one
 // barrier warp 0 picks and writes ids, weights (float32 softmax of the approximate logits, or
 // of the canonical ones for `all`) and the tile mask bits. n_experts <= 32 * NPL.
-template <int NPL>
+// FROM_X: `xn` is the residual x, and the block first normalises the token's row into shared
+// memory (dynamic, hidden floats) as x * rscale[t] * norm_w: rmsnorm_rows' bytes, for the
+// presplit tiles, whose RMSNorm keeps no float32 xn.
+template <int NPL, bool FROM_X = false>
 __device__ __forceinline__ void rerank_block(
     const float* __restrict__ logits, const float* __restrict__ xn,
+    const float* __restrict__ rscale, const float* __restrict__ norm_w,
     const float* __restrict__ router32, int tokens, int hidden, int n_experts, int top_k,
     int* __restrict__ n_rerank, const Rerank* __restrict__ rerank,
     int* __restrict__ ids, float* __restrict__ weights, unsigned* __restrict__ masks,
@@ -103,6 +107,14 @@ __device__ __forceinline__ void rerank_block(
             }
         }
         const float* x = xn + (size_t)t * hidden;
+        if constexpr (FROM_X) {
+            extern __shared__ float x_row[];
+            const float r = rscale[t];
+            for (int c = threadIdx.x; c < hidden; c += blockDim.x)
+                x_row[c] = x[c] * r * norm_w[c];
+            __syncthreads();
+            x = x_row;
+        }
         int q = 0;
 #pragma unroll
         for (int i2 = 0; i2 < NPL; ++i2) {
@@ -111,8 +123,8 @@ __device__ __forceinline__ void rerank_block(
                 const int e = __ffs(m) - 1 + 32 * i2;
                 m &= m - 1;
                 if (q++ % RERANK_WARPS == warp) {
-                    const double L = canonical_logit(x, router32 + (size_t)e * hidden, hidden,
-                                                     lane);
+                    const double L = canonical_logit<FROM_X>(x, router32 + (size_t)e * hidden,
+                                                             hidden, lane);
                     if (lane == 0) canon_s[e] = L;
                 }
             }
@@ -179,6 +191,8 @@ __device__ __forceinline__ void rerank_block(
     }
 }
 
+// route_rerank_w<NPL> reads float32 xn; route_rerank_x_w<NPL> normalises each listed token's
+// residual row itself (the presplit tiles' chain; dynamic shared memory: hidden floats).
 #define RERANK_KERNEL(NPL)                                                                     \
     extern "C" __global__ void __launch_bounds__(RERANK_WARPS * 32) route_rerank_w##NPL(       \
         const float* __restrict__ logits, const float* __restrict__ xn,                        \
@@ -187,8 +201,20 @@ __device__ __forceinline__ void rerank_block(
         int* __restrict__ ids, float* __restrict__ weights, unsigned* __restrict__ masks,      \
         int n_tiles) {                                                                         \
         wait_prior_grid();                                                                     \
-        rerank_block<NPL>(logits, xn, router32, tokens, hidden, n_experts, top_k, n_rerank,    \
-                          rerank, ids, weights, masks, n_tiles);                               \
+        rerank_block<NPL>(logits, xn, nullptr, nullptr, router32, tokens, hidden, n_experts,   \
+                          top_k, n_rerank, rerank, ids, weights, masks, n_tiles);              \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(RERANK_WARPS * 32) route_rerank_x_w##NPL(     \
+        const float* __restrict__ logits, const float* __restrict__ x,                         \
+        const float* __restrict__ rscale, const float* __restrict__ norm_w,                    \
+        const float* __restrict__ router32, int tokens, int hidden, int n_experts, int top_k,  \
+        int* __restrict__ n_rerank, const Rerank* __restrict__ rerank,                         \
+        int* __restrict__ ids, float* __restrict__ weights, unsigned* __restrict__ masks,      \
+        int n_tiles) {                                                                         \
+        wait_prior_grid();                                                                     \
+        rerank_block<NPL, true>(logits, x, rscale, norm_w, router32, tokens, hidden,           \
+                                n_experts, top_k, n_rerank, rerank, ids, weights, masks,       \
+                                n_tiles);                                                      \
     }
 RERANK_KERNEL(1)
 RERANK_KERNEL(2)

@@ -24,6 +24,8 @@
 // so the two multiplying warpgroups never wait on a block-wide barrier or on the split. (A
 // schedule that keeps step s's products running while step s + 1's are issued needs the adds
 // of `part` between them, and ptxas then serializes the wgmma, which undoes the overlap.)
+// The presplit schedule (presplit_sm90) takes x's parts finished from the exact routing's
+// RMSNorm, which writes them in place of float32 xn: the same bytes of input, no split at all.
 //
 // Compiled for sm_90a only (the launcher asks for it); other targets compile an empty file.
 
@@ -35,166 +37,7 @@
 #include "common/route_split.cuh"
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#include "common/wgmma.cuh"
-
-namespace {
-
-// The shape both schedules share: 64 tokens x 128 experts, two multiplying warpgroups, K steps
-// of 64.
-constexpr int BM = 64, BN = 128, BK = 64;
-constexpr int V4 = BK / 4;  // float4s per x row and K step
-constexpr int CH = BK / 8;  // 16-byte fp16 chunks per router row
-constexpr int X_TILE = BM * BK * 4, B_TILE = BN * BK * 2, A_TILE = BM * BK * 2;  // bytes
-static_assert(BK == CHUNK_K, "one K step is one chunk of fresh hi-hi sums");
-static_assert(X_TILE % 1024 == 0 && B_TILE % 1024 == 0 && A_TILE % 1024 == 0,
-              "swizzle atoms stay 1024-byte aligned");
-
-// The copy and split roles of thread `tid` of the NT threads that share them: float4 xf of x
-// rows x_row(p), router chunk bc of rows b_row(p). The V4 lanes of one x row sit in one warp
-// (their square sums meet in an xor tree), in the order routing_exact.cu's tiles add them.
-template <int NT>
-struct Roles {
-    static constexpr int PER = BM * V4 / NT;   // x float4s per thread and K step
-    static constexpr int BPER = BN * CH / NT;  // router chunks per thread and part
-    static_assert(PER * NT == BM * V4 && BPER * NT == BN * CH && NT % 32 == 0, "K step");
-    int xf, xr0, bc, br0;
-    __device__ explicit Roles(int tid) : xf(tid % V4), xr0(tid / V4), bc(tid % CH), br0(tid / CH) {}
-    __device__ int x_row(int p) const { return xr0 + p * (NT / V4); }
-    __device__ int b_row(int p) const { return br0 + p * (NT / CH); }
-};
-
-// Where this thread's copies of every K step come from and go to, worked out once: x float4s
-// (rows past the chunk's last read nothing: zero bytes from a valid address) and router chunks
-// (rows past the last expert likewise); step k's sources are k * BK values further on.
-template <int NT>
-struct Copies {
-    using R = Roles<NT>;
-    const float* x[R::PER];
-    const __half* b[R::BPER];
-    int x_bytes[R::PER], b_bytes[R::BPER], x_at[R::PER], b_at[R::BPER];
-    size_t lo_off;
-    __device__ Copies(const R& ro, int m0, int n0, const float* __restrict__ xn,
-                      const __half* __restrict__ router_split, int tokens, int hidden,
-                      int n_experts)
-        : lo_off((size_t)n_experts * hidden) {
-#pragma unroll
-        for (int p = 0; p < R::PER; ++p) {
-            const int r = ro.x_row(p), t = m0 + r;
-            x[p] = xn + (size_t)(t < tokens ? t : 0) * hidden + 4 * ro.xf;
-            x_bytes[p] = t < tokens ? 16 : 0;
-            x_at[p] = (r * BK + 4 * ro.xf) * 4;
-        }
-#pragma unroll
-        for (int p = 0; p < R::BPER; ++p) {
-            const int r = ro.b_row(p), e = n0 + r;
-            b[p] = router_split + (size_t)(e < n_experts ? e : 0) * hidden + 8 * ro.bc;
-            b_bytes[p] = e < n_experts ? 16 : 0;
-            b_at[p] = wg::sw128(r, ro.bc);
-        }
-    }
-    // x of K step `step` into the float32 tile xs ([BM][BK], unswizzled)
-    __device__ void load_x(unsigned char* xs, int step) const {
-#pragma unroll
-        for (int p = 0; p < R::PER; ++p) cp_async16(xs + x_at[p], x[p] + step * BK, x_bytes[p]);
-    }
-    // the router chunks of K step `step` into the swizzled tiles bh / bl
-    __device__ void load_router(unsigned char* bh, unsigned char* bl, int step) const {
-#pragma unroll
-        for (int p = 0; p < R::BPER; ++p) {
-            cp_async16(bh + b_at[p], b[p] + step * BK, b_bytes[p]);
-            cp_async16(bl + b_at[p], b[p] + lo_off + step * BK, b_bytes[p]);
-        }
-    }
-};
-
-// float4 v (float4 xf of row r), split into the swizzled hi / lo tiles (four halves: 8 bytes
-// each, at half xf % 2 of chunk xf / 2); the square sum of the row's norm
-__device__ __forceinline__ void split_store(int xf, float4 v, int r, unsigned char* hi,
-                                            unsigned char* lo, float& sq) {
-    uint2 h, l;
-    split_float4(v, h, l, sq);
-    const int off = wg::sw128(r, xf >> 1) + (xf & 1) * 8;
-    *reinterpret_cast<uint2*>(hi + off) = h;
-    *reinterpret_cast<uint2*>(lo + off) = l;
-}
-
-// one 16-column product of an N-column warpgroup tile (N = 64 or 128)
-template <int N>
-__device__ __forceinline__ void mma_step(float (&d)[N / 2], uint64_t da, uint64_t db, int acc) {
-    if constexpr (N == 128)
-        wg::mma_64x128x16(d, da, db, acc);
-    else
-        wg::mma_64x64x16(d, da, db, acc);
-}
-
-// issues one K step's twelve products of warpgroup w, whose experts are rows N w .. N w + N - 1
-// of the router tiles: per 16 columns part (+)= xh wh, cross += xh wl + xl wh. The tiles by
-// their descriptors (each 16 columns: 32 bytes further on).
-template <int N>
-__device__ __forceinline__ void issue_step(int w, float (&part)[N / 2], float (&cross)[N / 2],
-                                           uint64_t ah, uint64_t al, uint64_t bh,
-                                           uint64_t bl) {
-    bh = wg::desc_at(bh, w * N * 128);
-    bl = wg::desc_at(bl, w * N * 128);
-    wg::fence();
-#pragma unroll
-    for (int kk = 0; kk < BK / 16; ++kk) {
-        const uint64_t dah = wg::desc_at(ah, 32 * kk), dal = wg::desc_at(al, 32 * kk);
-        const uint64_t dbh = wg::desc_at(bh, 32 * kk), dbl = wg::desc_at(bl, 32 * kk);
-        mma_step<N>(part, dah, dbh, kk > 0);
-        mma_step<N>(cross, dah, dbl, 1);
-        mma_step<N>(cross, dal, dbh, 1);
-    }
-    wg::commit();
-}
-
-// logits of warpgroup w's 64 x N tile: accumulator d[4 j + v] is row 16 warp + lane / 4 (+8
-// for v >= 2), column 8 j + 2 (lane % 4) (+1 for odd v)
-template <int N>
-__device__ __forceinline__ void store_logits(int w, int m0, int n0, const float (&acc)[N / 2],
-                                             const float (&cross)[N / 2],
-                                             float* __restrict__ logits, int tokens,
-                                             int n_experts, float sigma) {
-    const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
-    const int g = lane >> 2, q = lane & 3;
-#pragma unroll
-    for (int j = 0; j < N / 8; ++j) {
-        const int e = n0 + w * N + 8 * j + 2 * q;
-        const int t = m0 + 16 * warp + g;
-        if (e >= n_experts) continue;
-        const float2 top = make_float2(split_logit(acc[4 * j], cross[4 * j], sigma),
-                                       split_logit(acc[4 * j + 1], cross[4 * j + 1], sigma));
-        const float2 bot = make_float2(split_logit(acc[4 * j + 2], cross[4 * j + 2], sigma),
-                                       split_logit(acc[4 * j + 3], cross[4 * j + 3], sigma));
-        if (t < tokens) *reinterpret_cast<float2*>(logits + (size_t)t * n_experts + e) = top;
-        if (t + 8 < tokens)
-            *reinterpret_cast<float2*>(logits + (size_t)(t + 8) * n_experts + e) = bot;
-    }
-}
-
-// the token norms of the rows this thread split: the V4 lanes of a row add their square sums
-// in routing_exact.cu's xor tree (blocks with blockIdx.y == 0)
-template <int NT>
-__device__ __forceinline__ void store_norms(const Roles<NT>& ro, int m0,
-                                            const float (&sq)[Roles<NT>::PER],
-                                            float* __restrict__ xnorm, int tokens) {
-    if (blockIdx.y != 0) return;
-#pragma unroll
-    for (int p = 0; p < Roles<NT>::PER; ++p) {
-        float s = sq[p];
-#pragma unroll
-        for (int o = V4 / 2; o > 0; o >>= 1) s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, o));
-        const int t = m0 + ro.x_row(p);
-        if (ro.xf == 0 && t < tokens) xnorm[t] = __fsqrt_rn(s);
-    }
-}
-
-__device__ __forceinline__ void zero_rerank_count(int* __restrict__ n_rerank) {
-    if (n_rerank != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x < 2)
-        n_rerank[threadIdx.x] = 0;
-}
-
-}  // namespace
+#include "common/split_sm90.cuh"
 
 // logits[t, e] and xnorm[t] as routing_exact.cu's router_gemm_split writes them (block (0, 0)
 // zeroes the re-rank count); 256 threads. Dynamic shared memory: STAGES * (X_TILE + 2 B_TILE)
@@ -378,6 +221,81 @@ __device__ __forceinline__ void split_sm90_producer(SPLIT_GEMM_PARAMS) {
     store_logits<N>(w, m0, n0, acc, cross, logits, tokens, n_experts, sigma);
 }
 
+// x's operands finished: the exact routing's RMSNorm (routing_norm_split.cu) wrote xn's fp16
+// hi parts [T, H] and, T * H values further on, its scaled residuals, the bytes split_pair
+// makes of xn, so the tiles need no split and every thread only copies. A STAGES-deep cp.async
+// ring of [Bh, Bl, Ah, Al] stages, one barrier per K step: the barrier publishes step's stage
+// (each thread waited for its own copies and fenced them for the async proxy) and frees the
+// stage of step - 1, whose products every warpgroup finished before it, and which is then
+// refilled with step + STAGES - 1 while the tensor cores multiply step. The token norms come
+// from the RMSNorm too (xnorm is not written here). Same logits, bit for bit, as every tile.
+// Dynamic shared memory: STAGES * (2 B_TILE + 2 A_TILE) + 1024.
+template <int STAGES, int WARPS>
+__device__ __forceinline__ void presplit_sm90(SPLIT_GEMM_PARAMS) {
+    constexpr int NT = 256, STAGE = 2 * B_TILE + 2 * A_TILE;
+    constexpr int APER = BM * CH / NT;  // 16-byte chunks of each x part per thread and K step
+    static_assert(WARPS * 32 == NT && APER * NT == BM * CH, "two warpgroups that copy and multiply");
+    static_assert(STAGES >= 2 && STAGES * STAGE + 1024 <= 227 * 1024, "smem");
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    unsigned char* ring = wg::align1024(smem_raw);
+    const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN, w = threadIdx.x >> 7;
+    const int steps = hidden / BK;
+    zero_rerank_count(n_rerank);
+    const Copies<NT> cp(Roles<NT>(threadIdx.x), m0, n0, xn, router_split, tokens, hidden,
+                        n_experts);
+    // this thread's chunks of the x parts: rows past the chunk's last copy zero bytes
+    const __half* parts = reinterpret_cast<const __half*>(xn);
+    const size_t lo_off = (size_t)tokens * hidden;
+    const __half* a[APER];
+    int a_bytes[APER], a_at[APER];
+#pragma unroll
+    for (int p = 0; p < APER; ++p) {
+        const int r = threadIdx.x / CH + p * (NT / CH), c = threadIdx.x % CH, t = m0 + r;
+        a[p] = parts + (size_t)(t < tokens ? t : 0) * hidden + 8 * c;
+        a_bytes[p] = t < tokens ? 16 : 0;
+        a_at[p] = wg::sw128(r, c);
+    }
+    auto load = [&](int stage, int step) {
+        unsigned char* st = ring + stage * STAGE;
+        cp.load_router(st, st + B_TILE, step);
+#pragma unroll
+        for (int p = 0; p < APER; ++p) {
+            cp_async16(st + 2 * B_TILE + a_at[p], a[p] + step * BK, a_bytes[p]);
+            cp_async16(st + 2 * B_TILE + A_TILE + a_at[p], a[p] + lo_off + step * BK,
+                       a_bytes[p]);
+        }
+    };
+    const uint64_t d0 = wg::sw128_desc(ring);
+    float acc[32], part[32], cross[32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) acc[i] = part[i] = cross[i] = 0.0f;
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < steps) load(s, s);
+        cp_async_commit();
+    }
+    for (int step = 0; step < steps; ++step) {
+        const int stage = step % STAGES;
+        wg::cp_wait_mem<STAGES - 2>();  // this thread's copies of `step` have landed
+        wg::fence_async_smem();
+        __syncthreads();  // everyone's have; nobody reads step - 1's stage any more
+        wg::pin(part);
+        wg::pin(cross);
+        const uint64_t d = wg::desc_at(d0, stage * STAGE);
+        issue_step<64>(w, part, cross, wg::desc_at(d, 2 * B_TILE),
+                       wg::desc_at(d, 2 * B_TILE + A_TILE), d, wg::desc_at(d, B_TILE));
+        const int next = step + STAGES - 1;
+        if (next < steps) load(next % STAGES, next);
+        cp_async_commit();
+        wg::wait<0>();
+        wg::pin(part);
+        wg::pin(cross);
+#pragma unroll
+        for (int i = 0; i < 32; ++i) acc[i] = __fadd_rn(acc[i], part[i]);
+    }
+    store_logits<64>(w, m0, n0, acc, cross, logits, tokens, n_experts, sigma);
+}
+
 // One kernel per tile line (backends/cuda/routing/exact.py reads these lines: name, block
 // shape, warps, stages and the schedule, whose threads and shared memory the launcher knows).
 #define SPLIT_SM90_KERNEL(NAME, BM_, BN_, WARPS, BK_, STAGES, FN)                              \
@@ -396,3 +314,5 @@ SPLIT_SM90_KERNEL(wg64, 64, 128, 8, 64, 4, router_gemm_split_sm90)
 SPLIT_SM90_KERNEL(wg64s3, 64, 128, 8, 64, 3, router_gemm_split_sm90)
 SPLIT_SM90_KERNEL(wg64p, 64, 128, 12, 64, 4, split_sm90_producer)
 SPLIT_SM90_KERNEL(wg128p, 64, 128, 8, 64, 4, split_sm90_producer)
+SPLIT_SM90_KERNEL(wg64h3, 64, 128, 8, 64, 3, presplit_sm90)
+SPLIT_SM90_KERNEL(wg64h4, 64, 128, 8, 64, 4, presplit_sm90)

@@ -187,6 +187,7 @@ class ActivationKernels:
     def __init__(self, runtime: Runtime):
         mod = runtime.module(self.SOURCE)
         self._kernels = {a.name: mod.kernel(a.kernel, "PiPPii") for a in ACTIVATIONS.values()}
+        self._gather_f16 = mod.kernel("gather_f16_rows", "PiPPii")
 
     def launch(self, activation: Activation | str, stream, x: int, x_stride: int, index: int,
                out: int, rows: int, k: int) -> None:
@@ -203,3 +204,18 @@ class ActivationKernels:
         grid_y = -(-k // _VALUES_PER_GRID_Y)
         self._kernels[act.name].launch(grid=(rows, grid_y, 1), block=(128, 1, 1), stream=stream,
                                        args=(x, x_stride, index, out, rows, k))
+
+    def gather_f16(self, stream, x: int, x_stride: int, index: int, out: int, rows: int,
+                   k: int) -> None:
+        """Copies rows index[0..rows-1] of fp16 x (row pitch x_stride halves) into `out`: the
+        F16 encoding of rows whose fp16 values exist already (the exact routing's split
+        RMSNorm writes them). x must be 16-byte aligned and x_stride % 8 == 0."""
+        if k % Q8_1_BLOCK or x_stride % 8 or x % 16 or x_stride < k:
+            raise FormatError(
+                f"fp16 row gather needs K % {Q8_1_BLOCK} == 0, x_stride % 8 == 0, x_stride >= "
+                f"K and a 16-byte aligned x; got K={k}, x_stride={x_stride}, x=0x{x:x}")
+        if rows == 0:
+            return
+        self._gather_f16.launch(grid=(rows, -(-k // (2 * _VALUES_PER_GRID_Y)), 1),
+                                block=(128, 1, 1), stream=stream,
+                                args=(x, x_stride, index, out, rows, k))

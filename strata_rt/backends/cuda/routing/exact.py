@@ -32,25 +32,35 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-from ....resources import KERNELS_ROOT, kernel_lines
+from ....resources import KERNELS_ROOT
 from .kernels import (
     HIDDEN_MULTIPLE,
     ExactWorkspace,
-    GemmTile,
     RoutingShapeError,
     check_routing_shape,
     n_tiles,
+)
+from .split_tiles import (
+    EXACT_SOURCE,
+    SM90_ARCH,
+    SM90_RUNS_ON,
+    SM90_SOURCE,
+    SPLIT_TILES,
+    WgmmaSplitTile,
+    runs_on,
+    split_tile,
+    tile_rule,
 )
 
 if TYPE_CHECKING:
     from ....runtime import Runtime, Stream
 
-EXACT_SOURCE = KERNELS_ROOT / "common" / "routing_exact.cu"
 #: the re-ranking of the tokens the bound leaves open
 RERANK_SOURCE = KERNELS_ROOT / "common" / "routing_rerank.cu"
-#: the split GEMM on wgmma (sm_90 devices, compiled for sm_90a)
-SM90_SOURCE = KERNELS_ROOT / "common" / "routing_split_sm90.cu"
-SM90_ARCH, SM90_RUNS_ON = "sm_90a", "sm_90"
+#: the RMSNorm that writes x's split parts for the presplit tiles
+NORM_SPLIT_SOURCE = KERNELS_ROOT / "common" / "routing_norm_split.cu"
+#: threads of a split RMSNorm block (rmsnorm_rows' block: one per token)
+NORM_SPLIT_THREADS = 256
 #: lanes of the canonical sum (one warp): the hidden size must be a multiple of it
 CANONICAL_LANES = 32
 F16_LIMIT = 65504.0
@@ -61,97 +71,6 @@ CHUNK_K = 64
 #: are not trusted: every expert is re-ranked
 NORM_FLOOR = 1e-15
 _TOPK_NPL = (1, 2, 4, 8, 16)
-
-
-class SplitTile(GemmTile):
-    """One instantiation router_gemm_split<BM, BN, WARPS_M, WARPS_N, BK, STAGES>: the fp16
-    router GEMM's tile fields, with the split's shared memory."""
-
-    @property
-    def shared(self) -> int:
-        """Dynamic shared memory: the ring of float32 x and fp16 hi/lo router tiles, and two
-        buffers of a K step's x split into fp16 hi and lo tiles; rows padded by 8 values."""
-        row = self.bk + 8
-        return self.stages * (self.bm * row * 4 + 2 * self.bn * row * 2) + 4 * self.bm * row * 2
-
-
-class WgmmaSplitTile(SplitTile):
-    """One instantiation router_gemm_split_sm90<STAGES> (routing_split_sm90.cu): two
-    warpgroups on 64 tokens x 128 experts, operands in wgmma's 128-byte swizzle."""
-
-    @property
-    def shared(self) -> int:
-        """Dynamic shared memory: the ring of float32 x and fp16 hi/lo router tiles, two
-        buffers of a K step's x split into fp16 hi and lo tiles (swizzled, unpadded), and 1024
-        bytes to align the swizzle atoms."""
-        return (self.stages * (self.bm * self.bk * 4 + 2 * self.bn * self.bk * 2)
-                + 4 * self.bm * self.bk * 2 + 1024)
-
-
-class WgmmaProducerTile(WgmmaSplitTile):
-    """One instantiation split_sm90_producer<STAGES, WARPS>: two multiplying warpgroups of 64
-    experts (12 warps) or one of 128 (8 warps), and a producer warpgroup that copies and
-    splits into a ring of finished stages."""
-
-    @property
-    def shared(self) -> int:
-        """Dynamic shared memory: STAGES stages of fp16 hi/lo router and x tiles (x reaches
-        the producer's registers, not shared memory), and 1024 bytes of alignment."""
-        return self.stages * (2 * self.bn * self.bk * 2 + 2 * self.bm * self.bk * 2) + 1024
-
-
-#: the schedules of routing_split_sm90.cu's tile lines, by function name
-_SM90_SCHEDULES: dict[str, type[WgmmaSplitTile]] = {
-    "router_gemm_split_sm90": WgmmaSplitTile,
-    "split_sm90_producer": WgmmaProducerTile,
-}
-
-
-def _tiles_of_source() -> dict[str, SplitTile]:
-    """The tiles the two sources instantiate (their SPLIT_KERNEL / SPLIT_SM90_KERNEL lines:
-    the one source of the table)."""
-    tiles: dict[str, SplitTile] = {}
-    for name, *args in kernel_lines(EXACT_SOURCE, "SPLIT_KERNEL"):
-        tiles[name] = SplitTile(*(int(v) for v in args[:6]))
-    for name, bm, bn, warps, bk, stages, schedule in kernel_lines(SM90_SOURCE,
-                                                                  "SPLIT_SM90_KERNEL"):
-        tiles[name] = _SM90_SCHEDULES[schedule](int(bm), int(bn), int(warps), 1, int(bk),
-                                                int(stages))
-    return tiles
-
-
-def runs_on(tile: SplitTile, arch: str) -> bool:
-    """Whether a tile's kernel runs on a device of `arch` (the wgmma tiles: sm_90 only)."""
-    return not isinstance(tile, WgmmaSplitTile) or arch == SM90_RUNS_ON
-
-
-#: the split GEMM's tiles by name (same bytes from all: each logit is the same chain)
-SPLIT_TILES: dict[str, SplitTile] = _tiles_of_source()
-#: the tile by chunk length: the first row whose max_tokens (None: any) covers the chunk and
-#: whose K step divides hidden; the last row's tile must fit every HIDDEN_MULTIPLE. From
-#: bench/bench_routing.py's tile table on an H200: many 16-token blocks up to 2,048 tokens (one
-#: wave), 64-token blocks beyond; m16k128 was within 2% of m16 everywhere
-SPLIT_TILE_RULE: tuple[tuple[int | None, str], ...] = ((2048, "m16"), (None, "m64"))
-#: the rule on sm_90 devices (bench/results/routing-h200-tiles.md, both router shapes): m16k128
-#: up to 1,024 tokens (m16 where the hidden size is no multiple of its K step of 128), the
-#: producer-warpgroup tile wg128p up to 4,096 (from 1,536 tokens on it beats m16 by 10-16%,
-#: whose blocks no longer fit one wave), and the three-stage wgmma tile beyond, where neither
-#: producer tile keeps up
-SPLIT_TILE_RULE_SM90: tuple[tuple[int | None, str], ...] = (
-    (1024, "m16k128"), (1024, "m16"), (4096, "wg128p"), (None, "wg64s3"))
-
-
-def tile_rule(arch: str) -> tuple[tuple[int | None, str], ...]:
-    """The tile rule of a device's arch."""
-    return SPLIT_TILE_RULE_SM90 if arch == SM90_RUNS_ON else SPLIT_TILE_RULE
-
-
-def split_tile(tokens: int, hidden: int,
-               rule: tuple[tuple[int | None, str], ...] = SPLIT_TILE_RULE) -> str:
-    for max_tokens, name in rule:
-        if (max_tokens is None or tokens <= max_tokens) and SPLIT_TILES[name].fits(hidden):
-            return name
-    raise RoutingShapeError(f"no split GEMM tile fits tokens={tokens}, hidden={hidden}")
 
 
 # ----------------------------------------------------------------------------- the definition
@@ -229,6 +148,16 @@ def _f16_parts(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     hi = v.astype(np.float16)
     lo = ((v - hi.astype(np.float32)) * np.float32(LO_SCALE)).astype(np.float16)
     return hi, lo
+
+
+def x_parts(xn: np.ndarray) -> np.ndarray:
+    """float16 [2 T, H]: what the split RMSNorm writes for float32 xn [T, H] and the presplit
+    tiles read, the fp16 hi parts, then the residuals scaled by 2^11 (the numpy twin of
+    route_split.cuh's split_pair; a value beyond fp16's range gives inf parts, as on the device:
+    its token is re-ranked whole)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        hi, lo = _f16_parts(np.asarray(xn, dtype=np.float32))
+    return np.concatenate([hi, lo])
 
 
 def router_scale(router: np.ndarray) -> float:
@@ -337,15 +266,34 @@ class ExactRoutingKernels:
         rerank = runtime.module(RERANK_SOURCE)
         self._rerank = {npl: rerank.kernel(f"route_rerank_w{npl}", "PPPiiiiPPPPPi",
                                            overlap=True) for npl in _TOPK_NPL}
+        self._rerank_x = {npl: rerank.kernel(f"route_rerank_x_w{npl}", "PPPPPiiiiPPPPPi",
+                                             overlap=True) for npl in _TOPK_NPL}
+        self._norm_split = runtime.module(NORM_SPLIT_SOURCE).kernel("rmsnorm_split_rows",
+                                                                    "PPPPPiifPi")
         self._one_logits = rerank.kernel("route_one_logits", "PPiiP", overlap=True)
         self._one_norm_logits = rerank.kernel("route_one_norm_logits", "PPfPiiPPPiPi",
                                               overlap=True)
         self._one_pick = {npl: rerank.kernel(f"route_one_pick_w{npl}", "PiiPPPPP", overlap=True)
                           for npl in _TOPK_NPL}
 
-    def tile(self, tokens: int, hidden: int) -> str:
-        """The split GEMM tile for a chunk of `tokens` on this device."""
-        return split_tile(tokens, hidden, tile_rule(self.arch))
+    def tile(self, tokens: int, hidden: int, presplit: bool = False) -> str:
+        """The split GEMM tile for a chunk of `tokens` on this device; a presplit one only
+        where `presplit` allows it."""
+        return split_tile(tokens, hidden, tile_rule(self.arch), presplit)
+
+    def norm_split(self, stream: Stream, *, x: int, norm_w: int, eps: float, parts: int,
+                   ws: ExactWorkspace, tokens: int, hidden: int, bad: int, layer: int) -> None:
+        """The RMSNorm of the presplit tiles: xn of float32 x [T, H] (rmsnorm_rows' values) as
+        fp16 hi parts at `parts` and scaled residuals T * H values further on (the bytes of
+        float32 xn [T, H] in all), the tokens' scales and norms in `ws`, and the finiteness
+        flag lowered at `bad` for `layer` as rmsnorm_rows does."""
+        if parts % 16 or hidden % HIDDEN_MULTIPLE:
+            raise RoutingShapeError(f"the split RMSNorm needs 16-byte aligned parts and hidden "
+                                    f"% {HIDDEN_MULTIPLE} == 0; got parts=0x{parts:x}, "
+                                    f"hidden={hidden}")
+        self._norm_split.launch(grid=(tokens, 1, 1), block=(NORM_SPLIT_THREADS, 1, 1),
+                                stream=stream, args=(x, norm_w, parts, ws.rscale, ws.xnorm,
+                                                     tokens, hidden, float(eps), bad, layer))
 
     def logits(self, stream: Stream, xn: int, router: int, logits: int, ws: ExactWorkspace,
                tokens: int, hidden: int, n_experts: int, sigma: float, tile: str) -> None:
@@ -370,9 +318,11 @@ class ExactRoutingKernels:
 
     def topk(self, stream: Stream, *, logits: int, xn: int, router32: int, ws: ExactWorkspace,
              tokens: int, hidden: int, n_experts: int, top_k: int, bound: ExactBound,
-             ids: int, weights: int, masks: int) -> None:
+             ids: int, weights: int, masks: int, norm_w: int = 0) -> None:
         """ids int32 [T, k] (the canonical picks), weights float32 [T, k] and the tile masks:
-        the warp top-k settles what the bound proves, the re-rank launch the rest."""
+        the warp top-k settles what the bound proves, the re-rank launch the rest. With
+        `norm_w` (after norm_split: no float32 xn exists) `xn` is the residual x, and the
+        re-rank normalises the rows it needs with the scales in `ws`."""
         check_routing_shape(HIDDEN_MULTIPLE, n_experts, top_k, tokens)
         npl = next(n for n in _TOPK_NPL if 32 * n >= n_experts)
         nt = n_tiles(tokens)
@@ -380,8 +330,14 @@ class ExactRoutingKernels:
                                args=(logits, ws.xnorm, tokens, n_experts, top_k,
                                      float(bound.c1), float(bound.c0), ids, weights, masks, nt,
                                      ws.n_rerank, ws.rerank))
-        self._rerank[npl].launch(grid=(min(tokens, RERANK_BLOCKS), 1, 1),
-                                 block=(RERANK_THREADS, 1, 1), stream=stream,
+        grid, block = (min(tokens, RERANK_BLOCKS), 1, 1), (RERANK_THREADS, 1, 1)
+        if norm_w:
+            self._rerank_x[npl].launch(grid=grid, block=block, stream=stream, shared=4 * hidden,
+                                       args=(logits, xn, ws.rscale, norm_w, router32, tokens,
+                                             hidden, n_experts, top_k, ws.n_rerank, ws.rerank,
+                                             ids, weights, masks, nt))
+            return
+        self._rerank[npl].launch(grid=grid, block=block, stream=stream,
                                  args=(logits, xn, router32, tokens, hidden, n_experts, top_k,
                                        ws.n_rerank, ws.rerank, ids, weights, masks, nt))
 

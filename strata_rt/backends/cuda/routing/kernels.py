@@ -138,22 +138,25 @@ RERANK_ENTRY_BYTES = 16
 
 def workspace_bytes(tokens: int, n_experts: int, routing: str = "exact") -> int:
     """The route_ws region of a routing: the sort's workspace, and for "exact" the token norms
-    (float32 [T]), the re-rank count and the re-rank list after it (exact_workspace); "fp32"
-    needs none."""
+    and RMSNorm scales (float32 [T] each), the re-rank count and the re-rank list after it
+    (exact_workspace); "fp32" needs none."""
     if routing == "fp32":
         return 0
     sort = sort_workspace_bytes(tokens, n_experts)
     if routing == "f16":
         return sort
-    return -(-sort // 16) * 16 + -(-tokens * 4 // 16) * 16 + 16 + RERANK_ENTRY_BYTES * tokens
+    return -(-sort // 16) * 16 + 2 * -(-tokens * 4 // 16) * 16 + 16 + RERANK_ENTRY_BYTES * tokens
 
 
 class ExactWorkspace(NamedTuple):
     """Device addresses inside an exact routing's workspace, after the sort's part: the token
-    norms, the re-rank count (int32; the next word counts finished re-rank blocks, the one
-    after it re-ranked tokens over all launches, for tests and benchmarks) and the list."""
+    norms, the tokens' RMSNorm scales (float32 [T], written by the split RMSNorm of the
+    presplit tiles), the re-rank count (int32; the next word counts finished re-rank blocks,
+    the one after it re-ranked tokens over all launches, for tests and benchmarks) and the
+    list."""
 
     xnorm: int
+    rscale: int
     n_rerank: int
     rerank: int
 
@@ -165,8 +168,9 @@ class ExactWorkspace(NamedTuple):
 def exact_workspace(workspace: int, tokens: int, n_experts: int) -> ExactWorkspace:
     """The exact routing's parts of a workspace of workspace_bytes(>= tokens, n_experts)."""
     xnorm = workspace + -(-sort_workspace_bytes(tokens, n_experts) // 16) * 16
-    count = xnorm + -(-tokens * 4 // 16) * 16
-    return ExactWorkspace(xnorm, count, count + 16)
+    rscale = xnorm + -(-tokens * 4 // 16) * 16
+    count = rscale + -(-tokens * 4 // 16) * 16
+    return ExactWorkspace(xnorm, rscale, count, count + 16)
 
 
 def gemm_tiles_for(hidden: int) -> list[str]:
