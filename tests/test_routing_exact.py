@@ -210,8 +210,8 @@ def test_tile_table_comes_from_the_kernel_sources():
                             for n in presplit)
     assert all(split_tile(t, h, rule) not in presplit for t in (1, 5000, 9000)
                for h in (1024, 4096) for rule in (sm90, tile_rule("sm_80")))
-    assert split_tile(9000, 4096, sm90, presplit=True) in presplit
-    assert split_tile(4096, 4096, sm90, presplit=True) == "wg128p"
+    assert [split_tile(t, 4096, sm90, presplit=True) for t in (1024, 1025, 4096, 4097)] == [
+        "m16k128", "wg64h3", "wg64h3", "wg64h4"]
     assert split_tile(9000, 4096, tile_rule("sm_80"), presplit=True) == "m64"
     for n in presplit:
         t = SPLIT_TILES[n]

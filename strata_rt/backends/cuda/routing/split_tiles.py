@@ -106,14 +106,16 @@ SPLIT_TILES: dict[str, SplitTile] = _tiles_of_source()
 #: bench/bench_routing.py's tile table on an H200: many 16-token blocks up to 2,048 tokens (one
 #: wave), 64-token blocks beyond; m16k128 was within 2% of m16 everywhere
 SPLIT_TILE_RULE: tuple[tuple[int | None, str], ...] = ((2048, "m16"), (None, "m64"))
-#: the rule on sm_90 devices (bench/results/routing-h200-tiles.md, both router shapes): m16k128
-#: up to 1,024 tokens (m16 where the hidden size is no multiple of its K step of 128), the
-#: producer-warpgroup tile wg128p up to 4,096 (from 1,536 tokens on it beats m16 by 10-16%,
-#: whose blocks no longer fit one wave), and beyond it the four-stage presplit tile where the
-#: chunk's x can come split from its RMSNorm (the experts take fp16 activations), else the
-#: three-stage wgmma tile, where neither producer tile keeps up
+#: the rule on sm_90 devices (bench/results/routing-h200-tiles.md and routing-h200-presplit.md,
+#: both router shapes): m16k128 up to 1,024 tokens (m16 where the hidden size is no multiple of
+#: its K step of 128); beyond, where the chunk's x can come split from its RMSNorm (the experts
+#: take fp16 activations), the presplit tiles, three stages up to 4,096 tokens and four beyond
+#: (a third faster than any tile that splits x itself); else the producer-warpgroup tile wg128p
+#: up to 4,096 (from 1,536 tokens on it beats m16 by 10-16%, whose blocks no longer fit one
+#: wave) and the three-stage wgmma tile beyond, where neither producer tile keeps up
 SPLIT_TILE_RULE_SM90: tuple[tuple[int | None, str], ...] = (
-    (1024, "m16k128"), (1024, "m16"), (4096, "wg128p"), (None, "wg64h4"), (None, "wg64s3"))
+    (1024, "m16k128"), (1024, "m16"), (4096, "wg64h3"), (None, "wg64h4"), (4096, "wg128p"),
+    (None, "wg64s3"))
 
 
 def tile_rule(arch: str) -> tuple[tuple[int | None, str], ...]:
