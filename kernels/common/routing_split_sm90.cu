@@ -83,11 +83,7 @@ __device__ __forceinline__ void router_gemm_split_sm90(SPLIT_GEMM_PARAMS) {
     float acc[32], part[32], cross[32];
 #pragma unroll
     for (int i = 0; i < 32; ++i) acc[i] = part[i] = cross[i] = 0.0f;
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-        if (s < steps) load(s, s);
-        cp_async_commit();
-    }
+    ring_prologue<STAGES>(load, steps);
     wg::cp_wait_mem<STAGES - 2>();
     split(0, 0);
     wg::fence_async_smem();
@@ -269,11 +265,7 @@ __device__ __forceinline__ void presplit_sm90(SPLIT_GEMM_PARAMS) {
     float acc[32], part[32], cross[32];
 #pragma unroll
     for (int i = 0; i < 32; ++i) acc[i] = part[i] = cross[i] = 0.0f;
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-        if (s < steps) load(s, s);
-        cp_async_commit();
-    }
+    ring_prologue<STAGES>(load, steps);
     for (int step = 0; step < steps; ++step) {
         const int stage = step % STAGES;
         wg::cp_wait_mem<STAGES - 2>();  // this thread's copies of `step` have landed

@@ -162,6 +162,17 @@ __device__ __forceinline__ void store_norms(const Roles<NT>& ro, int m0,
     }
 }
 
+// the ring's first STAGES - 1 K steps asked for, one commit group each (an empty group past
+// the last step, so the waits count groups alike for every hidden size)
+template <int STAGES, class Load>
+__device__ __forceinline__ void ring_prologue(Load& load, int steps) {
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < steps) load(s, s);
+        cp_async_commit();
+    }
+}
+
 __device__ __forceinline__ void zero_rerank_count(int* __restrict__ n_rerank) {
     if (n_rerank != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x < 2)
         n_rerank[threadIdx.x] = 0;
