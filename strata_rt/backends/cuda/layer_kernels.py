@@ -129,13 +129,21 @@ class LayerKernels:
             return
         tile = (self._exact.tile(T, H, presplit=self.activation is F16)
                 if self._exact is not None and T > 1 else None)
-        if tile is not None and SPLIT_TILES[tile].presplit:
-            self._route_presplit(stream, layer, T, bounds, tile, mark)
-            return
+        # a presplit tile: the norm writes x's fp16 parts (and each token's scale) into the xn
+        # region instead of float32 xn; the re-rank normalises its rows from x, and the fp16
+        # activations are copies of the hi rows (convert_f16_rows' bytes of xn)
+        presplit = tile is not None and SPLIT_TILES[tile].presplit
+        norm_w = p["norm"] + at * H * 4
         mark("rmsnorm")
-        self._norm.launch(grid=(T, 1, 1), block=(ROW_THREADS, 1, 1), stream=stream,
-                          args=(p["x"], p["norm"] + at * H * 4, p["xn"], H,
-                                float(spec.rms_eps), p["nonfinite"], layer))
+        if presplit:
+            assert self._exact is not None
+            self._exact.norm_split(stream, x=p["x"], norm_w=norm_w, eps=float(spec.rms_eps),
+                                   parts=p["xn"], ws=exact_workspace(p["route_ws"], T, E),
+                                   tokens=T, hidden=H, bad=p["nonfinite"], layer=layer)
+        else:
+            self._norm.launch(grid=(T, 1, 1), block=(ROW_THREADS, 1, 1), stream=stream,
+                              args=(p["x"], norm_w, p["xn"], H, float(spec.rms_eps),
+                                    p["nonfinite"], layer))
         if self._routing is None:
             self._route_fp32(stream, at, T, bounds, mark)
         elif self._exact is not None and T == 1:  # a decode step: two launches, sorted too
@@ -147,7 +155,7 @@ class LayerKernels:
         else:
             if self._exact is not None:
                 assert tile is not None
-                self._route_exact(stream, at, T, tile, mark)
+                self._route_exact(stream, at, T, tile, mark, norm_w if presplit else 0)
             else:
                 mark("router gemm")
                 self._routing.logits(stream, p["xn"], p["router"] + at * E * H * 2,
@@ -159,8 +167,12 @@ class LayerKernels:
             self._routing.sort(stream, p["topk_ids"], T, E, K, p["route_ws"], bounds,
                                p["sorted_token"], p["row_of"])
         mark("quantize acts")
-        self._acts.launch(self.activation, stream, p["xn"], H, p["sorted_token"],
-                          p["act_hidden"], T * K, H)
+        if presplit:
+            self._acts.gather_f16(stream, p["xn"], H, p["sorted_token"], p["act_hidden"],
+                                  T * K, H)
+        else:
+            self._acts.launch(self.activation, stream, p["xn"], H, p["sorted_token"],
+                              p["act_hidden"], T * K, H)
 
     def _exact_router(self, layer: int) -> tuple[int, int]:
         """The device addresses of a layer's split router (split_router's layout: the fp16 hi
@@ -169,39 +181,10 @@ class LayerKernels:
         split = self.ptr["router"] + layer * E * H * 8
         return split, split + E * H * 4
 
-    def _route_presplit(self, stream: Stream, layer: int, T: int, bounds: int, tile: str,
-                        mark: Mark) -> None:
-        """route() for a chunk whose split GEMM tile takes x's parts from the split RMSNorm:
-        the norm writes them (and each token's scale) into the xn region instead of float32
-        xn, the re-rank normalises the few rows it needs from x, and the experts' fp16
-        activations are copies of the hi rows (convert_f16_rows' bytes of xn)."""
-        assert self._exact is not None and self._routing is not None
-        assert self._logit_bounds, "router_weights() ran at open"
-        spec, p = self.spec, self.ptr
-        at = layer - self.first
-        H, E, K = spec.hidden, spec.n_experts, spec.top_k
-        router, router32 = self._exact_router(at)
-        ws = exact_workspace(p["route_ws"], T, E)
-        norm_w = p["norm"] + at * H * 4
-        mark("rmsnorm")
-        self._exact.norm_split(stream, x=p["x"], norm_w=norm_w, eps=float(spec.rms_eps),
-                               parts=p["xn"], ws=ws, tokens=T, hidden=H, bad=p["nonfinite"],
-                               layer=layer)
-        mark("router gemm")
-        self._exact.logits(stream, p["xn"], router, p["logits"], ws, T, H, E,
-                           self._sigma[at], tile)
-        mark("softmax top-k")
-        self._exact.topk(stream, logits=p["logits"], xn=p["x"], router32=router32, ws=ws,
-                         tokens=T, hidden=H, n_experts=E, top_k=K,
-                         bound=self._logit_bounds[at], ids=p["topk_ids"],
-                         weights=p["topk_w"], masks=p["route_ws"], norm_w=norm_w)
-        mark("sort")
-        self._routing.sort(stream, p["topk_ids"], T, E, K, p["route_ws"], bounds,
-                           p["sorted_token"], p["row_of"])
-        mark("quantize acts")
-        self._acts.gather_f16(stream, p["xn"], H, p["sorted_token"], p["act_hidden"], T * K, H)
-
-    def _route_exact(self, stream: Stream, layer: int, T: int, tile: str, mark: Mark) -> None:
+    def _route_exact(self, stream: Stream, layer: int, T: int, tile: str, mark: Mark,
+                     norm_w: int) -> None:
+        """The split GEMM and the top-k with its re-ranking. norm_w (non-zero for a presplit
+        tile): the xn region holds x's parts, and the re-rank normalises its rows from x."""
         assert self._exact is not None and self._logit_bounds, "router_weights() ran at open"
         spec, p = self.spec, self.ptr
         H, E, K = spec.hidden, spec.n_experts, spec.top_k
@@ -211,10 +194,10 @@ class LayerKernels:
         self._exact.logits(stream, p["xn"], router, p["logits"], ws, T, H, E,
                            self._sigma[layer], tile)
         mark("softmax top-k")
-        self._exact.topk(stream, logits=p["logits"], xn=p["xn"], router32=router32,
-                         ws=ws, tokens=T, hidden=H, n_experts=E, top_k=K,
+        self._exact.topk(stream, logits=p["logits"], xn=p["x"] if norm_w else p["xn"],
+                         router32=router32, ws=ws, tokens=T, hidden=H, n_experts=E, top_k=K,
                          bound=self._logit_bounds[layer], ids=p["topk_ids"],
-                         weights=p["topk_w"], masks=p["route_ws"])
+                         weights=p["topk_w"], masks=p["route_ws"], norm_w=norm_w)
 
     def _route_fp32(self, stream: Stream, layer: int, T: int, bounds: int, mark: Mark) -> None:
         spec, p = self.spec, self.ptr
