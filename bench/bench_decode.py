@@ -8,14 +8,17 @@ the step as a CUDA graph; `gemv` replays the same way but runs each layer's expe
 matrix-vector launches over the routed experts, read where they lie (no gathers, no launch per
 group of 16 experts; not bit-identical to routed, so its greedy tokens are compared with
 routed's); `staging` reads the routed set back to the host every layer and copies the routed
-non-resident experts through the staging ring. Two regimes of one model
-(built once, seeded), each on its own engine (both paths run on it):
+non-resident experts through the staging ring. Regimes of one model (built once, seeded), each
+on its own engine (every path runs on it):
 
 - quarter: a quarter of the experts resident. Bound: PCIe, the bytes of the routed
   non-resident experts a step copies (measured) over the pinned host-to-device rate.
 - all: every expert resident, nothing copied. Bound: HBM, the bytes a step must read (the
   routed experts' blobs, the dense layer slots, router and norms, the output head, and the KV
   cache up to the step's position) over the device-to-device copy rate.
+- budget: as many experts resident as the config's VRAM budget holds (a 16 GiB card's share
+  of the 235B shape); both bounds apply, and the PCIe one counts every byte a step streams
+  (dense layers too, where they stream). llama.cpp has no such regime here.
 
 Both rates are measured with torch in this process before an engine opens: pinned host ->
 device copies of one expert blob (what each staging-ring copy moves) and of 64 MiB, and a
@@ -36,6 +39,8 @@ steps launch plainly and run slower). Results: <out>/decode-<config>-<time>.{jso
     STRATA_PREFILL_TIMING=1 python bench/bench_decode.py --steps 16
     python bench/bench_decode.py --config configs/tiny-qwen3moe.yaml --backend reference
     python bench/bench_decode.py --paths gemv --llama-bench PATH   # with the llama.cpp column
+    python bench/bench_decode.py --config configs/qwen3-235b-a22b-whole-16g.yaml \
+        --regimes budget --paths gemv --steps 16               # the 235B shape under 16 GiB
 
 With `--llama-bench`, llama.cpp decodes the same model first, in this process's run: the
 config's synthetic model written once as a GGUF into `--peer-dir` (bench/peer_llama, the file
@@ -85,8 +90,10 @@ from strata_rt.report.stats import Stats  # noqa: E402
 from strata_rt.runtime.memory import MIB  # noqa: E402
 from strata_rt.text.generate import EngineSession, GenerateResult, greedy  # noqa: E402
 
-#: the regimes: name -> share of the experts resident
-REGIMES = {"quarter": 0.25, "all": 1.0}
+#: the regimes: name -> share of the experts resident; None: as many as the config's VRAM
+#: budget holds (its expert_cache, or what its budget leaves), which llama.cpp has no
+#: counterpart for (its column stays empty there)
+REGIMES: dict[str, float | None] = {"quarter": 0.25, "all": 1.0, "budget": None}
 #: decode paths (STRATA_DECODE values); gemv's bytes differ from the others' (which agree)
 PATHS = ("routed", "staging", "gemv")
 EXACT_PATHS = ("routed", "staging")
@@ -167,9 +174,11 @@ class RecordingSession(EngineSession):
         return logits, stats
 
 
-def open_regime(base: EngineConfig, whole: Any, resident: int, timing: bool) -> Engine:
-    """An engine on the already built model with `resident` experts in VRAM."""
-    cfg = dataclasses.replace(base, model=whole, expert_cache=resident,
+def open_regime(base: EngineConfig, whole: Any, resident: int | None, timing: bool) -> Engine:
+    """An engine on the already built model with `resident` experts in VRAM (None: what the
+    config's budget gives)."""
+    cfg = dataclasses.replace(base, model=whole,
+                              expert_cache=base.expert_cache if resident is None else resident,
                               timing=True if timing else base.timing)
     return Engine.open(cfg)
 
@@ -210,7 +219,11 @@ def summarise(name: str, engine: Engine, result: GenerateResult, step_stats: lis
     read_bytes = sum(reads.values())
     step_bytes = [s.bytes_streamed for s in step_stats]
     step_experts = [s.experts_streamed for s in step_stats]
-    bytes_per_step = float(np.mean(step_bytes)) if step_bytes else 0.0
+    # a dense ring (a budget the dense part does not fit) copies every dense layer slot per
+    # step as well; the counters count expert blobs only
+    dense_streamed = reads["dense"] if getattr(engine.driver.executor, "dense_ring", None) \
+        else 0.0
+    bytes_per_step = (float(np.mean(step_bytes)) if step_bytes else 0.0) + dense_streamed
     tps = result.decode_tokens_per_s
     rec: dict[str, Any] = {
         "regime": name, "resident": int(engine.residency.count),
@@ -228,7 +241,8 @@ def summarise(name: str, engine: Engine, result: GenerateResult, step_stats: lis
             walls - np.asarray([s.wall_s for s in step_stats]))) * 1e3
         if n and len(step_stats) == n else None,
         "experts_per_step": float(np.mean(step_experts)) if step_experts else 0.0,
-        "bytes_per_step": bytes_per_step, "bytes_streamed_steps": int(sum(step_bytes)),
+        "bytes_per_step": bytes_per_step, "dense_streamed_per_step": dense_streamed,
+        "bytes_streamed_steps": int(sum(step_bytes)),
         "step_experts": step_experts, "step_bytes": step_bytes,
         "host_syncs_per_step": float(np.mean([s.host_syncs for s in step_stats]))
         if step_stats else None,
@@ -279,6 +293,8 @@ def llama_decode(cfg: Config, args: argparse.Namespace, n_layers: int) -> dict[s
     out: dict[str, Any] = {"file": written.path.name, "file_bytes": written.bytes,
                            "reused": written.reused, "regimes": {}}
     for name in args.regime_list:
+        if REGIMES[name] is None:
+            continue  # no llama.cpp counterpart of a VRAM budget
         cmd = llama.decode_command(args.llama_bench, written.path,
                                    llama.n_cpu_moe(name, n_layers), args.steps, 1)
         inv = llama.run(cmd, args.llama_timeout)
@@ -420,7 +436,8 @@ def main(argv: list[str] | None = None) -> int:
                   + (f" ({got['error']})" if got["error"] else ""), flush=True)
     records = []
     for name in args.regime_list:
-        resident = round(total * REGIMES[name])
+        share = REGIMES[name]
+        resident = None if share is None else round(total * share)
         t = time.perf_counter()
         with open_regime(base, whole, resident, timing) as engine:
             opened = time.perf_counter() - t
@@ -439,8 +456,9 @@ def main(argv: list[str] | None = None) -> int:
     parts = "; ".join(f"{k} {v / MIB:,.1f} MiB" for k, v in
                       records[0]["read_bytes_per_step"].items()) if records else ""
     notes = [f"read per step (HBM bound), at the mean position: {parts}",
-             "bound = min(PCIe, HBM) tokens/s; PCIe: copied bytes per step over the best "
-             "pinned H2D rate; HBM: read bytes per step over the measured D2D copy rate",
+             "bound = min(PCIe, HBM) tokens/s; PCIe: copied bytes per step (experts, and the "
+             "dense layers where a dense ring streams them) over the best pinned H2D rate; "
+             "HBM: read bytes per step over the measured D2D copy rate",
              "host share: engine host seconds (Stats.host_s) / step wall, summed over steps"]
     if missing:
         notes.insert(0, f"no bounds: {missing}")

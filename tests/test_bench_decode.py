@@ -69,3 +69,29 @@ def test_a_failing_llama_bench_is_a_cell_not_a_traceback(tmp_path):
     assert doc["llama"]["regimes"]["all"]["error"] == "exit code 3"
     for line in doc["table"].splitlines()[2:]:
         assert [c.strip() for c in line.strip("|").split("|")][-2:] == ["failed", "-"]
+
+
+def test_the_budget_regime_keeps_the_configs_residency_and_counts_streamed_dense(tmp_path):
+    """`budget` opens the engine as the config sets it (its expert_cache), has no llama.cpp
+    counterpart, and where a dense ring streams the dense layers their bytes join the
+    step's streamed bytes (the PCIe bound)."""
+    cfg = tmp_path / "tiny-dense-stream.yaml"
+    cfg.write_text(TINY.read_text() + "dense: stream\n")
+    exe = fake_llama(tmp_path)
+    done = _cli(["--config", str(cfg), "--backend", "reference", "--steps", "2", "--warmups",
+                 "0", "--prompt", "8", "--paths", "staging", "--regimes", "budget,all",
+                 "--llama-bench", str(exe), "--peer-dir", str(tmp_path / "files"),
+                 "--out", str(tmp_path / "out")], tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    (js,) = (tmp_path / "out").glob("decode-tiny-dense-stream-*.json")
+    doc = json.loads(js.read_text())
+    assert list(doc["llama"]["regimes"]) == ["all"]  # no llama-bench run for the budget
+    budget, every = doc["regimes"]
+    assert budget["regime"] == "budget staging" and budget["resident"] == 8  # expert_cache
+    assert every["resident"] == 16
+    for rec in (budget, every):
+        dense = rec["read_bytes_per_step"]["dense"]
+        assert dense > 0 and rec["dense_streamed_per_step"] == dense
+        assert rec["bytes_per_step"] >= dense
+    cells = [c.strip() for c in doc["table"].splitlines()[2].strip("|").split("|")]
+    assert cells[-2:] == ["-", "-"]
