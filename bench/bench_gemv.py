@@ -87,7 +87,7 @@ class Pass:
                  on_host: bool, rng: np.random.Generator):
         from strata_rt.runtime.hostmap import host_device_pointer
 
-        self.rt, self.owned = rt, []
+        self.rt, self.owned, self.on_host = rt, [], on_host
         lay = fmt.layout(hidden, ffn)
         self.blob_bytes, self.layers = lay.blob_bytes, layers
         n = layers * TOP_K
@@ -133,7 +133,7 @@ class Pass:
         for layer in range(self.layers):
             self.kern.gemv_routed(s, self.tables.ptr + layer * TOP_K * 8, self.ids.ptr,
                                   self.row_of.ptr, self.acts.ptr, self.mid.ptr, self.out.ptr,
-                                  TOP_K)
+                                  TOP_K, host_reads=self.on_host)
 
     def free(self) -> None:
         for buf in self.owned:

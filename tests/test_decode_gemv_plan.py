@@ -211,3 +211,38 @@ def test_gemv_kernels_are_listed_and_their_geometry_read() -> None:
     assert not registry().formats["q2_blob"].format.offers_gemv_routed()
     line = re.search(r"GEMV_WARPS = (\d+);", GEMV_HEADER.read_text())
     assert line is not None and int(line.group(1)) == GEMV_WARPS
+
+
+@pytest.mark.parametrize("host_experts", [0, 3])
+def test_routed_experts_tell_the_format_when_they_read_host_memory(monkeypatch,
+                                                                    host_experts) -> None:
+    """RoutedExpertsRunner on a stand-in backend: the layer's table row holds each expert's
+    address where its source says, and gemv_routed hears host_reads exactly when some source
+    is the host store (the launches then take more warps: ggml_gemv.gemv_warps)."""
+    from types import SimpleNamespace
+
+    from strata_rt.backends.cuda import routed_experts as rx
+
+    monkeypatch.setattr(rx, "host_device_pointer", lambda arena: 1 << 40)
+    calls: list[dict] = []
+
+    class Kernels:
+        def gemv_routed(self, stream, experts, ids, row_of, acts, mid, out, pairs,
+                        host_reads=False):
+            calls.append({"experts": experts, "pairs": pairs, "host_reads": host_reads})
+
+    rows: list[np.ndarray] = []
+    dev = SimpleNamespace(ptr={"resident": 1 << 30, "expert_table": 1 << 33, "topk_ids": 8,
+                               "row_of": 16, "act_hidden": 24, "act_ffn": 32, "down_out": 40},
+                          compute="compute")
+    backend = SimpleNamespace(
+        spec=SimpleNamespace(n_experts=8, top_k=2), lay=SimpleNamespace(slot_bytes=4096),
+        fks=[Kernels()], rt=SimpleNamespace(memcpy_htod=lambda ptr, row, s: rows.append(row)),
+        store=SimpleNamespace(arena=object(), offset=lambda layer, e: 100 * e), first=0, _T=1,
+        _device=lambda: dev, _mark=lambda phase: None)
+    sources = tuple((HOST, 0) if e < host_experts else (RESIDENT, e) for e in range(8))
+    op = RoutedExperts(layer=0, sources=sources, stream="compute")
+    rx.RoutedExpertsRunner(backend).run(op)  # type: ignore[arg-type]
+    assert calls == [{"experts": 1 << 33, "pairs": 2, "host_reads": host_experts > 0}]
+    want = [(1 << 40) + 100 * e if e < host_experts else (1 << 30) + 4096 * e for e in range(8)]
+    assert rows[0].tolist() == want

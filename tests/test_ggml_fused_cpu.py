@@ -33,10 +33,12 @@ from strata_rt.gemm.ggml_gemv import (
     DENSE_ARG_TYPES,
     DENSE_MODES,
     GEMV_ARG_TYPES,
+    GEMV_HOST_WARPS,
     GEMV_ROWS,
     GEMV_SOURCE,
     GEMV_THREADS,
     GEMV_WARPS,
+    HOST_PARTS,
     PARTS,
     GgmlGemv,
     stage_values,
@@ -136,7 +138,7 @@ def test_one_type_build_fits_its_register_budget(tmp_path, name):
 @needs_nvcc
 def test_plugin_source_builds_its_gather_and_fused_kernels(tmp_path):
     """The example plugin's one macro line instantiates its gather, every fused tile and its
-    three matrix-vector kernels."""
+    five matrix-vector kernels (the expert products' also in their _host form)."""
 
     class Gather:
         threads, min_blocks = 256, 1
@@ -144,8 +146,12 @@ def test_plugin_source_builds_its_gather_and_fused_kernels(tmp_path):
     class Gemv:
         threads, min_blocks = GEMV_THREADS, 1
 
+    class GemvHost:
+        threads, min_blocks = 32 * GEMV_HOST_WARPS, 1
+
     tiles = {kernel_name(TQ2, t, at): t for t in TILES for at in (False, True)}
     gemv = {gemv_kernel_name(TQ2, part): Gemv for part in (*PARTS, "dense")}
+    gemv |= {gemv_kernel_name(TQ2, part): GemvHost for part in HOST_PARTS}
     assert_fits_registers(PLUGIN_SOURCE, "sm_90",
                           {**tiles, **gemv, "ggml_gather_TQ2_0": Gather}, tmp_path)
 
@@ -204,20 +210,27 @@ def test_gemv_modules_are_built_per_type_and_a_plugins_once():
                                                      ("F32", 384, 136, 64)])
 def test_gemv_launch_geometry(name, hidden, ffn, values):
     """gate/up tiles are 8 output rows (16 weight rows), down tiles 16; a block has one warp
-    per K stage up to GEMV_WARPS; stages shrink for the wide types (whole blocks kept)."""
+    per K stage up to GEMV_WARPS, or GEMV_HOST_WARPS in the _host kernels (a launch that reads
+    host memory); stages
+    shrink for the wide types (whole blocks kept)."""
     rt = _Runtime()
     gv = GgmlGemv(rt)  # type: ignore[arg-type]
     d = gv.decoder(name)
     assert stage_values(d) == values and values % d.block_values == 0
-    gv.launch(None, "gate_up", name, 16, 0, 32, 48, 64, 80, 8, hidden, ffn)
-    gv.launch(None, "down", name, 16, 1024, 32, 48, 64, 80, 8, hidden, ffn)
-    (gu,) = rt.kernels[f"ggml_gemv_gate_up_{name}"].calls
-    (dn,) = rt.kernels[f"ggml_gemv_down_{name}"].calls
-    assert GEMV_ROWS == 16
-    assert gu.grid == (-(-ffn // 8), 8, 1) and dn.grid == (-(-hidden // 16), 8, 1)
-    assert gu.block == (32 * min(GEMV_WARPS, -(-hidden // values)), 1, 1)
-    assert dn.block == (32 * min(GEMV_WARPS, -(-ffn // values)), 1, 1)
-    assert dn.args == (16, 1024, 32, 48, 64, 80, hidden, ffn)
+    assert GEMV_WARPS < GEMV_HOST_WARPS
+    for host_reads, cap, tail in ((False, GEMV_WARPS, ""), (True, GEMV_HOST_WARPS, "_host")):
+        gv.launch(None, "gate_up", name, 16, 0, 32, 48, 64, 80, 8, hidden, ffn, host_reads)
+        gv.launch(None, "down", name, 16, 1024, 32, 48, 64, 80, 8, hidden, ffn, host_reads)
+        gu = rt.kernels[f"ggml_gemv_gate_up{tail}_{name}"].calls[-1]
+        dn = rt.kernels[f"ggml_gemv_down{tail}_{name}"].calls[-1]
+        assert GEMV_ROWS == 16
+        assert gu.grid == (-(-ffn // 8), 8, 1) and dn.grid == (-(-hidden // 16), 8, 1)
+        assert gu.block == (32 * min(cap, -(-hidden // values)), 1, 1)
+        assert dn.block == (32 * min(cap, -(-ffn // values)), 1, 1)
+        assert dn.args == (16, 1024, 32, 48, 64, 80, hidden, ffn)
+    # the 2,048-value IQ3_XXS rows: 8 stages, so the host launch takes twice the warps
+    if name == "IQ3_XXS":
+        assert rt.kernels["ggml_gemv_gate_up_host_IQ3_XXS"].calls[-1].block[0] == 2 * 32 * GEMV_WARPS
 
 
 @pytest.mark.parametrize("name,rows,k", [("Q4_K", 5120, 2048), ("F16", 2048, 4096),

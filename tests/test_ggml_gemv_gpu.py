@@ -136,9 +136,12 @@ def run_case(rt, rng, launchers, case: str, host_share: float, drop_first: bool 
     out = poisoned(rt, s, rows * H * 4)
     bufs += [mid, out]
     try:
-        g.launch(s, "gate_up", d_gu, d_table, 0, d_ids, d_rows, d_x, mid.ptr, rows, H, F)
+        # as the engine launches them: the _host kernels where any expert lies in host memory
+        host_reads = bool(on_host.any())
+        g.launch(s, "gate_up", d_gu, d_table, 0, d_ids, d_rows, d_x, mid.ptr, rows, H, F,
+                 host_reads)
         g.launch(s, "down", d_dn, d_table, gu_bytes, d_ids, d_rows, mid.ptr, out.ptr, rows, H,
-                 F)
+                 F, host_reads)
         got_mid = download(rt, s, mid, np.float16, (rows, F))
         got_out = download(rt, s, out, np.float32, (rows, H))
     finally:

@@ -58,9 +58,13 @@
 namespace ggml {
 
 // warps per block at most (each a run of the K stages); the launcher
-// (strata_rt/gemm/ggml_gemv.py) reads GEMV_WARPS and GEMV_ROWS from these lines
+// (strata_rt/gemm/ggml_gemv.py) reads GEMV_WARPS, GEMV_HOST_WARPS and GEMV_ROWS from these
+// lines. The _host kernels of the expert products take up to GEMV_HOST_WARPS: launches that
+// read experts from pinned host memory keep more loads in flight across PCIe with them, while
+// on device memory more warps (and the registers their bounds allow) lose.
 constexpr int GEMV_WARPS = 4;
 constexpr int GEMV_THREADS = 32 * GEMV_WARPS;
+constexpr int GEMV_HOST_WARPS = 8;
 // weight rows of a tile (the mma's M)
 constexpr int GEMV_ROWS = 16;
 // a stage's bytes per row stay at most this, where whole blocks allow (F16, BF16, F32 halve
@@ -196,12 +200,12 @@ __device__ __forceinline__ GemvPair gemv_pair(const uint8_t* const* __restrict__
 // The block's tile times x (k values), the warps' runs of stages added in warp order: thread t
 // gets the sums of tile rows t % 16 (x) and (t + 8) % 16 (y). Every thread of the block calls it
 // (two barriers).
-template <class D>
+template <class D, int WARPS = GEMV_WARPS>
 __device__ __forceinline__ float2 gemv_block(const GemvRows& rows, const __half* __restrict__ x,
                                              int k) {
     using S = GemvStage<D>;
-    __shared__ __align__(16) uint8_t sh[GEMV_WARPS][GEMV_ROWS * S::span];
-    __shared__ float part_sums[GEMV_WARPS][GEMV_ROWS];
+    __shared__ __align__(16) uint8_t sh[WARPS][GEMV_ROWS * S::span];
+    __shared__ float part_sums[WARPS][GEMV_ROWS];
     __shared__ shared_of<D> tables;  // the decoder's tables, if it has any
     SharedOf<D>::fill(tables);
     __syncthreads();
@@ -224,7 +228,7 @@ __device__ __forceinline__ float2 gemv_block(const GemvRows& rows, const __half*
     return s;
 }
 
-template <class D>
+template <class D, int WARPS = GEMV_WARPS>
 __device__ __forceinline__ void gemv_gate_up(const uint8_t* const* __restrict__ experts,
                                              long long offset, const int* __restrict__ ids,
                                              const int* __restrict__ row_of,
@@ -240,11 +244,11 @@ __device__ __forceinline__ void gemv_gate_up(const uint8_t* const* __restrict__ 
     }
     const GemvRows rows{q.part, (long long)(hidden / D::block_values) * D::block_bytes,
                         i0, ffn - 1, ffn + i0, 2 * ffn - 1};
-    const float2 s = gemv_block<D>(rows, acts + (size_t)q.row * hidden, hidden);
+    const float2 s = gemv_block<D, WARPS>(rows, acts + (size_t)q.row * hidden, hidden);
     if (writes) o[t] = __float2half_rn(swiglu(s.x, s.y));
 }
 
-template <class D>
+template <class D, int WARPS = GEMV_WARPS>
 __device__ __forceinline__ void gemv_down(const uint8_t* const* __restrict__ experts,
                                           long long offset, const int* __restrict__ ids,
                                           const int* __restrict__ row_of,
@@ -260,7 +264,7 @@ __device__ __forceinline__ void gemv_down(const uint8_t* const* __restrict__ exp
     }
     const GemvRows rows{q.part, (long long)(ffn / D::block_values) * D::block_bytes,
                         i0, hidden - 1, i0 + GEMV_ROWS / 2, hidden - 1};
-    const float2 s = gemv_block<D>(rows, acts + (size_t)q.row * ffn, ffn);
+    const float2 s = gemv_block<D, WARPS>(rows, acts + (size_t)q.row * ffn, ffn);
     if (writes) o[t] = s.x;
 }
 
@@ -302,6 +306,18 @@ __device__ __forceinline__ void gemv_dense(const uint8_t* __restrict__ w,
     ggml_gemv_down_##SUFFIX(STRATA_GGML_GEMV_ARGS, float* __restrict__ out, int hidden,        \
                             int ffn) {                                                         \
         ggml::gemv_down<DEC>(experts, offset, ids, row_of, acts, out, hidden, ffn);            \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(32 * ggml::GEMV_HOST_WARPS)                  \
+    ggml_gemv_gate_up_host_##SUFFIX(STRATA_GGML_GEMV_ARGS, __half* __restrict__ out,           \
+                                    int hidden, int ffn) {                                     \
+        ggml::gemv_gate_up<DEC, ggml::GEMV_HOST_WARPS>(experts, offset, ids, row_of, acts,     \
+                                                       out, hidden, ffn);                      \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(32 * ggml::GEMV_HOST_WARPS)                  \
+    ggml_gemv_down_host_##SUFFIX(STRATA_GGML_GEMV_ARGS, float* __restrict__ out, int hidden,   \
+                                 int ffn) {                                                    \
+        ggml::gemv_down<DEC, ggml::GEMV_HOST_WARPS>(experts, offset, ids, row_of, acts, out,   \
+                                                    hidden, ffn);                              \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(ggml::GEMV_THREADS)                          \
     ggml_gemv_dense_##SUFFIX(const uint8_t* __restrict__ w, const __half* __restrict__ x,      \

@@ -364,7 +364,8 @@ class FormatKernels:
         (formats with in_place_max_rows > 0); mmq with position p's part of the expert read
         where it lies, at sources[p] (its resident slot plus the part's offset in the blob),
         so no gather precedes the products; the same bytes as gathering, then mmq.
-    gemv_routed(stream, experts, ids, row_of, acts, mid, out, pairs): optional; a decode
+    gemv_routed(stream, experts, ids, row_of, acts, mid, out, pairs, host_reads=False):
+        optional; a decode
         step's expert products as matrix-vector launches over the layer's `pairs` routed
         (token, k) pairs (plan.RoutedExperts): experts = device table of the layer's
         n_experts blob addresses (uint64; resident slot or device-mapped host store), ids /
@@ -373,7 +374,10 @@ class FormatKernels:
         [rows, hidden] at row row_of[p] (what the combine reads, as mmq writes it). The
         activation encoding must be F16; the results agree with gathering, mmq and SwiGLU
         within float32 rounding of the sums (not bit for bit). Formats without it decode
-        through the routed gathers (QuantFormat.offers_gemv_routed says which).
+        through the routed gathers (QuantFormat.offers_gemv_routed says which). host_reads:
+        some of the table's experts lie in pinned host memory, so the launches may trade speed
+        on device memory for more loads in flight (a hint; the results must not depend on it
+        beyond the float32 rounding of the sums). A plugin's override must take it.
 
     The MMQ kernel ABI every format follows (strata_rt.formats.launchers.launch_mmq launches it; the
     conformance suite checks it against the compiled kernel's parameters):
@@ -418,7 +422,7 @@ class FormatKernels:
                           "in_place_max_rows is 0); its products read the group buffers")
 
     def gemv_routed(self, stream, experts: int, ids: int, row_of: int, acts: int, mid: int,
-                    out: int, pairs: int) -> None:
+                    out: int, pairs: int, host_reads: bool = False) -> None:
         from ..errors import PluginError
 
         raise PluginError(f"format {self.fmt.name} has no matrix-vector kernels for routed "

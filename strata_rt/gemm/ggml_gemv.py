@@ -38,6 +38,8 @@ GEMV_HEADER = KERNELS_ROOT / "ggml" / "gemv.cuh"
 GEMV_ARG_TYPES = "PqPPPPii"
 #: the two products: gate/up (with SwiGLU) and down
 PARTS = ("gate_up", "down")
+#: their kernels for launches that read experts from pinned host memory
+HOST_PARTS = ("gate_up_host", "down_host")
 #: argument types of ggml_gemv_dense_<TYPE>: w, x, out, rows, k, mode
 DENSE_ARG_TYPES = "PPPiii"
 #: what ggml_gemv_dense writes: fp16 rows, float32 rows, or float32 rows added into out
@@ -56,6 +58,11 @@ def _constant_of(text: str, name: str) -> int:
 _HEADER_TEXT = GEMV_HEADER.read_text()
 #: warps per block at most (each takes a run of the K stages), as gemv.cuh states them
 GEMV_WARPS = _constant_of(_HEADER_TEXT, "GEMV_WARPS")
+#: the same for the _host kernels of the expert products, launched where some of the experts
+#: lie in pinned host memory: more warps keep more loads in flight across PCIe, while on
+#: device memory they lose (bench/notes.md W56: 8 warps read host memory 22% faster and
+#: device memory 20% slower than 4)
+GEMV_HOST_WARPS = _constant_of(_HEADER_TEXT, "GEMV_HOST_WARPS")
 GEMV_THREADS = 32 * GEMV_WARPS
 #: weight rows of a tile (the tensor-core product's M): 8 gate/up output rows, 16 down rows
 GEMV_ROWS = _constant_of(_HEADER_TEXT, "GEMV_ROWS")
@@ -73,13 +80,14 @@ def stage_values(d: DecoderSpec) -> int:
     return 32 * cpl
 
 
-def gemv_warps(d: DecoderSpec, k: int) -> int:
-    """Warps of a block for a product over k values: one per stage, GEMV_WARPS at most."""
-    return max(1, min(GEMV_WARPS, -(-k // stage_values(d))))
+def gemv_warps(d: DecoderSpec, k: int, host_reads: bool = False) -> int:
+    """Warps of a block for a product over k values: one per stage, GEMV_WARPS at most, or
+    GEMV_HOST_WARPS for the _host kernels (a launch that reads experts from host memory)."""
+    return max(1, min(GEMV_HOST_WARPS if host_reads else GEMV_WARPS, -(-k // stage_values(d))))
 
 
 def kernel_name(d: DecoderSpec, part: str) -> str:
-    """ggml_gemv_gate_up_<SUFFIX>, ggml_gemv_down_<SUFFIX> or ggml_gemv_dense_<SUFFIX>."""
+    """ggml_gemv_<part>_<SUFFIX>: part gate_up, down, gate_up_host, down_host or dense."""
     return f"ggml_gemv_{part}_{d.name}"
 
 
@@ -108,8 +116,9 @@ class GgmlGemv(DecoderModule):
     def kernel(self, gtype: GgmlKey, part: str) -> Any:
         """The kernel of a part ("gate_up", "down" or "dense") of type gtype, loaded once."""
         d = self.decoder(gtype)
-        if part not in (*PARTS, "dense"):
-            raise FormatError(f"matrix-vector part {part!r}: one of {', '.join(PARTS)}, dense")
+        if part not in (*PARTS, *HOST_PARTS, "dense"):
+            raise FormatError(f"matrix-vector part {part!r}: one of "
+                              f"{', '.join((*PARTS, *HOST_PARTS))}, dense")
         key = (d.name, part)
         if key not in self._kernels:
             types = DENSE_ARG_TYPES if part == "dense" else GEMV_ARG_TYPES
@@ -140,12 +149,13 @@ class GgmlGemv(DecoderModule):
 
     def launch(self, stream: Any, part: str, gtype: GgmlKey, experts: int, offset: int,
                ids: int, row_of: int, acts: int, out: int, pairs: int, hidden: int,
-               ffn: int) -> None:
+               ffn: int, host_reads: bool = False) -> None:
         """One launch over `pairs` routed (token, k) pairs: part "gate_up" writes fp16
         silu(gate) * up rows [rows, ffn] at `out` from fp16 `acts` [rows, hidden]; "down"
         writes float32 rows [rows, hidden] from fp16 `acts` [rows, ffn]; pair p's expert is
         ids[p], its row row_of[p], its blob at experts[ids[p]] (a device table of addresses)
-        with the part `offset` bytes into it."""
+        with the part `offset` bytes into it. `host_reads`: some of the table's experts lie in
+        pinned host memory (the _host kernel then runs, with more warps: gemv_warps)."""
         d = self.decoder(gtype)
         why = gemv_problem(d, hidden, ffn)
         if why is not None:
@@ -156,8 +166,8 @@ class GgmlGemv(DecoderModule):
             raise FormatError(f"{d.name} matrix-vector products: device addresses needed, "
                               "inputs and outputs on 16 bytes")
         tiles = -(-ffn // (GEMV_ROWS // 2)) if part == "gate_up" else -(-hidden // GEMV_ROWS)
-        warps = gemv_warps(d, hidden if part == "gate_up" else ffn)
-        self.kernel(d, part).launch(
+        warps = gemv_warps(d, hidden if part == "gate_up" else ffn, host_reads)
+        self.kernel(d, f"{part}_host" if host_reads else part).launch(
             grid=(tiles, int(pairs), 1), block=(32 * warps, 1, 1),
             stream=stream, args=(int(experts), int(offset), int(ids), int(row_of), int(acts),
                                  int(out), int(hidden), int(ffn)))
@@ -172,5 +182,5 @@ def gemv_reference(weights: np.ndarray, x: np.ndarray) -> np.ndarray:
 
 
 __all__ = ["DENSE_ARG_TYPES", "DENSE_MODES", "GEMV_ARG_TYPES", "GEMV_ROWS", "GEMV_SOURCE",
-           "GEMV_THREADS", "GEMV_WARPS", "PARTS", "GgmlGemv", "gemv_problem", "gemv_reference", "gemv_warps", "kernel_name",
+           "GEMV_THREADS", "GEMV_WARPS", "GEMV_HOST_WARPS", "HOST_PARTS", "PARTS", "GgmlGemv", "gemv_problem", "gemv_reference", "gemv_warps", "kernel_name",
            "stage_values"]

@@ -166,13 +166,13 @@ class GGMLKernels(FormatKernels):
             self.fused_gemm(stream, weights, expert_ids, acts, bounds, out, m, k, rows_hint)
 
     def gemv_routed(self, stream, experts: int, ids: int, row_of: int, acts: int, mid: int,
-                    out: int, pairs: int) -> None:
+                    out: int, pairs: int, host_reads: bool = False) -> None:
         lay = self.layout
         g = self.gemv()
         g.launch(stream, "gate_up", self.decoder, experts, lay.gate_up_offset, ids, row_of,
-                 acts, mid, pairs, lay.hidden, lay.ffn)
+                 acts, mid, pairs, lay.hidden, lay.ffn, host_reads)
         g.launch(stream, "down", self.down_decoder, experts, lay.down_offset, ids, row_of, mid,
-                 out, pairs, lay.hidden, lay.ffn)
+                 out, pairs, lay.hidden, lay.ffn, host_reads)
 
     def mmq_in_place(self, stream, sources: list[int], expert_ids: tuple[int, ...], acts: int,
                      bounds: int, out: int, m: int, k: int, rows_hint: int) -> None:

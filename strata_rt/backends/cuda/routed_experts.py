@@ -101,4 +101,5 @@ class RoutedExpertsRunner:
         b._mark("gemv experts")
         b.fks[op.layer].gemv_routed(dev.compute, table, p["topk_ids"], p["row_of"],
                                     p["act_hidden"], p["act_ffn"], p["down_out"],
-                                    b._T * b.spec.top_k)
+                                    b._T * b.spec.top_k,
+                                    host_reads=any(kind == HOST for kind, _ in op.sources))
