@@ -8,6 +8,7 @@ tested on the GPU (test_ggml_fused_gpu.py)."""
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,7 @@ from strata_rt.gemm.ggml_gemv import (
     DENSE_ARG_TYPES,
     DENSE_MODES,
     GEMV_ARG_TYPES,
+    GEMV_HOST_SHARED,
     GEMV_HOST_WARPS,
     GEMV_ROWS,
     GEMV_SOURCE,
@@ -41,10 +43,18 @@ from strata_rt.gemm.ggml_gemv import (
     HOST_PARTS,
     PARTS,
     GgmlGemv,
+    host_warps,
+    stage_span,
     stage_values,
 )
 from strata_rt.gemm.ggml_gemv import kernel_name as gemv_kernel_name
-from strata_rt.runtime.compile import compile_cubin, kernel_jobs, nvcc_available
+from strata_rt.runtime.compile import (
+    KERNELS_ROOT,
+    compile_cubin,
+    kernel_jobs,
+    nvcc_available,
+    nvcc_path,
+)
 
 needs_nvcc = pytest.mark.skipif(not nvcc_available(), reason="nvcc not found (PATH or "
                                 "STRATA_NVCC)")
@@ -231,6 +241,28 @@ def test_gemv_launch_geometry(name, hidden, ffn, values):
     # the 2,048-value IQ3_XXS rows: 8 stages, so the host launch takes twice the warps
     if name == "IQ3_XXS":
         assert rt.kernels["ggml_gemv_gate_up_host_IQ3_XXS"].calls[-1].block[0] == 2 * 32 * GEMV_WARPS
+
+
+@needs_nvcc
+@pytest.mark.parametrize("name,warps", [("Q8_0", 6), ("IQ3_XXS", 8), ("F16", 8)])
+def test_host_kernels_are_built_for_the_warps_the_launcher_gives(tmp_path, name, warps):
+    """The _host kernels' stage buffers, one per warp, stay under GEMV_HOST_SHARED: Q8_0's
+    400-byte staged rows allow 6 warps, not 8 (8 would pass the 48 KiB of static shared
+    memory). ptxas's shared bytes of the one-type build are the launcher's host_warps(d)
+    buffers of 16 staged rows, plus the block's sums and the decoder's tables."""
+    d = DecoderSpec.of(next(t for t in TYPES if t.name == name))
+    assert host_warps(d) == warps <= GEMV_HOST_WARPS
+    assert warps * GEMV_ROWS * stage_span(d) <= GEMV_HOST_SHARED
+    out = subprocess.run(
+        [str(nvcc_path()), "-cubin", "-O3", "-std=c++17", "-arch=sm_90", "-I", str(KERNELS_ROOT),
+         f"-D{ONLY_DEFINE}={name}", "-Xptxas", "-v", "-o", str(tmp_path / "gemv.cubin"),
+         str(GEMV_SOURCE)], capture_output=True, text=True, check=True).stderr
+    smem = dict(re.findall(r"Compiling entry function '(\w+)'.*?(\d+) bytes smem", out, re.S))
+    buffers = warps * GEMV_ROWS * stage_span(d)
+    for part in HOST_PARTS:
+        got = int(smem[gemv_kernel_name(d, part)])
+        assert buffers <= got <= buffers + warps * GEMV_ROWS * 4 + 2048, (part, got)
+        assert got <= 48 * 1024
 
 
 @pytest.mark.parametrize("name,rows,k", [("Q4_K", 5120, 2048), ("F16", 2048, 4096),

@@ -65,6 +65,10 @@ namespace ggml {
 constexpr int GEMV_WARPS = 4;
 constexpr int GEMV_THREADS = 32 * GEMV_WARPS;
 constexpr int GEMV_HOST_WARPS = 8;
+// shared bytes a _host block's stage buffers may take: the warps of a type whose 16 staged rows
+// would take more (Q8_0's 400-byte rows) stay fewer, so the block, its sums and the decoder's
+// tables keep within the 48 KiB of static shared memory (gemv_host_warps)
+constexpr int GEMV_HOST_SHARED = 40960;
 // weight rows of a tile (the mma's M)
 constexpr int GEMV_ROWS = 16;
 // a stage's bytes per row stay at most this, where whole blocks allow (F16, BF16, F32 halve
@@ -94,6 +98,13 @@ template <class D> struct GemvStage {
     static constexpr int loads = (GEMV_ROWS * chunks + 31) / 32;
     static_assert(D::block_values == 1 || values % D::block_values == 0, "whole blocks per stage");
 };
+
+// the warps a _host kernel of type D is built for: GEMV_HOST_WARPS, fewer where their stage
+// buffers would pass GEMV_HOST_SHARED
+template <class D> __host__ __device__ constexpr int gemv_host_warps() {
+    const int fit = GEMV_HOST_SHARED / (GEMV_ROWS * GemvStage<D>::span);
+    return fit < 1 ? 1 : fit < GEMV_HOST_WARPS ? fit : GEMV_HOST_WARPS;
+}
 
 // A tile's 16 weight rows: row r < 8 is matrix row min(a + r, la), row r >= 8 is min(b + r - 8,
 // lb) (rows past the matrix repeat its last row; their sums are not written)
@@ -209,14 +220,18 @@ __device__ __forceinline__ float2 gemv_block(const GemvRows& rows, const __half*
     __shared__ shared_of<D> tables;  // the decoder's tables, if it has any
     SharedOf<D>::fill(tables);
     __syncthreads();
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    // warps past the ones this kernel is built for (a launch with more) take no stages
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int warps = min((int)(blockDim.x >> 5), WARPS);
     const int stages = (k + S::values - 1) / S::values, per = (stages + warps - 1) / warps;
-    const int s0 = min(stages, warp * per), s1 = min(stages, s0 + per);
-    float d[4];
-    gemv_tile<D>(rows, x, k, s0, s1, sh[warp], tables, d);
-    if ((lane & 3) == 0) {
-        part_sums[warp][lane >> 2] = d[0];
-        part_sums[warp][(lane >> 2) + GEMV_ROWS / 2] = d[2];
+    if (warp < warps) {
+        const int s0 = min(stages, warp * per), s1 = min(stages, s0 + per);
+        float d[4];
+        gemv_tile<D>(rows, x, k, s0, s1, sh[warp], tables, d);
+        if ((lane & 3) == 0) {
+            part_sums[warp][lane >> 2] = d[0];
+            part_sums[warp][(lane >> 2) + GEMV_ROWS / 2] = d[2];
+        }
     }
     __syncthreads();
     const int r = threadIdx.x % GEMV_ROWS, r2 = (r + GEMV_ROWS / 2) % GEMV_ROWS;
@@ -310,14 +325,14 @@ __device__ __forceinline__ void gemv_dense(const uint8_t* __restrict__ w,
     extern "C" __global__ void __launch_bounds__(32 * ggml::GEMV_HOST_WARPS)                  \
     ggml_gemv_gate_up_host_##SUFFIX(STRATA_GGML_GEMV_ARGS, __half* __restrict__ out,           \
                                     int hidden, int ffn) {                                     \
-        ggml::gemv_gate_up<DEC, ggml::GEMV_HOST_WARPS>(experts, offset, ids, row_of, acts,     \
-                                                       out, hidden, ffn);                      \
+        ggml::gemv_gate_up<DEC, ggml::gemv_host_warps<DEC>()>(experts, offset, ids, row_of,    \
+                                                              acts, out, hidden, ffn);         \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(32 * ggml::GEMV_HOST_WARPS)                  \
     ggml_gemv_down_host_##SUFFIX(STRATA_GGML_GEMV_ARGS, float* __restrict__ out, int hidden,   \
                                  int ffn) {                                                    \
-        ggml::gemv_down<DEC, ggml::GEMV_HOST_WARPS>(experts, offset, ids, row_of, acts, out,   \
-                                                    hidden, ffn);                              \
+        ggml::gemv_down<DEC, ggml::gemv_host_warps<DEC>()>(experts, offset, ids, row_of, acts, \
+                                                           out, hidden, ffn);                  \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(ggml::GEMV_THREADS)                          \
     ggml_gemv_dense_##SUFFIX(const uint8_t* __restrict__ w, const __half* __restrict__ x,      \

@@ -68,6 +68,8 @@ GEMV_THREADS = 32 * GEMV_WARPS
 GEMV_ROWS = _constant_of(_HEADER_TEXT, "GEMV_ROWS")
 #: a stage's bytes per row at most, where whole blocks allow (gemv.cuh's gemv_cpl)
 GEMV_STAGE_BYTES = _constant_of(_HEADER_TEXT, "GEMV_STAGE_BYTES")
+#: shared bytes the stage buffers of a _host block may take (gemv.cuh's gemv_host_warps)
+GEMV_HOST_SHARED = _constant_of(_HEADER_TEXT, "GEMV_HOST_SHARED")
 
 
 def stage_values(d: DecoderSpec) -> int:
@@ -80,10 +82,24 @@ def stage_values(d: DecoderSpec) -> int:
     return 32 * cpl
 
 
+def stage_span(d: DecoderSpec) -> int:
+    """Shared bytes of one staged row (gemv.cuh's GemvStage::span): the 16-byte chunks that
+    cover a stage's bytes from any start, padded to an odd number of 16-byte units past a
+    multiple of 128."""
+    chunks = (stage_values(d) // d.block_values * d.block_bytes + 30) // 16
+    return 16 * ((chunks + 6) // 8 * 8 + 1)
+
+
+def host_warps(d: DecoderSpec) -> int:
+    """Warps the _host kernels of type d are built for (gemv.cuh's gemv_host_warps):
+    GEMV_HOST_WARPS, fewer where their 16-row stage buffers would pass GEMV_HOST_SHARED."""
+    return max(1, min(GEMV_HOST_WARPS, GEMV_HOST_SHARED // (GEMV_ROWS * stage_span(d))))
+
+
 def gemv_warps(d: DecoderSpec, k: int, host_reads: bool = False) -> int:
     """Warps of a block for a product over k values: one per stage, GEMV_WARPS at most, or
-    GEMV_HOST_WARPS for the _host kernels (a launch that reads experts from host memory)."""
-    return max(1, min(GEMV_HOST_WARPS if host_reads else GEMV_WARPS, -(-k // stage_values(d))))
+    host_warps(d) for the _host kernels (a launch that reads experts from host memory)."""
+    return max(1, min(host_warps(d) if host_reads else GEMV_WARPS, -(-k // stage_values(d))))
 
 
 def kernel_name(d: DecoderSpec, part: str) -> str:
@@ -182,5 +198,6 @@ def gemv_reference(weights: np.ndarray, x: np.ndarray) -> np.ndarray:
 
 
 __all__ = ["DENSE_ARG_TYPES", "DENSE_MODES", "GEMV_ARG_TYPES", "GEMV_ROWS", "GEMV_SOURCE",
-           "GEMV_THREADS", "GEMV_WARPS", "GEMV_HOST_WARPS", "HOST_PARTS", "PARTS", "GgmlGemv", "gemv_problem", "gemv_reference", "gemv_warps", "kernel_name",
-           "stage_values"]
+           "GEMV_THREADS", "GEMV_WARPS", "GEMV_HOST_SHARED", "GEMV_HOST_WARPS", "HOST_PARTS",
+           "PARTS", "GgmlGemv", "gemv_problem", "gemv_reference", "gemv_warps", "host_warps",
+           "kernel_name", "stage_span", "stage_values"]
