@@ -50,7 +50,8 @@ from .errors import ConfigError
 from .formats.contract import QuantFormat
 from .report.stats import Stats
 from .report.timing import write_trace
-from .schedule.driver import Backend, ChunkDriver, HostContext
+from .schedule.driver import ChunkDriver
+from .schedule.executor import Backend, HostContext
 from .schedule.plan import LogitRows
 from .schedule.planner import AUTO_CHUNK_MAX
 from .schedule.residency import Residency

@@ -22,23 +22,15 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..report.stats import Stats
 from . import hazards
 from .dense_schedule import DenseSchedule
-from .image_cache import ImageCache
-from .plan import (
-    ChunkPlan,
-    InputKind,
-    LayerBegin,
-    LogitRows,
-    Logits,
-    Op,
-)
+from .executor import Executor, Replay
+from .plan import ChunkPlan, LayerBegin, LogitRows, Logits, Op
 from .plan_counts import add_counts, copy_bytes, op_counts
 from .plan_keys import (
     DECODE_KEYS,
@@ -62,111 +54,11 @@ from .residency import Residency
 
 if TYPE_CHECKING:
     from ..config.engine_config import EngineConfig
-    from ..runtime import Stream
     from ..weights.layer_formats import LayerFormats
     from ..weights.model import MoESpec
     from .split import Part
 
 log = logging.getLogger(__name__)
-
-
-
-class Replay(Protocol):
-    """A captured op sequence (a CUDA graph)."""
-
-    def launch(self, stream: Stream) -> None: ...
-
-    def free(self) -> None: ...
-
-
-class Executor(Protocol):
-    """What a backend does for the driver. Ops come in host issue order; each executor maps
-    them onto its own streams (the CUDA executor) or runs them in that order (numpy)."""
-
-    name: str
-    residency: Residency
-    #: group images kept on the device across chunks (an empty cache: none)
-    images: ImageCache
-    #: ring slots the streamed walk cycles through (the staging ring uses STAGING_RING_SLOTS)
-    walk_slots: int
-    #: bytes one Copy of each layer moves (its expert blob; layers of a mixed file differ)
-    layer_blob_bytes: tuple[int, ...]
-    #: whether `capture` may be used (CUDA graphs on, no timing events)
-    can_capture: bool
-    #: slots of the dense ring when a whole model's dense weights stream; None: resident
-    #: (or MoE layers alone)
-    dense_ring: int | None
-    #: what begin_chunk takes for a whole model's chunk, and the kind of its plans'
-    #: ChunkInput: "tokens" where the executor looks the embedding rows up itself, else
-    #: "hidden" (MoE layers alone always)
-    input_kind: InputKind
-    def lanes_for(self, tokens: int) -> int:
-        """Compute lanes a chunk of `tokens` is planned with (strata_rt.schedule.lanes)."""
-
-    def in_place_for(self, tokens: int) -> bool:
-        """Whether a chunk of `tokens` reads resident groups in place
-        (strata_rt.schedule.in_place)."""
-
-    @property
-    def routed_gathers(self) -> bool:
-        """Whether GatherRouted runs here (the format's kernels skip unrouted experts on the
-        device and read the host store); without it a decode step takes the staging ring."""
-
-    def begin_chunk(self, x: np.ndarray, stats: Stats, start: int | None = None) -> None:
-        """Takes the chunk's input and its absolute position (None: MoE layers alone), which
-        an Attention op without a start reads. The input is what `input_kind` names: hidden
-        states float32 [T, hidden] (a whole model's: the embedding rows of its tokens), or a
-        whole model's T token ids. It reaches the device at the plan's ChunkInput op; a
-        chunk whose states are not all finite, or whose ids are not all inside the
-        vocabulary, raises ConfigError (here or at end_chunk) and never reaches the device
-        as such."""
-
-    def route_layer(self, layer: int) -> None:
-        """Enqueues (or runs) one layer's routing ahead of a staging-ring layer."""
-
-    def routed_counts(self, layer: int, stats: Stats) -> np.ndarray:
-        """Waits for that routing; rows per expert of the layer (host int array), also added
-        to stats.routing_counts when it is not None."""
-
-    def execute(self, ops: Iterable[Op], stats: Stats, counts: np.ndarray | None) -> None:
-        """Runs ops; counts: the layer's rows per expert when the host knows them (staging),
-        None on the walk (routing stays on the device)."""
-
-    def capture(self, ops: Iterable[Op]) -> Replay:
-        """The ops captured for replay; raises when the driver refuses the capture."""
-
-    def replay(self, replay: Replay) -> None: ...
-
-    def synchronize(self) -> None: ...
-
-    def collect_walk_routing(self, stats: Stats) -> None:
-        """Adds the last walk's routing to stats.routing_counts (which is not None)."""
-
-    def end_chunk(self, stats: Stats) -> np.ndarray:
-        """The chunk's output hidden states (the driver's caller copies them)."""
-
-    def take_logits(self) -> np.ndarray:
-        """float32 [rows, vocab] of the chunk's Logits op (valid after end_chunk)."""
-
-
-class HostContext(Protocol):
-    """What an engine opens first and closes last: the host memory its expert store lives in
-    (the CUDA context: page-locked memory of the Runtime it also holds)."""
-
-    def host_alloc(self, nbytes: int) -> np.ndarray: ...
-
-    def close(self) -> None: ...
-
-
-class Backend(Executor, Protocol):
-    """An executor as the engine holds it: opened on a host context, closed once."""
-
-    #: True where everything runs on the host (the engine then reports host time = wall time)
-    host_is_wall: bool
-    #: positions a whole model's KV cache holds (0 for MoE layers alone)
-    kv_capacity: int
-
-    def close(self) -> None: ...
 
 
 class ChunkDriver:
@@ -195,6 +87,7 @@ class ChunkDriver:
         self._replays: dict[WalkKey, Replay] = {}
         #: the routing measured per chunk length, and the walk-or-routed rule on it
         self.streams = StreamChooser()
+        self._decode_keys: dict[str | None, WalkKey] = {}
         _ = self.decode_key  # decode "gemv" on a model that cannot run it fails at open
 
     @property
@@ -229,18 +122,19 @@ class ChunkDriver:
     def _run(self, T: int, stats: Stats, start: int | None,
              logits: LogitRows | None) -> np.ndarray:
         self.layer_host_s = []
+        # a planned chunk enqueues its Logits before the routing comes back (one wait for both)
+        tail: list[Op] = [] if logits is None or start is None else [Logits(logits)]
         if T == 1 and start is not None and self.decodes_routed:
-            self._run_decode(stats)
+            self._run_decode(stats, tail)
         elif self.stream_mode(T) == "routed":
-            self._run_routed(T, stats, (T, ROUTED, start))
+            self._run_routed(T, stats, (T, ROUTED, start), tail)
         elif takes_walk(T, self.spec, self.cfg.walk_min_tokens):
-            self._run_walk(T, stats, start)
+            self._run_walk(T, stats, start, tail)
         else:
             self._run_staging(T, stats, start)
-        if logits is not None:
-            if start is None:
-                raise ValueError("logits need a whole model's chunk (start is None)")
-            self.executor.execute([Logits(logits)], stats, None)
+            self.executor.execute(tail, stats, None)
+        if logits is not None and start is None:
+            raise ValueError("logits need a whole model's chunk (start is None)")
         out = self.executor.end_chunk(stats)
         stats.host_syncs += 1  # the chunk's output comes back
         return out
@@ -255,8 +149,11 @@ class ChunkDriver:
     @property
     def decode_key(self) -> WalkKey:
         """The decode plan a step runs (plan_keys.decode_key: decode "gemv" on a model that
-        cannot run it is a ConfigError)."""
-        return decode_key(self.cfg.decode, self.formats, self.span)
+        cannot run it is a ConfigError), worked out once per decode setting."""
+        mode = self.cfg.decode
+        if mode not in self._decode_keys:  # a refusal is raised again on every step
+            self._decode_keys[mode] = decode_key(mode, self.formats, self.span)
+        return self._decode_keys[mode]
 
     def stream_mode(self, T: int) -> str:
         """"routed" where a T-token chunk takes the routed plan (forced by prefill_stream, or
@@ -275,17 +172,17 @@ class ChunkDriver:
         span = list(self.span)
         return int(np.dot(per_layer[span], np.asarray(self.executor.layer_blob_bytes)[span]))
 
-    def _run_decode(self, stats: Stats) -> None:
+    def _run_decode(self, stats: Stats, tail: list[Op]) -> None:
         """A one-token step from the decode plan (planned once; replayed as a CUDA graph when
         the trial finds it faster). Its routed set never reaches the host during the step; it
         is read back afterwards (one small copy) for the counters: an expert streamed is a
         routed expert that is not resident, read over PCIe by its gather."""
-        self._run_routed(1, stats, self.decode_key)
+        self._run_routed(1, stats, self.decode_key, tail)
 
-    def _run_routed(self, T: int, stats: Stats, key: WalkKey) -> None:
+    def _run_routed(self, T: int, stats: Stats, key: WalkKey, tail: list[Op]) -> None:
         """The decode plan or a chunk's routed plan; the routing comes back after the chunk
         (one small copy) for the counters and the stream rule's record."""
-        step = self._with_routing(stats, lambda: self._run_planned(T, stats, key))
+        step = self._with_routing(stats, lambda: self._run_planned(T, stats, key, tail))
         per_layer = ((step > 0) & ~self.residency.mask()).sum(axis=1)
         streamed = int(np.dot(per_layer, self.executor.layer_blob_bytes))
         stats.experts_streamed += int(per_layer.sum())
@@ -379,20 +276,20 @@ class ChunkDriver:
                                      copy_bytes(ops, self.executor.layer_blob_bytes))
         return self._walk_plans[key]
 
-    def _run_walk(self, T: int, stats: Stats, start: int | None) -> None:
+    def _run_walk(self, T: int, stats: Stats, start: int | None, tail: list[Op]) -> None:
         key = (T, self.gather_one, start)
         if not (self.executor.routed_gathers and self.cfg.prefill_stream in (None, "auto")
                 and self.streams.wants_routing(T)):
-            self._run_planned(T, stats, key)
+            self._run_planned(T, stats, key, tail)
             return
-        step = self._with_routing(stats, lambda: self._run_planned(T, stats, key))
+        step = self._with_routing(stats, lambda: self._run_planned(T, stats, key, tail))
         per_layer = ((step > 0) & ~self.residency.mask()).sum(axis=1)
         self.streams.observe(T, int(np.dot(per_layer, self.executor.layer_blob_bytes)))
 
-    def _run_planned(self, T: int, stats: Stats, key: WalkKey) -> None:
+    def _run_planned(self, T: int, stats: Stats, key: WalkKey, tail: list[Op]) -> None:
         """A plan made before the chunk runs (the walk, or the decode plan): plain launches
         the first time its key is seen (timed), a captured replay the second (timed), then
-        whichever was faster."""
+        whichever was faster; `tail` (its Logits) enqueued live after it."""
         ex = self.executor
         plan, counts, copied = self._planned(key)
         trial = self.graph_trials.setdefault(key, {})
@@ -419,6 +316,7 @@ class ChunkDriver:
                 ex.synchronize()
                 trial["graph"] = time.perf_counter() - t0
                 trial["choice"] = "graph" if trial["graph"] < trial["plain"] else "plain"
+        ex.execute(tail, stats, None)
         add_counts(stats, counts, copied)  # the walk reads nothing back
         if stats.routing_counts is not None:
             ex.collect_walk_routing(stats)

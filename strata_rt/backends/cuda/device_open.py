@@ -58,7 +58,7 @@ class OpenedDevice:
     dev: DeviceState
     kernels: LayerKernels
     whole: CudaWhole | None
-    #: what the backend's chunks bring (driver.Executor.input_kind)
+    #: what the backend's chunks bring (schedule.executor.Executor.input_kind)
     input_kind: InputKind = "hidden"
 
 

@@ -1,16 +1,14 @@
 """The CUDA executor: runs the chunk driver's plans on one GPU.
 
-Memory. Expert blobs sit in one page-locked host arena (the ExpertStore); one device arena,
-sized at open by memory_plan.plan_memory, holds the router and norm weights, the resident
-slots, the ring, the group buffers and one chunk's activations: the chunk first (up to 8,192
-tokens for `prefill: auto`), then as many resident experts as the budget holds (or the count
-the config fixes). `image_cache_mib` room (strata_rt.schedule.image_cache) comes before both; its
-blocks are filled once at open by the format's own gather.
+Memory. Expert blobs sit in one page-locked host arena (the ExpertStore); one device arena
+(memory_plan.plan_memory) holds the router and norm weights, the resident slots, the ring, the
+group buffers and one chunk's activations: the chunk first (up to 8,192 tokens for `prefill:
+auto`), then as many resident experts as the budget holds (or the config's count), after any
+`image_cache_mib` room (strata_rt.schedule.image_cache, filled at open by the format's gather).
 
 Execution. Each plan op becomes one driver call on the stream the op names. The staging ring
-reads each layer's row bounds back on a stream of their own (never queued behind copies); the
-walk's kernels read them on the device and nothing comes back until the chunk ends, so the
-driver can capture the whole walk as a CUDA graph (`capture`). The chunk's input reaches the
+reads each layer's row bounds back on a stream of their own; the walk's kernels read them on
+the device, so the driver can capture the whole walk as a CUDA graph (`capture`). The chunk's input reaches the
 device at its ChunkInput op, behind a gate its host pass opens (chunk_input): hidden states,
 or a whole model's token ids, whose embedding rows the GPU then decodes into the residual
 (CudaWhole.embed). A second compute lane (strata_rt.schedule.lanes) brings its own stream and
@@ -19,8 +17,8 @@ a decode step's RoutedExperts reads its experts where they lie (routed_experts).
 runs its format's kernels.
 
 A layer split's part (strata_rt.backends.cuda.split_part) holds its own layers' router, norms,
-dense weights and KV cache, sizes its ring and memory plan for them, runs its hand-off ops
-and, unless it is the last, leaves its output on the device for the part after it."""
+dense weights and KV cache, runs its hand-off ops and, unless it is the last, leaves its
+output on the device for the part after it."""
 
 from __future__ import annotations
 
@@ -80,7 +78,7 @@ if TYPE_CHECKING:
     from ...config.engine_config import EngineConfig
     from ...models.qwen3.weights import Qwen3Model
     from ...runtime import Graph, Stream
-    from ...schedule.driver import HostContext, Replay
+    from ...schedule.executor import HostContext, Replay
     from ...schedule.in_place import InPlaceSetting
     from ...schedule.memory_plan import MemoryPlan
     from ...schedule.plan import InputKind
@@ -96,7 +94,7 @@ class CudaBackend:
     name = "cuda"
     context_class = CudaContext
     host_is_wall = False
-    #: a whole model sets these at open (see driver.Executor and driver.Backend)
+    #: a whole model sets these at open (see schedule.executor: Executor and Backend)
     dense_ring: int | None = None
     kv_capacity = 0
     #: the image cache (set at open; empty unless the config gives it room)
@@ -172,7 +170,6 @@ class CudaBackend:
             DenseCopy: self._op_dense_copy, Logits: self._op_logits, HandOff: self._op_handoff,
         }
         self._counts: np.ndarray | None = None
-        self._logits: np.ndarray | None = None
         self._store_dev: int | None = None
         self._T = 0
 
@@ -216,7 +213,8 @@ class CudaBackend:
             self._timer.reset()
         self.rt.memset_d8(dev.ptr["nonfinite"], 0xFF, 8, dev.compute)  # no row flagged yet
         self._T = T
-        self._logits = None
+        if self._whole is not None:
+            self._whole.drop_logits()
         return dev
 
     def end_chunk(self, stats: Stats) -> np.ndarray:
@@ -250,11 +248,14 @@ class CudaBackend:
             raise NonFiniteError("the RMSNorm before the MoE", flagged >> 32,
                                  flagged & 0xFFFFFFFF, "overflows or holds NaN/Inf: the sum "
                                  "of squares of the row is not finite (checked on the device)")
+        if self._whole is not None:  # the logits the Logits op left in pinned memory
+            self._whole.finish_chunk()
 
     def take_logits(self) -> np.ndarray:
-        if self._logits is None:
+        logits = None if self._whole is None else self._whole.logits
+        if logits is None:
             raise StrataError("no Logits op ran in this chunk")
-        return self._logits
+        return logits
 
     def sample_last(self, params: Any, seen: Any, step: int) -> int:
         """The next token drawn on the GPU from the last chunk's logits (CudaWhole)."""
@@ -417,7 +418,7 @@ class CudaBackend:
 
     def _op_logits(self, op: Logits) -> None:
         self._mark("logits")
-        self._logits = self._whole_ops().run_logits(self._device().compute, op, self._T)
+        self._whole_ops().logits_op(self._device().compute, op, self._T)
 
     def _op_layer_end(self, op: LayerEnd) -> None:
         self._mark("combine")

@@ -169,6 +169,10 @@ class CudaWhole:
         self.position = 0
         #: whether head_out holds one row of logits, contiguous (the last Logits op's rows)
         self._one_row = False
+        #: the last Logits op's rows (None: none yet, or still in the pinned buffer)
+        self.logits: np.ndarray | None = None
+        #: rows whose logits enqueue_logits left in the pinned buffer (None: none pending)
+        self._pending_rows: int | None = None
         self._sampler: DeviceSampler | None = None  # opened by the first sampled step
 
     def _upload(self, stream: Stream) -> None:
@@ -292,39 +296,97 @@ class CudaWhole:
         dk.gemm(stream, p["attn_out"], wo, p["x"], T, H, spec.q_dim,
                 out_f32=True, accumulate=True)
 
+    def logits_op(self, stream: Stream, op: Logits, tokens: int) -> None:
+        """A Logits op: rows that fit one block are enqueued (enqueue_logits) and read by
+        finish_chunk after the chunk's one synchronisation; more rows wait block by block
+        (run_logits). `logits` then holds them."""
+        self.logits = None
+        if not self.enqueue_logits(stream, op, tokens):
+            self.logits = self.run_logits(stream, op, tokens)
+
+    def drop_logits(self) -> None:
+        """A new chunk: no logits yet, none pending."""
+        self.logits, self._pending_rows = None, None
+
+    def finish_chunk(self) -> None:
+        """After the chunk's stream was synchronized: the rows enqueue_logits left."""
+        if self._pending_rows is not None:
+            self.logits = self.collect_logits()
+
     def run_logits(self, stream: Stream, op: Logits, tokens: int) -> np.ndarray:
-        """float32 [rows, vocab] (a new host array) of the last row or all rows of x. Each row
-        slice's logits come back as one block [n, rows of the slice] per head slice."""
+        """float32 [rows, vocab] (a new host array) of the last row or all rows of x, waiting
+        for each block of LOGIT_ROWS rows. Each row slice's logits come back as one block
+        [n, rows of the slice] per head slice."""
+        first = self._logit_rows(op, tokens)
+        out = np.empty((tokens - first, self.spec.vocab), np.float32)
+        w = 0
+        for r0 in range(first, tokens, LOGIT_ROWS):
+            n = min(LOGIT_ROWS, tokens - r0)
+            w = self._enqueue_block(stream, tokens, first, r0, n, w)
+            stream.synchronize()
+            self._unpack(out, r0 - first, n)
+        return out
+
+    def enqueue_logits(self, stream: Stream, op: Logits, tokens: int) -> bool:
+        """Enqueues the head over the call's rows and the copy of their logits into the
+        pinned buffer without waiting, where they fit one block (a decode step's row, a
+        prompt's last): `collect_logits` reads them once the stream has been synchronized, so
+        the host waits once for the chunk, not again for its logits. False, and nothing
+        enqueued, where the rows need several blocks (run_logits)."""
+        first = self._logit_rows(op, tokens)
+        if tokens - first > LOGIT_ROWS:
+            return False
+        self._enqueue_block(stream, tokens, first, first, tokens - first, 0)
+        self._pending_rows = tokens - first
+        return True
+
+    def collect_logits(self) -> np.ndarray:
+        """float32 [rows, vocab] (a new host array) of the last enqueue_logits, after its
+        stream was synchronized."""
+        if self._pending_rows is None:
+            raise RuntimeError("collect_logits without enqueue_logits")
+        n, self._pending_rows = self._pending_rows, None
+        out = np.empty((n, self.spec.vocab), np.float32)
+        self._unpack(out, 0, n)
+        return out
+
+    def _logit_rows(self, op: Logits, tokens: int) -> int:
+        """The first row of x a Logits op reads (it reads through the last)."""
         if not self.has_head:
             raise RuntimeError("Logits on a split part before the last, which holds no head")
+        first = tokens - 1 if op.rows == "last" else 0
+        self._one_row = tokens - first == 1  # then head slice v0's logits sit at v0
+        return first
+
+    def _enqueue_block(self, stream: Stream, tokens: int, first: int, r0: int, n: int,
+                       w: int) -> int:
+        """The head over rows r0 .. r0 + n of x into head_out and their copy into the pinned
+        buffer; w: the head slice decoded by an earlier block of the call (one slice is
+        decoded once per call). -> the slice decoded last."""
         spec, p = self.spec, self.ptr
         H, V = spec.hidden, spec.vocab
         head_type = self.layout.head_type
         slices = head_slices(V, self.layout.head_direct)
-        first = tokens - 1 if op.rows == "last" else 0
-        out = np.empty((tokens - first, V), np.float32)
-        self._one_row = tokens - first == 1  # then head slice v0's logits sit at v0
-        w = 0
-        for r0 in range(first, tokens, LOGIT_ROWS):
-            n = min(LOGIT_ROWS, tokens - r0)
-            self.dense.rmsnorm_f16(stream, p["x"] + r0 * H * 4, p["head_norm"], p["head_in"],
-                                   n, H, float(spec.rms_eps))
-            if tokens == 1 and self.gemv is not None:  # a decode step: the head in its type
-                self.gemv.dense(stream, head_type, p["head"], p["head_in"], p["head_out"], V, H,
-                                "f32")
-            else:
-                for v0, rows in slices:
-                    if r0 == first or len(slices) > 1:  # one slice: decoded once per call
-                        w = self.decode.head_slice(stream, p["head"], head_type, v0, rows)
-                    self.dense.gemm(stream, p["head_in"], w, p["head_out"] + v0 * n * 4, n,
-                                    rows, H, out_f32=True, accumulate=False)
-            host = self._logits_host[: n * V]
-            self.rt.memcpy_dtoh(host, p["head_out"], stream)
-            stream.synchronize()
+        self.dense.rmsnorm_f16(stream, p["x"] + r0 * H * 4, p["head_norm"], p["head_in"],
+                               n, H, float(spec.rms_eps))
+        if tokens == 1 and self.gemv is not None:  # a decode step: the head in its type
+            self.gemv.dense(stream, head_type, p["head"], p["head_in"], p["head_out"], V, H,
+                            "f32")
+        else:
             for v0, rows in slices:
-                out[r0 - first: r0 - first + n, v0: v0 + rows] = \
-                    host[v0 * n: (v0 + rows) * n].reshape(n, rows)
-        return out
+                if r0 == first or len(slices) > 1:  # one slice: decoded once per call
+                    w = self.decode.head_slice(stream, p["head"], head_type, v0, rows)
+                self.dense.gemm(stream, p["head_in"], w, p["head_out"] + v0 * n * 4, n,
+                                rows, H, out_f32=True, accumulate=False)
+        self.rt.memcpy_dtoh(self._logits_host[: n * V], p["head_out"], stream)
+        return w
+
+    def _unpack(self, out: np.ndarray, at: int, n: int) -> None:
+        """Rows at .. at + n of out from the pinned buffer's n rows (per head slice, one
+        block [n, rows of the slice])."""
+        host = self._logits_host[: n * self.spec.vocab]
+        for v0, rows in head_slices(self.spec.vocab, self.layout.head_direct):
+            out[at: at + n, v0: v0 + rows] = host[v0 * n: (v0 + rows) * n].reshape(n, rows)
 
     def sample_last(self, stream: Stream, params: SamplingParams,
                     seen: Sequence[int], step: int) -> int:

@@ -72,7 +72,7 @@ from .attention import ReferenceDense
 if TYPE_CHECKING:
     from ...config.engine_config import EngineConfig
     from ...models.qwen3.weights import Qwen3Model
-    from ...schedule.driver import HostContext, Replay
+    from ...schedule.executor import HostContext, Replay
     from ...schedule.split import Part
     from ...weights.model import Model
 
@@ -115,7 +115,7 @@ class ReferenceBackend:
     #: everything runs on the host, so host time is the wall time
     host_is_wall = True
     can_capture = False
-    #: a whole model sets these at open (see driver.Executor and driver.Backend)
+    #: a whole model sets these at open (see schedule.executor: Executor and Backend)
     dense_ring: int | None = None
     kv_capacity = 0
     #: GatherRouted reads the routing of its layer (a decode step's plan runs here too)

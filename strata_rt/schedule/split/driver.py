@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from ...weights.layer_formats import LayerFormats
     from ...weights.model import Model, MoESpec
     from ...weights.store import ExpertStore
-    from ..driver import Backend, HostContext
+    from ..executor import Backend, HostContext
     from ..plan import InputKind, LogitRows
 
 #: the backends whose executors run a split's hand-offs
