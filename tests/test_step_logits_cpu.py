@@ -13,6 +13,7 @@ from _fake_runtime import FakeStream
 import strata_rt.backends.cuda.dense.kernels as dk
 from strata_rt.engine import Engine, EngineConfig
 from strata_rt.models.qwen3 import Qwen3Model, Qwen3Spec
+from strata_rt.schedule.plan_keys import DECODE_KEY, GEMV_DECODE_KEY
 from strata_rt.weights.model import SMALL_SPEC
 
 
@@ -78,6 +79,12 @@ def test_a_decode_step_reads_its_logits_after_its_routing_wait(fake, monkeypatch
             assert len(after) == 2, (step, events)
             assert eng.kv_length == 6 + step
         assert eng.driver.graph_trials[eng.driver.decode_key].get("choice") is not None
+        # the key is worked out once per decode setting, and follows the setting per step
+        other = "routed" if decode == "gemv" else "gemv"
+        keys = {decode: eng.driver.decode_key}
+        eng.config.decode = other
+        keys[other] = eng.driver.decode_key
+        assert keys["gemv"] == GEMV_DECODE_KEY and keys["routed"] == DECODE_KEY
 
 
 def test_all_rows_still_wait_block_by_block(fake, monkeypatch):
