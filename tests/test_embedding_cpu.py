@@ -394,8 +394,9 @@ def _fake_engine(fake, monkeypatch, model: Qwen3Model, **kw) -> tuple[Engine, li
             (dst, host.nbytes, host.dtype))
     for b in getattr(eng.backend, "backends", [eng.backend]):
         if b._whole is not None and b._whole.has_head:
-            monkeypatch.setattr(b._whole, "run_logits", lambda stream, op, T: np.zeros(
-                (1 if op.rows == "last" else T, SPEC.vocab), np.float32))
+            # no head launches: each Logits op leaves zeros
+            monkeypatch.setattr(b._whole, "logits_op", lambda stream, op, T, w=b._whole: setattr(
+                w, "logits", np.zeros((1 if op.rows == "last" else T, SPEC.vocab), np.float32)))
     return eng, htod
 
 
