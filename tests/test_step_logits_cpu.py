@@ -50,16 +50,22 @@ def _log_host_waits(monkeypatch: pytest.MonkeyPatch, rt, vocab: int) -> list[tup
     return events
 
 
-@pytest.mark.parametrize("decode", ["routed", "gemv"])
-def test_a_decode_step_reads_its_logits_after_its_routing_wait(fake, monkeypatch, decode):
+def _engine(monkeypatch: pytest.MonkeyPatch, **kw) -> tuple[Engine, Qwen3Spec]:
+    """A small whole model on the fake runtime, every expert resident."""
     monkeypatch.setattr(dk, "Cublas", _Cublas)
     spec = Qwen3Spec(n_layers=SMALL_SPEC.n_layers, hidden=SMALL_SPEC.hidden, n_heads=8,
                      n_kv_heads=2, head_dim=64, vocab=1000, ffn=SMALL_SPEC.ffn,
                      n_experts=SMALL_SPEC.n_experts, top_k=SMALL_SPEC.top_k, context=4096)
     whole = Qwen3Model.synthetic(spec, 3, "iq3_xxs")
     cfg = EngineConfig(model=whole, backend="cuda", expert_cache=spec.n_experts * spec.n_layers,
-                       check_plan=True, timing=False, context=512, prefill=64, decode=decode)
-    with Engine.open(cfg) as eng:
+                       check_plan=True, timing=False, context=512, **kw)
+    return Engine.open(cfg), spec
+
+
+@pytest.mark.parametrize("decode", ["routed", "gemv"])
+def test_a_decode_step_reads_its_logits_after_its_routing_wait(fake, monkeypatch, decode):
+    eng, spec = _engine(monkeypatch, prefill=64, decode=decode)
+    with eng:
         rt = fake["rt"]
         rt.tokens = 5
         eng.prefill(np.arange(5) % spec.vocab)
@@ -90,14 +96,8 @@ def test_a_decode_step_reads_its_logits_after_its_routing_wait(fake, monkeypatch
 def test_all_rows_still_wait_block_by_block(fake, monkeypatch):
     """More rows than one block of the head (all_logits over 70 tokens: LOGIT_ROWS = 64) keep
     run_logits' wait per block; every row comes back."""
-    monkeypatch.setattr(dk, "Cublas", _Cublas)
-    spec = Qwen3Spec(n_layers=SMALL_SPEC.n_layers, hidden=SMALL_SPEC.hidden, n_heads=8,
-                     n_kv_heads=2, head_dim=64, vocab=1000, ffn=SMALL_SPEC.ffn,
-                     n_experts=SMALL_SPEC.n_experts, top_k=SMALL_SPEC.top_k, context=4096)
-    whole = Qwen3Model.synthetic(spec, 3, "iq3_xxs")
-    cfg = EngineConfig(model=whole, backend="cuda", expert_cache=spec.n_experts * spec.n_layers,
-                       timing=False, context=512, prefill=128)
-    with Engine.open(cfg) as eng:
+    eng, spec = _engine(monkeypatch, prefill=128)
+    with eng:
         rt = fake["rt"]
         rt.tokens = 70
         events = _log_host_waits(monkeypatch, rt, spec.vocab)
