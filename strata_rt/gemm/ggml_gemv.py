@@ -60,8 +60,7 @@ _HEADER_TEXT = GEMV_HEADER.read_text()
 GEMV_WARPS = _constant_of(_HEADER_TEXT, "GEMV_WARPS")
 #: the same for the _host kernels of the expert products, launched where some of the experts
 #: lie in pinned host memory: more warps keep more loads in flight across PCIe, while on
-#: device memory they lose (bench/notes.md W56: 8 warps read host memory 22% faster and
-#: device memory 20% slower than 4)
+#: device memory they lose (bench/notes.md W56, W59)
 GEMV_HOST_WARPS = _constant_of(_HEADER_TEXT, "GEMV_HOST_WARPS")
 GEMV_THREADS = 32 * GEMV_WARPS
 #: weight rows of a tile (the tensor-core product's M): 8 gate/up output rows, 16 down rows

@@ -8,13 +8,13 @@ auto`), then as many resident experts as the budget holds (or the config's count
 
 Execution. Each plan op becomes one driver call on the stream the op names. The staging ring
 reads each layer's row bounds back on a stream of their own; the walk's kernels read them on
-the device, so the driver can capture the whole walk as a CUDA graph (`capture`). The chunk's input reaches the
-device at its ChunkInput op, behind a gate its host pass opens (chunk_input): hidden states,
-or a whole model's token ids, whose embedding rows the GPU then decodes into the residual
-(CudaWhole.embed). A second compute lane (strata_rt.schedule.lanes) brings its own stream and
-group buffers. Short chunks read fully resident groups in place (strata_rt.schedule.in_place);
-a decode step's RoutedExperts reads its experts where they lie (routed_experts). Each layer
-runs its format's kernels.
+the device, so the driver can capture the whole walk as a CUDA graph (`capture`). The chunk's
+input reaches the device at its ChunkInput op, behind a gate its host pass opens
+(chunk_input): hidden states, or token ids whose embedding rows the GPU decodes into the
+residual (CudaWhole.embed). A second compute lane (strata_rt.schedule.lanes) brings its own
+stream and group buffers. Short chunks read fully resident groups in place
+(strata_rt.schedule.in_place); a decode step's RoutedExperts reads its experts where they lie
+(routed_experts). Each layer runs its format's kernels.
 
 A layer split's part (strata_rt.backends.cuda.split_part) holds its own layers' router, norms,
 dense weights and KV cache, runs its hand-off ops and, unless it is the last, leaves its
@@ -252,10 +252,7 @@ class CudaBackend:
             self._whole.finish_chunk()
 
     def take_logits(self) -> np.ndarray:
-        logits = None if self._whole is None else self._whole.logits
-        if logits is None:
-            raise StrataError("no Logits op ran in this chunk")
-        return logits
+        return self._whole_ops().take_logits()
 
     def sample_last(self, params: Any, seen: Any, step: int) -> int:
         """The next token drawn on the GPU from the last chunk's logits (CudaWhole)."""

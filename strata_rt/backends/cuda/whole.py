@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ...errors import StrataError
 from ...gemm.ggml_gemv import GgmlGemv
 from ...gemm.ggml_rows import GgmlRows
 from ...models.qwen3.reference import rope_tables
@@ -303,6 +304,12 @@ class CudaWhole:
         self.logits = None
         if not self.enqueue_logits(stream, op, tokens):
             self.logits = self.run_logits(stream, op, tokens)
+
+    def take_logits(self) -> np.ndarray:
+        """The chunk's logits (after finish_chunk)."""
+        if self.logits is None:
+            raise StrataError("no Logits op ran in this chunk")
+        return self.logits
 
     def drop_logits(self) -> None:
         """A new chunk: no logits yet, none pending."""

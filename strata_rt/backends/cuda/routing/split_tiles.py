@@ -60,17 +60,12 @@ class WgmmaProducerTile(WgmmaSplitTile):
         return self.stages * (2 * self.bn * self.bk * 2 + 2 * self.bm * self.bk * 2) + 1024
 
 
-class WgmmaPresplitTile(WgmmaSplitTile):
+class WgmmaPresplitTile(WgmmaProducerTile):
     """One instantiation presplit_sm90<STAGES>: two warpgroups that copy x's finished fp16
-    parts (the split RMSNorm's output) and the router tiles, and multiply; no split."""
+    parts (the split RMSNorm's output) and the router tiles, and multiply; no split. Its
+    ring holds the producer tile's finished stages, so its shared memory is the same."""
 
     presplit = True
-
-    @property
-    def shared(self) -> int:
-        """Dynamic shared memory: STAGES stages of fp16 hi/lo router and x tiles, and 1024
-        bytes of alignment."""
-        return self.stages * (2 * self.bn * self.bk * 2 + 2 * self.bm * self.bk * 2) + 1024
 
 
 #: the schedules of routing_split_sm90.cu's tile lines, by function name
