@@ -256,14 +256,26 @@ class Engine:
         logits float32 [vocab] of the last position (all_logits: [tokens, vocab]) and the
         counters; the KV cache keeps the tokens for the next call."""
         if self.whole is not None:
-            return self._prefill_tokens(inputs, record_routing, all_logits)
+            return self._prefill_tokens(inputs, record_routing, "all" if all_logits else "last")
         if all_logits:
             raise ConfigError("all_logits needs a whole model; this engine runs MoE layers "
                               "alone", source="prefill")
         return self._prefill_hidden(inputs, record_routing)
 
+    def prefill_argmax(self, token_ids: np.ndarray, record_routing: bool = False
+                       ) -> tuple[int, Stats]:
+        """`prefill` of a whole model's token ids that returns the last position's greedy
+        token (the argmax, lowest id on ties) instead of its logits: a backend that can take
+        it where the logits are (the CUDA one) brings back the id alone. Logits holding NaN or
+        infinity raise NonFiniteError, as prefill's do."""
+        if self.whole is None:
+            raise ConfigError("the greedy token needs a whole model; this engine runs MoE "
+                              "layers alone", source="prefill")
+        token, stats = self._prefill_tokens(token_ids, record_routing, "argmax")
+        return int(token[0]), stats
+
     def _prefill_tokens(self, token_ids: np.ndarray, record_routing: bool,
-                        all_logits: bool) -> tuple[np.ndarray, Stats]:
+                        want: LogitRows) -> tuple[np.ndarray, Stats]:
         t0 = time.perf_counter()
         backend, whole = self._open_backend(), self.whole
         assert whole is not None
@@ -280,16 +292,25 @@ class Engine:
         stats, partial = self._start_stats(T, record_routing)
         n_chunks = stats.n_chunks
         logits: list[np.ndarray] = []
+        take_argmax = getattr(backend, "take_argmax", None)
+        host_argmax = want == "argmax" and take_argmax is None
+        if host_argmax:
+            want = "last"  # the row comes back; its argmax is taken below
         for c in range(n_chunks):
             lo, hi = c * C, min(T, (c + 1) * C)
             stats.chunk_index = c
-            rows: LogitRows | None = "all" if all_logits else (
-                "last" if c == n_chunks - 1 else None)
+            rows: LogitRows | None = want if want == "all" or c == n_chunks - 1 else None
             out = self._chunk(x[lo:hi], stats, first + lo, start=first + lo, logits=rows)
-            if rows is not None:
+            if rows == "argmax":
+                token = take_argmax()  # type: ignore[misc]
+                if token is None:
+                    raise NonFiniteError("the logits", None, first + hi - 1,
+                                         "holds NaN or infinity (checked on the device)")
+                logits.append(np.array([[token]], np.int64))
+            elif rows is not None:
                 chunk_logits = np.array(backend.take_logits(), dtype=np.float32)
-                # every backend's logits come back to the host: checked there (vocab floats
-                # a row), named by the position they belong to
+                # logits that come back to the host are checked there (vocab floats a row),
+                # named by the position they belong to
                 at = np.arange(first + lo, first + hi) if rows == "all" else [first + hi - 1]
                 check_finite(chunk_logits, "the logits", None, np.asarray(at))
                 logits.append(chunk_logits)
@@ -298,7 +319,10 @@ class Engine:
             if partial is not None:
                 dump_residual(partial, out, first + lo)
         self._finish(stats, partial, t0, T)
-        return (np.concatenate(logits) if all_logits else logits[-1][0]), stats
+        if want == "all":
+            return np.concatenate(logits), stats
+        last = logits[-1][0]
+        return (np.array([np.argmax(last)], np.int64) if host_argmax else last), stats
 
     def _chunk(self, x: np.ndarray, stats: Stats, offset: int, **kw: Any) -> np.ndarray:
         """driver.run_chunk, with a non-finite intermediate value named by its position in

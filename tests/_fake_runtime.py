@@ -73,6 +73,9 @@ class FakeArena:
     def ptr(self, name):
         return self.base_ptr + self.regions[name][0]
 
+    def free(self):
+        pass
+
     def view(self, name, dtype=np.uint8, shape=None):
         off, size = self.regions[name]
         arr = self._host[off: off + size].view(dtype)

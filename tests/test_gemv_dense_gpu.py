@@ -98,3 +98,47 @@ def test_gemv_dense_decode_follows_the_gemms(monkeypatch, types, head) -> None:
     print(f"{head}: logits NMSE gemv vs gemm per step {[f'{e:.2g}' for e in errs]}")
     assert max(errs) <= LOGITS_NMSE, errs
     assert max(errs) > 0  # the steps did take the matrix-vector kernels
+
+
+@pytest.mark.parametrize("rows, k, shift", [(83, 2048, 0), (37, 4096, 0), (5, 2056, 0),
+                                            (64, 24, 0), (83, 2048, 2)])
+def test_f16_rows_kernel_every_mode(rt, rng, rows, k, shift) -> None:
+    """F16 weights on 16 bytes take the warp-per-row kernel (shift 0: row lengths with and
+    without a whole unrolled run of loads), two bytes off them the tiled one (shift 2): both
+    within F32_NMSE of the float64 product, every mode, outputs poisoned first."""
+    w16 = (rng.standard_normal((rows, k)) / 4).astype(np.float16)
+    x = (rng.standard_normal(k) / np.sqrt(k)).astype(np.float16)
+    want = w16.astype(np.float64) @ x.astype(np.float64)
+    base = rng.standard_normal(rows).astype(np.float32)
+    g = GgmlGemv(rt)
+    s = rt.stream("f16 rows test")
+    raw = np.zeros(w16.nbytes + 16, np.uint8)
+    raw[shift: shift + w16.nbytes] = w16.view(np.uint8).reshape(-1)
+    bufs = [upload(rt, s, raw), upload(rt, s, x)]
+    d_w, d_x = bufs[0].ptr + shift, bufs[1].ptr
+    try:
+        for mode, dtype in (("f16", np.float16), ("f32", np.float32)):
+            out = poisoned(rt, s, rows * np.dtype(dtype).itemsize)
+            bufs.append(out)
+            g.dense(s, "F16", d_w, d_x, out.ptr, rows, k, mode)
+            got = download(rt, s, out, dtype, (rows,)).astype(np.float64)
+            if mode == "f32":
+                assert nmse(got, want) < F32_NMSE, (mode, nmse(got, want))
+            else:
+                np.testing.assert_allclose(got, want.astype(np.float16).astype(np.float64),
+                                           rtol=2e-3, atol=1e-4)
+        acc = upload(rt, s, base)
+        bufs.append(acc)
+        g.dense(s, "F16", d_w, d_x, acc.ptr, rows, k, "add_f32")
+        added = download(rt, s, acc, np.float32, (rows,), check_tail=False).astype(np.float64)
+        assert nmse(added, base + want) < F32_NMSE
+        # the same launch twice gives the same bytes (a fixed order of the sums)
+        out1, out2 = poisoned(rt, s, rows * 4), poisoned(rt, s, rows * 4)
+        bufs += [out1, out2]
+        for o in (out1, out2):
+            g.dense(s, "F16", d_w, d_x, o.ptr, rows, k, "f32")
+        assert np.array_equal(download(rt, s, out1, np.uint32, (rows,)),
+                              download(rt, s, out2, np.uint32, (rows,)))
+    finally:
+        for b in bufs:
+            b.free()

@@ -42,6 +42,8 @@ from strata_rt.gemm.ggml_gemv import (
     GEMV_WARPS,
     HOST_PARTS,
     PARTS,
+    ROWS_SOURCE,
+    ROWS_WARPS,
     GgmlGemv,
     host_warps,
     stage_span,
@@ -265,20 +267,22 @@ def test_host_kernels_are_built_for_the_warps_the_launcher_gives(tmp_path, name,
         assert got <= 48 * 1024
 
 
-@pytest.mark.parametrize("name,rows,k", [("Q4_K", 5120, 2048), ("F16", 2048, 4096),
-                                         ("Q8_0", 40, 288)])
-def test_gemv_dense_launch_geometry_and_refusals(name, rows, k):
+@pytest.mark.parametrize("name,rows,k,w", [("Q4_K", 5120, 2048, 1 << 20),
+                                           ("F16", 2048, 4096, (1 << 20) + 2),
+                                           ("Q8_0", 40, 288, 1 << 20)])
+def test_gemv_dense_launch_geometry_and_refusals(name, rows, k, w):
     """A dense matrix times one row: tiles of 16 rows, one warp per K stage up to GEMV_WARPS,
-    the mode as its number; bad modes, lengths and addresses are refused, named."""
+    the mode as its number; bad modes, lengths and addresses are refused, named. (F16 weights
+    off 16 bytes: F16 on 16 bytes takes the warp-per-row kernel, the test below.)"""
     rt = _Runtime()
     gv = GgmlGemv(rt)  # type: ignore[arg-type]
     d = gv.decoder(name)
     for mode, code in DENSE_MODES.items():
-        gv.dense(None, name, 1 << 20, 1 << 21, 1 << 22, rows, k, mode)
+        gv.dense(None, name, w, 1 << 21, 1 << 22, rows, k, mode)
         call = rt.kernels[f"ggml_gemv_dense_{name}"].calls[-1]
         assert call.grid == (-(-rows // 16), 1, 1)
         assert call.block == (32 * min(GEMV_WARPS, -(-k // stage_values(d))), 1, 1)
-        assert call.args == (1 << 20, 1 << 21, 1 << 22, rows, k, code)
+        assert call.args == (w, 1 << 21, 1 << 22, rows, k, code)
     assert rt.kernels[f"ggml_gemv_dense_{name}"].arg_types == DENSE_ARG_TYPES  # type: ignore
     with pytest.raises(FormatError, match="mode"):
         gv.dense(None, name, 1 << 20, 1 << 21, 1 << 22, rows, k, "bf16")
@@ -286,6 +290,24 @@ def test_gemv_dense_launch_geometry_and_refusals(name, rows, k):
         gv.dense(None, name, 1 << 20, 1 << 21, 1 << 22, rows, k + 4, "f32")
     with pytest.raises(FormatError, match="16 bytes"):
         gv.dense(None, name, 1 << 20, (1 << 21) + 8, 1 << 22, rows, k, "f32")
+
+
+@pytest.mark.parametrize("rows", [1, 5120, 151936])
+def test_f16_dense_on_16_bytes_takes_a_warp_per_row(rows):
+    """F16 weights on 16 bytes: gemv_f16_rows, ROWS_WARPS rows a block, loaded with the
+    tiled kernel (ahead of any capture), the tiled kernel not launched."""
+    rt = _Runtime()
+    gv = GgmlGemv(rt)  # type: ignore[arg-type]
+    gv.kernel("F16", "dense")
+    assert "gemv_f16_rows" in rt.kernels
+    for mode, code in DENSE_MODES.items():
+        gv.dense(None, "F16", 1 << 20, 1 << 21, 1 << 22, rows, 2048, mode)
+        call = rt.kernels["gemv_f16_rows"].calls[-1]
+        assert call.grid == (-(-rows // ROWS_WARPS), 1, 1) and call.block == (32 * ROWS_WARPS, 1, 1)
+        assert call.args == (1 << 20, 1 << 21, 1 << 22, rows, 2048, code)
+    assert not rt.kernels["ggml_gemv_dense_F16"].calls
+    text = ROWS_SOURCE.read_text()
+    assert f"#define ROWS_WARPS {ROWS_WARPS}" in text
 
 
 @pytest.mark.parametrize("name", ["Q4_K", "F16", "IQ3_XXS", "MXFP4"])

@@ -2,7 +2,9 @@
 same id, exactly, on fresh random logits (ties, -inf, -0, saturating values) for many seeds,
 steps and parameter sets, the id written into a poisoned output and the logits left as they
 were; the kernel's error codes; the device sampler of a whole model's decode against numpy on
-the logits the engine returned at each step."""
+the logits the engine returned at each step; the greedy step's device argmax against numpy's
+argmax (ties, -0 against +0, rows of every length) and its NaN/infinity flag, and greedy
+decoding through it against the host argmax of each step's logits."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from _device_buffers import download, poisoned, upload
 from strata_rt.backends.cuda.sampling_kernels import (
     ALL_MASKED,
     BAD_LOGITS,
+    DeviceArgmax,
     DeviceSampler,
     SamplingKernels,
 )
@@ -192,3 +195,73 @@ def test_engine_samples_on_the_device_as_numpy_does_on_its_logits() -> None:
     for step, (logits, token) in enumerate(zip(rows, result.ids)):
         assert token == sample(logits, params, seen, step), step
         seen.append(token)
+
+
+def _device_argmax(rt, s, am: DeviceArgmax, row: np.ndarray) -> int | None:
+    d = upload(rt, s, row)
+    try:
+        am.enqueue(s, d.ptr, row.size)
+        s.synchronize()
+        token = am.token()
+        back = download(rt, s, d, np.float32, (row.size,), check_tail=False)
+        assert np.array_equal(back.view(np.uint32), row.view(np.uint32))  # read, not written
+        return token
+    finally:
+        d.free()
+
+
+@pytest.mark.parametrize("vocab", [1, 37, 255, 256, 2049, QWEN_VOCAB, 1_000_003])
+def test_device_argmax_is_numpys(rt, rng, vocab) -> None:
+    s = rt.stream("argmax")
+    am = DeviceArgmax(rt)
+    try:
+        for kind in ("normal", "ties", "coarse", "huge"):
+            for _ in range(4):
+                if kind == "coarse":  # few distinct values: ties everywhere
+                    row = rng.integers(-3, 3, vocab).astype(np.float32)
+                elif kind == "huge":
+                    row = random_logits(rng, vocab, "normal")
+                    row[rng.integers(0, vocab, 2)] = rng.choice([3e38, -3e38], 2)
+                else:
+                    row = random_logits(rng, vocab, kind)
+                assert _device_argmax(rt, s, am, row) == int(np.argmax(row)), (kind, vocab)
+        # -0 equals +0: the first of them wins, whichever sign it has
+        zeros = np.zeros(vocab, np.float32)
+        zeros[vocab // 2:] = -0.0
+        zeros[0] = -0.0 if vocab > 1 else 0.0
+        assert _device_argmax(rt, s, am, zeros) == 0
+        below = np.full(vocab, -5.0, np.float32)
+        below[-1] = 0.0
+        if vocab > 2:
+            below[vocab // 2] = -0.0
+        assert _device_argmax(rt, s, am, below) == (vocab // 2 if vocab > 2 else vocab - 1)
+        for bad in (np.nan, np.inf, -np.inf):
+            row = random_logits(rng, vocab, "normal")
+            row[int(rng.integers(0, vocab))] = bad
+            assert _device_argmax(rt, s, am, row) is None, bad
+        row = random_logits(rng, vocab, "normal")  # the flag does not stick
+        assert _device_argmax(rt, s, am, row) == int(np.argmax(row))
+    finally:
+        am.close()
+
+
+def test_greedy_decode_takes_the_host_argmax_of_each_steps_logits() -> None:
+    """Greedy decoding on the CUDA backend (each step's token taken on the device) against
+    the same engine stepping by prefill and numpy's argmax of the returned logits."""
+    from strata_rt.engine import Engine
+    from strata_rt.models.qwen3 import Qwen3Model, Qwen3Spec
+    from strata_rt.text.generate import EngineSession, generate
+
+    spec = Qwen3Spec(n_layers=2, hidden=256, n_heads=4, n_kv_heads=2, head_dim=64, vocab=3000,
+                     ffn=256, n_experts=8, top_k=2, context=256)
+    model = Qwen3Model.synthetic(spec, 9, "fp16")
+    prompt = np.random.default_rng(4).integers(0, spec.vocab, 12)
+    with Engine.open({"model": model, "backend": "cuda", "expert_cache": 16}) as engine:
+        result = generate(EngineSession(engine), prompt, 20, None)
+        engine.reset()
+        logits, _ = engine.prefill(prompt)
+        want = [int(np.argmax(logits))]
+        while len(want) < 20:
+            logits, _ = engine.prefill(np.array([want[-1]]))
+            want.append(int(np.argmax(logits)))
+    assert result.ids == want

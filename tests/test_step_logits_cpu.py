@@ -11,9 +11,12 @@ import pytest
 from _fake_runtime import FakeStream
 
 import strata_rt.backends.cuda.dense.kernels as dk
+from strata_rt.backends.nonfinite import NonFiniteError
 from strata_rt.engine import Engine, EngineConfig
 from strata_rt.models.qwen3 import Qwen3Model, Qwen3Spec
 from strata_rt.schedule.plan_keys import DECODE_KEY, GEMV_DECODE_KEY
+from strata_rt.text.generate import generate
+from strata_rt.text.sampling import SamplingParams
 from strata_rt.weights.model import SMALL_SPEC
 
 
@@ -105,3 +108,94 @@ def test_all_rows_still_wait_block_by_block(fake, monkeypatch):
         assert logits.shape == (70, spec.vocab)
         blocks = [i for i, e in enumerate(events) if e[0] == "logits"]
         assert len(blocks) == 2 and all(events[i + 1][0] == "wait" for i in blocks)
+
+
+def _device_keys(monkeypatch: pytest.MonkeyPatch, rt, token: int, flag: int = 0,
+                 events: list | None = None) -> None:
+    """The argmax result's copy (uint64 [2]) leaves the key of `token` (the value key of 1.0
+    above the id's complement) and `flag`, as logits_argmax would; logged in `events`."""
+    copy = rt.memcpy_dtoh
+
+    def dtoh(host, src, stream):
+        copy(host, src, stream)
+        if host.dtype == np.uint64 and host.size == 2:
+            host[0] = (0xBF800000 << 32) | (0xFFFFFFFF - token)
+            host[1] = flag
+            if events is not None:
+                events.append(("argmax", stream.name))
+
+    monkeypatch.setattr(rt, "memcpy_dtoh", dtoh)
+
+
+@pytest.mark.parametrize("decode", ["routed", "gemv"])
+def test_a_greedy_step_brings_back_its_token_alone(fake, monkeypatch, decode):
+    """prefill_argmax: the head's row stays on the device (no copy of vocab floats), the
+    argmax kernel's 16 bytes come back with the chunk's one wait, the id is what they name."""
+    eng, spec = _engine(monkeypatch, prefill=64, decode=decode)
+    with eng:
+        rt = fake["rt"]
+        rt.tokens = 5
+        eng.prefill(np.arange(5) % spec.vocab)
+        for step in range(3):
+            rt.tokens = 1
+            monkeypatch.undo()  # one wrapper of memcpy_dtoh at a time
+            monkeypatch.setattr(dk, "Cublas", _Cublas)
+            events = _log_host_waits(monkeypatch, rt, spec.vocab)
+            _device_keys(monkeypatch, rt, 321 + step, events=events)
+            before = len(rt.launches)
+            token, stats = eng.prefill_argmax(np.array([7 + step]))
+            assert token == 321 + step and stats.tokens == 1
+            assert ("logits", "compute") not in events, events
+            at = events.index(("argmax", "compute"))
+            assert events.count(("argmax", "compute")) == 1
+            assert at < events.index(("int32", "compute"))  # before the routing's readback
+            waits = [i for i, e in enumerate(events) if e[0] == "wait" and i > at]
+            assert len(waits) == 2, (step, events)
+            assert "logits_argmax" in rt.launches[before:]
+            assert eng.kv_length == 6 + step
+        # a row with NaN or Inf is refused, named by its position, as prefill's logits are
+        _device_keys(monkeypatch, rt, 5, flag=1)
+        with pytest.raises(NonFiniteError, match="position 8"):
+            eng.prefill_argmax(np.array([9]))
+
+
+def test_prefill_argmax_on_the_numpy_backend_is_the_argmax_of_prefill():
+    """Without a device argmax the row comes back and the engine takes its argmax."""
+    spec = Qwen3Spec(n_layers=2, hidden=256, n_heads=4, n_kv_heads=2, head_dim=64, vocab=300,
+                     ffn=256, n_experts=8, top_k=2, context=64)
+    whole = Qwen3Model.synthetic(spec, 5, "iq3_xxs")
+    with Engine.open(EngineConfig(model=whole, backend="reference", context=64)) as eng:
+        logits, _ = eng.prefill(np.array([3, 1, 4]))
+        eng.reset()
+        token, _ = eng.prefill_argmax(np.array([3, 1, 4]))
+        assert token == int(np.argmax(logits)) and eng.kv_length == 3
+
+
+class _GreedySession:
+    """A LogitsSession whose greedy steps come from prefill_argmax (recorded)."""
+
+    def __init__(self):
+        self.kv_length, self.context, self.vocab = 0, 64, 10
+        self.calls: list[str] = []
+
+    def prefill(self, token_ids, all_logits=False):
+        self.calls.append("prefill")
+        self.kv_length += len(token_ids)
+        return np.eye(self.vocab, dtype=np.float32)[(self.kv_length * 3) % self.vocab], None
+
+    def prefill_argmax(self, token_ids):
+        self.calls.append("argmax")
+        self.kv_length += len(token_ids)
+        return (self.kv_length * 3) % self.vocab, None
+
+    def reset(self):
+        self.kv_length = 0
+
+
+def test_greedy_steps_take_the_token_alone_and_sampled_ones_the_logits():
+    s = _GreedySession()
+    out = generate(s, [1, 2], 4, eos_id=None)
+    assert out.ids == [6, 9, 2, 5] and s.calls == ["prefill"] + ["argmax"] * 3
+    s.calls.clear()
+    generate(s, [1, 2], 3, eos_id=None, sampling=SamplingParams(temperature=0.7, seed=1))
+    assert s.calls == ["prefill"] * 3

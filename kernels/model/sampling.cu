@@ -261,3 +261,43 @@ sample_logits(const float* __restrict__ logits, int vocab, const int* __restrict
         out[0] = (int)(0xFFFFFFFFu - (uint32_t)(cand[at] & 0xFFFFFFFFull));
     }
 }
+
+// ---------------------------------------------------------------------------- greedy
+// The greedy token of one row of logits without the row leaving the device: the argmax with
+// numpy's tie rule (the lowest id among equal maxima; -0 equals +0, so both are keyed as +0),
+// and a flag for any NaN or infinity, which the host refuses as it refuses such logits itself.
+// Each thread keeps the best 64-bit key (value key << 32 | ~id: the larger key is the larger
+// value, then the lower id) of a grid-stride run, the block folds its keys, and one atomicMax
+// per block folds the grid's into best[0]. result: best (uint64) then the flag (uint32), zeroed
+// by the launcher before each launch; a finite logit's key is never 0.
+#define ARGMAX_THREADS 256
+
+extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS)
+logits_argmax(const float* __restrict__ logits, int vocab, unsigned long long* __restrict__ result) {
+    __shared__ unsigned long long warp_best[ARGMAX_THREADS / 32];
+    unsigned long long key = 0ull;
+    int nonfinite = 0;
+    for (int i = blockIdx.x * ARGMAX_THREADS + threadIdx.x; i < vocab; i += gridDim.x * ARGMAX_THREADS) {
+        const float v = logits[i];
+        if (!isfinite(v)) {
+            nonfinite = 1;
+            continue;
+        }
+        const unsigned long long k =
+            ((unsigned long long)sample_key(__fadd_rn(v, 0.0f)) << 32) | (unsigned long long)(~(uint32_t)i);
+        key = k > key ? k : key;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const unsigned long long other = __shfl_xor_sync(0xffffffffu, key, o);
+        key = other > key ? other : key;
+    }
+    if ((threadIdx.x & 31) == 0) warp_best[threadIdx.x >> 5] = key;
+    nonfinite = __syncthreads_or(nonfinite);  // also the barrier after warp_best
+    if (threadIdx.x == 0) {
+#pragma unroll
+        for (int w = 1; w < ARGMAX_THREADS / 32; ++w) key = warp_best[w] > key ? warp_best[w] : key;
+        if (key != 0ull) atomicMax(result, key);
+        if (nonfinite) atomicOr(reinterpret_cast<unsigned*>(result + 1), 1u);
+    }
+}

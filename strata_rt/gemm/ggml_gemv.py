@@ -33,6 +33,10 @@ if TYPE_CHECKING:
     from ..runtime import Runtime
 
 GEMV_SOURCE = KERNELS_ROOT / "ggml" / "gemv.cu"
+#: the F16 dense product a warp per row (gemv_f16_rows.cu), where the weights lie on 16 bytes
+ROWS_SOURCE = KERNELS_ROOT / "ggml" / "gemv_f16_rows.cu"
+#: output rows of a block of gemv_f16_rows (its ROWS_WARPS)
+ROWS_WARPS = 4
 GEMV_HEADER = KERNELS_ROOT / "ggml" / "gemv.cuh"
 #: argument types: experts, offset, ids, row_of, acts, out, hidden, ffn
 GEMV_ARG_TYPES = "PqPPPPii"
@@ -138,13 +142,17 @@ class GgmlGemv(DecoderModule):
         if key not in self._kernels:
             types = DENSE_ARG_TYPES if part == "dense" else GEMV_ARG_TYPES
             self._kernels[key] = self.module_of(d.name).kernel(kernel_name(d, part), types)
+            if part == "dense" and d.name == "F16":  # loaded with it, ahead of any capture
+                self._kernels[("F16", "rows")] = self.runtime.module(ROWS_SOURCE).kernel(
+                    "gemv_f16_rows", DENSE_ARG_TYPES)
         return self._kernels[key]
 
     def dense(self, stream: Any, gtype: GgmlKey, w: int, x: int, out: int, rows: int, k: int,
               mode: str) -> None:
         """One token's row through a dense matrix in its own type: out [rows] of W [rows, k]
         (type gtype, rows one after another from w) times fp16 x [k]; mode (DENSE_MODES)
-        "f16" writes fp16, "f32" float32, "add_f32" adds float32 into out."""
+        "f16" writes fp16, "f32" float32, "add_f32" adds float32 into out. F16 weights on 16
+        bytes take gemv_f16_rows (a warp per row), every other case the tiled gemv_dense."""
         d = self.decoder(gtype)
         if mode not in DENSE_MODES:
             raise FormatError(f"dense matrix-vector mode {mode!r}: one of "
@@ -157,7 +165,14 @@ class GgmlGemv(DecoderModule):
             raise FormatError(f"{d.name} dense matrix-vector product: device addresses needed, "
                               "the input on 16 bytes, the weights on 2, the output on its "
                               "element")
-        self.kernel(d, "dense").launch(
+        kernel = self.kernel(d, "dense")
+        if d.name == "F16" and w % 16 == 0:  # a warp per row: nothing to decode or stage
+            self._kernels[("F16", "rows")].launch(
+                grid=(-(-rows // ROWS_WARPS), 1, 1), block=(32 * ROWS_WARPS, 1, 1),
+                stream=stream, args=(int(w), int(x), int(out), int(rows), int(k),
+                                     DENSE_MODES[mode]))
+            return
+        kernel.launch(
             grid=(-(-rows // GEMV_ROWS), 1, 1), block=(32 * gemv_warps(d, k), 1, 1),
             stream=stream, args=(int(w), int(x), int(out), int(rows), int(k),
                                  DENSE_MODES[mode]))

@@ -310,8 +310,9 @@ class HandOff:
     stream: StreamName = field(default="compute", init=False)
 
 
-#: Logits rows: the chunk's last position only, or every position
-LogitRows = Literal["last", "all"]
+#: Logits rows: the chunk's last position only, every position, or the last position's greedy
+#: token only (its argmax, where the backend can take it without bringing the row back)
+LogitRows = Literal["last", "all", "argmax"]
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,10 @@ repetition penalty's ids, the step index (0 for the first new token) and the see
 that can draw on its device (`sample_on_device`: the CUDA backend) does, else the numpy
 definition runs on the host logits; greedy parameters (temperature 0, no penalty) take the
 argmax path above, unchanged.
+
+A greedy step on a session with `prefill_argmax` (EngineSession) asks for the token alone: the
+CUDA backend takes the argmax where the head left the logits, with numpy's tie rule and the
+same refusal of NaN or Inf, so the ids are those of the host argmax and only the id comes back.
 """
 
 from __future__ import annotations
@@ -135,6 +139,10 @@ class EngineSession:
 
     def reset(self) -> None:
         self.engine.reset()
+
+    def prefill_argmax(self, token_ids: Any) -> tuple[int, Stats | None]:
+        """prefill, returning the last position's greedy token instead of its logits."""
+        return self.engine.prefill_argmax(np.asarray(token_ids, dtype=np.int64))
 
     def sample_on_device(self, params: SamplingParams, seen: Sequence[int], step: int
                          ) -> int | None:
@@ -335,11 +343,17 @@ def _decode(session: LogitsSession, result: GenerateResult, logits: np.ndarray, 
     result.ids.append(token)
     if on_token is not None:
         on_token(token)
+    # a greedy step's token straight from the session, where it can take it on its device
+    step_argmax = getattr(session, "prefill_argmax", None) if choose.params is None else None
     try:
         while token != eos_id and len(result.ids) < max_new:
             t0 = time.perf_counter()
-            logits, stats = session.prefill(np.array([token], np.int64))
-            token = choose(logits, session.kv_length - 1)
+            if step_argmax is not None:
+                token, stats = step_argmax(np.array([token], np.int64))
+                choose.step += 1
+            else:
+                logits, stats = session.prefill(np.array([token], np.int64))
+                token = choose(logits, session.kv_length - 1)
             result.step_wall_s.append(time.perf_counter() - t0)
             result.step_host_s.append(_add(result, stats))
             result.ids.append(token)

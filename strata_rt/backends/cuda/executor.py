@@ -254,8 +254,10 @@ class CudaBackend:
     def take_logits(self) -> np.ndarray:
         return self._whole_ops().take_logits()
 
+    def take_argmax(self) -> int | None:
+        return self._whole_ops().take_argmax()
+
     def sample_last(self, params: Any, seen: Any, step: int) -> int:
-        """The next token drawn on the GPU from the last chunk's logits (CudaWhole)."""
         return self._whole_ops().sample_last(self._device().compute, params, seen, step)
 
     def route_layer(self, layer: int) -> None:

@@ -3,7 +3,9 @@ model's decode uses: the next token drawn on the GPU from the logits the output 
 there, so that a sampled step brings back one id, as a greedy one could.
 
 `SamplingKernels.sample` is the bare launch (device pointers in, the id written on the device),
-what the GPU tests compare with strata_rt.text.sampling.sample. `DeviceSampler` owns the few
+what the GPU tests compare with strata_rt.text.sampling.sample. `DeviceArgmax` is the greedy
+step's: the argmax of the head's row (numpy's tie rule) and a NaN/infinity flag, 16 bytes back
+instead of the row. `DeviceSampler` owns the few
 bytes a decode step needs (the penalised ids, the id, a pinned copy of each) and returns the
 id to the host. The logits are read, never written: the host copy the engine makes of them
 stays what the kernel saw.
@@ -67,6 +69,52 @@ class SamplingKernels:
                                   float(sp.temperature), sp.candidates, sp.top_p, sp.min_p,
                                   signed_seed(params.seed), int(step), out),
                             shared=shared_bytes(vocab))
+
+
+#: ARGMAX_THREADS in sampling.cu
+ARGMAX_THREADS = 256
+#: blocks of an argmax launch at most (two per SM of an H100 / H200; each strides the row)
+ARGMAX_BLOCKS = 264
+#: result bytes of an argmax launch: the uint64 key, the uint32 flag, padding
+ARGMAX_RESULT = 16
+
+
+def argmax_of_key(key: int) -> int:
+    """The id a logits_argmax key names (its low 32 bits hold the id's complement)."""
+    return 0xFFFFFFFF - (key & 0xFFFFFFFF)
+
+
+class DeviceArgmax:
+    """The greedy token of one float32 row on the device: `enqueue` clears the result, launches
+    logits_argmax and copies its 16 bytes into pinned memory without waiting; `token` reads them
+    once the stream has been synchronized (None: the row holds NaN or infinity)."""
+
+    def __init__(self, rt: Runtime):
+        self.rt = rt
+        self._kernel = rt.module(SAMPLING_SOURCE).kernel("logits_argmax", "PiP")
+        self._host = rt.pinned({"result": ARGMAX_RESULT})
+        self._result_host = self._host.view("result", np.uint64)
+        self._dev = rt.device_arena({"result": ARGMAX_RESULT})
+
+    def enqueue(self, stream: Stream, logits: int, vocab: int) -> None:
+        if not 0 < vocab < 2**31:
+            raise StrataError(f"an argmax over {vocab} logits")
+        out = self._dev.ptr("result")
+        self.rt.memset_d8(out, 0, ARGMAX_RESULT, stream)
+        blocks = min(ARGMAX_BLOCKS, -(-vocab // ARGMAX_THREADS))
+        self._kernel.launch(grid=(blocks, 1, 1), block=(ARGMAX_THREADS, 1, 1), stream=stream,
+                            args=(logits, vocab, out))
+        self._result_host[:] = 0
+        self.rt.memcpy_dtoh(self._result_host, out, stream)
+
+    def token(self) -> int | None:
+        """The argmax the last enqueue's copy left (after its stream was synchronized)."""
+        key, flag = int(self._result_host[0]), int(self._result_host[1])
+        return None if flag & 1 or key == 0 else argmax_of_key(key)
+
+    def close(self) -> None:
+        self._dev.free()
+        self._host.free()
 
 
 class DeviceSampler:

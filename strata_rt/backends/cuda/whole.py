@@ -28,7 +28,9 @@ each slice's GEMM (once per call when one slice holds the vocabulary, else once 
 Nothing here synchronises except Logits, which the chunk's end would wait for anyway.
 
 A sampled decode step draws its token from the last Logits op's row where the head left it
-(`sample_last`, strata_rt.backends.cuda.sampling_kernels): one id comes back for it.
+(`sample_last`, strata_rt.backends.cuda.sampling_kernels): one id comes back for it. A greedy
+one (Logits rows "argmax") takes the row's argmax there (DeviceArgmax): 16 bytes come back
+instead of the row, read after the chunk's one wait (`take_argmax`).
 
 The token embedding (on the device that looks token ids up, sizing.embeds) goes to the device
 once too, in its GGUF type (a tied head's bytes serve it where the head is on this device);
@@ -67,7 +69,7 @@ if TYPE_CHECKING:
     from ...models.qwen3.weights import Qwen3Model
     from ...runtime import Runtime, Stream
     from ...text.sampling import SamplingParams
-    from .sampling_kernels import DeviceSampler
+    from .sampling_kernels import DeviceArgmax, DeviceSampler
 
 
 def _no_mark(phase: str) -> None:
@@ -175,6 +177,11 @@ class CudaWhole:
         #: rows whose logits enqueue_logits left in the pinned buffer (None: none pending)
         self._pending_rows: int | None = None
         self._sampler: DeviceSampler | None = None  # opened by the first sampled step
+        self._argmax: DeviceArgmax | None = None  # opened by the first greedy step
+        #: whether the last Logits op left an argmax to read; the token it read (None: the
+        #: row held NaN or infinity)
+        self._pending_argmax = False
+        self.token: int | None = None
 
     def _upload(self, stream: Stream) -> None:
         rt, spec, p, layout = self.rt, self.spec, self.ptr, self.layout
@@ -311,14 +318,23 @@ class CudaWhole:
             raise StrataError("no Logits op ran in this chunk")
         return self.logits
 
+    def take_argmax(self) -> int | None:
+        """The chunk's greedy token (after finish_chunk; None: its logits held NaN or Inf)."""
+        if self._argmax is None or self._pending_argmax:
+            raise StrataError("no Logits op over rows \"argmax\" ran in this chunk")
+        return self.token
+
     def drop_logits(self) -> None:
         """A new chunk: no logits yet, none pending."""
-        self.logits, self._pending_rows = None, None
+        self.logits, self._pending_rows, self._pending_argmax = None, None, False
 
     def finish_chunk(self) -> None:
-        """After the chunk's stream was synchronized: the rows enqueue_logits left."""
+        """After the chunk's stream was synchronized: the rows or the argmax enqueue_logits
+        left."""
         if self._pending_rows is not None:
             self.logits = self.collect_logits()
+        if self._pending_argmax and self._argmax is not None:
+            self.token, self._pending_argmax = self._argmax.token(), False
 
     def run_logits(self, stream: Stream, op: Logits, tokens: int) -> np.ndarray:
         """float32 [rows, vocab] (a new host array) of the last row or all rows of x, waiting
@@ -343,8 +359,17 @@ class CudaWhole:
         first = self._logit_rows(op, tokens)
         if tokens - first > LOGIT_ROWS:
             return False
-        self._enqueue_block(stream, tokens, first, first, tokens - first, 0)
-        self._pending_rows = tokens - first
+        greedy = op.rows == "argmax"
+        self._enqueue_block(stream, tokens, first, first, tokens - first, 0, copy=not greedy)
+        if not greedy:
+            self._pending_rows = tokens - first
+            return True
+        if self._argmax is None:
+            from .sampling_kernels import DeviceArgmax
+
+            self._argmax = DeviceArgmax(self.rt)
+        self._argmax.enqueue(stream, self.ptr["head_out"], self.spec.vocab)
+        self.token, self._pending_argmax = None, True
         return True
 
     def collect_logits(self) -> np.ndarray:
@@ -361,15 +386,15 @@ class CudaWhole:
         """The first row of x a Logits op reads (it reads through the last)."""
         if not self.has_head:
             raise RuntimeError("Logits on a split part before the last, which holds no head")
-        first = tokens - 1 if op.rows == "last" else 0
+        first = 0 if op.rows == "all" else tokens - 1
         self._one_row = tokens - first == 1  # then head slice v0's logits sit at v0
         return first
 
     def _enqueue_block(self, stream: Stream, tokens: int, first: int, r0: int, n: int,
-                       w: int) -> int:
-        """The head over rows r0 .. r0 + n of x into head_out and their copy into the pinned
-        buffer; w: the head slice decoded by an earlier block of the call (one slice is
-        decoded once per call). -> the slice decoded last."""
+                       w: int, copy: bool = True) -> int:
+        """The head over rows r0 .. r0 + n of x into head_out and (copy) their copy into the
+        pinned buffer; w: the head slice decoded by an earlier block of the call (one slice
+        is decoded once per call). -> the slice decoded last."""
         spec, p = self.spec, self.ptr
         H, V = spec.hidden, spec.vocab
         head_type = self.layout.head_type
@@ -385,7 +410,8 @@ class CudaWhole:
                     w = self.decode.head_slice(stream, p["head"], head_type, v0, rows)
                 self.dense.gemm(stream, p["head_in"], w, p["head_out"] + v0 * n * 4, n,
                                 rows, H, out_f32=True, accumulate=False)
-        self.rt.memcpy_dtoh(self._logits_host[: n * V], p["head_out"], stream)
+        if copy:
+            self.rt.memcpy_dtoh(self._logits_host[: n * V], p["head_out"], stream)
         return w
 
     def _unpack(self, out: np.ndarray, at: int, n: int) -> None:
@@ -408,9 +434,10 @@ class CudaWhole:
         return self._sampler.sample(stream, self.ptr["head_out"], params, seen, step)
 
     def close(self) -> None:
-        if self._sampler is not None:
-            self._sampler.close()
-            self._sampler = None
+        for owned in (self._sampler, self._argmax):
+            if owned is not None:
+                owned.close()
+        self._sampler = self._argmax = None
         if self.dense.cublas is not None:
             self.dense.cublas.destroy()
         self._host = self._store = None  # type: ignore[assignment]

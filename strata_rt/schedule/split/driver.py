@@ -84,6 +84,10 @@ class SplitBackend:
     def take_logits(self) -> np.ndarray:
         return self.backends[-1].take_logits()
 
+    def take_argmax(self) -> int | None:
+        """The greedy token the last part took on its device (CudaWhole.take_argmax)."""
+        return self.backends[-1].take_argmax()  # type: ignore[attr-defined]
+
     def max_chunk_tokens(self) -> int | None:
         limits = [f() for f in (getattr(b, "max_chunk_tokens", None) for b in self.backends)
                   if f is not None]
