@@ -265,9 +265,10 @@ class Engine:
     def prefill_argmax(self, token_ids: np.ndarray, record_routing: bool = False
                        ) -> tuple[int, Stats]:
         """`prefill` of a whole model's token ids that returns the last position's greedy
-        token (the argmax, lowest id on ties) instead of its logits: a backend that can take
-        it where the logits are (the CUDA one) brings back the id alone. Logits holding NaN or
-        infinity raise NonFiniteError, as prefill's do."""
+        token (the argmax, lowest id on ties) instead of its logits: under decode_argmax
+        "device" a backend that can take it where the logits are (the CUDA one) brings back
+        the id alone, else the row comes back and its argmax is taken here. Logits holding NaN
+        or infinity raise NonFiniteError, as prefill's do."""
         if self.whole is None:
             raise ConfigError("the greedy token needs a whole model; this engine runs MoE "
                               "layers alone", source="prefill")
@@ -292,7 +293,8 @@ class Engine:
         stats, partial = self._start_stats(T, record_routing)
         n_chunks = stats.n_chunks
         logits: list[np.ndarray] = []
-        take_argmax = getattr(backend, "take_argmax", None)
+        take_argmax = (getattr(backend, "take_argmax", None)
+                       if self.config.decode_argmax == "device" else None)
         host_argmax = want == "argmax" and take_argmax is None
         if host_argmax:
             want = "last"  # the row comes back; its argmax is taken below

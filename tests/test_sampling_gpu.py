@@ -256,7 +256,8 @@ def test_greedy_decode_takes_the_host_argmax_of_each_steps_logits() -> None:
                      ffn=256, n_experts=8, top_k=2, context=256)
     model = Qwen3Model.synthetic(spec, 9, "fp16")
     prompt = np.random.default_rng(4).integers(0, spec.vocab, 12)
-    with Engine.open({"model": model, "backend": "cuda", "expert_cache": 16}) as engine:
+    with Engine.open({"model": model, "backend": "cuda", "expert_cache": 16,
+                      "decode_argmax": "device"}) as engine:
         result = generate(EngineSession(engine), prompt, 20, None)
         engine.reset()
         logits, _ = engine.prefill(prompt)

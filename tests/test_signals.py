@@ -109,7 +109,8 @@ def test_sigterm_during_perplexity_keeps_the_windows(tmp_path, capsys, monkeypat
 def test_sigterm_during_generate_keeps_the_tokens(tmp_path, capsys, monkeypatch) -> None:
     from strata_rt.text import generate
 
-    sigterm_on_call(monkeypatch, generate, "next_token", 4)
+    # greedy steps after the first take their token from the session (prefill_argmax)
+    sigterm_on_call(monkeypatch, generate.EngineSession, "prefill_argmax", 3)
     target = tmp_path / "gen.json"
     code, out, err = cli(capsys, "generate", str(TINY_CONFIG), "--backend", "reference",
                          "--prompt", "The experts stream", "-n", "20", "--ignore-eos", "--ids",

@@ -1,8 +1,8 @@
 """A whole model's chunk on the CUDA backend, through the recording fake runtime: its Logits op
 enqueues the head and the copy of the logits without waiting, ahead of the routing's readback,
-so a decode step waits on the host twice (the routing, then the chunk's end, which finds the
-stream idle) and no longer three times; the logits the engine returns are the pinned bytes the
-copy left, read after that wait. The same path on a GPU: tests/test_decode_gpu.py."""
+whose counts are read at the chunk's end, so a decode step waits on the host once (for the
+logits, the routing and the output together); the logits the engine returns are the pinned
+bytes the copy left, read after that wait. The same path on a GPU: tests/test_decode_gpu.py."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import pytest
 from _fake_runtime import FakeStream
 
 import strata_rt.backends.cuda.dense.kernels as dk
+import strata_rt.backends.cuda.executor as cuda_executor
+import strata_rt.backends.cuda.routed_experts as routed_experts
 from strata_rt.backends.nonfinite import NonFiniteError
 from strata_rt.engine import Engine, EngineConfig
 from strata_rt.models.qwen3 import Qwen3Model, Qwen3Spec
@@ -81,11 +83,11 @@ def test_a_decode_step_reads_its_logits_after_its_routing_wait(fake, monkeypatch
             np.testing.assert_array_equal(logits, 1000 + np.arange(spec.vocab, dtype=np.float32))
             first = events.index(("logits", "compute"))
             after = [i for i, e in enumerate(events) if e[0] == "wait" and i > first]
-            # the head's copy is enqueued before the routing comes back, and then the host
-            # waits twice: for the routing, and at the chunk's end (the graph trials of the
-            # first two steps wait before the head as well, to time the layers)
+            # the head's copy is enqueued before the routing's, and then the host waits once,
+            # at the chunk's end (the graph trials of the first two steps wait before the
+            # head as well, to time the layers)
             assert first < events.index(("int32", "compute")) < after[0], (step, events)
-            assert len(after) == 2, (step, events)
+            assert len(after) == 1, (step, events)
             assert eng.kv_length == 6 + step
         assert eng.driver.graph_trials[eng.driver.decode_key].get("choice") is not None
         # the key is worked out once per decode setting, and follows the setting per step
@@ -131,7 +133,7 @@ def _device_keys(monkeypatch: pytest.MonkeyPatch, rt, token: int, flag: int = 0,
 def test_a_greedy_step_brings_back_its_token_alone(fake, monkeypatch, decode):
     """prefill_argmax: the head's row stays on the device (no copy of vocab floats), the
     argmax kernel's 16 bytes come back with the chunk's one wait, the id is what they name."""
-    eng, spec = _engine(monkeypatch, prefill=64, decode=decode)
+    eng, spec = _engine(monkeypatch, prefill=64, decode=decode, decode_argmax="device")
     with eng:
         rt = fake["rt"]
         rt.tokens = 5
@@ -150,13 +152,29 @@ def test_a_greedy_step_brings_back_its_token_alone(fake, monkeypatch, decode):
             assert events.count(("argmax", "compute")) == 1
             assert at < events.index(("int32", "compute"))  # before the routing's readback
             waits = [i for i, e in enumerate(events) if e[0] == "wait" and i > at]
-            assert len(waits) == 2, (step, events)
+            assert len(waits) == 1, (step, events)
             assert "logits_argmax" in rt.launches[before:]
             assert eng.kv_length == 6 + step
         # a row with NaN or Inf is refused, named by its position, as prefill's logits are
         _device_keys(monkeypatch, rt, 5, flag=1)
         with pytest.raises(NonFiniteError, match="position 8"):
             eng.prefill_argmax(np.array([9]))
+
+
+def test_a_greedy_step_under_host_argmax_brings_back_the_row(fake, monkeypatch):
+    """decode_argmax "host" (the default): the row comes back and numpy takes its argmax; no
+    argmax kernel runs."""
+    eng, spec = _engine(monkeypatch, prefill=64)
+    with eng:
+        rt = fake["rt"]
+        rt.tokens = 5
+        eng.prefill(np.arange(5) % spec.vocab)
+        events = _log_host_waits(monkeypatch, rt, spec.vocab)
+        rt.tokens = 1
+        token, _ = eng.prefill_argmax(np.array([7]))
+        # the logged copy writes 1000 + index: the last id holds the largest logit
+        assert token == spec.vocab - 1 and ("logits", "compute") in events
+        assert "logits_argmax" not in rt.launches
 
 
 def test_prefill_argmax_on_the_numpy_backend_is_the_argmax_of_prefill():
@@ -199,3 +217,32 @@ def test_greedy_steps_take_the_token_alone_and_sampled_ones_the_logits():
     s.calls.clear()
     generate(s, [1, 2], 3, eos_id=None, sampling=SamplingParams(temperature=0.7, seed=1))
     assert s.calls == ["prefill"] * 3
+
+
+@pytest.mark.parametrize("decode", ["routed", "gemv"])
+def test_a_decode_steps_routing_is_counted_after_its_one_wait(fake, monkeypatch, decode):
+    """The routing's counts reach the Stats after the chunk's one wait: every layer's rows sum
+    to top_k, and the experts streamed are the routed ones that are not resident."""
+    monkeypatch.setattr(dk, "Cublas", _Cublas)
+    for module in (cuda_executor, routed_experts):  # no driver here to map the host store
+        monkeypatch.setattr(module, "host_device_pointer", lambda host: 1 << 40)
+    spec = Qwen3Spec(n_layers=SMALL_SPEC.n_layers, hidden=SMALL_SPEC.hidden, n_heads=8,
+                     n_kv_heads=2, head_dim=64, vocab=1000, ffn=SMALL_SPEC.ffn,
+                     n_experts=SMALL_SPEC.n_experts, top_k=SMALL_SPEC.top_k, context=4096)
+    whole = Qwen3Model.synthetic(spec, 3, "iq3_xxs")
+    cfg = EngineConfig(model=whole, backend="cuda", expert_cache=spec.n_experts, prefill=64,
+                       check_plan=True, timing=False, context=512, decode=decode)
+    with Engine.open(cfg) as eng:
+        rt = fake["rt"]
+        rt.tokens = 5
+        eng.prefill(np.arange(5) % spec.vocab)
+        resident = eng.driver.residency.mask()
+        for step in range(3):
+            rt.tokens = 1
+            _, stats = eng.prefill(np.array([7 + step]), record_routing=True)
+            counts = stats.routing_counts
+            assert counts is not None and (counts.sum(axis=1) == spec.top_k).all(), step
+            streamed = int(((counts > 0) & ~resident).sum())
+            assert stats.experts_streamed == streamed, step
+            _, quiet = eng.prefill(np.array([3]))  # counted without being asked for
+            assert quiet.routing_counts is None and quiet.experts_streamed >= 0

@@ -205,6 +205,7 @@ def test_env_docstring_says_where_each_switch_is_read() -> None:
     ("decode", "STRATA_DECODE", "routed", "routed", "staging", "graph"),
     ("dense_gemm", "STRATA_DENSE_GEMM", "cublas", "cublas", "own", "cutlass"),
     ("decode_dense", "STRATA_DECODE_DENSE", "gemm", "gemm", "gemv", "own"),
+    ("decode_argmax", "STRATA_DECODE_ARGMAX", "host", "host", "device", "gpu"),
     ("embedding", "STRATA_EMBEDDING", "auto", "device", "host", "gpu"),
     ("f16_gemm", "STRATA_F16_GEMM", "auto", "cutlass", "own", "fast"),
 ])

@@ -40,6 +40,7 @@ DENSE_POLICIES = ("auto", "resident", "stream")
 DECODES = env.choices("STRATA_DECODE")
 DECODE_ATTENTIONS = env.choices("STRATA_DECODE_ATTENTION")
 DECODE_DENSES = env.choices("STRATA_DECODE_DENSE")
+DECODE_ARGMAXES = env.choices("STRATA_DECODE_ARGMAX")
 PREFILL_STREAMS = env.choices("STRATA_PREFILL_STREAM")
 DENSE_GEMMS = env.choices("STRATA_DENSE_GEMM")
 EMBEDDINGS = env.choices("STRATA_EMBEDDING")
@@ -135,6 +136,10 @@ class EngineConfig:
     #: (DECODE_DENSES): "gemm" (the chunk's GEMMs) or "gemv" (matrix-vector kernels reading
     #: each weight in its own type); None: STRATA_DECODE_DENSE, else gemm
     decode_dense: str | None = None
+    #: where a greedy decode step on the CUDA backend takes its token (DECODE_ARGMAXES):
+    #: "host" (its logits come back) or "device" (Engine.prefill_argmax takes the argmax on
+    #: the GPU); None: STRATA_DECODE_ARGMAX, else host
+    decode_argmax: str | None = None
     #: how prefill chunks stream (PREFILL_STREAMS): "auto", "walk" or "routed";
     #: None: STRATA_PREFILL_STREAM, else auto
     prefill_stream: str | None = None
@@ -255,6 +260,7 @@ class EngineConfig:
                             "(at most 1 PiB)")
         for name, allowed in (("decode", DECODES), ("decode_attention", DECODE_ATTENTIONS),
                               ("decode_dense", DECODE_DENSES),
+                              ("decode_argmax", DECODE_ARGMAXES),
                               ("prefill_stream", PREFILL_STREAMS),
                               ("dense_gemm", DENSE_GEMMS), ("embedding", EMBEDDINGS),
                               ("f16_gemm", F16_GEMMS)):
@@ -300,6 +306,8 @@ class EngineConfig:
             self.decode_attention = env.choice("STRATA_DECODE_ATTENTION", DECODE_ATTENTIONS[0])
         if self.decode_dense is None:
             self.decode_dense = env.choice("STRATA_DECODE_DENSE", DECODE_DENSES[0])
+        if self.decode_argmax is None:
+            self.decode_argmax = env.choice("STRATA_DECODE_ARGMAX", DECODE_ARGMAXES[0])
         if self.prefill_stream is None:
             self.prefill_stream = env.choice("STRATA_PREFILL_STREAM", PREFILL_STREAMS[0])
         if self.cuda_graph is None:

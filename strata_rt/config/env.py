@@ -13,7 +13,8 @@ Where each is read (tests/test_switches.py holds every module to it):
   launchers, the GEMMs and the formats never read the environment. They are
   STRATA_PREFILL_GATHER_ONE, STRATA_PREFILL_TIMING, STRATA_PREFILL_DUMP_R,
   STRATA_PREFILL_TRACE, STRATA_WALK_MIN_TOKENS, STRATA_CHECK_PLAN, STRATA_MMQ_KERNEL,
-  STRATA_DECODE, STRATA_DECODE_ATTENTION, STRATA_DECODE_DENSE, STRATA_PREFILL_STREAM,
+  STRATA_DECODE, STRATA_DECODE_ATTENTION, STRATA_DECODE_DENSE, STRATA_DECODE_ARGMAX,
+  STRATA_PREFILL_STREAM,
   STRATA_IMAGE_CACHE_MIB,
   STRATA_COMPUTE_LANES, STRATA_IN_PLACE, STRATA_CUDA_GRAPH, STRATA_ROUTING, STRATA_DENSE_GEMM,
   STRATA_EMBEDDING and STRATA_F16_GEMM.
@@ -105,6 +106,12 @@ SWITCHES: dict[str, Switch] = {
                "stored as F16 decoded into an fp16 scratch first) or gemv (matrix-vector "
                "kernels that read each weight in its own type; within NMSE 1e-4 of gemm, not "
                "its bytes: the sums run in another order)."),
+        Switch("STRATA_DECODE_ARGMAX", "choice:host,device",
+               "where a greedy decode step on the CUDA backend takes its token: host (the "
+               "default: the step's float32 logits come back and numpy takes the argmax) or "
+               "device (a kernel takes the argmax where the head left the logits, numpy's tie "
+               "rule and NaN/Inf refusal, and 16 bytes come back; opt-in until its GPU tests "
+               "have run)."),
         Switch("STRATA_PREFILL_STREAM", "choice:auto,walk,routed",
                "how a prefill chunk streams its non-resident experts: walk (the copy engine "
                "streams every one beside the compute), routed (the gathers read only the "

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -80,6 +81,8 @@ class ChunkDriver:
         self.last_plan: ChunkPlan | None = None
         #: host seconds spent issuing each layer of the last chunk
         self.layer_host_s: list[float] = []
+        #: what reads the chunk's routing once the chunk's end has waited for it
+        self._after_chunk: list[Callable[[], None]] = []
         #: per walk key (chunk size, gather_one, attention start or None):
         #: {"plain": s, "graph": s, "choice": ...}
         self.graph_trials: dict[WalkKey, dict[str, Any]] = {}
@@ -121,7 +124,7 @@ class ChunkDriver:
 
     def _run(self, T: int, stats: Stats, start: int | None,
              logits: LogitRows | None) -> np.ndarray:
-        self.layer_host_s = []
+        self.layer_host_s, self._after_chunk = [], []
         # a planned chunk enqueues its Logits before the routing comes back (one wait for both)
         tail: list[Op] = [] if logits is None or start is None else [Logits(logits)]
         if T == 1 and start is not None and self.decodes_routed:
@@ -136,7 +139,9 @@ class ChunkDriver:
         if logits is not None and start is None:
             raise ValueError("logits need a whole model's chunk (start is None)")
         out = self.executor.end_chunk(stats)
-        stats.host_syncs += 1  # the chunk's output comes back
+        stats.host_syncs += 1  # the chunk's output comes back, and its routing with it
+        for read in self._after_chunk:
+            read()
         return out
 
     @property
@@ -180,29 +185,38 @@ class ChunkDriver:
         self._run_routed(1, stats, self.decode_key, tail)
 
     def _run_routed(self, T: int, stats: Stats, key: WalkKey, tail: list[Op]) -> None:
-        """The decode plan or a chunk's routed plan; the routing comes back after the chunk
-        (one small copy) for the counters and the stream rule's record."""
-        step = self._with_routing(stats, lambda: self._run_planned(T, stats, key, tail))
-        per_layer = ((step > 0) & ~self.residency.mask()).sum(axis=1)
-        streamed = int(np.dot(per_layer, self.executor.layer_blob_bytes))
-        stats.experts_streamed += int(per_layer.sum())
-        stats.bytes_streamed += streamed
-        if key not in DECODE_KEYS:
-            self.streams.observe(T, streamed)
+        """The decode plan or a chunk's routed plan; the routing comes back with the chunk's
+        output (one small copy) for the counters and the stream rule's record."""
 
-    def _with_routing(self, stats: Stats, run: Any) -> np.ndarray:
+        def count(step: np.ndarray) -> None:
+            per_layer = ((step > 0) & ~self.residency.mask()).sum(axis=1)
+            streamed = int(np.dot(per_layer, self.executor.layer_blob_bytes))
+            stats.experts_streamed += int(per_layer.sum())
+            stats.bytes_streamed += streamed
+            if key not in DECODE_KEYS:
+                self.streams.observe(T, streamed)
+
+        self._with_routing(stats, lambda: self._run_planned(T, stats, key, tail), count)
+
+    def _with_routing(self, stats: Stats, run: Callable[[], None],
+                      then: Callable[[np.ndarray], None]) -> None:
         """Runs `run()` with stats.routing_counts kept (made for the call where the caller
-        did not ask for it); the rows per (layer, expert) the call added."""
+        did not ask for it); after the chunk's end, `then` takes the rows per (layer, expert)
+        the chunk added (the executor adds them once it has waited for the chunk)."""
         own = stats.routing_counts is None
         if own:
             stats.routing_counts = np.zeros((self.spec.n_layers, self.spec.n_experts), np.int64)
-        assert stats.routing_counts is not None
-        before = stats.routing_counts.copy()
+        counts = stats.routing_counts
+        assert counts is not None
+        before = counts.copy()
         run()
-        step = stats.routing_counts - before
-        if own:
-            stats.routing_counts = None
-        return step
+
+        def read() -> None:
+            if own:
+                stats.routing_counts = None
+            then(counts - before)
+
+        self._after_chunk.append(read)
 
     def _run_staging(self, T: int, stats: Stats, start: int | None) -> None:
         ex = self.executor
@@ -282,9 +296,12 @@ class ChunkDriver:
                 and self.streams.wants_routing(T)):
             self._run_planned(T, stats, key, tail)
             return
-        step = self._with_routing(stats, lambda: self._run_planned(T, stats, key, tail))
-        per_layer = ((step > 0) & ~self.residency.mask()).sum(axis=1)
-        self.streams.observe(T, int(np.dot(per_layer, self.executor.layer_blob_bytes)))
+
+        def observe(step: np.ndarray) -> None:
+            per_layer = ((step > 0) & ~self.residency.mask()).sum(axis=1)
+            self.streams.observe(T, int(np.dot(per_layer, self.executor.layer_blob_bytes)))
+
+        self._with_routing(stats, lambda: self._run_planned(T, stats, key, tail), observe)
 
     def _run_planned(self, T: int, stats: Stats, key: WalkKey, tail: list[Op]) -> None:
         """A plan made before the chunk runs (the walk, or the decode plan): plain launches

@@ -89,7 +89,8 @@ class Executor(Protocol):
     def synchronize(self) -> None: ...
 
     def collect_walk_routing(self, stats: Stats) -> None:
-        """Adds the last walk's routing to stats.routing_counts (which is not None)."""
+        """Adds the last walk's routing to stats.routing_counts (which is not None) by the
+        time end_chunk returns: at once, or (CUDA) with the chunk's one wait."""
 
     def end_chunk(self, stats: Stats) -> np.ndarray:
         """The chunk's output hidden states (the driver's caller copies them)."""

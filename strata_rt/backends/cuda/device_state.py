@@ -56,6 +56,21 @@ class DeviceState:
         self.join = rt.event("walk join")
         self._rt = rt
         self._events: dict[tuple[str, int], Event] = {}
+        self._routing_into: np.ndarray | None = None
+
+    def routing_readback(self, into: np.ndarray) -> None:
+        """Enqueues the copy of every layer's row bounds into pinned memory on the compute
+        stream; `add_routing`, once that stream has been waited for, adds their counts to
+        `into` (the layers' rows of a routing_counts array). A chunk therefore waits once for
+        its routing and its output together."""
+        self._rt.memcpy_dtoh(self.bounds_host, self.ptr["bounds"], self.compute)
+        self._routing_into = into
+
+    def add_routing(self) -> None:
+        """After the wait: the counts routing_readback asked for (nothing when none)."""
+        into, self._routing_into = self._routing_into, None
+        if into is not None:
+            into += np.diff(self.bounds_host, axis=1)
 
     def event(self, key: tuple[str, int]) -> Event:
         """The plan event `key` (created on first use, then reused by every chunk)."""

@@ -242,6 +242,7 @@ class CudaBackend:
         part of the chunk is issued, so no part waits for another on the host)."""
         dev = self._device()
         dev.compute.synchronize()
+        dev.add_routing()
         dev.input.finish()
         flagged = int(dev.nonfinite_host[0])
         if flagged != NO_ROW:
@@ -293,12 +294,14 @@ class CudaBackend:
         self._device().compute.synchronize()
 
     def collect_walk_routing(self, stats: Stats) -> None:
-        dev = self._device()
-        self.rt.memcpy_dtoh(dev.bounds_host, dev.ptr["bounds"], dev.compute)
-        dev.compute.synchronize()
-        stats.host_syncs += 1
-        assert stats.routing_counts is not None
-        stats.routing_counts[self.first: self.part.end] += np.diff(dev.bounds_host, axis=1)
+        """Added at the chunk's wait (finish_chunk); a split's part before the last waits now."""
+        dev, counts = self._device(), stats.routing_counts
+        assert counts is not None
+        dev.routing_readback(counts[self.first: self.part.end])
+        if not self.part.last:
+            dev.compute.synchronize()
+            stats.host_syncs += 1
+            dev.add_routing()
 
     # ------------------------------------------------------------------ ops
     def _device(self) -> DeviceState:
@@ -315,8 +318,7 @@ class CudaBackend:
 
     def _src_ptr(self, g: Gather) -> int:
         kind, idx = g.src
-        dev = self._device()
-        base = dev.ptr["resident"] if kind == RESIDENT else dev.ptr["ring"]
+        base = self._device().ptr["resident" if kind == RESIDENT else "ring"]
         return base + idx * self.lay.slot_bytes
 
     def _op_copy(self, op: Copy) -> None:
@@ -339,9 +341,9 @@ class CudaBackend:
     def _op_wait(self, op: Wait) -> None:
         if self._link is not None and op.event[0] in HANDOFF_EVENTS:
             return self._link.wait(op)
-        dev = self._device()
         if op.stream == "compute":
             self._mark("wait copy")
+        dev = self._device()
         dev.streams[op.stream].wait(dev.event(op.event))
 
     def _lane(self, op: Gather | GatherBatch | GatherRouted | Products
@@ -377,9 +379,8 @@ class CudaBackend:
                                             first.expert)
 
     def _op_layer_begin(self, op: LayerBegin) -> None:
-        dev = self._device()
-        self.kernels.route(dev.compute, op.layer, self._T, self._bounds_ptr(op.layer),
-                           self._mark)
+        self.kernels.route(self._device().compute, op.layer, self._T,
+                           self._bounds_ptr(op.layer), self._mark)
 
     def _op_chunk_input(self, op: ChunkInput) -> None:
         """The upload waits at the gate for begin_chunk's host pass (hidden states or ids)."""
@@ -408,10 +409,9 @@ class CudaBackend:
         self._whole_ops().run_attention(self._device().compute, op, self._T, self._mark)
 
     def _op_dense_copy(self, op: DenseCopy) -> None:
-        dev = self._device()
         if self._timer is not None:
             self._timer.copy_begin(f"dense L{op.layer} -> dense slot {op.slot}")
-        self._whole_ops().copy_dense(dev.copy, op)
+        self._whole_ops().copy_dense(self._device().copy, op)
         if self._timer is not None:
             self._timer.copy_end()
 
