@@ -25,9 +25,10 @@ that can draw on its device (`sample_on_device`: the CUDA backend) does, else th
 definition runs on the host logits; greedy parameters (temperature 0, no penalty) take the
 argmax path above, unchanged.
 
-A greedy step on a session with `prefill_argmax` (EngineSession) asks for the token alone: the
-CUDA backend takes the argmax where the head left the logits, with numpy's tie rule and the
-same refusal of NaN or Inf, so the ids are those of the host argmax and only the id comes back.
+A greedy step on a session with `prefill_argmax` (EngineSession) asks for the token alone:
+under decode_argmax "device" the CUDA backend takes the argmax where the head left the logits,
+with numpy's tie rule and the same refusal of NaN or Inf, so the ids are those of the host
+argmax and only the id comes back; otherwise the engine takes the argmax of the row.
 """
 
 from __future__ import annotations
