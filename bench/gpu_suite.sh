@@ -4,7 +4,8 @@
 #   bash bench/gpu_suite.sh tests digests gemm routing formats ggml mmq prefill-quick prefill \
 #        stream-235b attention dense whole-30b whole-235b whole-235b-16g acceptance decode \
 #        peers ncu-gemm decode-ab (ncu-gemm: Nsight Compute, $NCU or ncu on PATH; decode-ab:
-#        the decode GPU tests, then bench_decode with the opt-in switches one by one)
+#        the decode GPU tests, then bench_decode with the opt-in switches one by one;
+#        LLAMA_BENCH=PATH adds llama.cpp to its first run)
 # A failing stage is reported and the next one still runs; the exit code counts failures.
 set -uo pipefail
 out=${BENCH_OUT:-out}
@@ -61,11 +62,14 @@ for what in "${@:-tests}"; do
         peers) stage peer-tests python3 -m pytest -q -ra -p no:cacheprovider tests/test_peers.py ;;
         decode-ab) stage decode-ab-tests python3 -m pytest -m gpu -q -ra -p no:cacheprovider \
                    tests/test_sampling_gpu.py tests/test_gemv_dense_gpu.py tests/test_decode_gpu.py
+                   # LLAMA_BENCH (a llama-bench binary): llama.cpp in the first run, same file
+                   peer=(${LLAMA_BENCH:+--llama-bench "$LLAMA_BENCH" --llama-timeout 120})
                    for v in default STRATA_DECODE_ARGMAX=device STRATA_DECODE_DENSE=gemv \
                             "STRATA_DECODE_ARGMAX=device STRATA_DECODE_DENSE=gemv"; do
                        stage "decode-ab-${v// /+}" env ${v/default/} python3 bench/bench_decode.py \
                            --steps 32 --warmups 1 --paths gemv --regimes all,quarter \
-                           --json "$out/decode-ab-${v// /+}.json" --out "$out"
+                           "${peer[@]}" --json "$out/decode-ab-${v// /+}.json" --out "$out"
+                       peer=()
                    done ;;
         *) echo "unknown stage $what"; failures=$((failures + 1)) ;;
     esac
