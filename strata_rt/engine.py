@@ -310,9 +310,9 @@ class Engine:
                                          "holds NaN or infinity (checked on the device)")
                 logits.append(np.array([[token]], np.int64))
             elif rows is not None:
-                chunk_logits = np.array(backend.take_logits(), dtype=np.float32)
-                # logits that come back to the host are checked there (vocab floats a row),
-                # named by the position they belong to
+                # a new array from every backend (no copy of it); logits that come back to the
+                # host are checked there (vocab floats a row), named by their positions
+                chunk_logits = np.asarray(backend.take_logits(), dtype=np.float32)
                 at = np.arange(first + lo, first + hi) if rows == "all" else [first + hi - 1]
                 check_finite(chunk_logits, "the logits", None, np.asarray(at))
                 logits.append(chunk_logits)

@@ -96,7 +96,8 @@ class Executor(Protocol):
         """The chunk's output hidden states (the driver's caller copies them)."""
 
     def take_logits(self) -> np.ndarray:
-        """float32 [rows, vocab] of the chunk's Logits op (valid after end_chunk)."""
+        """float32 [rows, vocab] of the chunk's Logits op (valid after end_chunk): an array
+        of its own, which the engine hands to its caller as it is."""
 
 
 class HostContext(Protocol):
