@@ -293,6 +293,7 @@ class Engine:
         stats, partial = self._start_stats(T, record_routing)
         n_chunks = stats.n_chunks
         logits: list[np.ndarray] = []
+        token: int | None = None  # the device's argmax of the last row ("argmax")
         take_argmax = (getattr(backend, "take_argmax", None)
                        if self.config.decode_argmax == "device" else None)
         host_argmax = want == "argmax" and take_argmax is None
@@ -308,7 +309,6 @@ class Engine:
                 if token is None:
                     raise NonFiniteError("the logits", None, first + hi - 1,
                                          "holds NaN or infinity (checked on the device)")
-                logits.append(np.array([[token]], np.int64))
             elif rows is not None:
                 # a new array from every backend (no copy of it); logits that come back to the
                 # host are checked there (vocab floats a row), named by their positions
@@ -323,8 +323,9 @@ class Engine:
         self._finish(stats, partial, t0, T)
         if want == "all":
             return np.concatenate(logits), stats
-        last = logits[-1][0]
-        return (np.array([np.argmax(last)], np.int64) if host_argmax else last), stats
+        if token is not None or host_argmax:
+            return np.array([np.argmax(logits[-1][0]) if host_argmax else token], np.int64), stats
+        return logits[-1][0], stats
 
     def _chunk(self, x: np.ndarray, stats: Stats, offset: int, **kw: Any) -> np.ndarray:
         """driver.run_chunk, with a non-finite intermediate value named by its position in

@@ -35,8 +35,6 @@ if TYPE_CHECKING:
 GEMV_SOURCE = KERNELS_ROOT / "ggml" / "gemv.cu"
 #: the F16 dense product a warp per row (gemv_f16_rows.cu), where the weights lie on 16 bytes
 ROWS_SOURCE = KERNELS_ROOT / "ggml" / "gemv_f16_rows.cu"
-#: output rows of a block of gemv_f16_rows (its ROWS_WARPS)
-ROWS_WARPS = 4
 GEMV_HEADER = KERNELS_ROOT / "ggml" / "gemv.cuh"
 #: argument types: experts, offset, ids, row_of, acts, out, hidden, ffn
 GEMV_ARG_TYPES = "PqPPPPii"
@@ -52,10 +50,10 @@ DENSE_MODES = {"f16": 0, "f32": 1, "add_f32": 2}
 GEMV_VALUES = 8
 
 
-def _constant_of(text: str, name: str) -> int:
-    found = re.search(rf"constexpr int {name} = (\d+);", text)
+def _constant_of(text: str, name: str, form: str = r"constexpr int {} = (\d+);") -> int:
+    found = re.search(form.format(name), text)
     if found is None:
-        raise FormatError(f"{GEMV_HEADER.name}: no {name} line")
+        raise FormatError(f"no {name} line in the matrix-vector kernels' sources")
     return int(found.group(1))
 
 
@@ -73,6 +71,8 @@ GEMV_ROWS = _constant_of(_HEADER_TEXT, "GEMV_ROWS")
 GEMV_STAGE_BYTES = _constant_of(_HEADER_TEXT, "GEMV_STAGE_BYTES")
 #: shared bytes the stage buffers of a _host block may take (gemv.cuh's gemv_host_warps)
 GEMV_HOST_SHARED = _constant_of(_HEADER_TEXT, "GEMV_HOST_SHARED")
+#: output rows of a block of gemv_f16_rows, as its source defines them
+ROWS_WARPS = _constant_of(ROWS_SOURCE.read_text(), "ROWS_WARPS", r"#define {} (\d+)")
 
 
 def stage_values(d: DecoderSpec) -> int:
@@ -166,16 +166,12 @@ class GgmlGemv(DecoderModule):
                               "the input on 16 bytes, the weights on 2, the output on its "
                               "element")
         kernel = self.kernel(d, "dense")
+        grid, block = -(-rows // GEMV_ROWS), 32 * gemv_warps(d, k)
         if d.name == "F16" and w % 16 == 0:  # a warp per row: nothing to decode or stage
-            self._kernels[("F16", "rows")].launch(
-                grid=(-(-rows // ROWS_WARPS), 1, 1), block=(32 * ROWS_WARPS, 1, 1),
-                stream=stream, args=(int(w), int(x), int(out), int(rows), int(k),
-                                     DENSE_MODES[mode]))
-            return
-        kernel.launch(
-            grid=(-(-rows // GEMV_ROWS), 1, 1), block=(32 * gemv_warps(d, k), 1, 1),
-            stream=stream, args=(int(w), int(x), int(out), int(rows), int(k),
-                                 DENSE_MODES[mode]))
+            kernel = self._kernels[("F16", "rows")]
+            grid, block = -(-rows // ROWS_WARPS), 32 * ROWS_WARPS
+        kernel.launch(grid=(grid, 1, 1), block=(block, 1, 1), stream=stream,
+                      args=(int(w), int(x), int(out), int(rows), int(k), DENSE_MODES[mode]))
 
     def launch(self, stream: Any, part: str, gtype: GgmlKey, experts: int, offset: int,
                ids: int, row_of: int, acts: int, out: int, pairs: int, hidden: int,

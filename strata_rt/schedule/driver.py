@@ -188,21 +188,20 @@ class ChunkDriver:
         """The decode plan or a chunk's routed plan; the routing comes back with the chunk's
         output (one small copy) for the counters and the stream rule's record."""
 
-        def count(step: np.ndarray) -> None:
-            per_layer = ((step > 0) & ~self.residency.mask()).sum(axis=1)
-            streamed = int(np.dot(per_layer, self.executor.layer_blob_bytes))
-            stats.experts_streamed += int(per_layer.sum())
-            stats.bytes_streamed += streamed
+        def count(experts: int, nbytes: int) -> None:
+            stats.experts_streamed += experts
+            stats.bytes_streamed += nbytes
             if key not in DECODE_KEYS:
-                self.streams.observe(T, streamed)
+                self.streams.observe(T, nbytes)
 
         self._with_routing(stats, lambda: self._run_planned(T, stats, key, tail), count)
 
     def _with_routing(self, stats: Stats, run: Callable[[], None],
-                      then: Callable[[np.ndarray], None]) -> None:
+                      then: Callable[[int, int], None]) -> None:
         """Runs `run()` with stats.routing_counts kept (made for the call where the caller
-        did not ask for it); after the chunk's end, `then` takes the rows per (layer, expert)
-        the chunk added (the executor adds them once it has waited for the chunk)."""
+        did not ask for it); after the chunk's end (the executor adds its routing once it has
+        waited for the chunk), `then` takes the routed non-resident experts of the chunk and
+        their bytes: what its gathers read over PCIe."""
         own = stats.routing_counts is None
         if own:
             stats.routing_counts = np.zeros((self.spec.n_layers, self.spec.n_experts), np.int64)
@@ -214,7 +213,8 @@ class ChunkDriver:
         def read() -> None:
             if own:
                 stats.routing_counts = None
-            then(counts - before)
+            per_layer = (((counts - before) > 0) & ~self.residency.mask()).sum(axis=1)
+            then(int(per_layer.sum()), int(np.dot(per_layer, self.executor.layer_blob_bytes)))
 
         self._after_chunk.append(read)
 
@@ -296,12 +296,8 @@ class ChunkDriver:
                 and self.streams.wants_routing(T)):
             self._run_planned(T, stats, key, tail)
             return
-
-        def observe(step: np.ndarray) -> None:
-            per_layer = ((step > 0) & ~self.residency.mask()).sum(axis=1)
-            self.streams.observe(T, int(np.dot(per_layer, self.executor.layer_blob_bytes)))
-
-        self._with_routing(stats, lambda: self._run_planned(T, stats, key, tail), observe)
+        self._with_routing(stats, lambda: self._run_planned(T, stats, key, tail),
+                           lambda _, nbytes: self.streams.observe(T, nbytes))
 
     def _run_planned(self, T: int, stats: Stats, key: WalkKey, tail: list[Op]) -> None:
         """A plan made before the chunk runs (the walk, or the decode plan): plain launches
