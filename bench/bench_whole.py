@@ -13,6 +13,10 @@ time. Results: <out>/whole-<config>-<time>.{json,md}.
 
     python bench/bench_whole.py                                       # the 30B shape, 1/4 resident
     python bench/bench_whole.py --config configs/qwen3-235b-a22b-whole.yaml --prompts 8179,30118
+    python bench/bench_whole.py --prompts 254,1030 --streams walk,routed,routed_walk
+
+--streams runs every prompt once per prefill_stream setting on the same engine (the driver
+reads it per chunk), one table row each: the streaming policies side by side in one run.
 """
 
 from __future__ import annotations
@@ -69,6 +73,8 @@ def main() -> int:
     ap.add_argument("--warmups", type=int, default=2,
                     help="untimed runs per prompt first (default 2: plain launches, then the "
                          "CUDA-graph trial)")
+    ap.add_argument("--streams", help="comma-separated prefill_stream settings, each run per "
+                    "prompt (default: the engine's own)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = ap.parse_args()
     cfg = load_config(args.config)
@@ -87,27 +93,33 @@ def main() -> int:
               f"{'streamed' if getattr(backend, 'dense_ring', None) else 'resident'}, chunk "
               f"{engine.chunk_tokens}; pinned H2D ceiling "
               f"{'n/a' if ceiling is None else f'{ceiling:.1f} GB/s'}", flush=True)
+        streams = args.streams.split(",") if args.streams else [None]
         for prompt in cfg.prompts:
             ids = prompt.token_ids(cfg.whole.vocab, cfg.seed)
-            walls, last = time_prefill(engine, ids, args.warmups, args.reps)
-            wall = statistics.median(walls)
-            gbps = last.bytes_streamed / wall / 1e9
-            floor = None if ceiling is None else last.bytes_streamed / (ceiling * 1e9)
-            rec = {"tokens": prompt.tokens, "wall_s": walls, "median_s": wall,
-                   "tokens_per_s": prompt.tokens / wall, "bytes_streamed": last.bytes_streamed,
-                   "pcie_gb_s": gbps, "floor_s": floor, "host_s": last.host_s,
-                   "chunks": last.chunks}
-            records.append(rec)
-            rows.append([prompt.tokens, f"{wall * 1e3:,.1f}", f"{prompt.tokens / wall:,.0f}",
-                         f"{last.bytes_streamed / MIB:,.0f}", f"{gbps:.1f}",
-                         "-" if floor is None else f"{floor * 1e3:,.1f}",
-                         "-" if floor is None else f"{floor / wall:.0%}",
-                         f"{last.host_s / wall:.0%}", last.chunks])
-            trials = {str(k): v for k, v in engine.driver.graph_trials.items()}
-            rec["graph_trials"] = trials
-            print(f"{prompt.tokens} tokens: {wall * 1e3:,.1f} ms; graph trials {trials}",
-                  flush=True)
-    table = markdown_table(["tokens", "TTFT ms", "tokens/s", "streamed MiB", "PCIe GB/s",
+            for stream in streams:
+                if stream is not None:
+                    engine.driver.cfg.prefill_stream = stream
+                walls, last = time_prefill(engine, ids, args.warmups, args.reps)
+                wall = statistics.median(walls)
+                gbps = last.bytes_streamed / wall / 1e9
+                floor = None if ceiling is None else last.bytes_streamed / (ceiling * 1e9)
+                mode = engine.driver.last_plan.mode if engine.driver.last_plan else "-"
+                rec = {"tokens": prompt.tokens, "stream": stream, "plan": mode, "wall_s": walls,
+                       "median_s": wall, "tokens_per_s": prompt.tokens / wall,
+                       "bytes_streamed": last.bytes_streamed, "pcie_gb_s": gbps,
+                       "floor_s": floor, "host_s": last.host_s, "chunks": last.chunks}
+                records.append(rec)
+                rows.append([prompt.tokens, mode, f"{wall * 1e3:,.1f}",
+                             f"{prompt.tokens / wall:,.0f}",
+                             f"{last.bytes_streamed / MIB:,.0f}", f"{gbps:.1f}",
+                             "-" if floor is None else f"{floor * 1e3:,.1f}",
+                             "-" if floor is None else f"{floor / wall:.0%}",
+                             f"{last.host_s / wall:.0%}", last.chunks])
+                trials = {str(k): v for k, v in engine.driver.graph_trials.items()}
+                rec["graph_trials"] = trials
+                print(f"{prompt.tokens} tokens, {mode}: {wall * 1e3:,.1f} ms; graph trials "
+                      f"{trials}", flush=True)
+    table = markdown_table(["tokens", "plan", "TTFT ms", "tokens/s", "streamed MiB", "PCIe GB/s",
                             "floor ms", "PCIe share", "host/wall", "chunks"], rows)
     print(table)
     stamp = time.strftime("%Y%m%d-%H%M%S")

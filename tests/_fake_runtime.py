@@ -92,6 +92,9 @@ class FakeGraph:
     def upload(self, stream):
         self.uploaded = True
 
+    def hold(self, obj):
+        self.held = obj
+
     def free(self):
         pass
 

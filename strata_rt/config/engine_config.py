@@ -140,7 +140,7 @@ class EngineConfig:
     #: "host" (its logits come back) or "device" (Engine.prefill_argmax takes the argmax on
     #: the GPU); None: STRATA_DECODE_ARGMAX, else host
     decode_argmax: str | None = None
-    #: how prefill chunks stream (PREFILL_STREAMS): "auto", "walk" or "routed";
+    #: how prefill chunks stream (PREFILL_STREAMS): "auto", "walk", "routed" or "routed_walk";
     #: None: STRATA_PREFILL_STREAM, else auto
     prefill_stream: str | None = None
     #: CUDA graphs for the walk and the decode step; None: STRATA_CUDA_GRAPH, else on

@@ -112,10 +112,12 @@ SWITCHES: dict[str, Switch] = {
                "device (a kernel takes the argmax where the head left the logits, numpy's tie "
                "rule and NaN/Inf refusal, and 16 bytes come back; opt-in until its GPU tests "
                "have run)."),
-        Switch("STRATA_PREFILL_STREAM", "choice:auto,walk,routed",
+        Switch("STRATA_PREFILL_STREAM", "choice:auto,walk,routed,routed_walk",
                "how a prefill chunk streams its non-resident experts: walk (the copy engine "
                "streams every one beside the compute), routed (the gathers read only the "
-               "experts the chunk routes, straight from host memory, on the compute lane) or "
+               "experts the chunk routes, straight from host memory, on the compute lane), "
+               "routed_walk (the copy engine copies only the experts each layer routes, "
+               "switched on the GPU once the layer's routing is known: CUDA graphs only) or "
                "auto (the default: routed where the routing measured on earlier chunks of that "
                "length makes it cheaper, the walk otherwise)."),
         Switch("STRATA_IMAGE_CACHE_MIB", "mib",

@@ -1,6 +1,6 @@
 """The CUDA driver API calls pycuda does not offer, loaded once through ctypes: graph capture
-and replay (strata_rt.runtime.graph), device addresses of pinned host memory (hostmap) and
-stream memory operations (gate). pycuda's context is current on the calling thread, so these
+and replay (strata_rt.runtime.graph), conditional graph nodes (conditional), device addresses
+of pinned host memory (hostmap) and stream memory operations (gate). pycuda's context is current on the calling thread, so these
 calls act in it."""
 
 from __future__ import annotations
@@ -26,6 +26,19 @@ _SIGNATURES: dict[str, list[type]] = {
     # stream, device address of a 32-bit word, value, flags
     "cuStreamWaitValue32_v2": [_vp, _u64, _u32, _u32],
     "cuStreamWriteValue32_v2": [_vp, _u64, _u32, _u32],
+    # conditional copies (runtime/conditional.py)
+    "cuDriverGetVersion": [ctypes.POINTER(ctypes.c_int)],
+    "cuCtxGetCurrent": [ctypes.POINTER(_vp)],
+    "cuStreamGetCaptureInfo_v3": [_vp, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(_u64),
+                                  ctypes.POINTER(_vp), ctypes.POINTER(ctypes.POINTER(_vp)),
+                                  _vp, ctypes.POINTER(ctypes.c_size_t)],
+    "cuStreamUpdateCaptureDependencies_v2": [_vp, ctypes.POINTER(_vp), _vp, ctypes.c_size_t,
+                                             _u32],
+    "cuStreamBeginCaptureToGraph": [_vp, _vp, _vp, _vp, ctypes.c_size_t, ctypes.c_int],
+    "cuGraphConditionalHandleCreate": [ctypes.POINTER(_u64), _vp, _vp, _u32, _u32],
+    "cuGraphAddNode_v2": [ctypes.POINTER(_vp), _vp, ctypes.POINTER(_vp), _vp, ctypes.c_size_t,
+                          _vp],
+    "cuMemcpyHtoDAsync_v2": [_u64, _vp, ctypes.c_size_t, _vp],
 }
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..errors import StrataError
 from .driver_api import check_call, libcuda
@@ -33,7 +33,13 @@ class Graph:
         self.name = name
         self._graph: ctypes.c_void_p | None = None
         self._exec: ctypes.c_void_p | None = None
+        self._held: list[Any] = []
         runtime._own(self)
+
+    def hold(self, obj: Any) -> None:
+        """Keeps `obj` (device memory the graph's kernels read, with a `free`) until the graph
+        is freed, then frees it."""
+        self._held.append(obj)
 
     def _instantiate(self, graph: ctypes.c_void_p) -> None:
         exec_ = ctypes.c_void_p()
@@ -65,6 +71,9 @@ class Graph:
             lib.cuGraphExecDestroy(self._exec)
             lib.cuGraphDestroy(self._graph)
             self._exec = self._graph = None
+        for obj in self._held:
+            obj.free()
+        self._held.clear()
 
 
 def is_capturing(stream: Stream) -> bool:

@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..errors import StrataError
+from ..formats.contract import MMQ_GROUP
 from ..report.stats import Stats
 from . import hazards
 from .dense_schedule import DenseSchedule
@@ -37,6 +39,7 @@ from .plan_keys import (
     DECODE_KEYS,
     GEMV_DECODE_KEY,
     ROUTED,
+    ROUTED_WALK,
     WalkKey,
     decode_key,
     decodes_planned,
@@ -127,10 +130,13 @@ class ChunkDriver:
         self.layer_host_s, self._after_chunk = [], []
         # a planned chunk enqueues its Logits before the routing comes back (one wait for both)
         tail: list[Op] = [] if logits is None or start is None else [Logits(logits)]
-        if T == 1 and start is not None and self.decodes_routed:
+        mode = "decode" if T == 1 and start is not None and self.decodes_routed else \
+            self.stream_mode(T)
+        if mode == "decode":
             self._run_decode(stats, tail)
-        elif self.stream_mode(T) == "routed":
-            self._run_routed(T, stats, (T, ROUTED, start), tail)
+        elif mode in ("routed", "routed_walk"):
+            self._run_routed(T, stats, (T, ROUTED if mode == "routed" else ROUTED_WALK, start),
+                             tail)
         elif takes_walk(T, self.spec, self.cfg.walk_min_tokens):
             self._run_walk(T, stats, start, tail)
         else:
@@ -162,11 +168,22 @@ class ChunkDriver:
 
     def stream_mode(self, T: int) -> str:
         """"routed" where a T-token chunk takes the routed plan (forced by prefill_stream, or
-        chosen by `streams` from the routing measured at that length), else "walk" (which
-        stands for the walk or the staging ring, as takes_walk decides)."""
+        chosen by `streams` from the routing measured at that length), "routed_walk" where
+        prefill_stream asks for it, else "walk" (which stands for the walk or the staging
+        ring, as takes_walk decides)."""
         if T == 1 or not self.executor.routed_gathers:
             return "walk"
         forced = self.cfg.prefill_stream or "auto"
+        if forced == "routed_walk":
+            if not self.executor.routed_copies:
+                raise StrataError(f"prefill_stream routed_walk: the {self.executor.name} "
+                                  "backend cannot switch copies on the device (the CUDA "
+                                  "backend needs CUDA graphs on and a 12.4+ driver)")
+            if self.executor.walk_slots < MMQ_GROUP:
+                raise StrataError(f"prefill_stream routed_walk gathers a group of {MMQ_GROUP} "
+                                  f"in one launch; the walk ring holds {self.executor.walk_slots}"
+                                  " slots: give it more room (ring_mib)")
+            return forced
         if forced == "auto" and not takes_walk(T, self.spec, self.cfg.walk_min_tokens):
             return "walk"  # the staging ring's chunks: few experts routed, known per layer
         return self.streams.choose(T, self.walk_bytes(), forced)
@@ -277,12 +294,13 @@ class ChunkDriver:
                 plan = plan_routed(self.spec, self.residency, self._schedule(start),
                                    self.executor.in_place_for(T), T, self.part)
             else:
-                assert isinstance(gather_one, bool)
+                assert isinstance(gather_one, bool) or gather_one == ROUTED_WALK
                 plan = plan_walk(self.spec, self.residency, self.executor.walk_slots,
-                                 gather_one, tokens=T, attention=self._schedule(start),
+                                 gather_one is True, tokens=T, attention=self._schedule(start),
                                  images=self.executor.images,
                                  lanes=self.executor.lanes_for(T),
-                                 in_place=self.executor.in_place_for(T), part=self.part)
+                                 in_place=self.executor.in_place_for(T), part=self.part,
+                                 routed_copies=gather_one == ROUTED_WALK)
             if self.check_plan:
                 hazards.check(plan, self.residency, images=self.executor.images)
             ops = [op for _, op in plan.ops()]
@@ -342,8 +360,8 @@ class ChunkDriver:
                 self._replays[key] = self.executor.capture(
                     op for lp in plan.layers for op in lp.ops)
             except Exception as e:  # a refused capture must not lose the prompt
-                what = ("decode step" if key in DECODE_KEYS else
-                        f"{key[0]}-token {'routed plan' if key[1] == ROUTED else 'walk'}")
+                kind = {ROUTED: "routed plan", ROUTED_WALK: "routed walk"}.get(str(key[1]), "walk")
+                what = "decode step" if key in DECODE_KEYS else f"{key[0]}-token {kind}"
                 log.warning("capture of the %s failed (%s); launching it op by op", what, e)
                 trial["choice"] = "plain"
                 trial["error"] = str(e)

@@ -42,6 +42,9 @@ class Executor(Protocol):
     layer_blob_bytes: tuple[int, ...]
     #: whether `capture` may be used (CUDA graphs on, no timing events)
     can_capture: bool
+    #: whether a routed walk's RouteCopies switches its copies on the device (the numpy
+    #: executor; the CUDA one inside a captured graph, whose copies sit in conditional nodes)
+    routed_copies: bool
     #: slots of the dense ring when a whole model's dense weights stream; None: resident
     #: (or MoE layers alone)
     dense_ring: int | None

@@ -34,6 +34,12 @@ k % ring_slots. Events are `("copied", slot)` (recorded on the copy stream after
 and `("used", slot)` (recorded on the compute stream after the last gather that reads the
 slot). `Consume(entry)` tells the issuer that the slots of entries <= entry may be refilled:
 entry k may be issued only while k < (last consumed entry + 1) + ring_slots.
+
+A routed walk (planner.plan_walk with routed copies) keeps the walk's ring, entries and events
+but copies only what each layer routes, with no host wait: its Copy ops are `routed`, issued
+only once their layer's RouteCopies has switched them from the routing on the device (the copy
+stream waits for `("copies_routed", layer)`), and its groups gather with GatherRouted, which
+skips the same unrouted experts, so no launch reads a slot whose copy was switched off.
 """
 
 from __future__ import annotations
@@ -59,6 +65,8 @@ DENSE_COPIED = "dense_copied"
 DENSE_USED = "dense_used"
 LANE_FORK = "lane_fork"
 LANE_JOIN = "lane_join"
+#: a routed walk's layer: recorded after its RouteCopies, waited on by the copy stream
+COPIES_ROUTED = "copies_routed"
 #: a layer split's hand-off events, keyed by the boundary (the receiver's first layer):
 #: recorded by the sender once its residual is final, and by the receiver once it has copied
 HANDOFF_READY = "handoff_ready"
@@ -101,6 +109,10 @@ def handoff_taken(boundary: int) -> EventKey:
     return (HANDOFF_TAKEN, boundary)
 
 
+def copies_routed(layer: int) -> EventKey:
+    return (COPIES_ROUTED, layer)
+
+
 def lane_index(stream: StreamName) -> int:
     """The group-buffer set of a compute lane."""
     return LANES.index(stream)
@@ -108,13 +120,30 @@ def lane_index(stream: StreamName) -> int:
 
 @dataclass(frozen=True)
 class Copy:
-    """Copy the blob of (layer, expert) from the host store into ring slot `slot`."""
+    """Copy the blob of (layer, expert) from the host store into ring slot `slot`. `routed`:
+    the copy happens only if the layer's routing gave the expert rows, as the RouteCopies
+    of its layer switched it on the device (a routed walk); switched off, it copies nothing and
+    the slot keeps its previous bytes, which only a GatherRouted member, skipping the same
+    unrouted expert, may then be planned over."""
 
     entry: int
     layer: int
     expert: int
     slot: int
+    routed: bool = False
     stream: StreamName = field(default="copy", init=False)
+
+
+@dataclass(frozen=True)
+class RouteCopies:
+    """After its layer's LayerBegin: switches each routed Copy of `copies` ((entry, expert)
+    pairs of layer `layer`) on where the routing gave the expert rows and off elsewhere, on
+    the device, so the host never learns the routed set. The copy stream waits for a Record
+    after this op before its first routed Copy of the layer."""
+
+    layer: int
+    copies: tuple[tuple[int, int], ...]
+    stream: StreamName = field(default="compute", init=False)
 
 
 @dataclass(frozen=True)
@@ -169,7 +198,7 @@ class GatherRouted:
     itself reads the blob from the pinned host store over PCIe (no Copy, no ring slot)."""
     group: int
     gathers: tuple[Gather, ...]
-    stream: StreamName = field(default="compute", init=False)
+    stream: StreamName = "compute"
 
 
 @dataclass(frozen=True)
@@ -324,7 +353,8 @@ class Logits:
 
 
 Op = (Copy | Record | Wait | Gather | GatherBatch | GatherRouted | Products | RoutedExperts
-      | Consume | ChunkInput | LayerBegin | LayerEnd | Attention | DenseCopy | Logits | HandOff)
+      | Consume | ChunkInput | LayerBegin | LayerEnd | Attention | DenseCopy | Logits | HandOff
+      | RouteCopies)
 
 
 @dataclass(frozen=True)
@@ -337,14 +367,16 @@ class LayerPlan:
 class ChunkPlan:
     """mode "staging": layers planned one by one from the routed sets (chunks that route few
     experts, planner.takes_walk); mode "walk": the whole chunk planned up front,
-    routing-independent; mode "decode": a one-token step of a whole model planned up front,
+    routing-independent; mode "routed_walk": the walk's schedule whose copies the routing
+    switches on the device (only routed experts cross PCIe, on the copy engine); mode
+    "decode": a one-token step of a whole model planned up front,
     its routed experts gathered straight from where they live, or multiplied there by
     RoutedExperts (planner.plan_decode); mode
     "routed": a prefill chunk planned the decode way, so only its routed experts cross PCIe
     (planner.plan_routed)."""
 
     tokens: int
-    mode: Literal["staging", "walk", "decode", "routed"]
+    mode: Literal["staging", "walk", "routed_walk", "decode", "routed"]
     ring_slots: int
     layers: list[LayerPlan]
 

@@ -11,16 +11,19 @@ from .plan import Copy, Gather, GatherBatch, GatherRouted, Op, Products, RoutedE
 
 
 def op_counts(ops: Iterable[Op]) -> dict[type, int]:
-    """How many ops of each kind a plan (or a layer of it) holds."""
+    """How many ops of each kind a plan (or a layer of it) holds. A routed Copy is left out:
+    whether it copies is known only from the routing, which the driver counts instead."""
     counts: dict[type, int] = {}
     for op in ops:
-        counts[type(op)] = counts.get(type(op), 0) + 1
+        if not (isinstance(op, Copy) and op.routed):
+            counts[type(op)] = counts.get(type(op), 0) + 1
     return counts
 
 
 def copy_bytes(ops: Iterable[Op], layer_blob_bytes: tuple[int, ...]) -> int:
-    """Bytes the Copy ops of a plan move: each its layer's blob."""
-    return sum(layer_blob_bytes[op.layer] for op in ops if isinstance(op, Copy))
+    """Bytes the Copy ops of a plan always move (each its layer's blob; routed ones left out,
+    as op_counts leaves them)."""
+    return sum(layer_blob_bytes[op.layer] for op in ops if isinstance(op, Copy) and not op.routed)
 
 
 def add_counts(stats: Stats, counts: dict[type, int], copied: int) -> None:

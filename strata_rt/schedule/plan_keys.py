@@ -3,7 +3,7 @@ whole model's one-token step runs: one job, so the driver, the benchmarks and th
 plan the same way.
 
 A key is (chunk size, gather_one, attention start): the walk's, or with ROUTED in
-gather_one's place a chunk's routed plan; DECODE_KEY is the decode plan (one token, any gather
+gather_one's place a chunk's routed plan, with ROUTED_WALK its routed walk; DECODE_KEY is the decode plan (one token, any gather
 mode, the position read on the device), GEMV_DECODE_KEY the decode plan whose layers run
 RoutedExperts (the config's decode "gemv").
 """
@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
 WalkKey = tuple[int, bool | str, int | None]
 ROUTED = "routed"
+ROUTED_WALK = "routed_walk"
 GEMV = "gemv"
 DECODE_KEY: WalkKey = (1, False, -1)
 GEMV_DECODE_KEY: WalkKey = (1, GEMV, -1)

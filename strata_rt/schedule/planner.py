@@ -27,33 +27,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from ..formats.contract import MMQ_GROUP
 from .plan import (
-    LANES,
-    RESIDENT,
-    RING,
     ChunkInput,
     ChunkPlan,
-    Consume,
-    Copy,
-    Gather,
-    GatherBatch,
     InputKind,
     LayerBegin,
     LayerEnd,
     LayerPlan,
     Op,
     Products,
-    Record,
     RoutedExperts,
-    StreamName,
-    Wait,
-    copied,
-    lane_fork,
-    lane_join,
     routed_group,
-    used,
 )
+from .ring_builder import RingBuilder, groups_of, resident_slots
 
 if TYPE_CHECKING:
     from ..formats.contract import QuantFormat
@@ -132,148 +118,11 @@ def ring_sizes(ring_bytes: int | None, slot_bytes: int, n_streamed: int) -> Ring
     return RingSizes(walk, max(walk, STAGING_RING_SLOTS))
 
 
-class _RingBuilder:
-    """Ring state and op emission shared by the walk and the staging planner."""
-
-    def __init__(self, residency: Residency, ring_slots: int, gather_one: bool,
-                 lanes: int = 1, in_place: bool = False):
-        if ring_slots < 1:
-            raise ValueError(f"ring_slots={ring_slots}: the ring needs at least one slot")
-        if not 1 <= lanes <= len(LANES):
-            raise ValueError(f"lanes={lanes}: a plan has 1..{len(LANES)} compute lanes")
-        self.residency = residency
-        self.lanes = lanes
-        self.in_place = in_place               # products read resident groups in place
-        self.lane: StreamName = LANES[0]       # the lane of the group being planned
-        self.forked: set[StreamName] = set()   # lanes that waited for this layer's fork
-        self.ring = ring_slots
-        self.batch = not gather_one
-        self.seq: list[tuple[int, int]] = []   # entry -> (layer, expert)
-        self.issued = 0                        # entries issued so far
-        self.consumed = 0                      # entries released so far (count)
-        self.next_entry = 0                    # the next entry the consumer reads
-        self.pending: list[Gather] = []        # gathers waiting for the batch launch
-        self.ops: list[Op] = []
-
-    # ------------------------------------------------------------------ issuer
-    def issue_available(self) -> None:
-        while self.issued < len(self.seq) and self.issued < self.consumed + self.ring:
-            k = self.issued
-            layer, expert = self.seq[k]
-            slot = k % self.ring
-            if k >= self.ring:
-                self.ops.append(Wait(used(slot), "copy"))
-            self.ops.append(Copy(k, layer, expert, slot))
-            self.ops.append(Record(copied(slot), "copy"))
-            self.issued += 1
-
-    # ------------------------------------------------------------------ consumer
-    def _release(self, gathers: Sequence[Gather]) -> None:
-        ring = [g for g in gathers if g.src[0] == RING]
-        for g in ring:
-            self.ops.append(Record(used(g.src[1]), self.lane))
-        if ring:
-            last = max(_ring_entry(g) for g in ring)
-            self.ops.append(Consume(last))
-            self.consumed = last + 1
-            self.issue_available()
-
-    def flush(self) -> None:
-        if not self.pending:
-            return
-        batch = tuple(self.pending)
-        self.pending = []
-        self.ops.append(GatherBatch(batch[0].group, batch[0].pos, batch, self.lane))
-        self._release(batch)
-
-    def gather(self, group: int, pos: int, layer: int, expert: int) -> None:
-        slot = self.residency.slot(layer, expert)
-        if slot is not None:
-            g = Gather(group, pos, layer, expert, (RESIDENT, slot), stream=self.lane)
-        else:
-            k = self.next_entry
-            if k >= len(self.seq) or self.seq[k] != (layer, expert):
-                raise AssertionError(f"planner: entry {k} is not layer {layer} expert {expert}")
-            self.next_entry += 1
-            if k >= self.issued:
-                self.issue_available()
-            if k >= self.issued:
-                self.flush()
-                self.issue_available()
-            assert k < self.issued, "issuer cannot reach the entry the consumer needs"
-            self.ops.append(Wait(copied(k % self.ring), self.lane))
-            g = Gather(group, pos, layer, expert, (RING, k % self.ring), k, self.lane)
-        if self.batch:
-            self.pending.append(g)
-        else:
-            self.ops.append(g)
-            self._release([g])
-
-    def begin_layer(self, layer: int) -> None:
-        """The layer's routing, and the fork the other lanes' products wait for."""
-        self.ops.append(LayerBegin(layer))
-        self.forked = set()
-        if self.lanes > 1:
-            self.ops.append(Record(lane_fork(layer), LANES[0]))
-
-    def group(self, layer: int, group: int, experts: Sequence[int],
-              cached: int | None = None) -> None:
-        """Group `group`'s gathers and products, on lane group % lanes. A group held by the
-        image cache, or (in_place) one whose experts are all resident, gathers nothing."""
-        self.lane = LANES[group % self.lanes]
-        ids = tuple(int(e) for e in experts)
-        slots = (resident_slots(self.residency, layer, ids)
-                 if cached is None and self.in_place else None)
-        if cached is None and slots is None:
-            for pos, e in enumerate(experts):
-                self.gather(group, pos, layer, e)
-            self.flush()
-        if self.lane != LANES[0] and self.lane not in self.forked:
-            self.ops.append(Wait(lane_fork(layer), self.lane))
-            self.forked.add(self.lane)
-        self.ops.append(Products(layer, group, ids, cached, self.lane, slots))
-
-    def end_layer(self, layer: int) -> None:
-        """Joins the lanes that multiplied in this layer, then the combine."""
-        for lane in LANES[1:]:
-            if lane in self.forked:
-                self.ops.append(Record(lane_join(layer), lane))
-                self.ops.append(Wait(lane_join(layer), LANES[0]))
-        self.ops.append(LayerEnd(layer))
-
-    def take_ops(self) -> tuple[Op, ...]:
-        ops, self.ops = tuple(self.ops), []
-        return ops
-
-
-def _ring_entry(g: Gather) -> int:
-    entry = g.entry
-    if entry is None:  # the builder names the entry of every ring gather it emits
-        raise AssertionError(f"ring gather without an entry: {g!r}")
-    return entry
-
-
-def resident_slots(residency: Residency, layer: int, experts: Sequence[int]
-                   ) -> tuple[int, ...] | None:
-    """The resident slot of each of a group's experts, or None when any of them streams: the
-    slots a group's products read in place (plan.Products.slots)."""
-    slots = []
-    for e in experts:
-        slot = residency.slot(layer, e)
-        if slot is None:
-            return None
-        slots.append(int(slot))
-    return tuple(slots)
-
-
-def _groups(experts: Sequence[int]) -> list[list[int]]:
-    return [list(experts[i:i + MMQ_GROUP]) for i in range(0, len(experts), MMQ_GROUP)]
-
-
 def plan_walk(spec: MoESpec, residency: Residency, ring_slots: int, gather_one: bool,
               tokens: int = 0, attention: DenseSchedule | None = None,
               images: ImageCache | None = None, lanes: int = 1,
-              in_place: bool = False, part: Part | None = None) -> ChunkPlan:
+              in_place: bool = False, part: Part | None = None,
+              routed_copies: bool = False) -> ChunkPlan:
     """The streamed walk: every non-resident expert of every layer, layer-major ascending,
     streamed through the ring; every expert of a layer is gathered (groups are ids
     [16g, 16g+16)) so the schedule does not depend on routing and experts without rows cost an
@@ -284,8 +133,10 @@ def plan_walk(spec: MoESpec, residency: Residency, ring_slots: int, gather_one: 
     groups alternate over (1 or 2). in_place: a group of resident experts is multiplied from
     their slots, with no gather (strata_rt.schedule.in_place decides per chunk). part: the
     layers of one device of a layer split (None: every layer), whose plan opens with the
-    part's prologue and ends with its epilogue (strata_rt.schedule.split)."""
-    b = _RingBuilder(residency, ring_slots, gather_one, lanes, in_place)
+    part's prologue and ends with its epilogue (strata_rt.schedule.split). routed_copies: a
+    routed walk (plan.py), whose copies and gathers the layer's routing switches on the device,
+    so only routed experts cross PCIe, while the schedule stays the same for every routing."""
+    b = RingBuilder(residency, ring_slots, gather_one, lanes, in_place, routed_copies)
     span = _span(spec, part)
     b.seq = [(layer, e) for layer in span for e in range(spec.n_experts)
              if residency.slot(layer, e) is None]
@@ -299,13 +150,13 @@ def plan_walk(spec: MoESpec, residency: Residency, ring_slots: int, gather_one: 
         if attention is not None:
             b.ops.extend(attention.layer_ops(layer))
         b.begin_layer(layer)
-        for g, experts in enumerate(_groups(all_experts)):
+        for g, experts in enumerate(groups_of(all_experts)):
             b.group(layer, g, experts, None if images is None else images.index(layer, g))
         b.end_layer(layer)
         if layer == span[-1] and part is not None:
             b.ops.extend(part.epilogue())
         layers.append(LayerPlan(layer, b.take_ops()))
-    return ChunkPlan(tokens, "walk", ring_slots, layers)
+    return ChunkPlan(tokens, "routed_walk" if routed_copies else "walk", ring_slots, layers)
 
 
 def _span(spec: MoESpec, part: Part | None) -> range:
@@ -367,7 +218,7 @@ def _routed_layers(spec: MoESpec, residency: Residency, attention: DenseSchedule
         sources = tuple(residency.source(layer, e) for e in range(spec.n_experts))
         if gemv:
             ops.append(RoutedExperts(layer, sources))
-        for g, experts in enumerate([] if gemv else _groups(list(range(spec.n_experts)))):
+        for g, experts in enumerate([] if gemv else groups_of(list(range(spec.n_experts)))):
             slots = resident_slots(residency, layer, experts) if in_place else None
             if slots is not None:
                 ops.append(Products(layer, g, tuple(experts), slots=slots))
@@ -396,7 +247,7 @@ class StagingPlanner:
         self.span = _span(spec, part)
         self.tokens = tokens
         self.attention = attention
-        self._b = _RingBuilder(residency, ring_slots, gather_one, lanes, in_place)
+        self._b = RingBuilder(residency, ring_slots, gather_one, lanes, in_place)
         self.layers: list[LayerPlan] = []
         self._opened: set[int] = set()  # layers whose pre-routing ops are planned
 
@@ -429,7 +280,7 @@ class StagingPlanner:
         b.seq.extend((layer, e) for e in experts if b.residency.slot(layer, e) is None)
         b.begin_layer(layer)
         b.issue_available()
-        for g, group in enumerate(_groups(experts)):
+        for g, group in enumerate(groups_of(experts)):
             b.group(layer, g, group)
         b.end_layer(layer)
         if layer == self.span[-1] and self.part is not None:

@@ -2,23 +2,21 @@
 
 Memory. Expert blobs sit in one page-locked host arena (the ExpertStore); one device arena
 (memory_plan.plan_memory) holds the router and norm weights, the resident slots, the ring, the
-group buffers and one chunk's activations: the chunk first (up to 8,192 tokens for `prefill:
-auto`), then as many resident experts as the budget holds (or the config's count), after any
-`image_cache_mib` room (strata_rt.schedule.image_cache, filled at open by the format's gather).
+group buffers and one chunk's activations: the chunk first, then as many resident experts as
+the budget holds (or the config's count), after any `image_cache_mib` room (image_cache).
 
 Execution. Each plan op becomes one driver call on the stream the op names. The staging ring
 reads each layer's row bounds back on a stream of their own; the walk's kernels read them on
-the device, so the driver can capture the whole walk as a CUDA graph (`capture`). The chunk's
-input reaches the device at its ChunkInput op, behind a gate its host pass opens
-(chunk_input): hidden states, or token ids whose embedding rows the GPU decodes into the
-residual (CudaWhole.embed). A second compute lane (strata_rt.schedule.lanes) brings its own
-stream and group buffers. Short chunks read fully resident groups in place
-(strata_rt.schedule.in_place); a decode step's RoutedExperts reads its experts where they lie
-(routed_experts). Each layer runs its format's kernels.
+the device, so the driver can capture the whole walk as a CUDA graph (`capture`), a routed
+walk's copies switched by its routing inside it (routed_walk). The chunk's input reaches the
+device at its ChunkInput op, behind a gate its host pass opens (chunk_input): hidden states,
+or token ids whose embedding rows the GPU decodes (CudaWhole.embed). A second compute lane
+(schedule.lanes) brings its own stream and group buffers. Short chunks read fully resident
+groups in place (schedule.in_place); a decode step's RoutedExperts reads its experts where
+they lie (routed_experts). Each layer runs its format's kernels.
 
-A layer split's part (strata_rt.backends.cuda.split_part) holds its own layers' router, norms,
-dense weights and KV cache, runs its hand-off ops and, unless it is the last, leaves its
-output on the device for the part after it."""
+A layer split's part (split_part) holds its own layers' router, norms, dense weights and KV
+cache, runs its hand-off ops and, unless it is the last, leaves its output on the device."""
 
 from __future__ import annotations
 
@@ -54,6 +52,7 @@ from ...schedule.plan import (
     Op,
     Products,
     Record,
+    RouteCopies,
     RoutedExperts,
     Wait,
 )
@@ -67,6 +66,7 @@ from .device_state import DeviceState
 from .layer_kernels import ENGINE_SOURCE, LayerKernels
 from .products import run_products
 from .routed_experts import RoutedExpertsRunner
+from .routed_walk import RoutedWalkCopies
 from .split_part import PartLink, PartReplay, capture_plan
 
 #: the RMSNorm flag word when no row was flagged (rmsnorm_rows lowers it with atomicMin)
@@ -131,6 +131,7 @@ class CudaBackend:
         self.layer_blob_bytes = tuple(lay.blob_bytes for lay in model.formats.layouts)
         self.timing = bool(cfg.timing)
         self.can_capture = bool(cfg.cuda_graph) and not self.timing
+        self.routed_copies = RoutedWalkCopies.supported(self.can_capture)
         assert cfg.f16_gemm is not None, "EngineConfig.resolve() sets f16_gemm"
         #: every grouped fp16 GEMM prepared on this runtime (the format's kernels, the own
         #: dense GEMM) takes the config's policy from it
@@ -160,6 +161,7 @@ class CudaBackend:
         dev = self._device()
         self._timer = PhaseTimer(self.rt, dev.compute, dev.copy) if self.timing else None
         self._routed = RoutedExpertsRunner(self)
+        self.walk_copies = RoutedWalkCopies(self.rt, self.rt.stream("switched copies"))
         self._dispatch: dict[type, Callable[[Any], None]] = {
             Copy: self._op_copy, Record: self._op_record, Wait: self._op_wait,
             Gather: self._op_gather, GatherBatch: self._op_gather_batch,
@@ -168,6 +170,8 @@ class CudaBackend:
             ChunkInput: self._op_chunk_input, LayerBegin: self._op_layer_begin,
             LayerEnd: self._op_layer_end, Attention: self._op_attention,
             DenseCopy: self._op_dense_copy, Logits: self._op_logits, HandOff: self._op_handoff,
+            RouteCopies: lambda op: self.walk_copies.route(op, self._device().compute,
+                                                           self._bounds_ptr(op.layer)),
         }
         self._counts: np.ndarray | None = None
         self._store_dev: int | None = None
@@ -201,8 +205,7 @@ class CudaBackend:
                 self._whole.set_position(dev.compute, start)
 
     def begin_received(self, tokens: int, stats: Stats) -> None:
-        """A split part's chunk: its residual and position arrive with the plan's HandOff."""
-        self._begin(int(tokens), stats)
+        self._begin(int(tokens), stats)  # the residual and position come with the HandOff
 
     def _begin(self, T: int, stats: Stats) -> DeviceState:
         if not 0 < T <= self.tokens:
@@ -237,9 +240,8 @@ class CudaBackend:
         return io  # pinned and reused: the engine copies it out before the next chunk
 
     def finish_chunk(self) -> None:
-        """Waits for the chunk and refuses it when its input or a row's RMSNorm input was
-        not finite (a split part before the last: called by the split driver once every
-        part of the chunk is issued, so no part waits for another on the host)."""
+        """Waits for the chunk; refuses it when its input or an RMSNorm input was not finite
+        (a split's part before the last: called once every part of the chunk is issued)."""
         dev = self._device()
         dev.compute.synchronize()
         dev.add_routing()
@@ -327,8 +329,9 @@ class CudaBackend:
         if self._timer is not None:
             self._timer.copy_begin(f"copy L{op.layer} E{op.expert} -> slot {op.slot}")
         nbytes = self.model.formats.layout(op.layer).blob_bytes
-        self.rt.memcpy_htod(dev.ptr["ring"] + op.slot * self.lay.slot_bytes,
-                            self.store.arena[off: off + nbytes], dev.copy)
+        dst, src = dev.ptr["ring"] + op.slot * self.lay.slot_bytes, self.store.arena[off:]
+        if not self.walk_copies.copy(op, dev.copy, dst, src.ctypes.data, nbytes):
+            self.rt.memcpy_htod(dst, src[:nbytes], dev.copy)
         if self._timer is not None:
             self._timer.copy_end()
 
@@ -368,10 +371,10 @@ class CudaBackend:
         return all(type(fk).gather_routed is not FormatKernels.gather_routed for fk in self.fks)
 
     def _op_gather_routed(self, op: GatherRouted) -> None:
-        if self._store_dev is None:  # the host store's device address, looked up once
-            self._store_dev = host_device_pointer(self.store.arena)
-        srcs = [self._store_dev + self.store.offset(g.layer, g.expert) if g.src[0] == HOST
-                else self._src_ptr(g) for g in op.gathers]
+        if self._store_dev is None and any(g.src[0] == HOST for g in op.gathers):
+            self._store_dev = host_device_pointer(self.store.arena)  # looked up once
+        srcs = [(self._store_dev or 0) + self.store.offset(g.layer, g.expert)
+                if g.src[0] == HOST else self._src_ptr(g) for g in op.gathers]
         first = op.gathers[0]
         s, gu, dn = self._lane(op)
         self._mark("gather")
@@ -425,8 +428,7 @@ class CudaBackend:
 
     # ------------------------------------------------------------------ close
     def close(self) -> None:
-        """Drops every CUDA object this backend holds; the engine then closes the runtime,
-        which frees the memory."""
+        """Drops every CUDA object held here; the engine's runtime close frees the memory."""
         rt = getattr(self, "rt", None)
         if rt is None:
             return
@@ -436,10 +438,9 @@ class CudaBackend:
     def _close(self) -> None:
         dev, self.dev = self.dev, None
         whole, self._whole = getattr(self, "_whole", None), None
-        if whole is not None:
-            whole.close()
-        if dev is not None:
-            dev.close()
+        for held in (whole, dev):
+            if held is not None:
+                held.close()
         self.fks = []
         self.kernels = self._timer = None  # type: ignore[assignment]
         self._dispatch = {}

@@ -189,11 +189,17 @@ def capture_plan(backend: Any, ops: Iterable[Op], linked: bool) -> Graph | PartR
     dev = backend._device()
     before: list[Op] = []
     after: list[Op] = []
+    ops = list(ops)
     if linked:
-        before, body, after = split_for_capture(ops)
-        ops = body
-    with backend.rt.capture(dev.compute) as graph, dev.joined():
-        backend.execute(ops, Stats(), None)
+        before, ops, after = split_for_capture(ops)
+    backend.walk_copies.prepare(ops)  # a routed walk's switch table, allocated before
+    try:
+        with backend.rt.capture(dev.compute) as graph, dev.joined():
+            backend.execute(ops, Stats(), None)
+    except BaseException:
+        backend.walk_copies.abandon()
+        raise
+    backend.walk_copies.finish(graph, dev.compute)
     graph.upload(dev.compute)  # now, not inside the first replay the driver times
     dev.compute.synchronize()
     if before or after:

@@ -55,6 +55,7 @@ from ...schedule.plan import (
     Op,
     Products,
     Record,
+    RouteCopies,
     RoutedExperts,
     Wait,
     lane_index,
@@ -68,6 +69,7 @@ from ..cuda.routing.exact import route_exact
 from ..host_copy import all_finite
 from ..nonfinite import check_finite, check_rms_input
 from .attention import ReferenceDense
+from .layer_state import LayerState
 
 if TYPE_CHECKING:
     from ...config.engine_config import EngineConfig
@@ -77,24 +79,6 @@ if TYPE_CHECKING:
     from ...weights.model import Model
 
 _POISON = 0xFF
-
-
-class _LayerState:
-    """One layer's routing and buffers, sorted by expert (row r of the sorted order is the
-    (token, k) pair order[r]; expert e owns rows bounds[e]..bounds[e+1]-1)."""
-
-    def __init__(self, layer: int, xn: np.ndarray, ids: np.ndarray, w: np.ndarray,
-                 n_experts: int, hidden: int):
-        self.layer = layer
-        self.ids, self.w = ids, w
-        top_k = ids.shape[1]
-        flat = ids.reshape(-1)
-        self.order = np.argsort(flat, kind="stable")
-        self.bounds = np.zeros(n_experts + 1, dtype=np.int32)
-        self.bounds[1:] = np.cumsum(np.bincount(flat, minlength=n_experts))
-        self.x_sorted = xn[self.order // top_k]
-        self.out_sorted = np.zeros((flat.size, hidden), dtype=np.float32)
-        self.routed = np.nonzero(np.diff(self.bounds))[0].tolist()
 
 
 class NumpyContext:
@@ -115,6 +99,7 @@ class ReferenceBackend:
     #: everything runs on the host, so host time is the wall time
     host_is_wall = True
     can_capture = False
+    routed_copies = True  # RouteCopies switches the copies of a routed walk (in host order)
     #: a whole model sets these at open (see schedule.executor: Executor and Backend)
     dense_ring: int | None = None
     kv_capacity = 0
@@ -165,6 +150,7 @@ class ReferenceBackend:
                            n_layers * self.spec.n_experts - self.residency.n_slots)
         self.walk_slots = rings.walk
         self.ring = np.full((rings.total, slot), _POISON, np.uint8)
+        self._switch: dict[int, bool] = {}  # a routed walk's entry -> its copy is on
         #: group buffers of each compute lane (plan.LANES): lane i gathers into set i
         self.lanes = allocated_lanes(cfg.compute_lanes or "auto", self.residency.n_slots
                                      >= self.spec.total_experts)
@@ -184,7 +170,7 @@ class ReferenceBackend:
             layer = self.residency.pairs[slot][0]
             self.image_gu[b, pos], self.image_dn[b, pos] = self._images(self.resident[slot],
                                                                         layer)
-        self._state: _LayerState | None = None
+        self._state: LayerState | None = None
         self._h = np.empty((0, self.spec.hidden), np.float32)
         self._stats = Stats()
         #: top-k ids per layer of the last chunk (comparisons against reference_moe_f64)
@@ -256,8 +242,7 @@ class ReferenceBackend:
 
     # ------------------------------------------------------------------ ops
     def _execute(self, ops: Iterable[Op], h: np.ndarray, stats: Stats) -> None:
-        # values that leave float32's range are refused by the checks at each step (naming
-        # the layer and row), not reported as numpy's warnings
+        # out-of-range values are refused by each step's checks, not numpy's warnings
         with np.errstate(over="ignore", invalid="ignore"):
             self._execute_ops(ops, h, stats)
 
@@ -265,9 +250,12 @@ class ReferenceBackend:
         for op in ops:
             t0 = time.perf_counter()
             if isinstance(op, Copy):
-                blob = self.store.view(op.layer, op.expert)
-                self.ring[op.slot, : blob.size] = blob
+                self._copy(op)
                 phase = "copy"
+            elif isinstance(op, RouteCopies):  # the layer's switches, from its routing
+                bounds = self._layer_state(op.layer, "RouteCopies").bounds
+                self._switch.update((k, bool(bounds[e + 1] > bounds[e])) for k, e in op.copies)
+                continue
             elif isinstance(op, Gather):
                 self._gather(op)
                 phase = "gather"
@@ -358,15 +346,27 @@ class ReferenceBackend:
         check_finite(w, "the router's softmax (its logits overflow float32 or are NaN)", layer)
         stats.add_routing(layer, ids, spec.n_experts)
         self.routes.append(ids)
-        self._state = _LayerState(layer, xn, ids, w, spec.n_experts, spec.hidden)
+        self._state = LayerState(layer, xn, ids, w, spec.n_experts, spec.hidden)
         stats.phase_s["route"] += time.perf_counter() - t0
+
+    def _layer_state(self, layer: int, what: str) -> LayerState:
+        if self._state is None or self._state.layer != layer:
+            raise RuntimeError(f"{what} of layer {layer} outside its layer")
+        return self._state
+
+    def _copy(self, op: Copy) -> None:
+        """A routed copy that its RouteCopies switched off copies nothing; its slot is
+        poisoned instead, so a launch that still read it would change the output."""
+        if op.routed and not self._switch.pop(op.entry):
+            self.ring[op.slot] = _POISON
+            return
+        blob = self.store.view(op.layer, op.expert)
+        self.ring[op.slot, : blob.size] = blob
 
     def _gather_routed(self, op: GatherRouted) -> None:
         """The members whose expert has rows in the layer's routing, as the GPU kernel skips
         the others on the device."""
-        st = self._state
-        if st is None or any(g.layer != st.layer for g in op.gathers):
-            raise RuntimeError(f"GatherRouted of group {op.group} outside its layer")
+        st = self._layer_state(op.gathers[0].layer, f"GatherRouted of group {op.group}")
         for g in op.gathers:
             if st.bounds[g.expert + 1] > st.bounds[g.expert]:
                 self._gather(g)

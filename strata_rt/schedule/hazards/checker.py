@@ -34,6 +34,8 @@ with their index in the chunk's op list):
   of its layer on another lane may still write (no lane_join waited on); a Products after its
   layer's LayerEnd, whose rows the combine never reads;
 - a HandOff or hand-off event fed to one device's checker alone (schedule/split/hazards.py);
+- (a routed walk) a routed Copy not ordered after the RouteCopies that switched it, and a
+  plain gather reading a routed copy's slot (strata_rt.schedule.hazards.routed_copies);
 - (streamed dense weights) a DenseCopy refilling a dense slot an Attention may still read, and
   an Attention whose dense slot does not hold its layer or whose copy is not before it.
 """
@@ -68,12 +70,14 @@ from ..plan import (
     Op,
     Products,
     Record,
+    RouteCopies,
     RoutedExperts,
     Wait,
 )
 from .dense import DenseRing
 from .messages import Clock, Occupant, describe, event_subject
-from .sources import Multiplied, products_problem
+from .routed_copies import CopySwitches
+from .sources import Multiplied, elsewhere_hint, products_problem
 
 if TYPE_CHECKING:
     from ..image_cache import ImageCache
@@ -130,6 +134,7 @@ class Checker:
         self.multiplied: dict[int, Multiplied] = {}
         #: the dense ring slots of streamed dense weights (hazards.dense)
         self.dense = DenseRing(self._before)
+        self.switches = CopySwitches(self._before)  # a routed walk's copies
 
     # ------------------------------------------------------------------ helpers
     def _fail(self, msg: str) -> NoReturn:
@@ -202,6 +207,8 @@ class Checker:
             self._consume(i, op, readers)
         elif isinstance(op, DenseCopy):
             self._check(self.dense.copy(i, op, self._tick("copy")))
+        elif isinstance(op, RouteCopies):
+            self._check(self.switches.route(i, op, self._tick(op.stream), self.begun))
         elif isinstance(op, ChunkInput):
             if op.kind not in INPUT_KINDS:
                 self._fail(f"op #{i} {op!r}: kind must be one of {', '.join(INPUT_KINDS)}")
@@ -314,6 +321,7 @@ class Checker:
                        f">= consumed {self.consumed} + ring {self.ring} (entry "
                        f"{k - self.ring}, the slot's previous occupant, is not consumed yet)")
         now = self._tick("copy")
+        self._check(self.switches.copy(i, op, now))
         prev = self.slots.get(s)
         if prev is not None:
             for rclock, lane, rop, rdesc in prev.readers:
@@ -379,6 +387,7 @@ class Checker:
             self._fail(f"slot {s}: {desc} may read before op #{occ.op_index} {occ.describe()} "
                        f"landed: no Wait(copied[{s}]) on {g.stream} joins a "
                        f"Record(copied[{s}]) issued after op #{occ.op_index}")
+        self._check(self.switches.read(desc, s, k, host_ok))
         occ.readers.append((now, g.stream, i, what))
         self._place(g, i)
 
@@ -406,16 +415,7 @@ class Checker:
                         f"(op #{have[3]})")
                 self._fail(f"op #{i} {describe(op)} reads position {p} as expert {e}, but "
                            f"that position of {op.stream}'s group buffers {what}"
-                           + self._elsewhere(op, p, e))
-
-    def _elsewhere(self, op: Products, p: int, e: int) -> str:
-        """A hint when another lane's buffers hold what the products looked for."""
-        for lane, buf in self.buffers.items():
-            have = buf.get(p)
-            if lane != op.stream and have is not None and have[:3] == (op.layer, op.group, e):
-                return (f"; op #{have[3]} gathered it on {lane}, and each lane multiplies "
-                        "only what it gathered into its own buffers")
-        return ""
+                           + elsewhere_hint(self.buffers, op, p, e))
 
     def _consume(self, i: int, op: Consume, readers: dict[int, int]) -> None:
         if op.entry + 1 < self.consumed:

@@ -46,7 +46,8 @@ def on_lane(stream: str) -> str:
 
 def describe(op: Op) -> str:
     if isinstance(op, Copy):
-        return f"Copy(entry {op.entry}, layer {op.layer}, expert {op.expert} -> slot {op.slot})"
+        return (f"Copy(entry {op.entry}, layer {op.layer}, expert {op.expert} -> slot {op.slot}"
+                f"{', routed' if op.routed else ''})")
     if isinstance(op, Gather):
         where = (f"ring slot {op.src[1]}, entry {op.entry}" if op.src[0] == RING
                  else "the host store" if op.src[0] == HOST else f"resident slot {op.src[1]}")

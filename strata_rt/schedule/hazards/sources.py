@@ -14,6 +14,7 @@ with the op's index.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from ...formats.contract import MMQ_GROUP
@@ -110,3 +111,15 @@ def in_place_problem(i: int, op: Products, slots: tuple[int, ...],
                      f"lies in resident slot {have}")
             return f"{what}, but expert {e} of layer {op.layer} {where}, not in slot {s}"
     return None
+
+
+def elsewhere_hint(buffers: Mapping[str, Mapping[int, tuple[int, int, int, int]]],
+                   op: Products, p: int, e: int) -> str:
+    """A hint for products that miss expert e at position p, when another lane's group
+    buffers (lane -> pos -> (layer, group, expert, op index)) hold it."""
+    for lane, buf in buffers.items():
+        have = buf.get(p)
+        if lane != op.stream and have is not None and have[:3] == (op.layer, op.group, e):
+            return (f"; op #{have[3]} gathered it on {lane}, and each lane multiplies "
+                    "only what it gathered into its own buffers")
+    return ""
