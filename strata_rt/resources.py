@@ -40,3 +40,17 @@ def kernel_lines(source: Path, macro: str) -> list[tuple[str, ...]]:
     found = re.findall(rf"^{re.escape(macro)}\(([^)]*)\)", source.read_text(), flags=re.M)
     return [tuple(a.strip() for a in args.split(",")) for args in found]
 
+
+def kernel_constant(source: Path, name: str) -> int:
+    """The integer a CUDA source defines as `name` (`#define NAME 4` or `constexpr int NAME =
+    4;`): a launcher that must agree with a kernel on a block size or a buffer bound reads it
+    here, so the source is the constant's one copy."""
+    import re
+
+    text = source.read_text()
+    found = (re.search(rf"^#define {re.escape(name)} (\d+)\b", text, flags=re.M)
+             or re.search(rf"constexpr int {re.escape(name)} = (\d+);", text))
+    if found is None:
+        raise ValueError(f"{source.name} defines no integer {name}")
+    return int(found.group(1))
+

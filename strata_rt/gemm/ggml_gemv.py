@@ -18,7 +18,6 @@ Modules: as the fused GEMM's (ggml_fused.py), one type per module, compiled when
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..errors import FormatError
-from ..resources import KERNELS_ROOT
+from ..resources import KERNELS_ROOT, kernel_constant
 from .ggml_decoders import DecoderModule, DecoderSpec, GgmlKey
 
 if TYPE_CHECKING:
@@ -50,29 +49,21 @@ DENSE_MODES = {"f16": 0, "f32": 1, "add_f32": 2}
 GEMV_VALUES = 8
 
 
-def _constant_of(text: str, name: str, form: str = r"constexpr int {} = (\d+);") -> int:
-    found = re.search(form.format(name), text)
-    if found is None:
-        raise FormatError(f"no {name} line in the matrix-vector kernels' sources")
-    return int(found.group(1))
-
-
-_HEADER_TEXT = GEMV_HEADER.read_text()
 #: warps per block at most (each takes a run of the K stages), as gemv.cuh states them
-GEMV_WARPS = _constant_of(_HEADER_TEXT, "GEMV_WARPS")
+GEMV_WARPS = kernel_constant(GEMV_HEADER, "GEMV_WARPS")
 #: the same for the _host kernels of the expert products, launched where some of the experts
 #: lie in pinned host memory: more warps keep more loads in flight across PCIe, while on
 #: device memory they lose (bench/notes.md W56, W59)
-GEMV_HOST_WARPS = _constant_of(_HEADER_TEXT, "GEMV_HOST_WARPS")
+GEMV_HOST_WARPS = kernel_constant(GEMV_HEADER, "GEMV_HOST_WARPS")
 GEMV_THREADS = 32 * GEMV_WARPS
 #: weight rows of a tile (the tensor-core product's M): 8 gate/up output rows, 16 down rows
-GEMV_ROWS = _constant_of(_HEADER_TEXT, "GEMV_ROWS")
+GEMV_ROWS = kernel_constant(GEMV_HEADER, "GEMV_ROWS")
 #: a stage's bytes per row at most, where whole blocks allow (gemv.cuh's gemv_cpl)
-GEMV_STAGE_BYTES = _constant_of(_HEADER_TEXT, "GEMV_STAGE_BYTES")
+GEMV_STAGE_BYTES = kernel_constant(GEMV_HEADER, "GEMV_STAGE_BYTES")
 #: shared bytes the stage buffers of a _host block may take (gemv.cuh's gemv_host_warps)
-GEMV_HOST_SHARED = _constant_of(_HEADER_TEXT, "GEMV_HOST_SHARED")
+GEMV_HOST_SHARED = kernel_constant(GEMV_HEADER, "GEMV_HOST_SHARED")
 #: output rows of a block of gemv_f16_rows, as its source defines them
-ROWS_WARPS = _constant_of(ROWS_SOURCE.read_text(), "ROWS_WARPS", r"#define {} (\d+)")
+ROWS_WARPS = kernel_constant(ROWS_SOURCE, "ROWS_WARPS")
 
 
 def stage_values(d: DecoderSpec) -> int:

@@ -19,16 +19,18 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ...errors import StrataError
-from ...resources import KERNELS_ROOT
+from ...resources import KERNELS_ROOT, kernel_constant
 from ...text.sampling import MAX_CANDIDATES, SamplingParams, distinct_ids, plan
 
 if TYPE_CHECKING:
     from ...runtime import Runtime, Stream
 
 SAMPLING_SOURCE = KERNELS_ROOT / "model" / "sampling.cu"
-#: SAMPLE_THREADS and SAMPLE_CAP in sampling.cu
-THREADS = 1024
-CAP = MAX_CANDIDATES
+THREADS = kernel_constant(SAMPLING_SOURCE, "SAMPLE_THREADS")
+#: the kernel's candidate buffer, which the numpy definition's bound must equal
+CAP = kernel_constant(SAMPLING_SOURCE, "SAMPLE_CAP")
+if CAP != MAX_CANDIDATES:
+    raise StrataError(f"sampling.cu holds {CAP} candidates, text.sampling {MAX_CANDIDATES}")
 #: what the kernel writes instead of an id
 BAD_LOGITS, ALL_MASKED = -1, -2
 _WHY = {BAD_LOGITS: "the logits hold NaN or +inf; the model or its weights are broken",
@@ -71,8 +73,7 @@ class SamplingKernels:
                             shared=shared_bytes(vocab))
 
 
-#: ARGMAX_THREADS in sampling.cu
-ARGMAX_THREADS = 256
+ARGMAX_THREADS = kernel_constant(SAMPLING_SOURCE, "ARGMAX_THREADS")
 #: blocks of an argmax launch at most (two per SM of an H100 / H200; each strides the row)
 ARGMAX_BLOCKS = 264
 #: result bytes of an argmax launch: the uint64 key, the uint32 flag, padding
