@@ -3,9 +3,11 @@
 # under $BENCH_OUT (default ./out). Stages run in order; pick them with arguments:
 #   bash bench/gpu_suite.sh tests digests gemm routing formats ggml mmq prefill-quick prefill \
 #        stream-235b attention dense whole-30b whole-235b whole-235b-16g acceptance decode \
-#        peers ncu-gemm decode-ab (ncu-gemm: Nsight Compute, $NCU or ncu on PATH; decode-ab:
-#        the decode GPU tests, then bench_decode with the opt-in switches one by one;
-#        LLAMA_BENCH=PATH adds llama.cpp to its first run)
+#        peers ncu-gemm decode-ab stream-ab (ncu-gemm: Nsight Compute, $NCU or ncu on PATH;
+#        decode-ab: the decode GPU tests, then bench_decode with the defaults and with the
+#        decode switches' other settings one by one, LLAMA_BENCH=PATH adds llama.cpp to its
+#        first run; stream-ab: the routed walk's GPU tests and switched copies, then short
+#        prompts under each prefill_stream setting on one engine)
 # A failing stage is reported and the next one still runs; the exit code counts failures.
 set -uo pipefail
 out=${BENCH_OUT:-out}
@@ -64,13 +66,18 @@ for what in "${@:-tests}"; do
                    tests/test_sampling_gpu.py tests/test_gemv_dense_gpu.py tests/test_decode_gpu.py
                    # LLAMA_BENCH (a llama-bench binary): llama.cpp in the first run, same file
                    peer=(${LLAMA_BENCH:+--llama-bench "$LLAMA_BENCH" --llama-timeout 120})
-                   for v in default STRATA_DECODE_ARGMAX=device STRATA_DECODE_DENSE=gemv \
-                            "STRATA_DECODE_ARGMAX=device STRATA_DECODE_DENSE=gemv"; do
+                   for v in default STRATA_DECODE_ARGMAX=host STRATA_DECODE_DENSE=gemm \
+                            "STRATA_DECODE_ARGMAX=host STRATA_DECODE_DENSE=gemm"; do
                        stage "decode-ab-${v// /+}" env ${v/default/} python3 bench/bench_decode.py \
                            --steps 32 --warmups 1 --paths gemv --regimes all,quarter \
                            "${peer[@]}" --json "$out/decode-ab-${v// /+}.json" --out "$out"
                        peer=()
                    done ;;
+        stream-ab) stage stream-ab-tests python3 -m pytest -m gpu -q -ra -p no:cacheprovider \
+                   tests/test_routed_walk.py tests/test_routed_prefill.py
+                   stage switched-copies python3 bench/bench_switched_copies.py
+                   stage stream-ab python3 bench/bench_whole.py --prompts 254,1030 \
+                       --streams walk,routed,routed_walk --warmups 2 --reps 3 --out "$out" ;;
         *) echo "unknown stage $what"; failures=$((failures + 1)) ;;
     esac
 done

@@ -83,16 +83,22 @@ def test_routed_plan_gives_the_walks_bytes_and_streams_only_routed_experts(
     assert 0 < rt_stats.bytes_streamed <= walk_stats.bytes_streamed
 
 
-def test_auto_takes_the_routed_plan_once_a_length_routes_few_experts(model, monkeypatch):
+@pytest.mark.parametrize("switches", [True, False])
+def test_auto_streams_only_routed_experts_once_a_length_routes_few(model, monkeypatch,
+                                                                   switches) -> None:
     """One token repeated 40 times routes the same top-4 experts at every position, so a
     layer routes 4 of its 32 experts: the first prompt of that length walks and measures it,
-    the next takes the routed plan with the same logits; a varied prompt of a length never
-    measured walks."""
+    the next streams only its routed experts, by the routed walk where the backend switches
+    copies and by the routed plan where it cannot, with the same logits; a varied prompt of a
+    length never measured walks."""
+    from strata_rt.backends.reference.executor import ReferenceBackend
+
+    monkeypatch.setattr(ReferenceBackend, "routed_copies", switches)
     same = np.full(40, 7)
     varied = np.random.default_rng(9).integers(0, SPEC.vocab, 50)
     runs = _prefill(model, [same, same, varied], "auto", monkeypatch)
     (l0, s0, m0, wb), (l1, s1, m1, _), (_, _, m2, _) = runs
-    assert (m0, m1, m2) == ("walk", "routed", "walk")
+    assert (m0, m1, m2) == ("walk", "routed_walk" if switches else "routed", "walk")
     assert l1.tobytes() == l0.tobytes()
     assert s0.bytes_streamed == wb and s1.bytes_streamed < 0.5 * wb
 
@@ -107,6 +113,10 @@ def test_chooser_rule() -> None:
     assert c.choose(254, 1000) == "walk"  # its own measurement wins over the longer one's
     assert c.choose(8192, 1000) == "walk" and c.choose(254, 0) == "walk"
     assert c.choose(254, 1000, forced="routed") == "routed"
+    assert c.choose(100, 10**9, forced="routed_walk") == "routed_walk"
+    c.observe(300, 100)
+    assert c.choose(300, 1000, routed_copies=True) == "routed_walk"
+    assert c.choose(300, 1000, routed_copies=False) == "routed"
     assert c.choose(100, 10**9, forced="walk") == "walk"
     assert not c.wants_routing(8192) and c.wants_routing(4096)
 

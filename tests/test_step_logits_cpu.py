@@ -162,9 +162,9 @@ def test_a_greedy_step_brings_back_its_token_alone(fake, monkeypatch, decode):
 
 
 def test_a_greedy_step_under_host_argmax_brings_back_the_row(fake, monkeypatch):
-    """decode_argmax "host" (the default): the row comes back and numpy takes its argmax; no
-    argmax kernel runs."""
-    eng, spec = _engine(monkeypatch, prefill=64)
+    """decode_argmax "host": the row comes back and numpy takes its argmax; no argmax kernel
+    runs."""
+    eng, spec = _engine(monkeypatch, prefill=64, decode_argmax="host")
     with eng:
         rt = fake["rt"]
         rt.tokens = 5

@@ -133,12 +133,12 @@ class EngineConfig:
     #: None: STRATA_DECODE_ATTENTION, else split
     decode_attention: str | None = None
     #: a whole model's dense projections and head in one-token chunks on the CUDA backend
-    #: (DECODE_DENSES): "gemm" (the chunk's GEMMs) or "gemv" (matrix-vector kernels reading
-    #: each weight in its own type); None: STRATA_DECODE_DENSE, else gemm
+    #: (DECODE_DENSES): "gemv" (matrix-vector kernels reading each weight in its own type) or
+    #: "gemm" (the chunk's GEMMs); None: STRATA_DECODE_DENSE, else gemv
     decode_dense: str | None = None
     #: where a greedy decode step on the CUDA backend takes its token (DECODE_ARGMAXES):
-    #: "host" (its logits come back) or "device" (Engine.prefill_argmax takes the argmax on
-    #: the GPU); None: STRATA_DECODE_ARGMAX, else host
+    #: "device" (Engine.prefill_argmax takes the argmax on the GPU) or "host" (its logits
+    #: come back); None: STRATA_DECODE_ARGMAX, else device
     decode_argmax: str | None = None
     #: how prefill chunks stream (PREFILL_STREAMS): "auto", "walk", "routed" or "routed_walk";
     #: None: STRATA_PREFILL_STREAM, else auto

@@ -100,18 +100,17 @@ SWITCHES: dict[str, Switch] = {
                "merged, float32 probabilities; within NMSE 1e-4 of tiled, not its bytes) or "
                "tiled (the prefill's attention kernel, one block per KV head: a one-token "
                "chunk's bytes are those of the same row inside a longer chunk)."),
-        Switch("STRATA_DECODE_DENSE", "choice:gemm,gemv",
+        Switch("STRATA_DECODE_DENSE", "choice:gemv,gemm",
                "a whole model's dense projections and output head in one-token chunks (decode "
-               "steps) on the CUDA backend: gemm (the default: the chunk's GEMMs, weights not "
-               "stored as F16 decoded into an fp16 scratch first) or gemv (matrix-vector "
-               "kernels that read each weight in its own type; within NMSE 1e-4 of gemm, not "
-               "its bytes: the sums run in another order)."),
-        Switch("STRATA_DECODE_ARGMAX", "choice:host,device",
-               "where a greedy decode step on the CUDA backend takes its token: host (the "
-               "default: the step's float32 logits come back and numpy takes the argmax) or "
-               "device (a kernel takes the argmax where the head left the logits, numpy's tie "
-               "rule and NaN/Inf refusal, and 16 bytes come back; opt-in until its GPU tests "
-               "have run)."),
+               "steps) on the CUDA backend: gemv (the default: matrix-vector kernels that read "
+               "each weight in its own type, F16 a warp per output row) or gemm (the chunk's "
+               "GEMMs, weights not stored as F16 decoded into an fp16 scratch first). gemv is "
+               "within NMSE 1e-4 of gemm, not its bytes: the sums run in another order."),
+        Switch("STRATA_DECODE_ARGMAX", "choice:device,host",
+               "where a greedy decode step on the CUDA backend takes its token: device (the "
+               "default: a kernel takes the argmax where the head left the logits, with numpy's "
+               "tie rule and NaN/Inf refusal, and 16 bytes come back) or host (the step's "
+               "float32 logits come back and numpy takes the argmax: the same ids)."),
         Switch("STRATA_PREFILL_STREAM", "choice:auto,walk,routed,routed_walk",
                "how a prefill chunk streams its non-resident experts: walk (the copy engine "
                "streams every one beside the compute), routed (the gathers read only the "

@@ -167,26 +167,27 @@ class ChunkDriver:
         return self._decode_keys[mode]
 
     def stream_mode(self, T: int) -> str:
-        """"routed" where a T-token chunk takes the routed plan (forced by prefill_stream, or
-        chosen by `streams` from the routing measured at that length), "routed_walk" where
-        prefill_stream asks for it, else "walk" (which stands for the walk or the staging
-        ring, as takes_walk decides)."""
+        """"routed_walk" or "routed" where a T-token chunk streams only its routed experts
+        (forced by prefill_stream, or chosen by `streams` from the routing measured at that
+        length: the routed walk where this executor can switch copies), else "walk" (which
+        stands for the walk or the staging ring, as takes_walk decides)."""
         if T == 1 or not self.executor.routed_gathers:
             return "walk"
-        forced = self.cfg.prefill_stream or "auto"
+        forced, ex = self.cfg.prefill_stream or "auto", self.executor
+        if forced == "routed_walk" and not ex.routed_copies:
+            raise StrataError(f"prefill_stream routed_walk: the {ex.name} backend cannot "
+                              "switch copies on the device (the CUDA backend needs CUDA "
+                              "graphs on and a 12.4+ driver)")
+        if forced == "routed_walk" and ex.walk_slots < MMQ_GROUP:
+            raise StrataError(f"prefill_stream routed_walk gathers a group of {MMQ_GROUP} in "
+                              f"one launch; the walk ring holds {ex.walk_slots} slots: give "
+                              "it more room (ring_mib)")
         if forced == "routed_walk":
-            if not self.executor.routed_copies:
-                raise StrataError(f"prefill_stream routed_walk: the {self.executor.name} "
-                                  "backend cannot switch copies on the device (the CUDA "
-                                  "backend needs CUDA graphs on and a 12.4+ driver)")
-            if self.executor.walk_slots < MMQ_GROUP:
-                raise StrataError(f"prefill_stream routed_walk gathers a group of {MMQ_GROUP} "
-                                  f"in one launch; the walk ring holds {self.executor.walk_slots}"
-                                  " slots: give it more room (ring_mib)")
             return forced
         if forced == "auto" and not takes_walk(T, self.spec, self.cfg.walk_min_tokens):
             return "walk"  # the staging ring's chunks: few experts routed, known per layer
-        return self.streams.choose(T, self.walk_bytes(), forced)
+        return self.streams.choose(T, self.walk_bytes(), forced,
+                                   ex.routed_copies and ex.walk_slots >= MMQ_GROUP)
 
     def walk_bytes(self) -> int:
         """Bytes a walk copies: every non-resident expert of every layer this driver runs."""
