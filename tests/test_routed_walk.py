@@ -173,6 +173,49 @@ def test_routed_walk_on_a_ring_under_a_group_names_ring_mib(model, monkeypatch) 
             eng.prefill(np.arange(40))
 
 
+def test_a_driver_without_conditional_nodes_keeps_every_other_call(monkeypatch) -> None:
+    """A 12.2 driver lacks the conditional-node calls: libcuda() still loads the others, and
+    no executor offers the routed walk there."""
+    import ctypes
+
+    from strata_rt.runtime import conditional, driver_api
+
+    newer = {"cuGraphConditionalHandleCreate", "cuStreamBeginCaptureToGraph",
+             "cuGraphAddNode_v2", "cuStreamGetCaptureInfo_v3",
+             "cuStreamUpdateCaptureDependencies_v2"}
+
+    class Call:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def __call__(self, *args):
+            if self.name == "cuDriverGetVersion":
+                args[0]._obj.value = 12020
+            return 0
+
+    class OldDriver:
+        def __init__(self, path: str) -> None:
+            self.path = path
+
+        def __getattr__(self, name: str) -> Call:
+            if name in newer:
+                raise AttributeError(name)
+            call = Call(name)
+            setattr(self, name, call)
+            return call
+
+    monkeypatch.setattr(ctypes, "CDLL", OldDriver)
+    driver_api.libcuda.cache_clear()
+    conditional.conditional_copies_supported.cache_clear()
+    try:
+        lib = driver_api.libcuda()
+        assert lib.cuGraphLaunch.restype is ctypes.c_int and not hasattr(lib, "cuGraphAddNode_v2")
+        assert not conditional.conditional_copies_supported()
+    finally:
+        driver_api.libcuda.cache_clear()
+        conditional.conditional_copies_supported.cache_clear()
+
+
 class _RecordedSwitches:
     """runtime.conditional.CopySwitches as the fake runtime's capture records it."""
 

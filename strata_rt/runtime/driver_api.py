@@ -47,7 +47,9 @@ def libcuda() -> ctypes.CDLL:
     """libcuda with the argument and result types of the calls above set."""
     lib = ctypes.CDLL("libcuda.so.1")
     for name, argtypes in _SIGNATURES.items():
-        fn = getattr(lib, name)
+        fn = getattr(lib, name, None)
+        if fn is None:  # a newer driver's call (conditional nodes, 12.3+): its users check
+            continue    # the driver's version first (runtime/conditional.py)
         fn.argtypes = argtypes
         fn.restype = ctypes.c_int
     return lib
