@@ -21,6 +21,7 @@ from strata_rt.formats.contract import MMQ_GROUP
 from strata_rt.models.qwen3 import Qwen3Model, Qwen3Spec
 from strata_rt.schedule.dense_schedule import DenseSchedule
 from strata_rt.schedule.hazards import check
+from strata_rt.schedule.image_cache import ImageCache
 from strata_rt.schedule.plan import (
     LANES,
     ChunkPlan,
@@ -48,23 +49,34 @@ def model() -> Qwen3Model:
 
 
 def _routed_walk(res: Residency, ring: int = 20, lanes: int = 1, start: int | None = None,
-                 in_place: bool = False) -> ChunkPlan:
+                 in_place: bool = False, images: ImageCache | None = None) -> ChunkPlan:
     attention = None if start is None else DenseSchedule(SPEC.n_layers, start, None)
     return plan_walk(MOE, res, ring, False, tokens=64, attention=attention, lanes=lanes,
-                     in_place=in_place, routed_copies=True)
+                     in_place=in_place, routed_copies=True, images=images)
+
+
+def _resident_groups(res: Residency) -> list[tuple[int, int]]:
+    return [(layer, g) for layer in range(SPEC.n_layers)
+            for g in range(SPEC.n_experts // MMQ_GROUP)
+            if all(res.slot(layer, e) is not None
+                   for e in range(g * MMQ_GROUP, (g + 1) * MMQ_GROUP))]
 
 
 @pytest.mark.parametrize("lanes", [1, 2])
 @pytest.mark.parametrize("start", [None, 9])
 def test_routed_walks_pass_the_checker_on_random_residencies(model, rng, lanes, start) -> None:
-    """Every Copy routed and issued after its layer's RouteCopies (which names exactly the
-    layer's entries, in order), every ring read inside a GatherRouted, the checker content."""
+    """Random residencies, rings, lanes, in-place reads and image caches of resident groups:
+    every Copy routed and issued after its layer's RouteCopies (which names exactly the layer's
+    entries, in order), every ring read inside a GatherRouted, the checker content."""
     for _ in range(12):
         res = Residency.from_budget(model.moe, int(rng.integers(0, 2 * SPEC.n_experts + 1)))
         ring = int(rng.integers(MMQ_GROUP, 3 * MMQ_GROUP))
-        plan = _routed_walk(res, ring, lanes, start, bool(rng.integers(2)))
+        whole = _resident_groups(res)
+        cached = [whole[i] for i in rng.permutation(len(whole))[:int(rng.integers(0, 3))]]
+        images = ImageCache(tuple(cached), capacity=len(cached))
+        plan = _routed_walk(res, ring, lanes, start, bool(rng.integers(2)), images)
         assert plan.mode == "routed_walk"
-        check(plan, res)
+        check(plan, res, images=images)
         routed_layer: int | None = None
         switched: list[tuple[int, int]] = []
         entries = []
