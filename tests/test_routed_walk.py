@@ -94,10 +94,18 @@ def test_routed_walks_pass_the_checker_on_random_residencies(model, rng, lanes, 
         assert len(entries) == int((~res.mask()).sum())
 
 
-def test_a_ring_smaller_than_a_group_is_refused() -> None:
+def test_a_ring_smaller_than_a_groups_streamed_experts_is_refused() -> None:
+    """A group's ring entries are gathered in one launch: the ring holds a group's streamed
+    experts (16 with nothing resident; 13 where three of each group are resident)."""
     res = Residency(SPEC.n_layers, SPEC.n_experts, [], 256)
-    with pytest.raises(ValueError, match=f"at least {MMQ_GROUP} slots"):
+    with pytest.raises(ValueError, match=f"a group here streams {MMQ_GROUP} experts"):
         _routed_walk(res, ring=MMQ_GROUP - 1)
+    some = [(layer, e) for layer in range(SPEC.n_layers) for e in range(SPEC.n_experts)
+            if e % MMQ_GROUP < 3]
+    res = Residency(SPEC.n_layers, SPEC.n_experts, some, 256)
+    check(_routed_walk(res, ring=MMQ_GROUP - 3), res)
+    with pytest.raises(ValueError, match="streams 13 experts"):
+        _routed_walk(res, ring=12)
 
 
 def _reject(plan: ChunkPlan, res: Residency, *patterns: str) -> None:
@@ -176,12 +184,13 @@ def test_routed_walk_needs_a_backend_that_switches_copies(model, monkeypatch) ->
         _prefill(model, np.arange(40), "routed_walk", monkeypatch)
 
 
-def test_routed_walk_on_a_ring_under_a_group_names_ring_mib(model, monkeypatch) -> None:
+def test_routed_walk_on_a_ring_under_a_groups_experts_names_ring_mib(model, monkeypatch) -> None:
     monkeypatch.setenv("STRATA_PREFILL_STREAM", "routed_walk")
     with Engine.open({"model": model, "backend": "reference", "prefill": 128,
                       "expert_cache": 24}) as eng:
-        eng.driver.executor.walk_slots = MMQ_GROUP - 1
-        with pytest.raises(StrataError, match="ring_mib"):
+        eng.driver.executor.walk_slots = 1
+        with pytest.raises(StrataError, match="a group streams .* experts; the walk ring "
+                                              "holds 1 slots: give it more room .ring_mib."):
             eng.prefill(np.arange(40))
 
 

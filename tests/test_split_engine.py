@@ -71,7 +71,9 @@ def _generate(model, devices, **kw):
 
 
 @pytest.mark.parametrize("devices, kw", [([0, 1], {}), ([2, 0, 1], {"dense": "stream"}),
-                                         ([0, 1], {"expert_cache": 5, "decode": "staging"})])
+                                         ([0, 1], {"expert_cache": 5, "decode": "staging"}),
+                                         ([1, 0], {"expert_cache": 5,
+                                                   "prefill_stream": "routed_walk"})])
 def test_whole_model_split_matches_one_device(whole, devices, kw):
     logits, tokens, last, _ = _generate(whole, [0], **kw)
     s_logits, s_tokens, s_last, plans = _generate(whole, devices, **kw)

@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..errors import StrataError
-from ..formats.contract import MMQ_GROUP
 from ..report.stats import Stats
 from . import hazards
 from .dense_schedule import DenseSchedule
@@ -55,6 +54,7 @@ from .planner import (
 )
 from .prefill_stream import StreamChooser
 from .residency import Residency
+from .ring_builder import group_ring_entries
 
 if TYPE_CHECKING:
     from ..config.engine_config import EngineConfig
@@ -178,16 +178,17 @@ class ChunkDriver:
             raise StrataError(f"prefill_stream routed_walk: the {ex.name} backend cannot "
                               "switch copies on the device (the CUDA backend needs CUDA "
                               "graphs on and a 12.4+ driver)")
-        if forced == "routed_walk" and ex.walk_slots < MMQ_GROUP:
-            raise StrataError(f"prefill_stream routed_walk gathers a group of {MMQ_GROUP} in "
-                              f"one launch; the walk ring holds {ex.walk_slots} slots: give "
-                              "it more room (ring_mib)")
+        need = group_ring_entries(self.residency, self.span, self.spec.n_experts)
+        if forced == "routed_walk" and ex.walk_slots < need:
+            raise StrataError(f"prefill_stream routed_walk gathers a group in one launch, and "
+                              f"a group streams {need} experts; the walk ring holds "
+                              f"{ex.walk_slots} slots: give it more room (ring_mib)")
         if forced == "routed_walk":
             return forced
         if forced == "auto" and not takes_walk(T, self.spec, self.cfg.walk_min_tokens):
             return "walk"  # the staging ring's chunks: few experts routed, known per layer
         return self.streams.choose(T, self.walk_bytes(), forced,
-                                   ex.routed_copies and ex.walk_slots >= MMQ_GROUP)
+                                   ex.routed_copies and ex.walk_slots >= need)
 
     def walk_bytes(self) -> int:
         """Bytes a walk copies: every non-resident expert of every layer this driver runs."""

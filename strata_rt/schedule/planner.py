@@ -39,7 +39,7 @@ from .plan import (
     RoutedExperts,
     routed_group,
 )
-from .ring_builder import RingBuilder, groups_of, resident_slots
+from .ring_builder import RingBuilder, group_ring_entries, groups_of, resident_slots
 
 if TYPE_CHECKING:
     from ..formats.contract import QuantFormat
@@ -136,8 +136,12 @@ def plan_walk(spec: MoESpec, residency: Residency, ring_slots: int, gather_one: 
     part's prologue and ends with its epilogue (strata_rt.schedule.split). routed_copies: a
     routed walk (plan.py), whose copies and gathers the layer's routing switches on the device,
     so only routed experts cross PCIe, while the schedule stays the same for every routing."""
-    b = RingBuilder(residency, ring_slots, gather_one, lanes, in_place, routed_copies)
     span = _span(spec, part)
+    need = group_ring_entries(residency, span, spec.n_experts) if routed_copies else 0
+    if ring_slots < need:
+        raise ValueError(f"ring_slots={ring_slots}: a routed walk gathers a group in one "
+                         f"launch, and a group here streams {need} experts")
+    b = RingBuilder(residency, ring_slots, gather_one, lanes, in_place, routed_copies)
     b.seq = [(layer, e) for layer in span for e in range(spec.n_experts)
              if residency.slot(layer, e) is None]
     if attention is not None:  # the first dense layers go before any expert

@@ -4,7 +4,7 @@ routing, gathers, products and combine around them."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from ..formats.contract import MMQ_GROUP
@@ -42,15 +42,13 @@ class RingBuilder:
     routed_copies (a routed walk): copies are issued no further than the layer whose routing
     is known (`horizon`), each switched by its layer's RouteCopies, and every group gathers
     with one GatherRouted, which skips the unrouted experts whose copies were switched off.
-    A group's gathers are then one launch from position 0, so the ring must hold a group."""
+    A group's gathers are then one launch from position 0, so the ring must hold the ring
+    entries of any one group (group_ring_entries)."""
 
     def __init__(self, residency: Residency, ring_slots: int, gather_one: bool,
                  lanes: int = 1, in_place: bool = False, routed_copies: bool = False):
         if ring_slots < 1:
             raise ValueError(f"ring_slots={ring_slots}: the ring needs at least one slot")
-        if routed_copies and ring_slots < MMQ_GROUP:
-            raise ValueError(f"ring_slots={ring_slots}: a routed walk gathers a group in one "
-                             f"launch, so its ring needs at least {MMQ_GROUP} slots")
         if not 1 <= lanes <= len(LANES):
             raise ValueError(f"lanes={lanes}: a plan has 1..{len(LANES)} compute lanes")
         self.residency = residency
@@ -204,3 +202,12 @@ def resident_slots(residency: Residency, layer: int, experts: Sequence[int]
 
 def groups_of(experts: Sequence[int]) -> list[list[int]]:
     return [list(experts[i:i + MMQ_GROUP]) for i in range(0, len(experts), MMQ_GROUP)]
+
+
+def group_ring_entries(residency: Residency, layers: Iterable[int], n_experts: int) -> int:
+    """The most non-resident experts one group of `layers` holds: the ring slots a routed walk
+    needs, since it gathers each group in one launch."""
+    streamed = ~residency.mask()
+    return max((int(streamed[layer, g:g + MMQ_GROUP].sum()) for layer in layers
+                for g in range(0, n_experts, MMQ_GROUP)), default=0)
+
