@@ -1,2 +1,3 @@
-"""One chunk's schedule: the Plan, its planners, the chunk driver, the hazard checker, residency,
-the image cache, lanes and the device memory plan."""
+"""One chunk's schedule: the Plan, its planners and their ring builder, the chunk driver and its
+streaming choice, the hazard checker, residency, the image cache, lanes and the device memory
+plan."""

@@ -1,6 +1,7 @@
 """The hazard checker, which replays a Plan under CUDA's stream and event rules (`checker`),
 with its parts: the messages that name ops and slots (`messages`), where a product's experts
-are read from (`sources`) and the dense ring (`dense`)."""
+are read from (`sources`), the dense ring (`dense`) and a routed walk's switched copies
+(`routed_copies`)."""
 
 from .checker import Checker, check
 
