@@ -216,6 +216,20 @@ def test_gemv_modules_are_built_per_type_and_a_plugins_once():
         gp.kernel("TQ2_0", "up")
 
 
+def test_dense_gemv_refuses_at_open_a_row_it_cannot_take():
+    """decode_dense gemv loads each dense type's kernel at open, and there refuses a row
+    length that is not whole blocks, naming decode_dense gemm, rather than at the first step."""
+    rt = _Runtime()
+    gv = GgmlGemv(rt)  # type: ignore[arg-type]
+    gv.prepare_dense("Q4_K", 2048)
+    gv.prepare_dense("F16", 2056)
+    assert {"ggml_gemv_dense_Q4_K", "ggml_gemv_dense_F16", "gemv_f16_rows"} <= set(rt.kernels)
+    with pytest.raises(FormatError, match=r"Q4_K rows of 2080 values .* decode_dense gemm"):
+        gv.prepare_dense("Q4_K", 2080)
+    with pytest.raises(FormatError, match="F16 rows of 2052"):
+        gv.prepare_dense("F16", 2052)
+
+
 @pytest.mark.parametrize("name,hidden,ffn,values", [("IQ3_XXS", 2048, 768, 256),
                                                      ("Q8_0", 288, 160, 256),
                                                      ("F16", 512, 136, 128),

@@ -138,6 +138,16 @@ class GgmlGemv(DecoderModule):
                     "gemv_f16_rows", DENSE_ARG_TYPES)
         return self._kernels[key]
 
+    def prepare_dense(self, gtype: GgmlKey, k: int) -> None:
+        """Loads the dense kernel of gtype for rows of k values, or refuses, at open, a row
+        length the kernels cannot take (naming decode_dense gemm, which can)."""
+        d = self.decoder(gtype)
+        if k <= 0 or k % d.block_values or k % GEMV_VALUES:
+            raise FormatError(f"decode_dense gemv: {d.name} rows of {k} values are not whole "
+                              f"blocks of {d.block_values} in steps of {GEMV_VALUES}; "
+                              "decode_dense gemm (STRATA_DECODE_DENSE=gemm) runs this model")
+        self.kernel(d, "dense")
+
     def dense(self, stream: Any, gtype: GgmlKey, w: int, x: int, out: int, rows: int, k: int,
               mode: str) -> None:
         """One token's row through a dense matrix in its own type: out [rows] of W [rows, k]

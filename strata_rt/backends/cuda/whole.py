@@ -146,12 +146,13 @@ class CudaWhole:
         self.gemv: GgmlGemv | None = None
         if decode_dense == "gemv":
             self.gemv = GgmlGemv(rt)
-            types = {t for s in self.layout.slots
-                     for t in (s.types.q, s.types.k, s.types.v, s.types.o)}
-            if self.has_head:
-                types.add(self.layout.head_type)
-            for name in sorted(types):
-                self.gemv.kernel(name, "dense")
+            q_dim = spec.n_heads * spec.head_dim  # the output projection's input
+            inputs = {(t, k) for s in self.layout.slots for t, k in (
+                (s.types.q, spec.hidden), (s.types.k, spec.hidden), (s.types.v, spec.hidden),
+                (s.types.o, q_dim))} | ({(self.layout.head_type, spec.hidden)}
+                                        if self.has_head else set())
+            for name, k in sorted(inputs):
+                self.gemv.prepare_dense(name, k)
         #: the embedding's row gather (its kernel loaded now, not inside a captured graph)
         self.rows: GgmlRows | None = None
         self.embd_type = whole.dense.token_embd.type_name
