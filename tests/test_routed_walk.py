@@ -189,8 +189,9 @@ def test_routed_walk_on_a_ring_under_a_groups_experts_names_ring_mib(model, monk
     with Engine.open({"model": model, "backend": "reference", "prefill": 128,
                       "expert_cache": 24}) as eng:
         eng.driver.executor.walk_slots = 1
-        with pytest.raises(StrataError, match="a group streams .* experts; the walk ring "
-                                              "holds 1 slots: give it more room .ring_mib."):
+        with pytest.raises(StrataError, match="a group streams .* experts, gathered in one "
+                                              "launch, and the walk ring holds 1 slots: give "
+                                              "it more room .ring_mib."):
             eng.prefill(np.arange(40))
 
 
@@ -235,6 +236,26 @@ def test_a_driver_without_conditional_nodes_keeps_every_other_call(monkeypatch) 
     finally:
         driver_api.libcuda.cache_clear()
         conditional.conditional_copies_supported.cache_clear()
+
+
+def test_a_failed_routed_walk_capture_stops_auto_taking_it(model, monkeypatch) -> None:
+    """Switches exist only inside a graph: once a routed walk's capture failed (the driver
+    then launches it plainly, copying every expert), auto streams routed experts by the
+    routed plan instead, and a forced routed walk is refused naming the failure."""
+    same = np.full(40, 7)
+    monkeypatch.setenv("STRATA_PREFILL_STREAM", "auto")
+    with Engine.open({"model": model, "backend": "reference", "prefill": 128,
+                      "expert_cache": 24}) as eng:
+        modes = []
+        for failed in (False, False, True):
+            eng.driver._switches_failed = failed
+            eng.reset()
+            eng.prefill(same)
+            modes.append(eng.driver.last_plan.mode)
+        assert modes == ["walk", "routed_walk", "routed"]
+        eng.driver.cfg.prefill_stream = "routed_walk"
+        with pytest.raises(StrataError, match="its capture failed earlier"):
+            eng.prefill(same)
 
 
 class _RecordedSwitches:

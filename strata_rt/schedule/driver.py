@@ -20,6 +20,7 @@ the numpy executor and the hazard checker keep reading the same Plan.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -93,6 +94,9 @@ class ChunkDriver:
         self._replays: dict[WalkKey, Replay] = {}
         #: the routing measured per chunk length, and the walk-or-routed rule on it
         self.streams = StreamChooser()
+        #: a routed walk's capture failed: plainly launched it copies every expert, so auto
+        #: no longer takes it (its switches exist only in a graph)
+        self._switches_failed = False
         self._decode_keys: dict[str | None, WalkKey] = {}
         _ = self.decode_key  # decode "gemv" on a model that cannot run it fails at open
 
@@ -174,21 +178,27 @@ class ChunkDriver:
         if T == 1 or not self.executor.routed_gathers:
             return "walk"
         forced, ex = self.cfg.prefill_stream or "auto", self.executor
-        if forced == "routed_walk" and not ex.routed_copies:
-            raise StrataError(f"prefill_stream routed_walk: the {ex.name} backend cannot "
-                              "switch copies on the device (the CUDA backend needs CUDA "
-                              "graphs on and a 12.4+ driver)")
-        need = group_ring_entries(self.residency, self.span, self.spec.n_experts)
-        if forced == "routed_walk" and ex.walk_slots < need:
-            raise StrataError(f"prefill_stream routed_walk gathers a group in one launch, and "
-                              f"a group streams {need} experts; the walk ring holds "
-                              f"{ex.walk_slots} slots: give it more room (ring_mib)")
+        switches = ex.routed_copies and ex.walk_slots >= self._group_ring_entries \
+            and not self._switches_failed
+        if forced == "routed_walk" and not switches:
+            why = (f"the {ex.name} backend cannot switch copies on the device (the CUDA "
+                   "backend needs CUDA graphs on and a 12.4+ driver)" if not ex.routed_copies
+                   else "its capture failed earlier (see the warning)"
+                   if self._switches_failed else
+                   f"a group streams {self._group_ring_entries} experts, gathered in one "
+                   f"launch, and the walk ring holds {ex.walk_slots} slots: give it more "
+                   "room (ring_mib)")
+            raise StrataError(f"prefill_stream routed_walk: {why}")
         if forced == "routed_walk":
             return forced
         if forced == "auto" and not takes_walk(T, self.spec, self.cfg.walk_min_tokens):
             return "walk"  # the staging ring's chunks: few experts routed, known per layer
-        return self.streams.choose(T, self.walk_bytes(), forced,
-                                   ex.routed_copies and ex.walk_slots >= need)
+        return self.streams.choose(T, self.walk_bytes(), forced, switches)
+
+    @functools.cached_property
+    def _group_ring_entries(self) -> int:
+        """The ring slots a routed walk needs (the residency is fixed for the engine's life)."""
+        return group_ring_entries(self.residency, self.span, self.spec.n_experts)
 
     def walk_bytes(self) -> int:
         """Bytes a walk copies: every non-resident expert of every layer this driver runs."""
@@ -365,6 +375,8 @@ class ChunkDriver:
                 kind = {ROUTED: "routed plan", ROUTED_WALK: "routed walk"}.get(str(key[1]), "walk")
                 what = "decode step" if key in DECODE_KEYS else f"{key[0]}-token {kind}"
                 log.warning("capture of the %s failed (%s); launching it op by op", what, e)
+                # a routed walk switches its copies only inside a graph: auto stops taking it
+                self._switches_failed |= key[1] == ROUTED_WALK
                 trial["choice"] = "plain"
                 trial["error"] = str(e)
                 return None

@@ -15,8 +15,7 @@ or token ids whose embedding rows the GPU decodes (CudaWhole.embed). A second co
 groups in place (schedule.in_place); a decode step's RoutedExperts reads its experts where
 they lie (routed_experts). Each layer runs its format's kernels.
 
-A layer split's part (split_part) holds its own layers' router, norms, dense weights and KV
-cache, runs its hand-off ops and, unless it is the last, leaves its output on the device."""
+A layer split's part (split_part) holds its own layers and runs its hand-off ops."""
 
 from __future__ import annotations
 
