@@ -37,7 +37,7 @@ from strata_rt.schedule.plan import (
     lane_join,
 )
 from strata_rt.schedule.plan_counts import add_counts, op_counts
-from strata_rt.schedule.plan_keys import DECODE_KEY, GEMV_DECODE_KEY, decode_key
+from strata_rt.schedule.plan_keys import DECODE_KEY, GEMV_DECODE_KEY, decode_key, resolve_decode
 from strata_rt.schedule.planner import plan_decode
 from strata_rt.schedule.residency import Residency
 
@@ -148,7 +148,7 @@ def test_checker_rules(model) -> None:
 
 
 def test_switch_choices_and_default(monkeypatch) -> None:
-    assert DECODES[0] == "routed" and "gemv" in DECODES
+    assert DECODES[0] == "auto" and {"routed", "gemv"} <= set(DECODES)
     monkeypatch.setenv("STRATA_DECODE", "gemv")
     env.validate_all()
     assert env.choice("STRATA_DECODE", DECODES[0]) == "gemv"
@@ -159,6 +159,31 @@ def test_decode_key_rule(model) -> None:
     assert decode_key("routed", model.moe.formats, layers) == DECODE_KEY
     assert decode_key(None, model.moe.formats, layers) == DECODE_KEY
     assert decode_key("gemv", model.moe.formats, layers) == GEMV_DECODE_KEY
+    # auto: gemv where every layer's format offers the kernels (this model's do), else routed
+    assert decode_key("auto", model.moe.formats, layers) == GEMV_DECODE_KEY
+    q2 = Qwen3Model.synthetic(SPEC, 11, "q2_blob")
+    assert resolve_decode("auto", q2.moe.formats, layers) == "routed"
+    assert resolve_decode("auto", model.moe.formats, layers) == "gemv"
+    assert decode_key("auto", q2.moe.formats, layers) == DECODE_KEY
+
+
+def test_the_default_decode_is_auto_and_says_what_it_ran(model, monkeypatch) -> None:
+    """Unset, STRATA_DECODE is auto: a model whose formats all offer gemv runs it (the same
+    logits as routed on the reference backend), and `strata generate`'s summary names it."""
+    from strata_rt.cli.generate import decode_path, summary_lines
+    from strata_rt.text.generate import EngineSession, generate
+
+    monkeypatch.delenv("STRATA_DECODE", raising=False)
+    ids = np.random.default_rng(4).integers(0, SPEC.vocab, 9)
+    with Engine.open({"model": model, "backend": "reference", "prefill": 64}) as eng:
+        assert eng.config.decode == "auto" and eng.driver.decode_mode == "gemv"
+        assert decode_path(eng) == "gemv"
+        result = generate(EngineSession(eng), ids, 3, None)
+        assert eng.driver.last_plan.count(RoutedExperts) == SPEC.n_layers
+        assert "tokens/s (gemv)" in summary_lines(result, decode_path(eng))[1]
+    q2 = Qwen3Model.synthetic(SPEC, 11, "q2_blob")
+    with Engine.open({"model": q2, "backend": "reference", "prefill": 64}) as eng:
+        assert eng.driver.decode_mode == "routed" and decode_path(eng) == "routed"
 
 
 def _generate(model, steps: int, decode: str, monkeypatch, **kw):
@@ -223,7 +248,6 @@ def test_routed_experts_tell_the_format_when_they_read_host_memory(monkeypatch,
 
     from strata_rt.backends.cuda import routed_experts as rx
 
-    monkeypatch.setattr(rx, "host_device_pointer", lambda arena: 1 << 40)
     calls: list[dict] = []
 
     class Kernels:
@@ -239,7 +263,7 @@ def test_routed_experts_tell_the_format_when_they_read_host_memory(monkeypatch,
         spec=SimpleNamespace(n_experts=8, top_k=2), lay=SimpleNamespace(slot_bytes=4096),
         fks=[Kernels()], rt=SimpleNamespace(memcpy_htod=lambda ptr, row, s: rows.append(row)),
         store=SimpleNamespace(arena=object(), offset=lambda layer, e: 100 * e), first=0, _T=1,
-        _device=lambda: dev, _mark=lambda phase: None)
+        _device=lambda: dev, _mark=lambda phase: None, store_device_address=lambda: 1 << 40)
     sources = tuple((HOST, 0) if e < host_experts else (RESIDENT, e) for e in range(8))
     op = RoutedExperts(layer=0, sources=sources, stream="compute")
     rx.RoutedExpertsRunner(backend).run(op)  # type: ignore[arg-type]

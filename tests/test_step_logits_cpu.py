@@ -12,7 +12,6 @@ from _fake_runtime import FakeStream
 
 import strata_rt.backends.cuda.dense.kernels as dk
 import strata_rt.backends.cuda.executor as cuda_executor
-import strata_rt.backends.cuda.routed_experts as routed_experts
 from strata_rt.backends.nonfinite import NonFiniteError
 from strata_rt.engine import Engine, EngineConfig
 from strata_rt.models.qwen3 import Qwen3Model, Qwen3Spec
@@ -224,8 +223,8 @@ def test_a_decode_steps_routing_is_counted_after_its_one_wait(fake, monkeypatch,
     """The routing's counts reach the Stats after the chunk's one wait: every layer's rows sum
     to top_k, and the experts streamed are the routed ones that are not resident."""
     monkeypatch.setattr(dk, "Cublas", _Cublas)
-    for module in (cuda_executor, routed_experts):  # no driver here to map the host store
-        monkeypatch.setattr(module, "host_device_pointer", lambda host: 1 << 40)
+    # no driver here to map the host store (the executor looks it up for both paths)
+    monkeypatch.setattr(cuda_executor, "host_device_pointer", lambda host: 1 << 40)
     spec = Qwen3Spec(n_layers=SMALL_SPEC.n_layers, hidden=SMALL_SPEC.hidden, n_heads=8,
                      n_kv_heads=2, head_dim=64, vocab=1000, ffn=SMALL_SPEC.ffn,
                      n_experts=SMALL_SPEC.n_experts, top_k=SMALL_SPEC.top_k, context=4096)

@@ -202,7 +202,7 @@ def test_env_docstring_says_where_each_switch_is_read() -> None:
 
 
 @pytest.mark.parametrize("field, switch, default, explicit, from_env, bad", [
-    ("decode", "STRATA_DECODE", "routed", "routed", "staging", "graph"),
+    ("decode", "STRATA_DECODE", "auto", "routed", "staging", "graph"),
     ("dense_gemm", "STRATA_DENSE_GEMM", "cublas", "cublas", "own", "cutlass"),
     ("decode_dense", "STRATA_DECODE_DENSE", "gemv", "gemv", "gemm", "own"),
     ("decode_argmax", "STRATA_DECODE_ARGMAX", "device", "device", "host", "gpu"),

@@ -107,10 +107,12 @@ def test_gpu_chunking_is_byte_exact_with_the_own_dense_gemm(monkeypatch):
     """STRATA_DENSE_GEMM=own: every kernel's bytes for a row are independent of the rows that
     came with it (attention per query, the grouped GEMMs, norms, routing per token), so a
     prompt gives the same logits in one chunk, in chunks of 300, and split over calls. The
-    split's one-token chunk takes the same GEMMs (decode_dense gemm): the default gemv sums
-    in another order, within NMSE 1e-4 (tests/test_gemv_dense_gpu.py)."""
+    split's one-token chunk takes the same GEMMs (decode_dense gemm) and the same grouped
+    expert products (decode routed): the defaults' matrix-vector kernels sum in another
+    order, within NMSE 1e-4 (tests/test_gemv_dense_gpu.py, tests/test_decode_gpu.py)."""
     monkeypatch.setenv("STRATA_DENSE_GEMM", "own")
     monkeypatch.setenv("STRATA_DECODE_DENSE", "gemm")
+    monkeypatch.setenv("STRATA_DECODE", "routed")
     spec = Qwen3Spec(**{**SMALL.__dict__, "vocab": 768})  # the own GEMM takes n % 128 == 0
     model = Qwen3Model.synthetic(spec, 15, "iq3_xxs")
     ids = np.random.default_rng(9).integers(0, spec.vocab, 1030)

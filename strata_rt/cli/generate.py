@@ -115,16 +115,27 @@ def sampling_from(args: argparse.Namespace, base: SamplingParams | None) -> Samp
     return replace(base or SamplingParams(), **given).resolved()
 
 
-def summary_lines(r: Any) -> list[str]:
+def decode_path(engine: Any) -> str | None:
+    """What the engine's one-token steps run: "gemv", "routed" (decode plans; the config's
+    "auto" resolved) or "staging" (the staging ring); None where the driver does not say (a
+    model split over devices)."""
+    driver = engine.driver
+    if not hasattr(driver, "decode_mode"):
+        return None
+    return driver.decode_mode if driver.decodes_routed else "staging"
+
+
+def summary_lines(r: Any, path: str | None = None) -> list[str]:
     ttft = "-" if r.ttft_s is None else f"{r.ttft_s * 1e3:,.1f} ms"
     decode = "-" if r.decode_tokens_per_s is None else f"{r.decode_tokens_per_s:,.1f}"
+    via = f" ({path})" if path is not None and r.decode_tokens_per_s is not None else ""
     host = "" if r.host_fraction is None else \
         f"; host {r.host_fraction * 100:.0f}% of each decode step's wall time"
     how = "" if r.sampling is None else f"; {describe(r.sampling)}"
     return [f"prompt tokens: {r.prompt_tokens}; generated: {len(r.ids)} (stop: {r.stop})"
             f"{how}",
             f"time to first token: {ttft}; prefill: {r.prefill_tokens_per_s:,.1f} tokens/s; "
-            f"decode: {decode} tokens/s{host}",
+            f"decode: {decode} tokens/s{via}{host}",
             f"experts streamed: {r.experts_streamed:,} ({r.bytes_streamed / MIB:,.1f} MiB)"]
 
 
@@ -169,12 +180,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
             progress.end()
         tail = "" if args.ids else stream.flush()
         out.write(tail + ("\n" if result.ids else ""))
-        backend = engine.config.backend
-    for line in summary_lines(result):
+        backend, path = engine.config.backend, decode_path(engine)
+    for line in summary_lines(result, path):
         print(line)
     if target is not None:
         write_json(target, {"command": " ".join(sys.argv), "config": str(cfg.source),
-                            "backend": backend, "hardware": hardware_line(),
+                            "backend": backend, "decode_path": path,
+                            "hardware": hardware_line(),
                             "prompt_ids": list(ids), "text": tokenizer.decode(result.ids),
                             "eos_id": eos, "complete": result.stop != "interrupted",
                             **result.as_dict()})

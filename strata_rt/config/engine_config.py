@@ -123,10 +123,11 @@ class EngineConfig:
     routing: str | None = None
     #: the format's MMQ variant (STRATA_MMQ_KERNEL); None after resolve: the format's default
     mmq_kernel: str | None = None
-    #: a whole model's one-token steps: "routed" (the decode plan, where the format's gathers
-    #: offer it), "staging" (the staging ring) or "gemv" (the decode plan with matrix-vector
-    #: launches over the routed experts; every layer's format must offer them); None:
-    #: STRATA_DECODE, else routed
+    #: a whole model's one-token steps: "auto" (gemv where every layer's format offers it,
+    #: else routed), "routed" (the decode plan, where the format's gathers offer it),
+    #: "staging" (the staging ring) or "gemv" (the decode plan with matrix-vector launches
+    #: over the routed experts; every layer's format must offer them); None: STRATA_DECODE,
+    #: else auto (the driver's decode_mode says what it became)
     decode: str | None = None
     #: a whole model's attention in one-token chunks on the CUDA backend (DECODE_ATTENTIONS):
     #: "split" (over the cache length, merged) or "tiled" (the prefill's kernel);

@@ -84,16 +84,17 @@ SWITCHES: dict[str, Switch] = {
         Switch("STRATA_MMQ_KERNEL", "str",
                "MMQ variant for formats that offer several (see `strata plugins`); "
                "default: the format's fastest measured variant."),
-        Switch("STRATA_DECODE", "choice:routed,staging,gemv",
-               "a whole model's one-token steps (greedy decoding): routed (the routed set "
-               "stays on the device, gathers read routed experts from their slots or straight "
-               "from host memory, and the step replays as a CUDA graph; the default where the "
-               "format's kernels offer it), staging (the staging ring: the routed set comes "
-               "back to the host every layer and only the routed experts are copied) or gemv "
-               "(as routed, but each layer's experts run as two matrix-vector launches over "
-               "the routed experts only, read where they lie; not bit-identical to routed: the "
-               "sums run in another order; a model with a layer whose format has no such "
-               "kernels is refused)."),
+        Switch("STRATA_DECODE", "choice:auto,routed,staging,gemv",
+               "a whole model's one-token steps (greedy decoding): auto (the default: gemv "
+               "where every layer's format offers its matrix-vector kernels, else routed), "
+               "routed (the routed set stays on the device, gathers read routed experts from "
+               "their slots or straight from host memory, and the step replays as a CUDA "
+               "graph, where the format's kernels offer it), staging (the staging ring: the "
+               "routed set comes back to the host every layer and only the routed experts are "
+               "copied) or gemv (as routed, but each layer's experts run as two matrix-vector "
+               "launches over the routed experts only, read where they lie; not bit-identical "
+               "to routed: the sums run in another order; a model with a layer whose format "
+               "has no such kernels is refused)."),
         Switch("STRATA_DECODE_ATTENTION", "choice:split,tiled",
                "a whole model's one-token chunks (decode steps) on the CUDA backend: split "
                "(the default: the cache is split over 32 blocks per KV head and the parts "

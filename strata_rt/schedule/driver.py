@@ -43,6 +43,7 @@ from .plan_keys import (
     WalkKey,
     decode_key,
     decodes_planned,
+    resolve_decode,
 )
 from .planner import (
     STAGING_RING_SLOTS,
@@ -98,6 +99,7 @@ class ChunkDriver:
         #: no longer takes it (its switches exist only in a graph)
         self._switches_failed = False
         self._decode_keys: dict[str | None, WalkKey] = {}
+        self._decode_modes: dict[str | None, str | None] = {}
         _ = self.decode_key  # decode "gemv" on a model that cannot run it fails at open
 
     @property
@@ -159,7 +161,16 @@ class ChunkDriver:
         """Whether a whole model's one-token step runs a decode plan rather than the staging
         ring (plan_keys.decodes_planned). Read on every step, so a changed field takes the
         next step."""
-        return decodes_planned(self.cfg.decode, self.executor.routed_gathers)
+        return decodes_planned(self.decode_mode, self.executor.routed_gathers)
+
+    @property
+    def decode_mode(self) -> str | None:
+        """The decode setting this model runs (plan_keys.resolve_decode: "auto" made gemv or
+        routed from the layers' formats), worked out once per setting."""
+        mode = self.cfg.decode
+        if mode not in self._decode_modes:
+            self._decode_modes[mode] = resolve_decode(mode, self.formats, self.span)
+        return self._decode_modes[mode]
 
     @property
     def decode_key(self) -> WalkKey:

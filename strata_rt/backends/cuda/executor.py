@@ -7,15 +7,12 @@ the budget holds (or the config's count), after any `image_cache_mib` room (imag
 
 Execution. Each plan op becomes one driver call on the stream the op names. The staging ring
 reads each layer's row bounds back on a stream of their own; the walk's kernels read them on
-the device, so the driver can capture the whole walk as a CUDA graph (`capture`), a routed
-walk's copies switched by its routing inside it (routed_walk). The chunk's input reaches the
-device at its ChunkInput op, behind a gate its host pass opens (chunk_input): hidden states,
-or token ids whose embedding rows the GPU decodes (CudaWhole.embed). A second compute lane
-(schedule.lanes) brings its own stream and group buffers. Short chunks read fully resident
-groups in place (schedule.in_place); a decode step's RoutedExperts reads its experts where
-they lie (routed_experts). Each layer runs its format's kernels.
-
-A layer split's part (split_part) holds its own layers and runs its hand-off ops."""
+the device, so the driver can capture the whole walk as a CUDA graph (`capture`; a routed
+walk's copies switched inside it: routed_walk). The chunk's input passes a gate its host pass
+opens (chunk_input): hidden states, or token ids whose embedding rows the GPU decodes. A
+second compute lane (schedule.lanes) brings its own stream and group buffers. Short chunks read
+resident groups in place (schedule.in_place); a decode step's RoutedExperts reads its experts
+where they lie (routed_experts). A layer split's part (split_part) runs its hand-off ops."""
 
 from __future__ import annotations
 
@@ -369,10 +366,15 @@ class CudaBackend:
         """Whether the format's kernels gather a decode step's routed experts on the device."""
         return all(type(fk).gather_routed is not FormatKernels.gather_routed for fk in self.fks)
 
+    def store_device_address(self) -> int:
+        """The pinned host store's device address (looked up once): kernels read it over PCIe."""
+        if self._store_dev is None:
+            self._store_dev = host_device_pointer(self.store.arena)
+        return self._store_dev
+
     def _op_gather_routed(self, op: GatherRouted) -> None:
-        if self._store_dev is None and any(g.src[0] == HOST for g in op.gathers):
-            self._store_dev = host_device_pointer(self.store.arena)  # looked up once
-        srcs = [(self._store_dev or 0) + self.store.offset(g.layer, g.expert)
+        base = self.store_device_address() if any(g.src[0] == HOST for g in op.gathers) else 0
+        srcs = [base + self.store.offset(g.layer, g.expert)
                 if g.src[0] == HOST else self._src_ptr(g) for g in op.gathers]
         first = op.gathers[0]
         s, gu, dn = self._lane(op)

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from ...errors import StrataError
-from ...runtime.hostmap import host_device_pointer
 from ...schedule.memory_plan import EXPERT_TABLE_ENTRY
 from ...schedule.plan import HOST, RESIDENT, RoutedExperts, Source
 
@@ -47,6 +46,7 @@ class RoutedHost(Protocol):
     @property
     def _T(self) -> int: ...
     def _device(self) -> DeviceState: ...
+    def store_device_address(self) -> int: ...
     def _mark(self, phase: str) -> None: ...
 
 
@@ -57,7 +57,6 @@ class RoutedExpertsRunner:
         self.b = backend
         #: per layer: the row's host copy (kept while the copy may read it) and its sources
         self._rows: dict[int, tuple[tuple[Source, ...], np.ndarray]] = {}
-        self._store_dev: int | None = None
 
     def address(self, layer: int, expert: int, src: Source) -> int:
         """The device address of an expert's blob at `src` (a resident slot or the host
@@ -67,9 +66,7 @@ class RoutedExpertsRunner:
         if kind == RESIDENT:
             return dev.ptr["resident"] + idx * self.b.lay.slot_bytes
         if kind == HOST:
-            if self._store_dev is None:  # the host store's device address, looked up once
-                self._store_dev = host_device_pointer(self.b.store.arena)
-            return self._store_dev + self.b.store.offset(layer, expert)
+            return self.b.store_device_address() + self.b.store.offset(layer, expert)
         raise StrataError(f"RoutedExperts(layer {layer}) reads expert {expert} from {kind} "
                           f"{idx}: it reads resident slots and the host store only")
 
