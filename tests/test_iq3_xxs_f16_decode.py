@@ -72,3 +72,15 @@ def test_iq3_xxs_fp16_decode_equals_the_rounded_reference() -> None:
     tiny = np.abs(want16.astype(np.float32)) < np.float32(2.0 ** -14)
     assert tiny.any() and np.isinf(want16).any()  # subnormal and overflowing weights occur
     assert np.array_equal(got.view(np.uint16), want16.view(np.uint16))
+
+
+def test_one_multiply_places_two_sign_bits() -> None:
+    # chunk8_h2 puts sign bits j and j + 1 of the 8-bit pattern at bits 15 and 31 of word j / 2
+    # with one multiply: the pattern's copies shifted by 15 - j and 30 - j never overlap
+    pattern = np.arange(256, dtype=np.uint64)
+    for j in (0, 2, 4, 6):
+        shifted = ((pattern << np.uint64(15 - j)) | (pattern << np.uint64(30 - j))) & 0xFFFFFFFF
+        product = (pattern * ((1 << (15 - j)) | (1 << (30 - j)))) & 0xFFFFFFFF
+        assert np.array_equal(product, shifted)
+        want = (((pattern >> np.uint64(j)) & 1) << 15) | (((pattern >> np.uint64(j + 1)) & 1) << 31)
+        assert np.array_equal(product & 0x80008000, want)

@@ -11,6 +11,7 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
+#include "common/prior_grid.cuh"
 #include "common/q8_1.cuh"
 #include "common/row_norm.cuh"
 #include "common/swiglu.cuh"
@@ -227,6 +228,7 @@ extern "C" __global__ void swiglu_f16(const float* __restrict__ gu, const int* _
 extern "C" __global__ void combine_residual(const float* __restrict__ y, const int* __restrict__ row_of,
                                            const float* __restrict__ weights, int top_k,
                                            int hidden, float* __restrict__ x) {
+    wait_prior_grid();
     const int t = blockIdx.x;
     const int* rows = row_of + (size_t)t * top_k;
     const float* w = weights + (size_t)t * top_k;

@@ -111,7 +111,9 @@ template <> struct Decode<Type::IQ3_XXS> : Traits<Type::IQ3_XXS>, SubBlock<Decod
                 const int j = 4 * e + 2 * h;  // the word's first value
                 const uint32_t biased = __byte_perm(entry, 0x64u, h ? 0x4342u : 0x4140u);
                 const __half2 m = __hfma2(*reinterpret_cast<const __half2*>(&biased), sc2, off2);
-                const uint32_t sign = ((pattern << (15 - j)) | (pattern << (30 - j))) & 0x80008000u;
+                // sign bits j, j + 1 of the 8 at bits 15 and 31: the two shifted copies of
+                // the 8-bit pattern do not overlap, so one multiply places both
+                const uint32_t sign = (pattern * ((1u << (15 - j)) | (1u << (30 - j)))) & 0x80008000u;
                 const uint32_t ms = *reinterpret_cast<const uint32_t*>(&m) ^ sign;
                 const __half2 w = __hmul2_rn(*reinterpret_cast<const __half2*>(&ms), d2);
                 out[2 * e + h] = *reinterpret_cast<const unsigned*>(&w);

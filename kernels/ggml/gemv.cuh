@@ -23,6 +23,8 @@
 //            the combine reads: row row_of[p], as the grouped products write it); a tile is 16
 //            output rows.
 // A pair whose expert has no address (0) writes NaN, so a table that misses an expert is seen.
+// Every kernel here waits for the grid before it first (prior_grid.cuh), so the launcher
+// starts them overlapped with the routing or the product before them.
 //
 // Work: a tile's 16 weight rows are the A operand of tensor-core products (mma m16n8k16, fp16
 // operands, float32 accumulators) and the input row is B, the same in all 8 of B's columns.
@@ -53,6 +55,7 @@
 #include <cuda_fp16.h>
 
 #include "common/mma.cuh"
+#include "common/prior_grid.cuh"
 #include "common/swiglu.cuh"
 
 namespace ggml {
@@ -315,28 +318,33 @@ __device__ __forceinline__ void gemv_dense(const uint8_t* __restrict__ w,
     extern "C" __global__ void __launch_bounds__(ggml::GEMV_THREADS)                          \
     ggml_gemv_gate_up_##SUFFIX(STRATA_GGML_GEMV_ARGS, __half* __restrict__ out, int hidden,    \
                                int ffn) {                                                      \
+        wait_prior_grid();                                                                     \
         ggml::gemv_gate_up<DEC>(experts, offset, ids, row_of, acts, out, hidden, ffn);         \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(ggml::GEMV_THREADS)                          \
     ggml_gemv_down_##SUFFIX(STRATA_GGML_GEMV_ARGS, float* __restrict__ out, int hidden,        \
                             int ffn) {                                                         \
+        wait_prior_grid();                                                                     \
         ggml::gemv_down<DEC>(experts, offset, ids, row_of, acts, out, hidden, ffn);            \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(32 * ggml::GEMV_HOST_WARPS)                  \
     ggml_gemv_gate_up_host_##SUFFIX(STRATA_GGML_GEMV_ARGS, __half* __restrict__ out,           \
                                     int hidden, int ffn) {                                     \
+        wait_prior_grid();                                                                     \
         ggml::gemv_gate_up<DEC, ggml::gemv_host_warps<DEC>()>(experts, offset, ids, row_of,    \
                                                               acts, out, hidden, ffn);         \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(32 * ggml::GEMV_HOST_WARPS)                  \
     ggml_gemv_down_host_##SUFFIX(STRATA_GGML_GEMV_ARGS, float* __restrict__ out, int hidden,   \
                                  int ffn) {                                                    \
+        wait_prior_grid();                                                                     \
         ggml::gemv_down<DEC, ggml::gemv_host_warps<DEC>()>(experts, offset, ids, row_of, acts, \
                                                            out, hidden, ffn);                  \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(ggml::GEMV_THREADS)                          \
     ggml_gemv_dense_##SUFFIX(const uint8_t* __restrict__ w, const __half* __restrict__ x,      \
                              void* __restrict__ out, int rows, int k, int mode) {              \
+        wait_prior_grid();                                                                     \
         ggml::gemv_dense<DEC>(w, x, out, rows, k, mode);                                       \
     }
 

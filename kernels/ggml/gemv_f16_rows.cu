@@ -13,6 +13,8 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
+#include "common/prior_grid.cuh"
+
 #define ROWS_WARPS 4
 // 16-byte loads a lane keeps in flight
 #define ROWS_UNROLL 8
@@ -29,21 +31,35 @@ __device__ __forceinline__ float rows_dot8(const uint4 w, const uint4 x, float a
     return acc;
 }
 
+// Launched overlapped (prior_grid.cuh), it issues its first ROWS_UNROLL loads of weights before
+// it waits for the grid before it: no kernel writes the weights (resident dense weights, or a
+// streamed layer's dense slot, whose copy the stream waits for with an ordinary dependency), so
+// the loads of the largest operand of a decode step's projection overlap the kernels before it.
+// Everything else (x, out) is read and written after the wait.
 extern "C" __global__ void __launch_bounds__(ROWS_WARPS * 32)
 gemv_f16_rows(const __half* __restrict__ w, const __half* __restrict__ x, void* __restrict__ out,
               int rows, int k, int mode) {
     const int lane = threadIdx.x & 31;
     const int row = blockIdx.x * ROWS_WARPS + (threadIdx.x >> 5);
-    if (row >= rows) return;
-    const uint4* wr = reinterpret_cast<const uint4*>(w + (size_t)row * k);
-    const uint4* xr = reinterpret_cast<const uint4*>(x);
+    const uint4* wr = reinterpret_cast<const uint4*>(w + (size_t)min(row, rows - 1) * k);
     const int n = k / 8;  // 16-byte chunks of a row
+    uint4 wv[ROWS_UNROLL];
+    const bool early = lane + 32 * (ROWS_UNROLL - 1) < n;  // the first run of loads is whole
+    if (early) {
+#pragma unroll
+        for (int u = 0; u < ROWS_UNROLL; ++u) wv[u] = __ldcs(wr + lane + 32 * u);  // read once
+    }
+    wait_prior_grid();
+    if (row >= rows) return;
+    const uint4* xr = reinterpret_cast<const uint4*>(x);
     float acc = 0.0f;
     int c = lane;
-    for (; c + 32 * (ROWS_UNROLL - 1) < n; c += 32 * ROWS_UNROLL) {
-        uint4 wv[ROWS_UNROLL];
+    for (bool loaded = early; c + 32 * (ROWS_UNROLL - 1) < n; c += 32 * ROWS_UNROLL) {
+        if (!loaded) {
 #pragma unroll
-        for (int u = 0; u < ROWS_UNROLL; ++u) wv[u] = __ldcs(wr + c + 32 * u);  // read once
+            for (int u = 0; u < ROWS_UNROLL; ++u) wv[u] = __ldcs(wr + c + 32 * u);
+        }
+        loaded = false;
 #pragma unroll
         for (int u = 0; u < ROWS_UNROLL; ++u) acc = rows_dot8(wv[u], __ldg(xr + c + 32 * u), acc);
     }

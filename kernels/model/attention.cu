@@ -34,6 +34,7 @@
 #include <stdint.h>
 
 #include "common/mma.cuh"
+#include "common/prior_grid.cuh"
 
 // ============================================================================ qk norm + rope
 #define NR_WARPS 8
@@ -97,6 +98,7 @@ __device__ __forceinline__ void qk_norm_rope(const __half* __restrict__ qkv, int
         const float* __restrict__ sin_t, float eps, __half* __restrict__ q_out,                \
         __half* __restrict__ k_cache, __half* __restrict__ v_cache, int n_heads, int n_kv,     \
         const int* __restrict__ start_dev) {                                                   \
+        wait_prior_grid();                                                                     \
         const int s0 = start_dev != nullptr ? *start_dev : start;                              \
         qk_norm_rope<HD>(qkv, T, s0, q_norm, k_norm, cos_t, sin_t, eps, q_out, k_cache,        \
                          v_cache, n_heads, n_kv);                                              \

@@ -22,6 +22,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "common/prior_grid.cuh"
+
 #define DEC_WARPS 4
 
 template <int PL>
@@ -138,6 +140,7 @@ __device__ __forceinline__ void decode_merge(const float* __restrict__ part, int
         const __half* __restrict__ q, const __half* __restrict__ k_cache,                      \
         const __half* __restrict__ v_cache, float* __restrict__ part, int start, int n_kv,     \
         float scale_log2, const int* __restrict__ start_dev) {                                 \
+        wait_prior_grid();                                                                     \
         const int s0 = start_dev != nullptr ? *start_dev : start;                              \
         decode_split<HD, G>(q, k_cache, v_cache, part, s0, n_kv, scale_log2);                  \
     }
@@ -145,6 +148,7 @@ __device__ __forceinline__ void decode_merge(const float* __restrict__ part, int
     extern "C" __global__ void __launch_bounds__(HD) decode_merge_hd##HD(                      \
         const float* __restrict__ part, int splits, float scale_log2,                          \
         __half* __restrict__ out) {                                                            \
+        wait_prior_grid();                                                                     \
         decode_merge<HD>(part, splits, scale_log2, out);                                       \
     }
 

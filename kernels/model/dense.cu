@@ -8,6 +8,8 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
+#include "common/prior_grid.cuh"
+
 #define DENSE_NORM_THREADS 256
 
 // Sum over the block of one float per thread, in a fixed order: a butterfly (xor 16, 8, 4, 2,
@@ -37,6 +39,7 @@ __device__ __forceinline__ float dense_block_sum(float v, float* scratch) {
 extern "C" __global__ void __launch_bounds__(DENSE_NORM_THREADS)
 dense_rmsnorm_f16(const float* __restrict__ x, const float* __restrict__ w,
                   __half* __restrict__ out, int hidden, int row_stride, float eps) {
+    wait_prior_grid();
     __shared__ float scratch[33];
     const float* row = x + (size_t)blockIdx.x * row_stride;
     float ss = 0.0f;

@@ -17,6 +17,8 @@
 // then a region the float64 sums reuse once the bitmap, histogram and scan are done with.
 #include <stdint.h>
 
+#include "common/prior_grid.cuh"
+
 #define SAMPLE_THREADS 1024
 #define SAMPLE_CAP 2048
 #define SAMPLE_FLT_MAX 3.402823466e+38f
@@ -274,6 +276,7 @@ sample_logits(const float* __restrict__ logits, int vocab, const int* __restrict
 
 extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS)
 logits_argmax(const float* __restrict__ logits, int vocab, unsigned long long* __restrict__ result) {
+    wait_prior_grid();
     __shared__ unsigned long long warp_best[ARGMAX_THREADS / 32];
     unsigned long long key = 0ull;
     int nonfinite = 0;

@@ -40,8 +40,9 @@ class DecodeAttention:
         self.group = n_heads // n_kv_heads
         self.part_bytes = decode_part_bytes(n_heads, head_dim, splits)
         mod = rt.module(DECODE_SOURCE)
-        self._split = mod.kernel(f"decode_split_hd{head_dim}_g{self.group}", "PPPPiifP")
-        self._merge = mod.kernel(f"decode_merge_hd{head_dim}", "PifP")
+        self._split = mod.kernel(f"decode_split_hd{head_dim}_g{self.group}", "PPPPiifP",
+                                 overlap=True)
+        self._merge = mod.kernel(f"decode_merge_hd{head_dim}", "PifP", overlap=True)
         self.scale_log2 = scale_log2(head_dim)
 
     def attend(self, stream: Stream, *, q: int, k_cache: int, v_cache: int, start: int,

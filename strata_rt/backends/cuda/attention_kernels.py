@@ -132,7 +132,8 @@ class AttentionKernels:
         self.shared = attend_shared_bytes(head_dim)
         self.scale_log2 = scale_log2(head_dim)
         mod = rt.module(ATTENTION_SOURCE)
-        self._norm_rope = mod.kernel(f"qk_norm_rope_hd{head_dim}", "PiiPPPPfPPPiiP")
+        self._norm_rope = mod.kernel(f"qk_norm_rope_hd{head_dim}", "PiiPPPPfPPPiiP",
+                                      overlap=True)
         self._attend = mod.kernel(f"attend_hd{head_dim}", "PPPPiiiifP")
 
     def qk_norm_rope(self, stream: Stream, qkv: int, T: int, start: int, q_norm: int,

@@ -96,7 +96,7 @@ class LayerKernels:
         self._bounds = mod.kernel("expert_bounds", "PiiP")
         self._scatter = mod.kernel("expert_scatter", "PiiPPP")
         self._swiglu = mod.kernel(activation.swiglu_kernel, "PPiiiP")
-        self._combine = mod.kernel("combine_residual", "PPPiiP")
+        self._combine = mod.kernel("combine_residual", "PPPiiP", overlap=True)
         self._acts = ActivationKernels(rt)
 
     def router_weights(self, router: np.ndarray) -> np.ndarray:

@@ -92,7 +92,7 @@ class DeviceArgmax:
 
     def __init__(self, rt: Runtime):
         self.rt = rt
-        self._kernel = rt.module(SAMPLING_SOURCE).kernel("logits_argmax", "PiP")
+        self._kernel = rt.module(SAMPLING_SOURCE).kernel("logits_argmax", "PiP", overlap=True)
         self._host = rt.pinned({"result": ARGMAX_RESULT})
         self._result_host = self._host.view("result", np.uint64)
         self._dev = rt.device_arena({"result": ARGMAX_RESULT})

@@ -89,7 +89,7 @@ class DenseKernels:
         self.gemm_impl = gemm_impl
         self.workspace, self.workspace_bytes = workspace, workspace_bytes
         mod = rt.module(DENSE_SOURCE)
-        self._norm = mod.kernel("dense_rmsnorm_f16", "PPPiif")
+        self._norm = mod.kernel("dense_rmsnorm_f16", "PPPiif", overlap=True)
         self.cublas: Cublas | None = None
         self._grouped: GroupedGemm | None = None
         if gemm_impl == "cublas":
