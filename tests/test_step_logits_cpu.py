@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _fake_runtime import FakeStream
+from _fake_runtime import FakeKernel, FakeModule, FakeStream
 
 import strata_rt.backends.cuda.dense.kernels as dk
 import strata_rt.backends.cuda.executor as cuda_executor
@@ -132,7 +132,11 @@ def _device_keys(monkeypatch: pytest.MonkeyPatch, rt, token: int, flag: int = 0,
 def test_a_greedy_step_brings_back_its_token_alone(fake, monkeypatch, decode):
     """prefill_argmax: the head's row stays on the device (no copy of vocab floats), the
     argmax kernel's 16 bytes come back with the chunk's one wait, the id is what they name."""
+    opened: list[str] = []
+    monkeypatch.setattr(FakeModule, "kernel", lambda self, name, types, overlap=False: (
+        opened.append(name), FakeKernel(self.rt, name, types))[1])
     eng, spec = _engine(monkeypatch, prefill=64, decode=decode, decode_argmax="device")
+    assert "logits_argmax" in opened  # loaded at open: the first step does not wait for it
     with eng:
         rt = fake["rt"]
         rt.tokens = 5
@@ -163,7 +167,11 @@ def test_a_greedy_step_brings_back_its_token_alone(fake, monkeypatch, decode):
 def test_a_greedy_step_under_host_argmax_brings_back_the_row(fake, monkeypatch):
     """decode_argmax "host": the row comes back and numpy takes its argmax; no argmax kernel
     runs."""
+    opened: list[str] = []
+    monkeypatch.setattr(FakeModule, "kernel", lambda self, name, types, overlap=False: (
+        opened.append(name), FakeKernel(self.rt, name, types))[1])
     eng, spec = _engine(monkeypatch, prefill=64, decode_argmax="host")
+    assert "logits_argmax" not in opened
     with eng:
         rt = fake["rt"]
         rt.tokens = 5

@@ -135,7 +135,7 @@ def open_device(rt: Runtime, model: Model, store: ExpertStore, cfg: EngineConfig
             sizing = whole_sizes.streamed() if mp.dense_stream else whole_sizes
             cuda_whole = CudaWhole(rt, whole, dev.ptr, mp.regions["dense_ws"], sizing, dev.copy,
                                    lo, cfg.decode_attention or "split",
-                                   cfg.decode_dense or "gemm")
+                                   cfg.decode_dense or "gemm", cfg.decode_argmax or "host")
     except BaseException:
         dev.close()
         raise

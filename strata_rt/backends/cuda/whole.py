@@ -62,6 +62,7 @@ from .attention_kernels import AttentionKernels
 from .attention_shapes import decode_supported
 from .dense.decode import DenseDecode, head_slices
 from .dense.kernels import DenseKernels
+from .sampling_kernels import DeviceArgmax, DeviceSampler
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -69,7 +70,6 @@ if TYPE_CHECKING:
     from ...models.qwen3.weights import Qwen3Model
     from ...runtime import Runtime, Stream
     from ...text.sampling import SamplingParams
-    from .sampling_kernels import DeviceArgmax, DeviceSampler
 
 
 def _no_mark(phase: str) -> None:
@@ -124,7 +124,8 @@ class CudaWhole:
 
     def __init__(self, rt: Runtime, whole: Qwen3Model, ptr: dict[str, int], ws_bytes: int,
                  sizing: WholeSizing, stream: Stream, first: int = 0,
-                 decode_attention: str = "split", decode_dense: str = "gemm"):
+                 decode_attention: str = "split", decode_dense: str = "gemm",
+                 decode_argmax: str = "host"):
         self.rt, self.whole, self.spec, self.ptr = rt, whole, whole.spec, ptr
         self.first, self.n_layers, self.has_head = first, sizing.spec.n_layers, sizing.head
         self.context = sizing.context
@@ -178,7 +179,11 @@ class CudaWhole:
         #: rows whose logits enqueue_logits left in the pinned buffer (None: none pending)
         self._pending_rows: int | None = None
         self._sampler: DeviceSampler | None = None  # opened by the first sampled step
-        self._argmax: DeviceArgmax | None = None  # opened by the first greedy step
+        #: the greedy token's kernel and buffers, opened now under decode_argmax "device" (not
+        #: by the first step, whose time they would add to), else by a first greedy step
+        self._argmax: DeviceArgmax | None = None
+        if decode_argmax == "device" and self.has_head:
+            self._argmax = DeviceArgmax(rt)
         #: whether the last Logits op left an argmax to read; the token it read (None: the
         #: row held NaN or infinity)
         self._pending_argmax = False
@@ -366,8 +371,6 @@ class CudaWhole:
             self._pending_rows = tokens - first
             return True
         if self._argmax is None:
-            from .sampling_kernels import DeviceArgmax
-
             self._argmax = DeviceArgmax(self.rt)
         self._argmax.enqueue(stream, self.ptr["head_out"], self.spec.vocab)
         self.token, self._pending_argmax = None, True
@@ -429,8 +432,6 @@ class CudaWhole:
         if not self._one_row:
             raise RuntimeError("sampling needs a Logits op over one row (rows=\"last\")")
         if self._sampler is None:
-            from .sampling_kernels import DeviceSampler
-
             self._sampler = DeviceSampler(self.rt, self.spec.vocab, self.context)
         return self._sampler.sample(stream, self.ptr["head_out"], params, seen, step)
 
