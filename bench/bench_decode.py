@@ -4,7 +4,8 @@ A decode step prefills one token at the end of the KV cache (strata_rt.text.gene
 routes it to top_k experts and only the routed experts are read. Three paths (STRATA_DECODE,
 set per run with `--paths`): `routed` keeps the routed set on the device - gathers read routed
 experts from their resident slots or straight from pinned host memory over PCIe - and replays
-the step as a CUDA graph; `gemv` replays the same way but runs each layer's experts as two
+the step as a CUDA graph; `gemv` (what the engine's default, `auto`, takes wherever every
+layer's format has the kernels) replays the same way but runs each layer's experts as two
 matrix-vector launches over the routed experts, read where they lie (no gathers, no launch per
 group of 16 experts; not bit-identical to routed, so its greedy tokens are compared with
 routed's); `staging` reads the routed set back to the host every layer and copies the routed
@@ -351,9 +352,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="timed greedy steps after the prompt's own token (default 64)")
     ap.add_argument("--regimes", default="quarter,all",
                     help=f"comma-separated, of {', '.join(REGIMES)} (default both)")
-    ap.add_argument("--paths", default="routed,staging",
+    ap.add_argument("--paths", default="gemv,routed",
                     help="comma-separated decode paths (STRATA_DECODE) to run in each regime, "
-                         "in that order: routed, staging, gemv (default routed,staging)")
+                         "in that order: routed, staging, gemv (default gemv,routed: what the "
+                         "engine's default, auto, runs on a GGML model, then the exact path "
+                         "its tokens are compared with)")
     ap.add_argument("--warmups", type=int, default=2,
                     help="untimed greedy runs of 4 steps per regime and path first (default 2)")
     ap.add_argument("--timing", action="store_true",
