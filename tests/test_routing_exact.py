@@ -37,6 +37,7 @@ from strata_rt.backends.cuda.routing.exact import (
 )
 from strata_rt.backends.cuda.routing.kernels import (
     RoutingKernels,
+    RoutingShapeError,
     exact_workspace,
     n_tiles,
     workspace_bytes,
@@ -196,6 +197,32 @@ def test_workspace_holds_the_norms_and_the_rerank_list_after_the_sort():
     assert parts.rerank + 16 * 1000 <= ws + workspace_bytes(1000, 128, "exact")
     assert workspace_bytes(1000, 128, "f16") < workspace_bytes(1000, 128, "exact")
     assert workspace_bytes(1000, 128, "fp32") == 0
+
+
+def test_the_top_k_reads_xn_or_x_with_its_norm_never_both() -> None:
+    """ExactRoutingKernels.topk names its rows: float32 xn, or the residual x with norm_w;
+    any other mix is refused before a launch (on a recording runtime)."""
+    from _fake_runtime import FakeRuntime
+
+    from strata_rt.models.qwen3 import Qwen3Spec
+
+    spec = Qwen3Spec(n_layers=1, hidden=256, n_heads=4, n_kv_heads=2, head_dim=64, vocab=64,
+                     ffn=64, n_experts=8, top_k=2, context=64)
+    rt = FakeRuntime(np.random.default_rng(0), spec)
+    ex, s = ExactRoutingKernels(rt), rt.stream("compute")  # type: ignore[arg-type]
+    bound = exact_bound(router_norms(np.ones((8, 256), np.float32)), 256)
+    common = dict(logits=16, router32=32, ws=exact_workspace(1 << 20, 4, 8), tokens=4,
+                  hidden=256, n_experts=8, top_k=2, bound=bound, ids=48, weights=64, masks=80)
+    for rows in ({"xn": 96, "x": 112, "norm_w": 128}, {"x": 112}, {"xn": 96, "norm_w": 128},
+                 {}):
+        with pytest.raises(RoutingShapeError, match="reads xn, or x with norm_w"):
+            ex.topk(s, **common, **rows)
+    assert rt.launches == []
+    ex.topk(s, **common, x=112, norm_w=128)
+    assert rt.launched_on[-1][0].startswith("route_rerank_x_w")
+    assert rt.launched_on[-1][2][1] == 112  # the residual rows
+    ex.topk(s, **common, xn=96)
+    assert rt.launched_on[-1][0].startswith("route_rerank_w") and rt.launched_on[-1][2][1] == 96
 
 
 # ============================================================================ GPU

@@ -79,10 +79,11 @@ def _chain(rt, s, x, w, router, top_k, tile):
             (T, 1, 1), (256, 1, 1), s, (dx.ptr, dw.ptr, b["xn"].ptr, H, EPS, flag.ptr, LAYER))
     ex.logits(s, b["xn"].ptr, dr.ptr, b["logits"].ptr, parts, T, H, E, router_scale(router),
               tile)
-    ex.topk(s, logits=b["logits"].ptr, xn=dx.ptr if presplit else b["xn"].ptr,
-            router32=dr.ptr + E * H * 4, ws=parts, tokens=T, hidden=H, n_experts=E,
-            top_k=top_k, bound=exact_bound(router_norms(router), H), ids=b["ids"].ptr,
-            weights=b["weights"].ptr, masks=ws.ptr, norm_w=dw.ptr if presplit else 0)
+    ex.topk(s, logits=b["logits"].ptr, router32=dr.ptr + E * H * 4, ws=parts, tokens=T,
+            hidden=H, n_experts=E, top_k=top_k, bound=exact_bound(router_norms(router), H),
+            ids=b["ids"].ptr, weights=b["weights"].ptr, masks=ws.ptr,
+            xn=0 if presplit else b["xn"].ptr, x=dx.ptr if presplit else 0,
+            norm_w=dw.ptr if presplit else 0)
     rk.sort(s, b["ids"].ptr, T, E, top_k, ws.ptr, b["bounds"].ptr, b["sorted_token"].ptr,
             b["row_of"].ptr)
     acts = ActivationKernels(rt)

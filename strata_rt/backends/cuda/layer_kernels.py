@@ -194,10 +194,10 @@ class LayerKernels:
         self._exact.logits(stream, p["xn"], router, p["logits"], ws, T, H, E,
                            self._sigma[layer], tile)
         mark("softmax top-k")
-        self._exact.topk(stream, logits=p["logits"], xn=p["x"] if norm_w else p["xn"],
-                         router32=router32, ws=ws, tokens=T, hidden=H, n_experts=E, top_k=K,
-                         bound=self._logit_bounds[layer], ids=p["topk_ids"],
-                         weights=p["topk_w"], masks=p["route_ws"], norm_w=norm_w)
+        self._exact.topk(stream, logits=p["logits"], router32=router32, ws=ws, tokens=T,
+                         hidden=H, n_experts=E, top_k=K, bound=self._logit_bounds[layer],
+                         ids=p["topk_ids"], weights=p["topk_w"], masks=p["route_ws"],
+                         xn=0 if norm_w else p["xn"], x=p["x"] if norm_w else 0, norm_w=norm_w)
 
     def _route_fp32(self, stream: Stream, layer: int, T: int, bounds: int, mark: Mark) -> None:
         spec, p = self.spec, self.ptr

@@ -316,13 +316,18 @@ class ExactRoutingKernels:
                                 args=(xn, router, logits, ws.xnorm, ws.n_rerank, tokens, hidden,
                                       n_experts, float(sigma)))
 
-    def topk(self, stream: Stream, *, logits: int, xn: int, router32: int, ws: ExactWorkspace,
+    def topk(self, stream: Stream, *, logits: int, router32: int, ws: ExactWorkspace,
              tokens: int, hidden: int, n_experts: int, top_k: int, bound: ExactBound,
-             ids: int, weights: int, masks: int, norm_w: int = 0) -> None:
+             ids: int, weights: int, masks: int, xn: int = 0, x: int = 0,
+             norm_w: int = 0) -> None:
         """ids int32 [T, k] (the canonical picks), weights float32 [T, k] and the tile masks:
-        the warp top-k settles what the bound proves, the re-rank launch the rest. With
-        `norm_w` (after norm_split: no float32 xn exists) `xn` is the residual x, and the
-        re-rank normalises the rows it needs with the scales in `ws`."""
+        the warp top-k settles what the bound proves, the re-rank launch the rest. The re-rank
+        reads the float32 normalised rows `xn`, or (after norm_split, where no float32 xn
+        exists) the residual rows `x` with the norm's weights `norm_w`, and normalises the
+        rows it needs with the scales in `ws`: one or the other."""
+        if (xn != 0) == (x != 0) or (x != 0) != (norm_w != 0):
+            raise RoutingShapeError(f"the exact top-k reads xn, or x with norm_w; got xn=0x{xn:x}"
+                                    f", x=0x{x:x}, norm_w=0x{norm_w:x}")
         check_routing_shape(HIDDEN_MULTIPLE, n_experts, top_k, tokens)
         npl = next(n for n in _TOPK_NPL if 32 * n >= n_experts)
         nt = n_tiles(tokens)
@@ -333,7 +338,7 @@ class ExactRoutingKernels:
         grid, block = (min(tokens, RERANK_BLOCKS), 1, 1), (RERANK_THREADS, 1, 1)
         if norm_w:
             self._rerank_x[npl].launch(grid=grid, block=block, stream=stream, shared=4 * hidden,
-                                       args=(logits, xn, ws.rscale, norm_w, router32, tokens,
+                                       args=(logits, x, ws.rscale, norm_w, router32, tokens,
                                              hidden, n_experts, top_k, ws.n_rerank, ws.rerank,
                                              ids, weights, masks, nt))
             return
