@@ -119,10 +119,11 @@ def bench_shape(rt, shape: str, tokens: int, reps: int, inner: int,
 
     def exact_topk(ex, chain="exact"):
         c = out[chain]
-        ex.topk(s, logits=logits, xn=px if chain == "presplit" else xn,
-                router32=psplit + E * H * 4, ws=parts, tokens=T, hidden=H, n_experts=E,
-                top_k=K, bound=exact_bound(norms, H), ids=c["ids"], weights=c["w"],
-                masks=ws_ex, norm_w=pw if chain == "presplit" else 0)
+        presplit = chain == "presplit"
+        ex.topk(s, logits=logits, router32=psplit + E * H * 4, ws=parts, tokens=T, hidden=H,
+                n_experts=E, top_k=K, bound=exact_bound(norms, H), ids=c["ids"],
+                weights=c["w"], masks=ws_ex, xn=0 if presplit else xn,
+                x=px if presplit else 0, norm_w=pw if presplit else 0)
 
     launches = {
         "rmsnorm": lambda: k_norm.launch((T, 1, 1), (ROW_THREADS, 1, 1), s,

@@ -137,6 +137,7 @@ class FakeRuntime:
         self.copies = 0
         self.closed = False
         self.arena = None
+        self.arenas: list[FakeArena] = []
         self.gates: list[FakeGate] = []
 
     def free_bytes(self):
@@ -174,7 +175,13 @@ class FakeRuntime:
         # each arena (two split parts on one runtime hold one each) at its own addresses
         self.arena = FakeArena(sizes, budget, base=(1 << 36) + self._arenas * (1 << 34))
         self._arenas += 1
+        self.arenas.append(self.arena)
         return self.arena
+
+    def region(self, name):
+        """The address of region `name` in the newest arena that has one (the engine's arena
+        holds the model's regions; small ones, as the device argmax's, come after it)."""
+        return next(a.ptr(name) for a in reversed(self.arenas) if name in a.regions)
 
     def module(self, source, defines=None, extra_flags=(), *, arch=None):
         return FakeModule(self, source)

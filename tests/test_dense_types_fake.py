@@ -63,7 +63,7 @@ def test_attention_decodes_what_is_not_f16_before_its_gemm(fake, monkeypatch, de
     lay = DenseLayout.of(SPEC, DenseTypes.of_model(model))
     with _open(fake, monkeypatch, model, dense=dense) as eng:
         rt = fake["rt"]
-        base, scratch = rt.arena.ptr("dense"), rt.arena.ptr("dense_scratch")
+        base, scratch = rt.region("dense"), rt.region("dense_scratch")
         copies0 = rt.copies
         rt.tokens = 300
         rt.launched_on.clear()
@@ -95,7 +95,7 @@ def test_attention_decodes_what_is_not_f16_before_its_gemm(fake, monkeypatch, de
             assert got == want, layer
         # the head: one slice of the vocabulary, decoded before its GEMM
         assert [(c[0], c[2][0] if c[0] != "gemm" else c[2][1]) for c in calls] == [
-            ("ggml_gather_Q6_K", rt.arena.ptr("head")), ("gemm", scratch)]
+            ("ggml_gather_Q6_K", rt.region("head")), ("gemm", scratch)]
         if dense == "stream":  # the chunk copies each layer's own bytes into the ring
             assert rt.copies - copies0 >= SPEC.n_layers
 
@@ -108,7 +108,7 @@ def test_head_in_slices_decoded_before_each_gemm(fake, monkeypatch, fixed_walk_r
     monkeypatch.setattr(dense_decode, "HEAD_SLICE_ROWS", 384)  # 384 + 384 + 232 rows
     with _open(fake, monkeypatch, model) as eng:
         rt = fake["rt"]
-        head, scratch, out = (rt.arena.ptr(n) for n in ("head", "dense_scratch", "head_out"))
+        head, scratch, out = (rt.region(n) for n in ("head", "dense_scratch", "head_out"))
         row = SPEC.hidden // 32 * 34
         rt.tokens = 100
         rt.launched_on.clear()
