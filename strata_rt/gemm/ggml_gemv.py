@@ -133,8 +133,8 @@ class GgmlGemv(DecoderModule):
         if key not in self._kernels:
             types = DENSE_ARG_TYPES if part == "dense" else GEMV_ARG_TYPES
             # every kernel waits for the grid before it first (gemv.cuh): launched overlapped
-            self._kernels[key] = self.module_of(d.name).kernel(f"ggml_gemv_{part}_{d.name}",
-                                                               types, overlap=True)
+            self._kernels[key] = self.module_of(d.name).kernel(kernel_name(d, part), types,
+                                                               overlap=True)
             if part == "dense" and d.name == "F16":  # loaded with it, ahead of any capture
                 self._kernels[("F16", "rows")] = self.runtime.module(ROWS_SOURCE).kernel(
                     "gemv_f16_rows", DENSE_ARG_TYPES, overlap=True)

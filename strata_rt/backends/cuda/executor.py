@@ -95,8 +95,7 @@ class CudaBackend:
     kv_capacity = 0
     #: the image cache (set at open; empty unless the config gives it room)
     images = ImageCache()
-    #: "tokens" where a whole model's chunks bring token ids, looked up on the GPU (set at
-    #: open, device_open); else "hidden"
+    #: "tokens" where a whole model's chunks bring token ids (set at open), else "hidden"
     input_kind: InputKind = "hidden"
     # set at open (device_open.open_device)
     fks: list[FormatKernels]
@@ -121,8 +120,7 @@ class CudaBackend:
         self.peers: list[CudaBackend] = []
         self._link = PartLink(self) if self.part.n_parts > 1 else None
         self.rt = context.runtime(None if part is None else part.device)
-        self.model, self.store, self.cfg = model, store, cfg
-        self.whole = whole
+        self.model, self.store, self.cfg, self.whole = model, store, cfg, whole
         self.spec, self.fmt, self.lay = model.spec, model.fmt, model.layout
         self.layer_blob_bytes = tuple(lay.blob_bytes for lay in model.formats.layouts)
         self.timing = bool(cfg.timing)

@@ -123,9 +123,8 @@ class CudaWhole:
     the model's layers, which index the part's slots and KV cache from `first`."""
 
     def __init__(self, rt: Runtime, whole: Qwen3Model, ptr: dict[str, int], ws_bytes: int,
-                 sizing: WholeSizing, stream: Stream, first: int = 0,
-                 decode_attention: str = "split", decode_dense: str = "gemm",
-                 decode_argmax: str = "host"):
+                 sizing: WholeSizing, stream: Stream, first: int, decode_attention: str,
+                 decode_dense: str, decode_argmax: str):
         self.rt, self.whole, self.spec, self.ptr = rt, whole, whole.spec, ptr
         self.first, self.n_layers, self.has_head = first, sizing.spec.n_layers, sizing.head
         self.context = sizing.context
