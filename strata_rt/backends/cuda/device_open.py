@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ...config.engine_config import DECODE_ARGMAXES, DECODE_ATTENTIONS, DECODE_DENSES
 from ...models.qwen3.whole_memory import DenseTypes, WholeSizing, gpu_decodes
 from ...runtime.memory import MIB
 from ...schedule.dense_schedule import DENSE_RING_SLOTS
@@ -134,10 +133,10 @@ def open_device(rt: Runtime, model: Model, store: ExpertStore, cfg: EngineConfig
 
             assert whole_sizes is not None
             sizing = whole_sizes.streamed() if mp.dense_stream else whole_sizes
+            attention, dense, argmax = cfg.decode_attention, cfg.decode_dense, cfg.decode_argmax
+            assert attention and dense and argmax, "EngineConfig.resolve() sets them"
             cuda_whole = CudaWhole(rt, whole, dev.ptr, mp.regions["dense_ws"], sizing, dev.copy,
-                                   lo, cfg.decode_attention or DECODE_ATTENTIONS[0],
-                                   cfg.decode_dense or DECODE_DENSES[0],
-                                   cfg.decode_argmax or DECODE_ARGMAXES[0])
+                                   lo, attention, dense, argmax)
     except BaseException:
         dev.close()
         raise
