@@ -1,7 +1,8 @@
 """The argument behind IQ3_XXS's fp16 decode (kernels/ggml/decode_iq.cuh, chunk8_h2), checked in
 numpy against the gguf package: every float32 value gguf computes for an IQ3_XXS weight is
 exact, so its fp16 rounding equals one correctly rounded fp16 product d * m, with m = grid *
-(2 scale + 1) / 4 exact in fp16 and obtained from the biased half 1024 + grid by one fma.
+(2 scale + 1) / 4 exact in fp16 and obtained as the exact fp16 product of the table's grid / 4
+and the integer 2 scale + 1.
 numpy's float16 product (float32 product of two fp16 values, exact, then one rounding) is that
 product. Random d spans fp16 subnormals to values whose products overflow to infinity. The
 matrix-vector kernels that use it are checked against the same reference on the GPU
@@ -44,10 +45,11 @@ def _f16_decode(d: np.ndarray, qs: np.ndarray, aux: np.ndarray) -> np.ndarray:
             entry = grid[qs[:, (i >> 2) + e]]
             for v in range(4):
                 byte = ((entry >> np.uint32(8 * v)) & np.uint32(255)).astype(np.float64)
-                biased = np.float16(1024) + byte.astype(np.float16)  # 0x6400 | byte
-                assert np.array_equal(biased.astype(np.float64), 1024 + byte)
-                # the fma: exact product and sum, one rounding; the result is exact too
-                m = (biased.astype(np.float64) * sc64 - 1024 * sc64).astype(np.float16)
+                quarter = (byte / 4).astype(np.float16)  # the shared table's fp16 entry
+                assert np.array_equal(quarter.astype(np.float64), byte / 4)
+                odd = (2 * (a >> np.uint32(28)) + 1).astype(np.float16)  # 2 scale + 1
+                # one fp16 product (numpy: exact float32 product, one rounding): exact too
+                m = (quarter.astype(np.float32) * odd.astype(np.float32)).astype(np.float16)
                 assert np.array_equal(m.astype(np.float64), byte * sc64)
                 j = 4 * e + v
                 negative = ((pattern >> np.uint32(j)) & np.uint32(1)).astype(bool)

@@ -83,34 +83,46 @@ template <> struct Decode<Type::IQ3_XXS> : Traits<Type::IQ3_XXS>, SubBlock<Decod
     // exact: d (11 significant bits) times (2 scale + 1) / 4 (5 bits) times the grid byte (at
     // most 62: 6 bits) needs at most 22 bits. So its fp16 rounding is one correctly rounded
     // fp16 product d * m with m = grid * (2 scale + 1) / 4, which fp16 holds exactly (at most
-    // 480.5 in steps of 1/4): m comes from 1024 + grid (the byte under the exponent of 1024)
-    // by one exact fma, the signs flip bits 15 and 31 of each word. The grid sits in the
-    // block's shared memory (a warp's 32 lookups of random entries: fewer passes than through
-    // the L1 cache); the block's fields are read 16 bits at a time (an even block address).
-    // tests/test_iq3_xxs_f16_decode.py checks the argument against gguf in numpy.
+    // 480.5 in steps of 1/4): m is grid / 4 (at most 15.5 in steps of 1/4: exact in fp16) times
+    // the integer 2 scale + 1, one exact fp16 product, and the signs flip bits 15 and 31 of
+    // each word. The grid sits in the block's shared memory as those fp16 quarters (a warp's 32
+    // lookups of random entries: fewer passes than through the L1 cache; two fp16x2 words an
+    // entry, so no byte is moved under an exponent); the block's fields are read 16 bits at a
+    // time (an even block address). tests/test_iq3_xxs_f16_decode.py checks the argument
+    // against gguf in numpy.
     struct Shared {
-        uint32_t grid[256];
+        uint2 grid[256];  // entry t: its bytes 0, 1 (x) and 2, 3 (y), each / 4, as fp16 pairs
     };
     __device__ static void fill_shared(Shared& s) {
-        for (int t = threadIdx.x; t < 256; t += blockDim.x) s.grid[t] = GGML_IQ3XXS_GRID[t];
+        for (int t = threadIdx.x; t < 256; t += blockDim.x) {
+            const uint32_t entry = GGML_IQ3XXS_GRID[t];
+            uint32_t w[2];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const __half2 v = __hmul2(__halves2half2(
+                    __uint2half_rn((entry >> (16 * h)) & 0xffu),
+                    __uint2half_rn((entry >> (16 * h + 8)) & 0xffu)), __float2half2_rn(0.25f));
+                w[h] = *reinterpret_cast<const uint32_t*>(&v);
+            }
+            s.grid[t] = make_uint2(w[0], w[1]);
+        }
     }
     __device__ static void chunk8_h2(const uint8_t* b, int i, unsigned (&out)[4], const Shared& s) {
         const uint8_t* a = b + 66 + 4 * (i >> 5);
         const uint32_t aux = load_aligned<uint16_t>(a) | ((uint32_t)load_aligned<uint16_t>(a + 2) << 16);
         const uint32_t idx = (aux >> (7 * ((i >> 3) & 3))) & 127u;
         const uint32_t pattern = idx | (((uint32_t)__popc(idx) & 1u) << 7);
-        const __half sc = __float2half_rn((float)(2u * (aux >> 28) + 1u) * 0.25f);
-        const __half2 sc2 = __half2half2(sc), off2 = __half2half2(__hmul(sc, __float2half_rn(-1024.0f)));
+        const __half2 sc2 = __half2half2(__uint2half_rn((aux >> 27) | 1u));  // 2 scale + 1
         const __half2 d2 = __half2half2(__ushort_as_half(load_aligned<uint16_t>(b)));
         const uint32_t q2 = load_aligned<uint16_t>(b + 2 + (i >> 2));  // the two grid indices
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-            const uint32_t entry = s.grid[(q2 >> (8 * e)) & 0xffu];
+            const uint2 entry = s.grid[(q2 >> (8 * e)) & 0xffu];
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const int j = 4 * e + 2 * h;  // the word's first value
-                const uint32_t biased = __byte_perm(entry, 0x64u, h ? 0x4342u : 0x4140u);
-                const __half2 m = __hfma2(*reinterpret_cast<const __half2*>(&biased), sc2, off2);
+                const uint32_t g = h ? entry.y : entry.x;
+                const __half2 m = __hmul2_rn(*reinterpret_cast<const __half2*>(&g), sc2);
                 // sign bits j, j + 1 of the 8 at bits 15 and 31: the two shifted copies of
                 // the 8-bit pattern do not overlap, so one multiply places both
                 const uint32_t sign = (pattern * ((1u << (15 - j)) | (1u << (30 - j)))) & 0x80008000u;

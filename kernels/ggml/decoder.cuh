@@ -102,8 +102,8 @@ GGML_UNROLL
 // `static __device__ void fill_shared(Shared&)` fills it (every thread of the block calls it,
 // a barrier follows); a decoder without tables gives neither and takes `chunk8_h2(block, i,
 // out)`. chunk8_h2 may assume the block starts at an even address (GGML blocks are of even
-// size, the parts that hold them start aligned). The consumers of fp16 weights take it through
-// chunk8_f16_of.
+// size, the parts that hold them start aligned). The matrix-vector kernels take it through
+// chunk8_f16_at.
 template <class D, class = void> struct SharedOf {
     struct Type {};
     __device__ static void fill(Type&) {}
@@ -136,19 +136,11 @@ __device__ __forceinline__ bool chunk8_h2_hook(const uint8_t*, int, unsigned (&)
 }
 
 // Values 8c .. 8c + 7 of a run of blocks as four fp16x2 words (value 8c + 2p low in word p),
-// each rounded to nearest even: what the gathers store and the matrix-vector kernels multiply.
-// With `tables` (the block's filled shared_of<D>) the decoder's chunk8_h2 serves where it has
-// one (the matrix-vector kernels); without, the float32 path (the gathers: the one their
-// byte-exact GPU test has held so far).
+// each rounded to nearest even from the float32 path: what the gathers store (the path their
+// byte-exact GPU test holds).
 template <class D>
-__device__ __forceinline__ void chunk8_f16_of(const uint8_t* src, long long c, unsigned (&out)[4],
-                                              const shared_of<D>* tables = nullptr) {
-    if (tables != nullptr) {  // a 1-value type's chunk: 8 blocks from the first, i = 0
-        const long long v = 8 * c;
-        const uint8_t* b = src + (D::block_values == 1 ? v : v / D::block_values) * D::block_bytes;
-        const int i = D::block_values == 1 ? 0 : (int)(v % D::block_values);
-        if (chunk8_h2_hook<D>(b, i, out, *tables, 0)) return;
-    }
+__device__ __forceinline__ void chunk8_f16_float(const uint8_t* src, long long c,
+                                                 unsigned (&out)[4]) {
     Pair p[4];
     chunk8_of<D>(src, c, p);
 #pragma unroll
@@ -156,6 +148,18 @@ __device__ __forceinline__ void chunk8_f16_of(const uint8_t* src, long long c, u
         const __half2 h = __floats2half2_rn(p[q].x, p[q].y);
         out[q] = *reinterpret_cast<const unsigned*>(&h);
     }
+}
+
+// The same values with the block's filled tables at hand (shared_of<D>): the decoder's
+// chunk8_h2 where it has one, chosen at compile time so no other path is built beside it,
+// else the float32 path. What the matrix-vector kernels multiply.
+template <class D>
+__device__ __forceinline__ void chunk8_f16_at(const uint8_t* src, long long c, unsigned (&out)[4],
+                                              const shared_of<D>& tables) {
+    const long long v = 8 * c;  // a 1-value type's chunk: 8 blocks from the first, i = 0
+    const uint8_t* b = src + (D::block_values == 1 ? v : v / D::block_values) * D::block_bytes;
+    const int i = D::block_values == 1 ? 0 : (int)(v % D::block_values);
+    if (!chunk8_h2_hook<D>(b, i, out, tables, 0)) chunk8_f16_float<D>(src, c, out);
 }
 #endif  // STRATA_GGML_HOST
 

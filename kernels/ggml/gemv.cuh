@@ -178,8 +178,8 @@ __device__ __forceinline__ void gemv_tile(const GemvRows& rows, const __half* __
             uint4 xv = make_uint4(0u, 0u, 0u, 0u);
             if (8 * ch < nv) {
                 unsigned w[4], v[4];
-                chunk8_f16_of<D>(lo, ch, w, &tables);
-                chunk8_f16_of<D>(hi, ch, v, &tables);
+                chunk8_f16_at<D>(lo, ch, w, tables);
+                chunk8_f16_at<D>(hi, ch, v, tables);
                 xv = *reinterpret_cast<const uint4*>(xs + 8 * ch);
                 a0[0] = w[0];
                 a0[1] = v[0];

@@ -135,7 +135,7 @@ __device__ __forceinline__ void gather_run(const GgmlSrcs16& srcs, uint8_t* dst,
     const long long step = (long long)gridDim.x * blockDim.x;
     for (long long c = (long long)blockIdx.x * blockDim.x + threadIdx.x; c < chunks; c += step) {
         unsigned w[4];
-        chunk8_f16_of<D>(src, c, w);
+        chunk8_f16_float<D>(src, c, w);
         out[c] = make_uint4(w[0], w[1], w[2], w[3]);
     }
 }
