@@ -107,6 +107,7 @@ def test_whole_model_split_holds_each_parts_layers(fake, monkeypatch, fixed_walk
         for _ in range(3):  # decode: planned, then plain, then replayed
             eng.prefill(np.array([5]))
         assert second._whole.position == 302
+        assert eng.driver.decode_path == "gemv"  # both parts' (cli.generate names it)
 
 
 def test_two_gpus_open_two_runtimes_over_a_portable_store(fake, fixed_walk_rule):

@@ -117,12 +117,9 @@ def sampling_from(args: argparse.Namespace, base: SamplingParams | None) -> Samp
 
 def decode_path(engine: Any) -> str | None:
     """What the engine's one-token steps run: "gemv", "routed" (decode plans; the config's
-    "auto" resolved) or "staging" (the staging ring); None where the driver does not say (a
-    model split over devices)."""
-    driver = engine.driver
-    if not hasattr(driver, "decode_mode"):
-        return None
-    return driver.decode_mode if driver.decodes_routed else "staging"
+    "auto" resolved) or "staging" (the staging ring); per part, joined by "+", where a model
+    split over devices runs different ones."""
+    return engine.driver.decode_path
 
 
 def summary_lines(r: Any, path: str | None = None) -> list[str]:

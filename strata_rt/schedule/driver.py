@@ -98,8 +98,8 @@ class ChunkDriver:
         #: a routed walk's capture failed: plainly launched it copies every expert, so auto
         #: no longer takes it (its switches exist only in a graph)
         self._switches_failed = False
-        self._decode_keys: dict[str | None, WalkKey] = {}
-        self._decode_modes: dict[str | None, str | None] = {}
+        #: per decode setting: the setting it resolves to and the plan key it runs
+        self._decodes: dict[str | None, tuple[str | None, WalkKey]] = {}
         _ = self.decode_key  # decode "gemv" on a model that cannot run it fails at open
 
     @property
@@ -166,20 +166,30 @@ class ChunkDriver:
     @property
     def decode_mode(self) -> str | None:
         """The decode setting this model runs (plan_keys.resolve_decode: "auto" made gemv or
-        routed from the layers' formats), worked out once per setting."""
-        mode = self.cfg.decode
-        if mode not in self._decode_modes:
-            self._decode_modes[mode] = resolve_decode(mode, self.formats, self.span)
-        return self._decode_modes[mode]
+        routed from the layers' formats)."""
+        return self._decode()[0]
 
     @property
     def decode_key(self) -> WalkKey:
         """The decode plan a step runs (plan_keys.decode_key: decode "gemv" on a model that
-        cannot run it is a ConfigError), worked out once per decode setting."""
+        cannot run it is a ConfigError)."""
+        return self._decode()[1]
+
+    @property
+    def decode_path(self) -> str | None:
+        """What a one-token step runs: "gemv" or "routed" (a decode plan, decode_mode) or
+        "staging" (the staging ring)."""
+        return self.decode_mode if self.decodes_routed else "staging"
+
+    def _decode(self) -> tuple[str | None, WalkKey]:
+        """decode_mode and decode_key of the config's decode setting, worked out once per
+        setting (a changed field takes the next step); a refusal is not kept, so it is raised
+        again on every step."""
         mode = self.cfg.decode
-        if mode not in self._decode_keys:  # a refusal is raised again on every step
-            self._decode_keys[mode] = decode_key(mode, self.formats, self.span)
-        return self._decode_keys[mode]
+        if mode not in self._decodes:
+            self._decodes[mode] = (resolve_decode(mode, self.formats, self.span),
+                                   decode_key(mode, self.formats, self.span))
+        return self._decodes[mode]
 
     def stream_mode(self, T: int) -> str:
         """"routed_walk" or "routed" where a T-token chunk streams only its routed experts

@@ -127,6 +127,13 @@ class SplitDriver:
     def plans(self) -> list[Any]:
         return [d.last_plan for d in self.drivers]
 
+    @property
+    def decode_path(self) -> str | None:
+        """What a one-token step runs on each part (ChunkDriver.decode_path): the one path
+        where the parts agree, else theirs in layer order joined by "+"."""
+        paths = [str(d.decode_path) for d in self.drivers]
+        return paths[0] if len(set(paths)) == 1 else "+".join(paths)
+
     def run_chunk(self, x: np.ndarray, stats: Stats, start: int | None = None,
                   logits: LogitRows | None = None) -> np.ndarray:
         """x: the first part's input (hidden states, or a whole model's token ids)."""
