@@ -139,6 +139,9 @@ def test_a_greedy_step_brings_back_its_token_alone(fake, monkeypatch, decode):
     assert "logits_argmax" in opened  # loaded at open: the first step does not wait for it
     with eng:
         rt = fake["rt"]
+        # its 16 bytes are a region of the engine's arena, which the memory plan counts
+        assert len(rt.arenas) == 1 and rt.arenas[0].regions["argmax_result"][1] >= 16
+        results: list[int] = []
         rt.tokens = 5
         eng.prefill(np.arange(5) % spec.vocab)
         for step in range(3):
@@ -147,6 +150,10 @@ def test_a_greedy_step_brings_back_its_token_alone(fake, monkeypatch, decode):
             monkeypatch.setattr(dk, "Cublas", _Cublas)
             events = _log_host_waits(monkeypatch, rt, spec.vocab)
             _device_keys(monkeypatch, rt, 321 + step, events=events)
+            copy = rt.memcpy_dtoh  # and where the result's copy reads
+            monkeypatch.setattr(rt, "memcpy_dtoh", lambda host, src, stream, copy=copy: (
+                results.append(src) if host.dtype == np.uint64 and host.size == 2 else None,
+                copy(host, src, stream))[1])
             before = len(rt.launches)
             token, stats = eng.prefill_argmax(np.array([7 + step]))
             assert token == 321 + step and stats.tokens == 1
@@ -158,6 +165,8 @@ def test_a_greedy_step_brings_back_its_token_alone(fake, monkeypatch, decode):
             assert len(waits) == 1, (step, events)
             assert "logits_argmax" in rt.launches[before:]
             assert eng.kv_length == 6 + step
+        assert results and set(results) == {rt.arenas[0].ptr("argmax_result")}
+        assert len(rt.arenas) == 1
         # a row with NaN or Inf is refused, named by its position, as prefill's logits are
         _device_keys(monkeypatch, rt, 5, flag=1)
         with pytest.raises(NonFiniteError, match="position 8"):
@@ -253,3 +262,30 @@ def test_a_decode_steps_routing_is_counted_after_its_one_wait(fake, monkeypatch,
             assert stats.experts_streamed == streamed, step
             _, quiet = eng.prefill(np.array([3]))  # counted without being asked for
             assert quiet.routing_counts is None and quiet.experts_streamed >= 0
+
+
+def test_a_sampled_step_draws_in_the_engines_arena(fake, monkeypatch):
+    """The device sampler's penalised ids and drawn id are regions of the engine's arena
+    (sample_seen, sample_out: the memory plan counts them), not an arena of its own."""
+    eng, spec = _engine(monkeypatch, prefill=64)
+    with eng:
+        rt = fake["rt"]
+        rt.tokens = 5
+        eng.prefill(np.arange(5) % spec.vocab)
+        arena = rt.arenas[0]
+        assert arena.regions["sample_seen"][1] >= 4 * eng.context_tokens
+        sources: list[int] = []
+        copy = rt.memcpy_dtoh
+
+
+        def dtoh(host, src, stream):  # the drawn id (the fake reads other int32 as bounds)
+            if host.dtype == np.int32 and host.size == 1:
+                sources.append(src)
+                host[0] = 17
+            else:
+                copy(host, src, stream)
+
+        monkeypatch.setattr(rt, "memcpy_dtoh", dtoh)
+        params = SamplingParams(temperature=0.8, repetition_penalty=1.1, seed=3)
+        assert eng.backend.sample_last(params, [1, 2, 2], 0) == 17
+        assert sources == [arena.ptr("sample_out")] and len(rt.arenas) == 1

@@ -85,22 +85,31 @@ def argmax_of_key(key: int) -> int:
     return 0xFFFFFFFF - (key & 0xFFFFFFFF)
 
 
+def sampler_bytes(context: int) -> tuple[int, int]:
+    """Device bytes of a DeviceSampler for `context` penalised ids: (the ids, the drawn id)."""
+    return max(1, int(context)) * 4, 16
+
+
 class DeviceArgmax:
     """The greedy token of one float32 row on the device: `enqueue` clears the result, launches
     logits_argmax and copies its 16 bytes into pinned memory without waiting; `token` reads them
     once the stream has been synchronized (None: the row holds NaN or infinity)."""
 
-    def __init__(self, rt: Runtime):
+    def __init__(self, rt: Runtime, result: int | None = None):
+        """result: the device address of ARGMAX_RESULT bytes in an arena the caller sized (a
+        whole model's `argmax_result` region, counted by its memory plan); None: a small
+        arena of its own."""
         self.rt = rt
         self._kernel = rt.module(SAMPLING_SOURCE).kernel("logits_argmax", "PiP", overlap=True)
         self._host = rt.pinned({"result": ARGMAX_RESULT})
         self._result_host = self._host.view("result", np.uint64)
-        self._dev = rt.device_arena({"result": ARGMAX_RESULT})
+        self._dev = rt.device_arena({"result": ARGMAX_RESULT}) if result is None else None
+        self._out = self._dev.ptr("result") if self._dev is not None else int(result or 0)
 
     def enqueue(self, stream: Stream, logits: int, vocab: int) -> None:
         if not 0 < vocab < 2**31:
             raise StrataError(f"an argmax over {vocab} logits")
-        out = self._dev.ptr("result")
+        out = self._out
         self.rt.memset_d8(out, 0, ARGMAX_RESULT, stream)
         blocks = min(ARGMAX_BLOCKS, -(-vocab // ARGMAX_THREADS))
         self._kernel.launch(grid=(blocks, 1, 1), block=(ARGMAX_THREADS, 1, 1), stream=stream,
@@ -114,7 +123,8 @@ class DeviceArgmax:
         return None if flag & 1 or key == 0 else argmax_of_key(key)
 
     def close(self) -> None:
-        self._dev.free()
+        if self._dev is not None:
+            self._dev.free()
         self._host.free()
 
 
@@ -122,14 +132,21 @@ class DeviceSampler:
     """Draws decode steps' tokens on the device for a vocabulary of `vocab` and at most
     `context` penalised ids (the KV cache's positions: a prompt and its tokens)."""
 
-    def __init__(self, rt: Runtime, vocab: int, context: int):
+    def __init__(self, rt: Runtime, vocab: int, context: int,
+                 device: tuple[int, int] | None = None):
+        """device: the addresses of the penalised ids (sampler_bytes(context)[0] bytes) and the
+        drawn id (16 bytes) in an arena the caller sized (a whole model's `sample_seen` and
+        `sample_out` regions, counted by its memory plan); None: an arena of its own."""
         self.rt, self.vocab, self.context = rt, int(vocab), int(context)
         self.kernels = SamplingKernels(rt)
-        cap = max(1, self.context)
-        self._host = rt.pinned({"seen": cap * 4, "out": 16})
+        seen_bytes, out_bytes = sampler_bytes(self.context)
+        self._host = rt.pinned({"seen": seen_bytes, "out": out_bytes})
         self._seen_host = self._host.view("seen", np.int32)
         self._out_host = self._host.view("out", np.int32)
-        self._dev = rt.device_arena({"seen": cap * 4, "out": 16})
+        self._dev = (rt.device_arena({"seen": seen_bytes, "out": out_bytes}) if device is None
+                     else None)
+        self._seen, self._out = ((self._dev.ptr("seen"), self._dev.ptr("out"))
+                                 if self._dev is not None else device or (0, 0))
 
     def sample(self, stream: Stream, logits: int, params: SamplingParams,
                seen: Sequence[int] | np.ndarray, step: int) -> int:
@@ -141,10 +158,10 @@ class DeviceSampler:
             raise StrataError(f"{ids.size} penalised ids; this sampler holds {self.context}")
         if ids.size:
             self._seen_host[: ids.size] = ids
-            self.rt.memcpy_htod(self._dev.ptr("seen"), self._seen_host[: ids.size], stream)
-        self.kernels.sample(stream, logits, self.vocab, self._dev.ptr("seen"), int(ids.size),
-                            params, step, self._dev.ptr("out"))
-        self.rt.memcpy_dtoh(self._out_host[:1], self._dev.ptr("out"), stream)
+            self.rt.memcpy_htod(self._seen, self._seen_host[: ids.size], stream)
+        self.kernels.sample(stream, logits, self.vocab, self._seen, int(ids.size), params, step,
+                            self._out)
+        self.rt.memcpy_dtoh(self._out_host[:1], self._out, stream)
         stream.synchronize()
         token = int(self._out_host[0])
         if token < 0:
@@ -152,5 +169,6 @@ class DeviceSampler:
         return token
 
     def close(self) -> None:
-        self._dev.free()
+        if self._dev is not None:
+            self._dev.free()
         self._host.free()

@@ -182,7 +182,7 @@ class CudaWhole:
         #: by the first step, whose time they would add to), else by a first greedy step
         self._argmax: DeviceArgmax | None = None
         if decode_argmax == "device" and self.has_head:
-            self._argmax = DeviceArgmax(rt)
+            self._argmax = DeviceArgmax(rt, ptr["argmax_result"])
         #: whether the last Logits op left an argmax to read; the token it read (None: the
         #: row held NaN or infinity)
         self._pending_argmax = False
@@ -370,7 +370,7 @@ class CudaWhole:
             self._pending_rows = tokens - first
             return True
         if self._argmax is None:
-            self._argmax = DeviceArgmax(self.rt)
+            self._argmax = DeviceArgmax(self.rt, self.ptr["argmax_result"])
         self._argmax.enqueue(stream, self.ptr["head_out"], self.spec.vocab)
         self.token, self._pending_argmax = None, True
         return True
@@ -431,7 +431,8 @@ class CudaWhole:
         if not self._one_row:
             raise RuntimeError("sampling needs a Logits op over one row (rows=\"last\")")
         if self._sampler is None:
-            self._sampler = DeviceSampler(self.rt, self.spec.vocab, self.context)
+            self._sampler = DeviceSampler(self.rt, self.spec.vocab, self.context,
+                                          (self.ptr["sample_seen"], self.ptr["sample_out"]))
         return self._sampler.sample(stream, self.ptr["head_out"], params, seen, step)
 
     def close(self) -> None:

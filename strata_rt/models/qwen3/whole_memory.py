@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 
 from ...backends.cuda.attention_shapes import decode_part_bytes, decode_supported
 from ...backends.cuda.dense.kernels import workspace_bytes
+from ...backends.cuda.sampling_kernels import ARGMAX_RESULT, sampler_bytes
 from ...formats.ggml_types import NAMES
 from ...runtime.memory import align_up
 from ...schedule.dense_schedule import DENSE_RING_SLOTS
@@ -299,6 +300,10 @@ def whole_fixed_regions(w: WholeSizing) -> dict[str, int]:
         "decode_part": (decode_part_bytes(spec.n_heads, spec.head_dim)
                         if decode_supported(spec.n_heads, spec.n_kv_heads, spec.head_dim)
                         else 0),
+        # a decode step's token taken on the device (DeviceArgmax, DeviceSampler)
+        "argmax_result": ARGMAX_RESULT if w.head else 0,
+        "sample_seen": sampler_bytes(context)[0] if w.head else 0,
+        "sample_out": sampler_bytes(context)[1] if w.head else 0,
     }
 
 
