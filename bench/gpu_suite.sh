@@ -3,7 +3,10 @@
 # under $BENCH_OUT (default ./out). Stages run in order; pick them with arguments:
 #   bash bench/gpu_suite.sh tests digests gemm routing formats ggml mmq prefill-quick prefill \
 #        stream-235b attention dense whole-30b whole-235b whole-235b-16g acceptance decode \
-#        peers ncu-gemm decode-ab stream-ab (ncu-gemm: Nsight Compute, $NCU or ncu on PATH;
+#        peers ncu-gemm decode-ab stream-ab decode-ncu short-timing (ncu-gemm, decode-ncu:
+#        Nsight Compute, $NCU or ncu on PATH; decode-ncu: each kernel of a gemv decode step,
+#        bench/ncu_table.py's table; short-timing: STRATA_PREFILL_TIMING's phase table of a
+#        254-token prompt, all resident and a quarter;
 #        decode-ab: the decode GPU tests, then bench_decode with the defaults and with the
 #        decode switches' other settings one by one, LLAMA_BENCH=PATH adds llama.cpp to its
 #        first run; stream-ab: the routed walk's GPU tests and switched copies, then short
@@ -78,6 +81,20 @@ for what in "${@:-tests}"; do
                    stage switched-copies python3 bench/bench_switched_copies.py
                    stage stream-ab python3 bench/bench_whole.py --prompts 254,1030 \
                        --streams walk,routed,routed_walk --warmups 2 --reps 3 --out "$out" ;;
+        decode-ncu) # each kernel of two all-resident gemv decode steps, at the run's own clocks
+                   stage decode-ncu "${NCU:-ncu}" --profile-from-start off --cache-control none \
+                       --clock-control none --metrics gpu__time_duration.sum --csv \
+                       --log-file "$out/decode-ncu.csv" python3 bench/bench_decode.py --steps 2 \
+                       --warmups 1 --paths gemv --regimes all --profile --out ''
+                   stage decode-ncu-table python3 bench/ncu_table.py "$out/decode-ncu.csv" \
+                       --per 2 --layers 48 ;;
+        short-timing) # the phase table of a 254-token prompt, all resident and a quarter
+                   sed 's/^expert_cache: .*/expert_cache: all/' configs/qwen3-30b-a3b-whole.yaml \
+                       > "$out/all-resident.yaml"
+                   for c in "$out/all-resident.yaml" configs/qwen3-30b-a3b-whole.yaml; do
+                       stage "short-timing-$(basename "$c" .yaml)" env STRATA_PREFILL_TIMING=1 \
+                           python3 -m strata_rt.cli run "$c" --prompts 254,254
+                   done ;;
         *) echo "unknown stage $what"; failures=$((failures + 1)) ;;
     esac
 done
