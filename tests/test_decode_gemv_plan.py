@@ -170,20 +170,20 @@ def test_decode_key_rule(model) -> None:
 def test_the_default_decode_is_auto_and_says_what_it_ran(model, monkeypatch) -> None:
     """Unset, STRATA_DECODE is auto: a model whose formats all offer gemv runs it (the same
     logits as routed on the reference backend), and `strata generate`'s summary names it."""
-    from strata_rt.cli.generate import decode_path, summary_lines
+    from strata_rt.cli.generate import summary_lines
     from strata_rt.text.generate import EngineSession, generate
 
     monkeypatch.delenv("STRATA_DECODE", raising=False)
     ids = np.random.default_rng(4).integers(0, SPEC.vocab, 9)
     with Engine.open({"model": model, "backend": "reference", "prefill": 64}) as eng:
         assert eng.config.decode == "auto" and eng.driver.decode_mode == "gemv"
-        assert decode_path(eng) == "gemv"
+        assert eng.driver.decode_path == "gemv"
         result = generate(EngineSession(eng), ids, 3, None)
         assert eng.driver.last_plan.count(RoutedExperts) == SPEC.n_layers
-        assert "tokens/s (gemv)" in summary_lines(result, decode_path(eng))[1]
+        assert "tokens/s (gemv)" in summary_lines(result, eng.driver.decode_path)[1]
     q2 = Qwen3Model.synthetic(SPEC, 11, "q2_blob")
     with Engine.open({"model": q2, "backend": "reference", "prefill": 64}) as eng:
-        assert eng.driver.decode_mode == "routed" and decode_path(eng) == "routed"
+        assert eng.driver.decode_mode == "routed" and eng.driver.decode_path == "routed"
 
 
 def _generate(model, steps: int, decode: str, monkeypatch, **kw):

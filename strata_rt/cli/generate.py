@@ -115,13 +115,6 @@ def sampling_from(args: argparse.Namespace, base: SamplingParams | None) -> Samp
     return replace(base or SamplingParams(), **given).resolved()
 
 
-def decode_path(engine: Any) -> str | None:
-    """What the engine's one-token steps run: "gemv", "routed" (decode plans; the config's
-    "auto" resolved) or "staging" (the staging ring); per part, joined by "+", where a model
-    split over devices runs different ones."""
-    return engine.driver.decode_path
-
-
 def summary_lines(r: Any, path: str | None = None) -> list[str]:
     ttft = "-" if r.ttft_s is None else f"{r.ttft_s * 1e3:,.1f} ms"
     decode = "-" if r.decode_tokens_per_s is None else f"{r.decode_tokens_per_s:,.1f}"
@@ -177,7 +170,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             progress.end()
         tail = "" if args.ids else stream.flush()
         out.write(tail + ("\n" if result.ids else ""))
-        backend, path = engine.config.backend, decode_path(engine)
+        backend, path = engine.config.backend, engine.driver.decode_path
     for line in summary_lines(result, path):
         print(line)
     if target is not None:

@@ -187,8 +187,8 @@ class ChunkDriver:
         again on every step."""
         mode = self.cfg.decode
         if mode not in self._decodes:
-            self._decodes[mode] = (resolve_decode(mode, self.formats, self.span),
-                                   decode_key(mode, self.formats, self.span))
+            resolved = resolve_decode(mode, self.formats, self.span)
+            self._decodes[mode] = (resolved, decode_key(resolved, self.formats, self.span))
         return self._decodes[mode]
 
     def stream_mode(self, T: int) -> str:

@@ -103,8 +103,11 @@ class DeviceArgmax:
         self._kernel = rt.module(SAMPLING_SOURCE).kernel("logits_argmax", "PiP", overlap=True)
         self._host = rt.pinned({"result": ARGMAX_RESULT})
         self._result_host = self._host.view("result", np.uint64)
-        self._dev = rt.device_arena({"result": ARGMAX_RESULT}) if result is None else None
-        self._out = self._dev.ptr("result") if self._dev is not None else int(result or 0)
+        self._dev = None
+        if result is None:
+            self._dev = rt.device_arena({"result": ARGMAX_RESULT})
+            result = self._dev.ptr("result")
+        self._out = int(result)
 
     def enqueue(self, stream: Stream, logits: int, vocab: int) -> None:
         if not 0 < vocab < 2**31:
@@ -143,10 +146,11 @@ class DeviceSampler:
         self._host = rt.pinned({"seen": seen_bytes, "out": out_bytes})
         self._seen_host = self._host.view("seen", np.int32)
         self._out_host = self._host.view("out", np.int32)
-        self._dev = (rt.device_arena({"seen": seen_bytes, "out": out_bytes}) if device is None
-                     else None)
-        self._seen, self._out = ((self._dev.ptr("seen"), self._dev.ptr("out"))
-                                 if self._dev is not None else device or (0, 0))
+        self._dev = None
+        if device is None:
+            self._dev = rt.device_arena({"seen": seen_bytes, "out": out_bytes})
+            device = (self._dev.ptr("seen"), self._dev.ptr("out"))
+        self._seen, self._out = device
 
     def sample(self, stream: Stream, logits: int, params: SamplingParams,
                seen: Sequence[int] | np.ndarray, step: int) -> int:
