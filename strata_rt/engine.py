@@ -195,7 +195,7 @@ class Engine:
         context: HostContext = backend_cls.context_class(cfg.device_list)
         backend: Any = None
         try:
-            store = ExpertStore(model, context.host_alloc)
+            store = ExpertStore(model, context.host_alloc, context.host_pin)
             if len(cfg.device_list) > 1:  # a layer split: one backend per device, one store
                 backend = open_split(backend_cls, model, store, cfg, context, whole)
                 return cls(cfg, model, backend, name, context, whole)

@@ -82,6 +82,27 @@ class FakeArena:
         return arr if shape is None else arr.reshape(shape)
 
 
+class FakeHostArena:
+    """A HostArena of the fake runtime: numpy memory. `register` counts its calls and keeps
+    what registration sees: whether the runtime's context was current, and the bytes then."""
+
+    def __init__(self, rt, nbytes, what):
+        self.rt, self.nbytes, self.what = rt, nbytes, what
+        self.array = np.zeros(nbytes, np.uint8)
+        self.length = nbytes
+        self.registered = 0
+        self.registered_current: bool | None = None
+        self.registered_bytes: bytes | None = None
+
+    def register(self):
+        self.registered += 1
+        self.registered_current = self.rt.active
+        self.registered_bytes = self.array.tobytes()
+
+    def free(self):
+        pass
+
+
 class FakeGraph:
     def __init__(self, rt):
         self.rt = rt
@@ -128,6 +149,8 @@ class FakeRuntime:
         #: how often current() made this runtime's context current, and whether it is now
         self.activations, self.active = 0, False
         self.portable: list[bool] = []
+        #: the host arenas asked for (the expert store's: filled, then registered)
+        self.host_arenas: list[FakeHostArena] = []
         #: (source address, bytes, stream name) of every device -> host copy
         self.dtoh: list[tuple[int, int, str]] = []
         self._arenas = 0
@@ -152,6 +175,10 @@ class FakeRuntime:
     def pinned(self, sizes, portable=False):
         self.portable.append(portable)
         return FakeArena(sizes)
+
+    def host_arena(self, nbytes, what="host memory"):
+        self.host_arenas.append(FakeHostArena(self, nbytes, what))
+        return self.host_arenas[-1]
 
     @contextlib.contextmanager
     def current(self):

@@ -9,6 +9,11 @@ the GIL inside these loops, so slices of one array run in parallel.
 Results do not depend on the split: copies move bytes, and the finite check is an `all` over
 slices (NaN and infinity propagate through max and min).
 
+Opening a model fills the expert store the same way (`gather_rows` for a synthetic model's
+pool, `run_each` for a GGUF file's layers): the store's first write of each page is also its
+allocation (strata_rt.runtime.host_arena), so threads share the page faults as well as the
+copying.
+
 Two passes run while the GPU works instead of before or after it: `stage` copies a chunk's
 input into pinned memory and checks it in the same pass (the device's upload waits for it, see
 strata_rt.backends.cuda.chunk_input), and `prefault` touches every page of a fresh output array, so
@@ -20,8 +25,9 @@ from __future__ import annotations
 import mmap
 import os
 import threading
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed, wait
+from typing import TypeVar
 
 import numpy as np
 
@@ -29,6 +35,14 @@ import numpy as np
 PARALLEL_MIN_BYTES = 4 << 20
 #: threads at most: a few saturate a socket's memory bandwidth for plain copies
 MAX_THREADS = 8
+#: bytes of rows one task of gather_rows copies (many tasks: threads that finish early take
+#: more, and a progress line moves)
+GATHER_TASK_BYTES = 16 << 20
+#: rows gathered by one fancy-indexing pass at most (its temporary stays in cache); rows
+#: larger than this are copied one by one, without a temporary
+GATHER_STEP_BYTES = 1 << 20
+
+T = TypeVar("T")
 
 _pool: ThreadPoolExecutor | None = None
 #: one thread apart from the pool, so that touching an output array never delays a stage
@@ -70,6 +84,71 @@ def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
     d, s = flat
     parts = _slices(d.size, _workers())
     list(_executor().map(lambda sl: np.copyto(d[sl], s[sl]), parts))
+
+
+def run_each(fn: Callable[[T], object], items: Sequence[T],
+             done: Callable[[T], None] | None = None) -> None:
+    """fn(item) for every item on the host threads, started in order; `done(item)` runs in
+    the calling thread as each one finishes (a progress line). On a failure the items not
+    started are dropped and, once the running ones have ended, the failure of the first
+    failing item in order is raised: the error a loop over the items would have raised. `fn`
+    must not itself wait on this module's passes (they share the threads)."""
+    if _workers() == 1 or len(items) <= 1:
+        for item in items:
+            fn(item)
+            if done is not None:
+                done(item)
+        return
+    futures = [_executor().submit(fn, item) for item in items]
+    which = {f: i for i, f in enumerate(futures)}
+    try:
+        for f in as_completed(futures):
+            if f.exception() is not None:
+                break
+            if done is not None:
+                done(items[which[f]])
+    finally:
+        for f in futures:
+            f.cancel()  # those not started (the queue runs in order: all after a started one)
+        wait(futures)
+    for f in futures:
+        if not f.cancelled() and f.exception() is not None:
+            raise f.exception()  # type: ignore[misc]
+
+
+def gather_rows(dst: np.ndarray, src: np.ndarray, index: np.ndarray | None = None,
+                done: Callable[[int], None] | None = None) -> None:
+    """dst[i, :w] = src[index[i]] (src[i] without an index) for every row i of the 2-D dst,
+    w = src.shape[1] <= dst.shape[1]; the rest of each row is left as it is. Blocks of rows
+    go to the host threads, and `done(rows)` runs in the calling thread after each block. The
+    bytes are those of the one-thread `dst[:, :w] = src[index]`."""
+    n, w = dst.shape[0], src.shape[1]
+    rows = np.arange(n) if index is None else np.asarray(index).reshape(-1)
+    if rows.size != n or w > dst.shape[1] or (index is None and src.shape[0] != n):
+        raise ValueError(f"gather_rows: {n} rows of {dst.shape[1]} bytes from {src.shape} "
+                         f"by {None if index is None else rows.size} indices")
+    per = max(1, GATHER_TASK_BYTES // max(1, w))
+    step = max(1, GATHER_STEP_BYTES // max(1, w))
+
+    def block(lo: int) -> None:
+        hi = min(n, lo + per)
+        if step == 1:
+            for i in range(lo, hi):
+                np.copyto(dst[i, :w], src[rows[i]])
+            return
+        for a in range(lo, hi, step):
+            b = min(hi, a + step)
+            dst[a:b, :w] = src[rows[a:b]]
+
+    starts = range(0, n, per)
+    on_done = None if done is None else (lambda lo: done(min(n, lo + per) - lo))
+    if dst.nbytes < PARALLEL_MIN_BYTES:
+        for lo in starts:
+            block(lo)
+            if on_done is not None:
+                on_done(lo)
+        return
+    run_each(block, starts, on_done)
 
 
 def all_finite(a: np.ndarray) -> bool:

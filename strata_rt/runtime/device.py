@@ -19,6 +19,7 @@ from ..errors import CudaUnavailableError, StrataError
 from .compile import Defines, compile_cubin
 from .gate import HostGate
 from .graph import Graph, capture
+from .host_arena import HostArena
 from .memory import DeviceArena, DeviceBuffer, PinnedArena
 from .module import Module
 from .streams import Event, Stream
@@ -181,6 +182,11 @@ class Runtime:
         """portable: page-locked for every context of the process, not only this one (the
         expert store of a layer split, which every device's copies read)."""
         return PinnedArena(self, sizes, portable)
+
+    def host_arena(self, nbytes: int, what: str = "host memory") -> HostArena:
+        """Ordinary host memory to fill first and page-lock after (HostArena.register, in
+        this context): large stores, whose fill then allocates their pages on its threads."""
+        return HostArena(self, nbytes, what)
 
     def device_arena(self, sizes: Mapping[str, int], budget: int | None = None) -> DeviceArena:
         return DeviceArena(self, sizes, budget)

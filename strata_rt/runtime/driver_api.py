@@ -1,7 +1,8 @@
 """The CUDA driver API calls pycuda does not offer, loaded once through ctypes: graph capture
 and replay (strata_rt.runtime.graph), conditional graph nodes (conditional), device addresses
-of pinned host memory (hostmap) and stream memory operations (gate). pycuda's context is current on the calling thread, so these
-calls act in it."""
+of pinned host memory (hostmap), stream memory operations (gate) and page-locking memory this
+process mapped itself (host_arena). pycuda's context is current on the calling thread, so
+these calls act in it."""
 
 from __future__ import annotations
 
@@ -39,6 +40,9 @@ _SIGNATURES: dict[str, list[type]] = {
     "cuGraphAddNode_v2": [ctypes.POINTER(_vp), _vp, ctypes.POINTER(_vp), _vp, ctypes.c_size_t,
                           _vp],
     "cuMemcpyHtoDAsync_v2": [_u64, _vp, ctypes.c_size_t, _vp],
+    # page-locking memory this process mapped itself (runtime/host_arena.py)
+    "cuMemHostRegister_v2": [_vp, ctypes.c_size_t, _u32],
+    "cuMemHostUnregister": [_vp],
 }
 
 
@@ -55,10 +59,15 @@ def libcuda() -> ctypes.CDLL:
     return lib
 
 
+def error_text(code: int) -> str:
+    """"CUDA error N (the driver's words for it)"."""
+    text = ctypes.c_char_p()
+    libcuda().cuGetErrorString(code, ctypes.byref(text))
+    msg = text.value.decode() if text.value else "unknown error"
+    return f"CUDA error {code} ({msg})"
+
+
 def check_call(code: int, call: str) -> None:
     """Raises StrataError naming `call` and the CUDA error when `code` is not success."""
     if code != 0:
-        text = ctypes.c_char_p()
-        libcuda().cuGetErrorString(code, ctypes.byref(text))
-        msg = text.value.decode() if text.value else "unknown error"
-        raise StrataError(f"{call} failed: CUDA error {code} ({msg})")
+        raise StrataError(f"{call} failed: {error_text(code)}")

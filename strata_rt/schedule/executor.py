@@ -105,9 +105,12 @@ class Executor(Protocol):
 
 class HostContext(Protocol):
     """What an engine opens first and closes last: the host memory its expert store lives in
-    (the CUDA context: page-locked memory of the Runtime it also holds)."""
+    (the CUDA context: memory of the Runtime it also holds, page-locked by `host_pin` once the
+    store is filled; the reference backend's pins nothing)."""
 
     def host_alloc(self, nbytes: int) -> np.ndarray: ...
+
+    def host_pin(self, host: np.ndarray) -> None: ...
 
     def close(self) -> None: ...
 

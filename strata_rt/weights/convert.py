@@ -2,8 +2,9 @@
 all cores where the file's type is not the format's.
 
 Memory: nothing holds all experts but the store. A layer whose tensors are the format's own
-GGUF type is copied from the map into the store's (pinned) arena and its pages are dropped
-from this process at once, so the peak is the store plus about one layer of the file. A layer
+GGUF type is copied from the map into the store's arena and its pages are dropped from this
+process at once, so the peak is the store plus about one layer of the file per host thread
+(strata_rt.backends.host_copy: layers are copied on several threads). A layer
 of another type is converted by worker processes that map the file themselves; each returns
 the blobs of a few experts, which go straight into the arena (at most two tasks per worker
 wait in this process).
@@ -33,6 +34,7 @@ from typing import Any, NamedTuple, TextIO
 
 import numpy as np
 
+from ..backends import host_copy
 from ..errors import GGUFError, StrataError
 from ..formats.contract import ExpertLayout, QuantFormat
 from .gguf_checks import check_expert_bytes, dequantizable, typed
@@ -349,12 +351,14 @@ class GGUFExperts:
         doing = f"converting experts to {self.fmt.name}" if conv else "loading experts"
         eta = shared or Eta(f"{self.fm.path.name}: {doing}", len(jobs) * self.n_experts,
                             "experts")
+        def copy(job: tuple[int, np.ndarray]) -> None:
+            i, out = job
+            self._copy_raw(self.sources[i], out[:, :self.formats.layout(i).blob_bytes])
+
         try:
-            for i, out in jobs:
-                if self.sources[i].raw:
-                    own = self.formats.layout(i).blob_bytes
-                    self._copy_raw(self.sources[i], out[:, :own])
-                    eta.advance(self.n_experts)
+            # a layer per task on the host threads (the first bad layer's error, as in order)
+            host_copy.run_each(copy, [(i, out) for i, out in jobs if self.sources[i].raw],
+                               lambda _: eta.advance(self.n_experts))
             if conv:
                 for src, _ in conv:  # a NaN in the last layer is found before the long part
                     self._check(src)

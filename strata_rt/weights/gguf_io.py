@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -191,12 +192,16 @@ class FileMap:
     def __init__(self, path: Path):
         self.path = path
         self._maps: dict[str, mmap.mmap] = {}
+        #: layers are copied on several threads (convert.py): a shard is mapped once
+        self._lock = threading.Lock()
         self._map = self._open(str(path))
 
     def _open(self, file: str) -> mmap.mmap:
-        m = self._maps.get(file)
-        if m is not None:
-            return m
+        with self._lock:
+            m = self._maps.get(file)
+            return self._open_new(file) if m is None else m
+
+    def _open_new(self, file: str) -> mmap.mmap:
         try:
             fd, _ = open_regular(Path(file))  # never blocks: a FIFO swapped in is refused
         except ValueError as e:

@@ -18,6 +18,7 @@ from typing import Protocol
 
 import numpy as np
 
+from ..backends import host_copy
 from ..errors import ConfigError, GGUFError, StrataError
 from ..formats.contract import ExpertLayout, QuantFormat
 from .layer_formats import LayerFormats
@@ -104,8 +105,26 @@ class ArrayExperts:
         out[:, : src.shape[-1]] = src
 
     def write_layers(self, grid: np.ndarray) -> None:
-        for layer in range(grid.shape[0]):
-            self.write_layer(layer, grid[layer])
+        """Every layer into grid[n_layers, n_experts, >= blob_bytes], rows spread over the
+        host threads (host_copy.gather_rows: the bytes a layer-by-layer copy writes), with a
+        progress line when it takes a while."""
+        L, E = grid.shape[:2]
+        if not grid.flags.c_contiguous:
+            for layer in range(L):
+                self.write_layer(layer, grid[layer])
+            return
+        from .convert import Eta
+
+        eta = Eta("synthetic model: writing experts into the store", L * E, "experts",
+                  delay_s=2.0)
+        rows = grid.reshape(L * E, grid.shape[2])
+        try:
+            if self.index is not None:
+                host_copy.gather_rows(rows, self.pool, self.index[:L], eta.advance)
+            else:
+                host_copy.gather_rows(rows, self.pool[:L].reshape(L * E, -1), None, eta.advance)
+        finally:
+            eta.close()
 
     def layers(self, lo: int, hi: int) -> ArrayExperts:
         if self.index is not None:

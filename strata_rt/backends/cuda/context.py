@@ -7,27 +7,33 @@ before the backend exists.
 
 A layer split opens one Runtime per distinct device; a device named twice (a test's
 `devices: [0, 0]`, EngineConfig.repeat_devices) shares one Runtime, so both parts live in one
-context and their hand-off is a plain device copy. The store is then page-locked as portable
-memory, which every context of the process may copy from.
+context and their hand-off is a plain device copy. The store is page-locked as portable
+memory, which every context of the process may copy from, once it is filled (host_pin).
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ...config.hostmem import format_bytes
 from ...errors import StrataError
 
 if TYPE_CHECKING:
-    from ...runtime import PinnedArena, Runtime
+    from ...runtime import Runtime
+    from ...runtime.host_arena import HostArena
+
+log = logging.getLogger(__name__)
 
 
 class CudaContext:
     """The Runtimes a CUDA engine runs on (one per distinct device, in the order the split
     names them), opened before anything else so that whatever fails later (a profile file,
-    the budget) closes them, and the pinned memory the first lends the store."""
+    the budget) closes them, and the host memory the first lends the store."""
 
     def __init__(self, devices: Sequence[int] = (0,)) -> None:
         from ...runtime import Runtime
@@ -42,7 +48,7 @@ class CudaContext:
             self._close_runtimes()
             raise
         self.rt = self._runtimes[devices[0]]
-        self._pinned: list[PinnedArena] = []
+        self._arenas: list[HostArena] = []
 
     def runtime(self, device: int | None = None) -> Runtime:
         """The Runtime of `device` (None: the first device's)."""
@@ -57,17 +63,32 @@ class CudaContext:
                               f"{', '.join(map(str, self._runtimes))})") from None
 
     def host_alloc(self, nbytes: int) -> np.ndarray:
-        """The ExpertStore's memory: one page-locked arena (copies to the ring then run at
-        full PCIe speed), allocated in the first runtime's context (which frees it), portable
-        when several contexts copy from it."""
+        """The ExpertStore's memory, not page-locked yet: ordinary memory the store's fill
+        allocates page by page on its threads, then `host_pin` locks it (runtime.host_arena
+        says why in that order). Owned by the first runtime's context, which frees it."""
+        arena = self.runtime().host_arena(nbytes, "the expert store")
+        self._arenas.append(arena)
+        assert arena.array is not None
+        return arena.array
+
+    def host_pin(self, host: np.ndarray) -> None:
+        """Page-locks the arena `host_alloc` returned `host` from, once it is filled: portable
+        (every context of a layer split copies from it) and mapped for the device (decode
+        kernels read non-resident experts in place)."""
+        arena = next((a for a in self._arenas if a.array is not None
+                      and a.array.ctypes.data == host.ctypes.data), None)
+        if arena is None:
+            raise StrataError("host_pin: the array is not one this context's host_alloc "
+                              "returned")
         rt = self.runtime()
+        t0 = time.perf_counter()
         with rt.current():
-            arena = rt.pinned({"store": nbytes}, portable=len(self._runtimes) > 1)
-        self._pinned.append(arena)
-        return arena.view("store")
+            arena.register()
+        log.info("page-locked %s of host memory for %s in %.1f s",
+                 format_bytes(arena.length), arena.what, time.perf_counter() - t0)
 
     def close(self) -> None:
-        self._pinned.clear()
+        self._arenas.clear()
         self.rt = None
         self._close_runtimes()
 

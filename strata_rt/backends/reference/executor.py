@@ -86,6 +86,10 @@ class NumpyContext:
 
     host_alloc = staticmethod(numpy_alloc)
 
+    @staticmethod
+    def host_pin(host: np.ndarray) -> None:
+        """Nothing to lock: the reference backend copies nothing to a device."""
+
     def __init__(self, devices: object = None) -> None:
         """devices: the split's device list, which plain numpy memory does not depend on."""
 

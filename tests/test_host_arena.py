@@ -1,0 +1,180 @@
+"""The expert store's host memory on the CPU, with a fake driver: real anonymous memory
+(strata_rt.runtime.host_arena), page-locked by a recording stand-in for cuMemHostRegister.
+The store is registered exactly once, after its fill, as PORTABLE | DEVICEMAP memory, and
+unregistered when its context closes; a refused registration is a BudgetError naming the
+size. The same on a device: tests/test_host_arena_gpu.py."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+
+import numpy as np
+import pytest
+
+from strata_rt.backends.cuda.context import CudaContext
+from strata_rt.errors import BudgetError, StrataError
+from strata_rt.runtime import driver_api, host_arena
+from strata_rt.runtime.host_arena import HUGE_PAGE, HostArena
+from strata_rt.weights.model import Model, MoESpec
+from strata_rt.weights.store import ExpertStore
+
+SPEC = MoESpec(n_layers=3, hidden=256, ffn=256, n_experts=8, top_k=2)
+CUDA_ERROR_OUT_OF_MEMORY = 2
+
+
+class FakeDriver:
+    """cuMemHostRegister_v2, cuMemHostUnregister and cuGetErrorString: calls are logged;
+    a registration copies the bytes it locks (what the device would then read)."""
+
+    def __init__(self, fail: int = 0):
+        self.fail = fail
+        self.calls: list[tuple] = []
+        self.seen: bytes | None = None
+        self.current: list[bool] = []
+        self.rt: StubRuntime | None = None
+
+    def cuMemHostRegister_v2(self, ptr, size, flags):
+        address = ptr.value if isinstance(ptr, ctypes.c_void_p) else ptr
+        self.calls.append(("register", address, size, flags))
+        if self.rt is not None:
+            self.current.append(self.rt.active)
+        if self.fail:
+            return self.fail
+        self.seen = ctypes.string_at(address, size)
+        return 0
+
+    def cuMemHostUnregister(self, ptr):
+        self.calls.append(("unregister", ptr.value if isinstance(ptr, ctypes.c_void_p) else ptr))
+        return 0
+
+    def cuGetErrorString(self, code, out):
+        out._obj.value = b"out of memory"
+        return 0
+
+
+class StubRuntime:
+    """What CudaContext and HostArena use of a Runtime: ownership, current(), close()."""
+
+    def __init__(self) -> None:
+        self.owned: list = []
+        self.active = False
+        self.closed = False
+
+    def _own(self, obj) -> None:
+        self.owned.append(obj)
+
+    def host_arena(self, nbytes: int, what: str = "host memory") -> HostArena:
+        return HostArena(self, nbytes, what)
+
+    @contextlib.contextmanager
+    def current(self):
+        was, self.active = self.active, True
+        try:
+            yield self
+        finally:
+            self.active = was
+
+    def close(self) -> None:
+        self.active = True  # Runtime.close frees what it owns while its context is current
+        for obj in self.owned:
+            obj.free()
+        self.closed = True
+
+
+@pytest.fixture
+def driver(monkeypatch):
+    fake = FakeDriver()
+    monkeypatch.setattr(host_arena, "libcuda", lambda: fake)
+    monkeypatch.setattr(driver_api, "libcuda", lambda: fake)
+    return fake
+
+
+@pytest.fixture
+def context(monkeypatch, driver):
+    import strata_rt.runtime as runtime_pkg
+
+    rts: list[StubRuntime] = []
+
+    def open_stub(device=0):
+        rts.append(StubRuntime())
+        driver.rt = rts[-1]
+        return rts[-1]
+
+    monkeypatch.setattr(runtime_pkg.Runtime, "open", staticmethod(open_stub))
+    ctx = CudaContext((0,))
+    yield ctx, rts[0]
+    ctx.close()
+
+
+@pytest.fixture(scope="module")
+def model() -> Model:
+    return Model.synthetic(SPEC, 5, pool_bytes=5 * 40_000)  # a tiled pool (index), 3 layers
+
+
+def test_the_store_is_registered_once_after_its_fill(context, driver, model):
+    ctx, rt = context
+    store = ExpertStore(model, ctx.host_alloc, ctx.host_pin)
+    want = ExpertStore(model).arena  # plain numpy, no pin step
+    assert store.arena.tobytes() == want.tobytes()
+    ((call, ptr, size, flags),) = driver.calls
+    assert call == "register" and flags == 0x01 | 0x02  # PORTABLE | DEVICEMAP
+    assert flags == host_arena.REGISTER_FLAGS
+    assert driver.current == [True]  # in the runtime's context
+    assert ptr == store.arena.ctypes.data and ptr % HUGE_PAGE == 0
+    assert size % HUGE_PAGE == 0 and store.nbytes <= size < store.nbytes + HUGE_PAGE
+    # what the registration locked is the filled store (the tail past it never written)
+    assert driver.seen is not None and driver.seen[: store.nbytes] == want.tobytes()
+    assert set(driver.seen[store.nbytes:]) <= {0}
+    assert set(store.timings) == {"alloc_s", "fill_s", "pin_s"}
+    ctx.close()
+    assert driver.calls[1:] == [("unregister", ptr)] and rt.closed
+    (arena,) = rt.owned
+    assert arena.array is None and not arena.registered
+    arena.free()  # a second free does nothing
+    assert len(driver.calls) == 2
+
+
+def test_a_refused_registration_is_a_budget_error_naming_the_size(context, driver, model):
+    ctx, rt = context
+    driver.fail = CUDA_ERROR_OUT_OF_MEMORY
+    with pytest.raises(BudgetError) as info:
+        ExpertStore(model, ctx.host_alloc, ctx.host_pin)
+    (arena,) = rt.owned
+    size = arena.length
+    text = str(info.value)
+    assert f"{size / (1 << 20):.1f} MiB" in text and "the expert store" in text
+    assert "ulimit -l" in text and "CUDA error 2 (out of memory)" in text and "RAM" in text
+    ctx.close()  # nothing was locked: the memory is unmapped, nothing unregistered
+    assert [c[0] for c in driver.calls] == ["register"] and arena.array is None
+
+
+def test_the_arena_is_fresh_aligned_memory_registered_once(driver):
+    rt = StubRuntime()
+    arena = HostArena(rt, 3 * HUGE_PAGE + 5, "a test")
+    assert rt.owned == [arena]
+    assert arena.array is not None and arena.array.size == 3 * HUGE_PAGE + 5
+    assert arena.ptr % HUGE_PAGE == 0 and arena.length == 4 * HUGE_PAGE
+    assert not arena.array.any()  # anonymous memory reads as zeros before its first write
+    arena.array[:] = 7
+    arena.register()
+    with pytest.raises(StrataError, match="registered twice"):
+        arena.register()
+    assert [c[0] for c in driver.calls] == ["register"]
+    rt.close()
+    with pytest.raises(StrataError, match="after it was freed"):
+        arena.register()
+
+
+def test_host_pin_refuses_memory_it_did_not_hand_out(context):
+    ctx, _ = context
+    with pytest.raises(StrataError, match="not one this context's host_alloc"):
+        ctx.host_pin(np.zeros(16, np.uint8))
+
+
+def test_the_reference_backend_pins_nothing(model):
+    from strata_rt.backends.reference.executor import NumpyContext
+
+    ctx = NumpyContext()
+    store = ExpertStore(model, ctx.host_alloc, ctx.host_pin)
+    assert store.arena.tobytes() == ExpertStore(model).arena.tobytes()
