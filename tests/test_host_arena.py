@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
+import weakref
 
 import numpy as np
 import pytest
@@ -57,12 +59,16 @@ class StubRuntime:
     """What CudaContext and HostArena use of a Runtime: ownership, current(), close()."""
 
     def __init__(self) -> None:
-        self.owned: list = []
+        self._owned: weakref.WeakSet = weakref.WeakSet()  # weakly, as Runtime holds them
         self.active = False
         self.closed = False
 
+    @property
+    def owned(self) -> list:
+        return list(self._owned)
+
     def _own(self, obj) -> None:
-        self.owned.append(obj)
+        self._owned.add(obj)
 
     def host_arena(self, nbytes: int, what: str = "host memory") -> HostArena:
         return HostArena(self, nbytes, what)
@@ -77,6 +83,7 @@ class StubRuntime:
 
     def close(self) -> None:
         self.active = True  # Runtime.close frees what it owns while its context is current
+        gc.collect()  # as Runtime.close: what nothing holds is gone from the weak set
         for obj in self.owned:
             obj.free()
         self.closed = True
@@ -127,12 +134,19 @@ def test_the_store_is_registered_once_after_its_fill(context, driver, model):
     assert driver.seen is not None and driver.seen[: store.nbytes] == want.tobytes()
     assert set(driver.seen[store.nbytes:]) <= {0}
     assert set(store.timings) == {"alloc_s", "fill_s", "pin_s"}
-    ctx.close()
+    del store  # nothing here holds the arena: the context must, until its runtime (which
+    ctx.close()  # holds it weakly) has freed it
     assert driver.calls[1:] == [("unregister", ptr)] and rt.closed
-    (arena,) = rt.owned
+
+
+def test_a_freed_arena_is_freed_once(driver):
+    rt = StubRuntime()
+    arena = HostArena(rt, 5, "a test")
+    arena.register()
+    arena.free()
     assert arena.array is None and not arena.registered
     arena.free()  # a second free does nothing
-    assert len(driver.calls) == 2
+    assert [c[0] for c in driver.calls] == ["register", "unregister"]
 
 
 def test_a_refused_registration_is_a_budget_error_naming_the_size(context, driver, model):

@@ -88,9 +88,13 @@ class CudaContext:
                  format_bytes(arena.length), arena.what, time.perf_counter() - t0)
 
     def close(self) -> None:
-        self._arenas.clear()
+        """Closes the runtimes, which free the store's arena (unregistered, then unmapped):
+        held here until then, since a runtime holds what it owns only weakly."""
         self.rt = None
-        self._close_runtimes()
+        try:
+            self._close_runtimes()
+        finally:
+            self._arenas.clear()
 
     def _close_runtimes(self) -> None:
         """Closes in reverse order of opening: each context is then the one on top of the
