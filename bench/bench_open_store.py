@@ -6,15 +6,18 @@ against a plain parallel copy of the same bytes measured in the same run.
         --backend reference --layers 8          # the 235B shape cut to 8 layers, no GPU
     python bench/bench_open_store.py --config configs/tiny-qwen3moe.yaml --backend reference
 
-One process, one open (the model is built once, then Engine.open runs on it):
+One process, one open per `--store-memory` setting (alloc, register: both by default, in that
+order; each builds the model, then Engine.open runs on it):
 
   model        load_model: a synthetic model's generation (router, norms, the pool of
                distinct expert blobs, dense weights) or a GGUF's header and dense weights
-  store alloc  the store's host memory asked for (cuda: an anonymous mapping, no page yet;
+  store alloc  the store's host memory asked for (cuda alloc: cuMemHostAlloc of the whole
+               store, pages locked at once; cuda register: an anonymous mapping, no page yet;
                reference: numpy)
   store fill   every expert blob written into it on the host threads; on cuda this write is
-               also each page's allocation
-  store pin    page-locking the filled store (cuda: cuMemHostRegister; reference: nothing)
+               also each page's allocation under register
+  store pin    page-locking the filled store (cuda register: cuMemHostRegister; otherwise
+               nothing)
   backend      the rest of Engine.open: device arena, resident experts, dense weights (their
                upload, or their host store when they stream), kernels
   total        model + Engine.open
@@ -55,6 +58,7 @@ from strata_rt.cli.common import (  # noqa: E402
     markdown_table,
     write_json,
 )
+from strata_rt.config.engine_config import STORE_MEMORIES  # noqa: E402
 from strata_rt.config.run_config import load_config  # noqa: E402
 from strata_rt.engine import Engine, load_model  # noqa: E402
 
@@ -98,11 +102,11 @@ def copy_ceiling(nbytes: int) -> dict[str, float]:
     return {"bytes": nbytes, "fresh_gb_s": nbytes / fresh / 1e9, "warm_gb_s": nbytes / warm / 1e9}
 
 
-def measure(path: Path, backend: str | None) -> dict[str, Any]:
+def measure(path: Path, backend: str | None, store_memory: str) -> dict[str, Any]:
     cfg = load_config(str(path))
     if backend:
         cfg = cfg.with_backend(backend)
-    base = cfg.engine_config()
+    base = dataclasses.replace(cfg.engine_config(), store_memory=store_memory)
     t0 = time.perf_counter()
     model, whole = load_model(base.model)
     built = time.perf_counter() - t0
@@ -117,7 +121,8 @@ def measure(path: Path, backend: str | None) -> dict[str, Any]:
                "store fill": timings["fill_s"], "store pin": timings["pin_s"],
                "backend": opened - store_s, "total": built + opened}
     spec = model.spec
-    return {"backend": name, "store_bytes": nbytes, "seconds": seconds,
+    return {"backend": name, "store_memory": store_memory, "store_bytes": nbytes,
+            "seconds": seconds,
             "layers": spec.n_layers, "experts": spec.n_experts,
             "slot_bytes": model.layout.slot_bytes,
             "fill_gb_s": nbytes / max(timings["fill_s"], 1e-9) / 1e9,
@@ -135,32 +140,45 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, help="a synthetic model cut to this many layers")
     ap.add_argument("--ceiling-gib", type=float,
                     help="bytes of the copy ceiling (default: the store's, at most 4 GiB)")
+    ap.add_argument("--store-memory", default="alloc,register",
+                    help="the CUDA store's page-locking settings to open with, one open each, "
+                         "in this order (alloc, register; default: both)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"),
                     help="directory of the dated .json result ('' for none)")
     args = ap.parse_args(argv)
     if args.layers is not None and args.layers < 1:
         ap.error(f"--layers {args.layers}: a model has at least one layer")
+    settings = [m.strip() for m in args.store_memory.split(",") if m.strip()]
+    bad = [m for m in settings if m not in STORE_MEMORIES]
+    if bad or not settings:
+        ap.error(f"--store-memory {args.store_memory!r}: give one or more of "
+                 f"{', '.join(STORE_MEMORIES)}")
     with tempfile.TemporaryDirectory() as tmp:
         path = config_path(args.config, args.layers, Path(tmp))
         before = copy_ceiling(max(int((args.ceiling_gib or 4) * GIB), 1 << 20))
-        rec = measure(path, args.backend)
+        runs = [measure(path, args.backend, settings[0])]
+        if runs[0]["backend"] == "cuda":  # the reference backend locks nothing: one open
+            runs += [measure(path, args.backend, m) for m in settings[1:]]
+    rec = runs[0]
     size = int(args.ceiling_gib * GIB) if args.ceiling_gib else min(rec["store_bytes"], 4 * GIB)
     ceiling = copy_ceiling(max(size, 1 << 20))
-    rec["ceiling"], rec["ceiling_before_open"] = ceiling, before
-    rec["fill_share_of_ceiling"] = rec["fill_gb_s"] / ceiling["fresh_gb_s"]
-    s = rec["seconds"]
-    rows = [[p, f"{s[p]:.2f}"] for p in PHASES]
-    table = markdown_table(["phase", "s"], rows)
-    pin = f"{rec['pin_gb_s']:.1f} GB/s" if rec["pin_gb_s"] else "nothing pinned"
+    for r in runs:
+        r["fill_share_of_ceiling"] = r["fill_gb_s"] / ceiling["fresh_gb_s"]
+    rows = [[p, *(f"{r['seconds'][p]:.2f}" for r in runs)] for p in PHASES]
+    table = markdown_table(["phase", *(f"s ({r['store_memory']})" for r in runs)], rows)
     notes = [f"store {rec['store_bytes'] / GIB:.2f} GiB ({rec['layers']} layers x "
              f"{rec['experts']} experts x {rec['slot_bytes']:,} B), {rec['threads']} host "
              f"threads, backend {rec['backend']}",
-             f"fill {rec['fill_gb_s']:.2f} GB/s = {rec['fill_share_of_ceiling']:.0%} of a "
-             f"parallel copy into fresh memory ({ceiling['fresh_gb_s']:.2f} GB/s; into "
+             f"a parallel copy into fresh memory: {ceiling['fresh_gb_s']:.2f} GB/s (into "
              f"touched memory {ceiling['warm_gb_s']:.2f} GB/s; {ceiling['bytes'] / GIB:.2f} "
-             f"GiB each; before the open: fresh {before['fresh_gb_s']:.2f}, touched "
-             f"{before['warm_gb_s']:.2f} GB/s)",
-             f"pin: {pin}"]
+             f"GiB each; before the opens: fresh {before['fresh_gb_s']:.2f}, touched "
+             f"{before['warm_gb_s']:.2f} GB/s)"]
+    for r in runs:
+        pin = f"{r['pin_gb_s']:.1f} GB/s" if r["pin_gb_s"] else "nothing pinned after the fill"
+        notes.append(f"{r['store_memory']}: fill {r['fill_gb_s']:.2f} GB/s = "
+                     f"{r['fill_share_of_ceiling']:.0%} of that copy; pin: {pin}")
+    rec = {"runs": runs, "ceiling": ceiling, "ceiling_before_open": before,
+           "store_bytes": rec["store_bytes"], "backend": rec["backend"]}
     print(f"{hardware_line()}\n{display_path(args.config)}"
           + (f" cut to {args.layers} layers" if args.layers else "") + "\n\n" + table + "\n"
           + "\n".join(f"- {n}" for n in notes))

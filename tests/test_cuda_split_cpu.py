@@ -29,15 +29,19 @@ def _log(backend, kind):
     return [name for k, name in backend.dev.compute.log if k == kind]
 
 
-def test_two_parts_on_one_gpu_hand_off_on_the_fake(fake, fixed_walk_rule):
-    with _moe_engine([0, 0], repeat_devices=True) as eng:
+@pytest.mark.parametrize("store_memory", ["alloc", "register"])
+def test_two_parts_on_one_gpu_hand_off_on_the_fake(fake, fixed_walk_rule, store_memory):
+    with _moe_engine([0, 0], repeat_devices=True, store_memory=store_memory) as eng:
         rt = fake["rt"]
         assert len(fake["rts"]) == 1  # a device named twice shares its runtime
         first, second = eng.backend.backends
         assert (first.part.layers, second.part.layers) == (range(0, 2), range(2, 4))
         assert first.rt is second.rt
-        (store,) = rt.host_arenas  # the store: filled, then registered once in the context
-        assert store.registered == 1 and store.registered_current
+        if store_memory == "register":  # the store: filled, then registered once in the context
+            (store,) = rt.host_arenas
+            assert store.registered == 1 and store.registered_current
+        else:  # one context: not portable
+            assert rt.portable[0] is False and not rt.host_arenas
         # each part's arena holds its own layers' router, norms and routing bounds
         E = SMALL_SPEC.n_experts
         for b in (first, second):
@@ -112,13 +116,17 @@ def test_whole_model_split_holds_each_parts_layers(fake, monkeypatch, fixed_walk
         assert eng.driver.decode_path == "gemv"  # both parts' (cli.generate names it)
 
 
-def test_two_gpus_open_two_runtimes_over_a_portable_store(fake, fixed_walk_rule):
-    with _moe_engine([0, 1]) as eng:
+@pytest.mark.parametrize("store_memory", ["alloc", "register"])
+def test_two_gpus_open_two_runtimes_over_a_portable_store(fake, fixed_walk_rule, store_memory):
+    with _moe_engine([0, 1], store_memory=store_memory) as eng:
         rts = fake["rts"]
         assert [r.device_index for r in rts] == [0, 1]
-        # the store every context copies from: one arena, registered once (portable, which
-        # HostArena.register always asks for: tests/test_host_arena.py)
-        assert [a.registered for a in rts[0].host_arenas] == [1] and not rts[1].host_arenas
+        # the store every context copies from: registered once (portable, which
+        # HostArena.register always asks for: tests/test_host_arena.py), or allocated portable
+        if store_memory == "register":
+            assert [a.registered for a in rts[0].host_arenas] == [1] and not rts[1].host_arenas
+        else:
+            assert rts[0].portable[0] is True and not rts[0].host_arenas
         first, second = eng.backend.backends
         assert first.rt is rts[0] and second.rt is rts[1]
         rts[0].tokens = rts[1].tokens = 300

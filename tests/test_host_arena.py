@@ -73,6 +73,12 @@ class StubRuntime:
     def host_arena(self, nbytes: int, what: str = "host memory") -> HostArena:
         return HostArena(self, nbytes, what)
 
+    def pinned(self, sizes, portable: bool = False):
+        """Runtime.pinned (cuMemHostAlloc) as store_memory "alloc" calls it: recorded."""
+        self.pinned_calls = [*getattr(self, "pinned_calls", []), (dict(sizes), portable,
+                                                                   self.active)]
+        return _StubPinned(sum(sizes.values()))
+
     @contextlib.contextmanager
     def current(self):
         was, self.active = self.active, True
@@ -89,6 +95,16 @@ class StubRuntime:
         self.closed = True
 
 
+class _StubPinned:
+    """A PinnedArena's view of its one region, in plain memory."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.array = np.zeros(nbytes, np.uint8)
+
+    def view(self, name: str) -> np.ndarray:
+        return self.array
+
+
 @pytest.fixture
 def driver(monkeypatch):
     fake = FakeDriver()
@@ -98,7 +114,7 @@ def driver(monkeypatch):
 
 
 @pytest.fixture
-def context(monkeypatch, driver):
+def context(monkeypatch, driver, request):
     import strata_rt.runtime as runtime_pkg
 
     rts: list[StubRuntime] = []
@@ -109,7 +125,7 @@ def context(monkeypatch, driver):
         return rts[-1]
 
     monkeypatch.setattr(runtime_pkg.Runtime, "open", staticmethod(open_stub))
-    ctx = CudaContext((0,))
+    ctx = CudaContext((0,), getattr(request, "param", "register"))
     yield ctx, rts[0]
     ctx.close()
 
@@ -192,3 +208,29 @@ def test_the_reference_backend_pins_nothing(model):
     ctx = NumpyContext()
     store = ExpertStore(model, ctx.host_alloc, ctx.host_pin)
     assert store.arena.tobytes() == ExpertStore(model).arena.tobytes()
+
+
+@pytest.mark.parametrize("context", ["alloc"], indirect=True)
+def test_store_memory_alloc_page_locks_first_and_registers_nothing(context, driver, model):
+    ctx, rt = context
+    store = ExpertStore(model, ctx.host_alloc, ctx.host_pin)
+    assert store.arena.tobytes() == ExpertStore(model).arena.tobytes()
+    assert rt.pinned_calls == [({"store": store.nbytes}, False, True)]  # in its context
+    assert driver.calls == [] and rt.owned == []  # no mapping, nothing registered
+
+
+def test_store_memory_is_an_engine_switch_resolved_once(monkeypatch):
+    from strata_rt.config.engine_config import EngineConfig
+    from strata_rt.errors import ConfigError
+
+    model = {"synthetic": {"n_layers": 1, "hidden": 64, "ffn": 64, "n_experts": 4,
+                           "top_k": 2}}
+    monkeypatch.delenv("STRATA_STORE_MEMORY", raising=False)
+    assert EngineConfig(model=model).resolve().store_memory == "alloc"
+    monkeypatch.setenv("STRATA_STORE_MEMORY", "register")
+    assert EngineConfig(model=model).resolve().store_memory == "register"
+    assert EngineConfig(model=model, store_memory="alloc").resolve().store_memory == "alloc"
+    with pytest.raises(ConfigError, match="store_memory: got 'pinned'"):
+        EngineConfig(model=model, store_memory="pinned").resolve()
+    with pytest.raises(StrataError, match="store_memory: got 'x'"):
+        CudaContext.__init__(CudaContext.__new__(CudaContext), (0,), "x")

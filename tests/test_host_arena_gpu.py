@@ -35,6 +35,7 @@ class _OneContext:
 
         self.ctx = CudaContext.__new__(CudaContext)
         self.ctx._runtimes, self.ctx.rt, self.ctx._arenas = {0: rt}, rt, []
+        self.ctx._pinned, self.ctx.store_memory = [], "register"
 
 
 def _download(rt, ptr: int, nbytes: int) -> np.ndarray:

@@ -45,6 +45,7 @@ PREFILL_STREAMS = env.choices("STRATA_PREFILL_STREAM")
 DENSE_GEMMS = env.choices("STRATA_DENSE_GEMM")
 EMBEDDINGS = env.choices("STRATA_EMBEDDING")
 F16_GEMMS = env.choices("STRATA_F16_GEMM")
+STORE_MEMORIES = env.choices("STRATA_STORE_MEMORY")
 
 
 def output_switches() -> dict[str, str]:
@@ -157,6 +158,10 @@ class EngineConfig:
     #: the grouped fp16 GEMM: "auto", "cutlass" or "own" (strata_rt.gemm.cutlass_gemm.cutlass_for);
     #: None: STRATA_F16_GEMM, else auto
     f16_gemm: str | None = None
+    #: how the CUDA backend page-locks the expert store (STORE_MEMORIES): "alloc"
+    #: (cuMemHostAlloc, then the fill) or "register" (filled first, then cuMemHostRegister);
+    #: None: STRATA_STORE_MEMORY, else alloc
+    store_memory: str | None = None
     #: called as progress(chunk, n_chunks, layer, n_layers) after each layer
     progress: Callable[[int, int, int, int], None] | None = None
     _profile: RoutingProfile | None = field(default=None, repr=False)
@@ -264,7 +269,7 @@ class EngineConfig:
                               ("decode_argmax", DECODE_ARGMAXES),
                               ("prefill_stream", PREFILL_STREAMS),
                               ("dense_gemm", DENSE_GEMMS), ("embedding", EMBEDDINGS),
-                              ("f16_gemm", F16_GEMMS)):
+                              ("f16_gemm", F16_GEMMS), ("store_memory", STORE_MEMORIES)):
             value = getattr(self, name)
             if value is not None and value not in allowed:
                 problems.append(f"{name}: got {value!r}; allowed: {', '.join(allowed)}")
@@ -319,6 +324,8 @@ class EngineConfig:
             self.embedding = embedding_switch()
         if self.f16_gemm is None:
             self.f16_gemm = env.choice("STRATA_F16_GEMM", F16_GEMMS[0])
+        if self.store_memory is None:
+            self.store_memory = env.choice("STRATA_STORE_MEMORY", STORE_MEMORIES[0])
         return self
 
 

@@ -17,7 +17,7 @@ Where each is read (tests/test_switches.py holds every module to it):
   STRATA_PREFILL_STREAM,
   STRATA_IMAGE_CACHE_MIB,
   STRATA_COMPUTE_LANES, STRATA_IN_PLACE, STRATA_CUDA_GRAPH, STRATA_ROUTING, STRATA_DENSE_GEMM,
-  STRATA_EMBEDDING and STRATA_F16_GEMM.
+  STRATA_EMBEDDING, STRATA_F16_GEMM and STRATA_STORE_MEMORY.
   A run config's checks (config/schema.py, config/whole.py) size the engine before it exists:
   they take STRATA_MMQ_KERNEL, STRATA_DENSE_GEMM and STRATA_EMBEDDING through engine_config's
   readers, and
@@ -170,6 +170,11 @@ SWITCHES: dict[str, Switch] = {
                "head does not share) or auto (the default: device for a quantized embedding "
                "or one a tied head on the device holds anyway, host for an F32, F16 or BF16 "
                "one, whose rows the host only copies)."),
+        Switch("STRATA_STORE_MEMORY", "choice:alloc,register",
+               "how the CUDA backend page-locks the expert store: alloc (the default: one "
+               "cuMemHostAlloc, then the fill) or register (ordinary memory filled on the host "
+               "threads, then page-locked once with cuMemHostRegister, the faster open of a "
+               "large store); both hold the same bytes and copy at the same rate."),
         Switch("STRATA_F16_GEMM", "choice:auto,cutlass,own",
                "the grouped fp16 GEMM (fp16 images: FP16, IQ3_XXS f16_gemm): auto (on sm_90 "
                "CUTLASS's wgmma kernels for launches of 96 rows per expert or more when "

@@ -24,7 +24,7 @@ from ...config.hostmem import format_bytes
 from ...errors import StrataError
 
 if TYPE_CHECKING:
-    from ...runtime import Runtime
+    from ...runtime import PinnedArena, Runtime
     from ...runtime.host_arena import HostArena
 
 log = logging.getLogger(__name__)
@@ -35,8 +35,15 @@ class CudaContext:
     names them), opened before anything else so that whatever fails later (a profile file,
     the budget) closes them, and the host memory the first lends the store."""
 
-    def __init__(self, devices: Sequence[int] = (0,)) -> None:
+    def __init__(self, devices: Sequence[int] = (0,), store_memory: str = "alloc") -> None:
+        """store_memory (EngineConfig.store_memory): "alloc", the store is one cuMemHostAlloc
+        filled afterwards; "register", ordinary memory filled first, then page-locked once
+        (host_pin)."""
         from ...runtime import Runtime
+
+        if store_memory not in ("alloc", "register"):
+            raise StrataError(f"store_memory: got {store_memory!r}; expected alloc or register")
+        self.store_memory = store_memory
 
         self._runtimes: dict[int, Runtime] = {}
         self.rt: Runtime | None = None
@@ -49,6 +56,7 @@ class CudaContext:
             raise
         self.rt = self._runtimes[devices[0]]
         self._arenas: list[HostArena] = []
+        self._pinned: list[PinnedArena] = []
 
     def runtime(self, device: int | None = None) -> Runtime:
         """The Runtime of `device` (None: the first device's)."""
@@ -63,10 +71,17 @@ class CudaContext:
                               f"{', '.join(map(str, self._runtimes))})") from None
 
     def host_alloc(self, nbytes: int) -> np.ndarray:
-        """The ExpertStore's memory, not page-locked yet: ordinary memory the store's fill
-        allocates page by page on its threads, then `host_pin` locks it (runtime.host_arena
-        says why in that order). Owned by the first runtime's context, which frees it."""
-        arena = self.runtime().host_arena(nbytes, "the expert store")
+        """The ExpertStore's memory, owned by the first runtime's context, which frees it.
+        "register": not page-locked yet, ordinary memory the store's fill allocates page by
+        page on its threads, then `host_pin` locks it (runtime.host_arena says why in that
+        order). "alloc": page-locked already (portable when several contexts copy from it)."""
+        rt = self.runtime()
+        if self.store_memory == "alloc":
+            with rt.current():
+                pinned = rt.pinned({"store": nbytes}, portable=len(self._runtimes) > 1)
+            self._pinned.append(pinned)
+            return pinned.view("store")
+        arena = rt.host_arena(nbytes, "the expert store")
         self._arenas.append(arena)
         assert arena.array is not None
         return arena.array
@@ -74,7 +89,9 @@ class CudaContext:
     def host_pin(self, host: np.ndarray) -> None:
         """Page-locks the arena `host_alloc` returned `host` from, once it is filled: portable
         (every context of a layer split copies from it) and mapped for the device (decode
-        kernels read non-resident experts in place)."""
+        kernels read non-resident experts in place). Nothing to do under "alloc"."""
+        if self.store_memory == "alloc":
+            return
         arena = next((a for a in self._arenas if a.array is not None
                       and a.array.ctypes.data == host.ctypes.data), None)
         if arena is None:
@@ -95,6 +112,7 @@ class CudaContext:
             self._close_runtimes()
         finally:
             self._arenas.clear()
+            self._pinned.clear()
 
     def _close_runtimes(self) -> None:
         """Closes in reverse order of opening: each context is then the one on top of the

@@ -90,8 +90,9 @@ class NumpyContext:
     def host_pin(host: np.ndarray) -> None:
         """Nothing to lock: the reference backend copies nothing to a device."""
 
-    def __init__(self, devices: object = None) -> None:
-        """devices: the split's device list, which plain numpy memory does not depend on."""
+    def __init__(self, devices: object = None, store_memory: object = None) -> None:
+        """devices, store_memory: the split's device list and the CUDA store's page-locking,
+        which plain numpy memory does not depend on."""
 
     def close(self) -> None:
         pass
