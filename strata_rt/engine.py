@@ -193,7 +193,7 @@ class Engine:
                         f"{hostmem.format_bytes(slot)}")
         name, backend_cls = backend_class(cfg.backend)
         context: HostContext = backend_cls.context_class(cfg.device_list,
-                                                                 cfg.store_memory)
+                                                                 cfg.store_memory or "alloc")
         backend: Any = None
         try:
             store = ExpertStore(model, context.host_alloc, context.host_pin)
