@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from ...backends.host_copy import run_each
 from ...errors import ConfigError, FormatError
 from ...formats.contract import QuantFormat
 from ...weights.model import Model
@@ -121,6 +122,32 @@ class DenseTensor:
                               "F32, F16, BF16, Q8_0 (or Q4_0/Q4_1/Q5_0/Q5_1), or pass raw "
                               "bytes as DenseTensor(name, shape, type, raw)") from None
         return cls(name, v.shape, qt, raw)
+
+
+#: a synthetic dense tensor of at least this many values is drawn in row blocks, each from a
+#: stream of its own (seeded by the model's seed, the tensor and the block), on the host
+#: threads: one sequential stream made opening a large shape wait on one core
+DRAWN_IN_BLOCKS = 1 << 24
+
+
+def normal_blocks(shape: tuple[int, ...], std: float, key: tuple[int, ...],
+                  dtype: type[np.floating]) -> np.ndarray:
+    """N(0, std^2) values of `shape` as `dtype`, row block b drawn as float32 from
+    default_rng([*key, b]) and scaled before the cast, so the values do not depend on the
+    threads."""
+    out = np.empty(shape, dtype)
+    rows = out.reshape(shape[0], -1)
+    per = max(1, DRAWN_IN_BLOCKS // 4 // rows.shape[1])
+
+    def draw(block: int) -> None:
+        lo = block * per
+        part = rows[lo: lo + per]
+        v = np.random.default_rng([*key, block]).standard_normal(part.shape, np.float32)
+        v *= np.float32(std)
+        part[...] = v
+
+    run_each(draw, list(range(-(-shape[0] // per))))
+    return out
 
 
 @dataclass(frozen=True)
@@ -256,17 +283,29 @@ class Qwen3Model:
                   pool_layers: int | None = None) -> Qwen3Model:
         """A seeded random model. Experts, router and ffn_norm from `Model.synthetic(seed)`;
         dense weights from their own stream: embedding ~ N(0, 1/sqrt(hidden)), projections
-        ~ N(0, 1/in), norm weights 1 + N(0, 0.1^2), stored as `dense_type` (norms stay F32).
-        `pool_layers` draws that many distinct dense layers and repeats them (large shapes)."""
+        ~ N(0, 1/in), norm weights 1 + N(0, 0.1^2), stored as `dense_type` (norms stay F32);
+        tensors of DRAWN_IN_BLOCKS values or more are drawn in row blocks on the host threads
+        (normal_blocks), the rest from one sequential stream. `pool_layers` draws that many
+        distinct dense layers and repeats them (large shapes)."""
         fmt = resolve_format(fmt)
         moe = Model.synthetic(spec.moe_spec(fmt.name), seed, fmt)
         rng = np.random.default_rng([seed, 0x51E3])
         H = spec.hidden
         shapes = expected_shapes(spec)
 
+        big = iter(range(1 << 30))  # the large tensors' keys, in the order they are drawn
+
         def mat(name: str, role: str, std: float) -> DenseTensor:
-            v = rng.standard_normal(shapes[role], dtype=np.float32) * np.float32(std)
-            return DenseTensor.from_float(name, v, dense_type)
+            shape = shapes[role]
+            if int(np.prod(shape)) < DRAWN_IN_BLOCKS:
+                v = rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
+                return DenseTensor.from_float(name, v, dense_type)
+            stored = ggml_type(dense_type)
+            plain = stored.name in ("F16", "F32")
+            v = normal_blocks(shape, std, (seed, 0x51E3, next(big)),
+                              np.float16 if stored.name == "F16" else np.float32)
+            return DenseTensor(name, v.shape, stored, v) if plain else \
+                DenseTensor.from_float(name, v, dense_type)
 
         def norm(name: str, role: str) -> DenseTensor:
             return DenseTensor.from_float(
