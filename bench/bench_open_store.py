@@ -51,7 +51,6 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from strata_rt.backends import host_copy  # noqa: E402
 from strata_rt.cli.common import (  # noqa: E402
     display_path,
     hardware_line,
@@ -61,6 +60,7 @@ from strata_rt.cli.common import (  # noqa: E402
 from strata_rt.config.engine_config import STORE_MEMORIES  # noqa: E402
 from strata_rt.config.run_config import load_config  # noqa: E402
 from strata_rt.engine import Engine, load_model  # noqa: E402
+from strata_rt.host import host_copy  # noqa: E402
 
 GIB = 1 << 30
 PHASES = ("model", "store alloc", "store fill", "store pin", "backend", "total")

@@ -40,7 +40,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .backends.cuda.chunk_input import input_not_finite
-from .backends.host_copy import all_finite, copy_into, prefault
 from .backends.nonfinite import NonFiniteError, check_finite
 from .config import hostmem
 from .config.engine_config import EngineConfig
@@ -48,6 +47,7 @@ from .config.paths import output_target
 from .config.prompts import check_token_ids
 from .errors import ConfigError
 from .formats.contract import QuantFormat
+from .host.host_copy import all_finite, copy_into, prefault
 from .report.stats import Stats
 from .report.timing import write_trace
 from .schedule.driver import ChunkDriver

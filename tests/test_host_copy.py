@@ -1,11 +1,11 @@
-"""strata_rt.backends.host_copy: the threaded host passes give what numpy's single passes give."""
+"""strata_rt.host.host_copy: the threaded host passes give what numpy's single passes give."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from strata_rt.backends import host_copy
+from strata_rt.host import host_copy
 
 
 @pytest.fixture(params=[False, True], ids=["inline", "threaded"])

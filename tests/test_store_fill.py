@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from strata_rt.backends import host_copy
 from strata_rt.errors import GGUFError
+from strata_rt.host import host_copy
 from strata_rt.weights.model import Model, MoESpec
 from strata_rt.weights.store import ExpertStore
 from strata_rt.weights.whole_model import load_model

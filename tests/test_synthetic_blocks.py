@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from strata_rt.backends import host_copy
+from strata_rt.host import host_copy
 from strata_rt.models.qwen3 import weights
 from strata_rt.models.qwen3.spec import Qwen3Spec
 from strata_rt.models.qwen3.weights import Qwen3Model, normal_blocks

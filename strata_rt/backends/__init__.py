@@ -1,1 +1,2 @@
-"""The executors of a plan (cuda/, reference/) and the host passes they share."""
+"""The executors of a plan (cuda/, reference/); the host passes they share with the loaders
+live in strata_rt.host."""

@@ -4,7 +4,7 @@ all cores where the file's type is not the format's.
 Memory: nothing holds all experts but the store. A layer whose tensors are the format's own
 GGUF type is copied from the map into the store's arena and its pages are dropped from this
 process at once, so the peak is the store plus about one layer of the file per host thread
-(strata_rt.backends.host_copy: layers are copied on several threads). A layer
+(strata_rt.host.host_copy: layers are copied on several threads). A layer
 of another type is converted by worker processes that map the file themselves; each returns
 the blobs of a few experts, which go straight into the arena (at most two tasks per worker
 wait in this process).
@@ -34,9 +34,9 @@ from typing import Any, NamedTuple, TextIO
 
 import numpy as np
 
-from ..backends import host_copy
 from ..errors import GGUFError, StrataError
 from ..formats.contract import ExpertLayout, QuantFormat
+from ..host import host_copy
 from .gguf_checks import check_expert_bytes, dequantizable, typed
 from .gguf_io import EXPERT_PARTS, FileMap, MoEFile, TensorRef
 from .layer_formats import LayerFormats

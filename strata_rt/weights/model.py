@@ -18,9 +18,9 @@ from typing import Protocol
 
 import numpy as np
 
-from ..backends import host_copy
 from ..errors import ConfigError, GGUFError, StrataError
 from ..formats.contract import ExpertLayout, QuantFormat
+from ..host import host_copy
 from .layer_formats import LayerFormats
 
 #: bytes of distinct synthetic blobs generated at most; larger models tile them (see synthetic)

@@ -24,7 +24,7 @@ import numpy as np
 
 from ...config.prompts import check_token_ids
 from ...errors import ConfigError
-from ..host_copy import stage
+from ...host.host_copy import stage
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, NoReturn
 import numpy as np
 
 from ...formats.contract import MMQ_GROUP
+from ...host.host_copy import all_finite
 from ...models.qwen3.whole_memory import DenseTypes, embeds_on_gpu
 from ...report.stats import Stats
 from ...report.timing import format_table
@@ -66,7 +67,6 @@ from ...weights.model import rms_norm, silu
 from ...weights.store import ExpertStore, numpy_alloc
 from ..cuda.chunk_input import chunk_token_ids, input_not_finite
 from ..cuda.routing.exact import route_exact
-from ..host_copy import all_finite
 from ..nonfinite import check_finite, check_rms_input
 from .attention import ReferenceDense
 from .layer_state import LayerState

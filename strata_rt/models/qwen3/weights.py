@@ -23,9 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from ...backends.host_copy import run_each
 from ...errors import ConfigError, FormatError
 from ...formats.contract import QuantFormat
+from ...host.host_copy import run_each
 from ...weights.model import Model
 from .spec import Qwen3Spec
 
