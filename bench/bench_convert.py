@@ -46,7 +46,8 @@ sys.path.insert(0, str(ROOT))
 from gguf import GGMLQuantizationType  # noqa: E402
 from gguf.quants import quantize as gguf_quantize  # noqa: E402
 
-from strata_rt.weights.convert import default_workers, format_seconds  # noqa: E402
+from strata_rt.report.eta import format_seconds  # noqa: E402
+from strata_rt.weights.convert import default_workers  # noqa: E402
 from strata_rt.weights.gguf_io import tensor_names, write_moe_gguf  # noqa: E402
 from strata_rt.weights.model import QWEN3_30B_SPEC, Model, MoESpec  # noqa: E402
 

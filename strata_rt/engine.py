@@ -192,8 +192,7 @@ class Engine:
                         f"{spec.n_layers} layers x {spec.n_experts} experts x "
                         f"{hostmem.format_bytes(slot)}")
         name, backend_cls = backend_class(cfg.backend)
-        context: HostContext = backend_cls.context_class(
-            cfg.device_list, cfg.store_memory or "alloc")
+        context: HostContext = backend_cls.context_class(cfg.device_list, cfg.store_memory)
         backend: Any = None
         try:
             store = ExpertStore(model, context.host_alloc, context.host_pin)

@@ -203,7 +203,7 @@ def test_host_pin_refuses_memory_it_did_not_hand_out(context):
 
 
 def test_the_reference_backend_pins_nothing(model):
-    from strata_rt.backends.reference.executor import NumpyContext
+    from strata_rt.backends.reference.context import NumpyContext
 
     ctx = NumpyContext()
     store = ExpertStore(model, ctx.host_alloc, ctx.host_pin)

@@ -16,8 +16,8 @@ MAX_BUDGET_GIB = 1 << 20
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from ..formats.registry import registry
+    from ..report.eta import Eta
     from ..weights import gguf_io
-    from ..weights.convert import Eta
     from ..weights.gguf_checks import check_experts
     from ..weights.model import MoESpec
 

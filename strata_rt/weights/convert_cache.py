@@ -184,7 +184,8 @@ def _write(header: Header, moe: Any, fmt: Any, parts: tuple[int, int, int], out:
     at a time (about CHUNK_BYTES held)."""
     from gguf import GGMLQuantizationType, GGUFWriter
 
-    from .convert import Eta, GGUFExperts
+    from ..report.eta import Eta
+    from .convert import GGUFExperts
 
     experts = GGUFExperts.open(moe, fmt)
     experts.check_all()  # a NaN anywhere is refused before anything is written

@@ -21,6 +21,7 @@ import numpy as np
 from ..errors import ConfigError, GGUFError, StrataError
 from ..formats.contract import ExpertLayout, QuantFormat
 from ..host import host_copy
+from ..report.eta import Eta
 from .layer_formats import LayerFormats
 
 #: bytes of distinct synthetic blobs generated at most; larger models tile them (see synthetic)
@@ -113,8 +114,6 @@ class ArrayExperts:
             for layer in range(L):
                 self.write_layer(layer, grid[layer])
             return
-        from .convert import Eta
-
         eta = Eta("synthetic model: writing experts into the store", L * E, "experts",
                   delay_s=2.0)
         rows = grid.reshape(L * E, grid.shape[2])

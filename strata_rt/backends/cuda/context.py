@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ...config.engine_config import STORE_MEMORIES
 from ...config.hostmem import format_bytes
 from ...errors import StrataError
 
@@ -35,14 +36,16 @@ class CudaContext:
     names them), opened before anything else so that whatever fails later (a profile file,
     the budget) closes them, and the host memory the first lends the store."""
 
-    def __init__(self, devices: Sequence[int] = (0,), store_memory: str = "alloc") -> None:
-        """store_memory (EngineConfig.store_memory): "alloc", the store is one cuMemHostAlloc
-        filled afterwards; "register", ordinary memory filled first, then page-locked once
-        (host_pin)."""
+    def __init__(self, devices: Sequence[int] = (0,), store_memory: str | None = None) -> None:
+        """store_memory (EngineConfig.store_memory, None: its default): "alloc", the store is
+        one cuMemHostAlloc filled afterwards; "register", ordinary memory filled first, then
+        page-locked once (host_pin)."""
         from ...runtime import Runtime
 
-        if store_memory not in ("alloc", "register"):
-            raise StrataError(f"store_memory: got {store_memory!r}; expected alloc or register")
+        store_memory = store_memory or STORE_MEMORIES[0]
+        if store_memory not in STORE_MEMORIES:
+            raise StrataError(f"store_memory: got {store_memory!r}; expected one of "
+                              f"{', '.join(STORE_MEMORIES)}")
         self.store_memory = store_memory
 
         self._runtimes: dict[int, Runtime] = {}

@@ -64,11 +64,12 @@ from ...schedule.plan import (
 from ...schedule.planner import ring_sizes
 from ...schedule.residency import Residency
 from ...weights.model import rms_norm, silu
-from ...weights.store import ExpertStore, numpy_alloc
+from ...weights.store import ExpertStore
 from ..cuda.chunk_input import chunk_token_ids, input_not_finite
 from ..cuda.routing.exact import route_exact
 from ..nonfinite import check_finite, check_rms_input
 from .attention import ReferenceDense
+from .context import NumpyContext
 from .layer_state import LayerState
 
 if TYPE_CHECKING:
@@ -79,23 +80,6 @@ if TYPE_CHECKING:
     from ...weights.model import Model
 
 _POISON = 0xFF
-
-
-class NumpyContext:
-    """The reference backend needs no device: its store is plain pageable numpy memory."""
-
-    host_alloc = staticmethod(numpy_alloc)
-
-    @staticmethod
-    def host_pin(host: np.ndarray) -> None:
-        """Nothing to lock: the reference backend copies nothing to a device."""
-
-    def __init__(self, devices: object = None, store_memory: object = None) -> None:
-        """devices, store_memory: the split's device list and the CUDA store's page-locking,
-        which plain numpy memory does not depend on."""
-
-    def close(self) -> None:
-        pass
 
 
 class ReferenceBackend:
