@@ -121,3 +121,7 @@ class IQ3XXSF16Kernels(GGMLKernels):
     def fused_gemm_at(self, stream: Any, sources: list[int], expert_ids: tuple[int, ...],
                       acts: int, bounds: int, out: int, m: int, k: int, rows_hint: int) -> None:
         self._fg.gemm_at(stream, sources, expert_ids, acts, bounds, out, m, k, rows_hint)
+
+    def fused_gemm_table(self, stream: Any, table: int, offset: int, acts: int, bounds: int,
+                         out: int, m: int, k: int, rows_hint: int, n_experts: int) -> None:
+        self._fg.gemm_table(stream, table, offset, acts, bounds, out, m, k, rows_hint, n_experts)

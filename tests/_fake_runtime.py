@@ -153,6 +153,9 @@ class FakeRuntime:
         self.host_arenas: list[FakeHostArena] = []
         #: (source address, bytes, stream name) of every device -> host copy
         self.dtoh: list[tuple[int, int, str]] = []
+        #: (destination address, host array as given, stream name) of every host -> device
+        #: copy (the array itself, not a snapshot: the caller owns its bytes)
+        self.htod: list[tuple[int, np.ndarray, str]] = []
         self._arenas = 0
         self.launches: list[str] = []
         #: (kernel, stream name, arguments) of every kernel launch
@@ -215,6 +218,7 @@ class FakeRuntime:
 
     def memcpy_htod(self, dst, host, stream):
         self.copies += 1
+        self.htod.append((dst, host, stream.name))
 
     def memcpy_dtoh(self, host, src, stream):
         self.dtoh.append((src, host.nbytes, stream.name))
@@ -275,6 +279,25 @@ class BenchRuntime(FakeRuntime):
 
     def synchronize(self):
         pass
+
+
+#: the launch name a recording mmq_table (table_kernels) logs
+MMQ_TABLE = "mmq_table"
+
+
+def table_kernels(monkeypatch, fmt) -> None:
+    """Gives the kernels class of `fmt` a recording mmq_table, whatever the formats ship, so
+    the format offers table products (QuantFormat.offers_mmq_table): each call is logged on
+    its kernels' runtime as a launch named MMQ_TABLE with its arguments (table, offset, acts,
+    bounds, out, m, k, rows_hint, n_experts)."""
+
+    def mmq_table(self, stream, table, offset, acts, bounds, out, m, k, rows_hint, n_experts):
+        args = (table, offset, acts, bounds, out, m, k, rows_hint, n_experts)
+        assert all(isinstance(a, int | np.integer) for a in args), args
+        self.runtime.launches.append(MMQ_TABLE)
+        self.runtime.launched_on.append((MMQ_TABLE, stream.name, args))
+
+    monkeypatch.setattr(fmt.kernels_class(), "mmq_table", mmq_table)
 
 
 def install(monkeypatch, rng, spec, cls: type[FakeRuntime] = FakeRuntime) -> dict:

@@ -17,10 +17,11 @@ import pytest
 from strata_rt.errors import PluginError
 from strata_rt.formats import ggml_types
 from strata_rt.formats.contract import ids16
-from strata_rt.formats.launchers import MMQ_ARG_TYPES
+from strata_rt.formats.launchers import MMQ_ARG_TYPES, MMQ_TABLE_ARG_TYPES
 from strata_rt.formats.registry import registry
 from strata_rt.formats.testing import ConformanceSkip, Subject, conformance_cases, run_conformance
-from strata_rt.formats.testing_abi import Prepared, check_launch_abi, check_params
+from strata_rt.formats.testing_abi import Prepared, Recorder, check_launch_abi, check_params
+from strata_rt.gemm.ggml_decoders import TILES, DecoderSpec
 from strata_rt.runtime.compile import nvcc_available
 
 
@@ -102,6 +103,43 @@ def test_every_variant_is_covered():
     assert {"iq3_xxs[f16_gemm]", "iq3_xxs[f16_fused]", "iq3_xxs[f16_pipe]", "fp16[f16_gemm]",
             "q4_k[f16_fused]", "q2_blob[int8]"} <= full
     assert "iq3_xxs[int8]" not in full
+
+
+def _variant(label: str):
+    return next(fmt for fmt, _ in VARIANTS if _label(fmt) == label)
+
+
+def test_table_products_are_offered_where_experts_are_read_in_place():
+    """offers_mmq_table: every variant that reads resident experts in place (IQ3_XXS's fp16
+    variants, the GGML types', the plugin's TQ2_0), none that does not (the exact variants,
+    q2_blob, fp16's f16_gemm, the plugin's test_i8)."""
+    offered = {_label(fmt) for fmt, _ in VARIANTS if fmt.offers_mmq_table()}
+    assert offered == {_label(fmt) for fmt, _ in VARIANTS if fmt.in_place_max_rows > 0}
+    assert {"iq3_xxs[f16_fused]", "iq3_xxs[f16_gemm]", "q4_k[f16_fused]", "q4_k[f16_gemm]",
+            "fp16[f16_fused]", "tq2_0[f16_fused]"} <= offered
+    assert not offered & {"q2_blob[int8]", "q2_blob[f16_gemm]", "test_i8", "fp16[f16_gemm]",
+                          "iq3_xxs[f16_pipe]", "iq3_xxs[int8]"}
+
+
+def test_table_products_launch_the_parts_table_kernel():
+    """GGMLKernels.mmq_table: one launch of the decoding GEMM's table kernel of the format's
+    type over every expert; a variant that never reads in place refuses (the base class's
+    PluginError) and launches nothing."""
+    fmt = _variant("q4_k[f16_gemm]")
+    rec = Recorder()
+    lay = fmt.layout(512, 256)
+    kern = fmt.kernels(rec, lay)  # type: ignore[attr-defined]
+    kern.mmq_table(None, 1 << 20, lay.down_offset, 1 << 21, 1 << 22, 1 << 23, 512, 256, 40, 96)
+    assert rec.calls == [("ggml_fused_tab_Q4_K_m64", (4, 96, 1), (256, 1, 1),
+                          TILES[2].shape(DecoderSpec.of(fmt.gtype)).smem,
+                          (1 << 20, lay.down_offset, 1 << 21, 1 << 22, 1 << 23, 512, 256))]
+    assert rec.kernels["ggml_fused_tab_Q4_K_m64"] == MMQ_TABLE_ARG_TYPES
+    never = _variant("fp16[f16_gemm]")
+    rec = Recorder()
+    kern = never.kernels(rec, never.layout(512, 256))  # type: ignore[attr-defined]
+    with pytest.raises(PluginError, match="fp16 has no table products"):
+        kern.mmq_table(None, 1 << 20, 0, 1 << 21, 1 << 22, 1 << 23, 512, 512, 17, 96)
+    assert not rec.launches
 
 
 @pytest.mark.parametrize("fmt, case", _params(gpu=False))

@@ -18,7 +18,7 @@ from strata_rt.formats.activations import quantize_q8_1
 from strata_rt.formats.contract import MMQ_GROUP
 from strata_rt.formats.numerics import nmse
 from strata_rt.report.timing import NOTE
-from strata_rt.schedule.plan import Products
+from strata_rt.schedule.plan import LayerProducts, Products
 from strata_rt.weights.model import QWEN3_30B_SPEC, SMALL_SPEC, Model
 
 MIB = 1 << 20
@@ -464,6 +464,63 @@ def test_in_place_products_give_the_same_bytes(small_model, rng, cache, lanes,
     for setting in ("on", "auto"):
         for i, (a, b) in enumerate(zip(got["off"], got[setting])):
             assert a.tobytes() == b.tobytes(), f"run {i}: in_place {setting} differs from off"
+
+
+@gpu
+@pytest.mark.parametrize("lanes", ["1", "2"])
+def test_table_products_give_the_same_bytes(small_model, rng, lanes, fixed_walk_rule):
+    """Every expert resident and read in place: each layer's products as one table launch per
+    product (table_products auto) against one in-place launch per group (off), on staging and
+    walk chunks (each walk run three times: plain launches, the graph trial, then the
+    faster): the same bytes, and the auto plans really ran a LayerProducts per layer."""
+    if not small_model.formats.format(0).offers_mmq_table():
+        pytest.skip(f"format {small_model.fmt.name} offers no table products")
+    prompts = [_prompt(rng, n, SMALL_SPEC.hidden) for n in (200, 1024, 2048)]
+    runs = [prompts[0], *[prompts[1]] * 3, *[prompts[2]] * 3]
+    got = {}
+    for setting in ("off", "auto"):
+        conf = EngineConfig(model=small_model, backend="cuda", compute_lanes=lanes,
+                            expert_cache=SMALL_SPEC.total_experts, in_place="on",
+                            table_products=setting, check_plan=True)
+        with Engine.open(conf) as eng:
+            outs = [eng.prefill(h)[0] for h in runs]
+            merged = eng.driver.walk_plan(2048)[0].count(LayerProducts)
+        assert merged == (SMALL_SPEC.n_layers if setting == "auto" else 0), setting
+        got[setting] = outs
+    for i, (a, b) in enumerate(zip(got["off"], got["auto"])):
+        assert a.tobytes() == b.tobytes(), f"run {i}: table products differ from off"
+
+
+@gpu
+def test_table_products_give_the_tiny_whole_models_logits():
+    """The tiny whole model (configs/tiny-qwen3moe.yaml) with every expert resident: a
+    prompt's logits and greedy decode steps are the same bytes with table products on and
+    off, and the merged plans ran."""
+    from _generate_cases import TINY_CONFIG
+
+    from strata_rt.config.run_config import load_config
+
+    def run(setting: str) -> tuple[list[np.ndarray], set[type]]:
+        ecfg = load_config(TINY_CONFIG).engine_config(backend="cuda")
+        ecfg.expert_cache, ecfg.table_products, ecfg.check_plan = 16, setting, True
+        rows, kinds = [], set()
+        with Engine.open(ecfg) as eng:
+            if not eng.model.formats.format(0).offers_mmq_table():
+                pytest.skip("the tiny model's format offers no table products")
+            ids = np.arange(100, dtype=np.int64) * 7 % 512
+            rows.append(eng.prefill(ids, all_logits=True)[0])
+            kinds |= {type(op) for _, op in eng.driver.last_plan.ops()}
+            for _ in range(4):
+                token = int(np.argmax(rows[-1].reshape(-1, rows[-1].shape[-1])[-1]))
+                rows.append(eng.prefill(np.array([token]))[0])
+                kinds |= {type(op) for _, op in eng.driver.last_plan.ops()}
+        return rows, kinds
+
+    off, kinds_off = run("off")
+    on, kinds_on = run("auto")
+    assert LayerProducts in kinds_on and LayerProducts not in kinds_off
+    for i, (a, b) in enumerate(zip(off, on)):
+        assert a.tobytes() == b.tobytes(), f"step {i}: table products differ from off"
 
 
 def test_combine_spreads_a_short_chunks_rows_over_column_blocks():

@@ -22,17 +22,21 @@ from _recording import RecordingKernel
 
 from strata_rt.errors import FormatError
 from strata_rt.formats.activations import F16
+from strata_rt.formats.contract import MMQ_GROUP
 from strata_rt.formats.ggml_format import F16_FUSED, FLOAT64_NMSE_BOUND
+from strata_rt.formats.launchers import MMQ_TABLE_ARG_TYPES
 from strata_rt.formats.numerics import nmse
 from strata_rt.formats.testing_abi import Recorder
 from strata_rt.gemm.fused_gemm import (
     FUSED_SOURCE,
+    IQ3_BLOCK_BYTES,
     TILES,
     TILES_BY_NAME,
     FusedGemm,
     at_name,
     native_image_bytes,
     pick_tile,
+    tab_name,
 )
 from strata_rt.gemm.grouped_gemm import GroupedGemm, gemm_reference
 from strata_rt.quants.iq3_xxs import IQ3XXS
@@ -95,6 +99,12 @@ def test_tile_table_matches_the_cuda_source():
     in_source = {name: tuple(int(v) for v in rest) for name, *rest in lines}
     in_python = {t.name: (t.bm, t.warps, t.stages, t.min_blocks) for t in TILES}
     assert in_source == in_python
+    # the in-place and table twins: one per tile, with the tile's parameters
+    for macro, name_of in (("FUSED_AT_KERNEL", at_name), ("FUSED_TABLE_KERNEL", tab_name)):
+        twins = re.findall(rf"^{macro}\((\w+),\s*(\d+),\s*(\d+),\s*(\d+),\s*(\d+)\)",
+                           FUSED_SOURCE.read_text(), re.M)
+        assert {name: tuple(int(v) for v in rest) for name, *rest in twins} == {
+            name_of(t): in_python[t.name] for t in TILES}, macro
 
 
 def test_tiles_fit_the_hardware():
@@ -108,10 +118,11 @@ def test_tiles_fit_the_hardware():
 @pytest.mark.skipif(not nvcc_available(), reason="nvcc not found")
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_kernels_fit_their_register_budget(tmp_path, arch):
-    """Every tile, and its in-place twin, keeps its min_blocks per SM without spilling
-    (ptxas -v); the source defines exactly those kernels."""
+    """Every tile, and its in-place and table twins, keeps its min_blocks per SM without
+    spilling (ptxas -v); the source defines exactly those kernels."""
     assert_fits_registers(FUSED_SOURCE, arch,
-                          {**TILES_BY_NAME, **{at_name(t): t for t in TILES}}, tmp_path)
+                          {**TILES_BY_NAME, **{at_name(t): t for t in TILES},
+                           **{tab_name(t): t for t in TILES}}, tmp_path)
 
 
 def test_pick_tile_covers_short_prompts():
@@ -188,6 +199,7 @@ def _recording() -> tuple[FusedGemm, dict[str, RecordingKernel]]:
     fg = FusedGemm.__new__(FusedGemm)  # the launch logic without a device
     fg._kernels = {t.name: RecordingKernel() for t in TILES}
     fg._at = {t.name: RecordingKernel() for t in TILES}
+    fg._tab = {t.name: RecordingKernel() for t in TILES}
     return fg, fg._kernels
 
 
@@ -223,6 +235,48 @@ def test_in_place_argument_checks(change, match):
     with pytest.raises(FormatError, match=match):
         fg.gemm_at(**args)
     assert not any(k.calls for k in fg._at.values())
+
+
+@pytest.mark.parametrize("hint,tile,rows_tiles", [
+    (1, "iq3_fused_m16", 1), (20, "iq3_fused_m32", 1), (300, "iq3_fused_m64", 5),
+    (0, "iq3_fused_m16", 1)])
+def test_table_launch_geometry_and_arguments(hint, tile, rows_tiles):
+    """gemm_table: the tile gemm_at would take, its table twin launched over every expert of
+    the layer (grid.y) with (table, offset, acts, bounds, out, m, k); nothing else launched."""
+    fg, kern = _recording()
+    fg.gemm_table(None, 1 << 20, 4096, 8192, 12288, 16384, 1536, 2048, hint, 128)
+    (call,) = fg._tab[tile].calls
+    assert call.grid == (1536 // 128, 128, rows_tiles) and call.block == (256, 1, 1)
+    assert call.shared == TILES_BY_NAME[tile].smem
+    assert call.args == (1 << 20, 4096, 8192, 12288, 16384, 1536, 2048)
+    fg.gemm_table(None, 1 << 20, 0, 8192, 12288, 16384, 2048, 768, hint, 1, tile="iq3_fused_m16")
+    assert fg._tab["iq3_fused_m16"].calls[-1].grid[:2] == (2048 // 128, 1)
+    assert sum(len(k.calls) for k in fg._tab.values()) == 2
+    assert not any(k.calls for k in [*kern.values(), *fg._at.values()])
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"table": (1 << 20) + 4}, "not a nonzero multiple of 8"),
+    ({"table": 0}, "not a nonzero multiple of 8"),
+    ({"offset": 4104}, "offset 4104"),
+    ({"offset": -16}, "offset -16"),
+    ({"n_experts": 0}, "got 0"),
+    ({"n_experts": 65536}, "got 65536"),
+    ({"m": 1000}, "m=1000"),
+    ({"k": 2048 + 64}, "k=2112"),
+    ({"acts": 8200}, "acts"),
+    ({"out": 16388}, "out"),
+    ({"rows_hint": -1}, "-1"),
+    ({"tile": "iq3_fused_tab_m16"}, "iq3_fused_tab_m16"),
+    ({"m": 1 << 24, "k": 256, "n_experts": 65535}, "32-bit block numbering"),
+])
+def test_table_argument_checks(change, match):
+    fg, _ = _recording()
+    args = {"stream": None, "table": 1 << 20, "offset": 4096, "acts": 8192, "bounds": 12288,
+            "out": 16384, "m": 1536, "k": 2048, "rows_hint": 16, "n_experts": 128, **change}
+    with pytest.raises(FormatError, match=re.escape(match)):
+        fg.gemm_table(**args)
+    assert not any(k.calls for k in fg._tab.values())
 
 
 @pytest.mark.parametrize("hint,tile,rows_tiles", [
@@ -269,6 +323,7 @@ def test_launchers_copy_blocks_and_run_the_fused_kernel():
     kern = FUSED.kernels(rec, lay)  # type: ignore[arg-type]
     assert isinstance(kern, IQ3XXSF16Kernels)
     assert set(TILES_BY_NAME) <= set(rec.kernels)
+    assert all(rec.kernels[tab_name(t)] == MMQ_TABLE_ARG_TYPES for t in TILES)
     assert {"gather_one", "gather_batch"} <= set(rec.kernels)
     kern.gather_batch(None, [1 << 20, 2 << 20], 3, 1 << 30, 2 << 30)
     kern.mmq(None, 1 << 30, (7, 8), 3 << 30, 4 << 30, 5 << 30, 1536, 2048, 20)
@@ -280,6 +335,19 @@ def test_launchers_copy_blocks_and_run_the_fused_kernel():
         1 << 30, 2 << 30, lay.gate_up_offset, lay.gate_up_bytes, lay.down_offset,
         lay.down_bytes, lay.gate_up_bytes, lay.down_bytes, 3)
     assert lay.gate_up_image_bytes == native_image_bytes(1536, 2048)
+
+
+def test_table_products_run_the_iq3_table_kernel():
+    """mmq_table on the IQ3_XXS fp16 variant launches fused.cu's own table kernel (not the
+    generic GGML template's), with the table, the part's offset and a grid over every expert."""
+    rec = Recorder()
+    lay = FUSED.layout(2048, 768)
+    kern = FUSED.kernels(rec, lay)  # type: ignore[arg-type]
+    kern.mmq_table(None, 1 << 30, lay.down_offset, 3 << 30, 4 << 30, 5 << 30, 2048, 768, 20,
+                   128)
+    (launch,) = rec.launches
+    assert launch.name == "iq3_fused_tab_m32"
+    assert launch.args[:2] == (1 << 30, lay.down_offset)
 
 
 # ------------------------------------------------------------------------------ GPU
@@ -370,6 +438,97 @@ def test_gpu_fused_is_f16_gemm_byte_for_byte(rt, rng, hidden, ffn, part, counts,
     print(f"f16_fused {part} {hidden}/{ffn}: same bytes as f16_gemm; NMSE {err:.3g} vs float64 "
           "of the same fp16 inputs")
     assert err <= GEMM_NMSE
+
+
+#: experts of the layer a table launch covers
+TABLE_EXPERTS = 128
+
+
+def _random_native(rng, n: int, m: int, k: int) -> np.ndarray:
+    """n native images [n, bytes] of random blocks (every grid index, sign word and scale
+    nibble is a valid IQ3_XXS block), each block's fp16 d within +-0.02 so products stay
+    finite."""
+    blocks = rng.integers(0, 256, (n, m * (k // 256), IQ3_BLOCK_BYTES), dtype=np.uint8)
+    d = rng.uniform(-0.02, 0.02, blocks.shape[:2]).astype("<f2")
+    blocks[:, :, :2] = d.view(np.uint8).reshape(*d.shape, 2)
+    return blocks.reshape(n, -1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("offset", [0, 4096])
+@pytest.mark.parametrize("part", ["gate_up", "down"])
+def test_gpu_table_is_in_place_byte_for_byte(rt, rng, part, offset):
+    """One table launch over a layer of 128 experts gives every expert the bytes of the
+    in-place launches (groups of 16) on the same images, for every tile and rows_hint: rows
+    routed unevenly (a third of the experts without rows, one over three 64-row tiles), each
+    image `offset` bytes into its blob and the blobs scattered over one device buffer (the
+    gaps 0xFF: NaN scales if read), and a random subset of experts (two with rows at least)
+    left out of the table (entry 0): their rows stay poisoned."""
+    hidden, ffn = 2048, 768
+    m, k = _parts(hidden, ffn)[part]
+    n = TABLE_EXPERTS
+    counts = rng.integers(1, 24, n)
+    counts[rng.random(n) < 0.35] = 0
+    big = int(rng.integers(n))
+    counts[big] = 150
+    bounds = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    rows, exact = int(bounds[-1]), int(counts.max())
+    skipped = rng.random(n) < 0.2
+    with_rows = np.flatnonzero(counts)
+    skipped[rng.choice(with_rows[with_rows != big], 2, replace=False)] = True
+    skipped[big] = False
+    native = _random_native(rng, n, m, k)
+    img = native.shape[1]
+    assert img == native_image_bytes(m, k)
+    # blob e at slot perm[e] of a pool with spare slots, its image `offset` bytes into it
+    stride = -(-(offset + img) // 256) * 256 + 256
+    perm = rng.permutation(n + 32)[:n]
+    pool = np.full((n + 32) * stride, 0xFF, np.uint8)
+    for e in range(n):
+        pool[perm[e] * stride + offset: perm[e] * stride + offset + img] = native[e]
+    x = rng.standard_normal((rows, k), dtype=np.float32).astype(np.float16)
+
+    s = rt.stream("test")
+    fg = FusedGemm(rt)
+    bufs = [upload(rt, s, a) for a in (pool, x, bounds)]
+    d_pool, d_x, d_bounds = (b.ptr for b in bufs)
+    blob = [d_pool + int(perm[e]) * stride for e in range(n)]
+    table = np.array([0 if skipped[e] else blob[e] for e in range(n)], np.uint64)
+    bufs.append(upload(rt, s, table))
+    d_table = bufs[-1].ptr
+    live = [e for e in range(n) if not skipped[e]]
+    try:
+        def in_place(out):
+            for g in range(0, len(live), MMQ_GROUP):
+                ids = tuple(live[g: g + MMQ_GROUP])
+                fg.gemm_at(s, [blob[e] + offset for e in ids], ids, d_x, d_bounds, out, m, k,
+                           exact)
+
+        def tab(hint, tile=None):
+            return _launch(rt, s, lambda out: fg.gemm_table(s, d_table, offset, d_x, d_bounds,
+                                                            out, m, k, hint, n, tile=tile),
+                           rows, m)
+
+        baseline = _launch(rt, s, in_place, rows, m)
+        outs = [tab(h) for h in (exact, 1, 40)] + [tab(exact, t.name) for t in TILES]
+    finally:
+        for b in bufs:
+            b.free()
+
+    out_rows = np.zeros(rows, bool)
+    for e in np.flatnonzero(skipped):
+        out_rows[bounds[e]: bounds[e + 1]] = True
+    assert out_rows.any() and np.all(baseline[out_rows] == NAN_F32)
+    assert np.isfinite(baseline[~out_rows].view(np.float32)).all(), "a routed row unwritten"
+    for i, got in enumerate(outs):
+        assert np.all(got[out_rows] == NAN_F32), f"table launch {i} wrote a skipped expert's rows"
+        bad = np.argwhere(got != baseline)
+        assert bad.size == 0, (f"table launch {i}: {len(bad)} value(s) differ from the in-place "
+                               f"launches', first at (row, col) {tuple(bad[0])}")
+    r0, r1 = int(bounds[big]), int(bounds[big + 1])
+    want = fused_reference(native[big][None], (0,), x[r0:r1], np.array([0, r1 - r0], np.int32),
+                           m, k)
+    assert nmse(baseline[r0:r1].view(np.float32), want) <= GEMM_NMSE
 
 
 @pytest.mark.gpu

@@ -18,10 +18,11 @@ from _recording import RecordingKernel
 
 from strata_rt.errors import FormatError
 from strata_rt.formats.ggml_types import TYPES
-from strata_rt.formats.launchers import MMQ_ARG_TYPES
+from strata_rt.formats.launchers import MMQ_ARG_TYPES, MMQ_TABLE_ARG_TYPES
 from strata_rt.gemm.ggml_decoders import TEMPLATES_HEADER, TILES, DecoderSpec, tiles_of_source
 from strata_rt.gemm.ggml_fused import (
     AT_ARG_TYPES,
+    ENTRIES,
     FUSED_SOURCE,
     ONLY_DEFINE,
     GgmlFused,
@@ -128,6 +129,18 @@ def test_launcher_sizes_the_pipeline_as_the_templates_do():
         assert got[d.name] == want, d.name
 
 
+def test_kernel_names_of_the_three_entries():
+    d, t = DecoderSpec.of(next(t for t in TYPES if t.name == "Q4_K")), TILES[1]
+    assert [kernel_name(d, t, e) for e in ENTRIES] == [
+        "ggml_fused_Q4_K_m32", "ggml_fused_at_Q4_K_m32", "ggml_fused_tab_Q4_K_m32"]
+    assert kernel_name(TQ2, TILES[0]) == "ggml_fused_TQ2_0_m16"
+    with pytest.raises(FormatError, match="entry 'table' is unknown"):
+        kernel_name(d, t, "table")
+    text = TEMPLATES_HEADER.read_text()  # the macro defines one kernel per entry
+    for prefix in ("ggml_fused_##SUFFIX", "ggml_fused_at_##SUFFIX", "ggml_fused_tab_##SUFFIX"):
+        assert text.count(prefix) == 1, prefix
+
+
 def test_pick_tile():
     assert [pick_tile(h).bm for h in (0, 1, 16, 17, 32, 33, 10 ** 6)] == [16, 16, 16, 32, 32,
                                                                           64, 64]
@@ -143,14 +156,15 @@ def test_one_type_build_fits_its_register_budget(tmp_path, name):
     """fused.cu with STRATA_GGML_ONLY=<TYPE> (how the launcher builds it): exactly that type's
     kernels, none spilling, min_blocks per SM within the registers (sm_90)."""
     d = DecoderSpec.of(next(t for t in TYPES if t.name == name))
-    tiles = {kernel_name(d, t, at): t for t in TILES for at in (False, True)}
+    tiles = {kernel_name(d, t, e): t for t in TILES for e in ENTRIES}
     assert_fits_registers(FUSED_SOURCE, "sm_90", tiles, tmp_path, (f"-D{ONLY_DEFINE}={name}",))
 
 
 @needs_nvcc
 def test_plugin_source_builds_its_gather_and_fused_kernels(tmp_path):
-    """The example plugin's one macro line instantiates its gather, every fused tile and its
-    five matrix-vector kernels (the expert products' also in their _host form)."""
+    """The example plugin's one macro line instantiates its gather, every fused tile's three
+    entries and its five matrix-vector kernels (the expert products' also in their _host
+    form)."""
 
     class Gather:
         threads, min_blocks = 256, 1
@@ -161,7 +175,7 @@ def test_plugin_source_builds_its_gather_and_fused_kernels(tmp_path):
     class GemvHost:
         threads, min_blocks = 32 * GEMV_HOST_WARPS, 1
 
-    tiles = {kernel_name(TQ2, t, at): t for t in TILES for at in (False, True)}
+    tiles = {kernel_name(TQ2, t, e): t for t in TILES for e in ENTRIES}
     gemv = {gemv_kernel_name(TQ2, part): Gemv for part in (*PARTS, "dense")}
     gemv |= {gemv_kernel_name(TQ2, part): GemvHost for part in HOST_PARTS}
     assert_fits_registers(PLUGIN_SOURCE, "sm_90",
@@ -170,12 +184,12 @@ def test_plugin_source_builds_its_gather_and_fused_kernels(tmp_path):
 
 @needs_nvcc
 def test_all_types_module_compiles_every_kernel():
-    """fused.cu without the define (what `strata check-kernels` compiles): every type's six
-    kernels in one module."""
+    """fused.cu without the define (what `strata check-kernels` compiles): every type's nine
+    kernels (three tiles x three entries) in one module."""
     cubin = compile_cubin(FUSED_SOURCE, "sm_90").read_bytes()
     names = set(re.findall(rb"(ggml_fused_\w+?)\x00", cubin))
-    want = {kernel_name(DecoderSpec.of(t), tile, at).encode() for t in TYPES for tile in TILES
-            for at in (False, True)}
+    want = {kernel_name(DecoderSpec.of(t), tile, e).encode() for t in TYPES for tile in TILES
+            for e in ENTRIES}
     assert want <= names
     assert FUSED_SOURCE.resolve() in [p for owner, p in kernel_jobs([]) if owner == "ggml"]
 
@@ -192,6 +206,9 @@ def test_builtin_modules_are_built_per_type_on_first_use():
                           (FUSED_SOURCE, {ONLY_DEFINE: "Q6_K"})]
     assert rt.kernels["ggml_fused_Q4_K_m32"].arg_types == MMQ_ARG_TYPES  # type: ignore
     assert rt.kernels["ggml_fused_at_Q6_K_m64"].arg_types == AT_ARG_TYPES  # type: ignore
+    fg.gemm_table(None, "Q6_K", 1 << 20, 4096, 8192, 12288, 16384, 1536, 2048, 1, 128)
+    assert len(rt.modules) == 2  # the table kernel is in the type's module
+    assert rt.kernels["ggml_fused_tab_Q6_K_m16"].arg_types == MMQ_TABLE_ARG_TYPES  # type: ignore
 
 
 def test_gemv_modules_are_built_per_type_and_a_plugins_once():
@@ -342,6 +359,11 @@ def test_launch_geometry_and_arguments(name, hint, tile, row_tiles):
     (call,) = rt.kernels[f"ggml_fused_at_{name}_{tile}"].calls
     assert call.args == (*srcs, *([0] * 14), 4, 2, *([-1] * 14), 8192, 12288, 16384, 1536, 2048)
     assert call.grid == (1536 // 128, 2, row_tiles) and call.shared == shape.smem
+    fg.gemm_table(None, name, 1 << 20, 4096, 8192, 12288, 16384, 1536, 2048, hint, 128)
+    (call,) = rt.kernels[f"ggml_fused_tab_{name}_{tile}"].calls
+    assert call.args == (1 << 20, 4096, 8192, 12288, 16384, 1536, 2048)
+    assert call.grid == (1536 // 128, 128, row_tiles) and call.block == (256, 1, 1)
+    assert call.shared == shape.smem
 
 
 GOOD = dict(stream=None, gtype="Q4_K", weights=4096, expert_ids=(0, 1), acts=8192,
@@ -389,6 +411,31 @@ def test_gemm_at_refuses_what_the_kernel_cannot_do(change, match):
     assert not any(k.calls for k in rt.kernels.values())
 
 
+@pytest.mark.parametrize("change,match", [
+    ({"table": (1 << 20) + 4}, "not a nonzero multiple of 8"),
+    ({"table": 0}, "not a nonzero multiple of 8"),
+    ({"offset": 8}, "offset 8"),
+    ({"offset": -4096}, "offset -4096"),
+    ({"n_experts": 0}, "got 0"),
+    ({"n_experts": 1 << 16}, "got 65536"),
+    ({"gtype": "IQ2_XXS", "m": 1, "k": 256}, "not a multiple of 16"),
+    ({"gtype": "F32", "m": 1 << 17, "k": 8192}, "4 GiB"),
+    ({"k": 100}, "k=100"),
+    ({"m": 1000}, "m=1000"),
+    ({"out": 16388}, "out"),
+    ({"rows_hint": -1}, "-1"),
+    ({"tile": "m128"}, "m128"),
+])
+def test_gemm_table_refuses_what_the_kernel_cannot_do(change, match):
+    rt = _Runtime()
+    fg = GgmlFused(rt)  # type: ignore[arg-type]
+    args = {**GOOD, "table": 1 << 20, "offset": 4096, "n_experts": 128, **change}
+    del args["weights"], args["expert_ids"]
+    with pytest.raises(FormatError, match=re.escape(match)):
+        fg.gemm_table(**args)
+    assert not any(k.calls for k in rt.kernels.values())
+
+
 def test_native_image_bytes():
     assert native_image_bytes("Q4_K", 1536, 2048) == 1536 * 8 * 144
     assert native_image_bytes(TQ2, 256, 512) == 256 * 2 * 66
@@ -416,6 +463,8 @@ def test_plugin_launchers_use_the_plugin_module_and_its_decoders():
     gg.gather(None, "TQ2_0", [0x1001], 0x10000, 256, 512)
     assert rt.kernels["ggml_fused_TQ2_0_m64"].calls[0].shared == TILES[2].shape(TQ2).smem
     assert len(rt.kernels["ggml_fused_at_TQ2_0_m16"].calls) == 1
+    fg.gemm_table(None, TQ2, 1 << 20, 0, 8192, 12288, 16384, 256, 512, 40, 64)
+    assert rt.kernels["ggml_fused_tab_TQ2_0_m64"].calls[0].grid == (2, 64, 1)
     (call,) = rt.kernels["ggml_gather_TQ2_0"].calls
     assert call.args[16:] == (0x10000, 2 * 256 * 512, 256 * 512, 0, 0, 0)
     assert rt.kernels["ggml_gather_TQ2_0"].arg_types == GATHER_ARG_TYPES  # type: ignore

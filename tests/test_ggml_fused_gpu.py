@@ -1,11 +1,13 @@
 """The fused GGML GEMM on the GPU (strata_rt/gemm/ggml_fused.py; kernels/ggml/templates.cuh via
 fused.cu, and the example plugin's tq2_0.cu): for every built-in type and the plugin's TQ2_0,
 on fresh random blocks and activations, outputs poisoned with NaN first, the fused kernel on a
-group buffer and its in-place twin on images in allocations of their own give the bytes of
-GgmlGather's fp16 images followed by the own grouped fp16 GEMM (GroupedGemm.gemm), for every
-tile and several rows_hints, in groups of 1, 5 and 16 experts (some without rows, some rows
-outside the group); the gathered images equal the gguf package's values rounded to fp16; and
-on moderate blocks the products agree with float64 products of those images.
+group buffer, its in-place twin on images in allocations of their own and its table twin over
+the layer's experts (those outside the group with a table entry of 0, parts at offsets 0 and
+4096 into their blobs) give the bytes of GgmlGather's fp16 images followed by the own grouped
+fp16 GEMM (GroupedGemm.gemm), for every tile and several rows_hints, in groups of 1, 5 and 16
+experts (some without rows, some rows outside the group); the gathered images equal the gguf
+package's values rounded to fp16; and on moderate blocks the products agree with float64
+products of those images.
 
 Run: python -m pytest -q -m gpu tests/test_ggml_fused_gpu.py
 """
@@ -37,6 +39,8 @@ NAN_F32 = np.uint32(0xFFFFFFFF)  # what `poisoned` fills with
 GEMM_NMSE = 1e-6
 #: the fp16 GEMM tile the baseline runs (an own kernel: the fused kernels' bytes are its)
 BASELINE_TILE = "gemm_f16_m64"
+#: the parts' offsets in their blobs the table launches are given
+TABLE_OFFSETS = (0, 4096)
 
 #: (m, k, rows of each of the layer's experts, the group's expert ids): a group of one; five
 #: experts, two without rows and one row outside the group; a full group of 16 with empty
@@ -104,14 +108,24 @@ def run_case(rt, rng, gather: GgmlGather, fused: GgmlFused, f16_gemm: GroupedGem
     # in place: each image in an allocation of its own, allocated last position first, so the
     # addresses are neither contiguous nor in position order
     apart = [upload(rt, s, raws[p]) for p in reversed(range(n))][::-1]
-    bufs += [f16, *apart]
+    # table products over the layer's experts: expert ids[p]'s entry is its image's address
+    # less the part's offset (the kernel adds it back); experts outside the group stay 0
+    tables = {}
+    for offset in TABLE_OFFSETS:
+        table = np.zeros(len(counts), np.uint64)
+        table[list(ids)] = [b.ptr - offset for b in apart]
+        tables[offset] = upload(rt, s, table)
+    bufs += [f16, *apart, *tables.values()]
     try:
         gather.gather(s, d, [d_native + p * img for p in range(n)], f16.ptr, m, k)
         images = download(rt, s, f16, np.float16, (n, m, k))
 
-        def one(hint, tile=None, at=False):
+        def one(hint, tile=None, at=False, offset=None):
             def run(out):
-                if at:
+                if offset is not None:
+                    fused.gemm_table(s, d, tables[offset].ptr, offset, d_x, d_bounds, out, m,
+                                     k, hint, len(counts), tile=tile)
+                elif at:
                     fused.gemm_at(s, d, [b.ptr for b in apart], ids, d_x, d_bounds, out, m, k,
                                   hint, tile=tile)
                 else:
@@ -124,6 +138,8 @@ def run_case(rt, rng, gather: GgmlGather, fused: GgmlFused, f16_gemm: GroupedGem
         outs += [one(exact, t.name) for t in TILES] + [one(exact)]  # + a repeat
         outs += [one(h, at=True) for h in (exact, 1)]
         outs += [one(exact, t.name, at=True) for t in TILES]
+        outs += [one(h, offset=o) for h in (exact, 1) for o in TABLE_OFFSETS]
+        outs += [one(exact, t.name, offset=TABLE_OFFSETS[-1]) for t in TILES]
     finally:
         for b in bufs:
             b.free()

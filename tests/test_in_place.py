@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from _fake_runtime import MMQ_TABLE, table_kernels
 from _settings import check_engine_setting, check_yaml_key, run_reference
 
 from strata_rt.engine import Engine, EngineConfig
@@ -37,6 +38,7 @@ from strata_rt.schedule.plan import (
     GatherBatch,
     GatherRouted,
     LayerPlan,
+    LayerProducts,
     Products,
 )
 from strata_rt.schedule.planner import StagingPlanner, plan_decode, plan_walk
@@ -222,7 +224,9 @@ def test_checker_refuses_a_streamed_expert_read_in_place():
 
 # ---------------------------------------------------------------------------- reference bytes
 def _in_place_count(plan) -> int:
-    return sum(isinstance(op, Products) and op.slots is not None for _, op in plan.ops())
+    """Products reading slots in place, a whole layer's (LayerProducts) counted by its parts."""
+    return sum(isinstance(part, Products) and part.slots is not None for _, op in plan.ops()
+               for part in (op.stands_for() if isinstance(op, LayerProducts) else (op,)))
 
 
 @pytest.mark.parametrize("cache,lanes", [(SMALL_SPEC.total_experts, "2"),
@@ -261,12 +265,13 @@ def test_on_is_refused_at_open_for_an_exact_variant(small, monkeypatch):
 
 # ---------------------------------------------------------------------------- CUDA backend
 def test_cuda_backend_launches_the_in_place_kernel_on_the_slots(fake, fixed_walk_rule):
-    """A short walk with every expert resident: no gather launch, and each group's two
-    products run the in-place kernel with the addresses of its experts' slot parts."""
+    """A short walk with every expert resident and table products off: no gather launch, and
+    each group's two products run the in-place kernel with the addresses of its experts' slot
+    parts."""
     model = Model.synthetic(SMALL_SPEC, 5)
     spec = model.spec
     cfg = EngineConfig(model=model, backend="cuda", expert_cache=spec.total_experts,
-                       check_plan=True, timing=False)
+                       check_plan=True, timing=False, table_products="off")
     with Engine.open(cfg) as eng:
         rt = fake["rt"]
         rt.launched_on.clear()
@@ -303,3 +308,53 @@ def test_format_kernels_read_in_place_with_the_fused_twin(fmt):
     exact = IQ3_EXACT.kernels(Recorder(), IQ3_EXACT.layout(2048, 768))  # type: ignore[arg-type]
     with pytest.raises(PluginError, match="cannot read experts in place"):
         exact.mmq_in_place(None, [1 << 30], (7,), 0, 0, 0, 1536, 2048, 20)
+
+
+def test_cuda_backend_runs_a_whole_resident_layer_as_two_table_launches(fake, monkeypatch,
+                                                                         fixed_walk_rule):
+    """Every expert resident, read in place, and a format offering table products (a
+    recording mmq_table): each layer's products are two table launches over the layer's row
+    of the products table (the gate/up and the down parts' offsets, every expert), around one
+    SwiGLU over the whole layer, on staging and walk chunks alike; each row (every expert's
+    slot address) is written once, by the first chunk, and never again."""
+    model = Model.synthetic(SMALL_SPEC, 5)
+    spec = model.spec
+    E, H, F = spec.n_experts, spec.hidden, spec.ffn
+    table_kernels(monkeypatch, model.formats.format(0))
+    cfg = EngineConfig(model=model, backend="cuda", expert_cache=spec.total_experts,
+                       check_plan=True, timing=False, cuda_graph=False, in_place="on")
+    with Engine.open(cfg) as eng:
+        rt, backend = fake["rt"], eng.backend
+        base = rt.arena.ptr("products_table")
+        swiglu = backend.kernels._swiglu.name
+        per_group = {at_name(t) for t in TILES}
+        for tokens in (200, 200, 1100, 1100):
+            rt.launched_on.clear()
+            rt.tokens = tokens
+            eng.prefill(np.ones((tokens, H), np.float32))
+            plan = eng.driver.last_plan
+            assert plan.count(LayerProducts) == spec.n_layers and plan.count(Products) == 0
+            # no expert gather (the routing's fp16 row gather encodes activations) and no
+            # per-group in-place launch
+            names = {name for name, _, _ in rt.launched_on} - {"gather_f16_rows"}
+            assert not [n for n in names if "gather" in n or n in per_group]
+            table = [(stream, args) for name, stream, args in rt.launched_on
+                     if name == MMQ_TABLE]
+            assert len(table) == 2 * spec.n_layers
+            for i, (stream, args) in enumerate(table):
+                layer, part = divmod(i, 2)
+                row, offset, _, _, _, m, k, _, n = args
+                assert stream == "compute" and row == base + layer * E * 8 and n == E
+                lay = model.formats.layout(layer)
+                assert (offset, m, k) == ((lay.gate_up_offset, 2 * F, H) if part == 0 else
+                                          (lay.down_offset, H, F))
+            swiglus = [args for name, _, args in rt.launched_on if name == swiglu]
+            assert [args[2:4] for args in swiglus] == [(0, E)] * spec.n_layers
+        rows = [(dst, host) for dst, host, _ in rt.htod if base <= dst < base + rt.arena.regions[
+            "products_table"][1]]
+        assert [dst for dst, _ in rows] == [base + layer * E * 8 for layer in range(spec.n_layers)]
+        res, resident = backend.residency, rt.arena.ptr("resident")
+        for layer, (_, host) in enumerate(rows):
+            assert host.dtype == np.uint64
+            assert host.tolist() == [resident + res.slot(layer, e) * backend.lay.slot_bytes
+                                     for e in range(E)]

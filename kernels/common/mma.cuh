@@ -37,6 +37,28 @@ __device__ __forceinline__ GroupedBlock grouped_block(const Ids16& ids) {
     return b;
 }
 
+// One block of a table product (grid = weight tiles x the layer's experts x row tiles): the
+// block order of grouped_block, the expert e = the grid's y position (pos = expert = e).
+__device__ __forceinline__ GroupedBlock table_block() {
+    const unsigned gx = gridDim.x, gz = gridDim.z;
+    const unsigned lin = blockIdx.x + gx * (blockIdx.y + gridDim.y * blockIdx.z);
+    GroupedBlock b;
+    b.row_tile = lin % gz;
+    b.weight_tile = (lin / gz) % gx;
+    b.pos = lin / (gz * gx);
+    b.expert = b.pos;
+    return b;
+}
+
+// Expert e's image in a table product: its blob address table[e] plus the part's offset, or
+// nullptr where table[e] is 0 (the expert is not read here).
+__device__ __forceinline__ const uint8_t* table_image(const unsigned long long* table, int e,
+                                                      long long offset) {
+    const unsigned long long base = table[e];
+    return base == 0ull ? nullptr
+                        : reinterpret_cast<const uint8_t*>(base + (unsigned long long)offset);
+}
+
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
     return (unsigned)__cvta_generic_to_shared(p);
 }

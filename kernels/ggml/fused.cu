@@ -1,8 +1,9 @@
 // The grouped GEMM that decodes native GGML blocks in its main loop, for every built-in type:
-// ggml_fused_<TYPE>_<tile> (weights in a group buffer) and ggml_fused_at_<TYPE>_<tile> (each
-// position's image read where it lies), the shared template of templates.cuh over the type's
-// decoder (decode.cuh). Same bytes as ggml_gather_<TYPE> (gather.cu) followed by the grouped
-// fp16 GEMM (kernels/common/gemm_f16.cu).
+// ggml_fused_<TYPE>_<tile> (weights in a group buffer), ggml_fused_at_<TYPE>_<tile> (each
+// position's image read where it lies) and ggml_fused_tab_<TYPE>_<tile> (every expert of a
+// layer in one launch, its image through a device table), the shared template of
+// templates.cuh over the type's decoder (decode.cuh). Same bytes as ggml_gather_<TYPE>
+// (gather.cu) followed by the grouped fp16 GEMM (kernels/common/gemm_f16.cu).
 //
 // Built one type per module: -DSTRATA_GGML_ONLY=<TYPE> instantiates that type's kernels only
 // (the launcher, strata_rt/gemm/ggml_fused.py, compiles a type's module when it is first

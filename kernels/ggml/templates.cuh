@@ -3,8 +3,9 @@
 //
 //   STRATA_GGML_KERNELS(SUFFIX, DEC)   all of the below for decoder DEC
 //   STRATA_GGML_GATHER(SUFFIX, DEC)    ggml_gather_SUFFIX: the batched dequantizing gather
-//   STRATA_GGML_FUSED(SUFFIX, DEC)     ggml_fused_SUFFIX_<tile>, ggml_fused_at_SUFFIX_<tile>:
-//                                      the grouped GEMM decoding native blocks in its main loop
+//   STRATA_GGML_FUSED(SUFFIX, DEC)     ggml_fused_SUFFIX_<tile>, ggml_fused_at_SUFFIX_<tile>,
+//                                      ggml_fused_tab_SUFFIX_<tile>: the grouped GEMM decoding
+//                                      native blocks in its main loop
 //   STRATA_GGML_GEMV(SUFFIX, DEC)      ggml_gemv_gate_up_SUFFIX, ggml_gemv_down_SUFFIX,
 //                                      ggml_gemv_dense_SUFFIX: the decode step's matrix-vector
 //                                      products (gemv.cuh)
@@ -26,8 +27,10 @@
 // gemm_f16.cu: arguments (Ids16, weights, acts, bounds, out, m, k), grid (m / BN, group
 // position, row tiles)):  out[r, i] = sum_k acts[r, k] * W_e[i, k]. Position p's native image
 // (m rows of row_bytes(k), row-major) is at weights + p * m * row_bytes(k), or, in the in-place
-// twin, at srcs.v[p] (16 pointers before the ids). Images start on 16 bytes and span a
-// multiple of 16 bytes (the launcher checks), so no 16-byte chunk read below leaves an image.
+// twin, at srcs.v[p] (16 pointers before the ids). The table twin covers a layer's experts in
+// one launch: arguments (table, offset, acts, bounds, out, m, k), grid (m / BN, experts, row
+// tiles), expert e's image at table[e] + offset (skipped where table[e] is 0). Images start on
+// 16 bytes and span a multiple of 16 bytes, so no 16-byte chunk read below leaves an image.
 //   - K advances Stage::values per stage (256; for 1-value types 256 bytes of a row, which
 //     keeps two stages of a 128-row tile within every GPU's shared memory), through a cp.async
 //     pipeline of up to STAGES buffers (fewer where a type's stage would not fit the budget).
@@ -327,6 +330,17 @@ __device__ __forceinline__ void fused_grouped_at(const GgmlSrcs16& srcs, const I
     fused_expert<C, D>(img, blk, acts, bounds, out, m, k);
 }
 
+template <class C, class D>
+__device__ __forceinline__ void fused_table(const unsigned long long* __restrict__ table,
+                                            long long offset, const __half* __restrict__ acts,
+                                            const int* __restrict__ bounds,
+                                            float* __restrict__ out, int m, int k) {
+    const GroupedBlock blk = table_block();
+    const uint8_t* img = table_image(table, blk.expert, offset);
+    if (img == nullptr) return;
+    fused_expert<C, D>(img, blk, acts, bounds, out, m, k);
+}
+
 }  // namespace ggml
 
 // ------------------------------------------------------------------------------ the macros
@@ -358,6 +372,14 @@ __device__ __forceinline__ void fused_grouped_at(const GgmlSrcs16& srcs, const I
                                     int m, int k) {                                           \
         ggml::fused_grouped_at<ggml::FusedCfg<DEC, BM, WARPS, STAGES, MINB>, DEC>(            \
             srcs, ids, acts, bounds, out, m, k);                                              \
+    }                                                                                         \
+    extern "C" __global__ void __launch_bounds__(32 * WARPS, MINB)                            \
+    ggml_fused_tab_##SUFFIX##_##NAME(const unsigned long long* __restrict__ table,            \
+                                     long long offset, const __half* __restrict__ acts,       \
+                                     const int* __restrict__ bounds, float* __restrict__ out, \
+                                     int m, int k) {                                          \
+        ggml::fused_table<ggml::FusedCfg<DEC, BM, WARPS, STAGES, MINB>, DEC>(                 \
+            table, offset, acts, bounds, out, m, k);                                          \
     }
 #define STRATA_GGML_FUSED(SUFFIX, DEC) STRATA_GGML_FUSED_TILES(STRATA_GGML_FUSED_TILE_, SUFFIX, DEC)
 

@@ -8,6 +8,11 @@
 // weights + p*m*(k/256)*98 bytes; acts are fp16 [rows, k] row-major, sorted by expert; bounds,
 // out, the expert ids and the grid are the MMQ ABI of kernels/common/gemm_f16.cu: arguments
 // (Ids16, weights, acts, bounds, out, m, k), grid (m / BN, group position, row tiles).
+// Three entries per tile run the same body: iq3_fused_<tile> (the group buffer),
+// iq3_fused_at_<tile> (position p's image at its own address: Ptrs16 before the ids) and
+// iq3_fused_tab_<tile> (every expert of a layer in one launch: arguments (table, offset, acts,
+// bounds, out, m, k), grid (m / BN, the layer's experts, row tiles), expert e's image at
+// table[e] + offset, skipped where table[e] is 0).
 //
 // Same bytes as gemm_f16.cu on the dequantized images: every weight is decoded exactly as
 // kernels/iq3_xxs/dequant.cu decodes it (fp16, round to nearest even, of the exact float32
@@ -293,6 +298,20 @@ __device__ __forceinline__ void fused_grouped_at(const Ptrs16& srcs, const Ids16
     fused_expert<C>(img, blk, acts, bounds, out, m, k);
 }
 
+// Every expert of a layer in one launch (grid.y = the layer's experts): expert e's image at
+// table[e] + offset, none where table[e] is 0; otherwise the in-place entry's tile and body.
+template <class C>
+__device__ __forceinline__ void fused_table(const unsigned long long* __restrict__ table,
+                                            long long offset, const __half* __restrict__ acts,
+                                            const int* __restrict__ bounds,
+                                            float* __restrict__ out, int m, int k)
+{
+    const GroupedBlock blk = table_block();
+    const uint8_t* img = table_image(table, blk.expert, offset);
+    if (img == nullptr) return;
+    fused_expert<C>(img, blk, acts, bounds, out, m, k);
+}
+
 // name, BM, WARPS (BN = 16 * WARPS), STAGES, min blocks per SM. strata_rt/gemm/fused_gemm.py lists
 // the same tiles (a CPU test compares the two lists).
 #define FUSED_KERNEL(NAME, BM, WARPS, STAGES, MINB)                                              \
@@ -310,9 +329,22 @@ __device__ __forceinline__ void fused_grouped_at(const Ptrs16& srcs, const Ids16
         fused_grouped_at<FusedCfg<BM, WARPS, STAGES>>(srcs, ids, acts, bounds, out, m, k);      \
     }
 
+// The table twin of a FUSED_KERNEL: the same tile over every expert of a layer, expert e's
+// image at table[e] + offset.
+#define FUSED_TABLE_KERNEL(NAME, BM, WARPS, STAGES, MINB)                                        \
+    extern "C" __global__ void __launch_bounds__(FusedCfg<BM, WARPS, STAGES>::THREADS, MINB)    \
+    NAME(const unsigned long long* __restrict__ table, long long offset,                        \
+         const __half* __restrict__ acts, const int* __restrict__ bounds,                       \
+         float* __restrict__ out, int m, int k) {                                               \
+        fused_table<FusedCfg<BM, WARPS, STAGES>>(table, offset, acts, bounds, out, m, k);       \
+    }
+
 FUSED_KERNEL(iq3_fused_m16, 16, 8, 4, 2)
 FUSED_KERNEL(iq3_fused_m32, 32, 8, 3, 2)
 FUSED_KERNEL(iq3_fused_m64, 64, 8, 3, 1)
 FUSED_AT_KERNEL(iq3_fused_at_m16, 16, 8, 4, 2)
 FUSED_AT_KERNEL(iq3_fused_at_m32, 32, 8, 3, 2)
 FUSED_AT_KERNEL(iq3_fused_at_m64, 64, 8, 3, 1)
+FUSED_TABLE_KERNEL(iq3_fused_tab_m16, 16, 8, 4, 2)
+FUSED_TABLE_KERNEL(iq3_fused_tab_m32, 32, 8, 3, 2)
+FUSED_TABLE_KERNEL(iq3_fused_tab_m64, 64, 8, 3, 1)

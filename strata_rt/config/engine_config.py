@@ -42,6 +42,7 @@ DECODE_ATTENTIONS = env.choices("STRATA_DECODE_ATTENTION")
 DECODE_DENSES = env.choices("STRATA_DECODE_DENSE")
 DECODE_ARGMAXES = env.choices("STRATA_DECODE_ARGMAX")
 PREFILL_STREAMS = env.choices("STRATA_PREFILL_STREAM")
+TABLE_PRODUCTS = env.choices("STRATA_TABLE_PRODUCTS")
 DENSE_GEMMS = env.choices("STRATA_DENSE_GEMM")
 EMBEDDINGS = env.choices("STRATA_EMBEDDING")
 F16_GEMMS = env.choices("STRATA_F16_GEMM")
@@ -111,6 +112,10 @@ class EngineConfig:
     #: products of resident experts read in place (strata_rt.schedule.in_place): "auto", "on" or
     #: "off"; None: STRATA_IN_PLACE, else auto
     in_place: InPlaceSetting | None = None
+    #: a layer whose every expert is read in place (strata_rt.schedule.layer_products):
+    #: "auto" (one launch per product where the format offers it) or "off" (one per group of
+    #: 16); None: STRATA_TABLE_PRODUCTS, else auto
+    table_products: str | None = None
     profile: str | None = None
     gather_one: bool | None = None
     #: chunks of at least this many tokens take the walk; None: decided by the routed share
@@ -268,6 +273,7 @@ class EngineConfig:
                               ("decode_dense", DECODE_DENSES),
                               ("decode_argmax", DECODE_ARGMAXES),
                               ("prefill_stream", PREFILL_STREAMS),
+                              ("table_products", TABLE_PRODUCTS),
                               ("dense_gemm", DENSE_GEMMS), ("embedding", EMBEDDINGS),
                               ("f16_gemm", F16_GEMMS), ("store_memory", STORE_MEMORIES)):
             value = getattr(self, name)
@@ -316,6 +322,8 @@ class EngineConfig:
             self.decode_argmax = env.choice("STRATA_DECODE_ARGMAX", DECODE_ARGMAXES[0])
         if self.prefill_stream is None:
             self.prefill_stream = env.choice("STRATA_PREFILL_STREAM", PREFILL_STREAMS[0])
+        if self.table_products is None:
+            self.table_products = env.choice("STRATA_TABLE_PRODUCTS", TABLE_PRODUCTS[0])
         if self.cuda_graph is None:
             self.cuda_graph = env.flag("STRATA_CUDA_GRAPH", default=True)
         if self.dense_gemm is None:

@@ -15,7 +15,7 @@ Where each is read (tests/test_switches.py holds every module to it):
   STRATA_PREFILL_TRACE, STRATA_WALK_MIN_TOKENS, STRATA_CHECK_PLAN, STRATA_MMQ_KERNEL,
   STRATA_DECODE, STRATA_DECODE_ATTENTION, STRATA_DECODE_DENSE, STRATA_DECODE_ARGMAX,
   STRATA_PREFILL_STREAM,
-  STRATA_IMAGE_CACHE_MIB,
+  STRATA_IMAGE_CACHE_MIB, STRATA_TABLE_PRODUCTS,
   STRATA_COMPUTE_LANES, STRATA_IN_PLACE, STRATA_CUDA_GRAPH, STRATA_ROUTING, STRATA_DENSE_GEMM,
   STRATA_EMBEDDING, STRATA_F16_GEMM and STRATA_STORE_MEMORY.
   A run config's checks (config/schema.py, config/whole.py) size the engine before it exists:
@@ -139,6 +139,11 @@ SWITCHES: dict[str, Switch] = {
                "always gathers first; auto (the default) reads in place while the chunk's rows "
                "per expert stay within the format's in_place_max_rows (IQ3_XXS f16_gemm: 136, "
                "up to 1,088 tokens on the Qwen3 shapes). Results are bit-identical."),
+        Switch("STRATA_TABLE_PRODUCTS", "choice:auto,off",
+               "a layer whose every expert is read in place: auto (the default) runs its "
+               "products as one launch per product over a table of slot addresses where the "
+               "layer's format offers it (FormatKernels.mmq_table), off as one in-place launch "
+               "per group of 16 experts. Results are bit-identical."),
         Switch("STRATA_CUDA_GRAPH", "flag",
                "0: launch the streamed walk kernel by kernel instead of replaying a CUDA graph."),
         Switch("STRATA_KERNEL_CACHE", "outdir",

@@ -308,6 +308,14 @@ class QuantFormat:
         cls = self.kernels_class()
         return cls is not None and cls.gemv_routed is not FormatKernels.gemv_routed
 
+    def offers_mmq_table(self) -> bool:
+        """Whether a layer of this format may run its resident experts' products as one
+        launch per product over a table of slot addresses (FormatKernels.mmq_table; the
+        planners then merge a layer's in-place Products into plan.LayerProducts)."""
+        cls = self.kernels_class()
+        return (self.in_place_max_rows > 0 and cls is not None
+                and cls.mmq_table is not FormatKernels.mmq_table)
+
     def kernels_class(self) -> type[FormatKernels] | None:
         """The FormatKernels subclass holding this format's launchers (None: no kernels).
         Importable without CUDA, so the registry can inspect it on any machine."""
@@ -364,6 +372,12 @@ class FormatKernels:
         (formats with in_place_max_rows > 0); mmq with position p's part of the expert read
         where it lies, at sources[p] (its resident slot plus the part's offset in the blob),
         so no gather precedes the products; the same bytes as gathering, then mmq.
+    mmq_table(stream, table, offset, acts, bounds, out, m, k, rows_hint, n_experts):
+        optional (formats that offer mmq_in_place); the products of every expert of a layer
+        in one launch: table = device uint64 [n_experts] (8-byte aligned) of blob addresses,
+        expert e's part at table[e] + offset (offset a multiple of 16; an entry of 0 skips the
+        expert), grid (m / weight rows per block, n_experts, row tiles); for each expert the
+        same bytes as mmq_in_place with that expert's part as its source.
     gemv_routed(stream, experts, ids, row_of, acts, mid, out, pairs, host_reads=False):
         optional; a decode
         step's expert products as matrix-vector launches over the layer's `pairs` routed
@@ -420,6 +434,13 @@ class FormatKernels:
 
         raise PluginError(f"format {self.fmt.name} cannot read experts in place (its "
                           "in_place_max_rows is 0); its products read the group buffers")
+
+    def mmq_table(self, stream, table: int, offset: int, acts: int, bounds: int, out: int,
+                  m: int, k: int, rows_hint: int, n_experts: int) -> None:
+        from ..errors import PluginError
+
+        raise PluginError(f"format {self.fmt.name} has no table products; a layer's resident "
+                          "experts run one in-place launch per group")
 
     def gemv_routed(self, stream, experts: int, ids: int, row_of: int, acts: int, mid: int,
                     out: int, pairs: int, host_reads: bool = False) -> None:

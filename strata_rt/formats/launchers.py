@@ -9,6 +9,8 @@
   the built-in formats do.
 - launch_mmq: the MMQ kernel ABI (see FormatKernels): arguments (Ids16, weights, acts, bounds,
   out, m, k), grid (m tiles, group position, row tiles).
+- launch_mmq_table: the table products' ABI (FormatKernels.mmq_table): arguments (table,
+  offset, acts, bounds, out, m, k), grid (m tiles, the layer's experts, row tiles).
 """
 
 from __future__ import annotations
@@ -37,8 +39,13 @@ log = logging.getLogger(__name__)
 
 #: argument types of every MMQ kernel: 16 expert ids, weights, acts, bounds, out, m, k
 MMQ_ARG_TYPES = "i" * MMQ_GROUP + "PPPPii"
+#: argument types of every table MMQ kernel: the device table of the layer's blob addresses,
+#: the part's offset in a blob, acts, bounds, out, m, k
+MMQ_TABLE_ARG_TYPES = "PqPPPii"
 #: CUDA's limit on grid.y and grid.z; MMQ kernels loop over row tiles, so capping is safe
 GRID_YZ_MAX = 65535
+#: the kernels number a launch's blocks in 32 bits (grouped_block, table_block in mma.cuh)
+MAX_GRID_BLOCKS = 1 << 32
 
 GATHER_SOURCE = KERNELS_ROOT / "common" / "gather.cu"
 GATHER_THREADS = 256
@@ -99,6 +106,42 @@ def launch_mmq(kernel: Any, tile: MmqTile, fmt_name: str, stream: Any, weights: 
         args = (*table, *ids, acts, bounds, out, m, k)
     kernel.launch(grid=(m // tile.m, len(expert_ids), grid_rows(rows_hint, tile.rows)),
                   block=(tile.threads, 1, 1), stream=stream, args=args, shared=tile.shared)
+
+
+def check_table(what: str, table: int, offset: int, n_experts: int) -> None:
+    """The host-side checks of a table launch: a table address the kernel can read 8-byte
+    entries from, a part offset that keeps 16-byte aligned blobs' parts on 16 bytes, and an
+    expert count the grid holds (FormatError naming `what` and the value otherwise). The
+    table's entries live on the device and are the caller's to keep aligned."""
+    if table == 0 or table % 8:
+        raise FormatError(f"{what} table products: the expert table at {table} (0x{table:x}) "
+                          "is not a nonzero multiple of 8 (device uint64 entries)")
+    if offset < 0 or offset % 16:
+        raise FormatError(f"{what} table products: the part's offset {offset} in a blob must "
+                          "be a non-negative multiple of 16 (images start on 16 bytes)")
+    if not 1 <= n_experts <= GRID_YZ_MAX:
+        raise FormatError(f"{what} table products: n_experts must be 1..{GRID_YZ_MAX} (grid.y), "
+                          f"got {n_experts}")
+
+
+def launch_mmq_table(kernel: Any, tile: MmqTile, what: str, stream: Any, table: int,
+                     offset: int, acts: int, bounds: int, out: int, m: int, k: int,
+                     rows_hint: int, n_experts: int) -> None:
+    """One table launch (FormatKernels.mmq_table) after the host-side checks: every expert of
+    a layer, expert e's part at table[e] + offset (none where table[e] is 0), grid (m tiles,
+    n_experts, row tiles sized from rows_hint as launch_mmq sizes them); the tile, block and
+    shared memory of launch_mmq."""
+    if m <= 0 or k <= 0 or m % tile.m or k % tile.k_multiple:
+        raise FormatError(f"{what} MMQ needs m % {tile.m} == 0 and k % {tile.k_multiple} "
+                          f"== 0; got m={m}, k={k}")
+    check_table(what, table, offset, n_experts)
+    check_aligned({"acts": acts, "out": out})
+    grid = (m // tile.m, n_experts, grid_rows(rows_hint, tile.rows))
+    if grid[0] * grid[1] * grid[2] >= MAX_GRID_BLOCKS:
+        raise FormatError(f"{what} table products: a grid of {grid} blocks exceeds the "
+                          "kernels' 32-bit block numbering")
+    kernel.launch(grid=grid, block=(tile.threads, 1, 1), stream=stream,
+                  args=(table, offset, acts, bounds, out, m, k), shared=tile.shared)
 
 
 T = TypeVar("T")

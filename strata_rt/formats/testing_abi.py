@@ -6,7 +6,9 @@ MMQ launch must follow the common ABI (arguments ids16, weights, acts, bounds, o
 m tiles x group position x row tiles). Then, with nvcc, each prepared kernel's parameter list is
 read from the PTX of its source and compared with how the argument types pack (a pointer where
 the kernel takes a pointer, a struct's bytes where it takes a struct), so an argument order or
-type that disagrees with the kernel fails here instead of corrupting memory on a device.
+type that disagrees with the kernel fails here instead of corrupting memory on a device. A
+format that offers table products (mmq_table) is held to their ABI too: arguments (table,
+offset, acts, bounds, out, m, k), grid (m tiles, the layer's experts, row tiles).
 """
 
 from __future__ import annotations
@@ -22,12 +24,14 @@ from typing import Any
 
 from ..errors import PluginError
 from .contract import ids16
-from .launchers import GRID_YZ_MAX, MMQ_ARG_TYPES
+from .launchers import GRID_YZ_MAX, MMQ_ARG_TYPES, MMQ_TABLE_ARG_TYPES
 from .testing_groups import GROUP, PARTS, ConformanceSkip, Subject, part_shape
 
 #: device addresses the recorded launches receive (16-byte aligned, distinct)
 _WEIGHTS, _ACTS, _BOUNDS, _OUT, _SRC, _GU, _DN = (0x10000 * i for i in range(1, 8))
 _PTX_SIZES = {"8": 1, "16": 2, "32": 4, "64": 8}
+#: a table launch's expert table (8-byte aligned) and experts (not a multiple of the group)
+_TABLE, _TABLE_EXPERTS = 0x80008, 40
 
 
 @dataclass
@@ -154,6 +158,27 @@ def check_params(p: Prepared, arch: str = "sm_80") -> None:
                 f"(offset, size) {args}, the kernel takes {params}")
 
 
+def _check_table_abi(s: Subject, kern: Any, rec: Recorder) -> None:
+    """mmq_table makes one launch of a kernel prepared with MMQ_TABLE_ARG_TYPES, its
+    arguments and grid per the table ABI, for each part at its offset in the blob."""
+    lay = s.layout
+    for part, offset in zip(PARTS, (lay.gate_up_offset, lay.down_offset), strict=True):
+        m, k = part_shape(part, s.hidden, s.ffn)
+        rec.launches.clear()
+        kern.mmq_table(None, _TABLE, offset, _ACTS, _BOUNDS, _OUT, m, k, 17, _TABLE_EXPERTS)
+        assert len(rec.launches) == 1, f"mmq_table made {len(rec.launches)} launches, not one"
+        got = rec.launches[0]
+        assert got.arg_types == MMQ_TABLE_ARG_TYPES, (f"table kernel {got.name} prepared as "
+                                                      f"{got.arg_types!r}, not "
+                                                      f"{MMQ_TABLE_ARG_TYPES!r}")
+        want = (_TABLE, offset, _ACTS, _BOUNDS, _OUT, m, k)
+        assert got.args == want, f"table arguments {got.args}, the ABI says {want}"
+        gx, gy, gz = got.grid
+        assert gx >= 1 and m % gx == 0 and gy == _TABLE_EXPERTS and 1 <= gz <= GRID_YZ_MAX, \
+            (f"table grid {got.grid} for m={m}: the ABI is (m tiles, the layer's experts = "
+             f"{_TABLE_EXPERTS}, row tiles)")
+
+
 def check_launch_abi(s: Subject) -> str:
     fmt = s.fmt
     if fmt.kernels_class() is None:
@@ -179,6 +204,9 @@ def check_launch_abi(s: Subject) -> str:
             assert gx >= 1 and m % gx == 0 and gy == len(GROUP) and 1 <= gz <= GRID_YZ_MAX, \
                 (f"MMQ grid {got.grid} for m={m}: the ABI is (m tiles, group position = "
                  f"{len(GROUP)}, row tiles)")
+    tables = fmt.offers_mmq_table()
+    if tables:
+        _check_table_abi(s, kern, rec)
     rec.launches.clear()
     kern.gather(None, _SRC, 3, _GU, _DN)
     assert rec.launches, "gather launched nothing"
@@ -191,10 +219,11 @@ def check_launch_abi(s: Subject) -> str:
             raise AssertionError("a non-native format accepted gather_batch")
     from ..runtime.compile import nvcc_available
 
+    what = "MMQ and table products" if tables else "MMQ"
     if not nvcc_available():
-        return (f"MMQ per the ABI; {len(rec.prepared)} prepared kernel(s) (nvcc absent: their "
-                "parameters unchecked)")
+        return (f"{what} per the ABI; {len(rec.prepared)} prepared kernel(s) (nvcc absent: "
+                "their parameters unchecked)")
     for p in rec.prepared:
         check_params(p)
-    return (f"MMQ per the ABI; {len(rec.prepared)} prepared kernel(s) match their PTX "
+    return (f"{what} per the ABI; {len(rec.prepared)} prepared kernel(s) match their PTX "
             "parameters")

@@ -7,7 +7,9 @@ prompt's layer. Here the group buffers hold the native blocks (a byte copy, 98 b
 weights) and each block tile decodes its weights in shared memory and registers right before
 the tensor-core multiply, so a layer reads 0.23 GB of weights and writes none. Row tiles of
 16, 32 and 64 rows match short prompts (rows per expert ~16-64 at 254-2,048 tokens); the
-weights are read once per row tile, so fewer row tiles are the point.
+weights are read once per row tile, so fewer row tiles are the point. Each tile has three
+entries: a group buffer (gemm), images where they lie (gemm_at: up to 16 addresses) and a
+layer's every expert in one launch through a device table of blob addresses (gemm_table).
 
 Numerics: the same bytes as the f16_gemm kernel on the same blocks and activations (each weight
 decoded as the dequantizing gather decodes it; one fp32 accumulator per output from zero, one
@@ -23,7 +25,14 @@ from typing import TYPE_CHECKING
 
 from ..errors import FormatError
 from ..formats.contract import MMQ_GROUP
-from ..formats.launchers import MMQ_ARG_TYPES, MmqTile, launch_mmq, pick_by_rows
+from ..formats.launchers import (
+    MMQ_ARG_TYPES,
+    MMQ_TABLE_ARG_TYPES,
+    MmqTile,
+    launch_mmq,
+    launch_mmq_table,
+    pick_by_rows,
+)
 from ..resources import KERNELS_ROOT, kernel_lines
 from .ggml_decoders import FusedTile as GgmlFusedTile
 
@@ -67,9 +76,21 @@ AT_PREFIX = "iq3_fused_at_"
 AT_ARG_TYPES = "P" * MMQ_GROUP + MMQ_ARG_TYPES.replace("P", "", 1)
 
 
+#: the table twin of each tile (FUSED_TABLE_KERNEL): the same kernel body over every expert of
+#: a layer in one launch, expert e's image at table[e] + offset (MMQ_TABLE_ARG_TYPES)
+TAB_PREFIX = "iq3_fused_tab_"
+
+
 def at_name(tile: FusedTile) -> str:
     """The in-place kernel of a tile: iq3_fused_m32 -> iq3_fused_at_m32."""
     return AT_PREFIX + tile.name.rsplit("_", 1)[1]
+
+
+def tab_name(tile: FusedTile) -> str:
+    """The table kernel of a tile: iq3_fused_m32 -> iq3_fused_tab_m32."""
+    return TAB_PREFIX + tile.name.rsplit("_", 1)[1]
+
+
 #: (largest rows_hint, tile) in order; beyond the last bound the last tile. First guesses, to
 #: be set from a bench sweep: the smallest tile holding an expert's rows reads its weights
 #: once and wastes the fewest zero rows.
@@ -97,6 +118,7 @@ class FusedGemm:
         mod = runtime.module(FUSED_SOURCE)
         self._kernels = {t.name: mod.kernel(t.name, MMQ_ARG_TYPES) for t in TILES}
         self._at = {t.name: mod.kernel(at_name(t), AT_ARG_TYPES) for t in TILES}
+        self._tab = {t.name: mod.kernel(tab_name(t), MMQ_TABLE_ARG_TYPES) for t in TILES}
 
     def gemm(self, stream, weights: int, expert_ids: tuple[int, ...], acts: int, bounds: int,
              out: int, m: int, k: int, rows_hint: int, *, tile: str | None = None) -> None:
@@ -119,8 +141,27 @@ class FusedGemm:
         chosen = pick_by_rows(TILE_RULE, TILES_BY_NAME, rows_hint, tile, "fused IQ3_XXS")
         if len(sources) != len(expert_ids):
             raise FormatError(f"{len(sources)} image addresses for {len(expert_ids)} experts")
-        if native_image_bytes(m, k) % 16:
-            raise FormatError(f"an IQ3_XXS image of {m} x {k} takes {native_image_bytes(m, k)} "
-                              "bytes, not a multiple of 16: it cannot be read in place")
+        _check_in_place(m, k)
         launch_mmq(self._at[chosen.name], chosen.launch, "IQ3_XXS in-place", stream, 0,
                    expert_ids, acts, bounds, out, m, k, rows_hint, images=sources)
+
+    def gemm_table(self, stream, table: int, offset: int, acts: int, bounds: int, out: int,
+                   m: int, k: int, rows_hint: int, n_experts: int, *,
+                   tile: str | None = None) -> None:
+        """gemm_at over every expert of a layer in one launch (FormatKernels.mmq_table):
+        expert e's native image at table[e] + offset, where `table` is a device uint64
+        [n_experts] (8-byte aligned; an entry of 0 skips the expert, whose output rows stay
+        untouched) and offset a multiple of 16; bounds holds n_experts + 1 entries. The tile
+        gemm_at would take, and for each expert its bytes."""
+        chosen = pick_by_rows(TILE_RULE, TILES_BY_NAME, rows_hint, tile, "fused IQ3_XXS")
+        _check_in_place(m, k)
+        launch_mmq_table(self._tab[chosen.name], chosen.launch, "IQ3_XXS", stream, table,
+                         offset, acts, bounds, out, m, k, rows_hint, n_experts)
+
+
+def _check_in_place(m: int, k: int) -> None:
+    """An image read where it lies must span a multiple of 16 bytes (the kernel reads whole
+    16-byte chunks around each block, which must not leave it)."""
+    if native_image_bytes(m, k) % 16:
+        raise FormatError(f"an IQ3_XXS image of {m} x {k} takes {native_image_bytes(m, k)} "
+                          "bytes, not a multiple of 16: it cannot be read in place")

@@ -6,7 +6,9 @@ Why: a dequantizing gather writes every expert of a group as fp16 images whateve
 length, which dominates a short prompt's layer; here the group buffers hold the native blocks
 (a byte copy) and each block tile decodes its weights in shared memory and registers right
 before the tensor-core multiply. It generalises the IQ3_XXS kernel (fused_gemm.py) to any
-decoder.
+decoder. Each tile has three entries (ENTRIES): a group buffer (gemm), images where they lie
+(gemm_at: up to 16 addresses) and a layer's every expert in one launch through a device table
+of blob addresses (gemm_table).
 
 Numerics: the same bytes as GgmlGather's images followed by GroupedGemm.gemm (the own fp16
 kernels), for every type, tile and rows_hint: each weight is the gather's fp16 value, each
@@ -25,7 +27,13 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import FormatError
 from ..formats.contract import MMQ_GROUP
-from ..formats.launchers import MMQ_ARG_TYPES, launch_mmq, pick_by_rows
+from ..formats.launchers import (
+    MMQ_ARG_TYPES,
+    MMQ_TABLE_ARG_TYPES,
+    launch_mmq,
+    launch_mmq_table,
+    pick_by_rows,
+)
 from ..resources import KERNELS_ROOT
 from .ggml_decoders import (
     ONLY_DEFINE,
@@ -44,6 +52,10 @@ if TYPE_CHECKING:
 FUSED_SOURCE = KERNELS_ROOT / "ggml" / "fused.cu"
 #: the in-place kernels' arguments: 16 image addresses before the MMQ arguments (no weights)
 AT_ARG_TYPES = "P" * MMQ_GROUP + MMQ_ARG_TYPES.replace("P", "", 1)
+#: the three entries of every tile: a group buffer, images where they lie (16 addresses), and
+#: a layer's experts through a device table; their kernels' argument types
+ENTRIES = ("grouped", "at", "tab")
+ENTRY_ARG_TYPES = {"grouped": MMQ_ARG_TYPES, "at": AT_ARG_TYPES, "tab": MMQ_TABLE_ARG_TYPES}
 #: (largest rows_hint, tile) in order; beyond the last bound the last tile. First guesses, as
 #: the IQ3_XXS kernel's: the smallest tile holding an expert's rows reads its weights once.
 TILE_RULE = ((16, "m16"), (32, "m32"), (None, "m64"))
@@ -51,9 +63,14 @@ TILE_RULE = ((16, "m16"), (32, "m32"), (None, "m64"))
 MAX_IMAGE_BYTES = 1 << 32
 
 
-def kernel_name(d: DecoderSpec, tile: FusedTile, in_place: bool = False) -> str:
-    """ggml_fused_<SUFFIX>_<tile>, or ggml_fused_at_<SUFFIX>_<tile> for the in-place twin."""
-    return f"ggml_fused_{'at_' if in_place else ''}{d.name}_{tile.name}"
+def kernel_name(d: DecoderSpec, tile: FusedTile, entry: str = "grouped") -> str:
+    """The kernel of one entry of a tile: ggml_fused_<SUFFIX>_<tile> (grouped),
+    ggml_fused_at_<SUFFIX>_<tile> (at: the in-place twin) or ggml_fused_tab_<SUFFIX>_<tile>
+    (tab: the table twin)."""
+    if entry not in ENTRIES:
+        raise FormatError(f"fused GGML entry {entry!r} is unknown; valid: {', '.join(ENTRIES)}")
+    infix = "" if entry == "grouped" else f"{entry}_"
+    return f"ggml_fused_{infix}{d.name}_{tile.name}"
 
 
 def pick_tile(rows_hint: int, tile: str | None = None) -> FusedTile:
@@ -93,13 +110,14 @@ class GgmlFused(DecoderModule):
                  decoders: Iterable[DecoderSpec] = ()):
         super().__init__(runtime, "GgmlFused", FUSED_SOURCE, source=source, decoders=decoders,
                          per_type=True)
-        self._kernels: dict[tuple[str, str, bool], Any] = {}
+        self._kernels: dict[tuple[str, str, str], Any] = {}
 
-    def kernel(self, d: DecoderSpec, tile: FusedTile, in_place: bool = False) -> Any:
-        key = (d.name, tile.name, in_place)
+    def kernel(self, d: DecoderSpec, tile: FusedTile, entry: str = "grouped") -> Any:
+        """The prepared kernel of one entry (ENTRIES) of a tile for decoder d."""
+        key = (d.name, tile.name, entry)
         if key not in self._kernels:
             self._kernels[key] = self.module_of(d.name).kernel(
-                kernel_name(d, tile, in_place), AT_ARG_TYPES if in_place else MMQ_ARG_TYPES)
+                kernel_name(d, tile, entry), ENTRY_ARG_TYPES[entry])
         return self._kernels[key]
 
     def native_image_bytes(self, gtype: GgmlKey, m: int, k: int) -> int:
@@ -130,10 +148,26 @@ class GgmlFused(DecoderModule):
         if len(sources) != len(expert_ids):
             raise FormatError(f"{len(sources)} image addresses for {len(expert_ids)} experts")
         _image_bytes(d, m, k)
-        launch_mmq(self.kernel(d, chosen, in_place=True), chosen.shape(d).launch,
+        launch_mmq(self.kernel(d, chosen, "at"), chosen.shape(d).launch,
                    f"{d.name} fused in-place", stream, 0, expert_ids, acts, bounds, out, m, k,
                    rows_hint, images=[int(s) for s in sources])
 
+    def gemm_table(self, stream: Any, gtype: GgmlKey, table: int, offset: int, acts: int,
+                   bounds: int, out: int, m: int, k: int, rows_hint: int, n_experts: int, *,
+                   tile: str | None = None) -> None:
+        """gemm_at over every expert of a layer in one launch (FormatKernels.mmq_table):
+        expert e's native image at table[e] + offset, where `table` is a device uint64
+        [n_experts] (8-byte aligned; an entry of 0 skips the expert, whose output rows stay
+        untouched) and offset a multiple of 16; bounds holds n_experts + 1 entries. The tile
+        gemm_at would take, and for each expert its bytes."""
+        d = self.decoder(gtype)
+        chosen = pick_tile(rows_hint, tile)
+        _image_bytes(d, m, k)
+        launch_mmq_table(self.kernel(d, chosen, "tab"), chosen.shape(d).launch,
+                         f"{d.name} fused", stream, table, offset, acts, bounds, out, m, k,
+                         rows_hint, n_experts)
 
-__all__ = ["AT_ARG_TYPES", "FUSED_SOURCE", "ONLY_DEFINE", "TILES", "TILE_RULE", "DecoderSpec",
-           "GgmlFused", "kernel_name", "native_image_bytes", "pick_tile"]
+
+__all__ = ["AT_ARG_TYPES", "ENTRIES", "ENTRY_ARG_TYPES", "FUSED_SOURCE", "ONLY_DEFINE", "TILES",
+           "TILE_RULE", "DecoderSpec", "GgmlFused", "kernel_name", "native_image_bytes",
+           "pick_tile"]

@@ -12,7 +12,8 @@ products of f16_gemm and f16_fused on one runtime.
   strata_rt.gemm.ggml_gemv, gate/up of the format's type, down of its down type.
 
 A format with kernels of its own for these steps (IQ3_XXS) subclasses this and overrides
-open_gemm, dequantizing_gather, fused_gemm and fused_gemm_at; the choice of step stays here.
+open_gemm, dequantizing_gather, fused_gemm, fused_gemm_at and fused_gemm_table; the choice of
+step stays here.
 """
 
 from __future__ import annotations
@@ -124,6 +125,13 @@ class GGMLKernels(FormatKernels):
         self.fused().gemm_at(stream, self.part_decoder(m, k), sources, expert_ids, acts,
                              bounds, out, m, k, rows_hint)
 
+    def fused_gemm_table(self, stream: Any, table: int, offset: int, acts: int, bounds: int,
+                         out: int, m: int, k: int, rows_hint: int, n_experts: int) -> None:
+        """fused_gemm_at over every expert of a layer in one launch, expert e's native image
+        at table[e] + offset."""
+        self.fused().gemm_table(stream, self.part_decoder(m, k), table, offset, acts, bounds,
+                                out, m, k, rows_hint, n_experts)
+
     def part_decoder(self, m: int, k: int) -> GgmlKey:
         """The decoder of the product's part: down is m = hidden, k = ffn (gate/up is
         m = 2 * ffn, k = hidden, never the same pair)."""
@@ -180,3 +188,11 @@ class GGMLKernels(FormatKernels):
             super().mmq_in_place(stream, sources, expert_ids, acts, bounds, out, m, k,
                                  rows_hint)
         self.fused_gemm_at(stream, sources, expert_ids, acts, bounds, out, m, k, rows_hint)
+
+    def mmq_table(self, stream, table: int, offset: int, acts: int, bounds: int, out: int,
+                  m: int, k: int, rows_hint: int, n_experts: int) -> None:
+        if self.fmt.in_place_max_rows <= 0:
+            super().mmq_table(stream, table, offset, acts, bounds, out, m, k, rows_hint,
+                              n_experts)
+        self.fused_gemm_table(stream, table, offset, acts, bounds, out, m, k, rows_hint,
+                              n_experts)

@@ -9,6 +9,9 @@ sequence of ops for replay. Everything else about a chunk is decided here, once:
   the routed non-resident experts from host memory, planned before the chunk starts), where
   the routing measured on earlier chunks makes it cheaper than the walk (`prefill_stream`);
 - the planners, the walk-plan cache, STRATA_CHECK_PLAN (the hazard checker on every plan);
+- table products (`layer_products`): every plan, as soon as it is made, has the in-place
+  products of each whole-resident layer merged into one LayerProducts where the layer's format
+  offers it and the config's `table_products` is not off;
 - CUDA-graph trials on the walk: plain launches the first time a chunk size is seen (timed),
   a captured replay the second time (timed), then whichever was faster;
 - the counters (experts and bytes streamed, gathers, matmul launches, host syncs, host time)
@@ -24,6 +27,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -33,7 +37,8 @@ from ..report.stats import Stats
 from . import hazards
 from .dense_schedule import DenseSchedule
 from .executor import Executor, Replay
-from .plan import ChunkPlan, LayerBegin, LogitRows, Logits, Op
+from .layer_products import merge_layer, merge_layer_products, table_layers
+from .plan import ChunkPlan, LayerBegin, LayerPlan, LogitRows, Logits, Op
 from .plan_counts import add_counts, copy_bytes, op_counts
 from .plan_keys import (
     DECODE_KEYS,
@@ -101,6 +106,9 @@ class ChunkDriver:
         #: per decode setting: the setting it resolves to and the plan key it runs
         self._decodes: dict[str | None, tuple[str | None, WalkKey]] = {}
         _ = self.decode_key  # decode "gemv" on a model that cannot run it fails at open
+        #: the layers whose whole-resident products merge into a LayerProducts (fixed at open)
+        self.table_layers = table_layers(cfg.table_products, formats.offers_mmq_table,
+                                         self.span)
 
     @property
     def gather_one(self) -> bool:
@@ -275,6 +283,7 @@ class ChunkDriver:
                                  in_place=ex.in_place_for(T), part=self.part)
         checker = (hazards.Checker(STAGING_RING_SLOTS, self.residency)
                    if self.check_plan else None)
+        planned: list[LayerPlan] = []
         for layer in self.span:
             t0 = time.perf_counter()
             pre = planner.pre_routing_ops(layer)  # the input and attention feed the routing
@@ -286,6 +295,9 @@ class ChunkDriver:
             stats.host_syncs += 1
             t0 = time.perf_counter()
             lp = planner.plan_layer(layer, np.flatnonzero(counts).tolist())
+            if layer in self.table_layers:
+                lp = merge_layer(lp, self.spec.n_experts)
+            planned.append(lp)
             if checker is not None:
                 checker.feed(lp.ops)
             ex.execute((op for op in lp.ops[len(pre):] if not isinstance(op, LayerBegin)),
@@ -295,7 +307,7 @@ class ChunkDriver:
             self.layer_host_s.append(host)
             stats.host_s += host
             stats.layer_done(layer)
-        self.last_plan = planner.chunk_plan()
+        self.last_plan = replace(planner.chunk_plan(), layers=planned)
 
     def _schedule(self, start: int | None) -> DenseSchedule | None:
         """A whole model's attention ops for a chunk at `start` (None: MoE layers alone)."""
@@ -334,6 +346,8 @@ class ChunkDriver:
                                  lanes=self.executor.lanes_for(T),
                                  in_place=self.executor.in_place_for(T), part=self.part,
                                  routed_copies=gather_one == ROUTED_WALK)
+            plan = merge_layer_products(plan, self.spec.n_experts,
+                                        self.table_layers.__contains__)
             if self.check_plan:
                 hazards.check(plan, self.residency, images=self.executor.images)
             ops = [op for _, op in plan.ops()]

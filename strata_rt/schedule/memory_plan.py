@@ -30,7 +30,8 @@ if TYPE_CHECKING:
 AUTO_CHUNK_STEP = 64
 #: VRAM left free when the config names no reserve (driver, modules, other processes)
 DEFAULT_RESERVE_MIB = 512
-#: bytes of one entry of the expert table (a blob's device address; plan.RoutedExperts)
+#: bytes of one entry of the expert and products tables (a blob's device address;
+#: plan.RoutedExperts, plan.LayerProducts)
 EXPERT_TABLE_ENTRY = 8
 
 
@@ -84,6 +85,9 @@ def fixed_regions(spec: MoESpec, layout: ExpertLayout, ring_slots: int,
         "bounds": L * (E + 1) * 4,
         # per (layer, expert) the device address its blob is read at by a RoutedExperts
         "expert_table": L * E * EXPERT_TABLE_ENTRY,
+        # the same for a LayerProducts (its resident slots): rows of its own, so no write of
+        # them can touch the expert table a captured decode step reads, nor the reverse
+        "products_table": L * E * EXPERT_TABLE_ENTRY,
         # one word: the earliest (layer << 32 | row) whose RMSNorm input is not finite
         "nonfinite": 8,
         "ring": ring_slots * layout.slot_bytes,

@@ -40,12 +40,17 @@ but copies only what each layer routes, with no host wait: its Copy ops are `rou
 only once their layer's RouteCopies has switched them from the routing on the device (the copy
 stream waits for `("copies_routed", layer)`), and its groups gather with GatherRouted, which
 skips the same unrouted experts, so no launch reads a slot whose copy was switched off.
+
+Table products: where every expert of a layer is read in place, the driver merges the layer's
+in-place Products into one LayerProducts right after planning (schedule.layer_products), which
+multiplies the whole layer with one launch per product through a device table of slot
+addresses; the planners themselves never emit it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from ..formats.contract import MMQ_GROUP
@@ -220,6 +225,35 @@ class Products:
 
 
 @dataclass(frozen=True)
+class LayerProducts:
+    """Every expert of `layer` multiplied where its resident slot holds it, one launch per
+    product: gate/up, SwiGLU + quantize and down, each over the whole layer
+    (FormatKernels.mmq_table reads expert e's part at the address a device table holds for e).
+    It replaces the layer's in-place Products (`parts`, one per group of 16 experts, each with
+    its slots), which would cost three launches per group: with 128 experts, 24 launches of
+    16 experts each, where a short chunk's few rows per expert leave most of every launch's
+    last wave idle. The same experts, slots and rows as its parts, so the same bytes
+    (schedule.layer_products makes it where the layer's format offers the table kernel)."""
+
+    layer: int
+    parts: tuple[Products, ...]
+    stream: StreamName = "compute"
+
+    def stands_for(self) -> tuple[Products, ...]:
+        """The in-place Products this op replaces, on its own stream (what the numpy executor
+        runs for it, and what the hazard checker checks it as)."""
+        return tuple(p if p.stream == self.stream else replace(p, stream=self.stream)
+                     for p in self.parts)
+
+    @property
+    def slots(self) -> tuple[int, ...]:
+        """Per expert id, its resident slot (slots[e]: expert e's; the parts cover experts
+        0..n-1 once each, as the hazard checker holds them to)."""
+        pairs = sorted((e, s) for p in self.parts for e, s in zip(p.expert_ids, p.slots or ()))
+        return tuple(s for _, s in pairs)
+
+
+@dataclass(frozen=True)
 class RoutedExperts:
     """A decode step's expert products of `layer` as matrix-vector launches over the (token, k)
     pairs its routing picked (FormatKernels.gemv_routed): one launch for gate/up with SwiGLU
@@ -352,9 +386,9 @@ class Logits:
     stream: StreamName = field(default="compute", init=False)
 
 
-Op = (Copy | Record | Wait | Gather | GatherBatch | GatherRouted | Products | RoutedExperts
-      | Consume | ChunkInput | LayerBegin | LayerEnd | Attention | DenseCopy | Logits | HandOff
-      | RouteCopies)
+Op = (Copy | Record | Wait | Gather | GatherBatch | GatherRouted | Products | LayerProducts
+      | RoutedExperts | Consume | ChunkInput | LayerBegin | LayerEnd | Attention | DenseCopy
+      | Logits | HandOff | RouteCopies)
 
 
 @dataclass(frozen=True)

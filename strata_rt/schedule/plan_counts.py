@@ -7,7 +7,16 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from ..report.stats import Stats
-from .plan import Copy, Gather, GatherBatch, GatherRouted, Op, Products, RoutedExperts
+from .plan import (
+    Copy,
+    Gather,
+    GatherBatch,
+    GatherRouted,
+    LayerProducts,
+    Op,
+    Products,
+    RoutedExperts,
+)
 
 
 def op_counts(ops: Iterable[Op]) -> dict[type, int]:
@@ -28,11 +37,13 @@ def copy_bytes(ops: Iterable[Op], layer_blob_bytes: tuple[int, ...]) -> int:
 
 def add_counts(stats: Stats, counts: dict[type, int], copied: int) -> None:
     """The counters a plan's ops add: every Copy streams one blob (`copied` bytes in all),
-    every gather op is one launch, every Products and RoutedExperts two matmul launches
-    (gate/up and down)."""
+    every gather op is one launch, every Products, LayerProducts and RoutedExperts two matmul
+    launches (gate/up and down; a LayerProducts' two cover its whole layer, where its parts
+    would have launched two per group)."""
     copies = counts.get(Copy, 0)
     stats.experts_streamed += copies
     stats.bytes_streamed += copied
     stats.gathers_launched += (counts.get(Gather, 0) + counts.get(GatherBatch, 0)
                                + counts.get(GatherRouted, 0))
-    stats.mmq_launches += 2 * (counts.get(Products, 0) + counts.get(RoutedExperts, 0))
+    stats.mmq_launches += 2 * (counts.get(Products, 0) + counts.get(LayerProducts, 0)
+                               + counts.get(RoutedExperts, 0))

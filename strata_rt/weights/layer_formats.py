@@ -84,6 +84,11 @@ class LayerFormats:
         """Whether every layer's blobs are plain byte ranges (batched gathers allowed)."""
         return all(f.native for f in self.formats)
 
+    def offers_mmq_table(self, layer: int) -> bool:
+        """Whether the layer's format runs a whole resident layer's products over a table of
+        slot addresses (QuantFormat.offers_mmq_table; strata_rt.schedule.layer_products)."""
+        return self.formats[layer].offers_mmq_table()
+
     @property
     def in_place_format(self) -> QuantFormat:
         """The layer format that reads experts in place for the fewest rows: what decides for

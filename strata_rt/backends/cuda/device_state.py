@@ -14,6 +14,7 @@ import numpy as np
 from ...schedule.memory_plan import lane_buffers
 from ...schedule.plan import LANES
 from .chunk_input import InputPass
+from .table_rows import TableRows
 
 if TYPE_CHECKING:
     from ...formats.contract import ExpertLayout, FormatKernels
@@ -54,6 +55,8 @@ class DeviceState:
         self.routed = rt.event("routed")
         self.fork = rt.event("walk fork")
         self.join = rt.event("walk join")
+        #: the rows of the products table (a LayerProducts' blob addresses) written so far
+        self.products_rows = TableRows()
         self._rt = rt
         self._events: dict[tuple[str, int], Event] = {}
         self._routing_into: np.ndarray | None = None

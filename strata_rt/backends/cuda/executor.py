@@ -10,9 +10,9 @@ reads each layer's row bounds back on a stream of their own; the walk's kernels 
 the device, so the driver can capture the whole walk as a CUDA graph (`capture`; a routed
 walk's copies switched inside it: routed_walk). The chunk's input passes a gate its host pass
 opens (chunk_input): hidden states, or token ids whose embedding rows the GPU decodes. A
-second compute lane (schedule.lanes) brings its own stream and group buffers. Short chunks read
-resident groups in place (schedule.in_place); a decode step's RoutedExperts reads its experts
-where they lie (routed_experts). A layer split's part (split_part) runs its hand-off ops."""
+second compute lane (schedule.lanes) has its own stream and group buffers. Short chunks read
+resident groups in place (schedule.in_place; a whole layer at once: products); a decode step's
+RoutedExperts reads experts where they lie (routed_experts); split parts hand off (split_part)."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ from .context import CudaContext
 from .device_open import open_device
 from .device_state import DeviceState
 from .layer_kernels import ENGINE_SOURCE, LayerKernels
-from .products import run_products
+from .products import product_ops
 from .routed_experts import RoutedExpertsRunner
 from .routed_walk import RoutedWalkCopies
 from .split_part import PartLink, PartReplay, capture_plan
@@ -160,7 +160,7 @@ class CudaBackend:
             Copy: self._op_copy, Record: self._op_record, Wait: self._op_wait,
             Gather: self._op_gather, GatherBatch: self._op_gather_batch,
             GatherRouted: self._op_gather_routed, Consume: _no_op,
-            Products: lambda op: run_products(self, op), RoutedExperts: self._routed.run,
+            RoutedExperts: self._routed.run, **product_ops(self),
             ChunkInput: self._op_chunk_input, LayerBegin: self._op_layer_begin,
             LayerEnd: self._op_layer_end, Attention: self._op_attention,
             DenseCopy: self._op_dense_copy, Logits: self._op_logits, HandOff: self._op_handoff,

@@ -6,20 +6,19 @@ The kernels index a device table of blob addresses by expert id (the `expert_tab
 one uint64 per expert of every layer this backend runs), since the routed set never reaches
 the host. A layer's row is written from the op's sources the first time they are seen (a
 resident slot's address, or the pinned host store's device-mapped address plus the expert's
-offset) by a copy on the compute stream ahead of the launches; the driver runs a plan plainly
-before it captures it, so every row is in place (and every kernel module loaded, which the
-launchers do on first use) before a capture, which then holds the launches alone. Its own
-module to keep the executor to dispatch."""
+offset) by a copy on the compute stream ahead of the launches (table_rows); the driver runs a
+plan plainly before it captures it, so every row is in place (and every kernel module loaded,
+which the launchers do on first use) before a capture, which then holds the launches alone.
+Its own module to keep the executor to dispatch."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
-import numpy as np
-
 from ...errors import StrataError
 from ...schedule.memory_plan import EXPERT_TABLE_ENTRY
 from ...schedule.plan import HOST, RESIDENT, RoutedExperts, Source
+from .table_rows import TableRows
 
 if TYPE_CHECKING:
     from ...formats.contract import ExpertLayout, FormatKernels
@@ -55,8 +54,8 @@ class RoutedExpertsRunner:
 
     def __init__(self, backend: RoutedHost):
         self.b = backend
-        #: per layer: the row's host copy (kept while the copy may read it) and its sources
-        self._rows: dict[int, tuple[tuple[Source, ...], np.ndarray]] = {}
+        #: per layer: the sources its row was written from, and the row's host copy
+        self.rows = TableRows()
 
     def address(self, layer: int, expert: int, src: Source) -> int:
         """The device address of an expert's blob at `src` (a resident slot or the host
@@ -78,12 +77,8 @@ class RoutedExpertsRunner:
             raise StrataError(f"RoutedExperts(layer {op.layer}) names {len(op.sources)} sources "
                               f"for {E} experts")
         ptr = dev.ptr["expert_table"] + at * E * EXPERT_TABLE_ENTRY
-        held = self._rows.get(op.layer)
-        if held is None or held[0] != op.sources:
-            row = np.array([self.address(op.layer, e, s) for e, s in enumerate(op.sources)],
-                           np.uint64)
-            b.rt.memcpy_htod(ptr, row, dev.compute)
-            self._rows[op.layer] = (op.sources, row)
+        self.rows.write(b.rt, dev.compute, op.layer, ptr, op.sources, lambda: [
+            self.address(op.layer, e, s) for e, s in enumerate(op.sources)])
         return ptr
 
     def run(self, op: RoutedExperts) -> None:

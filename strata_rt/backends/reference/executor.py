@@ -8,9 +8,9 @@ gives wrong numbers here too, so this backend also tests what the planners emit.
 
 Arithmetic: routing in float32 (RMSNorm, router logits, softmax, top-k with ties to the lower
 id, renormalised weights); gate/up and down through `fmt.mmq_reference` on activations from
-`fmt.prepare_activations` (a RoutedExperts: its groups' products); SwiGLU in float32,
-re-quantized for down; the combine in float32 in top-k order (descending probability);
-residual add in float32. Every RMSNorm's input is checked first (NaN, infinity, or a mean
+`fmt.prepare_activations` (a RoutedExperts or LayerProducts: its groups' products); SwiGLU in
+float32, re-quantized for down; the combine in float32 in top-k order (descending
+probability); residual add in float32. Every RMSNorm's input is checked first (NaN, infinity, or a mean
 square that overflows and would normalise the row to zeros), and so are the router's softmax
 and the residual after each attention and MoE block: a value that left float32's range is a
 NonFiniteError naming the layer and the row.
@@ -52,6 +52,7 @@ from ...schedule.plan import (
     InputKind,
     LayerBegin,
     LayerEnd,
+    LayerProducts,
     Logits,
     Op,
     Products,
@@ -258,8 +259,8 @@ class ReferenceBackend:
             elif isinstance(op, Products):
                 self._products(op)
                 phase = "products"
-            elif isinstance(op, RoutedExperts):  # the same experts and rows, group by group
-                self._execute_ops(op.stands_for(), h, stats)
+            elif isinstance(op, RoutedExperts | LayerProducts):  # the same experts and rows,
+                self._execute_ops(op.stands_for(), h, stats)  # group by group
                 continue
             elif isinstance(op, LayerBegin):
                 if self._state is None or self._state.layer != op.layer:

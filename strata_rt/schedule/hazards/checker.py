@@ -25,14 +25,15 @@ with their index in the chunk's op list):
 - Products reading a position of its lane's group buffers that does not hold the expert it
   names (each lane has its own set: an expert gathered on another lane is not there), or an
   image-cache block that does not hold its layer's group (or holds a non-resident expert), or
-  resident slots read in place that do not hold its experts, and a RoutedExperts whose sources
-  are not where its layer's experts lie, or beside other products of its layer
-  (strata_rt.schedule.hazards.sources);
-- (compute lanes) a Products, RoutedExperts or GatherRouted off the first lane, reading its layer's routing,
-  that its layer's LayerBegin does not happen before (no Wait on a lane_fork recorded after
-  it), or that no LayerBegin of its layer precedes; a LayerEnd combining rows that a Products
-  of its layer on another lane may still write (no lane_join waited on); a Products after its
-  layer's LayerEnd, whose rows the combine never reads;
+  resident slots read in place that do not hold its experts, a LayerProducts (checked as its
+  in-place parts) whose parts do not cover its layer's experts once each, and a RoutedExperts
+  whose sources are not where its layer's experts lie, or either beside other products of its
+  layer (strata_rt.schedule.hazards.sources);
+- (compute lanes) a Products, LayerProducts, RoutedExperts or GatherRouted off the first lane,
+  reading its layer's routing, that its layer's LayerBegin does not happen before (no Wait on
+  a lane_fork recorded after it), or that no LayerBegin of its layer precedes; a LayerEnd
+  combining rows that a Products of its layer on another lane may still write (no lane_join
+  waited on); a Products after its layer's LayerEnd, whose rows the combine never reads;
 - a HandOff or hand-off event fed to one device's checker alone (schedule/split/hazards.py);
 - (a routed walk) a routed Copy not ordered after the RouteCopies that switched it, and a
   plain gather reading a routed copy's slot (strata_rt.schedule.hazards.routed_copies);
@@ -67,6 +68,7 @@ from ..plan import (
     LayerBegin,
     LayerEnd,
     LayerPlan,
+    LayerProducts,
     Op,
     Products,
     Record,
@@ -201,7 +203,7 @@ class Checker:
                     self._reads_routing(i, op, g.layer, now)
                 self._gather(i, g, now, f"op #{i} {describe(op)} member {describe(g)}",
                              f"{describe(g)} in {describe(op)}", host_ok=routed)
-        elif isinstance(op, Products | RoutedExperts):
+        elif isinstance(op, Products | LayerProducts | RoutedExperts):
             self._products(i, op, self._launch(i, op))
         elif isinstance(op, Consume):
             self._consume(i, op, readers)
@@ -257,8 +259,8 @@ class Checker:
             self._fail(f"op #{i} {describe(op)}: stream must be one of {', '.join(_STREAMS)} "
                        "(an event orders GPU streams; host bookkeeping runs on none)")
 
-    def _launch(self, i: int, op: Gather | GatherBatch | GatherRouted | Products | RoutedExperts
-                ) -> Clock:
+    def _launch(self, i: int, op: Gather | GatherBatch | GatherRouted | Products
+                | LayerProducts | RoutedExperts) -> Clock:
         """Ticks the lane the launch names, which must be a compute lane."""
         if op.stream not in LANES:
             self._fail(f"op #{i} {describe(op)}: gathers and products run on a compute "
@@ -276,8 +278,8 @@ class Checker:
                        f"{g.stream}, not the launch's {op.stream}: one launch fills one "
                        "lane's group buffers, so every member must name that lane")
 
-    def _reads_routing(self, i: int, op: GatherRouted | Products | RoutedExperts, layer: int,
-                       now: Clock) -> None:
+    def _reads_routing(self, i: int, op: GatherRouted | Products | LayerProducts
+                       | RoutedExperts, layer: int, now: Clock) -> None:
         """An op reading layer `layer`'s routing (bounds, quantized activations) off the main
         lane must be ordered after the layer's LayerBegin (on the main lane it is, by stream
         order; there a missing LayerBegin is left to the executor, as it always was)."""
@@ -395,7 +397,8 @@ class Checker:
         """Into the group buffers of the gather's lane (the launch checked it is one)."""
         self.buffers[g.stream][g.pos] = (g.layer, g.group, g.expert, i)
 
-    def _products(self, i: int, op: Products | RoutedExperts, now: Clock) -> None:
+    def _products(self, i: int, op: Products | LayerProducts | RoutedExperts,
+                  now: Clock) -> None:
         if op.layer in self.ended:
             self._fail(f"layer {op.layer}: op #{i} {describe(op)} runs after op "
                        f"#{self.ended[op.layer]} LayerEnd(layer {op.layer}), whose combine "
@@ -404,8 +407,8 @@ class Checker:
         self._check(products_problem(i, op, self.multiplied.get(op.layer, []), self.residency,
                                      self.images))
         self.multiplied.setdefault(op.layer, []).append((now, i, op))
-        # products reading no group buffer: a RoutedExperts, resident slots, an image block
-        if isinstance(op, RoutedExperts) or op.slots is not None or op.cached is not None:
+        # products reading no group buffer: a whole layer's, resident slots, an image block
+        if not isinstance(op, Products) or op.slots is not None or op.cached is not None:
             return
         for p, e in enumerate(op.expert_ids):
             have = self.buffers[op.stream].get(p)

@@ -28,6 +28,7 @@ from ..plan import (
     Gather,
     GatherBatch,
     GatherRouted,
+    LayerProducts,
     Op,
     Products,
     Record,
@@ -63,6 +64,10 @@ def describe(op: Op) -> str:
         return f"Products(layer {op.layer}, group {op.group}){on_lane(op.stream)}"
     if isinstance(op, RoutedExperts):
         return f"RoutedExperts(layer {op.layer}){on_lane(op.stream)}"
+    if isinstance(op, LayerProducts):
+        n = sum(len(p.expert_ids) for p in op.parts)
+        return (f"LayerProducts(layer {op.layer}, {len(op.parts)} parts, {n} experts)"
+                f"{on_lane(op.stream)}")
     if isinstance(op, Record | Wait):
         return f"{type(op).__name__}({op.event[0]}[{op.event[1]}]) on {op.stream}"
     if isinstance(op, DenseCopy):

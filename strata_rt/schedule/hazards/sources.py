@@ -1,13 +1,15 @@
 """What the hazard checker (strata_rt.schedule.hazards) asks of products that read no group
 buffer: an image-cache block (Products.cached), resident slots read in place (Products.slots),
-or a RoutedExperts reading every expert of its layer where it lies (a resident slot or the host
-store).
+a LayerProducts reading every expert of its layer in place (checked as its parts, which must
+cover the layer's experts once each), or a RoutedExperts reading every expert of its layer
+where it lies (a resident slot or the host store).
 
 None of these sources is written during a chunk (image blocks and resident slots are filled
 once at open, the host store never), so no stream order protects them; what can go wrong is
 reading the wrong bytes: a block or a slot that holds another layer's or another expert's
 weights, an expert that is not resident at all, or a ring slot no Copy fed. A RoutedExperts
-also writes every routed row of its layer, so no other products of that layer may write them.
+or a LayerProducts also writes every routed row of its layer, so no other products of that
+layer may write them.
 Each check returns the problem as text (None when there is none), and the checker raises it
 with the op's index.
 """
@@ -18,7 +20,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from ...formats.contract import MMQ_GROUP
-from ..plan import HOST, RESIDENT, Products, RoutedExperts
+from ..plan import HOST, RESIDENT, LayerProducts, Products, RoutedExperts
 from .messages import describe
 
 if TYPE_CHECKING:
@@ -27,20 +29,24 @@ if TYPE_CHECKING:
     from .messages import Clock
 
 #: a layer's products the checker saw before its combine: (clock, op index, op)
-Multiplied = list[tuple["Clock", int, "Products | RoutedExperts"]]
+Multiplied = list[tuple["Clock", int, "Products | LayerProducts | RoutedExperts"]]
+_WHOLE = (LayerProducts, RoutedExperts)
 
 
-def products_problem(i: int, op: Products | RoutedExperts, earlier: Multiplied,
+def products_problem(i: int, op: Products | LayerProducts | RoutedExperts, earlier: Multiplied,
                      residency: Residency | None, images: ImageCache | None) -> str | None:
     """The checks of this module that apply to op; earlier: the products of op's layer
     issued before it."""
     for _, j, p in earlier:
-        if isinstance(p, RoutedExperts) or isinstance(op, RoutedExperts):
+        if isinstance(p, _WHOLE) or isinstance(op, _WHOLE):
+            whole = p if isinstance(p, _WHOLE) else op
             return (f"layer {op.layer}: op #{i} {describe(op)} and op #{j} {describe(p)} both "
-                    "write the layer's routed rows (a RoutedExperts computes every expert of "
-                    "its layer: no other products of the layer belong beside it)")
+                    f"write the layer's routed rows (a {type(whole).__name__} computes every "
+                    "expert of its layer: no other products of the layer belong beside it)")
     if isinstance(op, RoutedExperts):
         return routed_problem(i, op, residency)
+    if isinstance(op, LayerProducts):
+        return layer_problem(i, op, residency)
     if op.slots is not None:
         return in_place_problem(i, op, op.slots, residency)
     if op.cached is not None:
@@ -67,6 +73,37 @@ def routed_problem(i: int, op: RoutedExperts, residency: Residency | None) -> st
         if kind == HOST and have is not None:
             return (f"{what} reads expert {e} of layer {op.layer} from the host store, but it "
                     f"resides in slot {have}")
+    return None
+
+
+def layer_problem(i: int, op: LayerProducts, residency: Residency | None) -> str | None:
+    """Its parts, in-place Products of its layer, name experts 0..n-1 once each (n: the
+    residency's experts per layer, else as many as they name), and each part passes the
+    checks of an in-place Products."""
+    what = f"op #{i} {describe(op)}"
+    seen: dict[int, int] = {}
+    for n, part in enumerate(op.stands_for()):
+        if part.layer != op.layer or part.slots is None or part.cached is not None:
+            return (f"{what}: part {n} {describe(part)} is no in-place Products of layer "
+                    f"{op.layer} (each part reads its layer's resident slots, named by slots=)")
+        for e in part.expert_ids:
+            if e in seen:
+                return (f"{what} names expert {e} twice (parts {seen[e]} and {n}): it would "
+                        "write the expert's rows twice")
+            seen[e] = n
+    n_experts = len(seen) if residency is None else residency.mask().shape[1]
+    missing = sorted(set(range(n_experts)) - set(seen))
+    extra = sorted(set(seen) - set(range(n_experts)))
+    if missing or extra:
+        why = (f"experts {missing} left out" if missing else
+               f"experts {extra} outside the layer's {n_experts}")
+        return (f"{what} does not cover every expert of its layer (0..{n_experts - 1}) once: "
+                f"{why} (it stands for the whole layer's products; a partly resident layer "
+                "keeps its per-group Products)")
+    for n, part in enumerate(op.stands_for()):
+        problem = in_place_problem(i, part, part.slots or (), residency)
+        if problem is not None:
+            return f"{problem} (part {n} of {describe(op)})"
     return None
 
 
