@@ -24,7 +24,8 @@ __device__ __forceinline__ void require_dynamic_smem(unsigned bytes) {
 // copy the ids to local memory.
 struct GroupedBlock { int row_tile, weight_tile, pos, expert; };
 
-__device__ __forceinline__ GroupedBlock grouped_block(const Ids16& ids) {
+// The block's row tile, weight tile and grid y position (pos), expert unset (-1).
+__device__ __forceinline__ GroupedBlock block_order() {
     const unsigned gx = gridDim.x, gz = gridDim.z;
     const unsigned lin = blockIdx.x + gx * (blockIdx.y + gridDim.y * blockIdx.z);
     GroupedBlock b;
@@ -32,6 +33,11 @@ __device__ __forceinline__ GroupedBlock grouped_block(const Ids16& ids) {
     b.weight_tile = (lin / gz) % gx;
     b.pos = lin / (gz * gx);
     b.expert = -1;
+    return b;
+}
+
+__device__ __forceinline__ GroupedBlock grouped_block(const Ids16& ids) {
+    GroupedBlock b = block_order();
 #pragma unroll
     for (int i = 0; i < 16; ++i) b.expert = i == b.pos ? ids.v[i] : b.expert;
     return b;
@@ -40,12 +46,7 @@ __device__ __forceinline__ GroupedBlock grouped_block(const Ids16& ids) {
 // One block of a table product (grid = weight tiles x the layer's experts x row tiles): the
 // block order of grouped_block, the expert e = the grid's y position (pos = expert = e).
 __device__ __forceinline__ GroupedBlock table_block() {
-    const unsigned gx = gridDim.x, gz = gridDim.z;
-    const unsigned lin = blockIdx.x + gx * (blockIdx.y + gridDim.y * blockIdx.z);
-    GroupedBlock b;
-    b.row_tile = lin % gz;
-    b.weight_tile = (lin / gz) % gx;
-    b.pos = lin / (gz * gx);
+    GroupedBlock b = block_order();
     b.expert = b.pos;
     return b;
 }
