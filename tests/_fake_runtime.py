@@ -149,7 +149,11 @@ class FakeRuntime:
         #: how often current() made this runtime's context current, and whether it is now
         self.activations, self.active = 0, False
         self.portable: list[bool] = []
-        #: the host arenas asked for (the expert store's: filled, then registered)
+        #: (sizes, arena) of every pinned allocation, in order (under store_memory "alloc" the
+        #: host stores' too: one region "store" each)
+        self.pinned_arenas: list[tuple[dict[str, int], FakeArena]] = []
+        #: the host arenas asked for (the expert store's, the streamed dense layers': filled,
+        #: then registered)
         self.host_arenas: list[FakeHostArena] = []
         #: (source address, bytes, stream name) of every device -> host copy
         self.dtoh: list[tuple[int, int, str]] = []
@@ -177,7 +181,8 @@ class FakeRuntime:
 
     def pinned(self, sizes, portable=False):
         self.portable.append(portable)
-        return FakeArena(sizes)
+        self.pinned_arenas.append((dict(sizes), FakeArena(sizes)))
+        return self.pinned_arenas[-1][1]
 
     def host_arena(self, nbytes, what="host memory"):
         self.host_arenas.append(FakeHostArena(self, nbytes, what))

@@ -260,6 +260,83 @@ def test_whole_model_control_flow_on_fake_runtime(fake, monkeypatch, dense, fixe
             eng.prefill(np.zeros(2000, np.int64))
 
 
+def _whole_spec():
+    from strata_rt.models.qwen3 import Qwen3Spec
+
+    return Qwen3Spec(n_layers=SMALL_SPEC.n_layers, hidden=SMALL_SPEC.hidden, n_heads=8,
+                     n_kv_heads=2, head_dim=64, vocab=1000, ffn=SMALL_SPEC.ffn,
+                     n_experts=SMALL_SPEC.n_experts, top_k=SMALL_SPEC.top_k, context=4096)
+
+
+@pytest.mark.parametrize("store_memory", ["alloc", "register"])
+def test_streamed_dense_layers_are_page_locked_as_store_memory_says(fake, monkeypatch,
+                                                                   store_memory,
+                                                                   fixed_walk_rule):
+    """A whole model's streamed dense layers wait in host memory the context lends, as the
+    expert store does: under "register" an arena for them, unregistered while their images
+    are written and registered once afterwards (in the runtime's context); under "alloc" one
+    pinned allocation of n_layers x slot bytes and no arena. Each DenseCopy reads its layer's
+    own slot image out of that memory, in both cases."""
+    from _fake_runtime import NullCublas
+
+    import strata_rt.backends.cuda.dense.host_store as hs
+    import strata_rt.backends.cuda.dense.kernels as dk
+    from strata_rt.backends.cuda.dense.slots import dense_slot_bytes
+    from strata_rt.models.qwen3 import Qwen3Model
+    from strata_rt.models.qwen3.whole_memory import DenseLayout, DenseTypes
+
+    monkeypatch.setattr(dk, "Cublas", NullCublas)
+    spec = _whole_spec()
+    whole = Qwen3Model.synthetic(spec, 3, "iq3_xxs")
+    lay = DenseLayout.of(spec, DenseTypes.of_model(whole))
+    L, slot_bytes = spec.n_layers, lay.slot_bytes
+    images = [dense_slot_bytes(whole, i, s).tobytes() for i, s in enumerate(lay.slots)]
+    #: at each layer's image: the registrations of the dense arenas made so far
+    seen: list[list[int]] = []
+
+    def watched(w, layer, slot):
+        seen.append([a.registered for a in fake["rt"].host_arenas if a.what == hs.WHAT])
+        return dense_slot_bytes(w, layer, slot)
+
+    monkeypatch.setattr(hs, "dense_slot_bytes", watched)
+    cfg = EngineConfig(model=whole, backend="cuda", expert_cache=spec.n_experts, timing=False,
+                       dense="stream", context=2048, prefill=512, store_memory=store_memory)
+    with Engine.open(cfg) as eng:
+        rt = fake["rt"]
+        assert eng.backend.dense_ring == 2
+        dense_alloc = [a for sizes, a in rt.pinned_arenas if sizes == {"store": L * slot_bytes}]
+        if store_memory == "register":
+            assert [a.what for a in rt.host_arenas] == ["the expert store", hs.WHAT]
+            arena = rt.host_arenas[1]
+            assert seen == [[0]] * L  # written while not page-locked
+            assert arena.registered == 1 and arena.registered_current
+            assert arena.nbytes == L * slot_bytes and not dense_alloc
+            assert arena.registered_bytes is not None
+            rows = np.frombuffer(arena.registered_bytes, np.uint8).reshape(L, slot_bytes)
+            assert [rows[i, : len(b)].tobytes() for i, b in enumerate(images)] == images
+            memory = arena.array
+        else:
+            assert not rt.host_arenas and seen == [[]] * L
+            (pinned,) = dense_alloc
+            assert rt.portable == [False] * len(rt.portable)  # one device: not portable
+            memory = pinned.view("store")
+        base = rt.region("dense")
+        rt.tokens = 700
+        rt.htod.clear()
+        eng.prefill(np.arange(700) % spec.vocab)
+        copies = [(dst, host) for dst, host, _ in rt.htod if base <= dst < base + 2 * slot_bytes]
+        assert len(copies) >= 2 * L  # every layer in each of the two chunks
+        layers = []
+        for dst, host in copies:
+            assert np.shares_memory(host, memory)
+            at = host.ctypes.data - memory.ctypes.data
+            layer = at // slot_bytes
+            assert at % slot_bytes == 0 and dst == base + (layer % 2) * slot_bytes
+            assert host.tobytes() == images[layer]
+            layers.append(layer)
+        assert sorted(set(layers)) == list(range(L))
+
+
 def test_chunk_input_waits_at_the_gate(fake, fixed_walk_rule):
     """Every chunk's upload is enqueued behind the input gate before any kernel reads the
     hidden states (staging ring and walk); every pass opens the gate, a refused input's

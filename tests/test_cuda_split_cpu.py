@@ -3,7 +3,8 @@
 HandOff is a device copy of the sender's residual on its compute stream; the hand-off events
 are recorded by their owner and waited on by the other part; a sender reads nothing of its
 residual back; a captured plan runs its hand-off ops live around the graph; two GPUs open two
-runtimes over one portable store. The same split on a GPU: tests/test_cuda_split_gpu.py."""
+runtimes over one portable store, and the first context holds each part's streamed dense
+layers too. The same split on a GPU: tests/test_cuda_split_gpu.py."""
 
 from __future__ import annotations
 
@@ -135,6 +136,59 @@ def test_two_gpus_open_two_runtimes_over_a_portable_store(fake, fixed_walk_rule,
         assert copy[4] == 0 and copy[3] == "compute"  # read from device 0, on device 1
         assert not rts[0].peer_copies
     assert all(r.closed for r in rts)
+
+
+@pytest.mark.parametrize("store_memory", ["alloc", "register"])
+def test_two_gpus_stream_each_parts_dense_layers_from_the_first_context(fake, monkeypatch,
+                                                                        fixed_walk_rule,
+                                                                        store_memory):
+    """A whole model over two GPUs with streamed dense layers: each part's dense store is host
+    memory of the first context as the expert store is (registered once after its fill, or
+    allocated portable), and each part's DenseCopy reads its own layers' slot images."""
+    from test_cuda_engine_cpu import _RecordingCublas
+
+    import strata_rt.backends.cuda.dense.kernels as dk
+    import strata_rt.backends.cuda.executor as ex
+    from strata_rt.backends.cuda.dense.host_store import WHAT
+    from strata_rt.backends.cuda.dense.slots import dense_slot_bytes
+
+    monkeypatch.setattr(dk, "Cublas", _RecordingCublas)
+    monkeypatch.setattr(ex, "host_device_pointer", lambda host: 1 << 40)  # no driver here
+    spec = Qwen3Spec(n_layers=SMALL_SPEC.n_layers, hidden=H, n_heads=8, n_kv_heads=2,
+                     head_dim=64, vocab=1000, ffn=SMALL_SPEC.ffn,
+                     n_experts=SMALL_SPEC.n_experts, top_k=SMALL_SPEC.top_k, context=4096)
+    whole = Qwen3Model.synthetic(spec, 3, "iq3_xxs")
+    cfg = EngineConfig(model=whole, backend="cuda", devices=[0, 1], dense="stream",
+                       expert_cache=spec.n_experts, check_plan=True, timing=False,
+                       context=1024, prefill=256, store_memory=store_memory)
+    with Engine.open(cfg) as eng:
+        rts = fake["rts"]
+        parts = eng.backend.backends
+        assert not rts[1].host_arenas and all(b._whole.streamed for b in parts)
+        if store_memory == "register":
+            assert [a.what for a in rts[0].host_arenas] == ["the expert store", WHAT, WHAT]
+            assert [a.registered for a in rts[0].host_arenas] == [1, 1, 1]
+            memory = [a.array for a in rts[0].host_arenas[1:]]
+        else:  # every store of the first context portable: both contexts copy from them
+            stores = [a for sizes, a in rts[0].pinned_arenas if list(sizes) == ["store"]]
+            assert len(stores) == 3 and not rts[0].host_arenas
+            assert [p for p, (sizes, _) in zip(rts[0].portable, rts[0].pinned_arenas)
+                    if list(sizes) == ["store"]] == [True] * 3
+            memory = [a.view("store") for a in stores[1:]]
+        for rt in rts:
+            rt.tokens = 300
+            rt.htod.clear()
+        eng.prefill(np.arange(300) % spec.vocab)
+        for b, rt, mem in zip(parts, rts, memory):
+            w = b._whole
+            base, slot_bytes = b.dev.ptr["dense"], w.layout.slot_bytes
+            copies = [h for dst, h, _ in rt.htod if base <= dst < base + 2 * slot_bytes]
+            assert all(np.shares_memory(h, mem) for h in copies)
+            layers = [(h.ctypes.data - mem.ctypes.data) // slot_bytes for h in copies]
+            assert sorted(set(layers)) == list(range(w.n_layers))  # the part's own layers
+            for h, i in zip(copies, layers):
+                want = dense_slot_bytes(whole, b.first + i, w.layout.slots[i])
+                assert h.tobytes() == want.tobytes()
 
 
 def test_a_device_named_twice_needs_the_test_switch(fake):

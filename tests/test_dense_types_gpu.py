@@ -3,7 +3,8 @@ strata_rt/backends/cuda/whole.py): the fp16 Wqkv, Wo and head slices decoded on 
 byte for byte, the fp16 matrices the host uploaded before the weights kept their types; and a
 whole model gives the same logits and greedy tokens, byte for byte, as the same model with those
 fp16 matrices stored as F16 (which the GEMMs read in place, as they read the fp16 slots and
-head before): resident and streamed, both dense GEMMs, the head in one slice and in many.
+head before): resident and streamed, both dense GEMMs, the head in one slice and in many; the
+streamed layers' host store under both store_memory settings.
 
 Run: python -m pytest -q -m gpu tests/test_dense_types_gpu.py
 """
@@ -120,3 +121,14 @@ def test_streamed_dense_and_a_head_in_many_slices(monkeypatch):
     _same(_run(model, dense="stream"), want)
     monkeypatch.setattr(dense_decode, "HEAD_SLICE_ROWS", 256)
     _same(_run(model), want)
+
+
+@pytest.mark.parametrize("store_memory", ["alloc", "register"])
+def test_streamed_dense_bytes_whatever_store_memory(store_memory, monkeypatch):
+    """The streamed layers' host store page-locked either way (store_memory: one
+    cuMemHostAlloc, or filled then registered): each layer's copies bring the bytes of the
+    resident run, so the logits and tokens are the resident run's, byte for byte."""
+    monkeypatch.setenv("STRATA_DENSE_GEMM", "own")
+    model = dense_model(SPEC, 8, MIXED, "Q4_K")
+    want = _run(model, store_memory=store_memory)
+    _same(_run(model, dense="stream", store_memory=store_memory), want)

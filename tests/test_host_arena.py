@@ -1,8 +1,10 @@
-"""The expert store's host memory on the CPU, with a fake driver: real anonymous memory
+"""The host stores' memory on the CPU, with a fake driver: real anonymous memory
 (strata_rt.runtime.host_arena), page-locked by a recording stand-in for cuMemHostRegister.
-The store is registered exactly once, after its fill, as PORTABLE | DEVICEMAP memory, and
-unregistered when its context closes; a refused registration is a BudgetError naming the
-size. The same on a device: tests/test_host_arena_gpu.py."""
+The expert store is registered exactly once, after its fill, as PORTABLE | DEVICEMAP memory,
+and unregistered when its context closes; a refused registration is a BudgetError naming the
+size. The streamed dense layers' store (backends/cuda/dense/host_store.py) follows the same
+setting: registered once after its fill, or one page-locked allocation. The same on a
+device: tests/test_host_arena_gpu.py."""
 
 from __future__ import annotations
 
@@ -217,6 +219,80 @@ def test_store_memory_alloc_page_locks_first_and_registers_nothing(context, driv
     assert store.arena.tobytes() == ExpertStore(model).arena.tobytes()
     assert rt.pinned_calls == [({"store": store.nbytes}, False, True)]  # in its context
     assert driver.calls == [] and rt.owned == []  # no mapping, nothing registered
+
+
+def test_host_pin_locks_the_arena_it_is_given_and_names_it(context, driver, caplog):
+    """host_alloc hands out one arena per store, each named for what it holds; host_pin
+    registers the one whose array it is given, once, and logs its size and seconds."""
+    ctx, rt = context
+    experts = ctx.host_alloc(3 * HUGE_PAGE)
+    dense = ctx.host_alloc(HUGE_PAGE + 7, "the streamed dense layers")
+    assert [a.what for a in ctx._arenas] == ["the expert store", "the streamed dense layers"]
+    dense[:] = 5
+    with caplog.at_level("INFO", logger="strata_rt.backends.cuda.context"):
+        ctx.host_pin(dense)
+    ((call, ptr, size, flags),) = driver.calls
+    assert (call, ptr, size) == ("register", dense.ctypes.data, 2 * HUGE_PAGE)
+    assert flags == host_arena.REGISTER_FLAGS and driver.current == [True]
+    assert driver.seen is not None and set(driver.seen[: dense.size]) == {5}
+    assert "page-locked 4.0 MiB of host memory for the streamed dense layers in" in caplog.text
+    assert [a.registered for a in ctx._arenas] == [False, True]
+    ctx.host_pin(experts)
+    assert [c[1] for c in driver.calls] == [dense.ctypes.data, experts.ctypes.data]
+    with pytest.raises(StrataError, match="registered twice"):
+        ctx.host_pin(dense)
+
+
+@pytest.fixture(scope="module")
+def whole():
+    from strata_rt.models.qwen3 import Qwen3Model, Qwen3Spec
+
+    spec = Qwen3Spec(n_layers=3, hidden=256, n_heads=4, n_kv_heads=2, head_dim=32, vocab=300,
+                     ffn=256, n_experts=8, top_k=2, context=256)
+    return Qwen3Model.synthetic(spec, 5, "iq3_xxs")
+
+
+@pytest.mark.parametrize("context", ["alloc", "register"], indirect=True)
+def test_the_dense_host_store_follows_store_memory(context, driver, whole, monkeypatch,
+                                                   caplog):
+    """The streamed dense layers' store (dense.host_store) of a part's layers 1 and 2:
+    "register", an arena the fill writes unregistered and that is registered once after it,
+    holding each layer's slot image at the start of its row; "alloc", one page-locked
+    allocation in the runtime's context, nothing registered. Either way the copies' source
+    rows are those bytes."""
+    import strata_rt.backends.cuda.dense.host_store as hs
+    from strata_rt.backends.cuda.dense.slots import dense_slot_bytes
+    from strata_rt.models.qwen3.whole_memory import DenseLayout, DenseTypes
+
+    ctx, rt = context
+    spec = whole.spec
+    layout = DenseLayout.of(spec, DenseTypes.of_model(whole))
+    part = DenseLayout(layout.slots[1:], layout.head_type)  # layers 1 and 2
+    images = [dense_slot_bytes(whole, 1 + i, s).tobytes() for i, s in enumerate(part.slots)]
+    calls_at_fill: list[int] = []
+
+    def watched(w, layer, slot):
+        calls_at_fill.append(len(driver.calls))
+        return dense_slot_bytes(w, layer, slot)
+
+    monkeypatch.setattr(hs, "dense_slot_bytes", watched)
+    with caplog.at_level("INFO", logger="strata_rt.backends.cuda.context"):
+        store = hs.DenseHostStore(ctx, whole, 1, part)
+    n = 2 * part.slot_bytes
+    assert store.rows.shape == (2, part.slot_bytes) and store.rows.dtype == np.uint8
+    assert [store.layer(i, len(b)).tobytes() for i, b in enumerate(images)] == images
+    assert set(store.timings) == {"alloc_s", "fill_s", "pin_s"}
+    assert calls_at_fill == [0, 0]  # nothing registered while the images were written
+    if ctx.store_memory == "register":
+        (arena,) = rt.owned
+        assert arena.what == hs.WHAT and arena.registered and arena.nbytes == n
+        ((call, ptr, _, flags),) = driver.calls
+        assert call == "register" and ptr == store.rows.ctypes.data and driver.current == [True]
+        assert driver.seen is not None and driver.seen[:n] == store.rows.tobytes()
+        assert f"for {hs.WHAT} in" in caplog.text
+    else:
+        assert rt.pinned_calls == [({"store": n}, False, True)] and driver.calls == []
+        assert rt.owned == [] and f"for {hs.WHAT} (cuMemHostAlloc) in" in caplog.text
 
 
 def test_store_memory_is_an_engine_switch_resolved_once(monkeypatch):

@@ -163,7 +163,8 @@ class EngineConfig:
     #: the grouped fp16 GEMM: "auto", "cutlass" or "own" (strata_rt.gemm.cutlass_gemm.cutlass_for);
     #: None: STRATA_F16_GEMM, else auto
     f16_gemm: str | None = None
-    #: how the CUDA backend page-locks the expert store (STORE_MEMORIES): "alloc"
+    #: how the CUDA backend page-locks its host stores, the experts' and a whole model's
+    #: streamed dense layers' (STORE_MEMORIES): "alloc"
     #: (cuMemHostAlloc, then the fill) or "register" (filled first, then cuMemHostRegister);
     #: None: STRATA_STORE_MEMORY, else alloc
     store_memory: str | None = None

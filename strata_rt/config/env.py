@@ -176,10 +176,11 @@ SWITCHES: dict[str, Switch] = {
                "or one a tied head on the device holds anyway, host for an F32, F16 or BF16 "
                "one, whose rows the host only copies)."),
         Switch("STRATA_STORE_MEMORY", "choice:alloc,register",
-               "how the CUDA backend page-locks the expert store: alloc (the default: one "
-               "cuMemHostAlloc, then the fill) or register (ordinary memory filled on the host "
-               "threads, then page-locked once with cuMemHostRegister, the faster open of a "
-               "large store); both hold the same bytes and copy at the same rate."),
+               "how the CUDA backend page-locks its host stores, the expert store and a "
+               "whole model's streamed dense layers: alloc (the default: one cuMemHostAlloc "
+               "per store, then the fill) or register (ordinary memory filled on the host, "
+               "then page-locked once with cuMemHostRegister, the faster open of a large "
+               "store); both hold the same bytes and copy at the same rate."),
         Switch("STRATA_F16_GEMM", "choice:auto,cutlass,own",
                "the grouped fp16 GEMM (fp16 images: FP16, IQ3_XXS f16_gemm): auto (on sm_90 "
                "CUTLASS's wgmma kernels for launches of 96 rows per expert or more when "

@@ -7,8 +7,9 @@ before the backend exists.
 
 A layer split opens one Runtime per distinct device; a device named twice (a test's
 `devices: [0, 0]`, EngineConfig.repeat_devices) shares one Runtime, so both parts live in one
-context and their hand-off is a plain device copy. The store is page-locked as portable
-memory, which every context of the process may copy from, once it is filled (host_pin).
+context and their hand-off is a plain device copy. The host stores (the experts', and the
+streamed dense layers' of a whole model) are page-locked as portable memory, which every
+context of the process may copy from, once they are filled (host_pin).
 """
 
 from __future__ import annotations
@@ -34,12 +35,13 @@ log = logging.getLogger(__name__)
 class CudaContext:
     """The Runtimes a CUDA engine runs on (one per distinct device, in the order the split
     names them), opened before anything else so that whatever fails later (a profile file,
-    the budget) closes them, and the host memory the first lends the store."""
+    the budget) closes them, and the host memory the first lends the stores (the experts',
+    and a whole model's streamed dense layers')."""
 
     def __init__(self, devices: Sequence[int] = (0,), store_memory: str | None = None) -> None:
-        """store_memory (EngineConfig.store_memory, None: its default): "alloc", the store is
-        one cuMemHostAlloc filled afterwards; "register", ordinary memory filled first, then
-        page-locked once (host_pin)."""
+        """store_memory (EngineConfig.store_memory, None: its default), for every host store
+        host_alloc hands out: "alloc", each is one cuMemHostAlloc filled afterwards;
+        "register", ordinary memory filled first, then page-locked once (host_pin)."""
         from ...runtime import Runtime
 
         store_memory = store_memory or STORE_MEMORIES[0]
@@ -73,26 +75,31 @@ class CudaContext:
             raise StrataError(f"device {device} was not opened by this engine (opened: "
                               f"{', '.join(map(str, self._runtimes))})") from None
 
-    def host_alloc(self, nbytes: int) -> np.ndarray:
-        """The ExpertStore's memory, owned by the first runtime's context, which frees it.
-        "register": not page-locked yet, ordinary memory the store's fill allocates page by
-        page on its threads, then `host_pin` locks it (runtime.host_arena says why in that
-        order). "alloc": page-locked already (portable when several contexts copy from it)."""
+    def host_alloc(self, nbytes: int, what: str = "the expert store") -> np.ndarray:
+        """Host memory for `what` (the ExpertStore's, the streamed dense layers' store of a
+        whole model), owned by the first runtime's context, which frees it. "register": not
+        page-locked yet, ordinary memory the store's fill allocates page by page as it
+        writes, then `host_pin` locks it (runtime.host_arena says why in that order).
+        "alloc": page-locked already (portable when several contexts copy from it)."""
         rt = self.runtime()
         if self.store_memory == "alloc":
+            t0 = time.perf_counter()
             with rt.current():
                 pinned = rt.pinned({"store": nbytes}, portable=len(self._runtimes) > 1)
             self._pinned.append(pinned)
+            log.info("page-locked %s of host memory for %s (cuMemHostAlloc) in %.1f s",
+                     format_bytes(nbytes), what, time.perf_counter() - t0)
             return pinned.view("store")
-        arena = rt.host_arena(nbytes, "the expert store")
+        arena = rt.host_arena(nbytes, what)
         self._arenas.append(arena)
         assert arena.array is not None
         return arena.array
 
     def host_pin(self, host: np.ndarray) -> None:
-        """Page-locks the arena `host_alloc` returned `host` from, once it is filled: portable
-        (every context of a layer split copies from it) and mapped for the device (decode
-        kernels read non-resident experts in place). Nothing to do under "alloc"."""
+        """Page-locks the arena `host_alloc` returned `host` from (any of them: the expert
+        store's, the streamed dense layers'), once it is filled: portable (every context of a
+        layer split copies from it) and mapped for the device (decode kernels read
+        non-resident experts in place). Nothing to do under "alloc"."""
         if self.store_memory == "alloc":
             return
         arena = next((a for a in self._arenas if a.array is not None
@@ -108,7 +115,7 @@ class CudaContext:
                  format_bytes(arena.length), arena.what, time.perf_counter() - t0)
 
     def close(self) -> None:
-        """Closes the runtimes, which free the store's arena (unregistered, then unmapped):
+        """Closes the runtimes, which free the stores' arenas (unregistered, then unmapped):
         held here until then, since a runtime holds what it owns only weakly."""
         self.rt = None
         try:

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from ...schedule.split import Part
     from ...weights.model import Model
     from ...weights.store import ExpertStore
+    from .dense.host_store import HostMemory
     from .whole import CudaWhole
 
 log = logging.getLogger(__name__)
@@ -63,8 +64,11 @@ class OpenedDevice:
 
 
 def open_device(rt: Runtime, model: Model, store: ExpertStore, cfg: EngineConfig, part: Part,
-                whole: Qwen3Model | None, residency: Residency | None) -> OpenedDevice:
-    """A backend's device state on rt (current); residency None: derived from the budget."""
+                whole: Qwen3Model | None, residency: Residency | None,
+                host: HostMemory) -> OpenedDevice:
+    """A backend's device state on rt (current); residency None: derived from the budget.
+    host: the engine's host context, which lends a whole model's streamed dense layers their
+    host store as it lent the experts theirs (the same store_memory)."""
     spec, lay, fmt = model.spec, model.layout, model.fmt
     lspec, lo, hi = part_moe_spec(spec, part), part.first, part.end
     routing = cfg.routing
@@ -136,7 +140,7 @@ def open_device(rt: Runtime, model: Model, store: ExpertStore, cfg: EngineConfig
             attention, dense, argmax = cfg.decode_attention, cfg.decode_dense, cfg.decode_argmax
             assert attention and dense and argmax, "EngineConfig.resolve() sets them"
             cuda_whole = CudaWhole(rt, whole, dev.ptr, mp.regions["dense_ws"], sizing, dev.copy,
-                                   lo, attention, dense, argmax)
+                                   host, lo, attention, dense, argmax)
     except BaseException:
         dev.close()
         raise

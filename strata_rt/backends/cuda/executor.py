@@ -133,7 +133,7 @@ class CudaBackend:
         self.dev: DeviceState | None = None
         try:
             with self.current():
-                self._open(residency)
+                self._open(residency, context)
         except BaseException:
             self.close()
             raise
@@ -143,9 +143,9 @@ class CudaBackend:
         return self.rt.current()
 
     # ------------------------------------------------------------------ open
-    def _open(self, residency: Residency | None) -> None:
+    def _open(self, residency: Residency | None, context: CudaContext) -> None:
         o = open_device(self.rt, self.model, self.store, self.cfg, self.part, self.whole,
-                        residency)  # memory plan, arena, weights (device_open.py)
+                        residency, context)  # memory plan, arena, weights (device_open.py)
         self.fks, self.in_place, self.kv_capacity, self.lanes = o.fks, o.in_place, \
             o.kv_capacity, o.lanes
         self.dense_ring, self.residency, self.images = o.dense_ring, o.residency, o.images

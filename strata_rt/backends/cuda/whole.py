@@ -61,6 +61,7 @@ from .attention_decode import DecodeAttention
 from .attention_kernels import AttentionKernels
 from .attention_shapes import decode_supported
 from .dense.decode import DenseDecode, head_slices
+from .dense.host_store import DenseHostStore, HostMemory
 from .dense.kernels import DenseKernels
 from .sampling_kernels import DeviceArgmax, DeviceSampler
 
@@ -116,15 +117,16 @@ def dense_slot_bytes(whole: Qwen3Model, layer: int, slot: DenseSlot) -> np.ndarr
 class CudaWhole:
     """Runs Attention, DenseCopy and Logits ops for the CUDA executor. `ptr` maps the arena's
     regions (see whole_memory) and the MoE region it shares: `x`, the chunk's float32 residual.
-    Streamed dense weights (sizing.dense_stream) wait in a pinned host store, one slot image per
-    layer, for their DenseCopy (which copies that layer's own bytes, not the ring slot's).
+    Streamed dense weights (sizing.dense_stream) wait in a host store from `host` (the
+    context: page-locked as EngineConfig.store_memory says, dense.host_store), one slot image
+    per layer, for their DenseCopy (which copies that layer's own bytes, not the ring slot's).
     A layer split's part holds layers first.. of the model only (sizing.spec counts them,
     sizing.types holds theirs) and the head only when it is the last (sizing.head): ops name
     the model's layers, which index the part's slots and KV cache from `first`."""
 
     def __init__(self, rt: Runtime, whole: Qwen3Model, ptr: dict[str, int], ws_bytes: int,
-                 sizing: WholeSizing, stream: Stream, first: int, decode_attention: str,
-                 decode_dense: str, decode_argmax: str):
+                 sizing: WholeSizing, stream: Stream, host: HostMemory, first: int,
+                 decode_attention: str, decode_dense: str, decode_argmax: str):
         self.rt, self.whole, self.spec, self.ptr = rt, whole, whole.spec, ptr
         self.first, self.n_layers, self.has_head = first, sizing.spec.n_layers, sizing.head
         self.context = sizing.context
@@ -160,10 +162,7 @@ class CudaWhole:
         if sizing.embeds:
             self.rows = GgmlRows(rt)
             self.rows.kernel(self.embd_type)
-        self._store = None
-        if self.streamed:
-            self._store = rt.pinned({"dense": self.n_layers * self.layout.slot_bytes})
-            self._store_bytes = self._store.view("dense").reshape(self.n_layers, -1)
+        self._store = DenseHostStore(host, whole, first, self.layout) if self.streamed else None
         self._upload(stream)
         self._host = rt.pinned({"logits": LOGIT_ROWS * spec.vocab * 4, "position": 16})
         self._logits_host = self._host.view("logits", np.float32)
@@ -190,13 +189,11 @@ class CudaWhole:
 
     def _upload(self, stream: Stream) -> None:
         rt, spec, p, layout = self.rt, self.spec, self.ptr, self.layout
-        for i, slot in enumerate(layout.slots):  # i: the part's own index of the layer
-            image = dense_slot_bytes(self.whole, self.first + i, slot)
-            if self.streamed:
-                self._store_bytes[i, : slot.nbytes] = image
-                continue
-            rt.memcpy_htod(p["dense"] + layout.resident_offset(i), image, stream)
-            stream.synchronize()  # the pageable source goes away with the next layer
+        if self._store is None:  # resident layers (streamed ones wait in the filled store)
+            for i, slot in enumerate(layout.slots):  # i: the part's own index of the layer
+                image = dense_slot_bytes(self.whole, self.first + i, slot)
+                rt.memcpy_htod(p["dense"] + layout.resident_offset(i), image, stream)
+                stream.synchronize()  # the pageable source goes away with the next layer
         if self.has_head:
             d = self.whole.dense
             rt.memcpy_htod(p["head_norm"], d.output_norm.f32().astype(np.float32), stream)
@@ -250,13 +247,12 @@ class CudaWhole:
         self.position = sender.position
 
     def copy_dense(self, stream: Stream, op: DenseCopy) -> None:
-        """Layer op.layer's slot image from the pinned store into dense ring slot op.slot."""
-        if not self.streamed:
+        """Layer op.layer's slot image from the host store into dense ring slot op.slot."""
+        if self._store is None:
             raise RuntimeError("DenseCopy in a plan whose dense weights are resident")
         i = op.layer - self.first
-        nbytes = self.layout.slots[i].nbytes
         self.rt.memcpy_htod(self.ptr["dense"] + op.slot * self.layout.slot_bytes,
-                            self._store_bytes[i, :nbytes], stream)
+                            self._store.layer(i, self.layout.slots[i].nbytes), stream)
 
     def run_attention(self, stream: Stream, op: Attention, tokens: int,
                       mark: Callable[[str], None] = _no_mark) -> None:
