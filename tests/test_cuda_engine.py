@@ -457,8 +457,9 @@ def test_in_place_products_give_the_same_bytes(small_model, rng, cache, lanes,
                             compute_lanes=lanes, in_place=setting, check_plan=True)
         with Engine.open(conf) as eng:
             outs = [eng.prefill(h)[0] for h in runs]
-            in_place = [op for _, op in eng.driver.walk_plan(2048)[0].ops()
-                        if isinstance(op, Products) and op.slots is not None]
+            in_place = [part for _, op in eng.driver.walk_plan(2048)[0].ops()
+                        for part in (op.stands_for() if isinstance(op, LayerProducts) else [op])
+                        if isinstance(part, Products) and part.slots is not None]
         assert bool(in_place) == (setting == "on"), setting
         got[setting] = outs
     for setting in ("on", "auto"):

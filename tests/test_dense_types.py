@@ -12,7 +12,7 @@ from _dense_models import MATRICES, TYPES, dense_model, fp16_images, uniform
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from strata_rt.backends.cuda.dense.decode import head_slices
-from strata_rt.backends.cuda.whole import dense_slot_bytes
+from strata_rt.backends.cuda.dense.slots import dense_slot_bytes
 from strata_rt.formats.registry import registry
 from strata_rt.gemm.ggml_gather import images_reference
 from strata_rt.models.qwen3 import Qwen3Spec, write_qwen3_gguf

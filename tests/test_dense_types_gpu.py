@@ -17,7 +17,7 @@ from _dense_models import MATRICES, TYPES, as_fp16_model, dense_model, fp16_imag
 
 from strata_rt.backends.cuda.dense import decode as dense_decode
 from strata_rt.backends.cuda.dense.decode import DenseDecode, head_slices
-from strata_rt.backends.cuda.whole import dense_slot_bytes
+from strata_rt.backends.cuda.dense.slots import dense_slot_bytes
 from strata_rt.engine import Engine
 from strata_rt.models.qwen3 import Qwen3Spec
 from strata_rt.models.qwen3.whole_memory import DenseLayout, DenseTypes

@@ -3,7 +3,7 @@ launch per run of one type, rows and byte offsets where the slot holds them."""
 
 from __future__ import annotations
 
-from strata_rt.backends.cuda.whole import qkv_runs
+from strata_rt.backends.cuda.dense.slots import qkv_runs
 from strata_rt.models.qwen3.spec import QWEN3_30B_A3B as QWEN3_30B_SPEC
 from strata_rt.models.qwen3.whole_memory import DenseSlot, LayerTypes, tensor_bytes
 
