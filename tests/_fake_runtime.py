@@ -137,6 +137,23 @@ class FakeGate:
         self.is_open = False
 
 
+
+
+class NullCublas:
+    """cuBLAS for the fake runtime (dense.kernels.Cublas): GEMMs that do nothing."""
+
+    version = (0, 0, 0)
+
+    def __init__(self, workspace, workspace_bytes, owner=None):
+        pass
+
+    def gemm(self, stream, x, w, out, rows, n_out, k, out_f32, accumulate):
+        pass
+
+    def destroy(self):
+        pass
+
+
 class FakeRuntime:
     """Records what the backend enqueues; the bounds read-back returns a random routing."""
 
