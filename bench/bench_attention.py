@@ -30,7 +30,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from strata_rt.backends.cuda.attention_kernels import AttentionKernels  # noqa: E402
+from strata_rt.backends.cuda.attention.kernels import AttentionKernels  # noqa: E402
 from strata_rt.formats.numerics import nmse  # noqa: E402
 
 N_HEADS, N_KV, HD = 32, 4, 128

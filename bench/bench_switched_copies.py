@@ -24,7 +24,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from strata_rt.backends.cuda.routed_walk import RoutedWalkCopies  # noqa: E402
+from strata_rt.backends.cuda.experts.routed_walk import RoutedWalkCopies  # noqa: E402
 from strata_rt.runtime import Runtime  # noqa: E402
 from strata_rt.schedule.plan import Copy, RouteCopies  # noqa: E402
 

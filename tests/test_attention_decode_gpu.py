@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from _device_buffers import download, poisoned, upload
 
-from strata_rt.backends.cuda.attention_decode import DECODE_SOURCE, DECODE_WARPS, DecodeAttention
-from strata_rt.backends.cuda.attention_kernels import AttentionKernels, attention_reference
-from strata_rt.backends.cuda.attention_shapes import (
+from strata_rt.backends.cuda.attention.decode import DECODE_SOURCE, DECODE_WARPS, DecodeAttention
+from strata_rt.backends.cuda.attention.kernels import AttentionKernels, attention_reference
+from strata_rt.backends.cuda.attention.shapes import (
     DECODE_GROUPS,
     check_decode_shape,
     decode_part_bytes,

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from _device_buffers import download, poisoned, upload
 
-from strata_rt.backends.cuda import attention_kernels as ak
-from strata_rt.backends.cuda.attention_kernels import (
+from strata_rt.backends.cuda.attention import kernels as ak
+from strata_rt.backends.cuda.attention.kernels import (
     ATTENTION_SOURCE,
     BLOCK_ROWS,
     KV_TILE,
@@ -28,7 +28,7 @@ from strata_rt.backends.cuda.attention_kernels import (
     qk_norm_rope_reference,
     rope_cos_sin,
 )
-from strata_rt.backends.cuda.attention_shapes import HEAD_DIMS
+from strata_rt.backends.cuda.attention.shapes import HEAD_DIMS
 from strata_rt.errors import ConfigError
 from strata_rt.formats.numerics import nmse
 from strata_rt.formats.testing_abi import Recorder

@@ -75,6 +75,15 @@ def test_two_parts_on_one_gpu_hand_off_on_the_fake(fake, fixed_walk_rule, store_
     assert rt.closed
 
 
+def _whole_model() -> tuple[Qwen3Spec, Qwen3Model]:
+    """The seeded whole model both whole-model split tests open: the routing shape of
+    SMALL_SPEC under 8 query heads of 64."""
+    spec = Qwen3Spec(n_layers=SMALL_SPEC.n_layers, hidden=H, n_heads=8, n_kv_heads=2,
+                     head_dim=64, vocab=1000, ffn=SMALL_SPEC.ffn,
+                     n_experts=SMALL_SPEC.n_experts, top_k=SMALL_SPEC.top_k, context=4096)
+    return spec, Qwen3Model.synthetic(spec, 3, "iq3_xxs")
+
+
 def test_whole_model_split_holds_each_parts_layers(fake, monkeypatch, fixed_walk_rule):
     """Dense weights, KV cache and head: the part's own (the head on the last part only);
     the position register travels with the residual; only the last part runs Logits."""
@@ -85,10 +94,7 @@ def test_whole_model_split_holds_each_parts_layers(fake, monkeypatch, fixed_walk
 
     monkeypatch.setattr(dk, "Cublas", _RecordingCublas)
     monkeypatch.setattr(ex, "host_device_pointer", lambda host: 1 << 40)  # no driver here
-    spec = Qwen3Spec(n_layers=SMALL_SPEC.n_layers, hidden=H, n_heads=8, n_kv_heads=2,
-                     head_dim=64, vocab=1000, ffn=SMALL_SPEC.ffn,
-                     n_experts=SMALL_SPEC.n_experts, top_k=SMALL_SPEC.top_k, context=4096)
-    whole = Qwen3Model.synthetic(spec, 3, "iq3_xxs")
+    spec, whole = _whole_model()
     cfg = EngineConfig(model=whole, backend="cuda", devices=[0, 0], repeat_devices=True,
                        expert_cache=spec.n_experts, check_plan=True, timing=False,
                        context=1024, prefill=256)
@@ -154,10 +160,7 @@ def test_two_gpus_stream_each_parts_dense_layers_from_the_first_context(fake, mo
 
     monkeypatch.setattr(dk, "Cublas", _RecordingCublas)
     monkeypatch.setattr(ex, "host_device_pointer", lambda host: 1 << 40)  # no driver here
-    spec = Qwen3Spec(n_layers=SMALL_SPEC.n_layers, hidden=H, n_heads=8, n_kv_heads=2,
-                     head_dim=64, vocab=1000, ffn=SMALL_SPEC.ffn,
-                     n_experts=SMALL_SPEC.n_experts, top_k=SMALL_SPEC.top_k, context=4096)
-    whole = Qwen3Model.synthetic(spec, 3, "iq3_xxs")
+    spec, whole = _whole_model()
     cfg = EngineConfig(model=whole, backend="cuda", devices=[0, 1], dense="stream",
                        expert_cache=spec.n_experts, check_plan=True, timing=False,
                        context=1024, prefill=256, store_memory=store_memory)

@@ -246,7 +246,7 @@ def test_routed_experts_tell_the_format_when_they_read_host_memory(monkeypatch,
     is the host store (the launches then take more warps: ggml_gemv.gemv_warps)."""
     from types import SimpleNamespace
 
-    from strata_rt.backends.cuda import routed_experts as rx
+    from strata_rt.backends.cuda.experts import routed_experts as rx
 
     calls: list[dict] = []
 

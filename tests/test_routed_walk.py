@@ -293,7 +293,7 @@ def test_cuda_executor_switches_routed_copies_only_inside_a_capture(fake, monkey
     switched copy on the copy stream and each RouteCopies into one route_copies launch on the
     compute stream over its layer's consecutive entries; the table is uploaded and held by the
     graph, which the third run replays."""
-    from strata_rt.backends.cuda import routed_walk
+    from strata_rt.backends.cuda.experts import routed_walk
     from strata_rt.config.engine_config import EngineConfig
     from strata_rt.weights.model import SMALL_SPEC, Model
 
@@ -340,7 +340,7 @@ def test_switched_copies_land_only_where_the_routing_says(rt, rng) -> None:
     and a fresh replay switches again (no switch keeps the last launch's value)."""
     from _device_buffers import download, poisoned, upload
 
-    from strata_rt.backends.cuda.routed_walk import RoutedWalkCopies
+    from strata_rt.backends.cuda.experts.routed_walk import RoutedWalkCopies
     from strata_rt.runtime.conditional import conditional_copies_supported
 
     if not conditional_copies_supported():

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _fake_runtime import FakeKernel, FakeModule, FakeStream
+from _fake_runtime import FakeKernel, FakeModule, FakeStream, NullCublas
 
 import strata_rt.backends.cuda.dense.kernels as dk
 import strata_rt.backends.cuda.executor as cuda_executor
@@ -19,19 +19,6 @@ from strata_rt.schedule.plan_keys import DECODE_KEY, GEMV_DECODE_KEY
 from strata_rt.text.generate import generate
 from strata_rt.text.sampling import SamplingParams
 from strata_rt.weights.model import SMALL_SPEC
-
-
-class _Cublas:
-    version = (0, 0, 0)
-
-    def __init__(self, workspace, workspace_bytes, owner=None):
-        pass
-
-    def gemm(self, stream, x, w, out, rows, n_out, k, out_f32, accumulate):
-        pass
-
-    def destroy(self):
-        pass
 
 
 def _log_host_waits(monkeypatch: pytest.MonkeyPatch, rt, vocab: int) -> list[tuple]:
@@ -56,7 +43,7 @@ def _log_host_waits(monkeypatch: pytest.MonkeyPatch, rt, vocab: int) -> list[tup
 
 def _engine(monkeypatch: pytest.MonkeyPatch, **kw) -> tuple[Engine, Qwen3Spec]:
     """A small whole model on the fake runtime, every expert resident."""
-    monkeypatch.setattr(dk, "Cublas", _Cublas)
+    monkeypatch.setattr(dk, "Cublas", NullCublas)
     spec = Qwen3Spec(n_layers=SMALL_SPEC.n_layers, hidden=SMALL_SPEC.hidden, n_heads=8,
                      n_kv_heads=2, head_dim=64, vocab=1000, ffn=SMALL_SPEC.ffn,
                      n_experts=SMALL_SPEC.n_experts, top_k=SMALL_SPEC.top_k, context=4096)
@@ -147,7 +134,7 @@ def test_a_greedy_step_brings_back_its_token_alone(fake, monkeypatch, decode):
         for step in range(3):
             rt.tokens = 1
             monkeypatch.undo()  # one wrapper of memcpy_dtoh at a time
-            monkeypatch.setattr(dk, "Cublas", _Cublas)
+            monkeypatch.setattr(dk, "Cublas", NullCublas)
             events = _log_host_waits(monkeypatch, rt, spec.vocab)
             _device_keys(monkeypatch, rt, 321 + step, events=events)
             copy = rt.memcpy_dtoh  # and where the result's copy reads
@@ -239,7 +226,7 @@ def test_greedy_steps_take_the_token_alone_and_sampled_ones_the_logits():
 def test_a_decode_steps_routing_is_counted_after_its_one_wait(fake, monkeypatch, decode):
     """The routing's counts reach the Stats after the chunk's one wait: every layer's rows sum
     to top_k, and the experts streamed are the routed ones that are not resident."""
-    monkeypatch.setattr(dk, "Cublas", _Cublas)
+    monkeypatch.setattr(dk, "Cublas", NullCublas)
     # no driver here to map the host store (the executor looks it up for both paths)
     monkeypatch.setattr(cuda_executor, "host_device_pointer", lambda host: 1 << 40)
     spec = Qwen3Spec(n_layers=SMALL_SPEC.n_layers, hidden=SMALL_SPEC.hidden, n_heads=8,

@@ -14,7 +14,7 @@ import numpy as np
 from ...schedule.memory_plan import lane_buffers
 from ...schedule.plan import LANES
 from .chunk_input import InputPass
-from .table_rows import TableRows
+from .experts.table_rows import TableRows
 
 if TYPE_CHECKING:
     from ...formats.contract import ExpertLayout, FormatKernels

@@ -59,10 +59,10 @@ from .chunk_input import chunk_token_ids
 from .context import CudaContext
 from .device_open import open_device
 from .device_state import DeviceState
+from .experts.products import product_ops
+from .experts.routed_experts import RoutedExpertsRunner
+from .experts.routed_walk import RoutedWalkCopies
 from .layer_kernels import ENGINE_SOURCE, LayerKernels
-from .products import product_ops
-from .routed_experts import RoutedExpertsRunner
-from .routed_walk import RoutedWalkCopies
 from .split_part import PartLink, PartReplay, capture_plan
 
 #: the RMSNorm flag word when no row was flagged (rmsnorm_rows lowers it with atomicMin)

@@ -55,9 +55,9 @@ from ...models.qwen3.whole_memory import (
     kv_bytes,
 )
 from ...schedule.plan import Attention, DenseCopy, Logits
-from .attention_decode import DecodeAttention
-from .attention_kernels import AttentionKernels
-from .attention_shapes import decode_supported
+from .attention.decode import DecodeAttention
+from .attention.kernels import AttentionKernels
+from .attention.shapes import decode_supported
 from .dense.decode import DenseDecode, head_slices
 from .dense.host_store import DenseHostStore, HostMemory
 from .dense.kernels import DenseKernels

@@ -37,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from ...backends.cuda.attention_shapes import decode_part_bytes, decode_supported
+from ...backends.cuda.attention.shapes import decode_part_bytes, decode_supported
 from ...backends.cuda.dense.kernels import workspace_bytes
 from ...backends.cuda.sampling_kernels import ARGMAX_RESULT, sampler_bytes
 from ...formats.ggml_types import NAMES

@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ...resources import KERNELS_ROOT
-from ...runtime.conditional import CopySwitches, conditional_copies_supported
-from ...schedule.plan import Copy, Op, RouteCopies
+from ....resources import KERNELS_ROOT
+from ....runtime.conditional import CopySwitches, conditional_copies_supported
+from ....schedule.plan import Copy, Op, RouteCopies
 
 if TYPE_CHECKING:
-    from ...runtime import Graph, Kernel, Runtime, Stream
+    from ....runtime import Graph, Kernel, Runtime, Stream
 
 SWITCH_SOURCE = KERNELS_ROOT / "common" / "copy_switches.cu"
 _THREADS = 128

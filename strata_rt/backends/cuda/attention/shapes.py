@@ -8,8 +8,8 @@ import math
 
 import numpy as np
 
-from ...errors import ConfigError
-from ...formats.contract import first_misaligned
+from ....errors import ConfigError
+from ....formats.contract import first_misaligned
 
 #: head dimensions with a kernel (template instances of attention.cu and attention_decode.cu)
 HEAD_DIMS = (64, 128)

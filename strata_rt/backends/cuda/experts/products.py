@@ -12,21 +12,21 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ...errors import StrataError
-from ...schedule.image_cache import block_bytes
-from ...schedule.in_place import resident_parts
-from ...schedule.lanes import walk_rows_hint
-from ...schedule.memory_plan import EXPERT_TABLE_ENTRY
-from ...schedule.plan import LayerProducts, Products
+from ....errors import StrataError
+from ....schedule.image_cache import block_bytes
+from ....schedule.in_place import resident_parts
+from ....schedule.lanes import walk_rows_hint
+from ....schedule.memory_plan import EXPERT_TABLE_ENTRY
+from ....schedule.plan import LayerProducts, Products
 
 if TYPE_CHECKING:
     import numpy as np
 
-    from ...formats.contract import ExpertLayout, FormatKernels
-    from ...runtime import Runtime, Stream
-    from ...weights.model import Model, MoESpec
-    from .device_state import DeviceState
-    from .layer_kernels import LayerKernels
+    from ....formats.contract import ExpertLayout, FormatKernels
+    from ....runtime import Runtime, Stream
+    from ....weights.model import Model, MoESpec
+    from ..device_state import DeviceState
+    from ..layer_kernels import LayerKernels
 
 
 class ProductsHost(Protocol):

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from ...runtime import Runtime, Stream
+    from ....runtime import Runtime, Stream
 
 
 class TableRows:

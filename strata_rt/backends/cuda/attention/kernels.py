@@ -27,15 +27,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ...errors import ConfigError
-from ...models.qwen3.reference import apply_rope, rope_tables
-from ...resources import KERNELS_ROOT
-from ...weights.model import rms_norm
-from .attention_shapes import check_aligned, check_attention_shape, scale_log2
+from ....errors import ConfigError
+from ....models.qwen3.reference import apply_rope, rope_tables
+from ....resources import KERNELS_ROOT
+from ....weights.model import rms_norm
+from .shapes import check_aligned, check_attention_shape, scale_log2
 
 if TYPE_CHECKING:
-    from ...models.qwen3.spec import Qwen3Spec
-    from ...runtime import Runtime, Stream
+    from ....models.qwen3.spec import Qwen3Spec
+    from ....runtime import Runtime, Stream
 
 ATTENTION_SOURCE = KERNELS_ROOT / "model" / "attention.cu"
 #: query rows (positions x heads of one group) per attention block; attention.cu's AT_ROWS

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ...resources import KERNELS_ROOT
-from .attention_shapes import (
+from ....resources import KERNELS_ROOT
+from .shapes import (
     DECODE_SPLITS,
     check_aligned,
     check_attention_shape,
@@ -21,7 +21,7 @@ from .attention_shapes import (
 )
 
 if TYPE_CHECKING:
-    from ...runtime import Runtime, Stream
+    from ....runtime import Runtime, Stream
 
 DECODE_SOURCE = KERNELS_ROOT / "model" / "attention_decode.cu"
 #: warps per split block (attention_decode.cu's DEC_WARPS)

@@ -15,17 +15,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
-from ...errors import StrataError
-from ...schedule.memory_plan import EXPERT_TABLE_ENTRY
-from ...schedule.plan import HOST, RESIDENT, RoutedExperts, Source
+from ....errors import StrataError
+from ....schedule.memory_plan import EXPERT_TABLE_ENTRY
+from ....schedule.plan import HOST, RESIDENT, RoutedExperts, Source
 from .table_rows import TableRows
 
 if TYPE_CHECKING:
-    from ...formats.contract import ExpertLayout, FormatKernels
-    from ...runtime import Runtime
-    from ...weights.model import MoESpec
-    from ...weights.store import ExpertStore
-    from .device_state import DeviceState
+    from ....formats.contract import ExpertLayout, FormatKernels
+    from ....runtime import Runtime
+    from ....weights.model import MoESpec
+    from ....weights.store import ExpertStore
+    from ..device_state import DeviceState
 
 class RoutedHost(Protocol):
     """What a RoutedExperts op reads of the backend that runs it (executor.CudaBackend)."""
