@@ -1,10 +1,14 @@
 """The dense part in its GGUF types on the GPU (strata_rt/backends/cuda/dense/decode.py,
 strata_rt/backends/cuda/whole.py): the fp16 Wqkv, Wo and head slices decoded on the device are,
 byte for byte, the fp16 matrices the host uploaded before the weights kept their types; and a
-whole model gives the same logits and greedy tokens, byte for byte, as the same model with those
-fp16 matrices stored as F16 (which the GEMMs read in place, as they read the fp16 slots and
-head before): resident and streamed, both dense GEMMs, the head in one slice and in many; the
-streamed layers' host store under both store_memory settings.
+whole model whose projections run as GEMMs (decode_dense gemm: every matrix decoded to fp16,
+then one GEMM) gives the same logits and greedy tokens, byte for byte, as the same model with
+those fp16 matrices stored as F16 (which the GEMMs read in place): resident and streamed, both
+dense GEMMs, the head in one slice and in many. A decode step under decode_dense gemv (the
+default) reads each matrix in its own type with that type's matrix-vector kernel, whose sums
+run in the type's own order, so its logits are not the F16 twin's bytes; there the streamed
+run is held to the resident run of the same model, byte for byte. The streamed layers' host
+store is checked under both store_memory settings.
 
 Run: python -m pytest -q -m gpu tests/test_dense_types_gpu.py
 """
@@ -105,6 +109,7 @@ def _same(a: tuple, b: tuple) -> None:
 @pytest.mark.parametrize("gemm", ["cublas", "own"])
 def test_engine_bytes_equal_the_fp16_weights(t, gemm, monkeypatch):
     monkeypatch.setenv("STRATA_DENSE_GEMM", gemm)
+    monkeypatch.setenv("STRATA_DECODE_DENSE", "gemm")
     model = dense_model(SPEC, 6, MIXED, "Q6_K") if t == "mixed" else uniform(SPEC, 6, t)
     want = _run(as_fp16_model(model))
     got = _run(model)
@@ -112,18 +117,28 @@ def test_engine_bytes_equal_the_fp16_weights(t, gemm, monkeypatch):
     _same(got, want)
 
 
-@pytest.mark.xfail(strict=True, reason="decode-step logits of the streamed dense model differ "
-                   "from the resident fp16 run's (prompt logits and greedy tokens equal): an "
-                   "open bug of the streamed dense ring in a captured decode step")
 def test_streamed_dense_and_a_head_in_many_slices(monkeypatch):
     """Streamed slots copy each layer's own bytes into the ring; a head of several slices (the
     own GEMM sums each output in one order whatever the slice) gives the one-GEMM bytes."""
     monkeypatch.setenv("STRATA_DENSE_GEMM", "own")
+    monkeypatch.setenv("STRATA_DECODE_DENSE", "gemm")
     model = dense_model(SPEC, 7, MIXED, "Q4_K")
     want = _run(as_fp16_model(model))
     _same(_run(model, dense="stream"), want)
     monkeypatch.setattr(dense_decode, "HEAD_SLICE_ROWS", 256)
     _same(_run(model), want)
+
+
+def test_gemv_decode_steps_streamed_equal_resident(monkeypatch):
+    """Under decode_dense gemv each decode step reads the ring slot's matrices in their types
+    with the kernels the resident slots use: the streamed run is the resident run, byte for
+    byte (its fp16 twin differs in the last bits, as each type sums in its own order)."""
+    monkeypatch.setenv("STRATA_DENSE_GEMM", "own")
+    monkeypatch.setenv("STRATA_DECODE_DENSE", "gemv")
+    model = dense_model(SPEC, 7, MIXED, "Q4_K")
+    _same(_run(model, dense="stream"), _run(model))
+    twin = as_fp16_model(model)
+    _same(_run(twin, dense="stream"), _run(twin))
 
 
 @pytest.mark.parametrize("store_memory", ["alloc", "register"])
