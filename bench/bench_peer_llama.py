@@ -267,7 +267,8 @@ def run_file(args: argparse.Namespace, shape: Shape, mix: str, context: int, har
                     "reused": written.reused, "write_s": written.seconds,
                     "description": DESCRIPTIONS[mix]},
            "n_cpu_moe": llama.n_cpu_moe("quarter", n_layers), "llama_commands": commands,
-           "strata_configs": configs, "regimes": regimes, "notes": notes}
+           "strata_configs": configs, "regimes": regimes, "notes": notes,
+           "decode_steps": args.decode_steps}
     md = report.markdown(doc)
     print("\n" + md, flush=True)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -220,6 +220,11 @@ def test_tables_give_ratios_and_failures():
     dec = report.decode_table(regimes, 36).splitlines()
     assert [c.strip() for c in dec[2].strip("|").split("|")][1:] == ["60.0", "40.0", "1.50x"]
     assert "failed: boom" in dec[3] and "200.0" in dec[3]
+    doc = {"file": {"name": "f.gguf", "bytes": 1 << 30, "mix": "iq3", "description": "d"},
+           "hardware": "h", "command": "c", "n_cpu_moe": 36, "regimes": {"all": regimes["all"]},
+           "llama_commands": [], "strata_configs": {}, "notes": []}
+    assert "Decode (ratio" in report.markdown(doc)
+    assert "Decode (ratio" not in report.markdown({**doc, "decode_steps": 0})
 
 
 # ---------------------------------------------------------------------- the command

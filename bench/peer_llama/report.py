@@ -117,9 +117,10 @@ def markdown(doc: dict[str, Any]) -> str:
              f"({doc['file']['mix']}); {doc['file']['description']}", "",
              "Time to first token, ms (ratio: llama.cpp ms / strata ms, > 1: strata faster; "
              "llama.cpp's best micro-batch in brackets):", "",
-             prefill_table(regimes, ncmoe), "",
-             "Decode (ratio: strata tok/s / llama.cpp tok/s):", "",
-             decode_table(regimes, ncmoe)]
+             prefill_table(regimes, ncmoe)]
+    if doc.get("decode_steps", 1):  # --decode-steps 0: no decode ran, so no table of failures
+        parts += ["", "Decode (ratio: strata tok/s / llama.cpp tok/s):", "",
+                  decode_table(regimes, ncmoe)]
     quarter = regimes.get("quarter", {}).get("strata")
     pcie = pcie_table(quarter)
     if pcie:
