@@ -90,8 +90,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--skip-strata", action="store_true", help="run llama-bench only")
     ap.add_argument("--reps", type=int, default=2,
                     help="timed runs per prompt, both programs (llama-bench -r) (default 2)")
-    ap.add_argument("--warmups", type=int, default=2,
-                    help="strata_rt's untimed runs per prompt first (default 2)")
+    ap.add_argument("--warmups", type=int, default=3,
+                    help="strata_rt's untimed runs per prompt first (default 3: a short prompt "
+                         "with a quarter resident settles on its fourth run - the walk that "
+                         "measures its routing, the routed walk's plain run, its capture)")
     ap.add_argument("--decode-steps", type=int, default=32,
                     help="greedy tokens timed (llama-bench -n) (default 32; 0: no decode)")
     ap.add_argument("--decode-prompt", type=int, default=16,

@@ -70,9 +70,11 @@ def main() -> int:
     ap.add_argument("--config", default=str(ROOT / "configs" / "qwen3-30b-a3b-whole.yaml"))
     ap.add_argument("--prompts", help="comma-separated lengths (default: the config's)")
     ap.add_argument("--reps", type=int, default=2, help="timed runs per prompt (default 2)")
-    ap.add_argument("--warmups", type=int, default=2,
-                    help="untimed runs per prompt first (default 2: plain launches, then the "
-                         "CUDA-graph trial)")
+    ap.add_argument("--warmups", type=int, default=3,
+                    help="untimed runs per prompt first (default 3: plain launches, then the "
+                         "CUDA-graph trial; a short prompt streaming its routed experts runs "
+                         "the walk that measures its routing, the routed walk plainly, then "
+                         "its capture)")
     ap.add_argument("--streams", help="comma-separated prefill_stream settings, each run per "
                     "prompt (default: the engine's own)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
