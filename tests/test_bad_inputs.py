@@ -176,6 +176,25 @@ def test_npy_token_ids_beyond_int64(tmp_path: Path) -> None:
     assert read_token_file(tmp_path / "ok.npy").tolist() == [3, 4, 5, 6]
 
 
+@pytest.mark.parametrize("mark, byte", [(b"{", b"("), (b"}", b"("), (b"'descr'", b"x")])
+def test_a_damaged_npy_header_is_named_not_a_traceback(tmp_path: Path, capsys, mark: bytes,
+                                                        byte: bytes) -> None:
+    """numpy parses an .npy header as a Python literal: a damaged one raised tokenize's and
+    ast's errors out of the config check; both prompt kinds now name the file."""
+    for name, arr in (("h.npy", np.ones((4, 256), np.float32)), ("t.npy", np.arange(4))):
+        np.save(tmp_path / name, arr)
+        raw = (tmp_path / name).read_bytes()
+        at = raw.index(mark) + len(mark) - 1
+        (tmp_path / name).write_bytes(raw[:at] + byte + raw[at + 1:])
+    with pytest.raises(ConfigError, match=r"t\.npy: not a readable \.npy array"):
+        read_token_file(tmp_path / "t.npy")
+    code, out, err = cli(capsys, "run", str(config(tmp_path, prompts=[{"hidden_file":
+                                                                       "h.npy"}])))
+    assert (code, out) == (2, "") and "Traceback" not in err, err
+    assert "prompts[0].hidden_file: got 'h.npy'; unreadable:" in err
+    assert "not a readable .npy array" in err
+
+
 def test_token_ids_beyond_the_vocabulary(tmp_path: Path) -> None:
     """The hook a model with an embedding table uses: its vocabulary size."""
     from strata_rt.config.schema import Problems, check_prompts

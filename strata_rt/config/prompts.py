@@ -14,6 +14,7 @@ naming the file, the row and the column.
 from __future__ import annotations
 
 import re
+import tokenize
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,7 +68,8 @@ class Prompt:
     def hidden_states(self, hidden: int, seed: int) -> np.ndarray:
         """float32 [tokens, hidden], C-contiguous: what Engine.prefill takes."""
         if self.hidden_file is not None:
-            return np.ascontiguousarray(np.load(self.hidden_file), dtype=np.float32)
+            return np.ascontiguousarray(load_npy(self.hidden_file, mmap=False),
+                                        dtype=np.float32)
         if self.token_file is not None:
             ids = read_token_file(self.token_file)
             uniq, inverse = np.unique(ids, return_inverse=True)
@@ -133,6 +135,25 @@ def check_token_ids(token_ids: Any, vocab: int, source: str = "prefill") -> np.n
     return ids.astype(np.int64)
 
 
+#: what numpy's .npy reader raises on a damaged file: its header is parsed as a Python literal
+#: (tokenize, then ast), its data read after it
+_NPY_ERRORS = (ValueError, OSError, EOFError, SyntaxError, tokenize.TokenError, TypeError)
+
+
+def load_npy(path: Path, mmap: bool = True) -> np.ndarray:
+    """The array of an .npy file (memory-mapped unless mmap is False); ConfigError naming the
+    file for anything numpy cannot read as one (a pickle, another format, a damaged header),
+    never numpy's own exception."""
+    try:
+        arr = np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
+    except _NPY_ERRORS as e:
+        raise ConfigError(f"{path}: not a readable .npy array ({type(e).__name__}: {e})") \
+            from None
+    if not isinstance(arr, np.ndarray):
+        raise ConfigError(f"{path}: holds {type(arr).__name__}, not one .npy array")
+    return arr
+
+
 def read_token_file(path: Path, vocab_size: int | None = None) -> np.ndarray:
     """Token ids (int64) from a .npy integer array or a text file of integers (spaces, commas
     or newlines between them). ConfigError for anything else, for a negative id, one beyond
@@ -141,13 +162,9 @@ def read_token_file(path: Path, vocab_size: int | None = None) -> np.ndarray:
         why = regular_file_problem(path)
         if why is not None:
             raise ConfigError(f"{path}: {why}")
-        try:
-            ids = np.load(path, mmap_mode="r")
-        except ValueError as e:  # not an .npy array (a pickle, another file)
-            raise ConfigError(f"{path}: not a .npy integer array ({e})") from None
-        if not isinstance(ids, np.ndarray) or ids.dtype.kind not in "iu":
-            found = getattr(ids, "dtype", type(ids).__name__)
-            raise ConfigError(f"{path}: token ids must be integers, found dtype {found}")
+        ids = load_npy(path)
+        if ids.dtype.kind not in "iu":
+            raise ConfigError(f"{path}: token ids must be integers, found dtype {ids.dtype}")
         flat = np.asarray(ids).reshape(-1)
     else:
         try:
@@ -189,7 +206,7 @@ def first_nonfinite(arr: np.ndarray) -> tuple[int, int, int] | None:
 def hidden_file_problem(path: Path, hidden: int | None) -> tuple[int | None, str | None]:
     """(rows, None) for a usable hidden-state file, else (None, why): the shape and dtype
     against [tokens, hidden] float, then the first row holding NaN or Inf."""
-    arr = np.load(path, mmap_mode="r")
+    arr = load_npy(path)
     if arr.ndim != 2 or (hidden is not None and arr.shape[1] != hidden) \
             or arr.dtype.kind != "f" or arr.shape[0] == 0:
         want = f"[tokens, {hidden if hidden is not None else 'hidden'}]"
