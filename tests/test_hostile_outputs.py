@@ -17,7 +17,12 @@ import yaml
 
 from strata_rt.cli import common, main, run
 from strata_rt.config.engine_config import EngineConfig
-from strata_rt.config.paths import output_collisions, output_file_problem, write_text_atomic
+from strata_rt.config.paths import (
+    output_collisions,
+    output_file_problem,
+    results_file_problem,
+    write_text_atomic,
+)
 from strata_rt.engine import Engine
 from strata_rt.errors import ConfigError
 from strata_rt.weights.model import MoESpec
@@ -164,6 +169,33 @@ def test_outputs_that_are_the_model_or_a_prompt_file(tmp_path, capsys, monkeypat
     with pytest.raises(ConfigError, match="dump_r: got .*is the model's GGUF file"):
         EngineConfig(model={"gguf": str(gguf), "format": "iq3_xxs"}).resolve()
     assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("where", ["--json", "output.json"])
+def test_results_replace_only_an_earlier_results_file(tmp_path, capsys, monkeypatch,
+                                                        where) -> None:
+    """An existing file the run does not read (another model, a token file) is not lost to
+    a mistyped output path: only an empty file or a JSON document is rewritten."""
+    other = tmp_path / "other.gguf"
+    other.write_bytes(b"GGUF\x03\x00\x00\x00" + bytes(64))
+    cfg = config(tmp_path, **({"output": {"json": "other.gguf"}} if where == "output.json"
+                             else {}))
+    before = snapshot(tmp_path)
+    args = ["--json", str(other)] if where == "--json" else []
+    code, out, err = cli(capsys, "run", str(cfg), *args)
+    assert (code, out) == (2, ""), err
+    assert "exists and is not a JSON document (it starts with b'GGUF" in err, err
+    assert snapshot(tmp_path) == before
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text('  {"old": 1}\n')
+    assert results_file_problem(earlier) is None and results_file_problem(other) is not None
+    assert results_file_problem(tmp_path / "new.json") is None
+    monkeypatch.setenv("STRATA_PREFILL_TRACE", str(other))
+    with pytest.raises(ConfigError, match="trace: got .*exists and is not a JSON document"):
+        EngineConfig(model={"gguf": "m.gguf", "format": "iq3_xxs"}).resolve()
+    monkeypatch.delenv("STRATA_PREFILL_TRACE")
+    monkeypatch.setenv("STRATA_PREFILL_DUMP_R", str(other))  # raw records: appended to
+    EngineConfig(model={"gguf": "m.gguf", "format": "iq3_xxs"}).resolve()
 
 
 @pytest.mark.parametrize("case", ["output.json is the config", "dump_r is json",

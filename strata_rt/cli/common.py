@@ -17,7 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from ..backends.nonfinite import NonFiniteError
-from ..config.paths import output_collisions, output_file_problem, same_file, write_text_atomic
+from ..config.paths import (
+    output_collisions,
+    output_file_problem,
+    results_file_problem,
+    same_file,
+    write_text_atomic,
+)
 from ..config.run_config import Config, load_config
 from ..errors import ConfigError
 from ..report.progress import Progress
@@ -150,7 +156,8 @@ def check_outputs(cfg: Config, outputs: dict[str, Path | None],
                   inputs: dict[str, Path] | None = None) -> None:
     """Refuses (exit 2, before the run) an output that is a file the run reads (the config,
     the model, a prompt or profile file, the plugin list, `inputs` of the command) or that
-    another output of the run also writes: writing it would destroy that file."""
+    another output of the run also writes: writing it would destroy that file; then a JSON
+    output over an existing file that is not a JSON document (results_file_problem)."""
     from ..config.engine_config import output_switches
 
     outs = {label: path for label, path in outputs.items() if path is not None}
@@ -164,6 +171,10 @@ def check_outputs(cfg: Config, outputs: dict[str, Path | None],
         if "dump_r" in label.lower():
             outs[f"{label.split(' ')[0]} (its .partial file)"] = Path(f"{path}.partial")
     problems = output_collisions(outs, {**cfg.input_paths(), **(inputs or {})})
+    if not problems:  # then no output is an input: is each a file results may replace?
+        problems = [f"{label}: got {str(path)!r}; {why}" for label, path in outs.items()
+                    if "dump_r" not in label.lower()  # the dump is raw records, appended
+                    and (why := results_file_problem(path)) is not None]
     if problems:
         raise ConfigError(problems, source="command line")
 

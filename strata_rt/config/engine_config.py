@@ -210,7 +210,7 @@ class EngineConfig:
     def _output_problems(self) -> list[str]:
         """The dump and trace paths (given, or from the environment), checked before the
         engine opens: regular files or new names only, none of them the model's GGUF."""
-        from .paths import output_collisions, output_file_problem
+        from .paths import output_collisions, output_file_problem, results_file_problem
 
         outputs = {}
         from_env = output_switches()
@@ -234,7 +234,10 @@ class EngineConfig:
         inputs = {"the model's GGUF file": Path(gguf)} if isinstance(gguf, str) else {}
         if self.profile is not None:
             inputs["the routing profile"] = Path(self.profile)
-        return problems + output_collisions(outputs, inputs)
+        clashes = output_collisions(outputs, inputs)
+        trace = outputs.get("trace")  # JSON; the dump is raw records, appended
+        why = None if clashes or trace is None else results_file_problem(trace)
+        return problems + clashes + ([] if why is None else [f"trace: got {str(trace)!r}; {why}"])
 
     def resolve(self) -> EngineConfig:
         """Validates, and fills switches left None from the environment."""

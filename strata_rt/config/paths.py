@@ -66,6 +66,29 @@ def output_target(path: str | Path) -> Path:
     return Path(os.path.realpath(path)) if os.path.islink(path) else path
 
 
+#: what a JSON document starts with (after white space); results only ever replace one
+_JSON_STARTS = (b"{", b"[")
+
+
+def results_file_problem(path: Path) -> str | None:
+    """Why the existing file at `path` is not one JSON results may replace, or None (also
+    for a new name): an empty file or a JSON document is rewritten; anything else (a model,
+    a prompt file, a config named by mistake) would be lost. Checked after the collisions
+    with the run's own inputs, whose message says more."""
+    target = output_target(path)
+    if not target.is_file():
+        return None
+    try:
+        with open(target, "rb") as f:
+            head = f.read(4096).lstrip()
+    except OSError as e:
+        return f"cannot be read to see what it holds: {e.strerror or e}"
+    if not head or head[:1] in _JSON_STARTS:
+        return None
+    return (f"exists and is not a JSON document (it starts with {head[:8]!r}); results "
+            "replace only an earlier results file: remove it or give another path")
+
+
 def output_file_problem(path: Path) -> str | None:
     """Why `path` cannot be written as a results file, or None. Only a regular file (or a
     new name) is written: a FIFO would block the run, and a device or socket would be renamed
