@@ -68,6 +68,27 @@ def test_context_key(tmp_path: Path) -> None:
     assert "expected KV-cache positions" in only(tmp_path, whole(context=0))
 
 
+def test_whole_keys_on_a_moe_only_gguf_name_the_file(tmp_path: Path) -> None:
+    """A whole model's keys on a GGUF of MoE layers alone (a whole model's file whose
+    embedding name was damaged, or the wrong file): one line names the file and what it
+    lacks, beside each key's own line."""
+    from strata_rt.weights.gguf_io import write_moe_gguf
+    from strata_rt.weights.model import Model, MoESpec
+
+    write_moe_gguf(tmp_path / "m.gguf", Model.synthetic(MoESpec(2, 256, 256, 8, 2), 3,
+                                                        "iq3_xxs"))
+    doc = with_(model={"gguf": "m.gguf"}, expert_cache=4, context=64,
+                generate={"tokens": 2})
+    found = problems(tmp_path, doc)
+    assert found[0] == (f"model.gguf: got 'm.gguf'; the file holds MoE layers alone (no "
+                        f"token_embd.weight tensor), so context and generate cannot apply: a "
+                        f"whole model's file has one ({tmp_path / 'm.gguf'})"), found
+    assert any(f.startswith("context: got 64; only for a whole model") for f in found)
+    assert len(found) == 3, found
+    doc.pop("context"), doc.pop("generate")
+    load_config(write(tmp_path, doc))  # the same file without those keys is a config
+
+
 def test_whole_model_refuses_hidden_state_prompts(tmp_path: Path) -> None:
     import numpy as np
 

@@ -53,6 +53,7 @@ from .schema import (
 from .whole import (
     check_context,
     check_dense,
+    check_moe_only_file,
     check_whole,
     whole_host_parts,
     whole_sizing,
@@ -262,6 +263,7 @@ def validate(doc: Any, base_dir: Path, source: Path | None = None,
     geom, gguf, model_seed = check_model(p, doc, base_dir)
     fmt = check_format(p, doc, geom, reg, gguf)
     whole, whole_options, whole_types = check_whole(p, doc, geom, gguf)
+    check_moe_only_file(p, doc, gguf, whole)
     context = check_context(p, doc, whole)
     dense = check_dense(p, doc, whole)
     whole_sizes = whole_sizing(whole, whole_types, context)

@@ -18,7 +18,7 @@ from ..errors import ConfigError
 from ..models.qwen3.gguf_full import read_dense_types, read_qwen3_spec
 from ..models.qwen3.spec import Qwen3Spec
 from ..models.qwen3.whole_memory import DenseLayout, DenseTypes, WholeSizing
-from ..weights.whole_model import is_whole_gguf
+from ..weights.whole_model import WHOLE_MODEL_TENSOR, is_whole_gguf
 from .engine_config import DENSE_POLICIES, dense_gemm_switch, embedding_switch
 from .problem_sink import Problems
 
@@ -100,6 +100,25 @@ def _check_whole(p: Problems, doc: dict, geom: MoESpec | None, gguf: Path | None
             p.items.append(f"model.synthetic: {problem}")
         return None, {}
     return spec, options
+
+
+#: the keys only a whole model takes
+WHOLE_ONLY_KEYS = ("context", "dense", "generate")
+
+
+def check_moe_only_file(p: Problems, doc: dict, gguf: Path | None,
+                        whole: Qwen3Spec | None) -> None:
+    """Where a config gives keys only a whole model takes and its GGUF holds MoE layers alone,
+    one line names the file and what it lacks (a whole model's file damaged or cut, or the
+    wrong file), beside the keys' own lines."""
+    given = [k for k in WHOLE_ONLY_KEYS if k in doc]
+    if gguf is None or whole is not None or not given:
+        return
+    keys = " and ".join([", ".join(given[:-1]), given[-1]] if len(given) > 1 else given)
+    model = doc.get("model")
+    shown = model.get("gguf", str(gguf)) if isinstance(model, dict) else str(gguf)
+    p.add("model.gguf", shown, f"the file holds MoE layers alone (no {WHOLE_MODEL_TENSOR} "
+          f"tensor), so {keys} cannot apply: a whole model's file has one ({gguf})")
 
 
 def check_context(p: Problems, doc: dict, whole: Qwen3Spec | None) -> int | None:
