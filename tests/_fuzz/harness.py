@@ -235,6 +235,9 @@ def check(o: Outcome, folder: Path, before: dict[str, str]) -> None:
     case = o.case
     after = _snapshot(folder)
     allowed = OUTPUTS | case.outputs
+    # the folders an output names are made for it (as `mkdir -p` would)
+    allowed |= {str(parent) for out in allowed for parent in Path(out).parents
+                if str(parent) != "."}
     for name in sorted(set(before) | set(after)):
         if before.get(name) == after.get(name):
             continue

@@ -19,7 +19,7 @@ import yaml
 HOSTILE_VALUES: tuple[Any, ...] = (
     None, True, False, 0, -1, 1, 2, 3, 2**31, 2**63, 2**64, -(2**63), 10**30, 1.5, -0.0,
     float("nan"), float("inf"), 1e308, "", "auto", "all", "1", "0x10", "1e3", "nope", [],
-    [0], [3, -1], {}, {"a": 1}, ".", "/", "/dev/null", "/nonexistent/x", "~", "a\0b",
+    [0], [3, -1], {}, {"a": 1}, ".", "/", "/dev/null", "/proc/strata-none/x", "~", "a\0b",
     "x" * 5000, "m.gguf", "run.yaml", "toks.txt", "h.npy")
 #: keys a mutant may add (misspellings draw a "did you mean"; the rest are unknown)
 EXTRA_KEYS = ("prefil", "expert_cach", "backends", "Model", "prompts ", "outputs", "x" * 300)
