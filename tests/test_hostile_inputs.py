@@ -82,6 +82,7 @@ def refused(capsys, args: list[str], words: str, code: int = 2) -> str:
     ("prompts: " + "[" * 5000 + "]" * 5000 + "\n", f"nested more than {MAX_DEPTH} levels"),
     ("prompts: " + "[" * 20000 + "]" * 20000 + "\n", f"nested more than {MAX_DEPTH} levels"),
     ("a: &a [*a]\n", "an alias (*name) refers to the list or mapping that holds it"),
+    (TINY_TEXT.replace("seed: 5", "seed: " + "1" * 5001), "a whole number of 5,001 digits"),
 ])
 def test_yaml_that_is_refused(tmp_path, capsys, text, words) -> None:
     path = write(tmp_path, text)

@@ -29,6 +29,9 @@ MAX_DEPTH = 64
 #: few dozen; a parsed value costs PyYAML a few hundred bytes)
 MAX_NODES = 100_000
 
+#: digits a whole number may have (2^64 has 20; the largest setting takes far fewer)
+MAX_INT_DIGITS = 100
+
 _MERGE = "tag:yaml.org,2002:merge"
 #: what YAML 1.1 reads as octal: a leading 0 and more digits (`010` is 8)
 _OCTAL = re.compile(r"[-+]?0[0-7]+")
@@ -92,6 +95,11 @@ class _Loader(yaml.SafeLoader):
 
     def construct_yaml_int(self, node: ScalarNode) -> int:
         self._plain_number(node, "a number")
+        digits = len(str(node.value).lstrip("+-"))
+        if digits > MAX_INT_DIGITS:  # Python refuses to read one past 4,300 digits anyway
+            raise YamlProblem(f"line {_line(node)}: a whole number of {digits:,} digits; no "
+                              f"setting takes one of more than {MAX_INT_DIGITS} (quote it to "
+                              "mean text)")
         return super().construct_yaml_int(node)
 
     def construct_yaml_float(self, node: ScalarNode) -> float:
