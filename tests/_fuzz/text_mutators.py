@@ -8,6 +8,7 @@ a run that exits 0 on an invalid one is caught as a silent wrong answer."""
 
 from __future__ import annotations
 
+import copy
 import io
 import random
 from typing import Any
@@ -54,6 +55,13 @@ def _parent(doc: Any, path: tuple) -> Any:
     return doc
 
 
+def _hostile(rng: random.Random) -> Any:
+    """A hostile value, copied: a later edit of the same case may write into it (a dict or
+    a list), which must change neither the table nor, through a shared object, the value
+    itself into a loop."""
+    return copy.deepcopy(rng.choice(HOSTILE_VALUES))
+
+
 def _data_edit(doc: dict, rng: random.Random) -> str:
     paths = _paths(doc)
     path = rng.choice(paths)
@@ -70,9 +78,9 @@ def _data_edit(doc: dict, rng: random.Random) -> str:
     if how == 2:
         new = rng.choice(EXTRA_KEYS)
         target = parent if isinstance(parent, dict) else doc
-        target[new] = rng.choice(HOSTILE_VALUES)
+        target[new] = _hostile(rng)
         return f"{new!r} added"
-    value = rng.choice(HOSTILE_VALUES)
+    value = _hostile(rng)
     parent[key] = value
     return f"{where} = {value!r:.60}"
 
