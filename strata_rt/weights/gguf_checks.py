@@ -108,7 +108,8 @@ def dequantized_counts(data: np.ndarray, ggml_type: int) -> tuple[np.ndarray, in
     counts = np.zeros(n, np.int64)
     size = 0
     for e in range(n):  # one expert at a time bounds the float32 copy
-        vals = np.asarray(dequantize(data[e], qt))
+        with np.errstate(all="ignore"):  # counted below, not warned about
+            vals = np.asarray(dequantize(data[e], qt))
         counts[e] = int(np.count_nonzero(~np.isfinite(vals)))
         size = vals.size
     return counts, size, "dequantized weights"
@@ -178,7 +179,8 @@ def check_dense(name: str, data: np.ndarray, ggml_type: int, shape: tuple[int, .
         if found is None:
             if not dequantizable(int(qt)):
                 return None  # the loader refuses the type itself
-            vals = np.asarray(dequantize(part, qt)).reshape(part.shape[0], -1)
+            with np.errstate(all="ignore"):  # counted below, not warned about
+                vals = np.asarray(dequantize(part, qt)).reshape(part.shape[0], -1)
             found = ((~np.isfinite(vals)).sum(axis=1), vals.shape[1], "dequantized weights")
         counts[lo: lo + part.shape[0]], size, what = found
     hit = np.flatnonzero(counts)
@@ -220,3 +222,17 @@ def check_experts(moe: Any, file_map: Any, on_layer: Callable[[int], None] | Non
         if on_layer is not None:
             on_layer(layer)
     return problems
+
+
+def dims_against_tensors(tensors: Any, dims: dict[str, Any]) -> list[str]:
+    """Where layer 0's router or gate experts disagree with the dims the keys give (a damaged
+    or edited header): the first such tensor, named when the header is read, so a mismatch is
+    the file's problem and not a prompt's or a budget's further on."""
+    E, F, H = dims["n_experts"], dims["ffn"], dims["hidden"]
+    want = {"blk.0.ffn_gate_inp.weight": (E, H), "blk.0.ffn_gate_exps.weight": (E, F, H)}
+    for t in tensors:
+        shape = tuple(int(x) for x in reversed(list(t.shape)))  # outermost first
+        if t.name in want and shape != want[t.name]:
+            return [f"tensor {t.name} has shape {list(shape)}; expected {list(want[t.name])} "
+                    f"from the keys (n_experts={E}, ffn={F}, hidden={H})"]
+    return []

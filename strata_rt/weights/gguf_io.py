@@ -145,7 +145,8 @@ def read_header(path: Path) -> tuple[Header, dict[str, Any]]:
         dims[name] = number(header, f"{arch}.{suffix}")
     eps = number(header, f"{arch}.{EPS_KEY}")
     dims["rms_eps"] = DEFAULT_RMS_EPS if eps is None else eps
-    problems = unsupported(header, arch)
+    problems = unsupported(header, arch) + gguf_checks.dims_against_tensors(header.tensors,
+                                                                          dims)
     if dims["top_k"] > dims["n_experts"]:
         problems.append(f"key {arch}.expert_used_count = {dims['top_k']} exceeds "
                         f"{arch}.expert_count = {dims['n_experts']}")
@@ -258,7 +259,9 @@ def _read_float(t: Any, out: np.ndarray, problems: Problems) -> bool:
                         "strata_rt cannot read as float (use F32, F16, BF16 or a type the gguf "
                         "package dequantizes)")
         return False
-    out[...] = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(out.shape)
+    with np.errstate(all="ignore"):  # NaN or Inf decoded here is named by the finite check
+        vals = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+    out[...] = vals.reshape(out.shape)
     return True
 
 
