@@ -117,7 +117,7 @@ def test_budget_counts_dense_weights_kv_and_head_first(tmp_path: Path) -> None:
     fmt = registry()["iq3_xxs"]
     budget = 90
     cfg = load_config(write(tmp_path, whole(expert_cache=DROP, vram_budget_mib=budget,
-                                            context=1024, prefill=256,
+                                            context=1024, prefill=256, prompts=[200, 1000],
                                             model__synthetic__vocab=4000,
                                             model__synthetic__dense_type="Q8_0")))
     moe = load_config(write(tmp_path, with_(expert_cache=DROP, vram_budget_mib=budget,

@@ -54,6 +54,7 @@ from .whole import (
     check_context,
     check_dense,
     check_moe_only_file,
+    check_prompts_fit,
     check_whole,
     whole_host_parts,
     whole_sizing,
@@ -330,6 +331,8 @@ def validate(doc: Any, base_dir: Path, source: Path | None = None,
     generate_tokens = check_generate(p, doc, whole is not None,
                                      None if whole is None else context or whole.context,
                                      prompts)
+    if whole is not None and not generate_tokens:  # else check_generate counted them in
+        check_prompts_fit(p, doc, prompts, context or whole.context)
     sampling = check_sampling(p, doc.get("generate"))
     repeats = integer(p, doc, "", "repeats", minimum=1, default=1, maximum=MAX_REPEATS)
     seed = integer(p, doc, "", "seed", minimum=0, default=0)

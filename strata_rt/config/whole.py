@@ -11,6 +11,7 @@ what sizes its VRAM; `dense` says whether the dense weights stay resident or str
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +25,7 @@ from .problem_sink import Problems
 
 if TYPE_CHECKING:
     from ..weights.model import MoESpec
+    from .prompts import Prompt
 
 
 #: the keys that make a synthetic model whole (all four, or none)
@@ -119,6 +121,19 @@ def check_moe_only_file(p: Problems, doc: dict, gguf: Path | None,
     shown = model.get("gguf", str(gguf)) if isinstance(model, dict) else str(gguf)
     p.add("model.gguf", shown, f"the file holds MoE layers alone (no {WHOLE_MODEL_TENSOR} "
           f"tensor), so {keys} cannot apply: a whole model's file has one ({gguf})")
+
+
+def check_prompts_fit(p: Problems, doc: dict, prompts: Sequence[Prompt], positions: int
+                      ) -> None:
+    """A whole model's longest prompt must fit its KV cache (`positions`: the config's
+    `context`, else the model's), checked before any prompt runs; with `generate` the check
+    of its tokens covers this."""
+    longest = max(prompts, key=lambda pr: pr.tokens, default=None)
+    if longest is None or longest.tokens <= positions:
+        return
+    where = "context" if "context" in doc else "prompts"
+    p.add(where, doc.get(where), f"prompts[{longest.index}] has {longest.tokens:,} tokens and "
+          f"the KV cache holds {positions:,} positions: shorten it or raise `context`")
 
 
 def check_context(p: Problems, doc: dict, whole: Qwen3Spec | None) -> int | None:
