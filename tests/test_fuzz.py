@@ -105,6 +105,19 @@ def test_the_seeds_run_clean(tmp_path):
         assert o.rc == 0 and not o.problems, (argv, o.problems, o.stderr)
 
 
+#: cases of other seeds that once broke a promise (each mended in the product or the harness)
+REGRESSIONS = [(20261207, 718), (20261207, 2167), (20261207, 3070), (20261207, 3316),
+               (20261207, 8413), (20261208, 5300), (20261211, 3821), (20261211, 5701),
+               (20261211, 9903)]
+
+
+@pytest.mark.parametrize("seed, index", REGRESSIONS)
+def test_cases_that_once_failed(tmp_path, seed, index):
+    c = case(index, seed)
+    o = run_in_process(c, tmp_path / "case")
+    assert not o.problems, f"{c.describe()}: {o.problems} {o.stderr[:300]!r}"
+
+
 def test_cases_are_reproducible():
     """A case is a function of (index, seed): a failure's description rebuilds it alone."""
     a, b = case(17, SEED), case(17, SEED)
