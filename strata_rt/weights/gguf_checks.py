@@ -224,15 +224,31 @@ def check_experts(moe: Any, file_map: Any, on_layer: Callable[[int], None] | Non
     return problems
 
 
-def dims_against_tensors(tensors: Any, dims: dict[str, Any]) -> list[str]:
+def shape_problem(name: str, part: str, shape: tuple[int, ...], want: tuple[int, ...],
+                  arch: str, dims: dict[str, Any]) -> str | None:
+    """Why a tensor's shape (outermost first) is not the one the keys give, or None; an
+    expert tensor whose expert axis alone differs is said in those terms."""
+    if shape == want:
+        return None
+    E = dims["n_experts"]
+    if len(shape) == len(want) and part != "norm" and shape[0] != E and shape[1:] == want[1:]:
+        return f"tensor {name} holds {shape[0]} experts but key {arch}.expert_count = {E}"
+    return (f"tensor {name} has shape {list(shape)}; expected {list(want)} from the keys "
+            f"(n_experts={E}, ffn={dims['ffn']}, hidden={dims['hidden']})")
+
+
+def dims_against_tensors(tensors: Any, arch: str, dims: dict[str, Any]) -> list[str]:
     """Where layer 0's router or gate experts disagree with the dims the keys give (a damaged
     or edited header): the first such tensor, named when the header is read, so a mismatch is
     the file's problem and not a prompt's or a budget's further on."""
     E, F, H = dims["n_experts"], dims["ffn"], dims["hidden"]
-    want = {"blk.0.ffn_gate_inp.weight": (E, H), "blk.0.ffn_gate_exps.weight": (E, F, H)}
+    want = {"blk.0.ffn_gate_inp.weight": ("router", (E, H)),
+            "blk.0.ffn_gate_exps.weight": ("gate", (E, F, H))}
     for t in tensors:
-        shape = tuple(int(x) for x in reversed(list(t.shape)))  # outermost first
-        if t.name in want and shape != want[t.name]:
-            return [f"tensor {t.name} has shape {list(shape)}; expected {list(want[t.name])} "
-                    f"from the keys (n_experts={E}, ffn={F}, hidden={H})"]
+        if t.name in want:
+            part, shape = want[t.name]
+            got = tuple(int(x) for x in reversed(list(t.shape)))  # outermost first
+            why = shape_problem(t.name, part, got, shape, arch, dims)
+            if why is not None:
+                return [why]
     return []

@@ -146,7 +146,7 @@ def read_header(path: Path) -> tuple[Header, dict[str, Any]]:
     eps = number(header, f"{arch}.{EPS_KEY}")
     dims["rms_eps"] = DEFAULT_RMS_EPS if eps is None else eps
     problems = unsupported(header, arch) + gguf_checks.dims_against_tensors(header.tensors,
-                                                                          dims)
+                                                                          arch, dims)
     if dims["top_k"] > dims["n_experts"]:
         problems.append(f"key {arch}.expert_used_count = {dims['top_k']} exceeds "
                         f"{arch}.expert_count = {dims['n_experts']}")
@@ -265,17 +265,6 @@ def _read_float(t: Any, out: np.ndarray, problems: Problems) -> bool:
     return True
 
 
-def _shape_problem(name: str, part: str, shape: tuple[int, ...], want: tuple[int, ...],
-                   arch: str, dims: dict[str, Any]) -> str | None:
-    if shape == want:
-        return None
-    E = dims["n_experts"]
-    if len(shape) == len(want) and part != "norm" and shape[0] != E and shape[1:] == want[1:]:
-        return f"tensor {name} holds {shape[0]} experts but key {arch}.expert_count = {E}"
-    return (f"tensor {name} has shape {list(shape)}; expected {list(want)} from the keys "
-            f"(n_experts={E}, ffn={dims['ffn']}, hidden={dims['hidden']})")
-
-
 def scan_moe(path: Path) -> MoEFile:
     """Reads the header and the router and norm weights and checks every tensor the engine
     reads for presence, shape and type, and router and norm for NaN/Inf. A file that cannot
@@ -310,7 +299,7 @@ def scan_moe(path: Path) -> MoEFile:
                                     f"layer {layer} exists)")
                 continue
             ref = moe.tensors[name]
-            bad = _shape_problem(name, part, ref.shape, want[part], arch, dims)
+            bad = gguf_checks.shape_problem(name, part, ref.shape, want[part], arch, dims)
             if bad is not None:
                 moe.problems.append(bad)
             elif part in ("router", "norm"):
