@@ -30,14 +30,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 from ...errors import PlanHazardError, StrataError
 from ...models.qwen3.whole_memory import DenseTypes
 from ...schedule.plan import HANDOFF_EVENTS, HANDOFF_READY, HANDOFF_TAKEN, HandOff, Op, Record, Wait
+from .backend_view import BackendView
 
 if TYPE_CHECKING:
     from ...models.qwen3.spec import Qwen3Spec
     from ...runtime import Graph, Stream
-    from ...runtime.device import Runtime
     from ...schedule.split import Part
     from ...weights.model import MoESpec
-    from .device_state import DeviceState
     from .whole import CudaWhole
 
 
@@ -95,22 +94,16 @@ class PartReplay:
         self.graph.free()
 
 
-class LinkedPart(Protocol):
-    """What a hand-off reads of a split part's backend (executor.CudaBackend)."""
+class LinkedPart(BackendView, Protocol):
+    """What a hand-off reads of a split part's backend (executor.CudaBackend), besides the
+    shared view."""
 
     @property
     def part(self) -> Part: ...
     @property
     def peers(self) -> Sequence[LinkedPart]: ...
     @property
-    def rt(self) -> Runtime: ...
-    @property
-    def spec(self) -> MoESpec: ...
-    @property
-    def _T(self) -> int: ...
-    @property
     def _whole(self) -> CudaWhole | None: ...
-    def _device(self) -> DeviceState: ...
 
 
 class PartLink:

@@ -18,42 +18,28 @@ from ....schedule.in_place import resident_parts
 from ....schedule.lanes import walk_rows_hint
 from ....schedule.memory_plan import EXPERT_TABLE_ENTRY
 from ....schedule.plan import LayerProducts, Products
+from ..backend_view import ExpertsView
 
 if TYPE_CHECKING:
     import numpy as np
 
-    from ....formats.contract import ExpertLayout, FormatKernels
-    from ....runtime import Runtime, Stream
-    from ....weights.model import Model, MoESpec
-    from ..device_state import DeviceState
+    from ....runtime import Stream
+    from ....weights.model import Model
     from ..layer_kernels import LayerKernels
 
 
-class ProductsHost(Protocol):
-    """What a Products op reads of the backend that runs it (executor.CudaBackend)."""
+class ProductsHost(ExpertsView, Protocol):
+    """What a Products op reads of the backend that runs it (executor.CudaBackend), besides
+    what every expert op reads."""
 
-    @property
-    def spec(self) -> MoESpec: ...
     @property
     def model(self) -> Model: ...
     @property
-    def lay(self) -> ExpertLayout: ...
-    @property
-    def fks(self) -> list[FormatKernels]: ...
-    @property
     def kernels(self) -> LayerKernels: ...
     @property
-    def rt(self) -> Runtime: ...
-    @property
-    def first(self) -> int: ...
-    @property
-    def _T(self) -> int: ...
-    @property
     def _counts(self) -> np.ndarray | None: ...
-    def _device(self) -> DeviceState: ...
     def _lane(self, op: Products) -> tuple[Stream, int, int]: ...
     def _bounds_ptr(self, layer: int) -> int: ...
-    def _mark(self, phase: str) -> None: ...
 
 
 def product_ops(b: ProductsHost) -> dict[type, Callable[[Any], None]]:

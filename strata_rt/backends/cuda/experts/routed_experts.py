@@ -18,35 +18,19 @@ from typing import TYPE_CHECKING, Protocol
 from ....errors import StrataError
 from ....schedule.memory_plan import EXPERT_TABLE_ENTRY
 from ....schedule.plan import HOST, RESIDENT, RoutedExperts, Source
+from ..backend_view import ExpertsView
 from .table_rows import TableRows
 
 if TYPE_CHECKING:
-    from ....formats.contract import ExpertLayout, FormatKernels
-    from ....runtime import Runtime
-    from ....weights.model import MoESpec
     from ....weights.store import ExpertStore
-    from ..device_state import DeviceState
 
-class RoutedHost(Protocol):
-    """What a RoutedExperts op reads of the backend that runs it (executor.CudaBackend)."""
+class RoutedHost(ExpertsView, Protocol):
+    """What a RoutedExperts op reads of the backend that runs it (executor.CudaBackend),
+    besides what every expert op reads."""
 
-    @property
-    def spec(self) -> MoESpec: ...
-    @property
-    def lay(self) -> ExpertLayout: ...
-    @property
-    def fks(self) -> list[FormatKernels]: ...
-    @property
-    def rt(self) -> Runtime: ...
     @property
     def store(self) -> ExpertStore: ...
-    @property
-    def first(self) -> int: ...
-    @property
-    def _T(self) -> int: ...
-    def _device(self) -> DeviceState: ...
     def store_device_address(self) -> int: ...
-    def _mark(self, phase: str) -> None: ...
 
 
 class RoutedExpertsRunner:
