@@ -6,11 +6,15 @@ device slots), captured three ways and replayed:
 - `switched x`: each copy in a conditional node, a share x of them switched on by the
   route_copies kernel from expert bounds (1.0, 0.5, 0.25, 0.0);
 - `layers`: LAYERS such layers in one graph (instantiation time, and the cost per switched-off
-  node, which a routed walk pays for every unrouted expert).
+  node, which a routed walk pays for every unrouted expert);
+- each of those with a layer's copies split into --branches parallel chains (forked from the
+  stream after the switching kernel, joined after the copies): whether switched-off nodes and
+  small copies overlap when they need not wait for each other.
 Prints GB/s of the bytes actually copied and us per node; checks that exactly the switched-on
 copies landed.
 
-    python bench/bench_switched_copies.py [--experts 96] [--bytes 1835008] [--layers 48]
+    python bench/bench_switched_copies.py [--experts 96] [--bytes 1835008] [--layers 48] \
+        [--branches 1,2,4]
 """
 
 from __future__ import annotations
@@ -35,6 +39,9 @@ def main() -> None:
     ap.add_argument("--bytes", type=int, default=1_835_008, help="bytes a copy (a 30B expert)")
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--branches", type=lambda v: [int(x) for x in v.split(",")],
+                    default=[1, 2, 4], help="parallel chains of a layer's switched copies to "
+                    "time (comma-separated, 1..8)")
     args = ap.parse_args()
     n, size = args.experts, args.bytes
     rng = np.random.default_rng(0)
@@ -64,7 +71,11 @@ def main() -> None:
         ms = timed(plain, args.reps)
         print(f"plain: {n} x {size} B in {ms:.3f} ms, {n * size / ms / 1e6:.1f} GB/s")
 
-        def switched(layers: int):
+        branch_streams = [stream] + [rt.stream(f"branch{b}") for b in range(1, 8)]
+
+        def switched(layers: int, branches: int = 1):
+            """Each layer: the switching kernel, then its n switched copies split into
+            `branches` chains forked from the stream after the kernel and joined after them."""
             copies = RoutedWalkCopies(rt, rt.stream("side"))
             ops: list = []
             for layer in range(layers):
@@ -72,50 +83,70 @@ def main() -> None:
                 ops.append(RouteCopies(layer, tuple((first + e, e) for e in range(n))))
                 ops += [Copy(first + e, layer, e, e, routed=True) for e in range(n)]
             copies.prepare(ops)
+            chains = branch_streams[:branches]
             t0 = time.perf_counter()
             with rt.capture(stream) as graph:
                 for op in ops:
                     if isinstance(op, RouteCopies):
+                        if op.layer:
+                            join(chains)
                         copies.route(op, stream, bounds.ptr + 4 * (n_experts + 1) * op.layer)
+                        fork = rt.event("fork")
+                        fork.record(stream)
+                        for s in chains[1:]:
+                            s.wait(fork)
                     else:
                         e = op.expert
-                        copies.copy(op, stream, dst.ptr + e * size, src.ctypes.data + e * size,
-                                    size)
+                        copies.copy(op, chains[e * branches // n], dst.ptr + e * size,
+                                    src.ctypes.data + e * size, size)
+                join(chains)
             copies.finish(graph, stream)
             return graph, time.perf_counter() - t0
+
+        def join(chains) -> None:
+            for s in chains[1:]:
+                done = rt.event("join")
+                done.record(s)
+                stream.wait(done)
 
         def set_bounds(on: np.ndarray) -> None:
             b = np.zeros((args.layers, n_experts + 1), np.int32)
             b[:, 1:] = np.cumsum(on.reshape(args.layers, n_experts), axis=1)
             rt.memcpy_htod(bounds.ptr, b, stream)
 
-        one, _ = switched(1)
-        for share in (1.0, 0.5, 0.25, 0.0):
-            on = (rng.random(n * args.layers) < share).astype(np.int32)
-            set_bounds(on)
-            rt.memset_d8(dst.ptr, 0xFF, n * size, stream)
-            ms = timed(one, args.reps)
-            got = np.empty(n * size, np.uint8)
-            rt.memcpy_dtoh(got, dst.ptr, stream)
-            stream.synchronize()
-            got = got.reshape(n, size)
-            lit = on[:n] > 0
-            right = (np.array_equal(got[lit], src.reshape(n, size)[lit])
-                     and bool((got[~lit] == 0xFF).all()))
-            moved = int(lit.sum()) * size
-            rate = f"{moved / ms / 1e6:.1f} GB/s of the copied bytes" if moved else ""
-            print(f"switched {share:.2f}: {lit.sum()} of {n} copies in {ms:.3f} ms {rate} "
-                  f"({'right' if right else 'WRONG'})")
-        many, took = switched(args.layers)
-        print(f"{args.layers} layers x {n} switched copies: captured and instantiated in "
-              f"{took:.2f} s")
-        for share in (0.0, 0.45):
-            on = (rng.random(n * args.layers) < share).astype(np.int32)
-            set_bounds(on)
-            ms = timed(many, max(2, args.reps // 5))
-            moved = int(on.sum()) * size
-            print(f"  {share:.2f} on: {ms:.3f} ms, {moved / ms / 1e6 if moved else 0:.1f} GB/s, "
-                  f"{ms * 1e3 / (n * args.layers):.2f} us a node")
+        def check_switched(one, branches: int) -> None:
+            for share in (1.0, 0.5, 0.25, 0.0):
+                on = (rng.random(n * args.layers) < share).astype(np.int32)
+                set_bounds(on)
+                rt.memset_d8(dst.ptr, 0xFF, n * size, stream)
+                ms = timed(one, args.reps)
+                got = np.empty(n * size, np.uint8)
+                rt.memcpy_dtoh(got, dst.ptr, stream)
+                stream.synchronize()
+                got = got.reshape(n, size)
+                lit = on[:n] > 0
+                right = (np.array_equal(got[lit], src.reshape(n, size)[lit])
+                         and bool((got[~lit] == 0xFF).all()))
+                moved = int(lit.sum()) * size
+                rate = f"{moved / ms / 1e6:.1f} GB/s of the copied bytes" if moved else ""
+                print(f"switched {share:.2f}, {branches} chain(s): {lit.sum()} of {n} copies in "
+                      f"{ms:.3f} ms {rate} ({'right' if right else 'WRONG'})")
+
+        for branches in args.branches:
+            one, _ = switched(1, branches)
+            check_switched(one, branches)
+        for branches in (1, max(args.branches)):
+            many, took = switched(args.layers, branches)
+            print(f"{args.layers} layers x {n} switched copies, {branches} chain(s): captured "
+                  f"and instantiated in {took:.2f} s")
+            for share in (0.0, 0.45):
+                on = (rng.random(n * args.layers) < share).astype(np.int32)
+                set_bounds(on)
+                ms = timed(many, max(2, args.reps // 5))
+                moved = int(on.sum()) * size
+                print(f"  {share:.2f} on: {ms:.3f} ms, "
+                      f"{moved / ms / 1e6 if moved else 0:.1f} GB/s, "
+                      f"{ms * 1e3 / (n * args.layers):.2f} us a node")
 
 
 if __name__ == "__main__":

@@ -15,9 +15,12 @@ from strata_rt.formats.ggml_types import TYPES, ggml_type
 from strata_rt.gemm.ggml_gather import (
     GATHER_ARG_TYPES,
     GATHER_SOURCE,
+    GATHER_STEP_BYTES,
     GATHER_THREADS,
     GgmlGather,
     check_geometry,
+    gather_blocks,
+    groups_per_step,
     images_reference,
 )
 from strata_rt.resources import KERNELS_ROOT
@@ -48,13 +51,26 @@ def test_launch_arguments_and_grid():
               2048 + 16, bounds=0x500, first_expert=7)
     name, grid, block, args = rt.log[-1]
     assert name == "ggml_gather_Q4_K" and block == (GATHER_THREADS, 1, 1)
-    chunks = 768 * 2048 // 8
-    assert grid == (min(-(-2048 // 3), -(-chunks // GATHER_THREADS)), 3, 1)
+    # 6,144 groups of 256 values; a Q4_K group is 144 bytes, so a warp stages 1024 // 144 = 7
+    # a step: 8 warps a block take 56, 110 blocks cover them (under 2048 / 3 a member)
+    assert grid == (110, 3, 1)
     assert args[:3] == tuple(srcs) and args[3:16] == (0,) * 13
     assert args[16:] == (0x10000, 2 * 768 * 2048 + 16, 768 * 2048, 2, 0x500, 7)
     gg.gather("stream", ggml_type("F32"), [0x2000], 0x20000, 1, 8)
     name, grid, _, args = rt.log[-1]
     assert name == "ggml_gather_F32" and grid == (1, 1, 1) and args[17] == 16  # default stride
+
+
+def test_groups_per_step_follow_the_staged_bytes():
+    """GatherStep::GROUPS in gather_run.cuh: 1024 staged bytes a warp over a group's bytes,
+    1 to 8 groups."""
+    want = {"Q4_K": 7, "Q6_K": 4, "Q2_K": 8, "IQ3_XXS": 8, "Q8_0": 3, "F16": 2, "F32": 1,
+            "BF16": 2}
+    assert {n: groups_per_step(ggml_type(n)) for n in want} == want
+    assert GATHER_STEP_BYTES == 1024 and GATHER_THREADS == 256
+    # a launch too small to give every warp a step still gets one block per member's share
+    assert gather_blocks(ggml_type("F32"), 8, 16) == 1
+    assert gather_blocks(ggml_type("Q4_K"), 768 * 2048, 1) == 110
 
 
 def test_launcher_refuses_what_the_kernel_cannot_do():

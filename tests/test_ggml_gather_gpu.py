@@ -128,6 +128,24 @@ def test_routed_gather_skips_experts_without_rows(rt, gg, rng, name):
     check_output(t, out, stride, raws, 0, rows, cols, written)
 
 
+@pytest.mark.parametrize("name,rows,cols", [
+    ("Q4_K", 37, 1024), ("Q6_K", 29, 768), ("Q2_K", 41, 512), ("IQ4_NL", 23, 96),
+    ("Q8_0", 19, 160), ("F32", 7, 40), ("F16", 13, 24), ("MXFP4", 11, 224)])
+def test_gather_steps_many_groups_per_warp(rt, gg, rng, monkeypatch, name, rows, cols):
+    """A launch of one block: each warp stages and decodes several steps of groups, the last
+    group of each member partial where rows x cols is not a whole number of 256 values (F32,
+    F16, IQ4_NL, Q8_0, MXFP4 here), sources at odd addresses."""
+    from strata_rt.gemm import ggml_gather
+
+    t = ggml_type(name)
+    monkeypatch.setattr(ggml_gather, "GATHER_TARGET_BLOCKS", 1)
+    groups = -(-rows * cols // 256)
+    assert groups > 8 * ggml_gather.groups_per_step(t)  # more than one step a warp
+    present = [True, False, True]
+    out, stride, raws = run_gather(rt, gg, rng, t, rows, cols, present, first_pos=13)
+    check_output(t, out, stride, raws, 13, rows, cols, present)
+
+
 def test_gate_and_up_of_different_types_fill_one_image(rt, gg, rng):
     """A file's gate and up tensors may differ in type: two launches with the gate/up image's
     stride, the second offset by the gate rows, build the [2*ffn, hidden] image."""

@@ -20,8 +20,9 @@
 // ones): member y of a launch goes to position first_pos + y, its fp16 image at dst +
 // (first_pos + y) * image_bytes (16-byte aligned); its matrix is whole blocks, row after row;
 // bounds / first_expert as gather_batch in kernels/common/gather.cu (a member whose expert has
-// no rows is skipped; null: none is); a member whose source is 0 is skipped too. Each thread
-// writes 8 values (one 16-byte store) per step; sources are read a byte at a time.
+// no rows is skipped; null: none is); a member whose source is 0 is skipped too. A warp stages
+// a few 256-value groups' bytes in shared memory, then each lane writes 8 values (one 16-byte
+// store) per group (gather_run.cuh).
 //
 // Fused GEMM (generalised from kernels/iq3_xxs/fused.cu; the MMQ ABI of kernels/common/
 // gemm_f16.cu: arguments (Ids16, weights, acts, bounds, out, m, k), grid (m / BN, group
@@ -114,34 +115,9 @@ template <class D, int BM_, int WARPS_, int STAGES_, int MINB_> struct FusedCfg 
 
 struct GgmlSrcs16 { const uint8_t* v[16]; };
 
-namespace ggml {
+#include "gather_run.cuh"
 
-// ------------------------------------------------------------------------------ gather
-template <class D>
-__device__ __forceinline__ void gather_run(const GgmlSrcs16& srcs, uint8_t* dst,
-                                           long long image_bytes, long long values,
-                                           int first_pos, const int* __restrict__ bounds,
-                                           int first_expert) {
-    const int y = blockIdx.y;
-    if (bounds != nullptr && bounds[first_expert + y + 1] == bounds[first_expert + y]) return;
-    const uint8_t* src = srcs.v[0];
-    switch (y) {  // constant indices: a dynamic one would copy srcs to local memory
-#define GGML_SRC(i) case i: src = srcs.v[i]; break;
-        GGML_SRC(1) GGML_SRC(2) GGML_SRC(3) GGML_SRC(4) GGML_SRC(5) GGML_SRC(6) GGML_SRC(7)
-        GGML_SRC(8) GGML_SRC(9) GGML_SRC(10) GGML_SRC(11) GGML_SRC(12) GGML_SRC(13)
-        GGML_SRC(14) GGML_SRC(15)
-#undef GGML_SRC
-    }
-    if (src == nullptr) return;
-    uint4* out = reinterpret_cast<uint4*>(dst + (long long)(first_pos + y) * image_bytes);
-    const long long chunks = values / 8;
-    const long long step = (long long)gridDim.x * blockDim.x;
-    for (long long c = (long long)blockIdx.x * blockDim.x + threadIdx.x; c < chunks; c += step) {
-        unsigned w[4];
-        chunk8_f16_float<D>(src, c, w);
-        out[c] = make_uint4(w[0], w[1], w[2], w[3]);
-    }
-}
+namespace ggml {
 
 // ------------------------------------------------------------------------------ fused GEMM
 __device__ __forceinline__ void fused_cp_async(unsigned dst, const void* src, int src_bytes) {

@@ -15,6 +15,7 @@ value, bit for bit (`images_reference` is the numpy twin the GPU test compares w
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,14 +34,44 @@ if TYPE_CHECKING:
     from ..runtime import Runtime
 
 GATHER_SOURCE = KERNELS_ROOT / "ggml" / "gather.cu"
+#: the gather's body, whose #defines below are the one source of its block and step sizes
+GATHER_BODY = KERNELS_ROOT / "ggml" / "gather_run.cuh"
 #: argument types: 16 source addresses, dst, image bytes, values, first_pos, bounds,
 #: first_expert
 GATHER_ARG_TYPES = "P" * MMQ_GROUP + "PqqiPi"
-GATHER_THREADS = 256
-#: fp16 values one thread writes per step (one 16-byte store)
+
+
+def _define(name: str) -> int:
+    found = re.search(rf"^#define {name} (\d+)$", GATHER_BODY.read_text(), re.MULTILINE)
+    if found is None:
+        raise FormatError(f"{GATHER_BODY.name}: no #define {name}")
+    return int(found.group(1))
+
+
+GATHER_THREADS = _define("GGML_GATHER_THREADS")
+#: bytes of source a warp aims to stage per step
+GATHER_STEP_BYTES = _define("GGML_GATHER_STEP_BYTES")
+#: fp16 values one thread writes per group (one 16-byte store)
 GATHER_VALUES = 8
+#: values of a group: 32 lanes x 8
+GROUP_VALUES = 256
 #: CUDA blocks one launch aims for, spread over its experts
 GATHER_TARGET_BLOCKS = 2048
+
+
+def groups_per_step(t: GgmlType | DecoderSpec) -> int:
+    """256-value groups a warp stages and decodes per step (GatherStep::GROUPS)."""
+    span = GROUP_VALUES // t.block_values * t.block_bytes
+    return max(1, min(8, GATHER_STEP_BYTES // span))
+
+
+def gather_blocks(t: GgmlType | DecoderSpec, values: int, members: int) -> int:
+    """CUDA blocks along x of one launch: enough for one step per warp over a member's groups,
+    at most GATHER_TARGET_BLOCKS over the launch's members."""
+    groups = -(-values // GROUP_VALUES)
+    warps = GATHER_THREADS // 32
+    return max(1, min(-(-GATHER_TARGET_BLOCKS // members),
+                      -(-groups // (warps * groups_per_step(t)))))
 
 
 def image_bytes(rows: int, cols: int) -> int:
@@ -101,8 +132,7 @@ class GgmlGather(DecoderModule):
             raise FormatError(f"{t.name} gather writes 16-byte words: {why}")
         if any(int(s) < 0 for s in srcs):
             raise FormatError(f"{t.name} gather: a source address is negative: {list(srcs)}")
-        chunks = values // GATHER_VALUES
-        gx = max(1, min(-(-GATHER_TARGET_BLOCKS // n), -(-chunks // GATHER_THREADS)))
+        gx = gather_blocks(t, values, n)
         ptrs = [int(s) for s in srcs] + [0] * (MMQ_GROUP - n)
         self.kernel(t).launch(grid=(gx, n, 1), block=(GATHER_THREADS, 1, 1), stream=stream,
                               args=(*ptrs, dst, stride, values, first_pos, bounds,
@@ -118,5 +148,5 @@ def images_reference(gtype: str | int | GGMLQuantizationType | GgmlType, raw: np
         return t.dequantize(raw, cols).reshape(rows, cols).astype(np.float16)
 
 
-__all__ = ["GATHER_SOURCE", "TYPES", "DecoderSpec", "GgmlGather", "check_geometry", "image_bytes",
-           "images_reference"]
+__all__ = ["GATHER_SOURCE", "TYPES", "DecoderSpec", "GgmlGather", "check_geometry", "gather_blocks",
+           "groups_per_step", "image_bytes", "images_reference"]
