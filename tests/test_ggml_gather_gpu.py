@@ -129,8 +129,8 @@ def test_routed_gather_skips_experts_without_rows(rt, gg, rng, name):
 
 
 @pytest.mark.parametrize("name,rows,cols", [
-    ("Q4_K", 37, 1024), ("Q6_K", 29, 768), ("Q2_K", 41, 512), ("IQ4_NL", 23, 96),
-    ("Q8_0", 19, 160), ("F32", 7, 40), ("F16", 13, 24), ("MXFP4", 11, 224)])
+    ("Q4_K", 37, 1024), ("Q6_K", 29, 768), ("Q2_K", 41, 512), ("IQ4_NL", 151, 96),
+    ("Q8_0", 41, 160), ("F32", 61, 40), ("F16", 173, 24), ("MXFP4", 67, 224)])
 def test_gather_steps_many_groups_per_warp(rt, gg, rng, monkeypatch, name, rows, cols):
     """A launch of one block: each warp stages and decodes several steps of groups, the last
     group of each member partial where rows x cols is not a whole number of 256 values (F32,
