@@ -472,7 +472,7 @@ def test_reject_a_batch_member_on_another_lane():
 
 def test_reject_events_and_launches_off_the_gpu_streams():
     _reject([Record(copied(0), "host")], 1, r"op #0 Record\(copied\[0\]\) on host: stream "
-            r"must be one of copy, compute, compute2")
+            r"must be one of copy, copy2, copy3, copy4, compute, compute2")
     _reject([Record(copied(0), "copy"), Wait(copied(0), "host")], 1,
             r"op #1 Wait\(copied\[0\]\) on host: stream must be one of")
     _reject([Gather(0, 0, 0, 2, ("resident", 0), stream="copy")], 1,

@@ -23,6 +23,7 @@ from strata_rt.schedule.dense_schedule import DenseSchedule
 from strata_rt.schedule.hazards import check
 from strata_rt.schedule.image_cache import ImageCache
 from strata_rt.schedule.plan import (
+    COPY_CHAINS,
     LANES,
     ChunkPlan,
     Copy,
@@ -287,12 +288,14 @@ class _RecordedSwitches:
         pass
 
 
-def test_cuda_executor_switches_routed_copies_only_inside_a_capture(fake, monkeypatch) -> None:
+@pytest.mark.parametrize("chains", [1, 4])
+def test_cuda_executor_switches_routed_copies_only_inside_a_capture(fake, monkeypatch,
+                                                                    chains) -> None:
     """The CUDA executor on the recording runtime: the first (plain) run of a routed walk copies
     every entry and launches no switch kernel; the capture turns each routed Copy into a
-    switched copy on the copy stream and each RouteCopies into one route_copies launch on the
-    compute stream over its layer's consecutive entries; the table is uploaded and held by the
-    graph, which the third run replays."""
+    switched copy on its copy stream (entry k on COPY_CHAINS[k % chains]) and each RouteCopies
+    into one route_copies launch on the compute stream over its layer's consecutive entries;
+    the table is uploaded and held by the graph, which the third run replays."""
     from strata_rt.backends.cuda.experts import routed_walk
     from strata_rt.config.engine_config import EngineConfig
     from strata_rt.weights.model import SMALL_SPEC, Model
@@ -302,6 +305,7 @@ def test_cuda_executor_switches_routed_copies_only_inside_a_capture(fake, monkey
                         lambda *a: made.append(_RecordedSwitches(*a)) or made[-1])
     monkeypatch.setattr(routed_walk, "conditional_copies_supported", lambda: True)
     monkeypatch.setenv("STRATA_PREFILL_STREAM", "routed_walk")
+    monkeypatch.setenv("STRATA_COPY_CHAINS", str(chains))
     moe = Model.synthetic(SMALL_SPEC, 3)
     spec = moe.spec
     cfg = EngineConfig(model=moe, backend="cuda", expert_cache=spec.total_experts // 2,
@@ -322,7 +326,8 @@ def test_cuda_executor_switches_routed_copies_only_inside_a_capture(fake, monkey
         (sw,) = made
         assert sw.uploaded and sw.n == streamed
         assert sorted(e for e, _, _ in sw.copies) == list(range(streamed))
-        assert {stream for _, stream, _ in sw.copies} == {"copy"}
+        assert all(stream == COPY_CHAINS[e % chains] for e, stream, _ in sw.copies)
+        assert {stream for _, stream, _ in sw.copies} == set(COPY_CHAINS[:chains])
         assert len(sw.experts) == streamed
         switch = [(s, args) for name, s, args in rt.launched_on if name == "route_copies"]
         assert len(switch) == spec.n_layers and {s for s, _ in switch} == {"compute"}

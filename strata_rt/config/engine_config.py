@@ -43,6 +43,7 @@ DECODE_DENSES = env.choices("STRATA_DECODE_DENSE")
 DECODE_ARGMAXES = env.choices("STRATA_DECODE_ARGMAX")
 PREFILL_STREAMS = env.choices("STRATA_PREFILL_STREAM")
 TABLE_PRODUCTS = env.choices("STRATA_TABLE_PRODUCTS")
+COPY_CHAIN_COUNTS = env.choices("STRATA_COPY_CHAINS")
 DENSE_GEMMS = env.choices("STRATA_DENSE_GEMM")
 EMBEDDINGS = env.choices("STRATA_EMBEDDING")
 F16_GEMMS = env.choices("STRATA_F16_GEMM")
@@ -116,6 +117,9 @@ class EngineConfig:
     #: "auto" (one launch per product where the format offers it) or "off" (one per group of
     #: 16); None: STRATA_TABLE_PRODUCTS, else auto
     table_products: str | None = None
+    #: copy streams a routed walk's switched copies go round-robin over ("1" .. "4"); None:
+    #: STRATA_COPY_CHAINS, else 4
+    copy_chains: str | None = None
     profile: str | None = None
     gather_one: bool | None = None
     #: chunks of at least this many tokens take the walk; None: decided by the routed share
@@ -239,6 +243,12 @@ class EngineConfig:
         why = None if clashes or trace is None else results_file_problem(trace)
         return problems + clashes + ([] if why is None else [f"trace: got {str(trace)!r}; {why}"])
 
+    @property
+    def copy_streams(self) -> int:
+        """The copy streams a routed walk's copies go over: copy_chains, or one under
+        STRATA_PREFILL_TIMING, whose phase timer times copies on the first copy stream."""
+        return 1 if self.timing or self.copy_chains is None else int(self.copy_chains)
+
     def resolve(self) -> EngineConfig:
         """Validates, and fills switches left None from the environment."""
         problems = []
@@ -278,6 +288,7 @@ class EngineConfig:
                               ("decode_argmax", DECODE_ARGMAXES),
                               ("prefill_stream", PREFILL_STREAMS),
                               ("table_products", TABLE_PRODUCTS),
+                              ("copy_chains", COPY_CHAIN_COUNTS),
                               ("dense_gemm", DENSE_GEMMS), ("embedding", EMBEDDINGS),
                               ("f16_gemm", F16_GEMMS), ("store_memory", STORE_MEMORIES)):
             value = getattr(self, name)
@@ -328,6 +339,8 @@ class EngineConfig:
             self.prefill_stream = env.choice("STRATA_PREFILL_STREAM", PREFILL_STREAMS[0])
         if self.table_products is None:
             self.table_products = env.choice("STRATA_TABLE_PRODUCTS", TABLE_PRODUCTS[0])
+        if self.copy_chains is None:
+            self.copy_chains = env.choice("STRATA_COPY_CHAINS", COPY_CHAIN_COUNTS[0])
         if self.cuda_graph is None:
             self.cuda_graph = env.flag("STRATA_CUDA_GRAPH", default=True)
         if self.dense_gemm is None:

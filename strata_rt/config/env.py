@@ -15,7 +15,7 @@ Where each is read (tests/test_switches.py holds every module to it):
   STRATA_PREFILL_TRACE, STRATA_WALK_MIN_TOKENS, STRATA_CHECK_PLAN, STRATA_MMQ_KERNEL,
   STRATA_DECODE, STRATA_DECODE_ATTENTION, STRATA_DECODE_DENSE, STRATA_DECODE_ARGMAX,
   STRATA_PREFILL_STREAM,
-  STRATA_IMAGE_CACHE_MIB, STRATA_TABLE_PRODUCTS,
+  STRATA_IMAGE_CACHE_MIB, STRATA_TABLE_PRODUCTS, STRATA_COPY_CHAINS,
   STRATA_COMPUTE_LANES, STRATA_IN_PLACE, STRATA_CUDA_GRAPH, STRATA_ROUTING, STRATA_DENSE_GEMM,
   STRATA_EMBEDDING, STRATA_F16_GEMM and STRATA_STORE_MEMORY.
   A run config's checks (config/schema.py, config/whole.py) size the engine before it exists:
@@ -144,6 +144,11 @@ SWITCHES: dict[str, Switch] = {
                "products as one launch per product over a table of slot addresses where the "
                "layer's format offers it (FormatKernels.mmq_table), off as one in-place launch "
                "per group of 16 experts. Results are bit-identical."),
+        Switch("STRATA_COPY_CHAINS", "choice:4,1,2,3",
+               "copy streams a routed walk's switched copies go round-robin over (4, the "
+               "default, 1, 2 or 3; `copy_chains` in Engine.open's settings): a copy the "
+               "routing switched off then delays its own stream alone, and a group's copies "
+               "land side by side. Results are bit-identical."),
         Switch("STRATA_CUDA_GRAPH", "flag",
                "0: launch the streamed walk kernel by kernel instead of replaying a CUDA graph."),
         Switch("STRATA_KERNEL_CACHE", "outdir",

@@ -345,7 +345,8 @@ class ChunkDriver:
                                  images=self.executor.images,
                                  lanes=self.executor.lanes_for(T),
                                  in_place=self.executor.in_place_for(T), part=self.part,
-                                 routed_copies=gather_one == ROUTED_WALK)
+                                 routed_copies=gather_one == ROUTED_WALK,
+                                 copy_chains=self.cfg.copy_streams)
             plan = merge_layer_products(plan, self.spec.n_experts,
                                         self.table_layers.__contains__)
             if self.check_plan:

@@ -39,7 +39,10 @@ A routed walk (planner.plan_walk with routed copies) keeps the walk's ring, entr
 but copies only what each layer routes, with no host wait: its Copy ops are `routed`, issued
 only once their layer's RouteCopies has switched them from the routing on the device (the copy
 stream waits for `("copies_routed", layer)`), and its groups gather with GatherRouted, which
-skips the same unrouted experts, so no launch reads a slot whose copy was switched off.
+skips the same unrouted experts, so no launch reads a slot whose copy was switched off. Its
+copies may go round-robin over several copy streams (COPY_CHAINS, `copy_chains`): a copy that
+its switch turned off then costs its chain alone a node's time, and a group's copies land side
+by side; each chain waits for the layer's copies_routed and records each slot's copied itself.
 
 Table products: where every expert of a layer is read in place, the driver merges the layer's
 in-place Products into one LayerProducts right after planning (schedule.layer_products), which
@@ -55,9 +58,12 @@ from typing import Literal
 
 from ..formats.contract import MMQ_GROUP
 
-StreamName = Literal["copy", "compute", "compute2", "host"]
+StreamName = Literal["copy", "copy2", "copy3", "copy4", "compute", "compute2", "host"]
 #: the compute lanes in order; lane i owns group-buffer set i
 LANES: tuple[StreamName, ...] = ("compute", "compute2")
+#: the copy streams: "copy" for every plan; a routed walk may spread its switched copies over
+#: the first copy_chains of them (entry k on COPY_CHAINS[k % copy_chains])
+COPY_CHAINS: tuple[StreamName, ...] = ("copy", "copy2", "copy3", "copy4")
 #: ("copied", slot) or ("used", slot)
 EventKey = tuple[str, int]
 #: ("resident", resident slot index), ("ring", ring slot) or ("host", 0): the blob read over
@@ -136,7 +142,8 @@ class Copy:
     expert: int
     slot: int
     routed: bool = False
-    stream: StreamName = field(default="copy", init=False)
+    #: one of COPY_CHAINS ("copy" but in a routed walk of several copy chains)
+    stream: StreamName = "copy"
 
 
 @dataclass(frozen=True)

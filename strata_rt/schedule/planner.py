@@ -122,7 +122,7 @@ def plan_walk(spec: MoESpec, residency: Residency, ring_slots: int, gather_one: 
               tokens: int = 0, attention: DenseSchedule | None = None,
               images: ImageCache | None = None, lanes: int = 1,
               in_place: bool = False, part: Part | None = None,
-              routed_copies: bool = False) -> ChunkPlan:
+              routed_copies: bool = False, copy_chains: int = 1) -> ChunkPlan:
     """The streamed walk: every non-resident expert of every layer, layer-major ascending,
     streamed through the ring; every expert of a layer is gathered (groups are ids
     [16g, 16g+16)) so the schedule does not depend on routing and experts without rows cost an
@@ -135,13 +135,15 @@ def plan_walk(spec: MoESpec, residency: Residency, ring_slots: int, gather_one: 
     layers of one device of a layer split (None: every layer), whose plan opens with the
     part's prologue and ends with its epilogue (strata_rt.schedule.split). routed_copies: a
     routed walk (plan.py), whose copies and gathers the layer's routing switches on the device,
-    so only routed experts cross PCIe, while the schedule stays the same for every routing."""
+    so only routed experts cross PCIe, while the schedule stays the same for every routing;
+    copy_chains: the copy streams its copies go round-robin over (plan.COPY_CHAINS)."""
     span = _span(spec, part)
     need = group_ring_entries(residency, span, spec.n_experts) if routed_copies else 0
     if ring_slots < need:
         raise ValueError(f"ring_slots={ring_slots}: a routed walk gathers a group in one "
                          f"launch, and a group here streams {need} experts")
-    b = RingBuilder(residency, ring_slots, gather_one, lanes, in_place, routed_copies)
+    b = RingBuilder(residency, ring_slots, gather_one, lanes, in_place, routed_copies,
+                    copy_chains if routed_copies else 1)
     b.seq = [(layer, e) for layer in span for e in range(spec.n_experts)
              if residency.slot(layer, e) is None]
     if attention is not None:  # the first dense layers go before any expert

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from ..formats.contract import MMQ_GROUP
 from .plan import (
+    COPY_CHAINS,
     LANES,
     RESIDENT,
     RING,
@@ -43,14 +44,20 @@ class RingBuilder:
     is known (`horizon`), each switched by its layer's RouteCopies, and every group gathers
     with one GatherRouted, which skips the unrouted experts whose copies were switched off.
     A group's gathers are then one launch from position 0, so the ring must hold the ring
-    entries of any one group (group_ring_entries)."""
+    entries of any one group (group_ring_entries). copy_chains (a routed walk only): entry k
+    is copied on COPY_CHAINS[k % copy_chains]."""
 
     def __init__(self, residency: Residency, ring_slots: int, gather_one: bool,
-                 lanes: int = 1, in_place: bool = False, routed_copies: bool = False):
+                 lanes: int = 1, in_place: bool = False, routed_copies: bool = False,
+                 copy_chains: int = 1):
         if ring_slots < 1:
             raise ValueError(f"ring_slots={ring_slots}: the ring needs at least one slot")
         if not 1 <= lanes <= len(LANES):
             raise ValueError(f"lanes={lanes}: a plan has 1..{len(LANES)} compute lanes")
+        if not 1 <= copy_chains <= (len(COPY_CHAINS) if routed_copies else 1):
+            raise ValueError(f"copy_chains={copy_chains}: a routed walk has 1.."
+                             f"{len(COPY_CHAINS)} copy chains, any other plan one")
+        self.chains = COPY_CHAINS[:copy_chains]
         self.residency = residency
         self.lanes = lanes
         self.in_place = in_place               # products read resident groups in place
@@ -75,10 +82,11 @@ class RingBuilder:
             if self.horizon is not None and layer > self.horizon:
                 break  # its routing is not known yet: RouteCopies has not switched it
             slot = k % self.ring
+            chain = self.chains[k % len(self.chains)]
             if k >= self.ring:
-                self.ops.append(Wait(used(slot), "copy"))
-            self.ops.append(Copy(k, layer, expert, slot, self.routed))
-            self.ops.append(Record(copied(slot), "copy"))
+                self.ops.append(Wait(used(slot), chain))
+            self.ops.append(Copy(k, layer, expert, slot, self.routed, chain))
+            self.ops.append(Record(copied(slot), chain))
             self.issued += 1
 
     # ------------------------------------------------------------------ consumer
@@ -140,7 +148,7 @@ class RingBuilder:
             if pairs:
                 self.ops.append(RouteCopies(layer, pairs))
                 self.ops.append(Record(copies_routed(layer), LANES[0]))
-                self.ops.append(Wait(copies_routed(layer), "copy"))
+                self.ops += [Wait(copies_routed(layer), chain) for chain in self.chains]
             self.horizon = layer
             self.issue_available()
 

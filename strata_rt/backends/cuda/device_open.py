@@ -114,7 +114,7 @@ def open_device(rt: Runtime, model: Model, store: ExpertStore, cfg: EngineConfig
         images.report(spec, lay)
     dev = DeviceState(rt, mp.regions, max(available, 0),
                       mp.tokens * spec.hidden * 4, (lspec.n_layers, spec.n_experts + 1), lanes,
-                      mp.tokens)
+                      mp.tokens, cfg.copy_streams)
     try:  # the arena is freed here if filling it fails (the backend holds nothing yet)
         kernels = LayerKernels(rt, spec, fmt.activation, dev.ptr, routing, lo)
         # poison everything first: a read of bytes nobody wrote shows up as NaN, not as luck

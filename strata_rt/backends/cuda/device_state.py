@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ...schedule.memory_plan import lane_buffers
-from ...schedule.plan import LANES
+from ...schedule.plan import COPY_CHAINS, LANES
 from .chunk_input import InputPass
 from .experts.table_rows import TableRows
 
@@ -26,7 +26,8 @@ if TYPE_CHECKING:
 
 class DeviceState:
     def __init__(self, rt: Runtime, regions: dict[str, int], budget: int, io_bytes: int,
-                 bounds_shape: tuple[int, int], lanes: int = 1, max_tokens: int = 1):
+                 bounds_shape: tuple[int, int], lanes: int = 1, max_tokens: int = 1,
+                 copy_chains: int = 1):
         self.compute = rt.stream("compute")
         self.copy = rt.stream("copy")
         #: routed-set read-backs go on their own stream, never behind the copies of blobs
@@ -34,6 +35,8 @@ class DeviceState:
         self.streams: dict[str, Stream] = {"compute": self.compute, "copy": self.copy}
         for lane in LANES[1:lanes]:  # the other compute lanes (strata_rt.schedule.lanes)
             self.streams[lane] = rt.stream(lane)
+        for chain in COPY_CHAINS[1:copy_chains]:  # a routed walk's other copy streams
+            self.streams[chain] = rt.stream(chain)
         self.arena = rt.device_arena(regions, budget=budget)
         self.ptr: dict[str, int] = {name: self.arena.ptr(name) for name in regions}
         #: each compute lane's stream and group buffers (gate/up, down), looked up once

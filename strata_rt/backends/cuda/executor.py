@@ -324,8 +324,8 @@ class CudaBackend:
             self._timer.copy_begin(f"copy L{op.layer} E{op.expert} -> slot {op.slot}")
         nbytes = self.model.formats.layout(op.layer).blob_bytes
         dst, src = dev.ptr["ring"] + op.slot * self.lay.slot_bytes, self.store.arena[off:]
-        if not self.walk_copies.copy(op, dev.copy, dst, src.ctypes.data, nbytes):
-            self.rt.memcpy_htod(dst, src[:nbytes], dev.copy)
+        if not self.walk_copies.copy(op, (s := dev.streams[op.stream]), dst, src.ctypes.data, nbytes):
+            self.rt.memcpy_htod(dst, src[:nbytes], s)
         if self._timer is not None:
             self._timer.copy_end()
 

@@ -1,11 +1,11 @@
 """The hazard checker: replays a Plan under CUDA's stream and event rules.
 
-Model: ops run in host issue order; the copy stream and each compute lane (plan.LANES) execute
-their ops in order; Record(event) snapshots its stream's progress and Wait(event) makes a stream
+Model: ops run in host issue order; each copy stream (plan.COPY_CHAINS) and each compute lane
+(plan.LANES) execute their ops in order; Record(event) snapshots its stream's progress and Wait(event) makes a stream
 wait for the latest Record of that event issued before the Wait (CUDA semantics: re-recording
 moves the event; waiting on an event never recorded does not wait at all, so it is an error
-here). Cross-stream order is tracked with vector clocks of one component per stream (copy, then
-the lanes): op a happens before op b iff b's clock has caught up with a's own-stream component.
+here). Cross-stream order is tracked with vector clocks of one component per stream (the copy
+streams, then the lanes): op a happens before op b iff b's clock has caught up with a's own-stream component.
 The rules ask for an order, not for the event a planner uses to get it.
 
 Rejected (each message names the ring slot or the layer, the entry/expert, the lane and the ops
@@ -13,7 +13,7 @@ with their index in the chunk's op list):
 - a Copy refilling a slot while a gather (on any lane) of the previous occupant may read it;
 - a gather reading a slot whose copy of the expected entry does not happen before it, was
   never issued, or was already overwritten;
-- a Wait on an event never recorded; a Record or Wait off the copy stream and the lanes;
+- a Wait on an event never recorded; a Record or Wait off the copy streams and the lanes;
 - a gather or Products on a stream that is not a compute lane, and a GatherBatch or
   GatherRouted member naming a lane other than its launch's;
 - a Consume passing an entry that a not-yet-launched gather (batch) still reads;
@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, NoReturn, Protocol
 
 from ...errors import PlanHazardError
 from ..plan import (
+    COPY_CHAINS,
     HANDOFF_EVENTS,
     HOST,
     INPUT_KINDS,
@@ -85,8 +86,8 @@ if TYPE_CHECKING:
     from ..image_cache import ImageCache
     from ..residency import Residency
 
-#: the streams a clock has a component for: the copy stream, then the compute lanes
-_STREAMS: tuple[str, ...] = ("copy", *LANES)
+#: the streams a clock has a component for: the copy streams, then the compute lanes
+_STREAMS: tuple[str, ...] = (*COPY_CHAINS, *LANES)
 _COMPONENT = {stream: n for n, stream in enumerate(_STREAMS)}
 #: the lane of a layer's routing and combine (LayerBegin, LayerEnd, the whole-model ops)
 _MAIN = LANES[0]
@@ -322,7 +323,8 @@ class Checker:
             self._fail(f"slot {s}: op #{i} {describe(op)} over-runs the consumer: entry {k} "
                        f">= consumed {self.consumed} + ring {self.ring} (entry "
                        f"{k - self.ring}, the slot's previous occupant, is not consumed yet)")
-        now = self._tick("copy")
+        self._check(self.switches.chain(i, op))
+        now = self._tick(op.stream)
         self._check(self.switches.copy(i, op, now))
         prev = self.slots.get(s)
         if prev is not None:
@@ -331,10 +333,10 @@ class Checker:
                     self._fail(
                         f"slot {s}: op #{i} {describe(op)} refills the slot while op #{rop} "
                         f"{rdesc} (entry {prev.entry}, layer {prev.layer} expert "
-                        f"{prev.expert}) may still read it: no Wait(used[{s}]) on the copy "
-                        f"stream joins a Record(used[{s}]) issued on {lane} after op #{rop}")
+                        f"{prev.expert}) may still read it: no Wait(used[{s}]) on {op.stream} "
+                        f"joins a Record(used[{s}]) issued on {lane} after op #{rop}")
         self.copies[k] = i
-        self.slots[s] = Occupant(k, op.layer, op.expert, now, i)
+        self.slots[s] = Occupant(k, op.layer, op.expert, now, i, op.stream)
 
     def _gather(self, i: int, g: Gather, now: Clock, desc: str, what: str,
                 host_ok: bool = False) -> None:
@@ -385,10 +387,10 @@ class Checker:
             self._fail(f"slot {s}: {desc} expects layer {g.layer} expert {g.expert} but entry "
                        f"{k} (Copy at op #{occ.op_index}) is layer {occ.layer} expert "
                        f"{occ.expert}")
-        if not self._before(occ.clock, "copy", now):
+        if not self._before(occ.clock, occ.stream, now):
             self._fail(f"slot {s}: {desc} may read before op #{occ.op_index} {occ.describe()} "
                        f"landed: no Wait(copied[{s}]) on {g.stream} joins a "
-                       f"Record(copied[{s}]) issued after op #{occ.op_index}")
+                       f"Record(copied[{s}]) issued on {occ.stream} after op #{occ.op_index}")
         self._check(self.switches.read(desc, s, k, host_ok))
         occ.readers.append((now, g.stream, i, what))
         self._place(g, i)

@@ -99,6 +99,7 @@ class Occupant:
     expert: int
     clock: Clock
     op_index: int
+    stream: str = "copy"  # the copy stream the Copy ran on
     readers: list[tuple[Clock, str, int, str]] = field(default_factory=list)
 
     def describe(self) -> str:

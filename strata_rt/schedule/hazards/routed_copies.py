@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Container
 from dataclasses import dataclass
 
-from ..plan import LANES, Copy, RouteCopies
+from ..plan import COPY_CHAINS, LANES, Copy, RouteCopies
 from .messages import Clock, describe
 
 #: the lane of the routing (LayerBegin) and of RouteCopies
@@ -55,6 +55,14 @@ class CopySwitches:
             self.switched[k] = _Switch(now, i, op.layer, e)
         return None
 
+    @staticmethod
+    def chain(i: int, op: Copy) -> str | None:
+        """A copy runs on one of the copy streams, and off the first only in a routed walk."""
+        if op.stream in COPY_CHAINS[:1] or (op.stream in COPY_CHAINS and op.routed):
+            return None
+        return (f"op #{i} {describe(op)} runs on {op.stream}: a copy goes on "
+                f"{COPY_CHAINS[0]}, or in a routed walk on one of {', '.join(COPY_CHAINS)}")
+
     def copy(self, i: int, op: Copy, now: Clock) -> str | None:
         if not op.routed:
             return None
@@ -68,7 +76,7 @@ class CopySwitches:
                     f"expert {sw.expert}")
         if not self._before(sw.clock, _MAIN, now):
             return (f"{what} may run before op #{sw.op_index} RouteCopies(layer {sw.layer}) "
-                    f"set its switch: no Wait(copies_routed[{sw.layer}]) on the copy stream "
+                    f"set its switch: no Wait(copies_routed[{sw.layer}]) on {op.stream} "
                     f"joins a Record(copies_routed[{sw.layer}]) issued on {_MAIN} after it")
         self.routed.add(op.entry)
         return None

@@ -27,7 +27,16 @@ from typing import TYPE_CHECKING, NoReturn
 
 from ...errors import PlanHazardError
 from ..hazards import Checker
-from ..plan import HANDOFF_READY, HANDOFF_TAKEN, LANES, ChunkPlan, HandOff, Record, Wait
+from ..plan import (
+    COPY_CHAINS,
+    HANDOFF_READY,
+    HANDOFF_TAKEN,
+    LANES,
+    ChunkPlan,
+    HandOff,
+    Record,
+    Wait,
+)
 
 if TYPE_CHECKING:
     from ..image_cache import ImageCache
@@ -61,8 +70,8 @@ class SplitChecker:
 
     def _now(self, checker: Checker) -> int:
         """The global tick of the part's main lane (its clock component follows the copy
-        stream's, as hazards orders them)."""
-        return self.base[self._part] + checker.clock[_MAIN][1 + LANES.index(_MAIN)]
+        streams', as hazards orders them)."""
+        return self.base[self._part] + checker.clock[_MAIN][len(COPY_CHAINS) + LANES.index(_MAIN)]
 
     def feed(self, part: int, plan: ChunkPlan) -> None:
         """Checks part `part`'s plan of its next chunk."""
