@@ -122,7 +122,7 @@ def test_reference_chained_routed_walks_give_the_walks_bytes(model, monkeypatch,
 
 
 def test_copy_chains_setting(monkeypatch) -> None:
-    check_engine_setting(monkeypatch, "copy_chains", "STRATA_COPY_CHAINS", "4", "2", "1", "5",
+    check_engine_setting(monkeypatch, "copy_chains", "STRATA_COPY_CHAINS", "1", "2", "4", "5",
                          "0")
     monkeypatch.delenv("STRATA_COPY_CHAINS")
     cfg = EngineConfig(model=SMALL_SPEC, copy_chains="3").resolve()  # type: ignore[arg-type]

@@ -15,11 +15,8 @@ GGML_HD uint32_t nibble32(const uint8_t* qs, int j) { return (qs[j & 15] >> ((j 
 
 // raw float32 words
 template <> struct Decode<Type::F32> : Traits<Type::F32> {
-    // the pair's 8 bytes in the widest loads their address allows (one 8-byte load from an
-    // aligned tensor, where two 4-byte reads would be 8 byte loads)
     GGML_HD static Pair pair(const uint8_t* b, int) {
-        const Bytes8 w = load8(b);
-        return {bits_to_f32(w.lo), bits_to_f32(w.hi)};
+        return {bits_to_f32(load_u32(b)), bits_to_f32(load_u32(b + 4))};
     }
 };
 

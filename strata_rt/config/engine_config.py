@@ -118,7 +118,7 @@ class EngineConfig:
     #: 16); None: STRATA_TABLE_PRODUCTS, else auto
     table_products: str | None = None
     #: copy streams a routed walk's switched copies go round-robin over ("1" .. "4"); None:
-    #: STRATA_COPY_CHAINS, else 4
+    #: STRATA_COPY_CHAINS, else 1
     copy_chains: str | None = None
     profile: str | None = None
     gather_one: bool | None = None

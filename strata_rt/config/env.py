@@ -144,11 +144,11 @@ SWITCHES: dict[str, Switch] = {
                "products as one launch per product over a table of slot addresses where the "
                "layer's format offers it (FormatKernels.mmq_table), off as one in-place launch "
                "per group of 16 experts. Results are bit-identical."),
-        Switch("STRATA_COPY_CHAINS", "choice:4,1,2,3",
-               "copy streams a routed walk's switched copies go round-robin over (4, the "
-               "default, 1, 2 or 3; `copy_chains` in Engine.open's settings): a copy the "
-               "routing switched off then delays its own stream alone, and a group's copies "
-               "land side by side. Results are bit-identical."),
+        Switch("STRATA_COPY_CHAINS", "choice:1,2,3,4",
+               "copy streams a routed walk's switched copies go round-robin over (1, the "
+               "default, to 4; `copy_chains` in Engine.open's settings): a copy the routing "
+               "switched off then delays its own stream alone, and a group's copies land side "
+               "by side. Results are bit-identical."),
         Switch("STRATA_CUDA_GRAPH", "flag",
                "0: launch the streamed walk kernel by kernel instead of replaying a CUDA graph."),
         Switch("STRATA_KERNEL_CACHE", "outdir",
