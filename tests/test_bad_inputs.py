@@ -263,6 +263,47 @@ def test_a_folder_given_for_a_file_is_called_a_folder(tmp_path: Path, capsys, ke
     assert "no such file" not in err
 
 
+# ------------------------------------------------------------------------------ home folders
+NO_USER = "~no-such-user-strata"
+NO_HOME = (f"starts with {NO_USER}, which names the home folder of user "
+           "'no-such-user-strata', and there is no such user")
+
+
+@pytest.mark.parametrize("key", ["profile", "prompt file", "gguf", "output"])
+def test_a_home_folder_of_no_user_is_named(tmp_path: Path, capsys, key: str) -> None:
+    """`~name` of a user this machine lacks: pathlib's error escaped the config check as a
+    traceback; it is a problem naming the key."""
+    value = f"{NO_USER}/x"
+    change = {"profile": {"profile": value}, "prompt file": {"prompts": [{"file": value}]},
+              "gguf": {"model": {"gguf": value}}, "output": {"output": {"json": value}}}[key]
+    code, out, err = cli(capsys, "run", str(config(tmp_path, **change)))
+    assert (code, out) == (2, ""), err
+    assert f"got '{value}'; {NO_HOME}" in err
+
+
+def test_a_file_named_with_a_leading_tilde(tmp_path: Path, capsys) -> None:
+    """What the message advises: `./~name` is the file of that name beside the config."""
+    (tmp_path / "~t.txt").write_text("1\n2\n3\n")
+    code, _, err = cli(capsys, "run", str(config(tmp_path, prompts=[{"file": "~t.txt"}])))
+    assert code == 2 and "write ./~t.txt" in err
+    code, out, err = cli(capsys, "run", str(config(tmp_path, prompts=[{"file": "./~t.txt"}])))
+    assert code == 0 and "tokens/s" in out, err
+
+
+@pytest.mark.parametrize("args, words", [
+    (["generate", "{config}", "--prompt-file", f"{NO_USER}/p.txt"],
+     f"--prompt-file: {NO_USER}/p.txt: {NO_HOME}"),
+    (["run", "{config}", "--json", f"{NO_USER}/out.json"],
+     f"--json: got '{NO_USER}/out.json'; {NO_HOME}"),
+])
+def test_a_home_folder_of_no_user_on_the_command_line(tmp_path: Path, capsys, args: list[str],
+                                                      words: str) -> None:
+    args = [a.format(config=config(tmp_path)) for a in args]
+    code, out, err = cli(capsys, *args)
+    assert (code, out) == (2, ""), err
+    assert words in err
+
+
 # ------------------------------------------------------------------------------ environment
 def test_unknown_switch_names_the_closest(tmp_path: Path, capsys, monkeypatch) -> None:
     monkeypatch.setenv("STRATA_MMQ_KERNL", "f16")
@@ -283,6 +324,7 @@ def test_unknown_switch_names_the_closest(tmp_path: Path, capsys, monkeypatch) -
     ("STRATA_KERNEL_CACHE", "{file}", "is a file, not a folder"),
     ("STRATA_PREFILL_DUMP_R", "{dir}", "is a directory; give a file path"),
     ("STRATA_PREFILL_DUMP_R", "{file}/r.bin", "{file} is a file, so no folder can be created"),
+    ("STRATA_PREFILL_TRACE", f"{NO_USER}/t.json", NO_HOME),
 ])
 @pytest.mark.parametrize("command", ["run", "plugins"])
 def test_every_switch_is_checked_on_every_command(tmp_path: Path, capsys, monkeypatch,

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..backends.nonfinite import NonFiniteError
+from ..config.input_files import InputFileError, user_path
 from ..config.paths import (
     output_collisions,
     output_file_problem,
@@ -145,7 +146,10 @@ def output_arg(option: str, value: str | Path) -> Path:
     """A file path given on the command line for results, checked before the run."""
     if not str(value):
         raise ConfigError(f"{option}: got ''; expected a file path", source="command line")
-    path = Path(value).expanduser()
+    try:
+        path = user_path(value)
+    except InputFileError as e:
+        raise ConfigError(f"{option}: got {str(value)!r}; {e.why}", source="command line") from None
     why = output_file_problem(path)
     if why is not None:
         raise ConfigError(f"{option}: got {str(value)!r}; {why}", source="command line")
@@ -166,7 +170,7 @@ def check_outputs(cfg: Config, outputs: dict[str, Path | None],
         if path is not None and not any(same_file(path, p) for p in outs.values()):
             outs.setdefault(f"output.{key}", path)
     for switch, value in output_switches().items():
-        outs[f"{switch} (environment)"] = Path(value).expanduser()
+        outs[f"{switch} (environment)"] = user_path(value)  # checked at the start
     for label, path in list(outs.items()):  # a dump is written as <path>.partial first
         if "dump_r" in label.lower():
             outs[f"{label.split(' ')[0]} (its .partial file)"] = Path(f"{path}.partial")

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import Any
 
+from ..config.input_files import user_path
 from ..errors import ConfigError
 from ..report import interrupts
 from .common import (
@@ -52,7 +52,7 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
         raise ConfigError(f"--file: {args.file} is empty; perplexity needs text",
                           source="command line")
     cfg = load(args)
-    check_outputs(cfg, {"--json": target}, {"the --file": Path(args.file).expanduser()})
+    check_outputs(cfg, {"--json": target}, {"the --file": user_path(args.file)})
     progress = progress_for(args)
     with open_engine(cfg, progress) as engine:
         session = EngineSession(engine)

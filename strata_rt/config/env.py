@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ConfigError
+from .input_files import InputFileError, user_path
 from .paths import output_dir_problem, output_file_problem
 
 log = logging.getLogger(__name__)
@@ -230,10 +231,12 @@ def problem(name: str, value: str) -> str | None:
         if found is None:
             return ("not an executable file" if Path(value).exists()
                     else "no such program (give a path to nvcc, or a name on PATH)")
-    if kind == "outfile":
-        return output_file_problem(Path(value).expanduser())
-    if kind == "outdir":
-        return output_dir_problem(Path(value).expanduser())
+    if kind in ("outfile", "outdir"):
+        try:
+            path = user_path(value)
+        except InputFileError as e:
+            return e.why
+        return (output_file_problem if kind == "outfile" else output_dir_problem)(path)
     return None
 
 

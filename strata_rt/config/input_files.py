@@ -38,6 +38,23 @@ class InputFileError(Exception):
         super().__init__(f"{path}: {why}")
 
 
+def user_path(value: str | Path) -> Path:
+    """`value` as a path, a leading `~` or `~name` read as a home folder as a shell reads it;
+    InputFileError saying why when that names no home folder here (an unknown user name, or
+    `~` with neither HOME nor a user entry). `./~name` names a file of that name."""
+    text = os.fspath(value)
+    if not text.startswith("~"):
+        return Path(text)
+    expanded = os.path.expanduser(text)
+    if expanded.startswith("~"):  # left as it was: no home folder for that name
+        head = text.split("/", 1)[0]
+        who = ("the home folder, and none is known here (HOME is not set)" if head == "~"
+               else f"the home folder of user {head[1:]!r}, and there is no such user")
+        raise InputFileError(Path(text), f"starts with {head}, which names {who} (for a "
+                             f"file whose name starts with ~, write ./{text})")
+    return Path(expanded)
+
+
 def _stat_problem(path: Path, e: OSError) -> str:
     if e.errno == errno.ELOOP:
         return "is a symlink loop (following its links never reaches a file)"
