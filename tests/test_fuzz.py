@@ -108,7 +108,7 @@ def test_the_seeds_run_clean(tmp_path):
 #: cases of other seeds that once broke a promise (each mended in the product or the harness)
 REGRESSIONS = [(20261207, 718), (20261207, 2167), (20261207, 3070), (20261207, 3316),
                (20261207, 8413), (20261208, 5300), (20261211, 3821), (20261211, 5701),
-               (20261211, 9903), (20261212, 3717)]
+               (20261211, 9903), (20261212, 3717), (20261213, 2330)]
 
 
 @pytest.mark.parametrize("seed, index", REGRESSIONS)
