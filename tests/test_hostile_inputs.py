@@ -200,6 +200,19 @@ def test_token_file_words_are_quoted_short(tmp_path) -> None:
     assert len(str(e.value)) < 300
 
 
+@pytest.mark.parametrize("word, digits", [("9" * 5_000, "5,000"), ("-" + "1" * 101, "101"),
+                                          ("00" + "7" * 4_400, "4,400")])
+def test_a_token_of_thousands_of_digits(tmp_path, word, digits) -> None:
+    """Past 4,300 digits Python's own limit (naming sys.set_int_max_str_digits) was the
+    message; a word longer than any int64 is named by its place and length."""
+    path = write(tmp_path, f"1 {word} 2\n", "t.txt")
+    with pytest.raises(ConfigError) as e:
+        read_token_file(path)
+    assert f"t.txt: token 1 is a whole number of {digits} digits (" in str(e.value)
+    assert "a token id has at most 19 (int64)" in str(e.value) and len(str(e.value)) < 300
+    assert read_token_file(write(tmp_path, "0000000000000000000000000042\n", "u.txt")) == [42]
+
+
 @pytest.mark.parametrize("ids", [["1", "2"], [1, "a"], [[1], [2, 3]], [1.5], [True],
                                  [2 ** 70], "12"])
 def test_token_ids_that_are_not_integers(ids) -> None:
