@@ -4,6 +4,7 @@ paths that are folders, environment switches. Output paths and Ctrl-C: test_bad_
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import yaml
 
 from strata_rt.cli import main
 from strata_rt.config import hostmem
-from strata_rt.config.prompts import read_token_file
+from strata_rt.config.prompts import load_npy, read_token_file
 from strata_rt.config.run_config import load_config
 from strata_rt.config.schema import host_memory_parts
 from strata_rt.errors import ConfigError, HostMemoryError
@@ -193,6 +194,49 @@ def test_a_damaged_npy_header_is_named_not_a_traceback(tmp_path: Path, capsys, m
     assert (code, out) == (2, "") and "Traceback" not in err, err
     assert "prompts[0].hidden_file: got 'h.npy'; unreadable:" in err
     assert "not a readable .npy array" in err
+
+
+def _npy(arr: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, arr, allow_pickle=True)
+    return buf.getvalue()
+
+
+_GOOD_NPY = _npy(np.ones((2, 8), np.float32))
+_OBJECTS = np.empty(2, dtype=object)
+_OBJECTS[:] = [1, "x"]
+
+
+@pytest.mark.parametrize("raw, words", [
+    (_GOOD_NPY[:100], "cut short: the file ends before the data its header describes"),
+    (_GOOD_NPY[:-5], "cut short: the file ends before the data its header describes"),
+    (_npy(_OBJECTS), "holds Python objects (pickled), which are never loaded"),
+    (b"X" + _GOOD_NPY[1:], "not an .npy file (it does not start with \\x93NUMPY)"),
+    (b"1 2 3\n", "not an .npy file"),
+    (_GOOD_NPY[:6] + b"\x01\x65" + _GOOD_NPY[8:], "an .npy format version other than 1.0"),
+    (_GOOD_NPY.replace(b"(2, 8)", b"f(2,8)"), "its header is damaged: an .npy header is a "
+     "dictionary of descr, fortran_order and shape"),
+    (_GOOD_NPY.replace(b"shape", b"sXape"), "its header is damaged: an .npy header is a "
+     "dictionary of descr, fortran_order and shape (Header does not contain the correct keys"),
+])
+@pytest.mark.parametrize("mmap", [True, False])
+def test_npy_damage_is_said_in_words(tmp_path: Path, raw: bytes, words: str,
+                                     mmap: bool) -> None:
+    """numpy's own words named its exception types and ast nodes (`<ast.Call object at
+    0x...>`), or advised loading the file as a pickle; each damage is now said as such."""
+    (tmp_path / "h.npy").write_bytes(raw)
+    with pytest.raises(ConfigError) as e:
+        load_npy(tmp_path / "h.npy", mmap=mmap)
+    text = str(e.value)
+    assert f"h.npy: not a readable .npy array: {words}" in text, text
+    assert not any(w in text for w in ("Error", " object at 0x", "allow_pickle")), text
+
+
+def test_an_npz_archive_is_named_as_one(tmp_path: Path) -> None:
+    np.savez(tmp_path / "h.npz", a=np.ones(2))
+    (tmp_path / "h.npz").rename(tmp_path / "h.npy")
+    with pytest.raises(ConfigError, match=r"h\.npy: an \.npz archive of arrays, not one \.npy"):
+        load_npy(tmp_path / "h.npy")
 
 
 def test_token_ids_beyond_the_vocabulary(tmp_path: Path) -> None:
