@@ -229,10 +229,18 @@ def test_prompt_lengths_take_ascii_digits(tmp_path, capsys, text) -> None:
             f"--prompts: got {text!r}; expected comma-separated token counts")
 
 
+def test_a_prompt_length_of_thousands_of_digits(tmp_path, capsys) -> None:
+    """Past 4,300 digits Python's own limit escaped --prompts as a traceback."""
+    refused(capsys, ["run", str(write(tmp_path, TINY_TEXT)), "--prompts", "1," + "9" * 5_000],
+            "--prompts: a token count of 5,000 digits; no prompt is that long")
+
+
 @pytest.mark.parametrize("args, words", [
     (["bench", "{cfg}", "--pairs", "１"], "expected a whole number written with the digits"),
     (["generate", "{cfg}", "--prompt", "x", "-n", "٢"], "expected a whole number written"),
     (["perplexity", "{cfg}", "--file", "x", "--ctx", "1_6"], "expected a whole number"),
+    (["generate", "{cfg}", "--prompt", "x", "-n", "9" * 5_000], "-n/--tokens: got a whole "
+     "number of 5,000 digits; none of more than 100 is taken"),
 ])
 def test_command_line_numbers_take_ascii_digits(tmp_path, capsys, args, words) -> None:
     cfg = str(write(tmp_path, TINY_TEXT))
