@@ -364,6 +364,7 @@ def test_unknown_switch_names_the_closest(tmp_path: Path, capsys, monkeypatch) -
     ("STRATA_CUDA_GRAPH", "yes", "expected 0 or 1"),  # used by the CUDA backend only
     ("STRATA_HOST_MEMORY_CHECK", "off", "expected 0 or 1"),
     ("STRATA_WALK_MIN_TOKENS", "0", "expected a positive whole number"),
+    ("STRATA_WALK_MIN_TOKENS", "١٢", "expected a positive whole number"),
     ("STRATA_NVCC", "/nonexistent/nvcc", "no such program"),
     ("STRATA_KERNEL_CACHE", "{file}", "is a file, not a folder"),
     ("STRATA_PREFILL_DUMP_R", "{dir}", "is a directory; give a file path"),
@@ -383,6 +384,17 @@ def test_every_switch_is_checked_on_every_command(tmp_path: Path, capsys, monkey
     assert code == 2 and out == ""
     assert err.startswith(f"strata {command}: environment: 1 problem(s):\n  - {name}={value!r}: "
                           f"{words}"), err
+
+
+def test_an_integer_switch_of_thousands_of_digits(tmp_path: Path, capsys, monkeypatch) -> None:
+    """Past 4,300 digits Python's own limit escaped the switch check as a traceback."""
+    monkeypatch.setenv("STRATA_WALK_MIN_TOKENS", "9" * 5_000)
+    code, out, err = cli(capsys, "plugins")
+    assert (code, out) == (2, "") and len(err) < 400, err
+    assert ("STRATA_WALK_MIN_TOKENS='999" in err and "... (5,000 characters): a whole number "
+            "of 5,000 digits; expected one of at most 18") in err
+    monkeypatch.setenv("STRATA_WALK_MIN_TOKENS", "0" * 30 + "12")  # leading zeros are fine
+    assert cli(capsys, "-qq", "plugins")[0] == 0
 
 
 def test_unknown_switch_in_a_fresh_process(tmp_path: Path) -> None:
