@@ -348,6 +348,22 @@ def test_a_home_folder_of_no_user_on_the_command_line(tmp_path: Path, capsys, ar
     assert words in err
 
 
+@pytest.mark.parametrize("key", ["profile", "prompt file", "gguf", "output", "output dir"])
+def test_a_path_holding_a_lone_surrogate_is_named(tmp_path: Path, capsys, key: str) -> None:
+    """A YAML escape such as "\\ud800" gives a string no file name can hold: the file system
+    call raised an encoding error out of the config check as a traceback."""
+    value = "a\ud800.x"
+    change = {"profile": {"profile": value}, "prompt file": {"prompts": [{"file": value}]},
+              "gguf": {"model": {"gguf": value}}, "output": {"output": {"json": value}},
+              "output dir": {"output": {"dir": value, "json": "r.json"}}}[key]
+    path = config(tmp_path, **change)
+    assert "\\uD800" in path.read_text()  # as a user writes it: an escape in quotes
+    code, out, err = cli(capsys, "run", str(path))
+    assert (code, out) == (2, ""), err
+    assert ("got 'a\\ud800.x'; character 2 (\\ud800) is half of a UTF-16 surrogate pair, which "
+            "no file name can hold") in err
+
+
 # ------------------------------------------------------------------------------ environment
 def test_unknown_switch_names_the_closest(tmp_path: Path, capsys, monkeypatch) -> None:
     monkeypatch.setenv("STRATA_MMQ_KERNL", "f16")

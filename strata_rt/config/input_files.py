@@ -38,6 +38,20 @@ class InputFileError(Exception):
         super().__init__(f"{path}: {why}")
 
 
+def path_text_problem(name: str) -> str | None:
+    """Why no file can have the name `name`, or None: a NUL character, or a lone UTF-16
+    surrogate (a YAML "\\ud800" escape; the file system call would raise) other than the
+    ones that stand for undecodable bytes."""
+    if "\0" in name:
+        return "a path cannot hold a NUL character"
+    try:
+        os.fsencode(name)
+    except UnicodeEncodeError as e:
+        return (f"character {e.start + 1} ({ascii(name[e.start])[1:-1]}) is half of a UTF-16 "
+                "surrogate pair, which no file name can hold")
+    return None
+
+
 def user_path(value: str | Path) -> Path:
     """`value` as a path, a leading `~` or `~name` read as a home folder as a shell reads it;
     InputFileError saying why when that names no home folder here (an unknown user name, or

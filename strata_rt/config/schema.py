@@ -32,7 +32,7 @@ from . import env
 from .engine_config import mmq_kernel_switch
 from .host_parts import GGUF_STAGED_LAYERS, host_memory_parts, host_memory_problem
 from .hostmem import MAX_MACHINE
-from .input_files import InputFileError, regular_file_problem, user_path
+from .input_files import InputFileError, path_text_problem, regular_file_problem, user_path
 from .prompts import Prompt, hidden_file_problem, read_token_file
 from .sampling import SAMPLING_KEYS
 from .whole import WHOLE_KEYS
@@ -180,8 +180,9 @@ def file_path(p: Problems, path: str, v: Any, base: Path, must_exist: bool) -> P
     if not isinstance(v, str) or not v:
         p.add(path, v, "expected a file path (string)")
         return None
-    if "\0" in v:
-        p.add(path, v, "a path cannot hold a NUL character")
+    why = path_text_problem(v)
+    if why is not None:
+        p.add(path, v, why)
         return None
     try:
         given = base / user_path(v)
