@@ -8,6 +8,7 @@ import io
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -230,6 +231,17 @@ def test_npy_damage_is_said_in_words(tmp_path: Path, raw: bytes, words: str,
     text = str(e.value)
     assert f"h.npy: not a readable .npy array: {words}" in text, text
     assert not any(w in text for w in ("Error", " object at 0x", "allow_pickle")), text
+
+
+def test_a_header_escape_draws_no_python_warning(tmp_path: Path) -> None:
+    """numpy parses the header as a Python literal: a backslash put into it made the parser's
+    DeprecationWarning ("invalid escape sequence") reach the user beside the message."""
+    (tmp_path / "h.npy").write_bytes(_GOOD_NPY.replace(b"fortran_order", b"fortran\\order"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(ConfigError, match="its header is damaged"):
+            load_npy(tmp_path / "h.npy")
+    assert [str(w.message) for w in caught] == []
 
 
 def test_an_npz_archive_is_named_as_one(tmp_path: Path) -> None:

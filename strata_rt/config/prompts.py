@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 import tokenize
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -182,7 +183,11 @@ def load_npy(path: Path, mmap: bool = True) -> np.ndarray:
     file and saying what is wrong for anything numpy cannot read as one (a pickle, another
     format, a damaged header, a cut), never numpy's own exception or words."""
     try:
-        arr = np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
+        # numpy parses the header as a Python literal: a damaged one draws the parser's
+        # warnings (an invalid escape such as a backslash before an o), which are not ours
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            arr = np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
     except _NPY_ERRORS as e:
         raise ConfigError(f"{path}: not a readable .npy array: {_npy_why(path, e)}") from None
     if not isinstance(arr, np.ndarray):  # an .npz archive (np.load opens those too)
