@@ -19,6 +19,7 @@ from typing import Any
 from ..backends.nonfinite import NonFiniteError
 from ..config.input_files import InputFileError, user_path
 from ..config.paths import (
+    dump_file_problem,
     output_collisions,
     output_file_problem,
     results_file_problem,
@@ -179,7 +180,8 @@ def check_outputs(cfg: Config, outputs: dict[str, Path | None],
     """Refuses (exit 2, before the run) an output that is a file the run reads (the config,
     the model, a prompt or profile file, the plugin list, `inputs` of the command) or that
     another output of the run also writes: writing it would destroy that file; then a JSON
-    output over an existing file that is not a JSON document (results_file_problem)."""
+    output over an existing file that is not a JSON document (results_file_problem), or a
+    residual dump over one that is no earlier dump (dump_file_problem)."""
     from ..config.engine_config import output_switches
 
     outs = {label: path for label, path in outputs.items() if path is not None}
@@ -195,8 +197,8 @@ def check_outputs(cfg: Config, outputs: dict[str, Path | None],
     problems = output_collisions(outs, {**cfg.input_paths(), **(inputs or {})})
     if not problems:  # then no output is an input: is each a file results may replace?
         problems = [f"{label}: got {str(path)!r}; {why}" for label, path in outs.items()
-                    if "dump_r" not in label.lower()  # the dump is raw records, appended
-                    and (why := results_file_problem(path)) is not None]
+                    if (why := dump_file_problem(path, cfg.spec.hidden) if "dump_r" in
+                        label.lower() else results_file_problem(path)) is not None]
     if problems:
         raise ConfigError(problems, source="command line")
 
