@@ -304,18 +304,20 @@ class Engine:
             stats.chunk_index = c
             rows: LogitRows | None = want if want == "all" or c == n_chunks - 1 else None
             out = self._chunk(x[lo:hi], stats, first + lo, start=first + lo, logits=rows)
-            if rows == "argmax":
-                token = take_argmax()  # type: ignore[misc]
-                if token is None:
-                    raise NonFiniteError("the logits", None, first + hi - 1,
-                                         "holds NaN or infinity (checked on the device)")
-            elif rows is not None:
-                # a new array from every backend (no copy of it); logits that come back to the
-                # host are checked there (vocab floats a row), named by their positions
-                chunk_logits = np.asarray(backend.take_logits(), dtype=np.float32)
-                at = np.arange(first + lo, first + hi) if rows == "all" else [first + hi - 1]
-                check_finite(chunk_logits, "the logits", None, np.asarray(at))
-                logits.append(chunk_logits)
+            try:  # positions here count from the cache's start already
+                if rows == "argmax":
+                    token = take_argmax()  # type: ignore[misc]
+                    if token is None:
+                        raise NonFiniteError("the logits", None, first + hi - 1,
+                                             "holds NaN or infinity (checked on the device)")
+                elif rows is not None:
+                    # a new array from every backend (no copy of it), checked on the host
+                    chunk_logits = np.asarray(backend.take_logits(), dtype=np.float32)
+                    at = np.arange(first + lo, first + hi) if rows == "all" else [first + hi - 1]
+                    check_finite(chunk_logits, "the logits", None, np.asarray(at))
+                    logits.append(chunk_logits)
+            except NonFiniteError as e:
+                raise self._named(e, 0) from None
             self.kv_length = first + hi
             stats.chunks += 1
             if partial is not None:
@@ -328,14 +330,16 @@ class Engine:
         return logits[-1][0], stats
 
     def _chunk(self, x: np.ndarray, stats: Stats, offset: int, **kw: Any) -> np.ndarray:
-        """driver.run_chunk, with a non-finite intermediate value named by its position in
-        the prompt (the backend knows only the row in the chunk, which starts at `offset`)."""
+        """driver.run_chunk; a non-finite value named by its position (the chunk's at `offset`)."""
         try:
             return self.driver.run_chunk(x, stats, **kw)
-        except NonFiniteError as e:  # the weights may be the cause: a GGUF is named too
-            src = self.config.model.get("gguf") if isinstance(self.config.model, dict) else None
-            raise e.shifted(offset, None if src is None else
-                            f"{e.source} of {Path(src).name}") from None
+        except NonFiniteError as e:
+            raise self._named(e, offset) from None
+
+    def _named(self, e: NonFiniteError, offset: int) -> NonFiniteError:
+        """`e` with its rows shifted by `offset` and the GGUF named (the weights may be why)."""
+        src = self.config.model.get("gguf") if isinstance(self.config.model, dict) else None
+        return e.shifted(offset, None if src is None else f"{e.source} of {Path(src).name}")
 
     @property
     def split_lines(self) -> list[str]:

@@ -4,9 +4,11 @@ paths that are folders, environment switches. Output paths and Ctrl-C: test_bad_
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +17,7 @@ import yaml
 
 from strata_rt.cli import main
 from strata_rt.config import hostmem
-from strata_rt.config.prompts import read_token_file
+from strata_rt.config.prompts import load_npy, read_token_file
 from strata_rt.config.run_config import load_config
 from strata_rt.config.schema import host_memory_parts
 from strata_rt.errors import ConfigError, HostMemoryError
@@ -195,6 +197,60 @@ def test_a_damaged_npy_header_is_named_not_a_traceback(tmp_path: Path, capsys, m
     assert "not a readable .npy array" in err
 
 
+def _npy(arr: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, arr, allow_pickle=True)
+    return buf.getvalue()
+
+
+_GOOD_NPY = _npy(np.ones((2, 8), np.float32))
+_OBJECTS = np.empty(2, dtype=object)
+_OBJECTS[:] = [1, "x"]
+
+
+@pytest.mark.parametrize("raw, words", [
+    (_GOOD_NPY[:100], "cut short: the file ends before the data its header describes"),
+    (_GOOD_NPY[:-5], "cut short: the file ends before the data its header describes"),
+    (_npy(_OBJECTS), "holds Python objects (pickled), which are never loaded"),
+    (b"X" + _GOOD_NPY[1:], "not an .npy file (it does not start with \\x93NUMPY)"),
+    (b"1 2 3\n", "not an .npy file"),
+    (_GOOD_NPY[:6] + b"\x01\x65" + _GOOD_NPY[8:], "an .npy format version other than 1.0"),
+    (_GOOD_NPY.replace(b"(2, 8)", b"f(2,8)"), "its header is damaged: an .npy header is a "
+     "dictionary of descr, fortran_order and shape"),
+    (_GOOD_NPY.replace(b"shape", b"sXape"), "its header is damaged: an .npy header is a "
+     "dictionary of descr, fortran_order and shape (Header does not contain the correct keys"),
+])
+@pytest.mark.parametrize("mmap", [True, False])
+def test_npy_damage_is_said_in_words(tmp_path: Path, raw: bytes, words: str,
+                                     mmap: bool) -> None:
+    """numpy's own words named its exception types and ast nodes (`<ast.Call object at
+    0x...>`), or advised loading the file as a pickle; each damage is now said as such."""
+    (tmp_path / "h.npy").write_bytes(raw)
+    with pytest.raises(ConfigError) as e:
+        load_npy(tmp_path / "h.npy", mmap=mmap)
+    text = str(e.value)
+    assert f"h.npy: not a readable .npy array: {words}" in text, text
+    assert not any(w in text for w in ("Error", " object at 0x", "allow_pickle")), text
+
+
+def test_a_header_escape_draws_no_python_warning(tmp_path: Path) -> None:
+    """numpy parses the header as a Python literal: a backslash put into it made the parser's
+    DeprecationWarning ("invalid escape sequence") reach the user beside the message."""
+    (tmp_path / "h.npy").write_bytes(_GOOD_NPY.replace(b"fortran_order", b"fortran\\order"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(ConfigError, match="its header is damaged"):
+            load_npy(tmp_path / "h.npy")
+    assert [str(w.message) for w in caught] == []
+
+
+def test_an_npz_archive_is_named_as_one(tmp_path: Path) -> None:
+    np.savez(tmp_path / "h.npz", a=np.ones(2))
+    (tmp_path / "h.npz").rename(tmp_path / "h.npy")
+    with pytest.raises(ConfigError, match=r"h\.npy: an \.npz archive of arrays, not one \.npy"):
+        load_npy(tmp_path / "h.npy")
+
+
 def test_token_ids_beyond_the_vocabulary(tmp_path: Path) -> None:
     """The hook a model with an embedding table uses: its vocabulary size."""
     from strata_rt.config.schema import Problems, check_prompts
@@ -263,6 +319,63 @@ def test_a_folder_given_for_a_file_is_called_a_folder(tmp_path: Path, capsys, ke
     assert "no such file" not in err
 
 
+# ------------------------------------------------------------------------------ home folders
+NO_USER = "~no-such-user-strata"
+NO_HOME = (f"starts with {NO_USER}, which names the home folder of user "
+           "'no-such-user-strata', and there is no such user")
+
+
+@pytest.mark.parametrize("key", ["profile", "prompt file", "gguf", "output"])
+def test_a_home_folder_of_no_user_is_named(tmp_path: Path, capsys, key: str) -> None:
+    """`~name` of a user this machine lacks: pathlib's error escaped the config check as a
+    traceback; it is a problem naming the key."""
+    value = f"{NO_USER}/x"
+    change = {"profile": {"profile": value}, "prompt file": {"prompts": [{"file": value}]},
+              "gguf": {"model": {"gguf": value}}, "output": {"output": {"json": value}}}[key]
+    code, out, err = cli(capsys, "run", str(config(tmp_path, **change)))
+    assert (code, out) == (2, ""), err
+    assert f"got '{value}'; {NO_HOME}" in err
+
+
+def test_a_file_named_with_a_leading_tilde(tmp_path: Path, capsys) -> None:
+    """What the message advises: `./~name` is the file of that name beside the config."""
+    (tmp_path / "~t.txt").write_text("1\n2\n3\n")
+    code, _, err = cli(capsys, "run", str(config(tmp_path, prompts=[{"file": "~t.txt"}])))
+    assert code == 2 and "write ./~t.txt" in err
+    code, out, err = cli(capsys, "run", str(config(tmp_path, prompts=[{"file": "./~t.txt"}])))
+    assert code == 0 and "tokens/s" in out, err
+
+
+@pytest.mark.parametrize("args, words", [
+    (["generate", "{config}", "--prompt-file", f"{NO_USER}/p.txt"],
+     f"--prompt-file: {NO_USER}/p.txt: {NO_HOME}"),
+    (["run", "{config}", "--json", f"{NO_USER}/out.json"],
+     f"--json: got '{NO_USER}/out.json'; {NO_HOME}"),
+])
+def test_a_home_folder_of_no_user_on_the_command_line(tmp_path: Path, capsys, args: list[str],
+                                                      words: str) -> None:
+    args = [a.format(config=config(tmp_path)) for a in args]
+    code, out, err = cli(capsys, *args)
+    assert (code, out) == (2, ""), err
+    assert words in err
+
+
+@pytest.mark.parametrize("key", ["profile", "prompt file", "gguf", "output", "output dir"])
+def test_a_path_holding_a_lone_surrogate_is_named(tmp_path: Path, capsys, key: str) -> None:
+    """A YAML escape such as "\\ud800" gives a string no file name can hold: the file system
+    call raised an encoding error out of the config check as a traceback."""
+    value = "a\ud800.x"
+    change = {"profile": {"profile": value}, "prompt file": {"prompts": [{"file": value}]},
+              "gguf": {"model": {"gguf": value}}, "output": {"output": {"json": value}},
+              "output dir": {"output": {"dir": value, "json": "r.json"}}}[key]
+    path = config(tmp_path, **change)
+    assert "\\uD800" in path.read_text()  # as a user writes it: an escape in quotes
+    code, out, err = cli(capsys, "run", str(path))
+    assert (code, out) == (2, ""), err
+    assert ("got 'a\\ud800.x'; character 2 (\\ud800) is half of a UTF-16 surrogate pair, which "
+            "no file name can hold") in err
+
+
 # ------------------------------------------------------------------------------ environment
 def test_unknown_switch_names_the_closest(tmp_path: Path, capsys, monkeypatch) -> None:
     monkeypatch.setenv("STRATA_MMQ_KERNL", "f16")
@@ -279,10 +392,12 @@ def test_unknown_switch_names_the_closest(tmp_path: Path, capsys, monkeypatch) -
     ("STRATA_CUDA_GRAPH", "yes", "expected 0 or 1"),  # used by the CUDA backend only
     ("STRATA_HOST_MEMORY_CHECK", "off", "expected 0 or 1"),
     ("STRATA_WALK_MIN_TOKENS", "0", "expected a positive whole number"),
+    ("STRATA_WALK_MIN_TOKENS", "١٢", "expected a positive whole number"),
     ("STRATA_NVCC", "/nonexistent/nvcc", "no such program"),
     ("STRATA_KERNEL_CACHE", "{file}", "is a file, not a folder"),
     ("STRATA_PREFILL_DUMP_R", "{dir}", "is a directory; give a file path"),
     ("STRATA_PREFILL_DUMP_R", "{file}/r.bin", "{file} is a file, so no folder can be created"),
+    ("STRATA_PREFILL_TRACE", f"{NO_USER}/t.json", NO_HOME),
 ])
 @pytest.mark.parametrize("command", ["run", "plugins"])
 def test_every_switch_is_checked_on_every_command(tmp_path: Path, capsys, monkeypatch,
@@ -297,6 +412,17 @@ def test_every_switch_is_checked_on_every_command(tmp_path: Path, capsys, monkey
     assert code == 2 and out == ""
     assert err.startswith(f"strata {command}: environment: 1 problem(s):\n  - {name}={value!r}: "
                           f"{words}"), err
+
+
+def test_an_integer_switch_of_thousands_of_digits(tmp_path: Path, capsys, monkeypatch) -> None:
+    """Past 4,300 digits Python's own limit escaped the switch check as a traceback."""
+    monkeypatch.setenv("STRATA_WALK_MIN_TOKENS", "9" * 5_000)
+    code, out, err = cli(capsys, "plugins")
+    assert (code, out) == (2, "") and len(err) < 400, err
+    assert ("STRATA_WALK_MIN_TOKENS='999" in err and "... (5,000 characters): a whole number "
+            "of 5,000 digits; expected one of at most 18") in err
+    monkeypatch.setenv("STRATA_WALK_MIN_TOKENS", "0" * 30 + "12")  # leading zeros are fine
+    assert cli(capsys, "-qq", "plugins")[0] == 0
 
 
 def test_unknown_switch_in_a_fresh_process(tmp_path: Path) -> None:

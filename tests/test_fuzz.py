@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import os
+import random
 import shutil
 import time
 from pathlib import Path
@@ -108,7 +109,8 @@ def test_the_seeds_run_clean(tmp_path):
 #: cases of other seeds that once broke a promise (each mended in the product or the harness)
 REGRESSIONS = [(20261207, 718), (20261207, 2167), (20261207, 3070), (20261207, 3316),
                (20261207, 8413), (20261208, 5300), (20261211, 3821), (20261211, 5701),
-               (20261211, 9903)]
+               (20261211, 9903), (20261212, 3717), (20261213, 2330),
+               (20261219, 961), (20261222, 8275)]
 
 
 @pytest.mark.parametrize("seed, index", REGRESSIONS)
@@ -116,6 +118,15 @@ def test_cases_that_once_failed(tmp_path, seed, index):
     c = case(index, seed)
     o = run_in_process(c, tmp_path / "case")
     assert not o.problems, f"{c.describe()}: {o.problems} {o.stderr[:300]!r}"
+
+
+def test_a_text_edit_of_a_config_cut_to_nothing():
+    """An edit after a cut to nothing: duplicating a line found none to copy, and building
+    the case raised (the whole run of a seed stopped there)."""
+    from _fuzz.text_mutators import _text_edit
+
+    for s in range(64):
+        assert isinstance(_text_edit("", random.Random(s)), str)
 
 
 def test_cases_are_reproducible():

@@ -172,6 +172,13 @@ def test_flags_override_the_config_keys(capsys, tmp_path) -> None:
     (["--min-p", "1"], "--min-p: got 1.0; expected a number >= 0 and < 1"),
     (["--repeat-penalty", "0"], "--repeat-penalty: got 0.0; expected a number > 0"),
     (["--seed", "-1"], "--seed: got -1; expected an integer 0..2**64-1"),
+    # past float32's range the kernel's value was inf or 0: numpy's RuntimeWarning reached
+    # the user (overflow in the cast, a division by zero) and the run went on
+    (["--temperature", "1e308"], "--temperature: got 1e+308; expected a number >= 0 (0: "
+     "greedy, the most likely token) that a float32 holds: 0 or 1.4e-45 .. 3.4e+38"),
+    (["--temperature", "1e-320"], "--temperature: got 1e-320; expected a number >= 0"),
+    (["--repeat-penalty", "3.5e38"], "--repeat-penalty: got 3.5e+38; expected a number > 0 "
+     "(1: off; above 1 discourages repeats) that a float32 holds: 1.4e-45 .. 3.4e+38"),
 ])
 def test_bad_sampling_flags_are_named(capsys, flags, message) -> None:
     code, out, err = cli(capsys, "generate", str(TINY_CONFIG), "--backend", "reference",
@@ -223,6 +230,8 @@ def test_config_sampling_keys(tmp_path) -> None:
     ({"min_p": True}, "generate.min_p: got True"),
     ({"repeat_penalty": -1}, "generate.repeat_penalty: got -1; expected a number > 0"),
     ({"seed": 1.5}, "generate.seed: got 1.5; expected an integer 0..2**64-1"),
+    ({"temperature": 1e308}, "generate.temperature: got 1e+308; expected a number >= 0"),
+    ({"repeat_penalty": 1e-320}, "generate.repeat_penalty: got 1e-320; expected a number > 0"),
     ({"temperatur": 1}, "generate.temperatur: unknown key; did you mean `temperature`?"),
 ])
 def test_bad_config_sampling_keys_are_named(tmp_path, gen, message) -> None:

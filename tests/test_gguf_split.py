@@ -1,10 +1,12 @@
 """Split GGUFs (<model>-00001-of-0000N.gguf ...) written by our writer read as one model: the
 same tensors and the same reference-backend logits as the unsplit file; a later shard names
 the first; a missing shard, a shard of another split or model, a tensor in two shards, a
-folder in a shard's place are each one GGUFError (exit 1 from `strata inspect` and `run`)."""
+folder in a shard's place are each one GGUFError (exit 1 from `strata inspect` and `run`); a
+damaged tensor of a later shard is named with that shard."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import struct
 from pathlib import Path
@@ -15,6 +17,7 @@ import pytest
 from strata_rt.engine import Engine
 from strata_rt.errors import GGUFError
 from strata_rt.models.qwen3 import Qwen3Model, Qwen3Spec, write_qwen3_gguf
+from strata_rt.weights.gguf_header import parse
 from strata_rt.weights.gguf_io import open_reader, scan_moe
 from tests._gguf_bytes import Doc
 from tests.test_hostile_gguf import cli
@@ -202,3 +205,47 @@ def test_an_output_onto_a_later_shard_is_refused(files, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "shard 2 of the model's GGUF" in err, err
     assert second.read_bytes() == before
+
+
+def _in_shard(path: Path, shard: int, ggml_type: int) -> tuple[Path, str, int]:
+    """(the shard's file, the name and the absolute data offset of its first tensor of the
+    type) in a copy of the split model whose first shard is `path`."""
+    file = path.with_name(f"m-0000{shard}-of-00003.gguf")
+    t = next(t for t in parse(file).tensors if int(t.tensor_type) == ggml_type)
+    return file, t.name, t.offset
+
+
+@pytest.mark.parametrize("shard", [2, 3])
+def test_a_damaged_tensor_names_the_shard_it_lies_in(files, tmp_path, capsys, shard):
+    """A NaN in a later shard's weights, or a tensor of the wrong shape there, was reported
+    as a problem of the first shard, the model's file: the damaged file is named."""
+    from strata_rt.models.qwen3.gguf_full import read_qwen3_gguf
+
+    _, first = files
+    path = shard_dir(tmp_path, first)
+    file, name, offset = _in_shard(path, shard, 0)  # an F32 tensor: a norm's weights
+    raw = bytearray(file.read_bytes())
+    raw[offset: offset + 4] = struct.pack("<f", float("nan"))
+    file.write_bytes(bytes(raw))
+    want = f"tensor {name} in shard {file.name}: NaN or Inf in the "
+    with pytest.raises(GGUFError, match=re.escape(want)):
+        read_qwen3_gguf(path)
+    code, err = cli(["inspect", str(path)], capsys)
+    assert code == 1 and want in err, err
+    d = Doc.of(file)  # then a shape the keys do not give, in the same shard
+    d.tensor(name)[1] = [d.tensor(name)[1][0] // 2 or 1, *d.tensor(name)[1][1:]]
+    d.write(file)
+    code, err = cli(["inspect", str(path)], capsys)
+    assert code == 1 and f"tensor {name} in shard {file.name} has shape [" in err, err
+
+
+def test_a_tensor_of_the_first_shard_is_named_as_before(files, tmp_path, capsys):
+    _, first = files
+    path = shard_dir(tmp_path, first)
+    _, name, offset = _in_shard(path, 1, 0)
+    raw = bytearray(path.read_bytes())
+    raw[offset: offset + 4] = struct.pack("<f", float("inf"))
+    path.write_bytes(bytes(raw))
+    code, err = cli(["inspect", str(path)], capsys)
+    assert code == 1 and f"{path}: tensor {name} (layer 0" in err and "NaN or Inf" in err, err
+    assert "in shard" not in err

@@ -1,8 +1,8 @@
 """Hostile inputs on the config and command-line side: each ends in one message naming the
 input, exit 2 (1 for the plugin list, as every plugin problem), no traceback, no hang and
-bounded memory. YAML that is deep, an alias bomb, has duplicate keys or `1_000`; files that
-are FIFOs, devices, folders, symlink loops, binary or not UTF-8; digits that are not ASCII;
-sizes no machine holds; profiles with counts that are not whole numbers."""
+bounded memory. Files that are FIFOs, devices, folders, symlink loops, binary or not UTF-8;
+digits that are not ASCII; sizes no machine holds; profiles with counts that are not whole
+numbers. Hostile YAML (deep, an alias bomb, duplicate keys, `1_000`): test_hostile_yaml.py."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -23,8 +22,6 @@ from strata_rt.cli import main
 from strata_rt.config import input_files
 from strata_rt.config.engine_config import EngineConfig
 from strata_rt.config.prompts import check_token_ids, integer_ids, read_token_file
-from strata_rt.config.run_config import load_config
-from strata_rt.config.yaml_input import MAX_DEPTH, YamlProblem, load_yaml
 from strata_rt.errors import ConfigError
 from strata_rt.schedule.residency import RoutingProfile
 
@@ -68,66 +65,6 @@ def refused(capsys, args: list[str], words: str, code: int = 2) -> str:
     assert (got, out) == (code, ""), err
     assert words in err, err
     return err
-
-
-# ---------------------------------------------------------------------------------- YAML
-@pytest.mark.parametrize("text, words", [
-    (TINY_TEXT + "format: fp16\n", "duplicate key 'format' (first at line"),
-    (TINY_TEXT.replace("seed: 5", "seed: 1_000"), "'1_000' is read by YAML as a number"),
-    (TINY_TEXT.replace("seed: 5", "seed: 1:30"), "'1:30' is read by YAML as a number"),
-    (TINY_TEXT.replace("expert_cache: 4", "expert_cache: 010"),
-     "'010' is read by YAML as an octal number (8)"),
-    (TINY_TEXT.replace("expert_cache: 4", "expert_cache: 4\nrepeats: 1_0.5"),
-     "'1_0.5' is read by YAML as a number"),
-    ("prompts: " + "[" * 5000 + "]" * 5000 + "\n", f"nested more than {MAX_DEPTH} levels"),
-    ("prompts: " + "[" * 20000 + "]" * 20000 + "\n", f"nested more than {MAX_DEPTH} levels"),
-    ("a: &a [*a]\n", "an alias (*name) refers to the list or mapping that holds it"),
-    (TINY_TEXT.replace("seed: 5", "seed: " + "1" * 5001), "a whole number of 5,001 digits"),
-])
-def test_yaml_that_is_refused(tmp_path, capsys, text, words) -> None:
-    path = write(tmp_path, text)
-    err = refused(capsys, ["run", str(path)], words)
-    assert err.startswith(f"strata run: {path}: 1 problem(s):")
-    with pytest.raises(ConfigError, match="problem"):
-        load_config(path)
-
-
-def test_alias_bomb_is_refused_at_once(tmp_path, capsys) -> None:
-    """Nine lines standing for a billion values: refused before anything expands them (the
-    problem message used to print the expansion: 1.9 GB in a minute, and growing)."""
-    lines = ["a: &a [x, x, x, x, x, x, x, x, x]"]
-    for i in range(9):
-        name, prev = chr(ord("b") + i), chr(ord("a") + i)
-        lines.append(f"{name}: &{name} [{', '.join([f'*{prev}'] * 9)}]")
-    doc = TINY_TEXT.replace("prompts: [16]", "prompts: *j") + "\n".join(lines) + "\n"
-    path = write(tmp_path, doc.replace("prompts: *j", "") + "prompts: *j\n")
-    t0 = time.perf_counter()
-    err = refused(capsys, ["run", str(path)], "with its aliases (*name) expanded, the document "
-                  "holds more than 100,000 values")
-    assert time.perf_counter() - t0 < 10 and len(err) < 400
-
-
-def test_a_long_flat_list_is_refused_while_it_is_read(tmp_path, capsys, monkeypatch) -> None:
-    from strata_rt.config import yaml_input
-
-    monkeypatch.setattr(yaml_input, "MAX_NODES", 1_000)  # the rule, at a size tested quickly
-    path = write(tmp_path, "prompts: [" + "1, " * 2_000 + "1]\n")
-    refused(capsys, ["run", str(path)], "line 1: more than 1,000 values")
-
-
-def test_yaml_rules_keep_what_is_fine() -> None:
-    assert load_yaml("base: &b {x: 1}\nc:\n  <<: *b\n  x: 2\nn: [0x10, 7, -3, 2.5]\n") == {
-        "base": {"x": 1}, "c": {"x": 2}, "n": [16, 7, -3, 2.5]}  # a merge may override
-    assert load_yaml("a: &a [1, 2]\nb: [*a, *a]\n") == {"a": [1, 2], "b": [[1, 2], [1, 2]]}
-    assert load_yaml("") is None
-    with pytest.raises(YamlProblem, match="not valid YAML"):
-        load_yaml("a: [1\n")
-
-
-def test_problem_values_are_shown_bounded(tmp_path, capsys) -> None:
-    doc = dict(TINY, prompts=[{"file": "x" * 100_000}], backend=list(range(5_000)))
-    err = refused(capsys, ["run", str(write(tmp_path, yaml.safe_dump(doc)))], "backend: got [0")
-    assert len(err) < 2_000
 
 
 # ----------------------------------------------------------------------- what a file is
@@ -263,6 +200,19 @@ def test_token_file_words_are_quoted_short(tmp_path) -> None:
     assert len(str(e.value)) < 300
 
 
+@pytest.mark.parametrize("word, digits", [("9" * 5_000, "5,000"), ("-" + "1" * 101, "101"),
+                                          ("00" + "7" * 4_400, "4,400")])
+def test_a_token_of_thousands_of_digits(tmp_path, word, digits) -> None:
+    """Past 4,300 digits Python's own limit (naming sys.set_int_max_str_digits) was the
+    message; a word longer than any int64 is named by its place and length."""
+    path = write(tmp_path, f"1 {word} 2\n", "t.txt")
+    with pytest.raises(ConfigError) as e:
+        read_token_file(path)
+    assert f"t.txt: token 1 is a whole number of {digits} digits (" in str(e.value)
+    assert "a token id has at most 19 (int64)" in str(e.value) and len(str(e.value)) < 300
+    assert read_token_file(write(tmp_path, "0000000000000000000000000042\n", "u.txt")) == [42]
+
+
 @pytest.mark.parametrize("ids", [["1", "2"], [1, "a"], [[1], [2, 3]], [1.5], [True],
                                  [2 ** 70], "12"])
 def test_token_ids_that_are_not_integers(ids) -> None:
@@ -279,10 +229,18 @@ def test_prompt_lengths_take_ascii_digits(tmp_path, capsys, text) -> None:
             f"--prompts: got {text!r}; expected comma-separated token counts")
 
 
+def test_a_prompt_length_of_thousands_of_digits(tmp_path, capsys) -> None:
+    """Past 4,300 digits Python's own limit escaped --prompts as a traceback."""
+    refused(capsys, ["run", str(write(tmp_path, TINY_TEXT)), "--prompts", "1," + "9" * 5_000],
+            "--prompts: a token count of 5,000 digits; no prompt is that long")
+
+
 @pytest.mark.parametrize("args, words", [
     (["bench", "{cfg}", "--pairs", "１"], "expected a whole number written with the digits"),
     (["generate", "{cfg}", "--prompt", "x", "-n", "٢"], "expected a whole number written"),
     (["perplexity", "{cfg}", "--file", "x", "--ctx", "1_6"], "expected a whole number"),
+    (["generate", "{cfg}", "--prompt", "x", "-n", "9" * 5_000], "-n/--tokens: got a whole "
+     "number of 5,000 digits; none of more than 100 is taken"),
 ])
 def test_command_line_numbers_take_ascii_digits(tmp_path, capsys, args, words) -> None:
     cfg = str(write(tmp_path, TINY_TEXT))

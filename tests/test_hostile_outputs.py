@@ -346,7 +346,7 @@ def test_a_dump_through_a_symlink_writes_its_target(tmp_path, capsys, monkeypatc
 
     target = tmp_path / "dumps" / "r.bin"
     target.parent.mkdir()
-    target.write_bytes(b"old")
+    target.write_bytes(bytes(8 + 4 * 256))  # an earlier dump: one record of position 0
     link = tmp_path / "r.bin"
     link.symlink_to(target)
     monkeypatch.setenv("STRATA_PREFILL_DUMP_R", str(link))
@@ -356,6 +356,33 @@ def test_a_dump_through_a_symlink_writes_its_target(tmp_path, capsys, monkeypatc
     positions, _ = read_dump(target, 256)
     assert positions.tolist() == [0, 0]  # position 0 of each of the two prompts
     assert sorted(p.name for p in target.parent.iterdir()) == ["r.bin"]
+
+
+@pytest.mark.parametrize("where", ["output.dump_r", "STRATA_PREFILL_DUMP_R", ".partial"])
+def test_a_dump_never_empties_a_file_that_is_no_dump(tmp_path, capsys, monkeypatch,
+                                                    where) -> None:
+    """The engine empties the dump's file when it opens: a text file named by mistake (or
+    one at <dump>.partial, which the dump is moved to) was lost; it is refused, and an empty
+    file or an earlier dump is replaced as before."""
+    (tmp_path / "notes.txt").write_text("keep me\n")
+    name = "r.bin" if where == ".partial" else "notes.txt"
+    if where == ".partial":
+        (tmp_path / "notes.txt").rename(tmp_path / "r.bin.partial")
+    if where == "STRATA_PREFILL_DUMP_R":
+        monkeypatch.setenv(where, str(tmp_path / name))
+    cfg = config(tmp_path, **({} if where == "STRATA_PREFILL_DUMP_R"
+                              else {"output": {"dump_r": name}}))
+    before = snapshot(tmp_path)
+    code, out, err = cli(capsys, "run", str(cfg))
+    assert (code, out) == (2, ""), err
+    assert "exists and is not a residual dump of a model of hidden size 256 (it starts with " \
+           "b'keep me\\n'); the dump replaces only an earlier one" in err, err
+    assert snapshot(tmp_path) == before
+    for keep in (b"", bytes(8 + 4 * 256)):  # empty, or an earlier dump: replaced
+        (tmp_path / name).write_bytes(keep)
+        (tmp_path / "r.bin.partial").unlink(missing_ok=True)
+        code, _, err = cli(capsys, "run", str(cfg))
+        assert code == 0, err
 
 
 def test_an_output_under_a_fifo_names_it(tmp_path, capsys) -> None:

@@ -129,3 +129,20 @@ def test_strata_run_names_the_prompt_file_and_writes_no_result(tmp_path, capsys)
                              "position 1:")
     assert "Traceback" not in err[0]
     assert not (tmp_path / "out.json").exists()
+
+
+@pytest.mark.parametrize("argmax", [False, True])
+def test_nan_logits_of_a_gguf_model_name_the_file(whole, tmp_path, argmax):
+    """The logits' check named no file (`strata generate` said "prefill: output head, ..."),
+    while a non-finite value inside a layer named the GGUF the weights came from."""
+    from strata_rt.models.qwen3 import write_qwen3_gguf
+
+    whole.dense.output_norm.data[212] = 3e38  # finite, as the loader checks; the logits not
+    path = write_qwen3_gguf(tmp_path / "w.gguf", whole)
+    ids = np.random.default_rng(3).integers(0, WHOLE.vocab, 40)
+    with Engine.open({"model": {"gguf": str(path)}, "backend": "reference",
+                      "prefill": 16}) as eng:
+        with pytest.raises(NonFiniteError) as info:
+            eng.prefill_argmax(ids) if argmax else eng.prefill(ids)
+    assert str(info.value).startswith("prefill of w.gguf: output head, position 39: the "
+                                      "logits holds "), str(info.value)

@@ -20,7 +20,7 @@ from strata_rt.errors import ConfigError, StrataError
 from strata_rt.models.qwen3 import Qwen3Model, write_qwen3_gguf
 from strata_rt.report.progress import Progress
 from strata_rt.text.generate import EngineSession, ReferenceSession
-from strata_rt.text.perplexity import perplexity, token_nll, windows_of
+from strata_rt.text.perplexity import ScoreError, perplexity, token_nll, windows_of
 
 REL = 1e-4
 
@@ -130,6 +130,26 @@ def test_ctrl_c_keeps_the_finished_windows(small) -> None:
     assert r.interrupted and len(r.windows) == 2 and not r.as_dict()["complete"]
 
 
+def _extreme(prefill):
+    """A session's prefill whose logits are finite but extreme (+-3e38: weights damaged)."""
+    def wrapped(ids, all_logits=False):
+        logits, stats = prefill(ids, all_logits)
+        return np.where(np.arange(logits.shape[-1]) % 2, 3e38, -3e38).astype(np.float32) \
+            * np.ones_like(logits), stats
+    return wrapped
+
+
+def test_a_perplexity_beyond_a_float_is_an_error_naming_the_window(small) -> None:
+    """A mean NLL past 709 nats a token made e^x overflow: math's range error escaped as a
+    traceback (strata perplexity on a GGUF with a damaged output norm)."""
+    session = ReferenceSession(small)
+    session.prefill = _extreme(session.prefill)
+    with pytest.raises(ScoreError, match=r"window 1 \(tokens 0\.\.9\): a mean NLL of [0-9.e+]+ "
+                       r"nats a token, whose perplexity \(e\^[0-9.e+]+\) is beyond a float's "
+                       r"range: the logits are extreme"):
+        perplexity(session, np.arange(20) % SMALL.vocab, 10)
+
+
 @pytest.mark.parametrize("ids, ctx, message", [
     (list(range(10)), 1, "ctx is 1; a window needs at least 2 tokens"),
     (list(range(10)), 65, "ctx is 65; .* at most the model's context of 64"),
@@ -201,6 +221,22 @@ def test_perplexity_gguf_without_tokenizer(capsys, small, tmp_path) -> None:
                          "--file", str(text))
     assert code == 2 and out == ""
     assert "the file has no tokenizer" in err
+
+
+def test_perplexity_beyond_a_float_names_the_model(capsys, small, tmp_path,
+                                                  monkeypatch) -> None:
+    from strata_rt.text.tokenizer_vocab import synthetic_vocab
+
+    path = write_qwen3_gguf(tmp_path / "w.gguf", small,
+                            keys=synthetic_vocab(SMALL.vocab).gguf_keys())
+    real = EngineSession.prefill
+    monkeypatch.setattr(EngineSession, "prefill", lambda self, ids, all_logits=False: _extreme(
+        lambda i, a: real(self, i, a))(ids, all_logits))
+    (tmp_path / "t.txt").write_text("the cache grows and the experts stream " * 4)
+    code, out, err = cli(capsys, "-q", "perplexity", str(config(tmp_path, {"gguf": str(path)})),
+                         "--file", str(tmp_path / "t.txt"), "--ctx", "8")
+    assert code == 1 and out == "", err
+    assert err.startswith(f"strata perplexity: {path}: window 1 (tokens 0..7): a mean NLL")
 
 
 @pytest.mark.parametrize("args, message", [

@@ -177,3 +177,16 @@ def test_readme_skeleton_as_a_lone_module_says_to_make_it_a_package(tmp_path):
                        "attempted relative import with no known parent package",
                        "must live in a package (a folder with __init__.py): list it as "
                        "`package.module`")
+
+
+@pytest.mark.parametrize("written, name", [("''", ""), ("..", ".."), (".rel", ".rel"),
+                                           ("a..b", "a..b"), ("/etc/passwd", "/etc/passwd")])
+def test_a_module_that_is_no_module_name(written, name, tmp_path, in_process, capsys):
+    """An empty or relative name raised the import machinery's own errors, quoted with their
+    exception types ("ValueError: Empty module name"); it is refused as the list's problem."""
+    listing = plugin_dir(tmp_path, {}, [written])
+    assert in_process(["--plugins", str(listing), "plugins"]) == 1
+    err = capsys.readouterr().err
+    assert err == (f"strata plugins: {listing}: plugins[0].module: got {name!r}; expected a "
+                   "Python module name (words of letters, digits and _ joined by dots, e.g. "
+                   "my_formats.q4)\n")

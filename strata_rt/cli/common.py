@@ -17,7 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from ..backends.nonfinite import NonFiniteError
+from ..config.input_files import InputFileError, user_path
 from ..config.paths import (
+    dump_file_problem,
     output_collisions,
     output_file_problem,
     results_file_problem,
@@ -25,6 +27,7 @@ from ..config.paths import (
     write_text_atomic,
 )
 from ..config.run_config import Config, load_config
+from ..config.schema import shown_value
 from ..errors import ConfigError
 from ..report.progress import Progress
 
@@ -64,24 +67,41 @@ def hardware_line() -> str:
 
 
 _ASCII_INT = re.compile(r"[+-]?[0-9]+")
+#: the most digits a number on the command line may have: no count or size takes more, and
+#: Python reads and writes no integer past 4,300 digits
+MAX_DIGITS = 100
+
+
+def _digits(word: str) -> int:
+    """Digits of a whole number as written, its sign and leading zeros aside."""
+    return len(word.strip().lstrip("+-").lstrip("0"))
 
 
 def whole_number(text: str) -> int:
     """An argparse type: an integer written with the ASCII digits 0-9 (int() also takes
     `1_000`, fullwidth and Arabic-Indic digits, which a reader of the command does not see
-    as the number it becomes)."""
+    as the number it becomes), of at most MAX_DIGITS digits."""
     if not _ASCII_INT.fullmatch(text.strip()):
-        raise argparse.ArgumentTypeError(f"got {text!r}; expected a whole number written "
-                                         "with the digits 0-9")
+        raise argparse.ArgumentTypeError(f"got {shown_value(text)}; expected a whole number "
+                                         "written with the digits 0-9")
+    if _digits(text) > MAX_DIGITS:
+        raise argparse.ArgumentTypeError(f"got a whole number of {_digits(text):,} digits; "
+                                         f"none of more than {MAX_DIGITS} is taken")
     return int(text)
 
 
 def parse_prompts(text: str) -> list[int]:
     words = [x for x in text.replace(" ", "").split(",") if x]
+    long = next((w for w in words if _ASCII_INT.fullmatch(w) and _digits(w) > MAX_DIGITS),
+                None)
+    if long is not None:
+        raise ConfigError(f"--prompts: a token count of {_digits(long):,} digits; no prompt "
+                          "is that long (expected comma-separated token counts >= 1, e.g. "
+                          "254,1030)", source="command line")
     lengths = [int(x) for x in words] if all(_ASCII_INT.fullmatch(x) for x in words) else []
     if not lengths or min(lengths) < 1:
-        raise ConfigError(f"--prompts: got {text!r}; expected comma-separated token counts "
-                          ">= 1, e.g. 254,1030", source="command line")
+        raise ConfigError(f"--prompts: got {shown_value(text)}; expected comma-separated "
+                          "token counts >= 1, e.g. 254,1030", source="command line")
     return lengths
 
 
@@ -145,7 +165,10 @@ def output_arg(option: str, value: str | Path) -> Path:
     """A file path given on the command line for results, checked before the run."""
     if not str(value):
         raise ConfigError(f"{option}: got ''; expected a file path", source="command line")
-    path = Path(value).expanduser()
+    try:
+        path = user_path(value)
+    except InputFileError as e:
+        raise ConfigError(f"{option}: got {str(value)!r}; {e.why}", source="command line") from None
     why = output_file_problem(path)
     if why is not None:
         raise ConfigError(f"{option}: got {str(value)!r}; {why}", source="command line")
@@ -157,7 +180,8 @@ def check_outputs(cfg: Config, outputs: dict[str, Path | None],
     """Refuses (exit 2, before the run) an output that is a file the run reads (the config,
     the model, a prompt or profile file, the plugin list, `inputs` of the command) or that
     another output of the run also writes: writing it would destroy that file; then a JSON
-    output over an existing file that is not a JSON document (results_file_problem)."""
+    output over an existing file that is not a JSON document (results_file_problem), or a
+    residual dump over one that is no earlier dump (dump_file_problem)."""
     from ..config.engine_config import output_switches
 
     outs = {label: path for label, path in outputs.items() if path is not None}
@@ -166,15 +190,15 @@ def check_outputs(cfg: Config, outputs: dict[str, Path | None],
         if path is not None and not any(same_file(path, p) for p in outs.values()):
             outs.setdefault(f"output.{key}", path)
     for switch, value in output_switches().items():
-        outs[f"{switch} (environment)"] = Path(value).expanduser()
+        outs[f"{switch} (environment)"] = user_path(value)  # checked at the start
     for label, path in list(outs.items()):  # a dump is written as <path>.partial first
         if "dump_r" in label.lower():
             outs[f"{label.split(' ')[0]} (its .partial file)"] = Path(f"{path}.partial")
     problems = output_collisions(outs, {**cfg.input_paths(), **(inputs or {})})
     if not problems:  # then no output is an input: is each a file results may replace?
         problems = [f"{label}: got {str(path)!r}; {why}" for label, path in outs.items()
-                    if "dump_r" not in label.lower()  # the dump is raw records, appended
-                    and (why := results_file_problem(path)) is not None]
+                    if (why := dump_file_problem(path, cfg.spec.hidden) if "dump_r" in
+                        label.lower() else results_file_problem(path)) is not None]
     if problems:
         raise ConfigError(problems, source="command line")
 

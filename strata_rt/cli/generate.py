@@ -13,10 +13,15 @@ import logging
 import re
 import sys
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
-from ..config.input_files import DATA_LIMIT, TEXT_LIMIT, InputFileError, check_utf8
+from ..config.input_files import (
+    DATA_LIMIT,
+    TEXT_LIMIT,
+    InputFileError,
+    check_utf8,
+    user_path,
+)
 from ..config.input_files import read_text as input_text
 from ..errors import ConfigError, GGUFError
 from ..report import interrupts
@@ -44,7 +49,7 @@ def read_text(option: str, value: str, limit: int = TEXT_LIMIT) -> str:
     what the path is when it cannot be: missing, a folder, a FIFO or device, binary, not
     UTF-8, larger than `limit`)."""
     try:
-        return input_text(Path(value).expanduser(), limit, "a UTF-8 text file")
+        return input_text(user_path(value), limit, "a UTF-8 text file")
     except InputFileError as e:
         why = e.why
         if why.startswith("is a directory"):
@@ -141,7 +146,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     cfg = load(args)
     sampling = sampling_from(args, cfg.sampling)
     check_outputs(cfg, {"--json": target}, {} if args.prompt_file is None else {
-        "the --prompt-file": Path(args.prompt_file).expanduser()})
+        "the --prompt-file": user_path(args.prompt_file)})
     progress = progress_for(args)
     out = sys.stdout
     with open_engine(cfg, progress) as engine:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import Any
 
+from ..config.input_files import user_path
 from ..errors import ConfigError
 from ..report import interrupts
 from .common import (
@@ -41,7 +41,7 @@ def window_row(i: int, w: Any) -> list[Any]:
 
 def cmd_perplexity(args: argparse.Namespace) -> int:
     from ..text.generate import EngineSession
-    from ..text.perplexity import check_ctx, perplexity, windows_of
+    from ..text.perplexity import ScoreError, check_ctx, perplexity, windows_of
 
     if args.ctx is not None and args.ctx < 2:
         raise ConfigError(f"--ctx: got {args.ctx}; a window needs at least 2 tokens",
@@ -52,7 +52,7 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
         raise ConfigError(f"--file: {args.file} is empty; perplexity needs text",
                           source="command line")
     cfg = load(args)
-    check_outputs(cfg, {"--json": target}, {"the --file": Path(args.file).expanduser()})
+    check_outputs(cfg, {"--json": target}, {"the --file": user_path(args.file)})
     progress = progress_for(args)
     with open_engine(cfg, progress) as engine:
         session = EngineSession(engine)
@@ -67,8 +67,11 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
         # each window's row as it finishes: a later failure or a signal loses none
         table = StreamedTable(WINDOW_HEADERS, [6, 11, 6, 8, 10, 7]) \
             if len(windows_of(len(ids), ctx)) <= TABLE_WINDOWS else None
-        result = perplexity(session, ids, ctx, progress, on_window=None if table is None
-                            else lambda i, w: table.add(window_row(i, w)))
+        try:
+            result = perplexity(session, ids, ctx, progress, on_window=None if table is None
+                                else lambda i, w: table.add(window_row(i, w)))
+        except ScoreError as e:  # the weights are the likely cause: the model is named
+            raise ScoreError(f"{cfg.gguf}: {e}" if cfg.gguf else str(e)) from None
         backend = engine.config.backend
     if table is None and result.windows:
         each = sorted(w.perplexity for w in result.windows)

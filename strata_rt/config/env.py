@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ConfigError
+from .input_files import InputFileError, user_path
 from .paths import output_dir_problem, output_file_problem
 
 log = logging.getLogger(__name__)
@@ -214,13 +215,28 @@ def _raw(name: str, environ: Mapping[str, str] | None = None) -> str | None:
     return None if value is None or value == "" else value
 
 
+#: the most digits an integer switch takes (every one fits an int64)
+_INT_DIGITS = 18
+
+
+def _shown(value: str) -> str:
+    """A switch's value as a message quotes it: its repr, cut at 120 characters."""
+    return repr(value) if len(value) <= 120 else f"{value[:120]!r}... ({len(value):,} characters)"
+
+
 def problem(name: str, value: str) -> str | None:
     """Why `value` is not valid for switch `name`, or None."""
     kind = SWITCHES[name].kind
     if kind == "flag" and value not in ("0", "1"):
         return "expected 0 or 1"
-    if kind == "int" and not (value.isascii() and value.isdigit() and int(value) >= 1):
-        return "expected a positive whole number"
+    if kind == "int":
+        if not (value.isascii() and value.isdigit()):
+            return "expected a positive whole number"
+        digits = len(value.lstrip("0"))
+        if digits > _INT_DIGITS:  # (Python reads no integer past 4,300 digits)
+            return f"a whole number of {digits:,} digits; expected one of at most {_INT_DIGITS}"
+        if int(value) < 1:
+            return "expected a positive whole number"
     if kind == "mib" and value != "all":
         try:
             ok = 0 <= float(value) <= 1 << 30  # 1 PiB: no machine has more
@@ -235,15 +251,17 @@ def problem(name: str, value: str) -> str | None:
         if found is None:
             return ("not an executable file" if Path(value).exists()
                     else "no such program (give a path to nvcc, or a name on PATH)")
-    if kind == "outfile":
-        return output_file_problem(Path(value).expanduser())
-    if kind == "outdir":
-        return output_dir_problem(Path(value).expanduser())
+    if kind in ("outfile", "outdir"):
+        try:
+            path = user_path(value)
+        except InputFileError as e:
+            return e.why
+        return (output_file_problem if kind == "outfile" else output_dir_problem)(path)
     return None
 
 
 def _error(name: str, value: str, why: str) -> ConfigError:
-    return ConfigError(f"environment {name}={value!r}: {why}", source="environment")
+    return ConfigError(f"environment {name}={_shown(value)}: {why}", source="environment")
 
 
 def flag(name: str, default: bool = False) -> bool:
@@ -319,7 +337,7 @@ def validate_all(environ: Mapping[str, str] | None = None) -> None:
     for name in SWITCHES:
         value = _raw(name, environ)
         why = None if value is None else problem(name, value)
-        if why is not None:
-            problems.append(f"{name}={value!r}: {why}")
+        if value is not None and why is not None:
+            problems.append(f"{name}={_shown(value)}: {why}")
     if problems:
         raise ConfigError(problems, source="environment")

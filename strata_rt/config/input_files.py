@@ -38,6 +38,37 @@ class InputFileError(Exception):
         super().__init__(f"{path}: {why}")
 
 
+def path_text_problem(name: str) -> str | None:
+    """Why no file can have the name `name`, or None: a NUL character, or a lone UTF-16
+    surrogate (a YAML "\\ud800" escape; the file system call would raise) other than the
+    ones that stand for undecodable bytes."""
+    if "\0" in name:
+        return "a path cannot hold a NUL character"
+    try:
+        os.fsencode(name)
+    except UnicodeEncodeError as e:
+        return (f"character {e.start + 1} ({ascii(name[e.start])[1:-1]}) is half of a UTF-16 "
+                "surrogate pair, which no file name can hold")
+    return None
+
+
+def user_path(value: str | Path) -> Path:
+    """`value` as a path, a leading `~` or `~name` read as a home folder as a shell reads it;
+    InputFileError saying why when that names no home folder here (an unknown user name, or
+    `~` with neither HOME nor a user entry). `./~name` names a file of that name."""
+    text = os.fspath(value)
+    if not text.startswith("~"):
+        return Path(text)
+    expanded = os.path.expanduser(text)
+    if expanded.startswith("~"):  # left as it was: no home folder for that name
+        head = text.split("/", 1)[0]
+        who = ("the home folder, and none is known here (HOME is not set)" if head == "~"
+               else f"the home folder of user {head[1:]!r}, and there is no such user")
+        raise InputFileError(Path(text), f"starts with {head}, which names {who} (for a "
+                             f"file whose name starts with ~, write ./{text})")
+    return Path(expanded)
+
+
 def _stat_problem(path: Path, e: OSError) -> str:
     if e.errno == errno.ELOOP:
         return "is a symlink loop (following its links never reaches a file)"

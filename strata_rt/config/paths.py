@@ -89,6 +89,34 @@ def results_file_problem(path: Path) -> str | None:
             "replace only an earlier results file: remove it or give another path")
 
 
+#: a residual dump keeps every this-many-th position (engine.DUMP_STRIDE)
+_DUMP_STRIDE = 64
+
+
+def dump_file_problem(path: Path, hidden: int) -> str | None:
+    """Why the existing file at `path` is not one a residual dump (records of an int64
+    position and `hidden` float32 values, positions a multiple of 64) may replace, or None
+    (also for a new name, an empty file or an earlier dump of a model as wide): the engine
+    empties it when it opens, so a file named by mistake would be lost."""
+    target = output_target(path)
+    if not target.is_file():
+        return None
+    record = 8 + 4 * hidden
+    try:
+        size = target.stat().st_size
+        with open(target, "rb") as f:
+            head = f.read(record * 64)
+    except OSError as e:
+        return f"cannot be read to see what it holds: {e.strerror or e}"
+    positions = [int.from_bytes(head[i:i + 8], "little", signed=True)
+                 for i in range(0, len(head) - 7, record)]
+    if size % record == 0 and all(p >= 0 and p % _DUMP_STRIDE == 0 for p in positions):
+        return None
+    return (f"exists and is not a residual dump of a model of hidden size {hidden} (it starts "
+            f"with {head[:8]!r}); the dump replaces only an earlier one: remove it or give "
+            "another path")
+
+
 def output_file_problem(path: Path) -> str | None:
     """Why `path` cannot be written as a results file, or None. Only a regular file (or a
     new name) is written: a FIFO would block the run, and a device or socket would be renamed

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 import tokenize
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,9 @@ INT64_MAX = (1 << 63) - 1
 #: a token id as a token file writes it: ASCII digits, an optional sign (int() would also take
 #: `1_000`, fullwidth and Arabic-Indic digits)
 _ASCII_INT = re.compile(r"[+-]?[0-9]+")
+#: a word of more digits (leading zeros aside) is named by its length, not read: no token id
+#: has more than 19 (int64), and Python reads and writes no integer past 4,300
+_LONG_DIGITS = 100
 #: rows of a hidden-state file checked per step (bounded memory for any file size)
 SCAN_BYTES = 64 << 20
 
@@ -140,17 +144,55 @@ def check_token_ids(token_ids: Any, vocab: int, source: str = "prefill") -> np.n
 _NPY_ERRORS = (ValueError, OSError, EOFError, SyntaxError, tokenize.TokenError, TypeError)
 
 
+#: what every .npy file starts with
+_NPY_MAGIC = b"\x93NUMPY"
+#: numpy's words for a header whose dictionary parsed but holds the wrong things (worth
+#: quoting: they name the key)
+_NPY_HEADER_WORDS = ("Header does not contain", "Header is not a dictionary", "shape is not",
+                     "fortran_order is not", "descr is not")
+
+
+def _npy_why(path: Path, e: BaseException) -> str:
+    """What is wrong with an .npy file numpy could not read, in words (numpy's own name its
+    exception types, ast nodes, or advise loading a pickle)."""
+    text = str(e)
+    if isinstance(e, OSError):
+        return f"cannot be read: {e.strerror or text}"
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(len(_NPY_MAGIC))
+    except OSError as err:
+        return f"cannot be read: {err.strerror or err}"
+    if magic != _NPY_MAGIC:
+        return "not an .npy file (it does not start with \\x93NUMPY)"
+    if isinstance(e, EOFError) or text.startswith(("EOF", "Failed to read all data")) \
+            or "mmap length" in text or "cannot reshape" in text:
+        return "cut short: the file ends before the data its header describes"
+    if "pickled" in text or "Python objects" in text or "Object arrays" in text:
+        return ("holds Python objects (pickled), which are never loaded; save an array of "
+                "numbers")
+    if "format version" in text or "Invalid version" in text:
+        return "an .npy format version other than 1.0, 2.0 or 3.0"
+    detail = f" ({text[:200]})" if text.startswith(_NPY_HEADER_WORDS) else ""
+    return ("its header is damaged: an .npy header is a dictionary of descr, fortran_order "
+            f"and shape{detail}")
+
+
 def load_npy(path: Path, mmap: bool = True) -> np.ndarray:
     """The array of an .npy file (memory-mapped unless mmap is False); ConfigError naming the
-    file for anything numpy cannot read as one (a pickle, another format, a damaged header),
-    never numpy's own exception."""
+    file and saying what is wrong for anything numpy cannot read as one (a pickle, another
+    format, a damaged header, a cut), never numpy's own exception or words."""
     try:
-        arr = np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
+        # numpy parses the header as a Python literal: a damaged one draws the parser's
+        # warnings (an invalid escape such as a backslash before an o), which are not ours
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            arr = np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
     except _NPY_ERRORS as e:
-        raise ConfigError(f"{path}: not a readable .npy array ({type(e).__name__}: {e})") \
-            from None
-    if not isinstance(arr, np.ndarray):
-        raise ConfigError(f"{path}: holds {type(arr).__name__}, not one .npy array")
+        raise ConfigError(f"{path}: not a readable .npy array: {_npy_why(path, e)}") from None
+    if not isinstance(arr, np.ndarray):  # an .npz archive (np.load opens those too)
+        getattr(arr, "close", lambda: None)()
+        raise ConfigError(f"{path}: an .npz archive of arrays, not one .npy array")
     return arr
 
 
@@ -175,6 +217,13 @@ def read_token_file(path: Path, vocab_size: int | None = None) -> np.ndarray:
         if bad is not None:
             raise ConfigError(f"{path}: token files hold integers written with the digits "
                               f"0-9: {shown_word(words[bad])} (token {bad}) is not one")
+        long = next((i for i, w in enumerate(words) if len(w.lstrip("+-0")) > _LONG_DIGITS),
+                    None)
+        if long is not None:
+            n = len(words[long].lstrip("+-0"))
+            raise ConfigError(f"{path}: token {long} is a whole number of {n:,} digits "
+                              f"({shown_word(words[long])}); a token id has at most "
+                              f"{len(str(INT64_MAX))} (int64)")
         flat = np.array([int(w) for w in words], dtype=object)
     why = token_id_problem(flat, vocab_size)
     if why is not None:

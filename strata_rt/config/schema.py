@@ -32,7 +32,7 @@ from . import env
 from .engine_config import mmq_kernel_switch
 from .host_parts import GGUF_STAGED_LAYERS, host_memory_parts, host_memory_problem
 from .hostmem import MAX_MACHINE
-from .input_files import regular_file_problem
+from .input_files import InputFileError, path_text_problem, regular_file_problem, user_path
 from .prompts import Prompt, hidden_file_problem, read_token_file
 from .sampling import SAMPLING_KEYS
 from .whole import WHOLE_KEYS
@@ -180,10 +180,15 @@ def file_path(p: Problems, path: str, v: Any, base: Path, must_exist: bool) -> P
     if not isinstance(v, str) or not v:
         p.add(path, v, "expected a file path (string)")
         return None
-    if "\0" in v:
-        p.add(path, v, "a path cannot hold a NUL character")
+    why = path_text_problem(v)
+    if why is not None:
+        p.add(path, v, why)
         return None
-    given = base / Path(v).expanduser()
+    try:
+        given = base / user_path(v)
+    except InputFileError as e:
+        p.add(path, v, e.why)
+        return None
     try:
         resolved = given.resolve()
     except (OSError, RuntimeError) as e:  # a symlink loop on the way (RuntimeError < 3.13)

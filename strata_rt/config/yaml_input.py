@@ -94,12 +94,14 @@ class _Loader(yaml.SafeLoader):
                               "or quote it to mean text")
 
     def construct_yaml_int(self, node: ScalarNode) -> int:
-        self._plain_number(node, "a number")
+        # the length first: Python refuses to read one past 4,300 digits, and to write one
+        # (an octal's value, shown in decimal) past as many
         digits = len(str(node.value).lstrip("+-"))
-        if digits > MAX_INT_DIGITS:  # Python refuses to read one past 4,300 digits anyway
+        if digits > MAX_INT_DIGITS:
             raise YamlProblem(f"line {_line(node)}: a whole number of {digits:,} digits; no "
                               f"setting takes one of more than {MAX_INT_DIGITS} (quote it to "
                               "mean text)")
+        self._plain_number(node, "a number")
         return super().construct_yaml_int(node)
 
     def construct_yaml_float(self, node: ScalarNode) -> float:

@@ -88,6 +88,12 @@ def read_plugins_yaml(path: Path) -> list[PluginEntry]:
     for i, entry in enumerate(entries):
         if not isinstance(entry, dict) or not isinstance(entry.get("module"), str):
             raise PluginError(f"{path}: plugins[{i}] must be a mapping with a `module:` string")
+        module = entry["module"]
+        if not all(part.isidentifier() for part in module.split(".")):
+            shown = repr(module) if len(module) <= 80 else repr(module[:80]) + "..."
+            raise PluginError(f"{path}: plugins[{i}].module: got {shown}; expected a Python "
+                              "module name (words of letters, digits and _ joined by dots, "
+                              "e.g. my_formats.q4)")
         unknown = set(entry) - {"module", "enabled"}
         if unknown:
             raise PluginError(f"{path}: plugins[{i}] has unknown key(s) {sorted(unknown)}; "

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -35,6 +36,13 @@ from .generate import LogitsSession
 log = logging.getLogger(__name__)
 
 MAX_LOGIT_BYTES = 1 << 30
+#: the largest mean NLL (nats a token) whose perplexity, e^x, a float holds
+MAX_MEAN_NLL = math.log(sys.float_info.max)
+
+
+class ScoreError(StrataError):
+    """The logits give no perplexity to report (beyond a float's range): the model's weights
+    are the likely cause, so a caller names the model."""
 
 
 @dataclass
@@ -172,6 +180,12 @@ def perplexity(session: LogitsSession, token_ids: Sequence[int] | np.ndarray, ct
             if progress is not None:
                 progress.end()
         w = Window(start=lo, tokens=hi - lo, nll=nll, seconds=time.perf_counter() - t0)
+        mean = nll / w.predicted
+        if mean > MAX_MEAN_NLL:  # (so no total, a mean of the windows', exceeds it either)
+            raise ScoreError(f"window {i + 1} (tokens {lo}..{hi - 1}): a mean NLL of "
+                             f"{mean:.4g} nats a token, whose perplexity (e^{mean:.4g}) is "
+                             "beyond a float's range: the logits are extreme (damaged "
+                             "weights?)")
         result.windows.append(w)
         try:
             if on_window is not None:

@@ -48,6 +48,8 @@ from .sampling_math import exp_nonpositive, inclusive_scan, ordered_keys, unifor
 #: candidates the sampler considers at most (top_k 0 means these many); the kernel's buffer
 MAX_CANDIDATES = 2048
 FLT_MAX = float(np.finfo(np.float32).max)
+#: the smallest positive float32: a temperature or penalty below it is 0 to the kernel
+FLT_TINY = float(np.finfo(np.float32).smallest_subnormal)
 SEED_LIMIT = 1 << 64
 
 #: SamplingParams field -> what the command line and the config call it
@@ -67,8 +69,9 @@ def sampling_problems(values: Mapping[str, Any]) -> list[tuple[str, Any, str]]:
     """(field, value, what is allowed) for every bad value among SamplingParams fields given
     in `values`: one list, so a config or a command line reports them all at once."""
     checks = {
-        "temperature": (lambda v: _number(v) and v >= 0,
-                        "expected a number >= 0 (0: greedy, the most likely token)"),
+        "temperature": (lambda v: _number(v) and (v == 0 or FLT_TINY <= v <= FLT_MAX),
+                        "expected a number >= 0 (0: greedy, the most likely token) that a "
+                        f"float32 holds: 0 or {FLT_TINY:.2g} .. {FLT_MAX:.2g}"),
         "top_k": (lambda v: _integer(v) and 0 <= v <= MAX_CANDIDATES,
                   f"expected an integer 0..{MAX_CANDIDATES} (0: off, which keeps the "
                   f"{MAX_CANDIDATES} most likely tokens)"),
@@ -76,8 +79,9 @@ def sampling_problems(values: Mapping[str, Any]) -> list[tuple[str, Any, str]]:
                   "expected a number > 0 and <= 1 (1: off)"),
         "min_p": (lambda v: _number(v) and 0 <= v < 1,
                   "expected a number >= 0 and < 1 (0: off)"),
-        "repetition_penalty": (lambda v: _number(v) and v > 0,
-                               "expected a number > 0 (1: off; above 1 discourages repeats)"),
+        "repetition_penalty": (lambda v: _number(v) and FLT_TINY <= v <= FLT_MAX,
+                               "expected a number > 0 (1: off; above 1 discourages repeats) "
+                               f"that a float32 holds: {FLT_TINY:.2g} .. {FLT_MAX:.2g}"),
         "seed": (lambda v: v is None or (_integer(v) and 0 <= v < SEED_LIMIT),
                  "expected an integer 0..2**64-1 (absent: a fresh one per run)"),
     }

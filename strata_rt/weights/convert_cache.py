@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from ..config import env
+from ..config.input_files import user_path
 from ..errors import GGUFError
 from .gguf_format import expert_types
 from .gguf_header import Header
@@ -61,7 +62,7 @@ _NOT_COPIED = ("general.architecture", "general.alignment", "split.no", "split.c
 def cache_dir() -> Path:
     configured = env.text(CACHE_SWITCH)
     if configured:
-        return Path(configured).expanduser()
+        return user_path(configured)  # checked at the start
     return Path.home() / ".cache" / "strata_rt" / "converted"
 
 

@@ -29,7 +29,7 @@ from . import gguf_checks
 from .gguf_header import Header, parse
 from .gguf_keys import check_keys, number, unsupported
 from .gguf_problems import MAX_PROBLEMS, Problems
-from .gguf_split import merge_split
+from .gguf_split import in_shards, merge_split
 
 ARCH = "qwen3moe"
 #: (name suffix, spec field) of the integer keys a MoE file must carry
@@ -62,6 +62,9 @@ def problems_error(path: Path, problems: Problems | list[str]) -> GGUFError:
     a count of the rest: a broken count must not print a million lines)."""
     total = len(problems)
     shown = list(problems)[:MAX_PROBLEMS]
+    key = _identity(Path(path))
+    if key in _OPENED:  # a split model: a tensor of a later shard is named with its shard
+        shown = in_shards(_OPENED[key][0], shown)
     if total == 1:
         return GGUFError(f"{path}: {shown[0]}")
     lines = "\n".join(f"  - {p}" for p in shown)

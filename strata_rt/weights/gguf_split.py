@@ -15,7 +15,9 @@ Given a later shard, the message names the first one: that is the file to pass.
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
+from pathlib import Path
 
 from ..config.file_kinds import not_a_file
 from ..errors import GGUFError
@@ -23,6 +25,8 @@ from .gguf_header import ARRAY, Header, KeyValue, parse
 from .gguf_keys import SHARD_NAME, SPLIT_COUNT, SPLIT_NO, SPLIT_TENSORS, split_of
 from .gguf_problems import Problems
 
+#: a problem line about one tensor starts with its name
+_TENSOR = re.compile(r"tensor ([^\s:;,()]+)")
 #: keys that describe one file, not the model: they may differ from shard to shard
 PER_FILE_KEYS = (SPLIT_NO, SPLIT_COUNT, SPLIT_TENSORS, "general.alignment")
 
@@ -137,3 +141,21 @@ def merge_split(first: Header) -> Header:
                         f"{len(tensors):,} tensors: a shard is of another model or damaged")
     return replace(first, tensors=tensors, problems=problems,
                    size=first.size, shards=tuple(shards))
+
+
+def in_shards(header: Header, problems: list[str]) -> list[str]:
+    """`problems` with each tensor that lies in a later shard of a split GGUF named with its
+    shard ("tensor X in shard m-00002-of-00003.gguf has ..."): a message names the first
+    shard, the model's file, and the damaged file is the one to look at."""
+    if not header.shards:
+        return problems
+    first = header.shards[0].name
+    where = {t.name: Path(t.file).name for t in header.tensors
+             if t.file and Path(t.file).name != first}
+    out = []
+    for line in problems:
+        m = _TENSOR.match(line)
+        shard = where.get(m[1]) if m else None
+        out.append(line if m is None or shard is None
+                   else f"{m[0]} in shard {shard}{line[m.end():]}")
+    return out

@@ -97,6 +97,8 @@ def _text_edit(text: str, rng: random.Random) -> str:
         return text[:at]
     if how == 5:
         lines = text.splitlines(keepends=True)
+        if not lines:  # an earlier edit of the case cut the text to nothing
+            return text
         i = rng.randrange(len(lines))
         return "".join(lines[:i + 1] + [lines[i]] + lines[i + 1:])  # a duplicate key
     if how == 6:

@@ -108,8 +108,8 @@ def _spec(header: Header, path: Path, dims: dict[str, Any], tensors: dict[str, A
     if embd is None:
         raise GGUFError(f"{path}: tensor {tensor_name('token_embd')} is missing")
     if len(embd.shape) != 2:
-        raise GGUFError(f"{path}: tensor {embd.name} has {len(embd.shape)} dims "
-                        f"{list(reversed(embd.shape))}; expected [vocabulary, hidden]")
+        raise problems_error(path, [f"tensor {embd.name} has {len(embd.shape)} dims "
+                                    f"{list(reversed(embd.shape))}; expected [vocabulary, hidden]"])
     vocab = int(embd.shape[-1])
     key_vocab = number(header, f"{a}.vocab_size")
     if key_vocab is not None and key_vocab != vocab:
@@ -165,8 +165,8 @@ def read_dense_types(path: str | Path) -> DenseTypes:
         try:
             return GGMLQuantizationType(int(t.tensor_type)).name
         except ValueError:
-            raise GGUFError(f"{path}: tensor {name} has GGML type {int(t.tensor_type)}, "
-                            "which the gguf package does not know") from None
+            raise problems_error(path, [f"tensor {name} has GGML type {int(t.tensor_type)}, "
+                                        "which the gguf package does not know"]) from None
 
     try:
         return DenseTypes.lookup(dims["n_layers"], type_of)
@@ -192,8 +192,8 @@ def _dense(path: Path, spec: Qwen3Spec, t, role: str) -> DenseTensor:
     shape = tuple(int(x) for x in reversed(list(t.shape)))
     want = expected_shapes(spec)[role]
     if shape != want:
-        raise GGUFError(f"{path}: tensor {t.name} has shape {list(shape)}; expected "
-                        f"{list(want)} ({_why(spec, role)})")
+        raise problems_error(path, [f"tensor {t.name} has shape {list(shape)}; expected "
+                                    f"{list(want)} ({_why(spec, role)})"])
     qt = ggml_type(t.tensor_type)
     data = np.asarray(t.data)
     if data.dtype not in (np.float32, np.float16):
@@ -201,9 +201,9 @@ def _dense(path: Path, spec: Qwen3Spec, t, role: str) -> DenseTensor:
         try:
             dequantize(data.reshape(-1, data.shape[-1])[:1], qt)
         except (NotImplementedError, ValueError, KeyError, AssertionError):
-            raise GGUFError(f"{path}: tensor {t.name} has type {qt.name}, which the gguf "
-                            "package cannot dequantize (use F32, F16, BF16, Q8_0, a K-quant "
-                            "or an i-quant it reads)") from None
+            raise problems_error(path, [f"tensor {t.name} has type {qt.name}, which the gguf "
+                                        "package cannot dequantize (use F32, F16, BF16, Q8_0, "
+                                        "a K-quant or an i-quant it reads)"]) from None
     return DenseTensor(t.name, shape, qt, data)
 
 
