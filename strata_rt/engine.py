@@ -310,8 +310,7 @@ class Engine:
                     if token is None:
                         raise NonFiniteError("the logits", None, first + hi - 1,
                                              "holds NaN or infinity (checked on the device)")
-                elif rows is not None:
-                    # a new array from every backend (no copy of it), checked on the host
+                elif rows is not None:  # a new array from every backend, checked on the host
                     chunk_logits = np.asarray(backend.take_logits(), dtype=np.float32)
                     at = np.arange(first + lo, first + hi) if rows == "all" else [first + hi - 1]
                     check_finite(chunk_logits, "the logits", None, np.asarray(at))

@@ -324,8 +324,7 @@ class Checker:
                        f">= consumed {self.consumed} + ring {self.ring} (entry "
                        f"{k - self.ring}, the slot's previous occupant, is not consumed yet)")
         self._check(self.switches.chain(i, op))
-        now = self._tick(op.stream)
-        self._check(self.switches.copy(i, op, now))
+        self._check(self.switches.copy(i, op, now := self._tick(op.stream)))
         prev = self.slots.get(s)
         if prev is not None:
             for rclock, lane, rop, rdesc in prev.readers:
