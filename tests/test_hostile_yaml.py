@@ -99,3 +99,22 @@ def test_problem_values_are_shown_bounded(tmp_path, capsys) -> None:
     doc = dict(TINY, prompts=[{"file": "x" * 100_000}], backend=list(range(5_000)))
     err = refused(capsys, ["run", str(write(tmp_path, yaml.safe_dump(doc)))], "backend: got [0")
     assert len(err) < 2_000
+
+
+def test_null_true_and_false_are_shown_as_yaml_writes_them(tmp_path, capsys) -> None:
+    """A problem showed YAML's `null` as None and `true` as True (Python's words): each is
+    shown as the file spells it, alone, in a list, as a key and through a setting's parser."""
+    text = TINY_TEXT.replace("backend: reference", "backend: true").replace(
+        "prompts:\n- 16", "prompts: [16, null]\ndevices: [0, false]\ncompute_lanes: true\n"
+        "null: 1\nprefill: null")
+    err = refused(capsys, ["run", str(write(tmp_path, text))], "backend: got true; allowed")
+    for words in ("prompts[1]: got null;", "devices: got [0, false]; false is not a device",
+                  "compute_lanes: got true; expected one of auto", "null: unknown key",
+                  "prefill: got null;"):
+        assert words in err, err
+    assert not any(w in err for w in ("None", "True", "False")), err
+    err = refused(capsys, ["run", str(write(tmp_path, TINY_TEXT + "devices: true\n"))],
+                  "devices: got true; expected a list of device indices")
+    assert err.count("got") == 1, err  # said once (it was `got True; got True`)
+    err = refused(capsys, ["run", str(write(tmp_path, TINY_TEXT + "~: 1\nnull: 2\n"))],
+                  "duplicate key null (first at line")

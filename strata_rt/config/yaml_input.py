@@ -18,6 +18,7 @@ strict where the plain one is silent or unbounded.
 from __future__ import annotations
 
 import re
+import reprlib
 from typing import Any
 
 import yaml
@@ -35,6 +36,27 @@ MAX_INT_DIGITS = 100
 _MERGE = "tag:yaml.org,2002:merge"
 #: what YAML 1.1 reads as octal: a leading 0 and more digits (`010` is 8)
 _OCTAL = re.compile(r"[-+]?0[0-7]+")
+
+
+class _Shown(reprlib.Repr):
+    """Python's repr, but null, true and false as YAML spells them (`got null`, not None)."""
+
+    def repr1(self, x: Any, level: int) -> str:
+        if x is None or isinstance(x, bool):
+            return {None: "null", True: "true", False: "false"}[x]
+        return super().repr1(x, level)
+
+
+_SHOWN = _Shown()
+_SHOWN.maxlevel, _SHOWN.maxdict, _SHOWN.maxlist, _SHOWN.maxstring = 3, 6, 8, 120
+_SHOWN.maxother = 120
+
+
+def shown_value(value: Any) -> str:
+    """A value as a problem message shows it: its repr, bounded in length and depth (a YAML
+    list of a million prompts, or a path of 100,000 characters, would otherwise fill the
+    message), with null, true and false (also inside lists and mappings) as YAML writes them."""
+    return _SHOWN.repr(value)
 
 
 class YamlProblem(Exception):
@@ -77,8 +99,8 @@ class _Loader(yaml.SafeLoader):
             except TypeError:  # an unhashable key: the base class says so, with the line
                 break
             if first is not None:
-                raise YamlProblem(f"line {_line(key_node)}: duplicate key {key!r} (first at "
-                                  f"line {first}); a key may appear once in a mapping")
+                raise YamlProblem(f"line {_line(key_node)}: duplicate key {shown_value(key)} "
+                                  f"(first at line {first}); a key may appear once in a mapping")
             seen[key] = _line(key_node)
         return super().construct_mapping(node, deep=deep)
 
