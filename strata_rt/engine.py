@@ -22,11 +22,9 @@ MoE layers alone have no attention, so their chunks are independent; a whole mod
 carry the KV cache forward. On the reference backend a token's result does not depend on its
 chunk at all (same bytes for any chunking, staging or walk; tested for both kinds).
 
-STRATA_PREFILL_DUMP_R: the file is emptied when an engine opens; every prefill then appends
-each chunk's every 64th position (see dump_residual), so two runs compare with `cmp`. While a
-prefill runs the dump lives under `<path>.partial` and is renamed to `<path>` when the prefill
-completes, so an interrupted run never leaves a dump that looks whole.
-"""
+STRATA_PREFILL_DUMP_R: the file (new, empty or an earlier dump, else refused) is emptied when
+an engine opens; every prefill appends each chunk's every 64th position (dump_residual), so
+runs compare with `cmp`. A prefill writes it as `<path>.partial`, renamed when it completes."""
 
 from __future__ import annotations
 
@@ -188,6 +186,7 @@ class Engine:
             check_mmq_kernel(fmt, cfg.mmq_kernel)
         model = with_variant(model, cfg.mmq_kernel)
         spec, slot = model.spec, model.layout.slot_bytes
+        cfg.check_dump(spec.hidden)  # before the engine empties the file dump_r names
         hostmem.require(spec.n_layers * spec.n_experts * slot, "the expert store",
                         f"{spec.n_layers} layers x {spec.n_experts} experts x "
                         f"{hostmem.format_bytes(slot)}")

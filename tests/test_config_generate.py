@@ -47,7 +47,7 @@ def test_generate_tokens_read_and_defaulted(tmp_path):
 @pytest.mark.parametrize("value, message", [
     ({"tokens": -1}, "generate.tokens: got -1; must be >= 0"),
     ({"tokens": 2.5}, "generate.tokens: got 2.5; expected an integer >= 0"),
-    ({"tokens": True}, "generate.tokens: got True; expected an integer >= 0"),
+    ({"tokens": True}, "generate.tokens: got true; expected an integer >= 0"),
     ({"tokens": "24"}, "generate.tokens: got '24'; expected an integer >= 0"),
     ({}, "generate.tokens: (missing); required: an integer >= 0"),
     (24, "generate: got 24; expected a mapping"),

@@ -227,7 +227,7 @@ def test_config_sampling_keys(tmp_path) -> None:
     ({"temperature": -2}, "generate.temperature: got -2; expected a number >= 0"),
     ({"top_k": "all"}, "generate.top_k: got 'all'; expected an integer 0..2048"),
     ({"top_p": 1.5}, "generate.top_p: got 1.5; expected a number > 0 and <= 1"),
-    ({"min_p": True}, "generate.min_p: got True"),
+    ({"min_p": True}, "generate.min_p: got true"),
     ({"repeat_penalty": -1}, "generate.repeat_penalty: got -1; expected a number > 0"),
     ({"seed": 1.5}, "generate.seed: got 1.5; expected an integer 0..2**64-1"),
     ({"temperature": 1e308}, "generate.temperature: got 1e+308; expected a number >= 0"),

@@ -2,7 +2,8 @@
 same tensors and the same reference-backend logits as the unsplit file; a later shard names
 the first; a missing shard, a shard of another split or model, a tensor in two shards, a
 folder in a shard's place are each one GGUFError (exit 1 from `strata inspect` and `run`); a
-damaged tensor of a later shard is named with that shard."""
+damaged tensor of a later shard is named with that shard, and a tensor whose name is damaged
+there with the shards read (and that shard)."""
 
 from __future__ import annotations
 
@@ -249,3 +250,43 @@ def test_a_tensor_of_the_first_shard_is_named_as_before(files, tmp_path, capsys)
     code, err = cli(["inspect", str(path)], capsys)
     assert code == 1 and f"{path}: tensor {name} (layer 0" in err and "NaN or Inf" in err, err
     assert "in shard" not in err
+
+
+@pytest.mark.parametrize("new", ["blk.1.attn_v.weighX", "zzzz.weight"])
+def test_a_tensor_name_damaged_in_a_later_shard_names_the_shards(files, tmp_path, capsys,
+                                                                  new):
+    """A tensor whose name is damaged in shard 3 was `tensor X is missing`, naming no shard:
+    the shards read are named, and the one holding a tensor of a name close to it."""
+    from strata_rt.models.qwen3.gguf_full import read_qwen3_gguf
+
+    _, first = files
+    path = shard_dir(tmp_path, first)
+    third = path.with_name("m-00003-of-00003.gguf")
+    _rename_tensor(Doc.of(third), "blk.1.attn_v.weight", new).write(third)
+    want = ("; the 3 shards read (m-00001-of-00003.gguf, m-00002-of-00003.gguf, "
+            "m-00003-of-00003.gguf) hold no tensor of that name")
+    near = f"; shard m-00003-of-00003.gguf holds a tensor named {new}: is that its name"
+    with pytest.raises(GGUFError) as e:
+        read_qwen3_gguf(path)
+    msg = str(e.value)
+    assert msg.startswith(f"{path}: tensor blk.1.attn_v.weight is missing (qwen3moe.block_"
+                          "count = 2 says layer 1 exists)") and want in msg, msg
+    assert (near in msg) == (new != "zzzz.weight"), msg
+    code, err = cli(["inspect", str(path)], capsys)
+    assert code == 1 and f"tensor blk.1.attn_v.weight is missing{want}" in err, err
+    assert (near in err) == (new != "zzzz.weight"), err
+    # a sibling's name (attn_k, attn_q_norm: in every layer) is never offered in its place
+    assert "blk.1.attn_k.weight" not in err and "blk.0.attn_v.weight" not in err, err
+
+
+def test_a_damaged_name_of_an_moe_tensor_names_the_shard(files, tmp_path):
+    """Through the MoE layers' scan too (its problems list)."""
+    _, first = files
+    path = shard_dir(tmp_path, first)
+    _rename_tensor(Doc.of(path), "blk.1.ffn_up_exps.weight", "blk.1.ffn_up_exps.weigh").write(
+        path)
+    with pytest.raises(GGUFError, match=re.escape(
+            "tensor blk.1.ffn_up_exps.weight is missing (qwen3moe.block_count = 2 says layer 1 "
+            "exists); the 3 shards read (") + ".*" + re.escape(
+            "shard m-00001-of-00003.gguf holds a tensor named blk.1.ffn_up_exps.weigh")):
+        scan_moe(path).raise_problems()

@@ -194,8 +194,51 @@ def test_results_replace_only_an_earlier_results_file(tmp_path, capsys, monkeypa
     with pytest.raises(ConfigError, match="trace: got .*exists and is not a JSON document"):
         EngineConfig(model={"gguf": "m.gguf", "format": "iq3_xxs"}).resolve()
     monkeypatch.delenv("STRATA_PREFILL_TRACE")
-    monkeypatch.setenv("STRATA_PREFILL_DUMP_R", str(other))  # raw records: appended to
-    EngineConfig(model={"gguf": "m.gguf", "format": "iq3_xxs"}).resolve()
+    monkeypatch.setenv("STRATA_PREFILL_DUMP_R", str(other))  # no dump: refused once the
+    EngineConfig(model={"gguf": "m.gguf", "format": "iq3_xxs"}).resolve()  # width is known
+    with pytest.raises(ConfigError, match="STRATA_PREFILL_DUMP_R .environment.: got .*other"
+                       ".gguf'; exists and is not a residual dump of a model of hidden size 256"):
+        Engine.open(EngineConfig(model={"spec": MoESpec(2, 256, 256, 8, 2, format="iq3_xxs")},
+                                 backend="reference", expert_cache=4))
+    assert other.read_bytes() == b"GGUF\x03\x00\x00\x00" + bytes(64)
+
+
+@pytest.mark.parametrize("where", ["dump_r", "STRATA_PREFILL_DUMP_R", ".partial"])
+def test_the_library_never_empties_a_file_that_is_no_dump(tmp_path, monkeypatch,
+                                                         where) -> None:
+    """Engine.open with a dump_r naming a file that is no residual dump (or whose .partial
+    name is one) refuses it before the file is touched, as `strata_rt run` does; a missing or
+    empty file or an earlier dump of a model as wide is replaced."""
+    notes = tmp_path / ("r.bin.partial" if where == ".partial" else "notes.txt")
+    notes.write_text("keep me\n")
+    dump = tmp_path / ("r.bin" if where == ".partial" else "notes.txt")
+    if where == "STRATA_PREFILL_DUMP_R":
+        monkeypatch.setenv(where, str(dump))
+    spec = MoESpec(2, 256, 256, 8, 2, format="iq3_xxs")
+
+    def open_engine(hidden: int = 256) -> Engine:
+        return Engine.open(EngineConfig(
+            model={"spec": MoESpec(2, hidden, 256, 8, 2, format="iq3_xxs")},
+            backend="reference", expert_cache=4,
+            **({} if where == "STRATA_PREFILL_DUMP_R" else {"dump_r": str(dump)})))
+
+    label = {"dump_r": "dump_r", "STRATA_PREFILL_DUMP_R": "STRATA_PREFILL_DUMP_R (environment)",
+             ".partial": "dump_r (its .partial file)"}[where]
+    before = snapshot(tmp_path)
+    with pytest.raises(ConfigError) as e:
+        open_engine()
+    assert str(e.value).count(label) == 1 and f"{label}: got '{notes}'; exists and is not a " \
+        "residual dump of a model of hidden size 256 (it starts with b'keep me\\n')" in str(e.value)
+    assert snapshot(tmp_path) == before
+    notes.unlink()
+    for keep in (None, b"", bytes(8 + 4 * 256)):  # missing, empty, or an earlier dump
+        if keep is not None:
+            dump.write_bytes(keep)
+        open_engine().close()
+        assert dump.read_bytes() == b""
+    dump.write_bytes(bytes(8 + 4 * spec.hidden))  # a dump of a model of another width
+    with pytest.raises(ConfigError, match="not a residual dump of a model of hidden size 512"):
+        open_engine(512)
 
 
 @pytest.mark.parametrize("case", ["output.json is the config", "dump_r is json",

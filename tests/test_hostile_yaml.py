@@ -54,6 +54,12 @@ def refused(capsys, args: list[str], words: str, code: int = 2) -> str:
     (TINY_TEXT.replace("seed: 5", "seed: " + "1" * 5001), "a whole number of 5,001 digits"),
     # an octal one: its value was shown in decimal, past Python's 4,300 digits (a traceback)
     (TINY_TEXT.replace("seed: 5", "seed: 0" + "1" * 5000), "a whole number of 5,001 digits"),
+    # a value its tag cannot read, or a date that is none: a traceback
+    (TINY_TEXT.replace("seed: 5", "seed: !!int x"), "line 10: 'x' cannot be read as !!int; "),
+    (TINY_TEXT.replace("seed: 5", "seed: !!bool maybe"), "'maybe' cannot be read as !!bool"),
+    (TINY_TEXT.replace("seed: 5", "seed: 2024-02-30"), "line 10: '2024-02-30' is read by YAML "
+     "as a date, and there is no such date; quote it to mean text"),
+    (TINY_TEXT.replace("seed: 5", "seed: !!set [1]"), "line 10: the tag !!set needs a mapping"),
 ])
 def test_yaml_that_is_refused(tmp_path, capsys, text, words) -> None:
     path = write(tmp_path, text)
@@ -99,3 +105,39 @@ def test_problem_values_are_shown_bounded(tmp_path, capsys) -> None:
     doc = dict(TINY, prompts=[{"file": "x" * 100_000}], backend=list(range(5_000)))
     err = refused(capsys, ["run", str(write(tmp_path, yaml.safe_dump(doc)))], "backend: got [0")
     assert len(err) < 2_000
+
+
+def test_null_true_and_false_are_shown_as_yaml_writes_them(tmp_path, capsys) -> None:
+    """A problem showed YAML's `null` as None and `true` as True (Python's words): each is
+    shown as the file spells it, alone, in a list, as a key and through a setting's parser."""
+    text = TINY_TEXT.replace("backend: reference", "backend: true").replace(
+        "prompts:\n- 16", "prompts: [16, null]\ndevices: [0, false]\ncompute_lanes: true\n"
+        "null: 1\nprefill: null")
+    err = refused(capsys, ["run", str(write(tmp_path, text))], "backend: got true; allowed")
+    for words in ("prompts[1]: got null;", "devices: got [0, false]; false is not a device",
+                  "compute_lanes: got true; expected one of auto", "null: unknown key",
+                  "prefill: got null;"):
+        assert words in err, err
+    assert not any(w in err for w in ("None", "True", "False")), err
+    err = refused(capsys, ["run", str(write(tmp_path, TINY_TEXT + "devices: true\n"))],
+                  "devices: got true; expected a list of device indices")
+    assert err.count("got") == 1, err  # said once (it was `got True; got True`)
+    err = refused(capsys, ["run", str(write(tmp_path, TINY_TEXT + "~: 1\nnull: 2\n"))],
+                  "duplicate key null (first at line")
+
+
+@pytest.mark.parametrize("text, words", [
+    ("? [a, b]\n: 1\n", "line 14: the key ['a', 'b'] is a list; a key is a name, a number or "
+     "quoted text"),
+    ("x:\n  {y: 1}: 2\n", "line 15: the key {'y': 1} is a mapping"),
+    ("z: [1, 2\n", "line 15, column 1: not valid YAML: expected ',' or ']', but got '<stream "
+     "end>' (while parsing a flow sequence from line 14)"),
+    ("z: !!python/object:os.system 1\n", "line 14, column 4: not valid YAML: could not "
+     "determine a constructor for the tag '!!python/object:os.system'"),
+])
+def test_yaml_errors_name_the_line_in_the_products_words(tmp_path, capsys, text,
+                                                         words) -> None:
+    """PyYAML's messages named the text `in "<unicode string>"` (an unhashable key's among
+    them): each names the line of the config instead."""
+    err = refused(capsys, ["run", str(write(tmp_path, TINY_TEXT + text))], words)
+    assert "unicode string" not in err and "^" not in err, err

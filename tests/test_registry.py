@@ -149,7 +149,8 @@ def test_non_native_format_offering_batched_gather_is_refused(plugins):
 @pytest.mark.parametrize("text, match", [
     ("plugins: {module: x}\n", "top-level `plugins:` list"),
     ("plugins:\n  - name: x\n", r"plugins\[0\] must be a mapping with a `module:`"),
-    ("plugins:\n  - module: x\n    when: always\n", r"unknown key\(s\) \['when'\]"),
+    ("plugins:\n  - module: x\n    when: always\n", r"unknown key\(s\) when; allowed"),
+    ("plugins:\n  - {module: x, null: 1, when: 2}\n", r"unknown key\(s\) null, when; allowed"),
     ("plugins:\n  - module: x\n    enabled: maybe\n", r"enabled must be true or false"),
     ("plugins: [\n", "not valid YAML"),
 ])

@@ -100,6 +100,7 @@ def _whole_model(path: Path, tensors: dict, budget_gib: float | None
     from ..config.hostmem import format_bytes
     from ..models.qwen3.gguf_full import read_qwen3_spec
     from ..models.qwen3.whole_memory import DenseTypes, WholeSizing, whole_fixed_regions
+    from ..weights.gguf_io import problems_error
 
     spec, tied = read_qwen3_spec(path)
     by_type: dict[str, list[int]] = {}
@@ -113,7 +114,7 @@ def _whole_model(path: Path, tensors: dict, budget_gib: float | None
                                   lambda name: tensors[name].type_name if name in tensors
                                   else None)
     except KeyError as e:  # the whole-model checks would name it too; nothing to size without
-        raise GGUFError(f"{path}: tensor {e.args[0]} is missing") from None
+        raise problems_error(path, [f"tensor {e.args[0]} is missing"]) from None
     sizing = WholeSizing(spec, types, spec.context,
                          embedding=embedding_switch() != "host",
                          embedding_mode=embedding_switch())

@@ -175,6 +175,8 @@ class EngineConfig:
     #: called as progress(chunk, n_chunks, layer, n_layers) after each layer
     progress: Callable[[int, int, int, int], None] | None = None
     _profile: RoutingProfile | None = field(default=None, repr=False)
+    #: how dump_r was given, for its problems: the field, or its switch
+    _dump_r_from: str = field(default="dump_r", repr=False)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:  # noqa: D107 (see _check_keys)
         _check_keys(kwargs, len(args))
@@ -242,6 +244,23 @@ class EngineConfig:
         trace = outputs.get("trace")  # JSON; the dump is raw records, appended
         why = None if clashes or trace is None else results_file_problem(trace)
         return problems + clashes + ([] if why is None else [f"trace: got {str(trace)!r}; {why}"])
+
+    def check_dump(self, hidden: int) -> None:
+        """Refuses the residual dump's file, or its .partial name it is moved to while
+        written, when it exists and is no earlier dump of a model `hidden` wide (nor empty):
+        the engine empties it when it opens. The rule `strata_rt run` checks its outputs by
+        (paths.dump_file_problem); called once the model, so its hidden size, is known."""
+        from .paths import dump_file_problem
+
+        if not self.dump_r:
+            return
+        label = self._dump_r_from
+        problems = [f"{name}: got {str(path)!r}; {why}" for name, path in (
+            (label, Path(self.dump_r)),
+            (f"{label.split(' ')[0]} (its .partial file)", Path(f"{self.dump_r}.partial")))
+            if (why := dump_file_problem(path, hidden)) is not None]
+        if problems:
+            raise ConfigError(problems, source="engine config")
 
     @property
     def copy_streams(self) -> int:
@@ -315,6 +334,8 @@ class EngineConfig:
             self.timing = env.flag("STRATA_PREFILL_TIMING") or self.trace is not None
         if self.dump_r is None:
             self.dump_r = env.text("STRATA_PREFILL_DUMP_R")
+            if self.dump_r is not None:
+                self._dump_r_from = "STRATA_PREFILL_DUMP_R (environment)"
         if self.routing is None:
             self.routing = env.choice("STRATA_ROUTING", ROUTINGS[0])
         if self.image_cache_mib is None:

@@ -49,6 +49,7 @@ from .schema import (
     is_int,
     mapping,
     positive_number,
+    shown_value,
 )
 from .whole import (
     check_context,
@@ -377,11 +378,17 @@ def check_devices(p: Problems, doc: dict, geom: MoESpec | None) -> tuple[int, ..
     """`devices`: distinct device indices, no more than the model has layers."""
     if "devices" not in doc:
         return (0,)
+    value = doc["devices"]
+    bad = [v for v in value if not is_int(v) or v < 0] if isinstance(value, list) else []
+    if bad:  # shown as YAML writes it (`true`, not True)
+        p.add("devices", value, f"{shown_value(bad[0])} is not a device index (an integer "
+              ">= 0)")
+        return (0,)
     try:
-        devices = parse_devices(doc["devices"])
+        devices = parse_devices(value)
     except ConfigError as e:
-        p.add("devices", doc["devices"], "; ".join(msg.removeprefix("devices: ")
-                                                  for msg in e.problems))
+        p.add("devices", value, "; ".join(msg.removeprefix(f"devices: got {value!r}; ")
+                                          .removeprefix("devices: ") for msg in e.problems))
         return (0,)
     if geom is not None and len(devices) > geom.n_layers:
         p.add("devices", doc["devices"], f"{len(devices)} devices for {geom.n_layers} layers; "

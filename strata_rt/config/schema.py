@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import difflib
 import math
-import reprlib
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -36,13 +35,14 @@ from .input_files import InputFileError, path_text_problem, regular_file_problem
 from .prompts import Prompt, hidden_file_problem, read_token_file
 from .sampling import SAMPLING_KEYS
 from .whole import WHOLE_KEYS
+from .yaml_input import shown_value
 
 if TYPE_CHECKING:
     from ..formats.contract import QuantFormat
     from ..formats.registry import QuantRegistry
     from ..models.qwen3.whole_memory import WholeSizing
 
-__all__ = ["GGUF_STAGED_LAYERS", "host_memory_parts", "host_memory_problem"]
+__all__ = ["GGUF_STAGED_LAYERS", "host_memory_parts", "host_memory_problem", "shown_value"]
 
 BUDGET_KEYS = ("expert_cache", "vram_reserve_mib", "vram_budget_mib")
 #: what a config naming no VRAM policy gets (the backends' own default)
@@ -84,33 +84,27 @@ class Problems:
             return None
         try:
             return parse(doc[key], key)
-        except ConfigError as e:
-            self.items.extend(e.problems)
+        except ConfigError as e:  # `key: got <repr>; why` -> the value as YAML writes it
+            given = f"{key}: got {doc[key]!r}; "
+            for msg in e.problems:
+                if msg.startswith(given):
+                    self.add(key, doc[key], msg[len(given):])
+                else:
+                    self.items.append(msg)
             return None
 
     def unknown_keys(self, path: str, doc: dict, known: tuple[str, ...]) -> None:
         for key in doc:
             if key in known:
                 continue
-            close = difflib.get_close_matches(str(key), known, n=1)
+            name = key if isinstance(key, str) else shown_value(key)  # `null`, not None
+            close = difflib.get_close_matches(name, known, n=1)
             hint = f"did you mean `{close[0]}`? " if close else ""
-            self.items.append(f"{join(path, str(key))}: unknown key; {hint}"
+            self.items.append(f"{join(path, name)}: unknown key; {hint}"
                               f"known keys: {', '.join(known)}")
 
 
 MISSING = object()
-
-_SHOWN = reprlib.Repr()
-_SHOWN.maxlevel, _SHOWN.maxdict, _SHOWN.maxlist, _SHOWN.maxstring = 3, 6, 8, 120
-_SHOWN.maxother = 120
-
-
-def shown_value(value: Any) -> str:
-    """A value as a problem message shows it: its repr, bounded in length and depth (a YAML
-    list of a million prompts, or a path of 100,000 characters, would otherwise fill the
-    message)."""
-    return _SHOWN.repr(value)
-
 
 def join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key

@@ -13,11 +13,16 @@ strict where the plain one is silent or unbounded.
   lines (keys brought in by a `<<` merge may still be overridden: that is what merges are).
 - Integers: YAML 1.1 reads `1_000` as 1000, `1:30` as 90 (base 60) and `010` as 8 (octal).
   None is what a reader of a config sees, so numbers written that way are refused.
+- Messages: PyYAML's name the text `in "<unicode string>"`; here each names the line (and
+  column). A key that is a list or mapping, a value its tag cannot read (`!!int x`) and a date
+  that is none (`2024-02-30`) were a traceback or PyYAML's words; each is a problem here.
 """
 
 from __future__ import annotations
 
+import datetime
 import re
+import reprlib
 from typing import Any
 
 import yaml
@@ -37,12 +42,54 @@ _MERGE = "tag:yaml.org,2002:merge"
 _OCTAL = re.compile(r"[-+]?0[0-7]+")
 
 
+class _Shown(reprlib.Repr):
+    """Python's repr, but null, true, false and dates as YAML spells them (`got null`)."""
+
+    def repr1(self, x: Any, level: int) -> str:
+        if x is None or isinstance(x, bool):
+            return {None: "null", True: "true", False: "false"}[x]
+        if isinstance(x, datetime.date):  # YAML reads `2024-01-31` as a date
+            return x.isoformat()
+        return super().repr1(x, level)
+
+
+_SHOWN = _Shown()
+_SHOWN.maxlevel, _SHOWN.maxdict, _SHOWN.maxlist, _SHOWN.maxstring = 3, 6, 8, 120
+_SHOWN.maxother = 120
+
+
+def shown_value(value: Any) -> str:
+    """A value as a problem message shows it: its repr, bounded in length and depth (a YAML
+    list of a million prompts, or a path of 100,000 characters, would otherwise fill the
+    message), with null, true and false (also inside lists and mappings) as YAML writes them."""
+    return _SHOWN.repr(value)
+
+
 class YamlProblem(Exception):
     """Why a text is not a YAML document strata_rt reads; the message names the line."""
 
 
 def _line(node: Node) -> int:
     return node.start_mark.line + 1
+
+
+def _tag(node: Node) -> str:
+    """A node's tag as a YAML file writes it (`!!int`)."""
+    return str(node.tag).replace("tag:yaml.org,2002:", "!!")
+
+
+def _yaml_error(e: yaml.YAMLError) -> str:
+    """PyYAML's complaint in strata_rt's words: the line and column first (PyYAML names the
+    text `"<unicode string>"`), then what is wrong and where the value it read started."""
+    if not isinstance(e, yaml.MarkedYAMLError):
+        return f"not valid YAML: {e}"
+    mark = e.problem_mark or e.context_mark
+    where = "" if mark is None else f"line {mark.line + 1}, column {mark.column + 1}: "
+    problem, context = e.problem or e.context or "", e.context if e.problem else None
+    problem = problem.replace("tag:yaml.org,2002:", "!!")  # as the file writes a tag
+    if context and e.context_mark is not None and e.context_mark is not mark:
+        context += f" from line {e.context_mark.line + 1}"
+    return f"{where}not valid YAML: {problem}" + (f" ({context})" if context else "")
 
 
 class _Loader(yaml.SafeLoader):
@@ -66,7 +113,23 @@ class _Loader(yaml.SafeLoader):
         finally:
             self._depth -= 1
 
+    def construct_object(self, node: Node, deep: bool = False) -> Any:
+        try:
+            return super().construct_object(node, deep=deep)
+        except (ValueError, TypeError, KeyError, AttributeError, OverflowError):
+            # a value its tag cannot read (`!!int x`, `!!bool maybe`, a 30th of February)
+            tag, mark = _tag(node), node.start_mark
+            what = shown_value(node.value) if isinstance(node, ScalarNode) else "this value"
+            if mark.buffer is None or mark.buffer[mark.pointer:mark.pointer + 1] != "!":
+                raise YamlProblem(f"line {_line(node)}: {what} is read by YAML as a date, and "
+                                  "there is no such date; quote it to mean text") from None
+            raise YamlProblem(f"line {_line(node)}: {what} cannot be read as {tag}; write a "
+                              f"value of that kind, or leave the tag {tag} out") from None
+
     def construct_mapping(self, node: MappingNode, deep: bool = False) -> dict:
+        if not isinstance(node, MappingNode):  # `!!set [1]`, `!!map x`
+            raise YamlProblem(f"line {_line(node)}: the tag {_tag(node)} needs a mapping "
+                              "(key: value lines, or {key: value}) here")
         seen: dict[Any, int] = {}
         for key_node, _ in node.value:
             if key_node.tag == _MERGE:
@@ -74,15 +137,19 @@ class _Loader(yaml.SafeLoader):
             key = self.construct_object(key_node, deep=True)
             try:
                 first = seen.get(key)
-            except TypeError:  # an unhashable key: the base class says so, with the line
-                break
+            except TypeError:  # a list or mapping: no key of a Python dict
+                raise YamlProblem(f"line {_line(key_node)}: the key {shown_value(key)} is a "
+                                  f"{'list' if isinstance(key, list) else 'mapping'}; a key is "
+                                  "a name, a number or quoted text") from None
             if first is not None:
-                raise YamlProblem(f"line {_line(key_node)}: duplicate key {key!r} (first at "
-                                  f"line {first}); a key may appear once in a mapping")
+                raise YamlProblem(f"line {_line(key_node)}: duplicate key {shown_value(key)} "
+                                  f"(first at line {first}); a key may appear once in a mapping")
             seen[key] = _line(key_node)
         return super().construct_mapping(node, deep=deep)
 
     def _plain_number(self, node: Node, what: str) -> None:
+        if not isinstance(node, ScalarNode):  # `!!int [1]`: the base class names the line
+            return
         text = str(node.value)
         if "_" in text or ":" in text:
             raise YamlProblem(f"line {_line(node)}: {text!r} is read by YAML as {what} "
@@ -161,7 +228,7 @@ def load_yaml(text: str) -> Any:
         expanded_size(node)
         return loader.construct_document(node)
     except yaml.YAMLError as e:
-        raise YamlProblem(f"not valid YAML: {e}") from None
+        raise YamlProblem(_yaml_error(e)) from None
     except RecursionError:  # a limit above should come first; never a traceback
         raise YamlProblem(f"nested too deeply to read (more than {MAX_DEPTH} levels)") from None
     finally:

@@ -29,7 +29,7 @@ import pluggy
 
 from ..config import env
 from ..config.input_files import CONFIG_LIMIT, InputFileError, read_text
-from ..config.yaml_input import YamlProblem, load_yaml
+from ..config.yaml_input import YamlProblem, load_yaml, shown_value
 from ..errors import PluginError
 from ..resources import BUILTIN_PLUGINS_YAML
 from . import hookspecs
@@ -96,7 +96,8 @@ def read_plugins_yaml(path: Path) -> list[PluginEntry]:
                               "e.g. my_formats.q4)")
         unknown = set(entry) - {"module", "enabled"}
         if unknown:
-            raise PluginError(f"{path}: plugins[{i}] has unknown key(s) {sorted(unknown)}; "
+            names = sorted(k if isinstance(k, str) else shown_value(k) for k in unknown)
+            raise PluginError(f"{path}: plugins[{i}] has unknown key(s) {', '.join(names)}; "
                               "allowed: module, enabled")
         enabled = entry.get("enabled", True)
         if not isinstance(enabled, bool):

@@ -10,11 +10,15 @@ says, no tensor named in two shards, the tensors of all shards together as many 
 (a shard of another model, or of another quantization of it, is refused). The tensors of all
 shards then form one table; each keeps the file its bytes lie in (`TensorInfo.file`).
 
-Given a later shard, the message names the first one: that is the file to pass.
+Given a later shard, the message names the first one: that is the file to pass. A problem
+with a tensor of a later shard names that shard (`in_shards`); a tensor missing from every
+shard names the shards read, and the one holding a tensor of a name close to it (a name
+damaged in that shard).
 """
 
 from __future__ import annotations
 
+import difflib
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -27,6 +31,8 @@ from .gguf_problems import Problems
 
 #: a problem line about one tensor starts with its name
 _TENSOR = re.compile(r"tensor ([^\s:;,()]+)")
+#: a tensor of one layer: its layer and its part (`blk.3.attn_q.weight`: 3, attn_q.weight)
+_LAYER = re.compile(r"blk\.(\d+)\.(.+)")
 #: keys that describe one file, not the model: they may differ from shard to shard
 PER_FILE_KEYS = (SPLIT_NO, SPLIT_COUNT, SPLIT_TENSORS, "general.alignment")
 
@@ -156,6 +162,36 @@ def in_shards(header: Header, problems: list[str]) -> list[str]:
     for line in problems:
         m = _TENSOR.match(line)
         shard = where.get(m[1]) if m else None
+        if m is not None and shard is None and line[m.end():].startswith(" is missing"):
+            line += f"; {not_in_shards(header, m[1])}"
         out.append(line if m is None or shard is None
                    else f"{m[0]} in shard {shard}{line[m.end():]}")
     return out
+
+
+def not_in_shards(header: Header, name: str) -> str:
+    """Where a split model's missing tensor `name` was looked for: every shard read, and the
+    shard holding the tensor whose name is nearest it when one is close (a name damaged in a
+    shard: `...weighX`). Names a layer pattern accounts for (`blk.N.<part>` present in every
+    layer) and of `name`'s own part in other layers are no candidates: they are the model's."""
+    shards = [p.name for p in header.shards]
+    read = (", ".join(shards) if len(shards) <= 4 else f"{shards[0]} .. {shards[-1]}")
+    said = f"the {len(shards)} shards read ({read}) hold no tensor of that name"
+    parts: dict[str, set[str]] = {}
+    for t in header.tensors:
+        if (m := _LAYER.fullmatch(t.name)) is not None:
+            parts.setdefault(m[2], set()).add(m[1])
+    layers = max((len(v) for v in parts.values()), default=0)
+    own = m[2] if (m := _LAYER.fullmatch(name)) is not None else None
+
+    def candidate(other: str) -> bool:
+        m = _LAYER.fullmatch(other)
+        return m is None or (m[2] != own and len(parts[m[2]]) < layers)
+
+    files = {t.name: Path(t.file).name if t.file else shards[0] for t in header.tensors}
+    near = difflib.get_close_matches(name, [n for n in files if candidate(n)], n=1,
+                                     cutoff=0.85)
+    if not near:
+        return said
+    return (f"{said}; shard {files[near[0]]} holds a tensor named {near[0]}: is that its "
+            "name, damaged?")

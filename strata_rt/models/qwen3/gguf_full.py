@@ -106,7 +106,7 @@ def _spec(header: Header, path: Path, dims: dict[str, Any], tensors: dict[str, A
                         f"{head_dim} dims; strata_rt rotates whole heads (Qwen3)")
     embd = tensors.get(tensor_name("token_embd"))
     if embd is None:
-        raise GGUFError(f"{path}: tensor {tensor_name('token_embd')} is missing")
+        raise problems_error(path, [f"tensor {tensor_name('token_embd')} is missing"])
     if len(embd.shape) != 2:
         raise problems_error(path, [f"tensor {embd.name} has {len(embd.shape)} dims "
                                     f"{list(reversed(embd.shape))}; expected [vocabulary, hidden]"])
@@ -171,7 +171,7 @@ def read_dense_types(path: str | Path) -> DenseTypes:
     try:
         return DenseTypes.lookup(dims["n_layers"], type_of)
     except KeyError as e:
-        raise GGUFError(f"{path}: tensor {e.args[0]} is missing") from None
+        raise problems_error(path, [f"tensor {e.args[0]} is missing"]) from None
 
 
 def _why(spec: Qwen3Spec, role: str) -> str:
@@ -231,7 +231,7 @@ def read_qwen3_dense(path: str | Path) -> tuple[Qwen3Spec, DenseWeights]:
                 return None
             why = "" if layer is None else (f" ({ARCH}.block_count = {spec.n_layers} says "
                                             f"layer {layer} exists)")
-            raise GGUFError(f"{path}: tensor {name} is missing{why}")
+            raise problems_error(path, [f"tensor {name} is missing{why}"])
         return _dense(path, spec, t, role)
 
     def get(role: str, layer: int | None = None) -> DenseTensor:
