@@ -3,14 +3,16 @@
 # under $BENCH_OUT (default ./out). Stages run in order; pick them with arguments:
 #   bash bench/gpu_suite.sh tests digests gemm routing formats ggml mmq prefill-quick prefill \
 #        stream-235b attention dense whole-30b whole-235b whole-235b-16g acceptance decode \
-#        peers ncu-gemm decode-ab stream-ab decode-ncu short-timing (ncu-gemm, decode-ncu:
+#        peers ncu-gemm decode-ab stream-ab decode-ncu short-timing chains-ab short-ncu (ncu-gemm, decode-ncu:
 #        Nsight Compute, $NCU or ncu on PATH; decode-ncu: each kernel of a gemv decode step,
 #        bench/ncu_table.py's table; short-timing: STRATA_PREFILL_TIMING's phase table of a
 #        254-token prompt, all resident and a quarter;
 #        decode-ab: the decode GPU tests, then bench_decode with the defaults and with the
 #        decode switches' other settings one by one, LLAMA_BENCH=PATH adds llama.cpp to its
 #        first run; stream-ab: the routed walk's GPU tests and switched copies, then short
-#        prompts under each prefill_stream setting on one engine)
+#        prompts under each prefill_stream setting on one engine; chains-ab: the routed walk's
+#        GPU tests, then short prompts on one and four copy streams; short-ncu: Nsight Compute
+#        sections of the table products of a 254-token prefill, every expert resident)
 # A failing stage is reported and the next one still runs; the exit code counts failures.
 set -uo pipefail
 out=${BENCH_OUT:-out}
@@ -95,6 +97,21 @@ for what in "${@:-tests}"; do
                        stage "short-timing-$(basename "$c" .yaml)" env STRATA_PREFILL_TIMING=1 \
                            python3 -m strata_rt.cli run "$c" --prompts 254,254
                    done ;;
+        chains-ab) # the routed walk on one and on four copy streams: its GPU tests, then
+                   # short prompts a quarter resident (bench/notes.md W69)
+                   stage chains-tests python3 -m pytest -m gpu -q -ra -p no:cacheprovider \
+                       tests/test_copy_chains.py tests/test_routed_walk.py
+                   for n in 1 4; do
+                       stage "chains-$n" env STRATA_COPY_CHAINS=$n python3 bench/bench_whole.py \
+                           --prompts 64,254,1030 --warmups 3 --reps 2 --out "$out"
+                   done ;;
+        short-ncu) # each table-product launch of a 254-token prefill, every expert resident
+                   sed 's/^expert_cache: .*/expert_cache: all/' configs/qwen3-30b-a3b-whole.yaml \
+                       > "$out/all-resident.yaml"
+                   stage short-ncu "${NCU:-ncu}" -k regex:fused_tab --launch-skip 96 \
+                       --launch-count 4 --section SpeedOfLight --section Occupancy \
+                       --section WarpStateStats --section LaunchStats python3 -m strata_rt.cli \
+                       run "$out/all-resident.yaml" --prompts 254,254 ;;
         *) echo "unknown stage $what"; failures=$((failures + 1)) ;;
     esac
 done

@@ -12,10 +12,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from _settings import check_engine_setting
-from test_routed_walk import MOE, SPEC, _prefill, _reject, _resident_groups
+from test_routed_walk import MOE, SPEC, _prefill, _random_scenario, _reject
 
 from strata_rt.config.engine_config import EngineConfig
-from strata_rt.formats.contract import MMQ_GROUP
 from strata_rt.models.qwen3 import Qwen3Model, Qwen3Spec
 from strata_rt.schedule.dense_schedule import DenseSchedule
 from strata_rt.schedule.hazards import check
@@ -54,11 +53,7 @@ def test_chained_routed_walks_pass_the_checker(model, rng, chains, lanes, start)
     Copy runs on its entry's chain, and every chain waits for the layer's switches before its
     first copy of that layer."""
     for _ in range(8):
-        res = Residency.from_budget(model.moe, int(rng.integers(0, 2 * SPEC.n_experts + 1)))
-        ring = int(rng.integers(MMQ_GROUP, 3 * MMQ_GROUP))
-        whole = _resident_groups(res)
-        cached = [whole[i] for i in rng.permutation(len(whole))[:int(rng.integers(0, 3))]]
-        images = ImageCache(tuple(cached), capacity=len(cached))
+        res, ring, images = _random_scenario(model, rng)
         plan = _walk(res, chains, ring, lanes, start, bool(rng.integers(2)), images)
         check(plan, res, images=images)
         waited: set[tuple[str, int]] = set()

@@ -63,6 +63,15 @@ def _resident_groups(res: Residency) -> list[tuple[int, int]]:
                    for e in range(g * MMQ_GROUP, (g + 1) * MMQ_GROUP))]
 
 
+def _random_scenario(model, rng) -> tuple[Residency, int, ImageCache]:
+    """A random residency, ring size, and image cache of up to two whole-resident groups."""
+    res = Residency.from_budget(model.moe, int(rng.integers(0, 2 * SPEC.n_experts + 1)))
+    ring = int(rng.integers(MMQ_GROUP, 3 * MMQ_GROUP))
+    whole = _resident_groups(res)
+    cached = [whole[i] for i in rng.permutation(len(whole))[:int(rng.integers(0, 3))]]
+    return res, ring, ImageCache(tuple(cached), capacity=len(cached))
+
+
 @pytest.mark.parametrize("lanes", [1, 2])
 @pytest.mark.parametrize("start", [None, 9])
 def test_routed_walks_pass_the_checker_on_random_residencies(model, rng, lanes, start) -> None:
@@ -70,11 +79,7 @@ def test_routed_walks_pass_the_checker_on_random_residencies(model, rng, lanes, 
     every Copy routed and issued after its layer's RouteCopies (which names exactly the layer's
     entries, in order), every ring read inside a GatherRouted, the checker content."""
     for _ in range(12):
-        res = Residency.from_budget(model.moe, int(rng.integers(0, 2 * SPEC.n_experts + 1)))
-        ring = int(rng.integers(MMQ_GROUP, 3 * MMQ_GROUP))
-        whole = _resident_groups(res)
-        cached = [whole[i] for i in rng.permutation(len(whole))[:int(rng.integers(0, 3))]]
-        images = ImageCache(tuple(cached), capacity=len(cached))
+        res, ring, images = _random_scenario(model, rng)
         plan = _routed_walk(res, ring, lanes, start, bool(rng.integers(2)), images)
         assert plan.mode == "routed_walk"
         check(plan, res, images=images)
