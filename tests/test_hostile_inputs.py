@@ -19,11 +19,13 @@ import yaml
 from _cli import ROOT, strata
 
 from strata_rt.cli import main
+from strata_rt.cli.common import parse_prompts
 from strata_rt.config import input_files
 from strata_rt.config.engine_config import EngineConfig
 from strata_rt.config.prompts import check_token_ids, integer_ids, read_token_file
 from strata_rt.errors import ConfigError
 from strata_rt.schedule.residency import RoutingProfile
+from strata_rt.weights.model import SMALL_SPEC
 
 TINY = {"model": {"synthetic": {"n_layers": 2, "hidden": 256, "ffn": 256, "n_experts": 8,
                                 "top_k": 2, "seed": 5}},
@@ -211,6 +213,18 @@ def test_a_token_of_thousands_of_digits(tmp_path, word, digits) -> None:
     assert f"t.txt: token 1 is a whole number of {digits} digits (" in str(e.value)
     assert "a token id has at most 19 (int64)" in str(e.value) and len(str(e.value)) < 300
     assert read_token_file(write(tmp_path, "0000000000000000000000000042\n", "u.txt")) == [42]
+
+
+def test_numbers_behind_thousands_of_zeros_read_as_their_value(tmp_path, monkeypatch) -> None:
+    """Python's digit limit counts leading zeros: a short number behind 5,000 of them escaped
+    the length checks (which count significant digits) and then int() as a traceback, from a
+    token file, --prompts and an integer switch alike."""
+    zeros = "0" * 5_000
+    assert read_token_file(write(tmp_path, f"1 {zeros}7 -{zeros}0 2\n", "t.txt")).tolist() == [
+        1, 7, 0, 2]
+    assert parse_prompts(f"{zeros}7,12") == [7, 12]
+    monkeypatch.setenv("STRATA_WALK_MIN_TOKENS", zeros + "12")
+    assert EngineConfig(model=SMALL_SPEC).resolve().walk_min_tokens == 12  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("ids", [["1", "2"], [1, "a"], [[1], [2, 3]], [1.5], [True],

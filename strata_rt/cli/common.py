@@ -18,6 +18,7 @@ from typing import Any
 
 from ..backends.nonfinite import NonFiniteError
 from ..config.input_files import InputFileError, user_path
+from ..config.numbers import MAX_INT_DIGITS, significant_digits, to_int
 from ..config.paths import (
     dump_file_problem,
     output_collisions,
@@ -67,38 +68,29 @@ def hardware_line() -> str:
 
 
 _ASCII_INT = re.compile(r"[+-]?[0-9]+")
-#: the most digits a number on the command line may have: no count or size takes more, and
-#: Python reads and writes no integer past 4,300 digits
-MAX_DIGITS = 100
-
-
-def _digits(word: str) -> int:
-    """Digits of a whole number as written, its sign and leading zeros aside."""
-    return len(word.strip().lstrip("+-").lstrip("0"))
-
 
 def whole_number(text: str) -> int:
     """An argparse type: an integer written with the ASCII digits 0-9 (int() also takes
     `1_000`, fullwidth and Arabic-Indic digits, which a reader of the command does not see
-    as the number it becomes), of at most MAX_DIGITS digits."""
+    as the number it becomes), of at most MAX_INT_DIGITS digits."""
     if not _ASCII_INT.fullmatch(text.strip()):
         raise argparse.ArgumentTypeError(f"got {shown_value(text)}; expected a whole number "
                                          "written with the digits 0-9")
-    if _digits(text) > MAX_DIGITS:
-        raise argparse.ArgumentTypeError(f"got a whole number of {_digits(text):,} digits; "
-                                         f"none of more than {MAX_DIGITS} is taken")
-    return int(text)
+    if significant_digits(text) > MAX_INT_DIGITS:
+        raise argparse.ArgumentTypeError(f"got a whole number of {significant_digits(text):,} digits; "
+                                         f"none of more than {MAX_INT_DIGITS} is taken")
+    return to_int(text)
 
 
 def parse_prompts(text: str) -> list[int]:
     words = [x for x in text.replace(" ", "").split(",") if x]
-    long = next((w for w in words if _ASCII_INT.fullmatch(w) and _digits(w) > MAX_DIGITS),
-                None)
+    long = next((w for w in words
+                 if _ASCII_INT.fullmatch(w) and significant_digits(w) > MAX_INT_DIGITS), None)
     if long is not None:
-        raise ConfigError(f"--prompts: a token count of {_digits(long):,} digits; no prompt "
+        raise ConfigError(f"--prompts: a token count of {significant_digits(long):,} digits; no prompt "
                           "is that long (expected comma-separated token counts >= 1, e.g. "
                           "254,1030)", source="command line")
-    lengths = [int(x) for x in words] if all(_ASCII_INT.fullmatch(x) for x in words) else []
+    lengths = [to_int(x) for x in words] if all(_ASCII_INT.fullmatch(x) for x in words) else []
     if not lengths or min(lengths) < 1:
         raise ConfigError(f"--prompts: got {shown_value(text)}; expected comma-separated "
                           "token counts >= 1, e.g. 254,1030", source="command line")

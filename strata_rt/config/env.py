@@ -43,6 +43,7 @@ from pathlib import Path
 
 from ..errors import ConfigError
 from .input_files import InputFileError, user_path
+from .numbers import significant_digits, to_int
 from .paths import output_dir_problem, output_file_problem
 
 log = logging.getLogger(__name__)
@@ -232,10 +233,10 @@ def problem(name: str, value: str) -> str | None:
     if kind == "int":
         if not (value.isascii() and value.isdigit()):
             return "expected a positive whole number"
-        digits = len(value.lstrip("0"))
-        if digits > _INT_DIGITS:  # (Python reads no integer past 4,300 digits)
+        digits = significant_digits(value)
+        if digits > _INT_DIGITS:
             return f"a whole number of {digits:,} digits; expected one of at most {_INT_DIGITS}"
-        if int(value) < 1:
+        if to_int(value) < 1:
             return "expected a positive whole number"
     if kind == "mib" and value != "all":
         try:
@@ -308,7 +309,7 @@ def choices(name: str) -> tuple[str, ...]:
 def integer(name: str) -> int | None:
     """A positive whole-number switch, or None when unset."""
     value = _checked(name)
-    return None if value is None else int(value)
+    return None if value is None else to_int(value)
 
 
 def closest(name: str) -> str | None:

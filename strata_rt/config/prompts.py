@@ -24,14 +24,12 @@ import numpy as np
 
 from ..errors import ConfigError
 from .input_files import DATA_LIMIT, InputFileError, read_text, regular_file_problem
+from .numbers import MAX_INT_DIGITS, significant_digits, to_int
 
 INT64_MAX = (1 << 63) - 1
 #: a token id as a token file writes it: ASCII digits, an optional sign (int() would also take
 #: `1_000`, fullwidth and Arabic-Indic digits)
 _ASCII_INT = re.compile(r"[+-]?[0-9]+")
-#: a word of more digits (leading zeros aside) is named by its length, not read: no token id
-#: has more than 19 (int64), and Python reads and writes no integer past 4,300
-_LONG_DIGITS = 100
 #: rows of a hidden-state file checked per step (bounded memory for any file size)
 SCAN_BYTES = 64 << 20
 
@@ -217,14 +215,14 @@ def read_token_file(path: Path, vocab_size: int | None = None) -> np.ndarray:
         if bad is not None:
             raise ConfigError(f"{path}: token files hold integers written with the digits "
                               f"0-9: {shown_word(words[bad])} (token {bad}) is not one")
-        long = next((i for i, w in enumerate(words) if len(w.lstrip("+-0")) > _LONG_DIGITS),
+        long = next((i for i, w in enumerate(words) if significant_digits(w) > MAX_INT_DIGITS),
                     None)
-        if long is not None:
-            n = len(words[long].lstrip("+-0"))
+        if long is not None:  # named by its length, not read
+            n = significant_digits(words[long])
             raise ConfigError(f"{path}: token {long} is a whole number of {n:,} digits "
                               f"({shown_word(words[long])}); a token id has at most "
                               f"{len(str(INT64_MAX))} (int64)")
-        flat = np.array([int(w) for w in words], dtype=object)
+        flat = np.array([to_int(w) for w in words], dtype=object)
     why = token_id_problem(flat, vocab_size)
     if why is not None:
         raise ConfigError(f"{path}: {why}")

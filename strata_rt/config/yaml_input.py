@@ -28,14 +28,13 @@ from typing import Any
 import yaml
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
+from .numbers import MAX_INT_DIGITS
+
 #: levels of nested lists and mappings a document may have (configs use about five)
 MAX_DEPTH = 64
 #: values a document may hold, and stand for with its aliases expanded (a config holds a
 #: few dozen; a parsed value costs PyYAML a few hundred bytes)
 MAX_NODES = 100_000
-
-#: digits a whole number may have (2^64 has 20; the largest setting takes far fewer)
-MAX_INT_DIGITS = 100
 
 _MERGE = "tag:yaml.org,2002:merge"
 #: what YAML 1.1 reads as octal: a leading 0 and more digits (`010` is 8)
