@@ -41,7 +41,7 @@ from .backends.cuda.chunk_input import input_not_finite
 from .backends.nonfinite import NonFiniteError, check_finite
 from .config import hostmem
 from .config.engine_config import EngineConfig
-from .config.paths import output_target
+from .config.paths import DUMP_STRIDE, output_target
 from .config.prompts import check_token_ids
 from .errors import ConfigError
 from .formats.contract import QuantFormat
@@ -69,9 +69,6 @@ if TYPE_CHECKING:
 __all__ = ["Engine", "load_model", "read_dump"]
 
 log = logging.getLogger(__name__)
-
-#: every 64th position of each chunk's output goes to the STRATA_PREFILL_DUMP_R file
-DUMP_STRIDE = 64
 
 
 def check_mmq_kernel(fmt: QuantFormat, kernel: str | None) -> None:

@@ -89,8 +89,8 @@ def results_file_problem(path: Path) -> str | None:
             "replace only an earlier results file: remove it or give another path")
 
 
-#: a residual dump keeps every this-many-th position (engine.DUMP_STRIDE)
-_DUMP_STRIDE = 64
+#: every 64th position of each chunk's output goes to a residual dump (STRATA_PREFILL_DUMP_R)
+DUMP_STRIDE = 64
 
 
 def dump_file_problem(path: Path, hidden: int) -> str | None:
@@ -110,7 +110,7 @@ def dump_file_problem(path: Path, hidden: int) -> str | None:
         return f"cannot be read to see what it holds: {e.strerror or e}"
     positions = [int.from_bytes(head[i:i + 8], "little", signed=True)
                  for i in range(0, len(head) - 7, record)]
-    if size % record == 0 and all(p >= 0 and p % _DUMP_STRIDE == 0 for p in positions):
+    if size % record == 0 and all(p >= 0 and p % DUMP_STRIDE == 0 for p in positions):
         return None
     return (f"exists and is not a residual dump of a model of hidden size {hidden} (it starts "
             f"with {head[:8]!r}); the dump replaces only an earlier one: remove it or give "
