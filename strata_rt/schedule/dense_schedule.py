@@ -49,11 +49,22 @@ class DenseSchedule:
 
     def layer_ops(self, layer: int) -> list[Op]:
         """The layer's Attention with what orders it against its dense copy."""
+        return self.attention(layer, self.start) + self.layer_done(layer)
+
+    def attention(self, layer: int, start: int | None) -> list[Op]:
+        """The layer's Attention over the chunk at `start`, after its dense copy landed (a
+        layer pass runs one per chunk of the prompt, all before the layer's layer_done)."""
         if self.ring is None:
-            return [Attention(layer, self.start)]
+            return [Attention(layer, start)]
         s = (layer - self.first) % self.ring
-        ops: list[Op] = [Wait(dense_copied(s), "compute"), Attention(layer, self.start, s),
-                         Record(dense_used(s), "compute")]
+        return [Wait(dense_copied(s), "compute"), Attention(layer, start, s)]
+
+    def layer_done(self, layer: int) -> list[Op]:
+        """After the layer's last Attention: its dense slot is free, and the copy stream
+        refills it with layer + ring."""
+        if self.ring is None:
+            return []
+        ops: list[Op] = [Record(dense_used((layer - self.first) % self.ring), "compute")]
         if layer + self.ring < self.n_layers:
             ops += self._copy(layer + self.ring)
         return ops

@@ -326,6 +326,19 @@ class ChunkInput:
 
 
 @dataclass(frozen=True)
+class PromptRows:
+    """A layer pass (planner.plan_layer_pass) runs each layer over every chunk of a prompt
+    before the next layer, so its executor holds the residual of all the prompt's rows: the
+    compute ops after this one act on rows [first, first + tokens) of the prompt (the next
+    chunk: its ChunkInput, Attention, routing, products, combine, Logits) until the next
+    PromptRows. Routing is per chunk (a LayerBegin routes the chunk's rows again)."""
+
+    first: int
+    tokens: int
+    stream: StreamName = field(default="compute", init=False)
+
+
+@dataclass(frozen=True)
 class LayerBegin:
     """RMSNorm, router logits, softmax top-k, counting sort, activation quantize."""
 
@@ -395,7 +408,7 @@ class Logits:
 
 Op = (Copy | Record | Wait | Gather | GatherBatch | GatherRouted | Products | LayerProducts
       | RoutedExperts | Consume | ChunkInput | LayerBegin | LayerEnd | Attention | DenseCopy
-      | Logits | HandOff | RouteCopies)
+      | Logits | HandOff | RouteCopies | PromptRows)
 
 
 @dataclass(frozen=True)
@@ -414,10 +427,12 @@ class ChunkPlan:
     its routed experts gathered straight from where they live, or multiplied there by
     RoutedExperts (planner.plan_decode); mode
     "routed": a prefill chunk planned the decode way, so only its routed experts cross PCIe
-    (planner.plan_routed)."""
+    (planner.plan_routed); mode "layer_pass": a prompt of several chunks run layer by layer,
+    each layer over all its chunks while its streamed experts are in the ring (`tokens` is
+    the prompt's; planner.plan_layer_pass)."""
 
     tokens: int
-    mode: Literal["staging", "walk", "routed_walk", "decode", "routed"]
+    mode: Literal["staging", "walk", "routed_walk", "decode", "routed", "layer_pass"]
     ring_slots: int
     layers: list[LayerPlan]
 

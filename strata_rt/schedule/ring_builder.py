@@ -72,6 +72,9 @@ class RingBuilder:
         self.consumed = 0                      # entries released so far (count)
         self.next_entry = 0                    # the next entry the consumer reads
         self.pending: list[Gather] = []        # gathers waiting for the batch launch
+        #: a layer pass's chunks before the layer's last: their gathers keep the slots
+        #: (no used record, no Consume), which the last chunk's gathers then release
+        self.hold = False
         self.ops: list[Op] = []
 
     # ------------------------------------------------------------------ issuer
@@ -91,6 +94,8 @@ class RingBuilder:
 
     # ------------------------------------------------------------------ consumer
     def _release(self, gathers: Sequence[Gather]) -> None:
+        if self.hold:
+            return
         ring = [g for g in gathers if g.src[0] == RING]
         for g in ring:
             self.ops.append(Record(used(g.src[1]), self.lane))

@@ -72,12 +72,14 @@ from ..plan import (
     LayerProducts,
     Op,
     Products,
+    PromptRows,
     Record,
     RouteCopies,
     RoutedExperts,
     Wait,
 )
 from .dense import DenseRing
+from .rows import PromptWindows
 from .messages import Clock, Occupant, describe, event_subject
 from .routed_copies import CopySwitches
 from .sources import Multiplied, elsewhere_hint, products_problem
@@ -125,9 +127,10 @@ class Checker:
         #: lane -> its group buffers: pos -> what the position holds
         self.buffers: dict[str, dict[int, Held]] = {lane: {} for lane in LANES}
         self.n = 0                                 # ops seen
-        #: op index of the chunk's ChunkInput (-1: it came before the ops fed here), its
-        #: kind (None: unknown), and the layers whose Attention ran (a whole model's)
-        self.input_op: int | None = -1 if input_arrived else None
+        #: the rows the ops act on (a layer pass's chunks), where each chunk's input
+        #: arrived (hazards.rows); the input's kind (None: unknown), and the layers whose
+        #: Attention ran (a whole model's)
+        self.rows = PromptWindows(input_arrived)
         self.input_kind: str | None = None
         self.attended: set[int] = set()
         #: layer -> (clock, op index) of its LayerBegin, and of its LayerEnd once combined
@@ -212,6 +215,11 @@ class Checker:
             self._check(self.dense.copy(i, op, self._tick("copy")))
         elif isinstance(op, RouteCopies):
             self._check(self.switches.route(i, op, self._tick(op.stream), self.begun))
+        elif isinstance(op, PromptRows):
+            open_layers = [layer for layer in self.begun if layer not in self.ended]
+            self._check(self.rows.switch(i, op, open_layers))
+            self.begun, self.ended = {}, {}  # the next chunk routes and combines anew
+            self._tick(op.stream)
         elif isinstance(op, ChunkInput):
             if op.kind not in INPUT_KINDS:
                 self._fail(f"op #{i} {op!r}: kind must be one of {', '.join(INPUT_KINDS)}")
@@ -220,6 +228,7 @@ class Checker:
             self._tick(op.stream)
         elif isinstance(op, Attention):
             self._needs_input(i, op)
+            self._check(self.rows.enter(i, op) or self.rows.attention(i, op))
             self._check(self.dense.read(i, op, self._tick(op.stream)))
             self.attended.add(op.layer)
             self.wrote = self.clock[_MAIN][_COMPONENT[_MAIN]]
@@ -230,9 +239,11 @@ class Checker:
                            "token ids with no Attention of its layer before it: a ChunkInput "
                            "of token ids needs a whole model (MoE layers alone have no "
                            "embedding)")
+            self._check(self.rows.enter(i, op))
             self.begun[op.layer] = (self._tick(op.stream), i)
         elif isinstance(op, LayerEnd):
             self._combine(i, op, self._tick(op.stream))
+            self.rows.combined(op)
             self.wrote = self.clock[_MAIN][_COMPONENT[_MAIN]]
         else:  # Logits: compute work that touches no ring slot
             self._tick(op.stream)
@@ -240,18 +251,15 @@ class Checker:
     def arrive(self, i: int, what: str) -> None:
         """The chunk's hidden states reach the device at op #i (ChunkInput or a HandOff),
         overwriting the residual (a split's link checks no receiver may still copy it)."""
-        if self.input_op is not None:
-            self._fail(f"op #{i} {what}: the chunk's input already arrived"
-                       + (f" at op #{self.input_op}" if self.input_op >= 0 else ""))
+        self._check(self.rows.arrive(i, what))
         if self.link is not None:
             self.link.overwrites(self, i, what)
-        self.input_op = i
 
     def tick(self, stream: str) -> Clock:  # a hand-off op the split checker ordered
         return self._tick(stream)
 
     def _needs_input(self, i: int, op: LayerBegin | Attention) -> None:
-        if self.input_op is None:
+        if not self.rows.has_input():
             self._fail(f"op #{i} {describe(op)} reads the chunk's hidden states, but no "
                        "ChunkInput before it brought them to the device")
 

@@ -85,7 +85,7 @@ class SplitChecker:
                                       f"its layers {self.parts[part].first}.."
                                       f"{self.parts[part].end - 1}")
             checker.feed(lp.ops)
-        if checker.input_op is None:
+        if not checker.rows.has_input():
             raise PlanHazardError(f"part {part}, chunk {self.chunk[part]}: the plan brings no "
                                   "input (no ChunkInput or HandOff)")
         self.final[(part, self.chunk[part])] = self.base[part] + checker.wrote
