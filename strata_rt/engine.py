@@ -295,11 +295,16 @@ class Engine:
         host_argmax = want == "argmax" and take_argmax is None
         if host_argmax:
             want = "last"  # the row comes back; its argmax is taken below
-        for c in range(n_chunks):
-            lo, hi = c * C, min(T, (c + 1) * C)
+        # a layer pass runs every chunk at once, layer by layer (driver.layer_pass)
+        passing = self.driver.layer_pass(T, C, first, want)
+        spans = [(0, T)] if passing else [(c * C, min(T, (c + 1) * C)) for c in range(n_chunks)]
+        if passing:  # one run of the layers: progress and the phase table count it as one
+            stats.prefill_order, stats.n_chunks = "layers", 1
+        for c, (lo, hi) in enumerate(spans):
             stats.chunk_index = c
-            rows: LogitRows | None = want if want == "all" or c == n_chunks - 1 else None
-            out = self._chunk(x[lo:hi], stats, first + lo, start=first + lo, logits=rows)
+            rows: LogitRows | None = want if want == "all" or hi == T else None
+            out = self._chunk(x[lo:hi], stats, first + lo, start=first + lo, logits=rows,
+                              pass_chunk=C if passing else None)
             try:  # positions here count from the cache's start already
                 if rows == "argmax":
                     token = take_argmax()  # type: ignore[misc]
@@ -314,7 +319,7 @@ class Engine:
             except NonFiniteError as e:
                 raise self._named(e, 0) from None
             self.kv_length = first + hi
-            stats.chunks += 1
+            stats.chunks += n_chunks if passing else 1
             if partial is not None:
                 dump_residual(partial, out, first + lo)
         self._finish(stats, partial, t0, T)

@@ -44,6 +44,7 @@ DECODE_ARGMAXES = env.choices("STRATA_DECODE_ARGMAX")
 PREFILL_STREAMS = env.choices("STRATA_PREFILL_STREAM")
 TABLE_PRODUCTS = env.choices("STRATA_TABLE_PRODUCTS")
 COPY_CHAIN_COUNTS = env.choices("STRATA_COPY_CHAINS")
+PREFILL_ORDERS = env.choices("STRATA_PREFILL_ORDER")
 DENSE_GEMMS = env.choices("STRATA_DENSE_GEMM")
 EMBEDDINGS = env.choices("STRATA_EMBEDDING")
 F16_GEMMS = env.choices("STRATA_F16_GEMM")
@@ -120,6 +121,9 @@ class EngineConfig:
     #: copy streams a routed walk's switched copies go round-robin over ("1" .. "4"); None:
     #: STRATA_COPY_CHAINS, else 1
     copy_chains: str | None = None
+    #: a whole model's prompt of several chunks (PREFILL_ORDERS): "chunks", "layers" (the
+    #: layer pass, schedule.layer_pass) or "auto"; None: STRATA_PREFILL_ORDER, else chunks
+    prefill_order: str | None = None
     profile: str | None = None
     gather_one: bool | None = None
     #: chunks of at least this many tokens take the walk; None: decided by the routed share
@@ -308,6 +312,7 @@ class EngineConfig:
                               ("prefill_stream", PREFILL_STREAMS),
                               ("table_products", TABLE_PRODUCTS),
                               ("copy_chains", COPY_CHAIN_COUNTS),
+                              ("prefill_order", PREFILL_ORDERS),
                               ("dense_gemm", DENSE_GEMMS), ("embedding", EMBEDDINGS),
                               ("f16_gemm", F16_GEMMS), ("store_memory", STORE_MEMORIES)):
             value = getattr(self, name)
@@ -362,6 +367,8 @@ class EngineConfig:
             self.table_products = env.choice("STRATA_TABLE_PRODUCTS", TABLE_PRODUCTS[0])
         if self.copy_chains is None:
             self.copy_chains = env.choice("STRATA_COPY_CHAINS", COPY_CHAIN_COUNTS[0])
+        if self.prefill_order is None:
+            self.prefill_order = env.choice("STRATA_PREFILL_ORDER", PREFILL_ORDERS[0])
         if self.cuda_graph is None:
             self.cuda_graph = env.flag("STRATA_CUDA_GRAPH", default=True)
         if self.dense_gemm is None:

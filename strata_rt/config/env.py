@@ -15,7 +15,7 @@ Where each is read (tests/test_switches.py holds every module to it):
   STRATA_PREFILL_TRACE, STRATA_WALK_MIN_TOKENS, STRATA_CHECK_PLAN, STRATA_MMQ_KERNEL,
   STRATA_DECODE, STRATA_DECODE_ATTENTION, STRATA_DECODE_DENSE, STRATA_DECODE_ARGMAX,
   STRATA_PREFILL_STREAM,
-  STRATA_IMAGE_CACHE_MIB, STRATA_TABLE_PRODUCTS, STRATA_COPY_CHAINS,
+  STRATA_IMAGE_CACHE_MIB, STRATA_TABLE_PRODUCTS, STRATA_COPY_CHAINS, STRATA_PREFILL_ORDER,
   STRATA_COMPUTE_LANES, STRATA_IN_PLACE, STRATA_CUDA_GRAPH, STRATA_ROUTING, STRATA_DENSE_GEMM,
   STRATA_EMBEDDING, STRATA_F16_GEMM and STRATA_STORE_MEMORY.
   A run config's checks (config/schema.py, config/whole.py) size the engine before it exists:
@@ -151,6 +151,15 @@ SWITCHES: dict[str, Switch] = {
                "default, to 4; `copy_chains` in Engine.open's settings): a copy the routing "
                "switched off then delays its own stream alone, and a group's copies land side "
                "by side. Results are bit-identical."),
+        Switch("STRATA_PREFILL_ORDER", "choice:chunks,layers,auto",
+               "how a whole model's prompt longer than one chunk runs (`prefill_order` in "
+               "Engine.open's settings): chunks (the default) takes each chunk through every "
+               "layer in turn, so every chunk streams the non-resident experts again; layers "
+               "runs each layer over all the chunks while its streamed experts sit in the "
+               "walk's ring (the layer pass: they cross PCIe once per prompt; the ring must "
+               "hold one layer's streamed experts and the device the prompt's residual); auto "
+               "takes the pass where experts stream and it fits. Logits of every position "
+               "(perplexity) keep the chunk order. Results are bit-identical."),
         Switch("STRATA_CUDA_GRAPH", "flag",
                "0: launch the streamed walk kernel by kernel instead of replaying a CUDA graph."),
         Switch("STRATA_KERNEL_CACHE", "outdir",

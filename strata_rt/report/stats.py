@@ -25,6 +25,9 @@ class Stats:
     gathers_launched: int = 0
     mmq_launches: int = 0
     host_syncs: int = 0
+    #: how the prompt's chunks ran: "chunks" (each through every layer in turn) or "layers"
+    #: (the layer pass, schedule.layer_pass)
+    prefill_order: str = "chunks"
     #: wall time of the prefill call and the host time spent issuing work, seconds
     wall_s: float = 0.0
     host_s: float = 0.0
@@ -55,7 +58,7 @@ class Stats:
     def as_dict(self) -> dict[str, Any]:
         d = {k: getattr(self, k) for k in (
             "tokens", "chunks", "experts_streamed", "bytes_streamed", "gathers_launched",
-            "mmq_launches", "host_syncs", "wall_s", "host_s")}
+            "mmq_launches", "host_syncs", "prefill_order", "wall_s", "host_s")}
         d["phase_s"] = dict(self.phase_s)
         if self.routing_counts is not None:
             d["routing_counts"] = self.routing_counts.tolist()

@@ -3,6 +3,9 @@
 A backend is an executor: it routes a layer, runs plan ops, and (if it can) captures a
 sequence of ops for replay. Everything else about a chunk is decided here, once:
 
+- the order of a whole model's prompt of several chunks: chunk by chunk (the engine's loop), or
+  the layer pass (schedule.layer_pass: each layer over every chunk, its streamed experts crossing
+  PCIe once), as `prefill_order` asks and `layer_pass` decides;
 - the streaming path: the staging ring (routed experts only, planned layer by layer after the
   routed set comes back to the host), the streamed walk (every non-resident expert, planned
   before the chunk starts) - `planner.takes_walk` - or the routed plan (the gathers read only
@@ -17,8 +20,8 @@ sequence of ops for replay. Everything else about a chunk is decided here, once:
 - the counters (experts and bytes streamed, gathers, matmul launches, host syncs, host time)
   and progress (`stats.layer_done`).
 
-A new streaming policy or counter therefore touches this module only, and the CUDA executor,
-the numpy executor and the hazard checker keep reading the same Plan.
+A new streaming policy touches this module and its planner; the executors and the hazard
+checker keep reading the same Plan.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from ..report.stats import Stats
 from . import hazards
 from .dense_schedule import DenseSchedule
 from .executor import Executor, Replay
+from .layer_pass import pass_key, pass_of, plan_layer_pass, takes_layer_pass, windows
 from .layer_products import merge_layer, merge_layer_products, table_layers
 from .plan import ChunkPlan, LayerBegin, LayerPlan, LogitRows, Logits, Op
 from .plan_counts import add_counts, copy_bytes, op_counts
@@ -120,13 +124,29 @@ class ChunkDriver:
 
     # ------------------------------------------------------------------ a chunk
     def run_chunk(self, x: np.ndarray, stats: Stats, start: int | None = None,
-                  logits: LogitRows | None = None) -> np.ndarray:
+                  logits: LogitRows | None = None, pass_chunk: int | None = None
+                  ) -> np.ndarray:
         """Runs one chunk of input x (as the executor's input_kind names it). MoE layers
         alone when start is None; a whole model's chunk at absolute position `start`
         otherwise (each layer opens with its Attention, and `logits` asks for the output head
-        over the last row or all rows afterwards)."""
-        self.executor.begin_chunk(x, stats, start)
-        return self._run(int(x.shape[0]), stats, start, logits)
+        over the last row or all rows afterwards). pass_chunk: x is a whole model's prompt,
+        run as a layer pass in chunks of that many rows (where `layer_pass` said it may)."""
+        if pass_chunk is None:
+            self.executor.begin_chunk(x, stats, start)
+        elif start is None:
+            raise ValueError("a layer pass needs a whole model's prompt (start is None)")
+        else:
+            self.executor.begin_pass(x, stats, start)
+        return self._run(int(x.shape[0]), stats, start, logits, pass_chunk)
+
+    def layer_pass(self, tokens: int, chunk: int, start: int | None,
+                   logits: LogitRows | None) -> bool:
+        """Whether a whole model's prompt of `tokens` rows in chunks of `chunk` runs as a layer
+        pass (layer_pass.takes_layer_pass)."""
+        return takes_layer_pass(self.cfg, self.executor, self.residency, tokens, chunk,
+                                start, logits, takes_walk(chunk, self.spec,
+                                                          self.cfg.walk_min_tokens),
+                                self.part is not None)
 
     def run_received(self, tokens: int, stats: Stats, start: int | None = None,
                      logits: LogitRows | None = None) -> np.ndarray:
@@ -139,14 +159,17 @@ class ChunkDriver:
         begin(tokens, stats)
         return self._run(tokens, stats, start, logits)
 
-    def _run(self, T: int, stats: Stats, start: int | None,
-             logits: LogitRows | None) -> np.ndarray:
+    def _run(self, T: int, stats: Stats, start: int | None, logits: LogitRows | None,
+             pass_chunk: int | None = None) -> np.ndarray:
         self.layer_host_s, self._after_chunk = [], []
         # a planned chunk enqueues its Logits before the routing comes back (one wait for both)
         tail: list[Op] = [] if logits is None or start is None else [Logits(logits)]
-        mode = "decode" if T == 1 and start is not None and self.decodes_routed else \
-            self.stream_mode(T)
-        if mode == "decode":
+        mode = "pass" if pass_chunk is not None else "decode" if (
+            T == 1 and start is not None and self.decodes_routed) else self.stream_mode(T)
+        if mode == "pass":
+            assert pass_chunk is not None and start is not None
+            self._run_planned(T, stats, pass_key(T, pass_chunk, self.gather_one, start), tail)
+        elif mode == "decode":
             self._run_decode(stats, tail)
         elif mode in ("routed", "routed_walk"):
             self._run_routed(T, stats, (T, ROUTED if mode == "routed" else ROUTED_WALK, start),
@@ -329,7 +352,15 @@ class ChunkDriver:
     def _planned(self, key: WalkKey) -> tuple[ChunkPlan, dict[type, int], int]:
         if key not in self._walk_plans:
             T, gather_one, start = key
-            if key in DECODE_KEYS:
+            layer_pass = pass_of(key)
+            if layer_pass is not None:
+                assert start is not None
+                chunk, one = layer_pass
+                ex = self.executor
+                plan = plan_layer_pass(self.spec, self.residency, ex.walk_slots, one, start,
+                                       windows(T, chunk), self._schedule(start), ex.images,
+                                       ex.lanes_for(chunk), ex.in_place_for(chunk))
+            elif key in DECODE_KEYS:
                 attention = DenseSchedule(self.span.stop, None, self.executor.dense_ring,
                                           self.span[0], self.executor.input_kind)
                 plan = plan_decode(self.spec, self.residency, attention,

@@ -52,6 +52,10 @@ class Executor(Protocol):
     #: ChunkInput: "tokens" where the executor looks the embedding rows up itself, else
     #: "hidden" (MoE layers alone always)
     input_kind: InputKind
+    #: prompt rows a layer pass (schedule.layer_pass) may hold on this executor; 0: it
+    #: cannot run one (the CUDA executor keeps the prompt's residual only when asked for)
+    pass_tokens: int
+
     def lanes_for(self, tokens: int) -> int:
         """Compute lanes a chunk of `tokens` is planned with (strata_rt.schedule.lanes)."""
 
@@ -72,6 +76,12 @@ class Executor(Protocol):
         chunk whose states are not all finite, or whose ids are not all inside the
         vocabulary, raises ConfigError (here or at end_chunk) and never reaches the device
         as such."""
+
+    def begin_pass(self, x: np.ndarray, stats: Stats, start: int) -> None:
+        """begin_chunk for a layer pass over a whole model's prompt (len(x) <= pass_tokens
+        rows at position `start`): the residual holds every row; each PromptRows op of the
+        plan picks the rows the ops after it act on, and its chunk's ChunkInput brings them
+        in. end_chunk then returns the residual of every row."""
 
     def route_layer(self, layer: int) -> None:
         """Enqueues (or runs) one layer's routing ahead of a staging-ring layer."""

@@ -31,19 +31,21 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .plan import ChunkInput, ChunkPlan, LayerPlan, Op, PromptRows
+from ..errors import StrataError
+from .plan import ChunkInput, ChunkPlan, LayerPlan, LogitRows, Op, PromptRows
+from .plan_keys import WalkKey
 from .ring_builder import RingBuilder, groups_of
 
 if TYPE_CHECKING:
+    from ..config.engine_config import EngineConfig
     from ..weights.model import MoESpec
     from .dense_schedule import DenseSchedule
+    from .executor import Executor
     from .image_cache import ImageCache
     from .residency import Residency
 
-#: what prefill_order may say: "chunks" (every chunk through every layer in turn), "layers"
-#: (the layer pass wherever it applies), "auto" (the layer pass where experts stream and the
-#: ring holds a layer's streamed experts)
-PREFILL_ORDERS = ("chunks", "layers", "auto")
+#: the gather-mode field of a layer pass's plan key (pass_key)
+LAYER_PASS = "layer_pass"
 
 
 def windows(tokens: int, chunk: int) -> list[tuple[int, int]]:
@@ -103,3 +105,61 @@ def plan_layer_pass(spec: MoESpec, residency: Residency, ring_slots: int, gather
         b.ops.extend(attention.layer_done(layer))
         layers.append(LayerPlan(layer, b.take_ops()))
     return ChunkPlan(tokens, "layer_pass", ring_slots, layers)
+
+
+def pass_key(tokens: int, chunk: int, gather_one: bool, start: int) -> WalkKey:
+    """The driver's plan (and CUDA graph) key of a layer pass: the prompt's rows, its chunk
+    size and gather mode, its position."""
+    return (tokens, f"{LAYER_PASS}:{chunk}:{int(gather_one)}", start)
+
+
+def pass_of(key: WalkKey) -> tuple[int, bool] | None:
+    """(chunk size, gather_one) of a layer pass's key; None for any other key."""
+    mode = key[1]
+    if not (isinstance(mode, str) and mode.startswith(LAYER_PASS + ":")):
+        return None
+    _, chunk, gather_one = mode.split(":")
+    return int(chunk), gather_one == "1"
+
+
+def pass_refusal(ex: Executor, residency: Residency, tokens: int, chunk: int,
+                 walks: bool, prefill_stream: str | None, split: bool) -> str | None:
+    """Why this prompt cannot run as a layer pass on `ex` (None: it can). walks: whether its
+    chunks take the streamed walk (planner.takes_walk)."""
+    layers = range(residency.n_layers)
+    need = ring_need(residency, layers)
+    if split:
+        return "a layer split runs each device's layers chunk by chunk"
+    if prefill_stream not in (None, "auto", "walk"):
+        return (f"prefill_stream {prefill_stream} streams each chunk's routed experts, and a "
+                "layer pass streams through the walk's ring")
+    if not walks:
+        return f"chunks of {chunk} tokens take the staging ring, not the walk"
+    if ex.pass_tokens < tokens:
+        return (f"the {ex.name} backend holds {ex.pass_tokens} prompt rows for a layer pass "
+                f"and this prompt has {tokens}" + ("" if ex.pass_tokens else
+                                                  " (it was opened without prefill_order "
+                                                  "layers or auto)"))
+    if ex.walk_slots < need:
+        return (f"the walk's ring holds {ex.walk_slots} expert slots and a layer streams "
+                f"{need} experts, which a layer pass keeps in the ring at once: give the ring "
+                "more room (ring_mib) or keep more experts resident")
+    return None
+
+
+def takes_layer_pass(cfg: EngineConfig, ex: Executor, residency: Residency, tokens: int,
+                     chunk: int, start: int | None, logits: LogitRows | None, walks: bool,
+                     split: bool) -> bool:
+    """Whether a whole model's prompt of `tokens` rows in chunks of `chunk` runs as a layer
+    pass: never under prefill_order "chunks", for one chunk, or for logits of every row
+    (they leave chunk by chunk); "layers" takes it or raises StrataError saying why it
+    cannot (pass_refusal); "auto" takes it where it can and experts stream (else the order
+    changes nothing but memory)."""
+    order = cfg.prefill_order or "chunks"
+    if order == "chunks" or start is None or tokens <= chunk or logits == "all":
+        return False
+    why = pass_refusal(ex, residency, tokens, chunk, walks, cfg.prefill_stream, split)
+    if why is not None and order == "layers":
+        raise StrataError(f"prefill_order layers: {why}")
+    return why is None and (order == "layers"
+                            or streams_experts(residency, range(residency.n_layers)))

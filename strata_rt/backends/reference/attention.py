@@ -59,6 +59,13 @@ class ReferenceDense:
         cos, sin = self._rope(start, T)
         h += self.ref.attention(layer, h, self.cache, start, cos, sin)
 
+    def reserve(self, start: int, tokens: int) -> None:
+        """Room for a layer pass's positions start..start+tokens before its first chunk: each
+        chunk's first-layer Attention grows the cache only up to its own rows, and a growth
+        keeps the positions below `length`, which a pass moves chunk by chunk."""
+        self.cache.length = min(self.cache.length, start)
+        self.cache.reserve(start + tokens)
+
     def end_chunk(self, start: int, tokens: int) -> None:
         """Marks the chunk's positions as cached (the next chunk's attention reads them)."""
         self.cache.length = start + tokens

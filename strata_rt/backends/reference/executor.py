@@ -56,6 +56,7 @@ from ...schedule.plan import (
     Logits,
     Op,
     Products,
+    PromptRows,
     Record,
     RouteCopies,
     RoutedExperts,
@@ -64,11 +65,11 @@ from ...schedule.plan import (
 )
 from ...schedule.planner import ring_sizes
 from ...schedule.residency import Residency
-from ...weights.model import rms_norm, silu
+from ...weights.model import rms_norm
 from ...weights.store import ExpertStore
 from ..cuda.chunk_input import chunk_token_ids, input_not_finite
 from ..cuda.routing.exact import route_exact
-from ..nonfinite import check_finite, check_rms_input
+from ..nonfinite import NonFiniteError, check_finite, check_rms_input
 from .attention import ReferenceDense
 from .context import NumpyContext
 from .layer_state import LayerState
@@ -117,6 +118,9 @@ class ReferenceBackend:
         self._ids = np.empty(0, np.int32)
         if self.dense is not None:
             self.kv_capacity = self.dense.kv_capacity
+        #: prompt rows a layer pass may hold (host arrays: as many as the KV cache's positions)
+        self.pass_tokens = self.kv_capacity
+        self._row0 = 0  # the first prompt row of the chunk the ops act on (a layer pass's)
         #: dense ring slots when cfg.dense is "stream" (the plan's DenseCopy ops are then
         #: checked here: an Attention must find its layer in its slot); None: resident
         self.dense_ring = DENSE_RING_SLOTS if cfg.dense == "stream" else None
@@ -182,6 +186,17 @@ class ReferenceBackend:
         self.routes = []
         self._start = self._logits = None
         self._chunk_start = start
+        self._row0 = 0
+
+    def begin_pass(self, x: np.ndarray, stats: Stats, start: int) -> None:
+        """A layer pass over a whole model's prompt of len(x) rows at position `start`: the
+        residual holds them all; the plan's PromptRows pick the rows each op acts on."""
+        if self.dense is None:
+            raise TypeError("a layer pass needs a whole model; this backend runs MoE layers "
+                            "alone")
+        self.begin_chunk(x, stats, start)
+        self.dense.reserve(start, int(x.shape[0]))
+        self._start = start
 
     def begin_received(self, tokens: int, stats: Stats) -> None:
         """A split part's chunk: its residual and position arrive with the plan's HandOff;
@@ -233,8 +248,11 @@ class ReferenceBackend:
     # ------------------------------------------------------------------ ops
     def _execute(self, ops: Iterable[Op], h: np.ndarray, stats: Stats) -> None:
         # out-of-range values are refused by each step's checks, not numpy's warnings
-        with np.errstate(over="ignore", invalid="ignore"):
-            self._execute_ops(ops, h, stats)
+        try:
+            with np.errstate(over="ignore", invalid="ignore"):
+                self._execute_ops(ops, h, stats)
+        except NonFiniteError as e:  # a layer pass's chunk names its rows from its first
+            raise (e.shifted(self._row0) if self._row0 else e) from None
 
     def _execute_ops(self, ops: Iterable[Op], h: np.ndarray, stats: Stats) -> None:
         for op in ops:
@@ -284,7 +302,7 @@ class ReferenceBackend:
                 check_rms_input(h, "the RMSNorm before attention", op.layer)
                 self._whole().attention(op.layer, h, start)
                 check_finite(h, "the residual after attention", op.layer)
-                self._start = start
+                self._start = start - self._row0  # the prompt's (a layer pass's chunk's - row)
                 phase = "attention"
             elif isinstance(op, Logits):
                 rows = None if op.rows == "all" else np.array([h.shape[0] - 1])
@@ -299,7 +317,12 @@ class ReferenceBackend:
                     raise RuntimeError(f"{op!r} in the plan of an executor whose chunks bring "
                                        f"{self.input_kind!r} input")
                 if op.kind == "tokens":
-                    h[...] = self._whole().embed(self._ids)
+                    h[...] = self._whole().embed(self._ids[self._row0: self._row0 + len(h)])
+                continue
+            elif isinstance(op, PromptRows):  # a layer pass's next chunk: its rows, routed anew
+                if op.first + op.tokens > self._h.shape[0]:
+                    raise RuntimeError(f"{op!r} past the prompt's {self._h.shape[0]} rows")
+                h, self._row0, self._state = self._h[op.first: op.first + op.tokens], op.first, None
                 continue
             elif isinstance(op, Record | Wait | Consume):
                 continue  # one thread runs every op in host order: nothing left to order
@@ -376,16 +399,8 @@ class ReferenceBackend:
         st, fmt, spec = self._state, self.formats.format(op.layer), self.spec
         if st is None or st.layer != op.layer:
             raise RuntimeError(f"Products of layer {op.layer} outside its layer")
-        ids = op.expert_ids
-        n = len(ids)
-        lo = min(int(st.bounds[e]) for e in ids)
-        hi = max(int(st.bounds[e + 1]) for e in ids)
-        if hi == lo:
+        if not st.has_rows(op.expert_ids):
             return  # every expert of the group has no rows: the kernels exit early
-        # the group's rows lie in [lo, hi); activations are quantized per row, so quantizing
-        # that slice equals slicing the whole layer's activations
-        b = np.clip(st.bounds.astype(np.int64) - lo, 0, hi - lo).astype(np.int32)
-        F = spec.ffn
         lane = lane_index(op.stream)
         if op.slots is not None:  # read in place: each expert's images from its resident slot
             gu_buf, dn_buf = self._slot_images(op.slots, op.layer)
@@ -393,17 +408,7 @@ class ReferenceBackend:
             gu_buf, dn_buf = self.image_gu[op.cached], self.image_dn[op.cached]
         else:
             gu_buf, dn_buf = self.gu_bufs[lane], self.dn_bufs[lane]
-        gu = fmt.mmq_reference(gu_buf[:n], ids, fmt.prepare_activations(st.x_sorted[lo:hi]),
-                               b, 2 * F, spec.hidden)
-        mid = np.zeros((hi - lo, F), dtype=np.float32)
-        for e in ids:
-            r0, r1 = int(b[e]), int(b[e + 1])
-            mid[r0:r1] = silu(gu[r0:r1, :F]) * gu[r0:r1, F:]
-        dn = fmt.mmq_reference(dn_buf[:n], ids, fmt.prepare_activations(mid), b,
-                               spec.hidden, F)
-        for e in ids:
-            r0, r1 = int(b[e]), int(b[e + 1])
-            st.out_sorted[lo + r0: lo + r1] = dn[r0:r1]
+        st.multiply(op.expert_ids, fmt, gu_buf, dn_buf, spec.ffn)
 
     def _images(self, slot: np.ndarray, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """The layer format's images of the blob a slot holds (what its gather writes)."""
@@ -418,19 +423,9 @@ class ReferenceBackend:
         return np.stack([gu for gu, _ in parts]), np.stack([dn for _, dn in parts])
 
     def _combine(self, h: np.ndarray) -> None:
-        st = self._state
-        if st is None:
+        if self._state is None:
             raise RuntimeError("LayerEnd before any LayerBegin")
-        top_k = st.ids.shape[1]
-        flat = np.empty_like(st.out_sorted)
-        flat[st.order] = st.out_sorted
-        out = flat.reshape(h.shape[0], top_k, -1)
-        y = np.zeros_like(h)
-        with np.errstate(over="ignore", invalid="ignore"):  # refused just below
-            for k in range(top_k):
-                y += st.w[:, k, None] * out[:, k]
-            h += y
-        check_finite(h, "the residual after the MoE", st.layer)
+        self._state.combine(h)
 
     def close(self) -> None:
         """Drops the slot and group buffers (the engine never calls a closed backend)."""
