@@ -14,15 +14,20 @@ time. Results: <out>/whole-<config>-<time>.{json,md}.
     python bench/bench_whole.py                                       # the 30B shape, 1/4 resident
     python bench/bench_whole.py --config configs/qwen3-235b-a22b-whole.yaml --prompts 8179,30118
     python bench/bench_whole.py --prompts 254,1030 --streams walk,routed,routed_walk
+    python bench/bench_whole.py --prompts 16000,30118 --orders chunks,layers
 
 --streams runs every prompt once per prefill_stream setting on the same engine (the driver
 reads it per chunk), one table row each: the streaming policies side by side in one run.
+--orders does the same for prefill_order (chunks, layers: the layer pass of a prompt longer
+than a chunk); the plan column then says layer_pass where the pass ran.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import os
 import statistics
 import sys
 import time
@@ -77,8 +82,13 @@ def main() -> int:
                          "its capture)")
     ap.add_argument("--streams", help="comma-separated prefill_stream settings, each run per "
                     "prompt (default: the engine's own)")
+    ap.add_argument("--orders", help="comma-separated prefill_order settings (chunks, layers, "
+                    "auto), each run per prompt on the same engine (opened under auto, so it "
+                    "holds the layer pass's residual)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = ap.parse_args()
+    if args.orders:
+        os.environ["STRATA_PREFILL_ORDER"] = "auto"
     cfg = load_config(args.config)
     if args.prompts:
         cfg = cfg.with_prompt_lengths([int(n) for n in args.prompts.split(",")])
@@ -96,17 +106,21 @@ def main() -> int:
               f"{engine.chunk_tokens}; pinned H2D ceiling "
               f"{'n/a' if ceiling is None else f'{ceiling:.1f} GB/s'}", flush=True)
         streams = args.streams.split(",") if args.streams else [None]
+        orders = args.orders.split(",") if args.orders else [None]
         for prompt in cfg.prompts:
             ids = prompt.token_ids(cfg.whole.vocab, cfg.seed)
-            for stream in streams:
+            for stream, order in itertools.product(streams, orders):
                 if stream is not None:
                     engine.driver.cfg.prefill_stream = stream
+                if order is not None:
+                    engine.driver.cfg.prefill_order = order
                 walls, last = time_prefill(engine, ids, args.warmups, args.reps)
                 wall = statistics.median(walls)
                 gbps = last.bytes_streamed / wall / 1e9
                 floor = None if ceiling is None else last.bytes_streamed / (ceiling * 1e9)
                 mode = engine.driver.last_plan.mode if engine.driver.last_plan else "-"
-                rec = {"tokens": prompt.tokens, "stream": stream, "plan": mode, "wall_s": walls,
+                rec = {"tokens": prompt.tokens, "stream": stream, "order": last.prefill_order,
+                       "plan": mode, "wall_s": walls,
                        "median_s": wall, "tokens_per_s": prompt.tokens / wall,
                        "bytes_streamed": last.bytes_streamed, "pcie_gb_s": gbps,
                        "floor_s": floor, "host_s": last.host_s, "chunks": last.chunks}

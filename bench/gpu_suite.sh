@@ -3,7 +3,7 @@
 # under $BENCH_OUT (default ./out). Stages run in order; pick them with arguments:
 #   bash bench/gpu_suite.sh tests digests gemm routing formats ggml mmq prefill-quick prefill \
 #        stream-235b attention dense whole-30b whole-235b whole-235b-16g acceptance decode \
-#        peers ncu-gemm decode-ab stream-ab decode-ncu short-timing chains-ab short-ncu (ncu-gemm, decode-ncu:
+#        peers ncu-gemm decode-ab stream-ab decode-ncu short-timing chains-ab short-ncu pass-ab (ncu-gemm, decode-ncu:
 #        Nsight Compute, $NCU or ncu on PATH; decode-ncu: each kernel of a gemv decode step,
 #        bench/ncu_table.py's table; short-timing: STRATA_PREFILL_TIMING's phase table of a
 #        254-token prompt, all resident and a quarter;
@@ -12,7 +12,9 @@
 #        first run; stream-ab: the routed walk's GPU tests and switched copies, then short
 #        prompts under each prefill_stream setting on one engine; chains-ab: the routed walk's
 #        GPU tests, then short prompts on one and four copy streams; short-ncu: Nsight Compute
-#        sections of the table products of a 254-token prefill, every expert resident)
+#        sections of the table products of a 254-token prefill, every expert resident;
+#        pass-ab: the layer pass's GPU tests, then long prompts under prefill_order chunks and
+#        layers, the 30B shape a quarter resident and the 235B shape under 16 GiB)
 # A failing stage is reported and the next one still runs; the exit code counts failures.
 set -uo pipefail
 out=${BENCH_OUT:-out}
@@ -105,6 +107,15 @@ for what in "${@:-tests}"; do
                        stage "chains-$n" env STRATA_COPY_CHAINS=$n python3 bench/bench_whole.py \
                            --prompts 64,254,1030 --warmups 3 --reps 2 --out "$out"
                    done ;;
+        pass-ab)   # the layer pass against the chunk order: its GPU tests, then long prompts
+                   # of the 30B shape a quarter resident, then the 235B shape under 16 GiB
+                   stage pass-tests python3 -m pytest -m gpu -q -ra -p no:cacheprovider \
+                       tests/test_layer_pass_cuda_cpu.py
+                   stage pass-30b python3 bench/bench_whole.py --orders chunks,layers \
+                       --prompts 8179,16000,30118 --warmups 1 --reps 2 --out "$out"
+                   stage pass-235b python3 bench/bench_whole.py --orders chunks,layers \
+                       --config configs/qwen3-235b-a22b-whole-16g.yaml \
+                       --prompts 8179,30118 --warmups 1 --reps 1 --out "$out" ;;
         short-ncu) # each table-product launch of a 254-token prefill, every expert resident
                    sed 's/^expert_cache: .*/expert_cache: all/' configs/qwen3-30b-a3b-whole.yaml \
                        > "$out/all-resident.yaml"
