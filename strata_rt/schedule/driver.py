@@ -356,9 +356,10 @@ class ChunkDriver:
             if layer_pass is not None:
                 assert start is not None
                 chunk, one = layer_pass
-                ex = self.executor
+                ex, attention = self.executor, self._schedule(start)
+                assert attention is not None
                 plan = plan_layer_pass(self.spec, self.residency, ex.walk_slots, one, start,
-                                       windows(T, chunk), self._schedule(start), ex.images,
+                                       windows(T, chunk), attention, ex.images,
                                        ex.lanes_for(chunk), ex.in_place_for(chunk))
             elif key in DECODE_KEYS:
                 attention = DenseSchedule(self.span.stop, None, self.executor.dense_ring,

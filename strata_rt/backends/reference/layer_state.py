@@ -37,7 +37,7 @@ class LayerState:
     def has_rows(self, experts: Sequence[int]) -> bool:
         return any(self.bounds[e + 1] > self.bounds[e] for e in experts)
 
-    def multiply(self, ids: Sequence[int], fmt: QuantFormat, gu_buf: np.ndarray,
+    def multiply(self, ids: tuple[int, ...], fmt: QuantFormat, gu_buf: np.ndarray,
                  dn_buf: np.ndarray, ffn: int) -> None:
         """A group's products: gate/up, SwiGLU, down through the format's numpy MMQ reference
         over the images in gu_buf / dn_buf (position p: expert ids[p]), into out_sorted."""

@@ -134,6 +134,12 @@ class SplitDriver:
         paths = [str(d.decode_path) for d in self.drivers]
         return paths[0] if len(set(paths)) == 1 else "+".join(paths)
 
+    def layer_pass(self, tokens: int, chunk: int, start: int | None,
+                   logits: LogitRows | None) -> bool:
+        """Never: the parts run chunk by chunk (prefill_order "layers" says so, through the
+        first part's ChunkDriver.layer_pass)."""
+        return self.drivers[0].layer_pass(tokens, chunk, start, logits)
+
     def run_chunk(self, x: np.ndarray, stats: Stats, start: int | None = None,
                   logits: LogitRows | None = None) -> np.ndarray:
         """x: the first part's input (hidden states, or a whole model's token ids)."""
