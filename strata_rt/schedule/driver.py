@@ -189,27 +189,22 @@ class ChunkDriver:
 
     @property
     def decodes_routed(self) -> bool:
-        """Whether a whole model's one-token step runs a decode plan rather than the staging
-        ring (plan_keys.decodes_planned). Read on every step, so a changed field takes the
-        next step."""
+        """Whether a one-token step runs a decode plan, not the staging ring (read per step)."""
         return decodes_planned(self.decode_mode, self.executor.routed_gathers)
 
     @property
     def decode_mode(self) -> str | None:
-        """The decode setting this model runs (plan_keys.resolve_decode: "auto" made gemv or
-        routed from the layers' formats)."""
+        """The decode setting this model runs (plan_keys.resolve_decode)."""
         return self._decode()[0]
 
     @property
     def decode_key(self) -> WalkKey:
-        """The decode plan a step runs (plan_keys.decode_key: decode "gemv" on a model that
-        cannot run it is a ConfigError)."""
+        """The decode plan a step runs (plan_keys.decode_key)."""
         return self._decode()[1]
 
     @property
     def decode_path(self) -> str | None:
-        """What a one-token step runs: "gemv" or "routed" (a decode plan, decode_mode) or
-        "staging" (the staging ring)."""
+        """What a one-token step runs: "gemv", "routed" (decode plans) or "staging"."""
         return self.decode_mode if self.decodes_routed else "staging"
 
     def _decode(self) -> tuple[str | None, WalkKey]:

@@ -1,44 +1,38 @@
 """The hazard checker: replays a Plan under CUDA's stream and event rules.
 
 Model: ops run in host issue order; each copy stream (plan.COPY_CHAINS) and each compute lane
-(plan.LANES) execute their ops in order; Record(event) snapshots its stream's progress and Wait(event) makes a stream
-wait for the latest Record of that event issued before the Wait (CUDA semantics: re-recording
-moves the event; waiting on an event never recorded does not wait at all, so it is an error
-here). Cross-stream order is tracked with vector clocks of one component per stream (the copy
-streams, then the lanes): op a happens before op b iff b's clock has caught up with a's own-stream component.
-The rules ask for an order, not for the event a planner uses to get it.
+(plan.LANES) executes its ops in order; Record(event) snapshots its stream's progress and
+Wait(event) makes a stream wait for the latest Record of that event issued before the Wait
+(CUDA semantics: waiting on an event never recorded does not wait at all, an error here).
+Vector clocks of one component per stream order ops across streams: op a happens before op b
+iff b's clock has caught up with a's own-stream component. The rules ask for an order, not
+for the event a planner uses to get it.
 
 Rejected (each message names the ring slot or the layer, the entry/expert, the lane and the ops
 with their index in the chunk's op list):
-- a Copy refilling a slot while a gather (on any lane) of the previous occupant may read it;
-- a gather reading a slot whose copy of the expected entry does not happen before it, was
-  never issued, or was already overwritten;
-- a Wait on an event never recorded; a Record or Wait off the copy streams and the lanes;
-- a gather or Products on a stream that is not a compute lane, and a GatherBatch or
-  GatherRouted member naming a lane other than its launch's;
-- a Consume passing an entry that a not-yet-launched gather (batch) still reads;
-- a Copy issued while its entry >= consumed + ring (the issuer over-running the consumer), and
-  a wait cycle (entry k needed before Copy(k) is issued, which waits for `consumed`);
-- an op reading the hidden states ahead of the chunk's ChunkInput, and a second ChunkInput;
-  a ChunkInput of an unknown kind, or of token ids in a plan whose layer opens without its
-  Attention (only a whole model has an embedding to look them up in);
-- Products reading a position of its lane's group buffers that does not hold the expert it
-  names (each lane has its own set: an expert gathered on another lane is not there), or an
-  image-cache block that does not hold its layer's group (or holds a non-resident expert), or
-  resident slots read in place that do not hold its experts, a LayerProducts (checked as its
-  in-place parts) whose parts do not cover its layer's experts once each, and a RoutedExperts
-  whose sources are not where its layer's experts lie, or either beside other products of its
-  layer (strata_rt.schedule.hazards.sources);
-- (compute lanes) a Products, LayerProducts, RoutedExperts or GatherRouted off the first lane,
-  reading its layer's routing, that its layer's LayerBegin does not happen before (no Wait on
-  a lane_fork recorded after it), or that no LayerBegin of its layer precedes; a LayerEnd
-  combining rows that a Products of its layer on another lane may still write (no lane_join
-  waited on); a Products after its layer's LayerEnd, whose rows the combine never reads;
-- a HandOff or hand-off event fed to one device's checker alone (schedule/split/hazards.py);
-- (a routed walk) a routed Copy not ordered after the RouteCopies that switched it, and a
-  plain gather reading a routed copy's slot (strata_rt.schedule.hazards.routed_copies);
-- (streamed dense weights) a DenseCopy refilling a dense slot an Attention may still read, and
-  an Attention whose dense slot does not hold its layer or whose copy is not before it.
+- a Copy refilling a slot a gather of the previous occupant may read; a gather reading a slot
+  whose copy of its entry is not before it, never issued or overwritten; a Wait on an event
+  never recorded; a Record or Wait off the copy streams and the lanes;
+- a gather or Products off the compute lanes, a batch member naming another lane than its
+  launch; a Consume passing an entry a not-yet-launched gather still reads; a Copy issued
+  while its entry >= consumed + ring, and a wait cycle (entry k needed before Copy(k));
+- an op reading the hidden states ahead of the chunk's ChunkInput, a second ChunkInput, one of
+  an unknown kind, or of token ids where a layer opens without its Attention (no embedding);
+- (a layer pass) rows switched inside a layer, a chunk's layers out of order, a layer's
+  Attention over rows whose earlier rows' keys it has not written (strata_rt.schedule.hazards.rows);
+- Products reading a group-buffer position of its lane that does not hold the expert it names
+  (each lane has its own set), image-cache blocks or resident slots that do not hold its
+  experts, a LayerProducts whose parts do not cover its layer once, a RoutedExperts whose
+  sources are not where its experts lie, or either beside other products of its layer
+  (strata_rt.schedule.hazards.sources);
+- an op off the first lane reading its layer's routing before its LayerBegin (no lane_fork
+  waited on) or with none; a LayerEnd combining rows another lane may still write (no
+  lane_join waited on); a Products after its layer's LayerEnd; a hand-off op fed to one
+  device's checker alone (schedule/split/hazards.py);
+- (a routed walk) a routed Copy not after the RouteCopies that switched it, a plain gather
+  reading a routed copy's slot (hazards.routed_copies); (streamed dense weights) a DenseCopy
+  refilling a slot an Attention may still read, an Attention whose slot does not hold its
+  layer copied before it (hazards.dense).
 """
 
 from __future__ import annotations
