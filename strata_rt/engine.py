@@ -304,7 +304,7 @@ class Engine:
             stats.chunk_index = c
             rows: LogitRows | None = want if want == "all" or hi == T else None
             out = self._chunk(x[lo:hi], stats, first + lo, start=first + lo, logits=rows,
-                              pass_chunk=C if passing else None)
+                              **({"pass_chunk": C} if passing else {}))
             try:  # positions here count from the cache's start already
                 if rows == "argmax":
                     token = take_argmax()  # type: ignore[misc]

@@ -65,7 +65,9 @@ class PromptWindows:
         return self.window in self.inputs
 
     def enter(self, i: int, op: Attention | LayerBegin) -> str | None:
-        """A layer's first op in the current chunk (its Attention, or its LayerBegin)."""
+        """A layer's first op in a layer pass's chunk (its Attention, or its LayerBegin)."""
+        if self.window is None:
+            return None  # a plain chunk's layers follow the order its plan lists them in
         last = self.last_layer.get(self.window)
         if last is not None and last[0] == op.layer and not last[1]:
             return None  # the LayerBegin after the layer's Attention
