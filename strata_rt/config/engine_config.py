@@ -120,6 +120,10 @@ class EngineConfig:
     #: copy streams a routed walk's switched copies go round-robin over ("1" .. "4"); None:
     #: STRATA_COPY_CHAINS, else 1
     copy_chains: str | None = None
+    #: the order a prompt of several chunks runs in (schedule.layer_pass.PREFILL_ORDERS):
+    #: "chunks", "layers" or "auto"; None: chunks. A CUDA backend holds a layer pass's
+    #: residual of the whole context only under "layers" or "auto"
+    prefill_order: str | None = None
     profile: str | None = None
     gather_one: bool | None = None
     #: chunks of at least this many tokens take the walk; None: decided by the routed share
