@@ -79,9 +79,9 @@ from ..plan import (
     Wait,
 )
 from .dense import DenseRing
-from .rows import PromptWindows
 from .messages import Clock, Occupant, describe, event_subject
 from .routed_copies import CopySwitches
+from .rows import PromptWindows
 from .sources import Multiplied, elsewhere_hint, products_problem
 
 if TYPE_CHECKING:
