@@ -122,7 +122,8 @@ class EngineConfig:
     #: STRATA_COPY_CHAINS, else 1
     copy_chains: str | None = None
     #: a whole model's prompt of several chunks (PREFILL_ORDERS): "chunks", "layers" (the
-    #: layer pass, schedule.layer_pass) or "auto"; None: STRATA_PREFILL_ORDER, else chunks
+    #: layer pass, schedule.layer_pass) or "auto"; None: STRATA_PREFILL_ORDER, else chunks. A
+    #: CUDA backend holds a layer pass's residual of the whole context only under the last two
     prefill_order: str | None = None
     profile: str | None = None
     gather_one: bool | None = None

@@ -56,6 +56,22 @@ def chunk_regions(spec: MoESpec, activation: Activation, tokens: int,
     }
 
 
+def pass_chunks(pass_tokens: int, tokens: int) -> int:
+    """Chunks of `tokens` rows a layer pass of up to `pass_tokens` rows is cut into."""
+    return -(-pass_tokens // max(tokens, 1))
+
+
+def pass_regions(hidden: int, tokens: int, pass_tokens: int) -> dict[str, int]:
+    """Device bytes a layer pass (schedule.layer_pass) of up to `pass_tokens` prompt rows adds
+    to a whole model's arena: the residual of every row of the prompt (float32, `pass_x`),
+    and one RMSNorm flag word per chunk of `tokens` rows (`pass_flags`: each chunk's rows
+    are numbered from its own first row). Empty without a pass."""
+    if pass_tokens <= 0:
+        return {}
+    return {"pass_x": pass_tokens * hidden * 4,
+            "pass_flags": pass_chunks(pass_tokens, tokens) * 8}
+
+
 def lane_buffers(stream: StreamName) -> tuple[str, str]:
     """The regions of a compute lane's group buffers (gate/up images, down images)."""
     suffix = "" if lane_index(stream) == 0 else str(lane_index(stream) + 1)
@@ -102,6 +118,8 @@ class MemoryPlan:
     regions: dict[str, int]
     #: a whole model's dense weights stream through a ring (they did not fit)
     dense_stream: bool = False
+    #: prompt rows a layer pass can hold (pass_regions; 0: no room for one)
+    pass_tokens: int = 0
 
     @property
     def total(self) -> int:
@@ -115,13 +133,14 @@ class MemoryPlan:
 def plan_memory(spec: MoESpec, layout: ExpertLayout, activation: Activation, available: int,
                 ring_slots: int, prefill: str | int, n_resident: int | None,
                 routing: str = "exact", whole: WholeSizing | None = None,
-                dense: str = "auto", image_blocks: int = 0, lanes: int = 1) -> MemoryPlan:
+                dense: str = "auto", image_blocks: int = 0, lanes: int = 1,
+                pass_tokens: int = 0) -> MemoryPlan:
     """plan_memory_for with a whole model's dense policy applied: "resident", "stream", or
     "auto" (resident when that plan fits, else streamed; a plan that fits either way keeps
     them resident, which copies nothing per chunk)."""
     def plan(w: WholeSizing | None) -> MemoryPlan:
         return plan_memory_for(spec, layout, activation, available, ring_slots, prefill,
-                               n_resident, routing, w, image_blocks, lanes)
+                               n_resident, routing, w, image_blocks, lanes, pass_tokens)
 
     if whole is None or dense == "resident":
         return plan(whole)
@@ -137,7 +156,7 @@ def plan_memory_for(spec: MoESpec, layout: ExpertLayout, activation: Activation,
                     available: int, ring_slots: int, prefill: str | int,
                     n_resident: int | None, routing: str = "exact",
                     whole: WholeSizing | None = None, image_blocks: int = 0,
-                    lanes: int = 1) -> MemoryPlan:
+                    lanes: int = 1, pass_tokens: int = 0) -> MemoryPlan:
     """Sizes the device arena within `available` bytes.
 
     n_resident fixed (expert_cache): the residency is placed first and `prefill: auto` takes
@@ -148,7 +167,10 @@ def plan_memory_for(spec: MoESpec, layout: ExpertLayout, activation: Activation,
     whole: a whole model's sizing adds its dense weights, head, RoPE tables, KV cache and
     per-chunk attention buffers (strata_rt.models.qwen3.whole_memory). image_blocks: room of the
     image cache, a fixed region placed before the chunk and the resident experts. lanes: compute
-    lanes, each holding its own group buffers (strata_rt.schedule.lanes)."""
+    lanes, each holding its own group buffers (strata_rt.schedule.lanes). pass_tokens: a
+    layer pass's prompt rows (pass_regions, beside the chunk): placed before the resident
+    experts, so under the reserve policy they take room from them (the backend plans them at
+    the chunk size already chosen, so `prefill: auto` is not shrunk for them)."""
     fixed = fixed_regions(spec, layout, ring_slots, routing, image_blocks, lanes)
     if whole is not None:
         fixed.update(whole_fixed_regions(whole))
@@ -159,8 +181,9 @@ def plan_memory_for(spec: MoESpec, layout: ExpertLayout, activation: Activation,
                    **chunk_regions(spec, activation, tokens, routing)}
         if whole is not None:
             regions.update(whole_chunk_regions(whole, tokens))
+        regions.update(pass_regions(spec.hidden, tokens, pass_tokens))
         return MemoryPlan(tokens, resident, regions,
-                          whole is not None and whole.dense_stream)
+                          whole is not None and whole.dense_stream, max(pass_tokens, 0))
 
     need_res = 0 if n_resident is None else n_resident
     if prefill == "auto":

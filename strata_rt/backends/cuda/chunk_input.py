@@ -78,16 +78,21 @@ class InputPass:
         self.gate.open()
 
     def upload(self, rt: Uploader, kind: InputKind, tokens: int, hidden: int,
-               ptr: dict[str, int], embed: Callable[[Stream, int, int], None]) -> None:
+               ptr: dict[str, int], embed: Callable[[Stream, int, int], None],
+               first: int = 0, wait: bool = True) -> None:
         """ChunkInput on the stream: the wait at the gate, then the upload of the hidden
         states into ptr["x"], or of the token ids into ptr["token_ids"] followed by
-        embed(stream, their address, tokens), which decodes their rows into x."""
-        self.gate.enqueue(self.stream)
+        embed(stream, their address, tokens), which decodes their rows into x. A layer
+        pass's chunk (prompt_pass) uploads rows first.. of the staged prompt, and only its
+        first chunk waits (`wait`): the gate closes behind each wait."""
+        if wait:
+            self.gate.enqueue(self.stream)
         if kind == "tokens":
-            rt.memcpy_htod(ptr["token_ids"], self.ids[:tokens], self.stream)
+            rt.memcpy_htod(ptr["token_ids"], self.ids[first: first + tokens], self.stream)
             embed(self.stream, ptr["token_ids"], tokens)
         else:
-            rt.memcpy_htod(ptr["x"], self.io[: tokens * hidden], self.stream)
+            rt.memcpy_htod(ptr["x"], self.io[first * hidden: (first + tokens) * hidden],
+                           self.stream)
 
     def finish(self) -> None:
         """After the chunk ran: raises ConfigError if the input held NaN or infinity."""

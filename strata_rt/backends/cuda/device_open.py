@@ -7,18 +7,20 @@ part sizes every per-layer region for its own layers (split_part.part_moe_spec).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ...errors import BudgetError
 from ...models.qwen3.whole_memory import DenseTypes, WholeSizing, gpu_decodes
 from ...runtime.memory import MIB
 from ...schedule.dense_schedule import DENSE_RING_SLOTS
 from ...schedule.image_cache import ImageCache, capacity_blocks
 from ...schedule.in_place import check_in_place
-from ...schedule.memory_plan import DEFAULT_RESERVE_MIB, plan_lanes, plan_memory
+from ...schedule.memory_plan import DEFAULT_RESERVE_MIB, MemoryPlan, plan_lanes, plan_memory
 from ...schedule.planner import ring_sizes
 from ...schedule.residency import Residency
 from .device_state import DeviceState
@@ -31,7 +33,6 @@ if TYPE_CHECKING:
     from ...models.qwen3.weights import Qwen3Model
     from ...runtime.device import Runtime
     from ...schedule.in_place import InPlaceSetting
-    from ...schedule.memory_plan import MemoryPlan
     from ...schedule.plan import InputKind
     from ...schedule.split import Part
     from ...weights.model import Model
@@ -40,6 +41,9 @@ if TYPE_CHECKING:
     from .whole import CudaWhole
 
 log = logging.getLogger(__name__)
+
+#: the prefill orders under which a whole model's backend holds a layer pass's residual
+PASS_ORDERS = ("layers", "auto")
 
 
 @dataclass
@@ -61,6 +65,8 @@ class OpenedDevice:
     whole: CudaWhole | None
     #: what the backend's chunks bring (schedule.executor.Executor.input_kind)
     input_kind: InputKind = "hidden"
+    #: prompt rows a layer pass can hold (0: none; with_pass)
+    pass_tokens: int = 0
 
 
 def open_device(rt: Runtime, model: Model, store: ExpertStore, cfg: EngineConfig, part: Part,
@@ -103,6 +109,11 @@ def open_device(rt: Runtime, model: Model, store: ExpertStore, cfg: EngineConfig
     lanes, mp = plan_lanes(cfg.compute_lanes, fixed_res, lspec.total_experts, partial(
         plan_memory, lspec, lay, fmt.activation, available, rings.total, cfg.prefill,
         fixed_res, routing, whole_sizes, cfg.dense, image_room))
+    if whole_sizes is not None and part.n_parts == 1 and cfg.prefill_order in PASS_ORDERS:
+        mp = with_pass(mp, kv_capacity, partial(
+            plan_memory, lspec, lay, fmt.activation, available, rings.total, mp.tokens,
+            fixed_res, routing, whole_sizes, "stream" if mp.dense_stream else "resident",
+            image_room, lanes))
     #: dense ring slots when a whole model's dense weights stream (the driver plans them)
     dense_ring = DENSE_RING_SLOTS if mp.dense_stream else None
     if residency is None:
@@ -146,4 +157,19 @@ def open_device(rt: Runtime, model: Model, store: ExpertStore, cfg: EngineConfig
         raise
     kind: InputKind = "tokens" if whole_sizes is not None and whole_sizes.embeds else "hidden"
     return OpenedDevice(fks, in_place, kv_capacity, lanes, dense_ring, residency, images,
-                        rings.walk, mp.tokens, mp, dev, kernels, cuda_whole, kind)
+                        rings.walk, mp.tokens, mp, dev, kernels, cuda_whole, kind,
+                        mp.pass_tokens)
+
+
+def with_pass(mp: MemoryPlan, rows: int, plan: Callable[..., MemoryPlan]) -> MemoryPlan:
+    """`mp` redone with room for a layer pass of `rows` prompt rows (the KV cache's
+    positions: memory_plan.pass_regions) at mp's chunk size, lanes and dense policy;
+    plan(pass_tokens=...) is plan_memory with those fixed. Where a fixed residency leaves no
+    room for it, `mp` as it was (its pass_tokens 0: the driver reports that a pass cannot
+    run). Under the reserve policy the residual takes room from the resident experts."""
+    try:
+        return plan(pass_tokens=rows)
+    except BudgetError as e:
+        log.warning("prefill_order: no room for a layer pass over %d prompt rows (%s); "
+                    "prompts run chunk by chunk", rows, e)
+        return mp

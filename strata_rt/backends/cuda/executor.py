@@ -12,7 +12,9 @@ walk's copies switched inside it: routed_walk). The chunk's input passes a gate 
 opens (chunk_input): hidden states, or token ids whose embedding rows the GPU decodes. A
 second compute lane (schedule.lanes) has its own stream and group buffers. Short chunks read
 resident groups in place (schedule.in_place; a whole layer at once: products); a decode step's
-RoutedExperts reads experts where they lie (routed_experts); split parts hand off (split_part)."""
+RoutedExperts reads experts where they lie (routed_experts); split parts hand off (split_part).
+Copies, events and gathers: ring_ops. A layer pass holds a whole prompt's residual and moves
+the chunk's rows over it (prompt_pass)."""
 
 from __future__ import annotations
 
@@ -30,13 +32,9 @@ from ...schedule.image_cache import ImageCache
 from ...schedule.in_place import chunk_in_place
 from ...schedule.lanes import chunk_lanes, walk_rows_hint
 from ...schedule.plan import (
-    HANDOFF_EVENTS,
-    HOST,
-    RESIDENT,
     Attention,
     ChunkInput,
     Consume,
-    Copy,
     DenseCopy,
     Gather,
     GatherBatch,
@@ -47,14 +45,12 @@ from ...schedule.plan import (
     Logits,
     Op,
     Products,
-    Record,
+    PromptRows,
     RouteCopies,
     RoutedExperts,
-    Wait,
 )
 from ...schedule.residency import Residency
 from ...schedule.split import whole_part
-from ..nonfinite import NonFiniteError
 from .chunk_input import chunk_token_ids
 from .context import CudaContext
 from .device_open import open_device
@@ -63,10 +59,9 @@ from .experts.products import product_ops
 from .experts.routed_experts import RoutedExpertsRunner
 from .experts.routed_walk import RoutedWalkCopies
 from .layer_kernels import ENGINE_SOURCE, LayerKernels
+from .prompt_pass import NO_ROW, PassReplay, PromptPass, flag_error
+from .ring_ops import ring_ops
 from .split_part import PartLink, PartReplay, capture_plan
-
-#: the RMSNorm flag word when no row was flagged (rmsnorm_rows lowers it with atomicMin)
-NO_ROW = (1 << 64) - 1
 
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager
@@ -97,6 +92,10 @@ class CudaBackend:
     images = ImageCache()
     #: "tokens" where a whole model's chunks bring token ids (set at open), else "hidden"
     input_kind: InputKind = "hidden"
+    #: prompt rows a layer pass can hold (set at open: the KV cache's positions where
+    #: prefill_order asks for passes and the memory plan has room, else 0; prompt_pass)
+    pass_tokens = 0
+    _pass: PromptPass | None = None
     # set at open (device_open.open_device)
     fks: list[FormatKernels]
     in_place: InPlaceSetting
@@ -151,18 +150,21 @@ class CudaBackend:
         self.dense_ring, self.residency, self.images = o.dense_ring, o.residency, o.images
         self.walk_slots, self.tokens, self.memory = o.walk_slots, o.tokens, o.memory
         self.dev, self.kernels, self._whole = o.dev, o.kernels, o.whole
-        self.input_kind = o.input_kind
+        self.input_kind, self.pass_tokens = o.input_kind, o.pass_tokens
         dev = self._device()
+        if self.pass_tokens:
+            self._pass = PromptPass(self.rt, dev, self.spec.hidden, len(self.part.layers),
+                                    self.spec.n_experts, self.tokens, self.pass_tokens,
+                                    self.input_kind)
         self._timer = PhaseTimer(self.rt, dev.compute, dev.copy) if self.timing else None
         self._routed = RoutedExpertsRunner(self)
         self.walk_copies = RoutedWalkCopies(self.rt, self.rt.stream("switched copies"))
         self._dispatch: dict[type, Callable[[Any], None]] = {
-            Copy: self._op_copy, Record: self._op_record, Wait: self._op_wait,
-            Gather: self._op_gather, GatherBatch: self._op_gather_batch,
-            GatherRouted: self._op_gather_routed, Consume: _no_op,
-            RoutedExperts: self._routed.run, **product_ops(self),
+            **ring_ops(self), Consume: _no_op, RoutedExperts: self._routed.run,
+            **product_ops(self),
             ChunkInput: self._op_chunk_input, LayerBegin: self._op_layer_begin,
             LayerEnd: self._op_layer_end, Attention: self._op_attention,
+            PromptRows: self._op_prompt_rows,
             DenseCopy: self._op_dense_copy, Logits: self._op_logits, HandOff: self._op_handoff,
             RouteCopies: lambda op: self.walk_copies.route(op, self._device().compute,
                                                            self._bounds_ptr(op.layer)),
@@ -198,6 +200,22 @@ class CudaBackend:
             else:
                 self._whole.set_position(dev.compute, start)
 
+    def begin_pass(self, x: np.ndarray, stats: Stats, start: int) -> None:
+        """A layer pass's prompt: like begin_chunk, but x holds all its P rows (P up to
+        pass_tokens), which PromptRows ops then take chunk by chunk (prompt_pass)."""
+        pp = self._pass
+        if pp is None:
+            raise StrataError("this backend holds no layer pass: prefill_order is \"chunks\", "
+                              "the model is no whole model on one device, or its memory plan "
+                              "had no room for the prompt's residual")
+        pp.check(int(x.shape[0]), start, self.kv_capacity)
+        ids = (chunk_token_ids(x, self._whole_ops().spec.vocab)
+               if self.input_kind == "tokens" else x)
+        dev = self._begin(min(int(x.shape[0]), self.tokens), stats)
+        counts = stats.routing_counts
+        self._T = pp.begin(ids, None if counts is None else counts[self.first: self.part.end])
+        self._whole_ops().set_position(dev.compute, start)
+
     def begin_received(self, tokens: int, stats: Stats) -> None:
         self._begin(int(tokens), stats)  # the residual and position come with the HandOff
 
@@ -206,6 +224,8 @@ class CudaBackend:
             raise StrataError(f"chunk of {T} tokens; this backend's buffers hold 1.."
                               f"{self.tokens} (prefill)")
         dev = self._device()
+        if self._pass is not None:
+            self._pass.leave()  # a pass that failed midway
         if self._timer is not None and stats.chunk_index == 0:
             self._timer.reset()
         self.rt.memset_d8(dev.ptr["nonfinite"], 0xFF, 8, dev.compute)  # no row flagged yet
@@ -215,23 +235,29 @@ class CudaBackend:
         return dev
 
     def end_chunk(self, stats: Stats) -> np.ndarray:
+        """The chunk's output: rows of the pinned `io`, reused by the next chunk (the engine
+        copies them out first); after a layer pass a new array of all the prompt's rows."""
         dev = self._device()
         if self._timer is not None:
             self._timer.end_chunk()
-        io = dev.io[: self._T * self.spec.hidden].reshape(self._T, self.spec.hidden)
-        if self.part.last:
-            self.rt.memcpy_dtoh(io, dev.ptr["x"], dev.compute)
-        dev.nonfinite_host[0] = NO_ROW  # what the copy below overwrites
-        self.rt.memcpy_dtoh(dev.nonfinite_host, dev.ptr["nonfinite"], dev.compute)
-        if not self.part.last:  # the residual stays for the receiver; finish_chunk checks
-            return io[:0]
+        passing = self._passing()
+        if passing:
+            out = self._passer().read_back()
+        else:
+            out = dev.io[: self._T * self.spec.hidden].reshape(self._T, self.spec.hidden)
+            if self.part.last:
+                self.rt.memcpy_dtoh(out, dev.ptr["x"], dev.compute)
+            dev.nonfinite_host[0] = NO_ROW  # what the copy below overwrites
+            self.rt.memcpy_dtoh(dev.nonfinite_host, dev.ptr["nonfinite"], dev.compute)
+            if not self.part.last:  # the residual stays for the receiver; finish_chunk checks
+                return out[:0]
         self.finish_chunk()
-        if self._timer is not None and stats.chunk_index == stats.n_chunks - 1:
+        if self._timer is not None and (passing or stats.chunk_index == stats.n_chunks - 1):
             for phase, ms in self._timer.totals_ms.items():
                 stats.phase_s[phase] += ms / 1e3
             stats.phase_table = self._timer.table(host_s=stats.host_s)
             stats.trace = list(self._timer.trace)
-        return io  # pinned and reused: the engine copies it out before the next chunk
+        return out
 
     def finish_chunk(self) -> None:
         """Waits for the chunk; refuses it when its input or an RMSNorm input was not finite
@@ -239,12 +265,13 @@ class CudaBackend:
         dev = self._device()
         dev.compute.synchronize()
         dev.add_routing()
-        dev.input.finish()
-        flagged = int(dev.nonfinite_host[0])
-        if flagged != NO_ROW:
-            raise NonFiniteError("the RMSNorm before the MoE", flagged >> 32,
-                                 flagged & 0xFFFFFFFF, "overflows or holds NaN/Inf: the sum "
-                                 "of squares of the row is not finite (checked on the device)")
+        if self._passing():
+            self._passer().finish()  # its input, routing and flags; back to ordinary chunks
+        else:
+            dev.input.finish()
+            error = flag_error(int(dev.nonfinite_host[0]))
+            if error is not None:
+                raise error
         if self._whole is not None:  # the logits the Logits op left in pinned memory
             self._whole.finish_chunk()
 
@@ -280,11 +307,14 @@ class CudaBackend:
         for op in ops:
             dispatch[type(op)](op)
 
-    def capture(self, ops: Iterable[Op]) -> Graph | PartReplay:
-        return capture_plan(self, ops, linked=self._link is not None)
+    def capture(self, ops: Iterable[Op]) -> Graph | PartReplay | PassReplay:
+        graph = capture_plan(self, ops, linked=self._link is not None)
+        return self._passer().captured(graph) if self._passing() else graph
 
     def replay(self, replay: Replay) -> None:
         replay.launch(self._device().compute)
+        if isinstance(replay, PassReplay):
+            self._T = self._passer().replayed(replay)
 
     def synchronize(self) -> None:
         self._device().compute.synchronize()
@@ -293,6 +323,8 @@ class CudaBackend:
         """Added at the chunk's wait (finish_chunk); a split's part before the last waits now."""
         dev, counts = self._device(), stats.routing_counts
         assert counts is not None
+        if self._passing():
+            return  # a pass reads each chunk's routing back itself (prompt_pass)
         dev.routing_readback(counts[self.first: self.part.end])
         if not self.part.last:
             dev.compute.synchronize()
@@ -312,52 +344,10 @@ class CudaBackend:
     def _bounds_ptr(self, layer: int) -> int:
         return self._device().ptr["bounds"] + (layer - self.first) * (self.spec.n_experts + 1) * 4
 
-    def _src_ptr(self, g: Gather) -> int:
-        kind, idx = g.src
-        base = self._device().ptr["resident" if kind == RESIDENT else "ring"]
-        return base + idx * self.lay.slot_bytes
-
-    def _op_copy(self, op: Copy) -> None:
-        dev = self._device()
-        off = self.store.offset(op.layer, op.expert)
-        if self._timer is not None:
-            self._timer.copy_begin(f"copy L{op.layer} E{op.expert} -> slot {op.slot}")
-        nbytes = self.model.formats.layout(op.layer).blob_bytes
-        dst, src = dev.ptr["ring"] + op.slot * self.lay.slot_bytes, self.store.arena[off:]
-        if not self.walk_copies.copy(op, (s := dev.streams[op.stream]), dst, src.ctypes.data, nbytes):
-            self.rt.memcpy_htod(dst, src[:nbytes], s)
-        if self._timer is not None:
-            self._timer.copy_end()
-
-    def _op_record(self, op: Record) -> None:
-        if self._link is not None and op.event[0] in HANDOFF_EVENTS:
-            return self._link.record(op)
-        dev = self._device()
-        dev.event(op.event).record(dev.streams[op.stream])
-
-    def _op_wait(self, op: Wait) -> None:
-        if self._link is not None and op.event[0] in HANDOFF_EVENTS:
-            return self._link.wait(op)
-        if op.stream == "compute":
-            self._mark("wait copy")
-        dev = self._device()
-        dev.streams[op.stream].wait(dev.event(op.event))
-
     def _lane(self, op: Gather | GatherBatch | GatherRouted | Products
               ) -> tuple[Stream, int, int]:
         """The op's compute lane: its stream and its group buffers (gate/up, down)."""
         return self._device().lanes[op.stream]
-
-    def _op_gather(self, op: Gather) -> None:
-        s, gu, dn = self._lane(op)
-        self._mark("gather")
-        self.fks[op.layer].gather(s, self._src_ptr(op), op.pos, gu, dn)
-
-    def _op_gather_batch(self, op: GatherBatch) -> None:
-        s, gu, dn = self._lane(op)
-        self._mark("gather")
-        self.fks[op.gathers[0].layer].gather_batch(s, [self._src_ptr(g) for g in op.gathers],
-                                                   op.first_pos, gu, dn)
 
     @property
     def routed_gathers(self) -> bool:
@@ -370,19 +360,22 @@ class CudaBackend:
             self._store_dev = host_device_pointer(self.store.arena)
         return self._store_dev
 
-    def _op_gather_routed(self, op: GatherRouted) -> None:
-        base = self.store_device_address() if any(g.src[0] == HOST for g in op.gathers) else 0
-        srcs = [base + self.store.offset(g.layer, g.expert)
-                if g.src[0] == HOST else self._src_ptr(g) for g in op.gathers]
-        first = op.gathers[0]
-        s, gu, dn = self._lane(op)
-        self._mark("gather")
-        self.fks[first.layer].gather_routed(s, srcs, gu, dn, self._bounds_ptr(first.layer),
-                                            first.expert)
-
     def _op_layer_begin(self, op: LayerBegin) -> None:
-        self.kernels.route(self._device().compute, op.layer, self._T,
-                           self._bounds_ptr(op.layer), self._mark)
+        bounds = self._bounds_ptr(op.layer)
+        self.kernels.route(self._device().compute, op.layer, self._T, bounds, self._mark)
+        if self._passing():
+            self._passer().routed(op.layer - self.first, bounds)
+
+    def _op_prompt_rows(self, op: PromptRows) -> None:
+        self._T = self._passer().window(op)
+
+    def _passing(self) -> bool:
+        return self._pass is not None and self._pass.active
+
+    def _passer(self) -> PromptPass:
+        if self._pass is None:
+            raise StrataError("a layer pass's op on a backend that holds no pass")
+        return self._pass
 
     def _op_chunk_input(self, op: ChunkInput) -> None:
         """The upload waits at the gate for begin_chunk's host pass (hidden states or ids)."""
@@ -390,8 +383,10 @@ class CudaBackend:
             raise StrataError(f"{op!r}: this executor's chunks bring {self.input_kind!r} input")
         dev = self._device()
         self._mark("input")
-        dev.input.upload(self.rt, op.kind, self._T, self.spec.hidden, dev.ptr,
-                         lambda s, ids, T: self._whole_ops().embed(s, ids, T))
+        source, first, wait = (self._passer().upload_from() if self._passing()
+                               else (dev.input, 0, True))
+        source.upload(self.rt, op.kind, self._T, self.spec.hidden, dev.ptr,
+                      lambda s, ids, T: self._whole_ops().embed(s, ids, T), first, wait)
         if self.part.sends and self._whole is not None:
             self._whole.upload_position(dev.compute)
 
@@ -437,6 +432,7 @@ class CudaBackend:
     def _close(self) -> None:
         dev, self.dev = self.dev, None
         whole, self._whole = getattr(self, "_whole", None), None
+        self._pass = None
         for held in (whole, dev):
             if held is not None:
                 held.close()
