@@ -232,3 +232,26 @@ def test_layers_says_why_it_cannot_run(model, monkeypatch, rng) -> None:
 def test_prefill_order_setting(monkeypatch) -> None:
     check_engine_setting(monkeypatch, "prefill_order", "STRATA_PREFILL_ORDER", "chunks",
                          "layers", "auto", "rows", "sideways")
+
+
+def test_a_budget_holds_the_pass_residual_under_layers_or_auto(monkeypatch) -> None:
+    """The config's budget check plans the arena the backend will allocate: under
+    prefill_order layers or auto the prompt's residual of the context's rows comes out of the
+    resident experts (the 235B shape under 16 GiB; arithmetic only, nothing allocated)."""
+    from pathlib import Path
+
+    from strata_rt.config.run_config import load_config
+
+    monkeypatch.setenv("STRATA_HOST_MEMORY_CHECK", "0")
+    path = Path(__file__).resolve().parents[1] / "configs" / "qwen3-235b-a22b-whole-16g.yaml"
+    cfg = load_config(path)
+    fmt = cfg.expert_format(None)
+    plain = cfg.memory_plan(fmt)
+    assert plain is not None and plain.pass_tokens == 0
+    for order in ("layers", "auto"):
+        monkeypatch.setenv("STRATA_PREFILL_ORDER", order)
+        held = cfg.memory_plan(fmt)
+        assert held is not None and held.pass_tokens == 30720  # the config's context
+        lost = (plain.n_resident - held.n_resident) * fmt.layout(cfg.spec.hidden,
+                                                                  cfg.spec.ffn).slot_bytes
+        assert 30720 * cfg.spec.hidden * 4 <= lost < 30720 * cfg.spec.hidden * 4 + 2 * (8 << 20)

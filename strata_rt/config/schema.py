@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from ..backends.cuda.routing.kernels import ROUTINGS
 from ..errors import ConfigError, FormatError
 from ..runtime.memory import MIB
-from ..schedule.memory_plan import DEFAULT_RESERVE_MIB, MemoryPlan, plan_memory
+from ..schedule.memory_plan import DEFAULT_RESERVE_MIB, PASS_ORDERS, MemoryPlan, plan_memory
 from ..schedule.planner import AUTO_CHUNK_MAX, ring_sizes
 from ..weights.gguf_format import file_layer_formats
 from ..weights.gguf_io import open_reader, read_header
@@ -386,16 +386,19 @@ def device_memory_plan(spec: MoESpec, fmt: QuantFormat, chunk_tokens: int,
     (BudgetError when those alone do not fit); without, no expert is resident: the least any
     budget must hold. The ring is sized as the backend sizes it before the residency is known
     (every expert streaming), an upper bound of the ring it allocates once it is. whole: a
-    whole model's sizing, whose dense part the budget holds first (`dense`: its policy)."""
+    whole model's sizing, whose dense part the budget holds first (`dense`: its policy), and
+    under STRATA_PREFILL_ORDER layers or auto the layer pass's residual of the context's rows
+    (memory_plan.pass_regions), as the backend will allocate it."""
     fmt = fmt.for_variant(mmq_kernel_switch())  # the images the engine will hold
     lay = fmt.layout(spec.hidden, spec.ffn)
     ring_slots = ring_sizes(ring_bytes, lay.slot_bytes, spec.total_experts).total
     routing = env.choice("STRATA_ROUTING", ROUTINGS[0])
-    if budget_bytes is None:
-        return plan_memory(spec, lay, fmt.activation, sys.maxsize, ring_slots, chunk_tokens, 0,
-                           routing, whole, dense)
-    return plan_memory(spec, lay, fmt.activation, budget_bytes, ring_slots, chunk_tokens, None,
-                       routing, whole, dense)
+    order = env.choice("STRATA_PREFILL_ORDER", env.choices("STRATA_PREFILL_ORDER")[0])
+    passes = whole.context if whole is not None and order in PASS_ORDERS else 0
+    return plan_memory(spec, lay, fmt.activation,
+                       sys.maxsize if budget_bytes is None else budget_bytes, ring_slots,
+                       chunk_tokens, 0 if budget_bytes is None else None, routing, whole, dense,
+                       pass_tokens=passes)
 
 
 def check_budget(p: Problems, doc: dict, geom: MoESpec | None, fmt: QuantFormat | None,

@@ -138,8 +138,9 @@ def pass_refusal(ex: Executor, residency: Residency, tokens: int, chunk: int,
     if ex.pass_tokens < tokens:
         return (f"the {ex.name} backend holds {ex.pass_tokens} prompt rows for a layer pass "
                 f"and this prompt has {tokens}" + ("" if ex.pass_tokens else
-                                                  " (it was opened without prefill_order "
-                                                  "layers or auto)"))
+                                                  " (it was opened under prefill_order "
+                                                  "chunks, or its memory had no room for the "
+                                                  "prompt's residual: see the warning)"))
     if ex.walk_slots < need:
         return (f"the walk's ring holds {ex.walk_slots} expert slots and a layer streams "
                 f"{need} experts, which a layer pass keeps in the ring at once: give the ring "

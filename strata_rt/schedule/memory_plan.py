@@ -56,6 +56,11 @@ def chunk_regions(spec: MoESpec, activation: Activation, tokens: int,
     }
 
 
+#: the prefill orders (EngineConfig.prefill_order) under which a whole model's device arena
+#: holds a layer pass's residual (pass_regions); the config's budget check reads them too
+PASS_ORDERS = ("layers", "auto")
+
+
 def pass_chunks(pass_tokens: int, tokens: int) -> int:
     """Chunks of `tokens` rows a layer pass of up to `pass_tokens` rows is cut into."""
     return -(-pass_tokens // max(tokens, 1))

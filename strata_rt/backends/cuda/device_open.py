@@ -20,7 +20,13 @@ from ...runtime.memory import MIB
 from ...schedule.dense_schedule import DENSE_RING_SLOTS
 from ...schedule.image_cache import ImageCache, capacity_blocks
 from ...schedule.in_place import check_in_place
-from ...schedule.memory_plan import DEFAULT_RESERVE_MIB, MemoryPlan, plan_lanes, plan_memory
+from ...schedule.memory_plan import (
+    DEFAULT_RESERVE_MIB,
+    PASS_ORDERS,
+    MemoryPlan,
+    plan_lanes,
+    plan_memory,
+)
 from ...schedule.planner import ring_sizes
 from ...schedule.residency import Residency
 from .device_state import DeviceState
@@ -42,8 +48,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: the prefill orders under which a whole model's backend holds a layer pass's residual
-PASS_ORDERS = ("layers", "auto")
 
 
 @dataclass
