@@ -59,7 +59,8 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -148,6 +149,10 @@ def step_read_bytes(engine: Engine, position: float) -> dict[str, float]:
     }
 
 
+#: what a recorded session call returns beside its Stats (logits, or a greedy token)
+T = TypeVar("T")
+
+
 # ---------------------------------------------------------------------- one regime
 class RecordingSession(EngineSession):
     """The engine session, keeping each prefill's Stats (per-step copies and phase tables);
@@ -162,17 +167,28 @@ class RecordingSession(EngineSession):
 
     def prefill(self, token_ids: Any, all_logits: bool = False
                 ) -> tuple[np.ndarray, Stats | None]:
+        return self._recorded(token_ids, lambda: super(RecordingSession, self).prefill(
+            token_ids, all_logits))
+
+    def prefill_argmax(self, token_ids: Any) -> tuple[int, Stats | None]:
+        """A greedy step's token alone (how greedy decodes on an engine): recorded and
+        profiled as prefill is, or its steps would be neither."""
+        return self._recorded(token_ids, lambda: super(RecordingSession, self).prefill_argmax(
+            token_ids))
+
+    def _recorded(self, token_ids: Any, call: Callable[[], tuple[T, Stats | None]]
+                  ) -> tuple[T, Stats | None]:
         ranged = self.profile and len(token_ids) == 1
         if ranged:
             profiler_range(True)
         try:
-            logits, stats = super().prefill(token_ids, all_logits)
+            out, stats = call()
         finally:
             if ranged:
                 profiler_range(False)
         if stats is not None:
             self.calls.append(stats)
-        return logits, stats
+        return out, stats
 
 
 def open_regime(base: EngineConfig, whole: Any, resident: int | None, timing: bool) -> Engine:

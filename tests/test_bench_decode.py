@@ -52,6 +52,9 @@ def test_the_table_carries_llama_cpps_column_for_the_same_model(tmp_path):
     assert "-ncmoe 1 -p 0 -n 2" in peer["regimes"]["quarter"]["command"]
     assert "-ncmoe 0 -p 0 -n 2" in peer["regimes"]["all"]["command"]
     assert all(str(tmp_path) not in g["command"] for g in peer["regimes"].values())
+    for rec in doc["regimes"]:  # every greedy step's counters, not just the prompt's
+        assert len(rec["step_bytes"]) == rec["steps"] == 2
+        assert rec["host_syncs_per_step"] is not None
     head, _, *rows = doc["table"].splitlines()
     assert head.split("|")[-3:-1] == [" llama.cpp tok/s ", " ours/llama.cpp "]
     for rec, line in zip(doc["regimes"], rows, strict=True):
