@@ -255,3 +255,31 @@ def test_a_budget_holds_the_pass_residual_under_layers_or_auto(monkeypatch) -> N
         lost = (plain.n_resident - held.n_resident) * fmt.layout(cfg.spec.hidden,
                                                                   cfg.spec.ffn).slot_bytes
         assert 30720 * cfg.spec.hidden * 4 <= lost < 30720 * cfg.spec.hidden * 4 + 2 * (8 << 20)
+
+
+def test_the_final_norms_refusal_names_the_prompts_last_position(model, monkeypatch,
+                                                                  rng) -> None:
+    """A last row whose mean square overflows at the output head is named by its position in
+    either order (the head runs after the pass over the whole prompt's rows, so no chunk's
+    first row is added to it)."""
+    from strata_rt.backends.nonfinite import NonFiniteError
+    from strata_rt.backends.reference.executor import ReferenceBackend
+
+    combine, armed = ReferenceBackend._combine, [False]
+
+    def overflowing(self, h):
+        combine(self, h)
+        if armed[0] and self._state.layer == SPEC.n_layers - 1:
+            h[-1] = 1e30  # finite, but its square is not
+
+    monkeypatch.setattr(ReferenceBackend, "_combine", overflowing)
+    ids = rng.integers(0, SPEC.vocab, 45)
+    for order in ("chunks", "layers"):
+        armed[0] = False
+        with Engine.open({"model": model, "backend": "reference", "prefill": 16,
+                          "expert_cache": 24, "prefill_order": order}) as eng:
+            eng.prefill(np.asarray(ids[:5]))
+            armed[0] = True
+            with pytest.raises(NonFiniteError, match="final RMSNorm") as e:
+                eng.prefill(np.asarray(ids[5:]))
+        assert (e.value.layer, e.value.position) == (None, 44), order
