@@ -5,10 +5,11 @@ CPU: plans on random residencies, rings, lanes, gather modes, image caches and d
 the hazard checker, copy each streamed expert once, give every chunk of every layer its rows,
 Attention position and combine, and release ring slots only in a layer's last chunk; plans
 broken by hand (chunks out of prompt order, a chunk without its input, rows switched inside a
-layer, slots released by an earlier chunk) are rejected, each with its reason. On the reference
-backend the pass gives the chunk order's logits, greedy token, routing counts and residual dump
-byte for byte while streaming the experts once; the choice (chunks / layers / auto) and its
-refusals. The CUDA executor's side: tests/test_layer_pass_cuda_cpu.py and its GPU test."""
+layer, slots released by an earlier chunk, a chunk that skips a layer or stops short of the
+last) are rejected, each with its reason. On the reference backend the pass gives the chunk
+order's logits, greedy token, routing counts and residual dump byte for byte while streaming
+the experts once, and names a non-finite row by its position; the choice (chunks / layers /
+auto) and its refusals. The CUDA executor's side: tests/test_layer_pass_cuda_cpu.py and its GPU test."""
 
 from __future__ import annotations
 
@@ -35,8 +36,10 @@ from strata_rt.schedule.plan import (
     Copy,
     Gather,
     GatherBatch,
+    LayerBegin,
     LayerEnd,
     LayerPlan,
+    Products,
     PromptRows,
     Record,
 )
@@ -140,6 +143,18 @@ def test_broken_layer_passes_are_rejected(model) -> None:
     end = max(i for i, op in enumerate(c0) if isinstance(op, LayerEnd))
     _reject(_with_layer(plan, 0, head + c0[:end] + c1 + c0[end:] + c2), res,
             r"switches chunks while layer 0 of rows \[0, 8\) is routed and not combined")
+    # the last chunk skips layer 0's attention and MoE (its input and ring ops stay), or
+    # stops before layer 1: its rows would leave the pass unfinished
+    compute = (Attention, LayerBegin, LayerEnd, Gather, GatherBatch, Products)
+    _reject(_with_layer(plan, 0, head + c0 + c1 + [op for op in c2
+                                                   if not isinstance(op, compute)]), res,
+            r"opens rows \[16, 20\) at layer 1: every chunk of the pass starts at its first "
+            r"layer, 0")
+    head1, (d0, d1, d2) = _layer_chunks(plan.layers[1])
+    _reject(_with_layer(plan, 1, head1 + d0 + d1 + [
+        op for op in d2 if not isinstance(op, (*compute, PromptRows))]), res,
+        r"rows \[16, 20\) end at layer 0 \(combined\), not after the LayerEnd of the plan's "
+        r"last layer 1")
     # the same pass whose earlier chunks release their slots: the next layer's copies may
     # then overwrite experts a later chunk still gathers
     hold = ring_builder.RingBuilder._release
