@@ -5,11 +5,12 @@ CPU: plans on random residencies, rings, lanes, gather modes, image caches and d
 the hazard checker, copy each streamed expert once, give every chunk of every layer its rows,
 Attention position and combine, and release ring slots only in a layer's last chunk; plans
 broken by hand (chunks out of prompt order, a chunk without its input, rows switched inside a
-layer, slots released by an earlier chunk, a chunk that skips a layer or stops short of the
-last) are rejected, each with its reason. On the reference backend the pass gives the chunk
-order's logits, greedy token, routing counts and residual dump byte for byte while streaming
-the experts once, and names a non-finite row by its position; the choice (chunks / layers /
-auto) and its refusals. The CUDA executor's side: tests/test_layer_pass_cuda_cpu.py and its GPU test."""
+layer, slots released by an earlier chunk, a chunk that skips a layer or an Attention, or stops
+short of the last layer) are rejected, each with its reason. On the reference backend the pass
+gives the chunk order's logits, greedy token, routing counts and residual dump byte for byte
+while streaming the experts once, and names a non-finite row by its position; the choice
+(chunks / layers / auto) and its refusals. The CUDA executor's side:
+tests/test_layer_pass_cuda_cpu.py and its GPU test."""
 
 from __future__ import annotations
 
@@ -155,6 +156,10 @@ def test_broken_layer_passes_are_rejected(model) -> None:
         op for op in d2 if not isinstance(op, (*compute, PromptRows))]), res,
         r"rows \[16, 20\) end at layer 0 \(combined\), not after the LayerEnd of the plan's "
         r"last layer 1")
+    # the last chunk's layer 1 without its Attention: its keys and values never written
+    _reject(_with_layer(plan, 1, head1 + d0 + d1 + [op for op in d2
+                                                     if not isinstance(op, Attention)]), res,
+            r"layer 1's Attention reaches row 16 of the prompt's 20")
     # the same pass whose earlier chunks release their slots: the next layer's copies may
     # then overwrite experts a later chunk still gathers
     hold = ring_builder.RingBuilder._release

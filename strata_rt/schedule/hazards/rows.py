@@ -5,8 +5,8 @@ schedule.layer_pass): the order of the rows, which no ring event shows.
   and not yet combined (its routing and product rows would be the next chunk's).
 - Each chunk brings its input once (its ChunkInput), before any op that reads its rows.
 - A chunk's layers run one after another from the pass's first (none skipped), each after the
-  previous one's combine; at the plan's end the chunks tile the prompt's rows and each has
-  combined the plan's last layer (`finish`).
+  previous one's combine; at the plan's end the chunks tile the prompt's rows, each has
+  combined the plan's last layer and (a whole model) attended at every layer (`finish`).
 - Attention of layer l over a chunk's rows [a, b) needs the keys and values of every earlier
   row of the prompt at layer l: the pass's chunks of each layer run in prompt order, so the
   layer's Attention of rows [a, b) follows the one of the rows just before a.
@@ -90,7 +90,7 @@ class PromptWindows:
     def finish(self, plan: ChunkPlan) -> str | None:
         """After a plan's last op: a layer pass's chunks (none: a plain chunk) must tile its
         prompt rows (plan.tokens), each run from the plan's first layer and combined through
-        its last."""
+        its last, with an Attention at every layer (a whole model's)."""
         if not plan.layers:
             return None
         first_layer, last_layer, row = plan.layers[0].layer, plan.layers[-1].layer, 0
@@ -109,6 +109,11 @@ class PromptWindows:
             row = w[0] + w[1]
         if row not in (0, plan.tokens):
             return f"the layer pass's chunks run rows [0, {row}) of the prompt's {plan.tokens}"
+        short = [layer for layer in range(first_layer, last_layer + 1)
+                 if self.origin is not None and self.kv_row.get(layer, 0) != row]
+        if short:  # a whole model's chunk ran a layer without its Attention
+            return (f"layer {short[0]}'s Attention reaches row {self.kv_row.get(short[0], 0)} "
+                    f"of the prompt's {row}: every chunk attends at every layer")
         return None
 
     def combined(self, op: LayerEnd) -> None:
