@@ -5,10 +5,12 @@ CPU: plans on random residencies, rings, lanes, gather modes, image caches and d
 the hazard checker, copy each streamed expert once, give every chunk of every layer its rows,
 Attention position and combine, and release ring slots only in a layer's last chunk; plans
 broken by hand (chunks out of prompt order, a chunk without its input, rows switched inside a
-layer, slots released by an earlier chunk) are rejected, each with its reason. On the reference
-backend the pass gives the chunk order's logits, greedy token, routing counts and residual dump
-byte for byte while streaming the experts once; the choice (chunks / layers / auto) and its
-refusals. The CUDA executor's side: tests/test_layer_pass_cuda_cpu.py and its GPU test."""
+layer, slots released by an earlier chunk, a chunk that skips a layer or an Attention, or stops
+short of the last layer) are rejected, each with its reason. On the reference backend the pass
+gives the chunk order's logits, greedy token, routing counts and residual dump byte for byte
+while streaming the experts once, and names a non-finite row by its position; the choice
+(chunks / layers / auto) and its refusals. The CUDA executor's side:
+tests/test_layer_pass_cuda_cpu.py and its GPU test."""
 
 from __future__ import annotations
 
@@ -35,8 +37,10 @@ from strata_rt.schedule.plan import (
     Copy,
     Gather,
     GatherBatch,
+    LayerBegin,
     LayerEnd,
     LayerPlan,
+    Products,
     PromptRows,
     Record,
 )
@@ -140,6 +144,22 @@ def test_broken_layer_passes_are_rejected(model) -> None:
     end = max(i for i, op in enumerate(c0) if isinstance(op, LayerEnd))
     _reject(_with_layer(plan, 0, head + c0[:end] + c1 + c0[end:] + c2), res,
             r"switches chunks while layer 0 of rows \[0, 8\) is routed and not combined")
+    # the last chunk skips layer 0's attention and MoE (its input and ring ops stay), or
+    # stops before layer 1: its rows would leave the pass unfinished
+    compute = (Attention, LayerBegin, LayerEnd, Gather, GatherBatch, Products)
+    _reject(_with_layer(plan, 0, head + c0 + c1 + [op for op in c2
+                                                   if not isinstance(op, compute)]), res,
+            r"opens rows \[16, 20\) at layer 1: every chunk of the pass starts at its first "
+            r"layer, 0")
+    head1, (d0, d1, d2) = _layer_chunks(plan.layers[1])
+    _reject(_with_layer(plan, 1, head1 + d0 + d1 + [
+        op for op in d2 if not isinstance(op, (*compute, PromptRows))]), res,
+        r"rows \[16, 20\) end at layer 0 \(combined\), not after the LayerEnd of the plan's "
+        r"last layer 1")
+    # the last chunk's layer 1 without its Attention: its keys and values never written
+    _reject(_with_layer(plan, 1, head1 + d0 + d1 + [op for op in d2
+                                                     if not isinstance(op, Attention)]), res,
+            r"layer 1's Attention reaches row 16 of the prompt's 20")
     # the same pass whose earlier chunks release their slots: the next layer's copies may
     # then overwrite experts a later chunk still gathers
     hold = ring_builder.RingBuilder._release
@@ -255,3 +275,31 @@ def test_a_budget_holds_the_pass_residual_under_layers_or_auto(monkeypatch) -> N
         lost = (plain.n_resident - held.n_resident) * fmt.layout(cfg.spec.hidden,
                                                                   cfg.spec.ffn).slot_bytes
         assert 30720 * cfg.spec.hidden * 4 <= lost < 30720 * cfg.spec.hidden * 4 + 2 * (8 << 20)
+
+
+def test_the_final_norms_refusal_names_the_prompts_last_position(model, monkeypatch,
+                                                                  rng) -> None:
+    """A last row whose mean square overflows at the output head is named by its position in
+    either order (the head runs after the pass over the whole prompt's rows, so no chunk's
+    first row is added to it)."""
+    from strata_rt.backends.nonfinite import NonFiniteError
+    from strata_rt.backends.reference.executor import ReferenceBackend
+
+    combine, armed = ReferenceBackend._combine, [False]
+
+    def overflowing(self, h):
+        combine(self, h)
+        if armed[0] and self._state.layer == SPEC.n_layers - 1:
+            h[-1] = 1e30  # finite, but its square is not
+
+    monkeypatch.setattr(ReferenceBackend, "_combine", overflowing)
+    ids = rng.integers(0, SPEC.vocab, 45)
+    for order in ("chunks", "layers"):
+        armed[0] = False
+        with Engine.open({"model": model, "backend": "reference", "prefill": 16,
+                          "expert_cache": 24, "prefill_order": order}) as eng:
+            eng.prefill(np.asarray(ids[:5]))
+            armed[0] = True
+            with pytest.raises(NonFiniteError, match="final RMSNorm") as e:
+                eng.prefill(np.asarray(ids[5:]))
+        assert (e.value.layer, e.value.position) == (None, 44), order

@@ -212,6 +212,9 @@ class ReferenceBackend:
         return np.diff(self._state.bounds)
 
     def execute(self, ops: Iterable[Op], stats: Stats, counts: np.ndarray | None) -> None:
+        # the ops act on every row until a PromptRows picks a chunk's (a pass's Logits after
+        # its layers reads the prompt's rows, numbered from its first)
+        self._row0 = 0
         self._execute(ops, self._h, stats)
 
     def lanes_for(self, tokens: int) -> int:

@@ -18,8 +18,8 @@ with their index in the chunk's op list):
   while its entry >= consumed + ring, and a wait cycle (entry k needed before Copy(k));
 - an op reading the hidden states ahead of the chunk's ChunkInput, a second ChunkInput, one of
   an unknown kind, or of token ids where a layer opens without its Attention (no embedding);
-- (a layer pass) rows switched inside a layer, a chunk's layers out of order, a layer's
-  Attention over rows whose earlier rows' keys it has not written (strata_rt.schedule.hazards.rows);
+- (a layer pass) rows switched inside a layer, a chunk's layers out of order or skipped, an
+  Attention before its earlier rows' keys, chunks not covering the prompt (hazards.rows);
 - Products reading a group-buffer position of its lane that does not hold the expert it names
   (each lane has its own set), image-cache blocks or resident slots that do not hold its
   experts, a LayerProducts whose parts do not cover its layer once, a RoutedExperts whose
@@ -446,6 +446,7 @@ def check(plan: ChunkPlan | LayerPlan, residency: Residency | None = None,
         checker = Checker(plan.ring_slots, residency, images)
         for lp in plan.layers:
             checker.feed(lp.ops)
+        checker._check(checker.rows.finish(plan))  # a pass's chunks: the prompt, every layer
     else:
         if ring_slots is None:
             raise ValueError("checking a LayerPlan alone needs ring_slots")

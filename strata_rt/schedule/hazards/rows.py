@@ -4,7 +4,9 @@ schedule.layer_pass): the order of the rows, which no ring event shows.
 - A PromptRows may switch chunks only between layers: with no layer of the current chunk routed
   and not yet combined (its routing and product rows would be the next chunk's).
 - Each chunk brings its input once (its ChunkInput), before any op that reads its rows.
-- A chunk's layers run in ascending order, each after the previous one's combine.
+- A chunk's layers run one after another from the pass's first (none skipped), each after the
+  previous one's combine; at the plan's end the chunks tile the prompt's rows, each has
+  combined the plan's last layer and (a whole model) attended at every layer (`finish`).
 - Attention of layer l over a chunk's rows [a, b) needs the keys and values of every earlier
   row of the prompt at layer l: the pass's chunks of each layer run in prompt order, so the
   layer's Attention of rows [a, b) follows the one of the rows just before a.
@@ -16,7 +18,7 @@ input rule applies (a second ChunkInput is refused). Each check returns its prob
 
 from __future__ import annotations
 
-from ..plan import Attention, LayerBegin, LayerEnd, PromptRows
+from ..plan import Attention, ChunkPlan, LayerBegin, LayerEnd, PromptRows
 
 #: the chunk a plan's ops act on: (first row, rows) of a layer pass, None for a plain chunk
 Window = tuple[int, int] | None
@@ -36,6 +38,7 @@ class PromptWindows:
         self.inputs: dict[Window, int] = {None: -1} if input_arrived else {}
         self.last_layer: dict[Window, tuple[int, bool]] = {}  # window -> (layer, combined)
         self.origin: int | None = None  # the prompt's first position (a pass's)
+        self.first_layer: int | None = None  # the layer every chunk of a pass starts at
         self.kv_row: dict[int, int] = {}  # layer -> rows of the prompt its Attention has run
 
     def switch(self, i: int, op: PromptRows, open_layers: list[int]) -> str | None:
@@ -71,12 +74,46 @@ class PromptWindows:
         last = self.last_layer.get(self.window)
         if last is not None and last[0] == op.layer and not last[1]:
             return None  # the LayerBegin after the layer's Attention
-        if last is not None and (op.layer <= last[0] or not last[1]):
+        if self.first_layer is None:
+            self.first_layer = op.layer
+        if last is None and op.layer != self.first_layer:
+            return (f"op #{i} {op!r} opens {_rows(self.window)} at layer {op.layer}: every "
+                    f"chunk of the pass starts at its first layer, {self.first_layer}")
+        if last is not None and (op.layer != last[0] + 1 or not last[1]):
             state = "combined" if last[1] else "not combined yet"
             return (f"op #{i} {op!r} runs on {_rows(self.window)} after its layer {last[0]} "
-                    f"({state}): a chunk's layers run in ascending order, each after the "
-                    "previous one's LayerEnd")
+                    f"({state}): a chunk's layers run one after another, none skipped, each "
+                    "after the previous one's LayerEnd")
         self.last_layer[self.window] = (op.layer, False)
+        return None
+
+    def finish(self, plan: ChunkPlan) -> str | None:
+        """After a plan's last op: a layer pass's chunks (none: a plain chunk) must tile its
+        prompt rows (plan.tokens), each run from the plan's first layer and combined through
+        its last, with an Attention at every layer (a whole model's)."""
+        if not plan.layers:
+            return None
+        first_layer, last_layer, row = plan.layers[0].layer, plan.layers[-1].layer, 0
+        if self.first_layer not in (None, first_layer):
+            return (f"the layer pass's chunks start at layer {self.first_layer}, not at the "
+                    f"plan's first, {first_layer}")
+        for w in sorted(w for w in self.last_layer if w is not None):
+            if w[0] != row:
+                return (f"the layer pass's chunks leave rows [{row}, {w[0]}) of the prompt to "
+                        "no chunk, or run rows twice")
+            if self.last_layer[w] != (last_layer, True):
+                layer, combined = self.last_layer[w]
+                return (f"{_rows(w)} end at layer {layer} ({'' if combined else 'not '}"
+                        f"combined), not after the LayerEnd of the plan's last layer "
+                        f"{last_layer}")
+            row = w[0] + w[1]
+        if row not in (0, plan.tokens):
+            return f"the layer pass's chunks run rows [0, {row}) of the prompt's {plan.tokens}"
+        short = [layer for layer in range(first_layer, last_layer + 1)
+                 if self.origin is not None and self.kv_row.get(layer, 0) != row]
+        if short:  # a whole model's chunk ran a layer without its Attention
+            return (f"layer {short[0]}'s Attention reaches row {self.kv_row.get(short[0], 0)} "
+                    f"of the prompt's {row}: every chunk attends at every layer")
         return None
 
     def combined(self, op: LayerEnd) -> None:
