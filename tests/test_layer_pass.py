@@ -303,3 +303,21 @@ def test_the_final_norms_refusal_names_the_prompts_last_position(model, monkeypa
             with pytest.raises(NonFiniteError, match="final RMSNorm") as e:
                 eng.prefill(np.asarray(ids[5:]))
         assert (e.value.layer, e.value.position) == (None, 44), order
+
+
+def test_a_whole_resident_layer_merges_its_products_per_chunk(model) -> None:
+    """Table products in a pass: each chunk of a layer whose experts are all resident (read in
+    place) gets its own LayerProducts; layers that stream keep their groups."""
+    from strata_rt.schedule.layer_products import merge_layer_products
+    from strata_rt.schedule.plan import LayerProducts, Products
+
+    pairs = [(0, e) for e in range(SPEC.n_experts)] + [(1, 3)]
+    res = Residency(SPEC.n_layers, SPEC.n_experts, pairs, 256)
+    chunks = windows(20, 8)
+    plan = merge_layer_products(_pass(res, ring_need(res, range(SPEC.n_layers)), chunks,
+                                      in_place=True), SPEC.n_experts, lambda layer: True)
+    check(plan, res)
+    first, second = plan.layers
+    assert sum(isinstance(op, LayerProducts) for op in first.ops) == len(chunks)
+    assert not any(isinstance(op, Products) for op in first.ops)
+    assert not any(isinstance(op, LayerProducts) for op in second.ops)

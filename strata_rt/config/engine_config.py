@@ -65,6 +65,13 @@ def mmq_kernel_switch() -> str | None:
     return env.text("STRATA_MMQ_KERNEL")
 
 
+def prefill_order_switch() -> str:
+    """STRATA_PREFILL_ORDER ("chunks" when unset): what `prefill_order` resolves to, also read
+    by a run config's budget check, which holds a layer pass's residual under layers or auto
+    as the backend will."""
+    return env.choice("STRATA_PREFILL_ORDER", PREFILL_ORDERS[0])
+
+
 def dense_gemm_switch() -> str:
     """STRATA_DENSE_GEMM ("cublas" when unset): what `dense_gemm` resolves to, also read by a
     run config's checks, which size a whole model's dense workspace before the engine opens."""
@@ -369,7 +376,7 @@ class EngineConfig:
         if self.copy_chains is None:
             self.copy_chains = env.choice("STRATA_COPY_CHAINS", COPY_CHAIN_COUNTS[0])
         if self.prefill_order is None:
-            self.prefill_order = env.choice("STRATA_PREFILL_ORDER", PREFILL_ORDERS[0])
+            self.prefill_order = prefill_order_switch()
         if self.cuda_graph is None:
             self.cuda_graph = env.flag("STRATA_CUDA_GRAPH", default=True)
         if self.dense_gemm is None:

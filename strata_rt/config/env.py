@@ -19,8 +19,8 @@ Where each is read (tests/test_switches.py holds every module to it):
   STRATA_COMPUTE_LANES, STRATA_IN_PLACE, STRATA_CUDA_GRAPH, STRATA_ROUTING, STRATA_DENSE_GEMM,
   STRATA_EMBEDDING, STRATA_F16_GEMM and STRATA_STORE_MEMORY.
   A run config's checks (config/schema.py, config/whole.py) size the engine before it exists:
-  they take STRATA_MMQ_KERNEL, STRATA_DENSE_GEMM and STRATA_EMBEDDING through engine_config's
-  readers, and
+  they take STRATA_MMQ_KERNEL, STRATA_DENSE_GEMM, STRATA_EMBEDDING and STRATA_PREFILL_ORDER
+  through engine_config's readers, and
   config/schema.py reads STRATA_ROUTING for the router's buffers.
 - process switches, which say where the process finds its tools and plugins or which checks
   it runs rather than what an engine computes, stay where they are used: STRATA_KERNEL_CACHE

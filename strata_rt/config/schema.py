@@ -28,7 +28,7 @@ from ..weights.gguf_format import file_layer_formats
 from ..weights.gguf_io import open_reader, read_header
 from ..weights.model import MoESpec
 from . import env
-from .engine_config import mmq_kernel_switch
+from .engine_config import mmq_kernel_switch, prefill_order_switch
 from .host_parts import GGUF_STAGED_LAYERS, host_memory_parts, host_memory_problem
 from .hostmem import MAX_MACHINE
 from .input_files import InputFileError, path_text_problem, regular_file_problem, user_path
@@ -393,8 +393,7 @@ def device_memory_plan(spec: MoESpec, fmt: QuantFormat, chunk_tokens: int,
     lay = fmt.layout(spec.hidden, spec.ffn)
     ring_slots = ring_sizes(ring_bytes, lay.slot_bytes, spec.total_experts).total
     routing = env.choice("STRATA_ROUTING", ROUTINGS[0])
-    order = env.choice("STRATA_PREFILL_ORDER", env.choices("STRATA_PREFILL_ORDER")[0])
-    passes = whole.context if whole is not None and order in PASS_ORDERS else 0
+    passes = whole.context if whole is not None and prefill_order_switch() in PASS_ORDERS else 0
     return plan_memory(spec, lay, fmt.activation,
                        sys.maxsize if budget_bytes is None else budget_bytes, ring_slots,
                        chunk_tokens, 0 if budget_bytes is None else None, routing, whole, dense,

@@ -15,7 +15,7 @@ Pure Python: the driver applies it right after planning, and the tests apply it 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 
 from ..errors import ConfigError
@@ -29,6 +29,7 @@ from .plan import (
     LayerProducts,
     Op,
     Products,
+    PromptRows,
     RoutedExperts,
 )
 
@@ -52,22 +53,30 @@ def merge_layer(lp: LayerPlan, n_experts: int) -> LayerPlan:
     """The layer with its in-place Products replaced by one LayerProducts on the main lane, at
     the position of the first of them (every other op where it was), when they cover experts
     0..n_experts-1 exactly once and the layer gathers or multiplies nothing else; otherwise
-    the layer itself."""
-    parts = [op for op in lp.ops if isinstance(op, Products)]
-    if not parts or any(isinstance(op, _OTHERS) for op in lp.ops):
+    the layer itself. A layer pass's layer (schedule.layer_pass) is merged chunk by chunk:
+    each PromptRows opens a part judged on its own."""
+    cuts = [i for i, op in enumerate(lp.ops) if isinstance(op, PromptRows)]
+    bounds = sorted({0, *cuts, len(lp.ops)})
+    parts = [lp.ops[a:b] for a, b in zip(bounds, bounds[1:])]
+    merged = [_merged(lp.layer, part, n_experts) for part in parts]
+    if all(m is None for m in merged):
         return lp
-    if any(p.layer != lp.layer or p.slots is None or p.cached is not None for p in parts):
-        return lp
+    return LayerPlan(lp.layer, tuple(op for part, m in zip(parts, merged)
+                                     for op in (part if m is None else m)))
+
+
+def _merged(layer: int, ops: Sequence[Op], n_experts: int) -> list[Op] | None:
+    """merge_layer's rule over one chunk's ops of the layer (None: left as they are)."""
+    parts = [op for op in ops if isinstance(op, Products)]
+    if not parts or any(isinstance(op, _OTHERS) for op in ops):
+        return None
+    if any(p.layer != layer or p.slots is None or p.cached is not None for p in parts):
+        return None
     if sorted(e for p in parts for e in p.expert_ids) != list(range(n_experts)):
-        return lp
-    merged = LayerProducts(lp.layer, tuple(replace(p, stream=LANES[0]) for p in parts))
-    ops: list[Op] = []
-    for op in lp.ops:
-        if not isinstance(op, Products):
-            ops.append(op)
-        elif op is parts[0]:
-            ops.append(merged)
-    return LayerPlan(lp.layer, tuple(ops))
+        return None
+    table = LayerProducts(layer, tuple(replace(p, stream=LANES[0]) for p in parts))
+    return [table if op is parts[0] else op for op in ops
+            if not isinstance(op, Products) or op is parts[0]]
 
 
 def table_layers(setting: str | None, offered: Callable[[int], bool],

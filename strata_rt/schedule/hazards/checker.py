@@ -121,9 +121,8 @@ class Checker:
         #: lane -> its group buffers: pos -> what the position holds
         self.buffers: dict[str, dict[int, Held]] = {lane: {} for lane in LANES}
         self.n = 0                                 # ops seen
-        #: the rows the ops act on (a layer pass's chunks), where each chunk's input
-        #: arrived (hazards.rows); the input's kind (None: unknown), and the layers whose
-        #: Attention ran (a whole model's)
+        #: the rows the ops act on and each chunk's input (hazards.rows); the input's kind
+        #: (None: unknown), and the layers whose Attention ran (a whole model's)
         self.rows = PromptWindows(input_arrived)
         self.input_kind: str | None = None
         self.attended: set[int] = set()
@@ -210,8 +209,7 @@ class Checker:
         elif isinstance(op, RouteCopies):
             self._check(self.switches.route(i, op, self._tick(op.stream), self.begun))
         elif isinstance(op, PromptRows):
-            open_layers = [layer for layer in self.begun if layer not in self.ended]
-            self._check(self.rows.switch(i, op, open_layers))
+            self._check(self.rows.switch(i, op, [n for n in self.begun if n not in self.ended]))
             self.begun, self.ended = {}, {}  # the next chunk routes and combines anew
             self._tick(op.stream)
         elif isinstance(op, ChunkInput):
