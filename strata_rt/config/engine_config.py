@@ -26,6 +26,7 @@ from ..errors import ConfigError
 from ..schedule.image_cache import ImageCacheSetting, check_setting, parse_setting
 from ..schedule.in_place import InPlaceSetting, parse_in_place
 from ..schedule.lanes import LanesSetting, parse_lanes
+from ..schedule.layer_pass import order_refusal
 from ..schedule.residency import RoutingProfile
 from ..schedule.split import parse_devices
 from . import env
@@ -338,6 +339,8 @@ class EngineConfig:
             problems += self._output_problems()
         if problems:
             raise ConfigError(problems, source="engine config")
+        given = {name for name in ("prefill_order", "prefill_stream")
+                 if getattr(self, name) is not None}
         if self.gather_one is None:
             self.gather_one = env.flag("STRATA_PREFILL_GATHER_ONE")
         if self.walk_min_tokens is None:
@@ -391,6 +394,9 @@ class EngineConfig:
             self.f16_gemm = env.choice("STRATA_F16_GEMM", F16_GEMMS[0])
         if self.store_memory is None:
             self.store_memory = env.choice("STRATA_STORE_MEMORY", STORE_MEMORIES[0])
+        why = order_refusal(self, given)
+        if why is not None:
+            raise ConfigError(why, source="engine config")
         return self
 
 
