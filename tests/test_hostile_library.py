@@ -1,6 +1,7 @@
 """Hostile inputs from a library caller (Engine.open's settings and model dict, prefill's
-arrays): each a ConfigError naming what was given and what is allowed, never a TypeError or
-ValueError from deep inside, or a numpy warning."""
+arrays) and command-line flags given empty: each a ConfigError naming what was given and
+what is allowed (exit 2 on the command line), never a TypeError or ValueError from deep
+inside, a numpy warning, or a flag taken as absent."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import warnings
 
 import numpy as np
 import pytest
+import yaml
+from test_hostile_inputs import refused, write
 
 from strata_rt.config.engine_config import EngineConfig
 from strata_rt.engine import Engine
@@ -18,6 +21,12 @@ from strata_rt.weights.model import MoESpec
 MOE = MoESpec(n_layers=1, hidden=256, ffn=256, n_experts=4, top_k=2)
 WHOLE = Qwen3Spec(n_layers=1, hidden=256, n_heads=2, n_kv_heads=1, head_dim=32, vocab=300,
                   ffn=256, n_experts=4, top_k=2, context=32)
+#: a whole model of 32 positions, as a run config
+WHOLE_TEXT = yaml.safe_dump({
+    "model": {"synthetic": {"n_layers": 1, "hidden": 256, "ffn": 256, "n_experts": 4,
+                            "top_k": 2, "n_heads": 2, "n_kv_heads": 1, "head_dim": 32,
+                            "vocab": 512, "context": 32, "seed": 1}},
+    "format": "iq3_xxs", "backend": "reference", "expert_cache": 2, "prompts": [5]})
 
 
 @pytest.mark.parametrize("settings", ["run.yaml", None, [("model", MOE)],
@@ -100,3 +109,28 @@ def test_hidden_states_of_no_real_type(hidden, words) -> None:
             eng.prefill(hidden)
         out, _ = eng.prefill(np.ones((3, 256), np.int16))  # integers are numbers
     assert out.dtype == np.float32 and out.shape == (3, 256)
+
+
+@pytest.mark.parametrize("args, words", [
+    (["run", "RUN", "--prompts", ""], "--prompts: got ''; expected comma-separated"),
+    (["run", "RUN", "--devices", ""], "--devices: got ''; expected device indices"),
+    (["generate", "RUN", "--prompt", "hi", "--devices", ""], "--devices: got ''"),
+    (["generate", "RUN", "--prompt-file", ""], "--prompt-file: the path is empty; expected "
+                                               "a UTF-8 text file"),
+    (["perplexity", "RUN", "--file", ""], "--file: the path is empty"),
+    (["inspect", ""], "FILE: the path is empty; give a GGUF file"),
+])
+def test_a_flag_given_empty(tmp_path, capsys, args, words) -> None:
+    """--prompts "" and --devices "" were taken as absent (the config's prompts and devices
+    ran); an empty file path was read as the current folder ("is a folder", ".")."""
+    cfg = str(write(tmp_path, WHOLE_TEXT))
+    refused(capsys, [cfg if a == "RUN" else a for a in args], words)
+
+
+def test_prompts_past_the_context_are_refused_before_the_run(tmp_path, capsys) -> None:
+    """--prompts longer than the KV cache was refused only once the engine had opened, by
+    prefill, blaming `prefill` and telling a command-line user to reset() the engine."""
+    cfg = str(write(tmp_path, WHOLE_TEXT))
+    err = refused(capsys, ["run", cfg, "--prompts", "5,33"], "--prompts: got a prompt of 33 "
+                  "tokens; the KV cache holds 32 positions: give at most 32")
+    assert "reset()" not in err
