@@ -40,9 +40,9 @@ import numpy as np
 from .backends.cuda.chunk_input import input_not_finite
 from .backends.nonfinite import NonFiniteError, check_finite
 from .config import hostmem
-from .config.engine_config import EngineConfig
+from .config.engine_config import EngineConfig, settings
 from .config.paths import DUMP_STRIDE, output_target
-from .config.prompts import check_token_ids
+from .config.prompts import check_hidden_states, check_token_ids
 from .errors import ConfigError
 from .formats.contract import QuantFormat
 from .host.host_copy import all_finite, copy_into, prefault
@@ -71,14 +71,16 @@ __all__ = ["Engine", "load_model", "read_dump"]
 log = logging.getLogger(__name__)
 
 
-def check_mmq_kernel(fmt: QuantFormat, kernel: str | None) -> None:
-    """Refuses an MMQ variant (EngineConfig.mmq_kernel, STRATA_MMQ_KERNEL) the format does not
-    offer. Only the CUDA kernels of a format with variants run it, so without this check a
-    typo would be ignored silently on the reference backend and for every other format."""
+def check_mmq_kernel(fmt: QuantFormat, kernel: str | None,
+                     where: str = "STRATA_MMQ_KERNEL") -> None:
+    """Refuses an MMQ variant (EngineConfig.mmq_kernel, STRATA_MMQ_KERNEL: `where` says which
+    gave it) the format does not offer. Only the CUDA kernels of a format with variants run it,
+    so without this check a typo would be ignored silently on the reference backend and for
+    every other format."""
     variants = fmt.mmq_variants()
     if kernel is not None and kernel not in variants:
-        raise ConfigError(f"STRATA_MMQ_KERNEL={kernel!r}: format {fmt.name} offers "
-                          f"{', '.join(variants)}", source="environment")
+        raise ConfigError(f"{where}={kernel!r}: format {fmt.name} offers {', '.join(variants)}",
+                          source="environment" if where.isupper() else "engine config")
 
 
 def with_variant(model: Model, name: str | None) -> Model:
@@ -176,11 +178,11 @@ class Engine:
 
     @classmethod
     def open(cls, config: EngineConfig | dict) -> Engine:
-        cfg = config if isinstance(config, EngineConfig) else EngineConfig(**config)
+        cfg = config if isinstance(config, EngineConfig) else EngineConfig(**settings(config))
         cfg.resolve()
         model, whole = load_model(cfg.model)
         for fmt, _ in model.formats.distinct():
-            check_mmq_kernel(fmt, cfg.mmq_kernel)
+            check_mmq_kernel(fmt, cfg.mmq_kernel, cfg._mmq_kernel_from)
         model = with_variant(model, cfg.mmq_kernel)
         spec, slot = model.spec, model.layout.slot_bytes
         cfg.check_dump(spec.hidden)  # before the engine empties the file dump_r names
@@ -376,12 +378,7 @@ class Engine:
         t0 = time.perf_counter()
         self._open_backend()
         spec = self.model.spec
-        h = np.asarray(hidden)
-        if h.ndim != 2 or h.shape[1] != spec.hidden:
-            raise ConfigError(f"prefill input has shape {h.shape}; expected [tokens, "
-                              f"{spec.hidden}] hidden states", source="prefill")
-        with np.errstate(over="ignore"):  # what overflows float32 is refused as infinity
-            h = np.ascontiguousarray(h, dtype=np.float32)
+        h = check_hidden_states(hidden, spec.hidden)
         T, C = h.shape[0], self.chunk_tokens
         stats, partial = self._start_stats(T, record_routing, open_dump=False)
         n_chunks = stats.n_chunks

@@ -22,7 +22,7 @@ from _settings import check_engine_setting
 from test_routed_walk import MOE, SPEC, _random_scenario
 
 from strata_rt.engine import Engine
-from strata_rt.errors import PlanHazardError, StrataError
+from strata_rt.errors import ConfigError, PlanHazardError, StrataError
 from strata_rt.models.qwen3 import Qwen3Model
 from strata_rt.schedule import ring_builder
 from strata_rt.schedule.dense_schedule import DenseSchedule
@@ -247,6 +247,33 @@ def test_layers_says_why_it_cannot_run(model, monkeypatch, rng) -> None:
     monkeypatch.setenv("STRATA_PREFILL_STREAM", "routed")
     with pytest.raises(StrataError, match="prefill_order layers: prefill_stream routed streams"):
         _engine_runs(model, ids, "layers", monkeypatch)
+
+
+@pytest.mark.parametrize("conf, env, words", [
+    ({"prefill_stream": "routed"}, {}, r"prefill_stream routed streams each chunk's routed "
+     r"experts, .*\(prefill_order: layers, prefill_stream: routed\)"),
+    ({}, {"STRATA_PREFILL_STREAM": "routed_walk"}, r"\(prefill_order: layers, "
+     r"STRATA_PREFILL_STREAM: routed_walk\)"),
+    ({"devices": [0, 0], "repeat_devices": True}, {}, r"a layer split runs each device's "
+     r"layers chunk by chunk \(prefill_order: layers, devices: 0,0\)"),
+])
+def test_layers_that_no_prompt_can_take_are_refused_at_open(model, monkeypatch, conf, env,
+                                                            words) -> None:
+    """prefill_order layers beside a setting no layer pass runs under was refused only at
+    the first prompt of several chunks, after the shorter prompts before it had run."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError, match=words + "; with it, prefill_order takes chunks or "
+                       "auto"):
+        Engine.open({"model": model, "backend": "reference", "prefill": 16,
+                     "expert_cache": 24, "prefill_order": "layers", **conf})
+    monkeypatch.setenv("STRATA_PREFILL_ORDER", "layers")
+    with pytest.raises(ConfigError, match="STRATA_PREFILL_ORDER: layers"):
+        Engine.open({"model": model, "backend": "reference", "prefill": 16,
+                     "expert_cache": 24, **conf})
+    for order in ("chunks", "auto"):  # both run the chunk order there
+        Engine.open({"model": model, "backend": "reference", "prefill": 16,
+                     "expert_cache": 24, "prefill_order": order, **conf}).close()
 
 
 def test_prefill_order_setting(monkeypatch) -> None:

@@ -99,11 +99,12 @@ def parse_prompts(text: str) -> list[int]:
 
 def load(args: argparse.Namespace) -> Config:
     cfg = load_config(args.config)
-    if getattr(args, "prompts", None):
+    # a flag given empty is refused by its parser, not taken as absent
+    if getattr(args, "prompts", None) is not None:
         cfg = cfg.with_prompt_lengths(parse_prompts(args.prompts))
     if getattr(args, "backend", None):
         cfg = cfg.with_backend(args.backend)
-    if getattr(args, "devices", None):
+    if getattr(args, "devices", None) is not None:
         from ..schedule.split import parse_devices
 
         cfg = cfg.with_devices(parse_devices(args.devices, "--devices"))

@@ -48,6 +48,9 @@ def read_text(option: str, value: str, limit: int = TEXT_LIMIT) -> str:
     """The UTF-8 text of a file named on the command line (ConfigError naming the option and
     what the path is when it cannot be: missing, a folder, a FIFO or device, binary, not
     UTF-8, larger than `limit`)."""
+    if not value:  # Path("") is the current folder
+        raise ConfigError(f"{option}: the path is empty; expected a UTF-8 text file",
+                          source="command line")
     try:
         return input_text(user_path(value), limit, "a UTF-8 text file")
     except InputFileError as e:

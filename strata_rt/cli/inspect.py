@@ -26,6 +26,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         raise ConfigError(f"--budget-gib: got {args.budget_gib:g}; expected a VRAM size in "
                           f"GiB > 0 and at most {MAX_BUDGET_GIB:,} (1 PiB), e.g. 24",
                           source="command line")
+    if not args.file:  # Path("") is the current folder
+        raise ConfigError("FILE: the path is empty; give a GGUF file", source="command line")
     path = Path(args.file)
     # a file it cannot read at all raises here; a FIFO, device or symlink loop is named before
     # anything opens it (gguf_header)

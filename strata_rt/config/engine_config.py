@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import difflib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,6 +26,7 @@ from ..errors import ConfigError
 from ..schedule.image_cache import ImageCacheSetting, check_setting, parse_setting
 from ..schedule.in_place import InPlaceSetting, parse_in_place
 from ..schedule.lanes import LanesSetting, parse_lanes
+from ..schedule.layer_pass import order_refusal
 from ..schedule.residency import RoutingProfile
 from ..schedule.split import parse_devices
 from . import env
@@ -189,6 +190,8 @@ class EngineConfig:
     _profile: RoutingProfile | None = field(default=None, repr=False)
     #: how dump_r was given, for its problems: the field, or its switch
     _dump_r_from: str = field(default="dump_r", repr=False)
+    #: how mmq_kernel was given, for its refusal (engine.check_mmq_kernel)
+    _mmq_kernel_from: str = field(default="mmq_kernel", repr=False)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:  # noqa: D107 (see _check_keys)
         _check_keys(kwargs, len(args))
@@ -220,9 +223,15 @@ class EngineConfig:
         w = self.walk_min_tokens
         if w is not None and not _whole(w, 1, 1 << 31):
             problems.append(f"walk_min_tokens: got {w!r}; allowed: a number of tokens >= 1")
-        for name in ("gather_one", "check_plan", "timing"):
+        for name in ("gather_one", "check_plan", "timing", "cuda_graph", "repeat_devices"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 problems.append(f"{name}: got {getattr(self, name)!r}; allowed: true or false")
+        if self.mmq_kernel is not None and not isinstance(self.mmq_kernel, str):
+            problems.append(f"mmq_kernel: got {self.mmq_kernel!r}; allowed: a variant's name "
+                            "(`strata plugins` lists them)")
+        if self.progress is not None and not callable(self.progress):
+            problems.append(f"progress: got {self.progress!r}; allowed: a function called as "
+                            "progress(chunk, n_chunks, layer, n_layers)")
         return problems
 
     def _output_problems(self) -> list[str]:
@@ -311,6 +320,8 @@ class EngineConfig:
                 self.in_place = parse_in_place(self.in_place)
             except ConfigError as e:
                 problems.extend(e.problems)
+        if _whole(self.copy_chains, 1, len(COPY_CHAIN_COUNTS)):  # a count, as an int
+            self.copy_chains = str(self.copy_chains)
         if self.ring_bytes is not None and not _whole(self.ring_bytes, 1, 1 << 50):
             problems.append(f"ring_bytes: got {self.ring_bytes!r}; allowed: a positive size "
                             "(at most 1 PiB)")
@@ -335,6 +346,8 @@ class EngineConfig:
             problems += self._output_problems()
         if problems:
             raise ConfigError(problems, source="engine config")
+        given = {name for name in ("prefill_order", "prefill_stream")
+                 if getattr(self, name) is not None}
         if self.gather_one is None:
             self.gather_one = env.flag("STRATA_PREFILL_GATHER_ONE")
         if self.walk_min_tokens is None:
@@ -361,6 +374,7 @@ class EngineConfig:
                                            "STRATA_IN_PLACE")
         if self.mmq_kernel is None:
             self.mmq_kernel = mmq_kernel_switch()
+            self._mmq_kernel_from = "STRATA_MMQ_KERNEL"
         if self.decode is None:
             self.decode = env.choice("STRATA_DECODE", DECODES[0])
         if self.decode_attention is None:
@@ -387,6 +401,9 @@ class EngineConfig:
             self.f16_gemm = env.choice("STRATA_F16_GEMM", F16_GEMMS[0])
         if self.store_memory is None:
             self.store_memory = env.choice("STRATA_STORE_MEMORY", STORE_MEMORIES[0])
+        why = order_refusal(self, given)
+        if why is not None:
+            raise ConfigError(why, source="engine config")
         return self
 
 
@@ -404,6 +421,16 @@ class _Fields(EngineConfig):
 _dataclass_init = _Fields.__init__
 _FIELDS = tuple(f.name for f in fields(EngineConfig))
 _KNOWN = tuple(name for name in _FIELDS if not name.startswith("_"))
+
+
+def settings(config: object) -> dict[str, Any]:
+    """Engine.open's settings as keywords: ConfigError unless a mapping keyed by names."""
+    bad = [k for k in config if not isinstance(k, str)] if isinstance(config, Mapping) else []
+    if isinstance(config, Mapping) and not bad:
+        return dict(config)
+    got = f"a key {bad[0]!r}" if bad else type(config).__name__
+    raise ConfigError(f"Engine.open: got {got}; allowed: an EngineConfig, or a dict of its "
+                      "settings keyed by their names", source="engine config")
 
 
 def _check_keys(kwargs: dict[str, Any], n_positional: int) -> None:

@@ -137,6 +137,23 @@ def check_token_ids(token_ids: Any, vocab: int, source: str = "prefill") -> np.n
     return ids.astype(np.int64)
 
 
+def check_hidden_states(hidden: Any, width: int, source: str = "prefill") -> np.ndarray:
+    """float32 [T, width] hidden states (C order), refused unless a 2-D array of real numbers
+    (any float or integer type; not bool, complex, text or objects) `width` wide: what MoE
+    layers alone take. A value past float32's range becomes infinity, refused with NaN later."""
+    expected = f"expected [tokens, {width}] hidden states of a float or integer type"
+    try:
+        h = np.asarray(hidden)
+    except (ValueError, TypeError) as e:  # ragged lists, objects numpy cannot hold
+        raise ConfigError(f"prefill input is no array ({e}); {expected}", source=source) from None
+    if h.ndim != 2 or h.shape[1] != width:
+        raise ConfigError(f"prefill input has shape {h.shape}; {expected}", source=source)
+    if h.dtype.kind not in "iuf":
+        raise ConfigError(f"prefill input holds {h.dtype} values; {expected}", source=source)
+    with np.errstate(over="ignore"):  # what overflows float32 is refused as infinity
+        return np.ascontiguousarray(h, dtype=np.float32)
+
+
 #: what numpy's .npy reader raises on a damaged file: its header is parsed as a Python literal
 #: (tokenize, then ast), its data read after it
 _NPY_ERRORS = (ValueError, OSError, EOFError, SyntaxError, tokenize.TokenError, TypeError)

@@ -152,6 +152,11 @@ class Config:
                                   cfg.chunk_tokens(), extra)
         if why is not None:
             raise ConfigError(f"--prompts: {why}", source="command line")
+        positions = cfg.context or cfg.whole.context if cfg.whole is not None else None
+        if positions is not None and max(lengths) > positions:
+            raise ConfigError(f"--prompts: got a prompt of {max(lengths):,} tokens; the KV cache "
+                              f"holds {positions:,} positions: give at most {positions:,} (or "
+                              "raise the config's `context`)", source="command line")
         if cfg.whole is not None and cfg.generate_tokens:
             p = Problems()
             check_generate(p, {"generate": {"tokens": cfg.generate_tokens}}, True,

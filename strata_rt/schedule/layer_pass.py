@@ -164,3 +164,23 @@ def takes_layer_pass(cfg: EngineConfig, ex: Executor, residency: Residency, toke
         raise StrataError(f"prefill_order layers: {why}")
     return why is None and (order == "layers"
                             or streams_experts(residency, range(residency.n_layers)))
+
+
+def order_refusal(cfg: EngineConfig, given: set[str]) -> str | None:
+    """Why prefill_order "layers" cannot run whatever the prompt (pass_refusal's reasons
+    known before any prompt runs; `given`: the fields the caller set, not from switches),
+    else None: EngineConfig.resolve refuses it then, before any prompt has run."""
+    if cfg.prefill_order != "layers":
+        return None
+    order = "prefill_order" if "prefill_order" in given else "STRATA_PREFILL_ORDER"
+    stream = "prefill_stream" if "prefill_stream" in given else "STRATA_PREFILL_STREAM"
+    if cfg.prefill_stream in ("routed", "routed_walk"):
+        why = (f"prefill_stream {cfg.prefill_stream} streams each chunk's routed experts, "
+               "and a layer pass streams through the walk's ring "
+               f"({order}: layers, {stream}: {cfg.prefill_stream})")
+    elif len(cfg.device_list) > 1:
+        why = (f"a layer split runs each device's layers chunk by chunk ({order}: layers, "
+               f"devices: {','.join(map(str, cfg.device_list))})")
+    else:
+        return None
+    return f"prefill_order layers: {why}; with it, prefill_order takes chunks or auto"
