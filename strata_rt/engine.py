@@ -306,6 +306,7 @@ class Engine:
             stats.chunk_index = c
             rows: LogitRows | None = want if want == "all" or hi == T else None
             out = self._chunk(x[lo:hi], stats, first + lo, start=first + lo, logits=rows,
+                              output=partial is not None,  # the residual only for its dump
                               **({"pass_chunk": C} if passing else {}))
             try:  # positions here count from the cache's start already
                 if rows == "argmax":

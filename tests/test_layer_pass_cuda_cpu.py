@@ -364,3 +364,25 @@ def test_cuda_layer_pass_equals_the_chunk_order(monkeypatch, rng):
         assert mode == "layer_pass"
         assert ll.tobytes() == lc.tobytes() and tl == tc
     assert any("graph" in t and "error" not in t for t in trials.values())
+
+
+@pytest.mark.parametrize("rows", [300, 700])  # one chunk; a layer pass of two
+def test_the_residual_comes_back_only_for_a_dump(fake, monkeypatch, model, rng, tmp_path,
+                                                 rows):
+    """A whole model's prefill reads its logits, not its hidden states: the residual (the
+    chunk's, or the pass's whole prompt) crosses back to the host only when the residual dump
+    asks for it."""
+    def residual_reads(eng: Engine) -> list[int]:
+        rt, ptr = fake["rt"], eng.backend.dev.ptr
+        rt.tokens = 64
+        homes = {ptr["x"], ptr["pass_x"]}
+        rt.dtoh.clear()
+        eng.reset()
+        eng.prefill(_input(eng, rng, rows))
+        return [n for src, n, _ in rt.dtoh if src in homes]
+
+    with _open(fake, monkeypatch, model) as eng:
+        assert residual_reads(eng) == []
+    monkeypatch.setenv("STRATA_PREFILL_DUMP_R", str(tmp_path / "r.dump"))
+    with _open(fake, monkeypatch, model) as eng:
+        assert residual_reads(eng) == [rows * H * 4]

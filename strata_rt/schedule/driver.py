@@ -124,20 +124,21 @@ class ChunkDriver:
 
     # ------------------------------------------------------------------ a chunk
     def run_chunk(self, x: np.ndarray, stats: Stats, start: int | None = None,
-                  logits: LogitRows | None = None, pass_chunk: int | None = None
-                  ) -> np.ndarray:
+                  logits: LogitRows | None = None, pass_chunk: int | None = None,
+                  output: bool = True) -> np.ndarray:
         """Runs one chunk of input x (as the executor's input_kind names it). MoE layers
         alone when start is None; a whole model's chunk at absolute position `start`
         otherwise (each layer opens with its Attention, and `logits` asks for the output head
         over the last row or all rows afterwards). pass_chunk: x is a whole model's prompt,
-        run as a layer pass in chunks of that many rows (where `layer_pass` said it may)."""
+        run as a layer pass in chunks of that many rows (where `layer_pass` said it may);
+        output False: the caller reads no hidden states (Executor.end_chunk)."""
         if pass_chunk is None:
             self.executor.begin_chunk(x, stats, start)
         elif start is None:
             raise ValueError("a layer pass needs a whole model's prompt (start is None)")
         else:
             self.executor.begin_pass(x, stats, start)
-        return self._run(int(x.shape[0]), stats, start, logits, pass_chunk)
+        return self._run(int(x.shape[0]), stats, start, logits, pass_chunk, output)
 
     def layer_pass(self, tokens: int, chunk: int, start: int | None,
                    logits: LogitRows | None) -> bool:
@@ -149,18 +150,17 @@ class ChunkDriver:
                                 self.part is not None)
 
     def run_received(self, tokens: int, stats: Stats, start: int | None = None,
-                     logits: LogitRows | None = None) -> np.ndarray:
-        """Runs one chunk of a split part that receives its residual (and position) from the
-        part before it, through the HandOff its plan opens with; `start` is what the plan is
-        made for (the position of the chunk's first token, None for MoE layers alone)."""
+                     logits: LogitRows | None = None, output: bool = True) -> np.ndarray:
+        """Runs one chunk of a split part that receives its residual (and position) through
+        the HandOff its plan opens with; `start`: the plan's (None for MoE layers alone)."""
         begin = getattr(self.executor, "begin_received", None)
         if begin is None:
             raise TypeError(f"the {self.executor.name} executor cannot receive a hand-off")
         begin(tokens, stats)
-        return self._run(tokens, stats, start, logits)
+        return self._run(tokens, stats, start, logits, output=output)
 
     def _run(self, T: int, stats: Stats, start: int | None, logits: LogitRows | None,
-             pass_chunk: int | None = None) -> np.ndarray:
+             pass_chunk: int | None = None, output: bool = True) -> np.ndarray:
         self.layer_host_s, self._after_chunk = [], []
         # a planned chunk enqueues its Logits before the routing comes back (one wait for both)
         tail: list[Op] = [] if logits is None or start is None else [Logits(logits)]
@@ -181,7 +181,7 @@ class ChunkDriver:
             self.executor.execute(tail, stats, None)
         if logits is not None and start is None:
             raise ValueError("logits need a whole model's chunk (start is None)")
-        out = self.executor.end_chunk(stats)
+        out = self.executor.end_chunk(stats, output)
         stats.host_syncs += 1  # the chunk's output comes back, and its routing with it
         for read in self._after_chunk:
             read()

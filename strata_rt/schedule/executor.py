@@ -105,8 +105,10 @@ class Executor(Protocol):
         """Adds the last walk's routing to stats.routing_counts (which is not None) by the
         time end_chunk returns: at once, or (CUDA) with the chunk's one wait."""
 
-    def end_chunk(self, stats: Stats) -> np.ndarray:
-        """The chunk's output hidden states (the driver's caller copies them)."""
+    def end_chunk(self, stats: Stats, output: bool = True) -> np.ndarray:
+        """The chunk's output hidden states (the driver's caller copies them). output False:
+        the caller reads none (a whole model's prefill that dumps nothing), so an executor
+        may skip bringing them back and return an empty array."""
 
     def take_logits(self) -> np.ndarray:
         """float32 [rows, vocab] of the chunk's Logits op (valid after end_chunk): an array

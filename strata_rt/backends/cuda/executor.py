@@ -234,18 +234,21 @@ class CudaBackend:
             self._whole.drop_logits()
         return dev
 
-    def end_chunk(self, stats: Stats) -> np.ndarray:
+    def end_chunk(self, stats: Stats, output: bool = True) -> np.ndarray:
         """The chunk's output: rows of the pinned `io`, reused by the next chunk (the engine
-        copies them out first); after a layer pass a new array of all the prompt's rows."""
+        copies them out first); after a layer pass a new array of all the prompt's rows.
+        output False: the residual is not copied back (an empty array)."""
         dev = self._device()
         if self._timer is not None:
             self._timer.end_chunk()
         passing = self._passing()
         if passing:
-            out = self._passer().read_back()
+            out = self._passer().read_back(output)
         else:
             out = dev.io[: self._T * self.spec.hidden].reshape(self._T, self.spec.hidden)
-            if self.part.last:
+            if not output:
+                out = out[:0]
+            elif self.part.last:
                 self.rt.memcpy_dtoh(out, dev.ptr["x"], dev.compute)
             dev.nonfinite_host[0] = NO_ROW  # what the copy below overwrites
             self.rt.memcpy_dtoh(dev.nonfinite_host, dev.ptr["nonfinite"], dev.compute)

@@ -177,12 +177,14 @@ class PromptPass:
         (device address) into the chunk's pinned row, on the compute stream."""
         self.rt.memcpy_dtoh(self.bounds[self.chunk, at], bounds, self.dev.compute)
 
-    def read_back(self) -> np.ndarray:
+    def read_back(self, residual: bool = True) -> np.ndarray:
         """Enqueues the copies of the whole residual (into a new host array [P, hidden],
-        returned; valid once the stream is waited for) and of the chunks' flag words."""
+        returned; valid once the stream is waited for; residual False: none, an empty array)
+        and of the chunks' flag words."""
         dev, n = self.dev, max(len(self.windows), 1)
-        out = np.empty((self.rows, self.hidden), np.float32)
-        self.rt.memcpy_dtoh(out, dev.ptr["pass_x"], dev.compute)
+        out = np.empty((self.rows if residual else 0, self.hidden), np.float32)
+        if residual:
+            self.rt.memcpy_dtoh(out, dev.ptr["pass_x"], dev.compute)
         self.flags[:] = NO_ROW  # what the copy below overwrites
         self.rt.memcpy_dtoh(self.flags[:n], dev.ptr["pass_flags"], dev.compute)
         return out

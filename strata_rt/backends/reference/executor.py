@@ -235,7 +235,8 @@ class ReferenceBackend:
     def collect_walk_routing(self, stats: Stats) -> None:
         pass  # each layer's routing was added as it ran
 
-    def end_chunk(self, stats: Stats) -> np.ndarray:
+    def end_chunk(self, stats: Stats, output: bool = True) -> np.ndarray:
+        """The residual itself (no copy is made, so `output` changes nothing here)."""
         if self.timing and stats.chunk_index == stats.n_chunks - 1:
             stats.phase_table = ("reference backend: host seconds per phase, not GPU time\n"
                                  + format_table({p: s * 1e3 for p, s in stats.phase_s.items()}))

@@ -141,8 +141,9 @@ class SplitDriver:
         return self.drivers[0].layer_pass(tokens, chunk, start, logits)
 
     def run_chunk(self, x: np.ndarray, stats: Stats, start: int | None = None,
-                  logits: LogitRows | None = None) -> np.ndarray:
-        """x: the first part's input (hidden states, or a whole model's token ids)."""
+                  logits: LogitRows | None = None, output: bool = True) -> np.ndarray:
+        """x: the first part's input (hidden states, or a whole model's token ids); output:
+        whether the last part brings its residual back (ChunkDriver.run_chunk)."""
         T = int(x.shape[0])
         out = x
         backends = self._backend.backends
@@ -150,10 +151,11 @@ class SplitDriver:
             last_error: BaseException | None = None
             for part, driver, b in zip(self.split.parts, self.drivers, backends):
                 rows = logits if part.last else None
+                kept = output or not part.last
                 try:
                     with on_device(b):
-                        out = (driver.run_received(T, stats, start, rows) if part.receives
-                               else driver.run_chunk(x, stats, start, rows))
+                        out = (driver.run_received(T, stats, start, rows, kept) if part.receives
+                               else driver.run_chunk(x, stats, start, rows, output=kept))
                 except BaseException as e:
                     if not part.last:
                         raise
