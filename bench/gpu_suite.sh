@@ -3,7 +3,7 @@
 # under $BENCH_OUT (default ./out). Stages run in order; pick them with arguments:
 #   bash bench/gpu_suite.sh tests digests gemm routing formats ggml mmq prefill-quick prefill \
 #        stream-235b attention dense whole-30b whole-235b whole-235b-16g acceptance decode \
-#        peers ncu-gemm decode-ab stream-ab decode-ncu short-timing chains-ab short-ncu pass-ab (ncu-gemm, decode-ncu:
+#        peers ncu-gemm decode-ab stream-ab decode-ncu short-timing chains-ab short-ncu pass-ab pass-ring (ncu-gemm, decode-ncu:
 #        Nsight Compute, $NCU or ncu on PATH; decode-ncu: each kernel of a gemv decode step,
 #        bench/ncu_table.py's table; short-timing: STRATA_PREFILL_TIMING's phase table of a
 #        254-token prompt, all resident and a quarter;
@@ -14,7 +14,8 @@
 #        GPU tests, then short prompts on one and four copy streams; short-ncu: Nsight Compute
 #        sections of the table products of a 254-token prefill, every expert resident;
 #        pass-ab: the layer pass's GPU tests, then long prompts under prefill_order chunks and
-#        layers, the 30B shape a quarter resident and the 235B shape under 16 GiB)
+#        layers, the 30B shape a quarter resident and the 235B shape under 16 GiB; pass-ring:
+#        the 235B pass again with a 2 GiB ring)
 # A failing stage is reported and the next one still runs; the exit code counts failures.
 set -uo pipefail
 out=${BENCH_OUT:-out}
@@ -116,6 +117,13 @@ for what in "${@:-tests}"; do
                    stage pass-235b python3 bench/bench_whole.py --orders chunks,layers \
                        --config configs/qwen3-235b-a22b-whole-16g.yaml \
                        --prompts 8179,30118 --warmups 1 --reps 1 --out "$out" ;;
+        pass-ring) # the 235B shape's layer pass with a ring of two layers' streamed experts
+                   # (bench/notes.md W70: the ring, not the residency, is the pass's lever)
+                   sed 's/^ring_mib: .*/ring_mib: 2048/' configs/qwen3-235b-a22b-whole-16g.yaml \
+                       > "$out/235b-16g-ring2g.yaml"
+                   stage pass-ring python3 bench/bench_whole.py --orders layers \
+                       --config "$out/235b-16g-ring2g.yaml" --prompts 8179,30118 --warmups 1 \
+                       --reps 1 --out "$out" ;;
         short-ncu) # each table-product launch of a 254-token prefill, every expert resident
                    sed 's/^expert_cache: .*/expert_cache: all/' configs/qwen3-30b-a3b-whole.yaml \
                        > "$out/all-resident.yaml"
