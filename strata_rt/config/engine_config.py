@@ -401,7 +401,7 @@ class EngineConfig:
             self.f16_gemm = env.choice("STRATA_F16_GEMM", F16_GEMMS[0])
         if self.store_memory is None:
             self.store_memory = env.choice("STRATA_STORE_MEMORY", STORE_MEMORIES[0])
-        why = order_refusal(self, given)
+        why = order_refusal(self.prefill_order, self.prefill_stream, self.device_list, given)
         if why is not None:
             raise ConfigError(why, source="engine config")
         return self

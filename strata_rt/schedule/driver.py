@@ -144,7 +144,8 @@ class ChunkDriver:
                    logits: LogitRows | None) -> bool:
         """Whether a whole model's prompt of `tokens` rows in chunks of `chunk` runs as a layer
         pass (layer_pass.takes_layer_pass)."""
-        return takes_layer_pass(self.cfg, self.executor, self.residency, tokens, chunk,
+        return takes_layer_pass(self.cfg.prefill_order, self.cfg.prefill_stream,
+                                self.executor, self.residency, tokens, chunk,
                                 start, logits, takes_walk(chunk, self.spec,
                                                           self.cfg.walk_min_tokens),
                                 self.part is not None)

@@ -37,7 +37,6 @@ from .plan_keys import WalkKey
 from .ring_builder import RingBuilder, groups_of
 
 if TYPE_CHECKING:
-    from ..config.engine_config import EngineConfig
     from ..weights.model import MoESpec
     from .dense_schedule import DenseSchedule
     from .executor import Executor
@@ -148,39 +147,40 @@ def pass_refusal(ex: Executor, residency: Residency, tokens: int, chunk: int,
     return None
 
 
-def takes_layer_pass(cfg: EngineConfig, ex: Executor, residency: Residency, tokens: int,
-                     chunk: int, start: int | None, logits: LogitRows | None, walks: bool,
-                     split: bool) -> bool:
+def takes_layer_pass(order: str | None, prefill_stream: str | None, ex: Executor,
+                     residency: Residency, tokens: int, chunk: int, start: int | None,
+                     logits: LogitRows | None, walks: bool, split: bool) -> bool:
     """Whether a whole model's prompt of `tokens` rows in chunks of `chunk` runs as a layer
     pass: never under prefill_order "chunks", for one chunk, or for logits of every row
     (they leave chunk by chunk); "layers" takes it or raises StrataError saying why it
     cannot (pass_refusal); "auto" takes it where it can and experts stream (else the order
-    changes nothing but memory)."""
-    order = cfg.prefill_order or "chunks"
+    changes nothing but memory). order, prefill_stream: the engine config's."""
+    order = order or "chunks"
     if order == "chunks" or start is None or tokens <= chunk or logits == "all":
         return False
-    why = pass_refusal(ex, residency, tokens, chunk, walks, cfg.prefill_stream, split)
+    why = pass_refusal(ex, residency, tokens, chunk, walks, prefill_stream, split)
     if why is not None and order == "layers":
         raise StrataError(f"prefill_order layers: {why}")
     return why is None and (order == "layers"
                             or streams_experts(residency, range(residency.n_layers)))
 
 
-def order_refusal(cfg: EngineConfig, given: set[str]) -> str | None:
+def order_refusal(prefill_order: str | None, prefill_stream: str | None,
+                  devices: Sequence[int], given: set[str]) -> str | None:
     """Why prefill_order "layers" cannot run whatever the prompt (pass_refusal's reasons
     known before any prompt runs; `given`: the fields the caller set, not from switches),
     else None: EngineConfig.resolve refuses it then, before any prompt has run."""
-    if cfg.prefill_order != "layers":
+    if prefill_order != "layers":
         return None
     order = "prefill_order" if "prefill_order" in given else "STRATA_PREFILL_ORDER"
     stream = "prefill_stream" if "prefill_stream" in given else "STRATA_PREFILL_STREAM"
-    if cfg.prefill_stream in ("routed", "routed_walk"):
-        why = (f"prefill_stream {cfg.prefill_stream} streams each chunk's routed experts, "
+    if prefill_stream in ("routed", "routed_walk"):
+        why = (f"prefill_stream {prefill_stream} streams each chunk's routed experts, "
                "and a layer pass streams through the walk's ring "
-               f"({order}: layers, {stream}: {cfg.prefill_stream})")
-    elif len(cfg.device_list) > 1:
+               f"({order}: layers, {stream}: {prefill_stream})")
+    elif len(devices) > 1:
         why = (f"a layer split runs each device's layers chunk by chunk ({order}: layers, "
-               f"devices: {','.join(map(str, cfg.device_list))})")
+               f"devices: {','.join(map(str, devices))})")
     else:
         return None
     return f"prefill_order layers: {why}; with it, prefill_order takes chunks or auto"
