@@ -121,17 +121,24 @@ def pass_of(key: WalkKey) -> tuple[int, bool] | None:
     return int(chunk), gather_one == "1"
 
 
+#: why a layer split takes no layer pass
+SPLIT_REFUSAL = "a layer split runs each device's layers chunk by chunk"
+
+
+def stream_refusal(prefill_stream: str) -> str:
+    """Why a prefill_stream that streams routed experts takes no layer pass."""
+    return (f"prefill_stream {prefill_stream} streams each chunk's routed experts, and a layer "
+            "pass streams through the walk's ring")
+
+
 def pass_refusal(ex: Executor, residency: Residency, tokens: int, chunk: int,
                  walks: bool, prefill_stream: str | None, split: bool) -> str | None:
     """Why this prompt cannot run as a layer pass on `ex` (None: it can). walks: whether its
     chunks take the streamed walk (planner.takes_walk)."""
-    layers = range(residency.n_layers)
-    need = ring_need(residency, layers)
     if split:
-        return "a layer split runs each device's layers chunk by chunk"
+        return SPLIT_REFUSAL
     if prefill_stream not in (None, "auto", "walk"):
-        return (f"prefill_stream {prefill_stream} streams each chunk's routed experts, and a "
-                "layer pass streams through the walk's ring")
+        return stream_refusal(prefill_stream)
     if not walks:
         return f"chunks of {chunk} tokens take the staging ring, not the walk"
     if ex.pass_tokens < tokens:
@@ -140,6 +147,7 @@ def pass_refusal(ex: Executor, residency: Residency, tokens: int, chunk: int,
                                                   " (it was opened under prefill_order "
                                                   "chunks, or its memory had no room for the "
                                                   "prompt's residual: see the warning)"))
+    need = ring_need(residency, range(residency.n_layers))
     if ex.walk_slots < need:
         return (f"the walk's ring holds {ex.walk_slots} expert slots and a layer streams "
                 f"{need} experts, which a layer pass keeps in the ring at once: give the ring "
@@ -175,12 +183,10 @@ def order_refusal(prefill_order: str | None, prefill_stream: str | None,
     order = "prefill_order" if "prefill_order" in given else "STRATA_PREFILL_ORDER"
     stream = "prefill_stream" if "prefill_stream" in given else "STRATA_PREFILL_STREAM"
     if prefill_stream in ("routed", "routed_walk"):
-        why = (f"prefill_stream {prefill_stream} streams each chunk's routed experts, "
-               "and a layer pass streams through the walk's ring "
-               f"({order}: layers, {stream}: {prefill_stream})")
+        why = (f"{stream_refusal(prefill_stream)} ({order}: layers, {stream}: "
+               f"{prefill_stream})")
     elif len(devices) > 1:
-        why = (f"a layer split runs each device's layers chunk by chunk ({order}: layers, "
-               f"devices: {','.join(map(str, devices))})")
+        why = f"{SPLIT_REFUSAL} ({order}: layers, devices: {','.join(map(str, devices))})"
     else:
         return None
     return f"prefill_order layers: {why}; with it, prefill_order takes chunks or auto"
