@@ -40,9 +40,10 @@ import numpy as np
 from .backends.cuda.chunk_input import input_not_finite
 from .backends.nonfinite import NonFiniteError, check_finite
 from .config import hostmem
-from .config.engine_config import EngineConfig, settings
+from .config.engine_config import EngineConfig
 from .config.paths import DUMP_STRIDE, output_target
 from .config.prompts import check_hidden_states, check_token_ids
+from .config.settings_keys import settings
 from .errors import ConfigError
 from .formats.contract import QuantFormat
 from .host.host_copy import all_finite, copy_into, prefault

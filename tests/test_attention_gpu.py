@@ -1,11 +1,13 @@
-"""Attention kernels of the full model (kernels/model/attention.cu).
+"""Attention kernels of the full model (kernels/model/attention.cu, and attention_sm90.cu's
+wgmma attend for head dim 128 on sm_90 devices).
 
 CPU: the float64 twins against direct definitions, the shape check, the launch shapes and
 argument lists against the kernel signatures, check-kernels' job list, and a numpy emulation
 of the kernel's tile loop (online softmax over KV tiles at absolute positions, -inf masking,
 alpha exactly 1 on a fully masked tile) that must match the twin and be chunk invariant.
 GPU: both kernels against the twins on fresh random inputs with outputs poisoned first
-(asserted bound: NMSE <= 1e-5), chunk invariance byte for byte, the same bytes on a second run.
+(asserted bound: NMSE <= 1e-5), chunk invariance byte for byte, the same bytes on a second run;
+each attend kernel (mma, and wgmma where the device runs it) on its own.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from _device_buffers import download, poisoned, upload
 
 from strata_rt.backends.cuda.attention import kernels as ak
 from strata_rt.backends.cuda.attention.kernels import (
+    ATTENTION_SM90_SOURCE,
     ATTENTION_SOURCE,
     BLOCK_ROWS,
     KV_TILE,
@@ -25,8 +28,11 @@ from strata_rt.backends.cuda.attention.kernels import (
     attend_shared_bytes,
     attention_reference,
     check_attention_shape,
+    pick_attention,
     qk_norm_rope_reference,
     rope_cos_sin,
+    wgmma_runs,
+    wgmma_shared_bytes,
 )
 from strata_rt.backends.cuda.attention.shapes import HEAD_DIMS
 from strata_rt.errors import ConfigError
@@ -42,7 +48,18 @@ gpu = pytest.mark.gpu
 NMSE_BOUND = 1e-5
 #: (n_heads, n_kv_heads, head_dim)
 LAYOUTS = [(4, 2, 64), (8, 2, 64), (32, 4, 128), (64, 4, 128)]
+#: layouts only the wgmma kernel adds: group 3 (126 rows of a block), group 1 (128 positions)
+WGMMA_LAYOUTS = [(6, 2, 128), (8, 8, 128)]
 EPS = 1e-6
+#: the attend kernels a GPU test runs (a wgmma case skips where the device cannot run it)
+KERNELS = ("mma", "wgmma")
+
+
+def _kernel_or_skip(rt, kernel, hd):
+    if kernel == "wgmma" and not wgmma_runs(rt.arch, hd):
+        pytest.skip(f"the wgmma attend runs on sm_90 with head dim 128; this is {rt.arch}, "
+                    f"head dim {hd}")
+    return kernel
 
 
 def _spec(n_heads, n_kv, hd, context=4096):
@@ -124,6 +141,40 @@ def test_launch_shapes_and_argument_lists_match_the_source():
         kern.attend(None, 0x6008, 0x7000, 0x8000, 0, 7, 0x9000)
     with pytest.raises(ConfigError, match="holds 40000 positions"):
         kern.attend(None, 0x6000, 0x7000, 0x8000, 39000, 1001, 0x9000)
+
+
+def test_wgmma_launch_matches_the_source_and_the_choice():
+    src = ATTENTION_SM90_SOURCE.read_text()
+    const = {k: int(v) for k, v in re.findall(r"constexpr int (\w+) = (\d+);", src)}
+    assert const["ROWS"] == BLOCK_ROWS and const["KT"] == ak.WGMMA_KV_TILE
+    assert const["THREADS"] == ak.WGMMA_THREADS and const["HD"] in ak.WGMMA_HEAD_DIMS
+    m = re.search(r"#define ATTEND_SM90_KERNEL\(NAME, STAGES\).*?NAME\((.*?)\)\s*\{", src, re.S)
+    assert m
+    types = ["P" if "*" in a else {"int": "i", "float": "f"}[a.split()[0]]
+             for a in (x.replace("\\", " ").strip() for x in m.group(1).split(","))]
+    for stages, name in ak.WGMMA_NAMES.items():
+        assert f"ATTEND_SM90_KERNEL({name.format(hd=128)}, {stages})" in src
+    name = ak.WGMMA_NAMES[ak.WGMMA_STAGES].format(hd=128)
+    rt = Recorder(arch="sm_90")
+    kern = AttentionKernels(rt, 64, 4, 128, context=40000)
+    assert kern.kernel == "wgmma" and rt.kernels[name] == "".join(types)
+    kern.attend(None, 0x6000, 0x7000, 0x8000, 300, 8192, 0x9000)
+    got, grid, block, shared, args = rt.calls[-1]
+    # the mma kernel's grid and arguments: 8 positions of the 16-head group per block
+    assert (got, grid, block) == (name, (8192 // 8, 4, 1), (256, 1, 1))
+    assert shared == wgmma_shared_bytes(128) == (32 + 64 * ak.WGMMA_STAGES + 1) * 1024
+    assert shared <= 227 * 1024  # sm_90's opt-in limit
+    assert args[:8] == (0x6000, 0x7000, 0x8000, 0x9000, 8192, 300, 64, 4)
+    # auto takes wgmma only where it runs; asking for it elsewhere names why
+    assert pick_attention("auto", "sm_90", 64) == "mma"
+    assert pick_attention("auto", "sm_80", 128) == "mma"
+    assert pick_attention("mma", "sm_90", 128) == "mma"
+    assert AttentionKernels(Recorder(arch="sm_90"), 32, 4, 128, kernel="mma").kernel == "mma"
+    with pytest.raises(ConfigError, match="wgmma runs on sm_90 devices with head dim 128; "
+                                          "this is sm_89 with head dim 128"):
+        AttentionKernels(Recorder(arch="sm_89"), 32, 4, 128, kernel="wgmma")
+    with pytest.raises(ConfigError, match="allowed auto, wgmma, mma"):
+        pick_attention("fast", "sm_90", 128)
 
 
 def test_attention_reference_by_definition(rng):
@@ -237,13 +288,17 @@ def _cache(rt, s, rows, n_kv, hd, fill=None):
 
 
 @gpu
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("layout", LAYOUTS + WGMMA_LAYOUTS)
 @pytest.mark.parametrize("start", [0, 5, 300])
 @pytest.mark.parametrize("T", [1, 7, 64, 129, 1000])
-def test_attend_matches_twin(rt, stream, rng, layout, start, T):
+def test_attend_matches_twin(rt, stream, rng, kernel, layout, start, T):
     n_heads, n_kv, hd = layout
+    if layout in WGMMA_LAYOUTS and kernel == "mma":
+        pytest.skip("a wgmma-only layout")
     s, ctx = stream, start + T + 70  # rows past start+T stay NaN: never read
-    kern = AttentionKernels(rt, n_heads, n_kv, hd, context=ctx)
+    kern = AttentionKernels(rt, n_heads, n_kv, hd, context=ctx,
+                            kernel=_kernel_or_skip(rt, kernel, hd))
     q = (rng.standard_normal((T, n_heads, hd)) * 1.5).astype(np.float16)
     keys = (rng.standard_normal((start + T, n_kv, hd)) * 1.5).astype(np.float16)
     vals = rng.standard_normal((start + T, n_kv, hd)).astype(np.float16)
@@ -313,11 +368,13 @@ def _prefill(rt, s, kern, d, qkv, chunks, ctx, hd):
 
 
 @gpu
-@pytest.mark.parametrize("layout", [(32, 4, 128), (8, 2, 64), (6, 2, 64)])
-def test_chunk_invariance_and_determinism(rt, stream, rng, layout):
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("layout", [(32, 4, 128), (64, 4, 128), (8, 2, 64), (6, 2, 64)])
+def test_chunk_invariance_and_determinism(rt, stream, rng, kernel, layout):
     n_heads, n_kv, hd = layout
     s, n, ctx = stream, 1300, 1400
-    kern = AttentionKernels(rt, n_heads, n_kv, hd, context=ctx)
+    kern = AttentionKernels(rt, n_heads, n_kv, hd, context=ctx,
+                            kernel=_kernel_or_skip(rt, kernel, hd))
     spec = _spec(n_heads, n_kv, hd)
     cos, sin = rope_cos_sin(spec, ctx)
     qkv = _qkv(rng, n, n_heads, n_kv, hd)
@@ -340,3 +397,30 @@ def test_chunk_invariance_and_determinism(rt, stream, rng, layout):
     want = attention_reference(wq.astype(np.float16), keys, vals, 0)
     err = nmse(whole[0].view(np.float16), want)
     assert err <= NMSE_BOUND, f"NMSE {err:.2e}"
+
+
+@gpu
+@pytest.mark.parametrize("layout", [(32, 4, 128), (64, 4, 128), (6, 2, 128)])
+def test_wgmma_stages_give_the_same_bytes(rt, stream, rng, layout, monkeypatch):
+    """The pipelined wgmma attend (q.k of a tile beside p.v of the one before) does the same
+    operations on o in the same order as the two-stage one: the same bytes."""
+    n_heads, n_kv, hd = layout
+    _kernel_or_skip(rt, "wgmma", hd)
+    s, T, start = stream, 777, 300
+    ctx = start + T
+    q = (rng.standard_normal((T, n_heads, hd)) * 1.5).astype(np.float16)
+    keys = (rng.standard_normal((ctx, n_kv, hd)) * 1.5).astype(np.float16)
+    vals = rng.standard_normal((ctx, n_kv, hd)).astype(np.float16)
+    dq = upload(rt, s, q)
+    dk, dv = _cache(rt, s, ctx, n_kv, hd, keys), _cache(rt, s, ctx, n_kv, hd, vals)
+    got = {}
+    for stages in ak.WGMMA_NAMES:
+        monkeypatch.setattr(ak, "WGMMA_STAGES", stages)
+        kern = AttentionKernels(rt, n_heads, n_kv, hd, context=ctx, kernel="wgmma")
+        out = poisoned(rt, s, T * n_heads * hd * 2)
+        kern.attend(s, dq.ptr, dk.ptr, dv.ptr, start, T, out.ptr)
+        got[stages] = download(rt, s, out, np.uint16, (T, n_heads * hd))
+    first, *others = got.values()
+    for other in others:
+        np.testing.assert_array_equal(first, other)
+    assert nmse(first.view(np.float16), attention_reference(q, keys, vals, start)) <= NMSE_BOUND

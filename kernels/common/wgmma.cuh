@@ -119,4 +119,41 @@ __device__ __forceinline__ void mma_64x128x16(float (&d)[64], uint64_t da, uint6
         : "l"(da), "l"(db), "r"(accumulate));
 }
 
+// Descriptor of an MN-major operand in the 128-byte swizzle (B with its N dimension
+// contiguous, e.g. a V tile stored [key][hd] for p.v): the same physical tile as sw128_desc's
+// (rows of 64 halves at a 128-byte stride, chunks permuted by row % 8), read with K running
+// down the rows. `panel`: bytes from one 64-wide slice of N to the next (the leading byte
+// offset); 1024 bytes from one 8-row group of K to the next (the stride byte offset).
+__device__ __forceinline__ uint64_t sw128_desc_mn(const void* p, int panel) {
+    const uint64_t a = (smem_addr(p) & 0x3FFFFu) >> 4;
+    return a | ((uint64_t)(panel >> 4) << 16) | ((uint64_t)(1024 >> 4) << 32) | (1ull << 62);
+}
+
+// d (64 x 128 float32) = A (64 x 16, registers: the fragment mma.sync m16n8k16 takes, warp w
+// of the warpgroup holding rows 16 w ..) * B (16 x 128, an MN-major descriptor: sw128_desc_mn)
+// + (accumulate ? d : 0)
+__device__ __forceinline__ void mma_64x128x16_rs_mn(float (&d)[64], const unsigned (&a)[4],
+                                                    uint64_t db, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+        "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+        "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, "
+        "{%64,%65,%66,%67}, %68, p, 1, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+          "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
+          "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]),
+          "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]),
+          "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]),
+          "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]),
+          "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]),
+          "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
+}
+
 }  // namespace wg

@@ -14,9 +14,8 @@ on none of them, so none of them depends on another through it.
 
 from __future__ import annotations
 
-import difflib
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,6 +29,7 @@ from ..schedule.layer_pass import order_refusal
 from ..schedule.residency import RoutingProfile
 from ..schedule.split import parse_devices
 from . import env
+from .settings_keys import check_keys
 
 if TYPE_CHECKING:
     from ..models.qwen3.weights import Qwen3Model
@@ -43,6 +43,7 @@ DECODE_ATTENTIONS = env.choices("STRATA_DECODE_ATTENTION")
 DECODE_DENSES = env.choices("STRATA_DECODE_DENSE")
 DECODE_ARGMAXES = env.choices("STRATA_DECODE_ARGMAX")
 PREFILL_STREAMS = env.choices("STRATA_PREFILL_STREAM")
+PREFILL_ATTENTIONS = env.choices("STRATA_PREFILL_ATTENTION")
 TABLE_PRODUCTS = env.choices("STRATA_TABLE_PRODUCTS")
 COPY_CHAIN_COUNTS = env.choices("STRATA_COPY_CHAINS")
 PREFILL_ORDERS = env.choices("STRATA_PREFILL_ORDER")
@@ -129,6 +130,10 @@ class EngineConfig:
     #: copy streams a routed walk's switched copies go round-robin over ("1" .. "4"); None:
     #: STRATA_COPY_CHAINS, else 1
     copy_chains: str | None = None
+    #: a whole model's prefill attention on the CUDA backend (PREFILL_ATTENTIONS): "auto"
+    #: (wgmma where the device runs it), "wgmma" (attention_sm90.cu: sm_90, head dim 128) or
+    #: "mma" (attention.cu); None: STRATA_PREFILL_ATTENTION, else auto
+    prefill_attention: str | None = None
     #: a whole model's prompt of several chunks (PREFILL_ORDERS): "chunks", "layers" (the
     #: layer pass, schedule.layer_pass) or "auto"; None: STRATA_PREFILL_ORDER, else chunks. A
     #: CUDA backend holds a layer pass's residual of the whole context only under the last two
@@ -193,8 +198,8 @@ class EngineConfig:
     #: how mmq_kernel was given, for its refusal (engine.check_mmq_kernel)
     _mmq_kernel_from: str = field(default="mmq_kernel", repr=False)
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:  # noqa: D107 (see _check_keys)
-        _check_keys(kwargs, len(args))
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # noqa: D107 (see settings_keys.check_keys)
+        check_keys(kwargs, len(args), _FIELDS)
         _dataclass_init(self, *args, **kwargs)  # type: ignore[arg-type]
 
     @property
@@ -329,6 +334,7 @@ class EngineConfig:
                               ("decode_dense", DECODE_DENSES),
                               ("decode_argmax", DECODE_ARGMAXES),
                               ("prefill_stream", PREFILL_STREAMS),
+                              ("prefill_attention", PREFILL_ATTENTIONS),
                               ("table_products", TABLE_PRODUCTS),
                               ("copy_chains", COPY_CHAIN_COUNTS),
                               ("prefill_order", PREFILL_ORDERS),
@@ -375,20 +381,25 @@ class EngineConfig:
         if self.mmq_kernel is None:
             self.mmq_kernel = mmq_kernel_switch()
             self._mmq_kernel_from = "STRATA_MMQ_KERNEL"
-        if self.decode is None:
-            self.decode = env.choice("STRATA_DECODE", DECODES[0])
-        if self.decode_attention is None:
-            self.decode_attention = env.choice("STRATA_DECODE_ATTENTION", DECODE_ATTENTIONS[0])
-        if self.decode_dense is None:
-            self.decode_dense = env.choice("STRATA_DECODE_DENSE", DECODE_DENSES[0])
-        if self.decode_argmax is None:
-            self.decode_argmax = env.choice("STRATA_DECODE_ARGMAX", DECODE_ARGMAXES[0])
-        if self.prefill_stream is None:
-            self.prefill_stream = env.choice("STRATA_PREFILL_STREAM", PREFILL_STREAMS[0])
-        if self.table_products is None:
-            self.table_products = env.choice("STRATA_TABLE_PRODUCTS", TABLE_PRODUCTS[0])
-        if self.copy_chains is None:
-            self.copy_chains = env.choice("STRATA_COPY_CHAINS", COPY_CHAIN_COUNTS[0])
+        # a plain choice: the field, else its switch, else the first choice (strings: `or`)
+        self.decode = self.decode or env.choice("STRATA_DECODE", DECODES[0])
+        self.decode_attention = (self.decode_attention
+                                 or env.choice("STRATA_DECODE_ATTENTION", DECODE_ATTENTIONS[0]))
+        self.decode_dense = self.decode_dense or env.choice("STRATA_DECODE_DENSE",
+                                                            DECODE_DENSES[0])
+        self.decode_argmax = self.decode_argmax or env.choice("STRATA_DECODE_ARGMAX",
+                                                              DECODE_ARGMAXES[0])
+        self.prefill_stream = self.prefill_stream or env.choice("STRATA_PREFILL_STREAM",
+                                                                PREFILL_STREAMS[0])
+        self.prefill_attention = (self.prefill_attention
+                                  or env.choice("STRATA_PREFILL_ATTENTION", PREFILL_ATTENTIONS[0]))
+        self.table_products = self.table_products or env.choice("STRATA_TABLE_PRODUCTS",
+                                                                TABLE_PRODUCTS[0])
+        self.copy_chains = self.copy_chains or env.choice("STRATA_COPY_CHAINS",
+                                                          COPY_CHAIN_COUNTS[0])
+        self.f16_gemm = self.f16_gemm or env.choice("STRATA_F16_GEMM", F16_GEMMS[0])
+        self.store_memory = self.store_memory or env.choice("STRATA_STORE_MEMORY",
+                                                            STORE_MEMORIES[0])
         if self.prefill_order is None:
             self.prefill_order = prefill_order_switch()
         if self.cuda_graph is None:
@@ -397,10 +408,6 @@ class EngineConfig:
             self.dense_gemm = dense_gemm_switch()
         if self.embedding is None:
             self.embedding = embedding_switch()
-        if self.f16_gemm is None:
-            self.f16_gemm = env.choice("STRATA_F16_GEMM", F16_GEMMS[0])
-        if self.store_memory is None:
-            self.store_memory = env.choice("STRATA_STORE_MEMORY", STORE_MEMORIES[0])
         why = order_refusal(self.prefill_order, self.prefill_stream, self.device_list, given)
         if why is not None:
             raise ConfigError(why, source="engine config")
@@ -420,32 +427,3 @@ class _Fields(EngineConfig):
 
 _dataclass_init = _Fields.__init__
 _FIELDS = tuple(f.name for f in fields(EngineConfig))
-_KNOWN = tuple(name for name in _FIELDS if not name.startswith("_"))
-
-
-def settings(config: object) -> dict[str, Any]:
-    """Engine.open's settings as keywords: ConfigError unless a mapping keyed by names."""
-    bad = [k for k in config if not isinstance(k, str)] if isinstance(config, Mapping) else []
-    if isinstance(config, Mapping) and not bad:
-        return dict(config)
-    got = f"a key {bad[0]!r}" if bad else type(config).__name__
-    raise ConfigError(f"Engine.open: got {got}; allowed: an EngineConfig, or a dict of its "
-                      "settings keyed by their names", source="engine config")
-
-
-def _check_keys(kwargs: dict[str, Any], n_positional: int) -> None:
-    """EngineConfig(**settings) with a key it does not have is a ConfigError naming the key
-    and the closest field (TypeError's traceback otherwise), as in a run config."""
-    problems = []
-    if n_positional > 1:
-        problems.append(f"got {n_positional} positional arguments; give the model, then "
-                        "keywords")
-    for key in kwargs:
-        if key not in _FIELDS:
-            close = difflib.get_close_matches(str(key), _KNOWN, n=1)
-            hint = f"did you mean `{close[0]}`? " if close else ""
-            problems.append(f"{key}: unknown key; {hint}known keys: {', '.join(_KNOWN)}")
-    if n_positional == 0 and "model" not in kwargs:
-        problems.append("model: (missing); required: a model, its spec or a model dict")
-    if problems:
-        raise ConfigError(problems, source="engine config")

@@ -14,7 +14,7 @@ Where each is read (tests/test_switches.py holds every module to it):
   STRATA_PREFILL_GATHER_ONE, STRATA_PREFILL_TIMING, STRATA_PREFILL_DUMP_R,
   STRATA_PREFILL_TRACE, STRATA_WALK_MIN_TOKENS, STRATA_CHECK_PLAN, STRATA_MMQ_KERNEL,
   STRATA_DECODE, STRATA_DECODE_ATTENTION, STRATA_DECODE_DENSE, STRATA_DECODE_ARGMAX,
-  STRATA_PREFILL_STREAM,
+  STRATA_PREFILL_STREAM, STRATA_PREFILL_ATTENTION,
   STRATA_IMAGE_CACHE_MIB, STRATA_TABLE_PRODUCTS, STRATA_COPY_CHAINS, STRATA_PREFILL_ORDER,
   STRATA_COMPUTE_LANES, STRATA_IN_PLACE, STRATA_CUDA_GRAPH, STRATA_ROUTING, STRATA_DENSE_GEMM,
   STRATA_EMBEDDING, STRATA_F16_GEMM and STRATA_STORE_MEMORY.
@@ -103,6 +103,13 @@ SWITCHES: dict[str, Switch] = {
                "merged, float32 probabilities; within NMSE 1e-4 of tiled, not its bytes) or "
                "tiled (the prefill's attention kernel, one block per KV head: a one-token "
                "chunk's bytes are those of the same row inside a longer chunk)."),
+        Switch("STRATA_PREFILL_ATTENTION", "choice:auto,wgmma,mma",
+               "a whole model's attention over prompt chunks on the CUDA backend: auto (the "
+               "default: wgmma where it runs, else mma), wgmma (Hopper's warpgroup tensor-core "
+               "kernel: sm_90 devices, head dim 128) or mma (the mma.sync kernel, sm_80 on). "
+               "Each gives a query the same bytes whatever chunk it comes in; the two differ "
+               "from each other within NMSE 1e-5 (`prefill_attention` in Engine.open's "
+               "settings)."),
         Switch("STRATA_DECODE_DENSE", "choice:gemv,gemm",
                "a whole model's dense projections and output head in one-token chunks (decode "
                "steps) on the CUDA backend: gemv (the default: matrix-vector kernels that read "

@@ -61,7 +61,8 @@ class Recorder:
     prepared: list[Prepared] = field(default_factory=list)
     launches: list[Launch] = field(default_factory=list)
 
-    def module(self, source: Path, defines: Any = None, extra_flags: tuple = ()) -> Any:
+    def module(self, source: Path, defines: Any = None, extra_flags: tuple = (),
+               arch: str | None = None) -> Any:
         rec = self
         frozen = tuple(sorted((defines or {}).items()))
 

@@ -155,6 +155,8 @@ def _read_source(source: Path, what: str) -> tuple[Path, bytes]:
 #: for ARCH_SPECIFIC, where its guarded body compiles (other targets compile it empty)
 ARCH_SPECIFIC_MARK = "__CUDA_ARCH_FEAT_SM90_ALL"
 ARCH_SPECIFIC = "sm_90a"
+#: the device arch (Runtime.arch) an ARCH_SPECIFIC cubin runs on
+ARCH_SPECIFIC_RUNS_ON = "sm_90"
 
 
 def arch_flag(arch: str) -> str:

@@ -154,8 +154,9 @@ def open_device(rt: Runtime, model: Model, store: ExpertStore, cfg: EngineConfig
             sizing = whole_sizes.streamed() if mp.dense_stream else whole_sizes
             attention, dense, argmax = cfg.decode_attention, cfg.decode_dense, cfg.decode_argmax
             assert attention and dense and argmax, "EngineConfig.resolve() sets them"
+            assert cfg.prefill_attention, "EngineConfig.resolve() sets it"
             cuda_whole = CudaWhole(rt, whole, dev.ptr, mp.regions["dense_ws"], sizing, dev.copy,
-                                   host, lo, attention, dense, argmax)
+                                   host, lo, attention, dense, argmax, cfg.prefill_attention)
     except BaseException:
         dev.close()
         raise

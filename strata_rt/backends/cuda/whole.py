@@ -88,7 +88,8 @@ class CudaWhole:
 
     def __init__(self, rt: Runtime, whole: Qwen3Model, ptr: dict[str, int], ws_bytes: int,
                  sizing: WholeSizing, stream: Stream, host: HostMemory, first: int,
-                 decode_attention: str, decode_dense: str, decode_argmax: str):
+                 decode_attention: str, decode_dense: str, decode_argmax: str,
+                 prefill_attention: str = "auto"):
         self.rt, self.whole, self.spec, self.ptr = rt, whole, whole.spec, ptr
         self.first, self.n_layers, self.has_head = first, sizing.spec.n_layers, sizing.head
         self.context = sizing.context
@@ -97,7 +98,7 @@ class CudaWhole:
         self.layout = sizing.layout()
         self.decode = DenseDecode(rt, spec, self.layout, ptr["dense_scratch"])
         self.attention = AttentionKernels(rt, spec.n_heads, spec.n_kv_heads, spec.head_dim,
-                                          self.context)
+                                          self.context, kernel=prefill_attention)
         #: a one-token chunk's attention (None: the tiled kernel serves every chunk)
         self.decode_attention: DecodeAttention | None = None
         if decode_attention == "split" and decode_supported(spec.n_heads, spec.n_kv_heads,

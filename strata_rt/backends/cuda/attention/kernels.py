@@ -10,7 +10,11 @@ not depend on how a prompt is chunked. Two launches per layer and chunk:
    absolute positions, q fp16 [T, n_heads, head_dim], k and v into the layer's cache rows
    start.. (K and V [context, n_kv_heads, head_dim] each, separate base pointers);
 2. `attend`: causal grouped-query flash attention of the chunk's queries over cache rows
-   0..start+t, scale head_dim^-0.5 -> fp16 [T, n_heads * head_dim].
+   0..start+t, scale head_dim^-0.5 -> fp16 [T, n_heads * head_dim]. Two kernels serve it
+   (PREFILL_ATTENTIONS): attention.cu's mma.sync tiles (sm_80 on, head dims 64 and 128) and
+   attention_sm90.cu's wgmma tiles (sm_90 devices, head dim 128), the same contract, grid and
+   block rows; "auto" takes wgmma where it runs. Their bytes differ from each other (the
+   tensor cores' order of adds inside a step), each is chunk invariant on its own.
 
 Both kernels give the same bytes on every run, and `attend` gives a query the same bytes
 whatever chunk it arrives in (see the header of attention.cu for why).
@@ -27,9 +31,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ....config import env
 from ....errors import ConfigError
 from ....models.qwen3.reference import apply_rope, rope_tables
 from ....resources import KERNELS_ROOT
+from ....runtime.compile import ARCH_SPECIFIC, ARCH_SPECIFIC_RUNS_ON
 from ....weights.model import rms_norm
 from .shapes import check_aligned, check_attention_shape, scale_log2
 
@@ -38,6 +44,18 @@ if TYPE_CHECKING:
     from ....runtime import Runtime, Stream
 
 ATTENTION_SOURCE = KERNELS_ROOT / "model" / "attention.cu"
+#: attend on wgmma (sm_90 devices, compiled for sm_90a; head dim 128)
+ATTENTION_SM90_SOURCE = KERNELS_ROOT / "model" / "attention_sm90.cu"
+#: the prefill attention kernels, the default first ("auto": wgmma where it runs, else mma)
+PREFILL_ATTENTIONS = env.choices("STRATA_PREFILL_ATTENTION")
+#: head dims attention_sm90.cu serves
+WGMMA_HEAD_DIMS = (128,)
+#: threads of attend_sm90_hd128 (two warpgroups) and its tile of cache rows (KT)
+WGMMA_THREADS, WGMMA_KV_TILE = 256, 128
+#: K/V stages of the wgmma attend: 2 (each tile's products in turn) or 3 (pipelined: a tile's
+#: q.k beside the previous tile's p.v), the kernel's name by stages
+WGMMA_STAGES = 3
+WGMMA_NAMES = {2: "attend_sm90_hd{hd}", 3: "attend_sm90p_hd{hd}"}
 #: query rows (positions x heads of one group) per attention block; attention.cu's AT_ROWS
 BLOCK_ROWS = 128
 #: cache rows per K/V tile (AT_KV); tiles sit at absolute positions j * KV_TILE
@@ -51,6 +69,33 @@ def attend_shared_bytes(head_dim: int) -> int:
     """Dynamic shared memory of attend_hd{head_dim}: the block's queries and two stages of
     one K tile and one V tile."""
     return BLOCK_ROWS * head_dim * 2 + 2 * 2 * KV_TILE * head_dim * 2
+
+
+def wgmma_shared_bytes(head_dim: int, stages: int = WGMMA_STAGES) -> int:
+    """Dynamic shared memory of the wgmma attend: the block's queries, `stages` stages of one K
+    tile and one V tile of WGMMA_KV_TILE rows, and 1024 bytes for the swizzle atoms'
+    alignment."""
+    return BLOCK_ROWS * head_dim * 2 + stages * 2 * WGMMA_KV_TILE * head_dim * 2 + 1024
+
+
+def wgmma_runs(arch: str, head_dim: int) -> bool:
+    """Whether attention_sm90.cu serves this device (Runtime.arch) and head dim."""
+    return arch == ARCH_SPECIFIC_RUNS_ON and head_dim in WGMMA_HEAD_DIMS
+
+
+def pick_attention(kernel: str, arch: str, head_dim: int) -> str:
+    """The kernel a PREFILL_ATTENTIONS setting gives on this device: "auto" takes wgmma where
+    it runs; "wgmma" where it cannot run is a ConfigError naming why."""
+    if kernel not in PREFILL_ATTENTIONS:
+        raise ConfigError(f"prefill attention {kernel!r}: allowed "
+                          f"{', '.join(PREFILL_ATTENTIONS)}", source="GPU attention")
+    runs = wgmma_runs(arch, head_dim)
+    if kernel == "wgmma" and not runs:
+        raise ConfigError(f"prefill attention wgmma runs on {ARCH_SPECIFIC_RUNS_ON} devices "
+                          f"with head dim {', '.join(map(str, WGMMA_HEAD_DIMS))}; this is "
+                          f"{arch} with head dim {head_dim} (use mma or auto)",
+                          source="GPU attention")
+    return "wgmma" if kernel == "wgmma" or (kernel == "auto" and runs) else "mma"
 
 
 def positions_per_block(n_heads: int, n_kv_heads: int) -> int:
@@ -120,21 +165,29 @@ def attention_reference(q: np.ndarray, keys: np.ndarray, values: np.ndarray,
 class AttentionKernels:
     """Prepared launches of attention.cu for one head layout. Pointers are device addresses
     (ints); nothing here synchronizes, so a layer's launches can be captured in a graph.
-    `context` (optional) is the KV cache's length in positions, checked against every chunk."""
+    `context` (optional) is the KV cache's length in positions, checked against every chunk.
+    `kernel`: a PREFILL_ATTENTIONS setting for `attend` (`self.kernel` says which runs)."""
 
     def __init__(self, rt: Runtime, n_heads: int, n_kv_heads: int, head_dim: int,
-                 context: int | None = None):
+                 context: int | None = None, kernel: str = "auto"):
         check_attention_shape(n_heads, n_kv_heads, head_dim, context=context)
+        #: the kernel `attend` launches: "wgmma" or "mma"
+        self.kernel = pick_attention(kernel, rt.arch, head_dim)
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.group = n_heads // n_kv_heads
         self.context = context
         self.positions_per_block = positions_per_block(n_heads, n_kv_heads)
-        self.shared = attend_shared_bytes(head_dim)
         self.scale_log2 = scale_log2(head_dim)
         mod = rt.module(ATTENTION_SOURCE)
         self._norm_rope = mod.kernel(f"qk_norm_rope_hd{head_dim}", "PiiPPPPfPPPiiP",
                                       overlap=True)
-        self._attend = mod.kernel(f"attend_hd{head_dim}", "PPPPiiiifP")
+        if self.kernel == "wgmma":
+            self.shared, self._threads = wgmma_shared_bytes(head_dim), WGMMA_THREADS
+            self._attend = rt.module(ATTENTION_SM90_SOURCE, arch=ARCH_SPECIFIC).kernel(
+                WGMMA_NAMES[WGMMA_STAGES].format(hd=head_dim), "PPPPiiiifP")
+        else:
+            self.shared, self._threads = attend_shared_bytes(head_dim), ATTEND_THREADS
+            self._attend = mod.kernel(f"attend_hd{head_dim}", "PPPPiiiifP")
 
     def qk_norm_rope(self, stream: Stream, qkv: int, T: int, start: int, q_norm: int,
                      k_norm: int, cos: int, sin: int, eps: float, q_out: int, k_cache: int,
@@ -167,7 +220,7 @@ class AttentionKernels:
         check_aligned({"q": q, "k_cache": k_cache, "v_cache": v_cache})
         if out % 4:
             raise ConfigError(f"out=0x{out:x} is not 4-byte aligned", source="GPU attention")
-        self._attend.launch(grid=self.attend_grid(T), block=(ATTEND_THREADS, 1, 1),
+        self._attend.launch(grid=self.attend_grid(T), block=(self._threads, 1, 1),
                             stream=stream, shared=self.shared,
                             args=(q, k_cache, v_cache, out, T, start, self.n_heads,
                                   self.n_kv_heads, self.scale_log2, start_dev))

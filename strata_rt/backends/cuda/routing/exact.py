@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 
 from ....resources import KERNELS_ROOT
+from ....runtime.compile import ARCH_SPECIFIC as SM90_ARCH
+from ....runtime.compile import ARCH_SPECIFIC_RUNS_ON as SM90_RUNS_ON
 from .kernels import (
     HIDDEN_MULTIPLE,
     ExactWorkspace,
@@ -42,8 +44,6 @@ from .kernels import (
 )
 from .split_tiles import (
     EXACT_SOURCE,
-    SM90_ARCH,
-    SM90_RUNS_ON,
     SM90_SOURCE,
     SPLIT_TILES,
     WgmmaSplitTile,

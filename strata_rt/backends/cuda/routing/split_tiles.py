@@ -11,12 +11,12 @@ logits, without the split inside the GEMM; a caller that can give them says so.
 from __future__ import annotations
 
 from ....resources import KERNELS_ROOT, kernel_lines
+from ....runtime.compile import ARCH_SPECIFIC_RUNS_ON as SM90_RUNS_ON
 from .kernels import GemmTile, RoutingShapeError
 
 EXACT_SOURCE = KERNELS_ROOT / "common" / "routing_exact.cu"
 #: the split GEMM on wgmma (sm_90 devices, compiled for sm_90a)
 SM90_SOURCE = KERNELS_ROOT / "common" / "routing_split_sm90.cu"
-SM90_ARCH, SM90_RUNS_ON = "sm_90a", "sm_90"
 
 
 class SplitTile(GemmTile):
