@@ -1,5 +1,6 @@
 """The batched dequantizing gather of every GGML type (kernels/ggml/gather.cu) on the GPU: fresh
-random blocks (finite scales) of each type, read from unaligned addresses, gathered into
+random blocks (finite scales) of each type, read from unaligned addresses (F32, whose stage
+reads depend on the source's alignment, from every address residue modulo 16), gathered into
 poisoned fp16 images, compared with gguf.quants.dequantize rounded to fp16, bit for bit (NaN
 where the reference has NaN: the float types carry NaN patterns, whose payload the device need
 not keep). Members with address 0, and members the routing gave no rows, keep the poison;
@@ -38,22 +39,29 @@ def expert_blocks(rng: np.random.Generator, t: GgmlType, rows: int, cols: int) -
 
 def run_gather(rt, gg: GgmlGather, rng: np.random.Generator, t: GgmlType, rows: int, cols: int,
                present: list[bool], first_pos: int, *, stride_pad: int = 32,
-               bounds: np.ndarray | None = None, first_expert: int = 0):
-    """Uploads one random expert per member at an odd offset, runs one gather into a poisoned
-    16-position buffer; returns (output bytes, stride, each member's raw blocks or None)."""
+               bounds: np.ndarray | None = None, first_expert: int = 0,
+               residues: list[int] | None = None):
+    """Uploads one random expert per member, runs one gather into a poisoned 16-position
+    buffer; returns (output bytes, stride, each member's raw blocks or None). Member i's
+    source address is residues[i] modulo 16 where given, else 1 + 2 * (i % 3) bytes past i
+    pitches of the largest member's bytes + 7 (unaligned addresses of several residues)."""
     stream = rt.stream("test")
     stride = image_bytes(rows, cols) + stride_pad
     raws = [expert_blocks(rng, t, rows, cols) if p else None for p in present]
-    pitch = max(r.size for r in raws if r is not None) + 7
+    size = max(r.size for r in raws if r is not None)
+    pitch = size + 7 if residues is None else -(-size // 16) * 16 + 16
     src = rng.integers(0, 256, pitch * len(present) + 64, dtype=np.uint8)
+    out = np.full(16 * stride + 64, POISON, dtype=np.uint8)
+    bufs = [rt.alloc(a.nbytes) for a in (src, out)]
     offs = []
     for i, raw in enumerate(raws):
-        off = i * pitch + 1 + 2 * (i % 3)  # odd addresses: the gather reads bytes
+        if residues is None:
+            off = i * pitch + 1 + 2 * (i % 3)
+        else:  # pitch is a multiple of 16: the slot's address has the buffer's residue
+            off = i * pitch + (residues[i] - bufs[0].ptr) % 16
         offs.append(off)
         if raw is not None:
             src[off:off + raw.size] = raw
-    out = np.full(16 * stride + 64, POISON, dtype=np.uint8)
-    bufs = [rt.alloc(a.nbytes) for a in (src, out)]
     bnd = rt.alloc(bounds.nbytes) if bounds is not None else None
     try:
         rt.memcpy_htod(bufs[0].ptr, src, stream)
@@ -144,6 +152,33 @@ def test_gather_steps_many_groups_per_warp(rt, gg, rng, monkeypatch, name, rows,
     present = [True, False, True]
     out, stride, raws = run_gather(rt, gg, rng, t, rows, cols, present, first_pos=13)
     check_output(t, out, stride, raws, 13, rows, cols, present)
+
+
+@pytest.mark.parametrize("rows,cols", [(61, 40), (64, 64), (129, 264), (3, 8)])
+def test_f32_gather_from_every_source_alignment(rt, gg, rng, monkeypatch, rows, cols):
+    """F32 reads its stage as 4-byte words, joined by funnel shifts where the source is not
+    4-byte aligned: 16 members whose sources are 0 .. 15 bytes past a multiple of 16, one
+    block a launch (several steps a warp but for the smallest shape), and a last group of
+    136, 256, 8 and 24 values."""
+    from strata_rt.gemm import ggml_gather
+
+    t = ggml_type("F32")
+    monkeypatch.setattr(ggml_gather, "GATHER_TARGET_BLOCKS", 1)
+    present = [True] * 16
+    out, stride, raws = run_gather(rt, gg, rng, t, rows, cols, present, first_pos=0,
+                                   residues=list(range(16)))
+    check_output(t, out, stride, raws, 0, rows, cols, present)
+
+
+def test_f32_gather_many_blocks_and_skipped_members(rt, gg, rng):
+    """F32 over the launcher's own grid (many blocks, one step a warp), members at 16-byte
+    aligned, 4-byte aligned and odd sources beside members with address 0."""
+    t = ggml_type("F32")
+    rows, cols = 96, 2048
+    present = [True, False, True, True, False, True]
+    out, stride, raws = run_gather(rt, gg, rng, t, rows, cols, present, first_pos=7,
+                                   residues=[0, 0, 4, 7, 0, 12])
+    check_output(t, out, stride, raws, 7, rows, cols, present)
 
 
 def test_gate_and_up_of_different_types_fill_one_image(rt, gg, rng):
