@@ -244,6 +244,7 @@ class Engine:
                               source="tokenizer")
         if self._tokenizer is None:
             src = self.config.model.get("gguf") if isinstance(self.config.model, dict) else None
+            self.whole.check_file("its tokenizer")  # a GGUF changed since: not "no keys"
             self._tokenizer = (Tokenizer.from_gguf(src) if src is not None
                                else Tokenizer.synthetic(self.whole.spec.vocab))
         return self._tokenizer

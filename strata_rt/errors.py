@@ -38,6 +38,11 @@ class GGUFError(StrataError):
     """A GGUF file is missing a tensor or key, or holds one of the wrong shape or type."""
 
 
+class GGUFChangedError(GGUFError):
+    """A GGUF file changed (cut short, grown or rewritten) after it was opened: the bytes a
+    run would read are no longer those checked at open."""
+
+
 class BudgetError(StrataError):
     """A memory budget cannot hold what the run needs."""
 

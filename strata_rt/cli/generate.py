@@ -23,7 +23,7 @@ from ..config.input_files import (
     user_path,
 )
 from ..config.input_files import read_text as input_text
-from ..errors import ConfigError, GGUFError
+from ..errors import ConfigError, GGUFChangedError, GGUFError
 from ..report import interrupts
 from ..runtime.memory import MIB
 from ..text.sampling import MAX_CANDIDATES, NAMES, SamplingParams, describe, sampling_problems
@@ -77,6 +77,8 @@ def model_tokenizer(engine: Any):
 
     try:
         return engine.tokenizer()
+    except GGUFChangedError:
+        raise  # the file, not its tokenizer keys
     except GGUFError as e:
         raise ConfigError(f"{e}; text in and out needs the tokenizer.ggml.* keys (GGUFs "
                           "converted by llama.cpp carry them)", source="tokenizer") from None

@@ -79,11 +79,13 @@ def interrupted_note(command: str, done: int, total: int, what: str) -> int:
 def run_tokenizer(engine: Any) -> Any:
     """The model's tokenizer for printing generated text, or None (ids only) when it cannot be
     built: the GGUF carries no tokenizer keys or the `tokenizers` library is missing."""
-    from ..errors import GGUFError
+    from ..errors import GGUFChangedError, GGUFError
     from ..text.tokenizer import TokenizerError
 
     try:
         return engine.tokenizer()
+    except GGUFChangedError:
+        raise  # the run cannot go on with the file
     except (GGUFError, TokenizerError) as e:
         log.warning("generated tokens are printed as ids only, with no EOS stop: %s", e)
         return None

@@ -10,7 +10,9 @@ does (an edited alignment reads every tensor shifted), no two tensors sharing a 
 tensors or keys of one name. Names are printable (a newline or a terminal escape in a name
 would forge lines of a message), tensor names shorter than ggml's 64 bytes. The file is
 opened without blocking and mapped read-only; tensor data is viewed from the map, never
-copied here.
+copied here. The descriptor stays open with the header (opened_file.OpenedFile): what a run
+reads after open is read through it, not the map, so a file cut short since is an error
+rather than SIGBUS.
 
 String arrays (a tokenizer's 300,000 tokens and merges) are walked in one tight loop that
 records where each string lies, and are read back from one buffer (gguf_strings), never one
@@ -39,6 +41,7 @@ from ..errors import GGUFError
 from .gguf_problems import Problems
 from .gguf_strings import StringArray
 from .gguf_tensors import data_end_problem, tensor_problems
+from .opened_file import OpenedFile
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
@@ -107,6 +110,8 @@ class TensorInfo:
     buf: Any = field(default=None, repr=False, compare=False)
     #: the file the bytes lie in (a shard's, for a split model)
     file: str = field(default="", compare=False)
+    #: that file as it was opened (OpenedFile): reads after open go through it
+    opened: OpenedFile | None = field(default=None, repr=False, compare=False)
 
     @property
     def data_offset(self) -> int:
@@ -410,8 +415,10 @@ def parse(path: str | Path) -> Header:
             buf = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
         except (OSError, ValueError) as e:
             raise GGUFError(f"{path}: cannot map it for reading: {e}") from None
-    finally:
+    except BaseException:
         os.close(fd)
+        raise
+    opened = OpenedFile(path, fd, st)  # owns the descriptor from here
     w = _Walker(buf, size)
     try:
         version, keys, infos, problems = _walk(w)
@@ -433,7 +440,7 @@ def parse(path: str | Path) -> Header:
     if not more:
         end = data_end_problem(placed, data_start, alignment, size)
         more += [] if end is None else [end]
-    tensors = [TensorInfo(name, dims, qt, lo, n, buf, str(path))
+    tensors = [TensorInfo(name, dims, qt, lo, n, buf, str(path), opened)
                for name, dims, qt, lo, n in placed]
     return Header(path, size, version, alignment, data_start, keys, tensors, problems + more,
                   buf)

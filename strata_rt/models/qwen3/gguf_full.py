@@ -6,7 +6,8 @@ attn_q, attn_k, attn_v, attn_output, attn_q_norm, attn_k_norm, ffn_norm, ffn_gat
 three expert tensors. The MoE part (ffn_norm, ffn_gate_inp, experts and their conversion to the
 run's format) goes through strata_rt.weights.gguf_io, so both loaders report a broken file alike.
 Dense tensors may be of any type the gguf package dequantizes (F32, F16, BF16, Q8_0, the
-K-quants, IQ4_XS, ...); they are kept as stored (DenseTensor) and dequantized where used.
+K-quants, IQ4_XS, ...); they are kept as stored (DenseTensor) and dequantized where used,
+read from the file's descriptor once the model is open (weights.opened_file).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from ...weights.gguf_io import (
 )
 from ...weights.gguf_keys import TOKENIZER, number
 from ...weights.model import Model
+from ...weights.opened_file import TensorBytes
 from .spec import Qwen3Spec
 from .weights import (
     GLOBAL_ROLES,
@@ -204,7 +206,8 @@ def _dense(path: Path, spec: Qwen3Spec, t, role: str) -> DenseTensor:
             raise problems_error(path, [f"tensor {t.name} has type {qt.name}, which the gguf "
                                         "package cannot dequantize (use F32, F16, BF16, Q8_0, "
                                         "a K-quant or an i-quant it reads)"]) from None
-    return DenseTensor(t.name, shape, qt, data)
+    source = None if t.opened is None else TensorBytes(t.opened, t.name, t.offset, t.n_bytes)
+    return DenseTensor(t.name, shape, qt, data, source)
 
 
 def dense_problems(dense: DenseWeights) -> list[str]:

@@ -18,8 +18,8 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, fields, replace
-from typing import Any
+from dataclasses import dataclass, field, fields, replace
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -28,6 +28,9 @@ from ...formats.contract import QuantFormat
 from ...host.host_copy import run_each
 from ...weights.model import Model
 from .spec import Qwen3Spec
+
+if TYPE_CHECKING:
+    from ...weights.opened_file import TensorBytes
 
 log = logging.getLogger(__name__)
 
@@ -62,12 +65,19 @@ def ggml_type(t: Any):
 @dataclass(frozen=True)
 class DenseTensor:
     """One dense weight as GGUF holds it. `data` is float32 [shape] for F32, float16 [shape]
-    for F16 and uint8 [rows, row bytes] (the type's blocks) for every other type."""
+    for F16 and uint8 [rows, row bytes] (the type's blocks) for every other type.
+
+    A tensor read from a GGUF has a `source`: `data` then views the file's memory map, read
+    there by what runs while the model opens (the checks, the CUDA uploads) and by whole-model
+    helpers (`digest`, writing the model out); `f32` and `rows`, which a run calls after open,
+    read the file through `source` (opened_file), so a file cut short since it opened is a
+    GGUFChangedError, not SIGBUS."""
 
     name: str
     shape: tuple[int, ...]
     type: Any  # GGMLQuantizationType
     data: np.ndarray
+    source: TensorBytes | None = field(default=None, repr=False, compare=False)
 
     @property
     def type_name(self) -> str:
@@ -77,13 +87,25 @@ class DenseTensor:
     def nbytes(self) -> int:
         return int(self.data.nbytes)
 
+    def stored(self) -> np.ndarray:
+        """`data`'s values: read from the file now for a tensor with a source, else `data`
+        itself (no copy)."""
+        if self.source is None:
+            return self.data
+        return self.source.read().view(self.data.dtype).reshape(self.data.shape)
+
     def f32(self) -> np.ndarray:
-        """The float32 values (F32: the stored array itself, no copy)."""
-        return self._decode(self.data)
+        """The float32 values (F32 held in memory: the stored array itself, no copy)."""
+        return self._decode(self.stored())
 
     def rows(self, idx: np.ndarray) -> np.ndarray:
         """float32 rows idx of a matrix, dequantizing only those rows (embedding lookups)."""
-        return self._decode(self.data[np.asarray(idx)])
+        idx = np.asarray(idx)
+        if self.source is None:
+            return self._decode(self.data[idx])
+        row = self.data.shape[1:]
+        raw = self.source.rows(idx, self.data.dtype.itemsize * int(np.prod(row)))
+        return self._decode(raw.view(self.data.dtype).reshape(*idx.shape, *row))
 
     def _decode(self, raw: np.ndarray) -> np.ndarray:
         from gguf import GGMLQuantizationType
@@ -232,6 +254,13 @@ class Qwen3Model:
         for lw in d.layers:
             for f in fields(LayerWeights):
                 yield f.name, getattr(lw, f.name)
+
+    def check_file(self, what: str) -> None:
+        """GGUFChangedError when the GGUF the model was read from changed after it opened
+        (`what` names what was about to be read from it); nothing for a model in memory."""
+        source = self.dense.token_embd.source
+        if source is not None:
+            source.file.check(what)
 
     def dense_bytes(self) -> int:
         """Bytes of the dense weights as stored (router and norms of the MoE part excluded)."""
