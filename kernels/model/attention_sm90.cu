@@ -77,6 +77,13 @@ __device__ __forceinline__ void issue_scores(float (&s)[64], uint64_t dq, const 
     wg::commit();
 }
 
+#if defined(ATTN_V_DESC_SWAP)
+#define V_DESC(p) \
+    ((wg::sw128_desc_mn(p, 1024) & ~(0x3FFFull << 32)) | ((uint64_t)(KV_PANEL >> 4) << 32))
+#else
+#define V_DESC(p) wg::sw128_desc_mn(p, KV_PANEL)
+#endif
+
 // o += p . v over one V tile: keys 16 kk .. are the A fragment {row g, row g+8} x {8-key
 // halves}; V's k16 step starts 16 rows (2048 bytes) further down both panels (one group)
 __device__ __forceinline__ void issue_pv(float (&o)[64], const unsigned (&pf)[2][KT / 8],
@@ -86,8 +93,14 @@ __device__ __forceinline__ void issue_pv(float (&o)[64], const unsigned (&pf)[2]
     for (int kk = 0; kk < KT / 16; ++kk) {
         const unsigned a[4] = {pf[0][2 * kk], pf[1][2 * kk], pf[0][2 * kk + 1],
                                pf[1][2 * kk + 1]};
-        wg::mma_64x128x16_rs_mn(o, a, wg::sw128_desc_mn(sv + kk * 16 * PANEL_ROWS_BYTES, KV_PANEL),
-                                1);
+#if defined(ATTN_PV_N64)
+        float(&o0)[32] = *reinterpret_cast<float(*)[32]>(&o[0]);
+        float(&o1)[32] = *reinterpret_cast<float(*)[32]>(&o[32]);
+        wg::mma_64x64x16_rs_mn(o0, a, V_DESC(sv + kk * 16 * PANEL_ROWS_BYTES), 1);
+        wg::mma_64x64x16_rs_mn(o1, a, V_DESC(sv + KV_PANEL + kk * 16 * PANEL_ROWS_BYTES), 1);
+#else
+        wg::mma_64x128x16_rs_mn(o, a, V_DESC(sv + kk * 16 * PANEL_ROWS_BYTES), 1);
+#endif
     }
     wg::commit();
 }
