@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from strata_rt.cli.common import display_path, hardware_line, markdown_table, open_engine  # noqa: E402
 from strata_rt.cli.run import set_switch  # noqa: E402
-from strata_rt.config.run_config import load_config  # noqa: E402
+from strata_rt.config.run.run_config import load_config  # noqa: E402
 from strata_rt.text.generate import EngineSession, greedy_after  # noqa: E402
 
 SWITCH = "STRATA_PREFILL_GATHER_ONE"

@@ -78,10 +78,10 @@ from strata_rt.cli.common import (  # noqa: E402
     output_arg,
     write_json,
 )
-from strata_rt.config import env  # noqa: E402
-from strata_rt.config.engine_config import EngineConfig  # noqa: E402
-from strata_rt.config.prompts import Prompt  # noqa: E402
-from strata_rt.config.run_config import Config, load_config  # noqa: E402
+from strata_rt.config.run.prompts import Prompt  # noqa: E402
+from strata_rt.config.run.run_config import Config, load_config  # noqa: E402
+from strata_rt.config.settings import env  # noqa: E402
+from strata_rt.config.settings.engine_config import EngineConfig  # noqa: E402
 from strata_rt.engine import Engine, backend_class, load_model  # noqa: E402
 from strata_rt.models.qwen3.whole_memory import (  # noqa: E402
     DenseLayout,

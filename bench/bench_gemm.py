@@ -21,7 +21,7 @@ expert. Per prompt length, CUDA events around whole phases (median of --reps aft
   group g, then its down into an output of its own, the walk's hint), captured once as a CUDA
   graph and replayed, on one compute lane and on two (group g on lane g % 2, lane 2 forked off
   the benchmark stream and joined back inside the capture), and the form the engine picks for
-  the prompt (strata_rt.schedule.lanes.chunk_lanes, lanes allocated as when every expert is
+  the prompt (strata_rt.schedule.vram.lanes.chunk_lanes, lanes allocated as when every expert is
   resident). The plain figures above launch all 8 gate/up then all 8 down one by one on one stream,
   which pays each launch's host cost and leaves the GPU idle in each launch's last wave; the
   engine's replayed graph and second lane remove much of that (SwiGLU between the two GEMMs is left

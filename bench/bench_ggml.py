@@ -59,7 +59,7 @@ from mmq_common import (  # noqa: E402
     runtime_event_timer,
 )
 
-from strata_rt.config import env  # noqa: E402
+from strata_rt.config.settings import env  # noqa: E402
 from strata_rt.formats.contract import MMQ_GROUP  # noqa: E402
 from strata_rt.formats.ggml_format import F16_FUSED, F16_GEMM, GGMLFormat  # noqa: E402
 from strata_rt.gemm.grouped_gemm import fp16_image_bytes  # noqa: E402

@@ -25,7 +25,7 @@ dequantizing). Last, f16_gemm's layer in the engine's issue order (bench/engine_
 every gather, then 8 gate/up, then 8 down launched one by one: group by group ([its gather,]
 gate/up, down, the same rows_hint) on lane g % lanes, captured once as a CUDA graph and
 replayed, on one lane and on two, and the lanes the engine picks
-(strata_rt.schedule.lanes.chunk_lanes).
+(strata_rt.schedule.vram.lanes.chunk_lanes).
 
 torch runs first, in its own (primary) context, and is done before the strata_rt Runtime opens;
 the two never share memory, so their contexts cannot interfere.

@@ -57,8 +57,8 @@ from strata_rt.cli.common import (  # noqa: E402
     markdown_table,
     write_json,
 )
-from strata_rt.config.engine_config import STORE_MEMORIES  # noqa: E402
-from strata_rt.config.run_config import load_config  # noqa: E402
+from strata_rt.config.run.run_config import load_config  # noqa: E402
+from strata_rt.config.settings.engine_config import STORE_MEMORIES  # noqa: E402
 from strata_rt.engine import Engine, load_model  # noqa: E402
 from strata_rt.host import host_copy  # noqa: E402
 

@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.strata_child:
         return run_job(json.loads(args.strata_child))
     from strata_rt.cli.common import hardware_line
-    from strata_rt.config.run_config import load_config
+    from strata_rt.config.run.run_config import load_config
     from strata_rt.errors import StrataError
 
     try:

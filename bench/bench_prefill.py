@@ -41,7 +41,7 @@ from torch_clock import cuda_seconds, pinned_h2d_gb_s  # noqa: E402
 
 from strata_rt.cli.common import hardware_line, markdown_table  # noqa: E402
 from strata_rt.cli.run import set_switch  # noqa: E402
-from strata_rt.config.run_config import Prompt, validate  # noqa: E402
+from strata_rt.config.run.run_config import Prompt, validate  # noqa: E402
 from strata_rt.engine import Engine  # noqa: E402
 from strata_rt.formats.numerics import nmse  # noqa: E402
 from strata_rt.runtime.memory import MIB  # noqa: E402

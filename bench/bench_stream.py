@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 from bench_whole import time_prefill  # noqa: E402
 
 from strata_rt.cli.common import display_path, hardware_line, markdown_table, open_engine  # noqa: E402
-from strata_rt.config.run_config import load_config  # noqa: E402
+from strata_rt.config.run.run_config import load_config  # noqa: E402
 from strata_rt.runtime.memory import MIB  # noqa: E402
 
 ARMS = ("walk", "routed", "auto")

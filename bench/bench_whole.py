@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 from torch_clock import pinned_h2d_gb_s  # noqa: E402
 
 from strata_rt.cli.common import display_path, hardware_line, markdown_table, open_engine  # noqa: E402
-from strata_rt.config.run_config import load_config  # noqa: E402
+from strata_rt.config.run.run_config import load_config  # noqa: E402
 from strata_rt.runtime.memory import MIB  # noqa: E402
 
 

@@ -11,9 +11,9 @@ graph and replayed (strata_rt/runtime/graph.py). `EngineOrder.measure` times tha
 replayed there, on one lane (every group on that stream) and on two (group g on stream g % 2,
 the second a stream of its own forked at the start and joined at the end inside the capture,
 as the engine's DeviceState.joined does), plus the form the engine picks for the chunk
-(strata_rt.schedule.lanes.chunk_lanes with both lane buffer sets allocated, as when every expert is
-resident). Each replay is timed with the caller's event timer on the benchmark stream: median
-of `reps` after WARMUPS warm-up replays (mmq_common.median_ms's rule).
+(strata_rt.schedule.vram.lanes.chunk_lanes with both lane buffer sets allocated, as when every
+expert is resident). Each replay is timed with the caller's event timer on the benchmark stream:
+median of `reps` after WARMUPS warm-up replays (mmq_common.median_ms's rule).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from mmq_common import WARMUPS  # noqa: E402
 
 from strata_rt.runtime.graph import capture  # noqa: E402
-from strata_rt.schedule.lanes import chunk_lanes  # noqa: E402
+from strata_rt.schedule.vram.lanes import chunk_lanes  # noqa: E402
 from strata_rt.weights.model import MoESpec  # noqa: E402
 
 #: the lane counts measured, with their JSON keys and table headers

@@ -40,10 +40,10 @@ import numpy as np
 from .backends.cuda.chunk_input import input_not_finite
 from .backends.nonfinite import NonFiniteError, check_finite
 from .config import hostmem
-from .config.engine_config import EngineConfig
-from .config.paths import DUMP_STRIDE, output_target
-from .config.prompts import check_hidden_states, check_token_ids
-from .config.settings_keys import settings
+from .config.files.paths import DUMP_STRIDE, output_target
+from .config.run.prompts import check_hidden_states, check_token_ids
+from .config.settings.engine_config import EngineConfig
+from .config.settings.settings_keys import settings
 from .errors import ConfigError
 from .formats.contract import QuantFormat
 from .host.host_copy import all_finite, copy_into, prefault
@@ -52,9 +52,9 @@ from .report.timing import write_trace
 from .schedule.driver import ChunkDriver
 from .schedule.executor import Backend, HostContext
 from .schedule.plan import LogitRows
-from .schedule.planner import AUTO_CHUNK_MAX
-from .schedule.residency import Residency
+from .schedule.planners.planner import AUTO_CHUNK_MAX
 from .schedule.split.driver import SplitBackend, SplitDriver, open_split
+from .schedule.vram.residency import Residency
 from .weights.layer_formats import LayerFormats
 from .weights.model import Model
 from .weights.store import ExpertStore

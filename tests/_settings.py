@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from strata_rt.config.run_config import load_config
+from strata_rt.config.run.run_config import load_config
 from strata_rt.engine import Engine, EngineConfig
 from strata_rt.errors import ConfigError
 from strata_rt.weights.model import SMALL_SPEC

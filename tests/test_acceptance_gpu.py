@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 from strata_rt.cli.run import set_switch
-from strata_rt.config.run_config import load_config
+from strata_rt.config.run.run_config import load_config
 from strata_rt.engine import Engine, read_dump
 from strata_rt.text.generate import EngineSession, greedy_after
 

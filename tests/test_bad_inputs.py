@@ -17,9 +17,9 @@ import yaml
 
 from strata_rt.cli import main
 from strata_rt.config import hostmem
-from strata_rt.config.prompts import load_npy, read_token_file
-from strata_rt.config.run_config import load_config
-from strata_rt.config.schema import host_memory_parts
+from strata_rt.config.run.prompts import load_npy, read_token_file
+from strata_rt.config.run.run_config import load_config
+from strata_rt.config.run.schema import host_memory_parts
 from strata_rt.errors import ConfigError, HostMemoryError
 from strata_rt.formats.registry import registry
 
@@ -253,7 +253,7 @@ def test_an_npz_archive_is_named_as_one(tmp_path: Path) -> None:
 
 def test_token_ids_beyond_the_vocabulary(tmp_path: Path) -> None:
     """The hook a model with an embedding table uses: its vocabulary size."""
-    from strata_rt.config.schema import Problems, check_prompts
+    from strata_rt.config.run.schema import Problems, check_prompts
 
     (tmp_path / "toks.txt").write_text("0 151935 151936 200000")
     assert read_token_file(tmp_path / "toks.txt", vocab_size=200001).size == 4
@@ -295,7 +295,7 @@ def test_a_float64_hidden_file_beyond_float32s_range(tmp_path: Path, capsys) -> 
 
 
 def test_nan_scan_reads_in_slices(tmp_path: Path, monkeypatch) -> None:
-    import strata_rt.config.prompts as prompts
+    import strata_rt.config.run.prompts as prompts
 
     monkeypatch.setattr(prompts, "SCAN_BYTES", 3 * 256 * 2)  # three float16 rows per slice
     h = np.zeros((50, 256), np.float16)

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from strata_rt.cli import main, run
-from strata_rt.config.paths import output_dir_problem, output_file_problem, write_text_atomic
+from strata_rt.config.files.paths import output_dir_problem, output_file_problem, write_text_atomic
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = {"model": {"synthetic": {"n_layers": 2, "hidden": 256, "ffn": 256, "n_experts": 8,
@@ -178,7 +178,7 @@ def test_bench_keeps_finished_prompts_on_ctrl_c(tmp_path: Path, capsys, monkeypa
 
 def test_profile_keeps_finished_prompts_on_ctrl_c(tmp_path: Path, capsys, monkeypatch) -> None:
     from strata_rt.engine import Engine
-    from strata_rt.schedule.residency import RoutingProfile
+    from strata_rt.schedule.vram.residency import RoutingProfile
 
     real = Engine.prefill
     calls = [0]

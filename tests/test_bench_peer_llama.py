@@ -23,7 +23,7 @@ from _fake_llama import FIELDS, fake_llama  # noqa: E402
 from peer_llama import files, llama, mixes, report  # noqa: E402
 from peer_llama.files import TINY, Shape, ensure_file, vocab_for  # noqa: E402
 
-from strata_rt.config.run_config import load_config  # noqa: E402
+from strata_rt.config.run.run_config import load_config  # noqa: E402
 from strata_rt.models.qwen3 import write_qwen3_gguf  # noqa: E402
 from strata_rt.weights.model import Model  # noqa: E402
 from strata_rt.weights.whole_model import load_model  # noqa: E402

@@ -127,7 +127,7 @@ def test_profile_prints_where_it_wrote(tmp_path: Path, capsys, monkeypatch) -> N
 
 
 def test_profile_round_trip(tmp_path: Path, capsys) -> None:
-    from strata_rt.schedule.residency import RoutingProfile
+    from strata_rt.schedule.vram.residency import RoutingProfile
 
     cfg = _tiny_config(tmp_path)
     prof = tmp_path / "p.json"

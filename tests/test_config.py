@@ -10,12 +10,12 @@ import pytest
 import yaml
 
 from strata_rt.cli import main
-from strata_rt.config.run_config import Config, device_memory_plan, load_config
+from strata_rt.config.run.run_config import Config, device_memory_plan, load_config
 from strata_rt.errors import ConfigError, GGUFError
 from strata_rt.formats.registry import registry
 from strata_rt.runtime.memory import MIB
-from strata_rt.schedule.memory_plan import MemoryPlan, plan_memory
-from strata_rt.schedule.planner import STAGING_RING_SLOTS, walk_ring_slots
+from strata_rt.schedule.planners.planner import STAGING_RING_SLOTS, walk_ring_slots
+from strata_rt.schedule.vram.memory_plan import MemoryPlan, plan_memory
 
 CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
 

@@ -13,7 +13,7 @@ import yaml
 
 import strata_rt.cli.run as cli_run
 from strata_rt.cli import main
-from strata_rt.config.run_config import load_config, validate
+from strata_rt.config.run.run_config import load_config, validate
 from strata_rt.engine import Engine
 from strata_rt.errors import ConfigError
 from strata_rt.text.generate import EngineSession, greedy

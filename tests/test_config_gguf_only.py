@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from strata_rt.cli import main
-from strata_rt.config.run_config import load_config
-from strata_rt.config.schema import DEFAULT_PROMPTS
+from strata_rt.config.run.run_config import load_config
+from strata_rt.config.run.schema import DEFAULT_PROMPTS
 from strata_rt.engine import Engine
 from strata_rt.errors import ConfigError
 from strata_rt.formats.registry import registry

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from test_config import DROP, GOOD, only, problems, with_, write
 
-from strata_rt.config.run_config import load_config
+from strata_rt.config.run.run_config import load_config
 from strata_rt.formats.registry import registry
 from strata_rt.models.qwen3 import TINY_SPEC, Qwen3Model, write_qwen3_gguf
 from strata_rt.models.qwen3.whole_memory import (
@@ -18,7 +18,7 @@ from strata_rt.models.qwen3.whole_memory import (
     kv_bytes,
 )
 from strata_rt.runtime.memory import MIB
-from strata_rt.schedule.memory_plan import plan_memory
+from strata_rt.schedule.vram.memory_plan import plan_memory
 
 WHOLE = {"n_heads": 4, "n_kv_heads": 2, "head_dim": 64, "vocab": 500}
 
@@ -180,7 +180,7 @@ def test_auto_streams_the_dense_weights_only_when_they_do_not_fit() -> None:
     from dataclasses import replace
 
     from strata_rt.errors import BudgetError
-    from strata_rt.schedule.dense_schedule import DENSE_RING_SLOTS
+    from strata_rt.schedule.planners.dense_schedule import DENSE_RING_SLOTS
     from strata_rt.weights.model import MoESpec
 
     six = replace(TINY_SPEC, n_layers=6)
@@ -208,7 +208,7 @@ def test_host_memory_counts_a_whole_models_parts(monkeypatch) -> None:
     """The host check adds the dense weights as generated (none for a GGUF's, which stay in the
     file's map) and the pinned dense slots when they stream (in the stored types: no head is
     converted on the host); the 235B configs name them when the host is too small."""
-    from strata_rt.config.whole import whole_host_parts
+    from strata_rt.config.run.whole import whole_host_parts
     from strata_rt.errors import ConfigError
 
     spec = TINY_SPEC

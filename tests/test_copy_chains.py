@@ -14,11 +14,9 @@ import pytest
 from _settings import check_engine_setting
 from test_routed_walk import MOE, SPEC, _prefill, _random_scenario, _reject
 
-from strata_rt.config.engine_config import EngineConfig
+from strata_rt.config.settings.engine_config import EngineConfig
 from strata_rt.models.qwen3 import Qwen3Model, Qwen3Spec
-from strata_rt.schedule.dense_schedule import DenseSchedule
 from strata_rt.schedule.hazards import check
-from strata_rt.schedule.image_cache import ImageCache
 from strata_rt.schedule.plan import (
     COPY_CHAINS,
     ChunkPlan,
@@ -27,8 +25,10 @@ from strata_rt.schedule.plan import (
     Wait,
     copies_routed,
 )
-from strata_rt.schedule.planner import plan_walk
-from strata_rt.schedule.residency import Residency
+from strata_rt.schedule.planners.dense_schedule import DenseSchedule
+from strata_rt.schedule.planners.planner import plan_walk
+from strata_rt.schedule.vram.image_cache import ImageCache
+from strata_rt.schedule.vram.residency import Residency
 from strata_rt.weights.model import SMALL_SPEC
 
 

@@ -499,7 +499,7 @@ def test_table_products_give_the_tiny_whole_models_logits():
     off, and the merged plans ran."""
     from _generate_cases import TINY_CONFIG
 
-    from strata_rt.config.run_config import load_config
+    from strata_rt.config.run.run_config import load_config
 
     def run(setting: str) -> tuple[list[np.ndarray], set[type]]:
         ecfg = load_config(TINY_CONFIG).engine_config(backend="cuda")

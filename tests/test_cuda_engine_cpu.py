@@ -18,9 +18,14 @@ from strata_rt.gemm.grouped_gemm import TILES as GEMM_TILES
 from strata_rt.report.timing import NOTE, PHASES, format_table
 from strata_rt.runtime.memory import plan_regions, regions_total
 from strata_rt.schedule import hazards
-from strata_rt.schedule.memory_plan import chunk_regions, fixed_regions, plan_memory
-from strata_rt.schedule.planner import AUTO_CHUNK_MAX, StagingPlanner, plan_walk, walk_ring_slots
-from strata_rt.schedule.residency import Residency
+from strata_rt.schedule.planners.planner import (
+    AUTO_CHUNK_MAX,
+    StagingPlanner,
+    plan_walk,
+    walk_ring_slots,
+)
+from strata_rt.schedule.vram.memory_plan import chunk_regions, fixed_regions, plan_memory
+from strata_rt.schedule.vram.residency import Residency
 from strata_rt.weights.model import QWEN3_30B_SPEC, SMALL_SPEC, Model
 
 MIB = 1 << 20

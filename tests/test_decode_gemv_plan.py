@@ -10,14 +10,13 @@ import re
 import numpy as np
 import pytest
 
-from strata_rt.config import env
-from strata_rt.config.engine_config import DECODES
+from strata_rt.config.settings import env
+from strata_rt.config.settings.engine_config import DECODES
 from strata_rt.engine import Engine
 from strata_rt.errors import ConfigError, PlanHazardError
 from strata_rt.gemm.ggml_gemv import GEMV_HEADER, GEMV_SOURCE, GEMV_WARPS
 from strata_rt.models.qwen3 import Qwen3Model, Qwen3Spec
 from strata_rt.report.stats import Stats
-from strata_rt.schedule.dense_schedule import DenseSchedule
 from strata_rt.schedule.hazards import check
 from strata_rt.schedule.plan import (
     HOST,
@@ -38,8 +37,9 @@ from strata_rt.schedule.plan import (
 )
 from strata_rt.schedule.plan_counts import add_counts, op_counts
 from strata_rt.schedule.plan_keys import DECODE_KEY, GEMV_DECODE_KEY, decode_key, resolve_decode
-from strata_rt.schedule.planner import plan_decode
-from strata_rt.schedule.residency import Residency
+from strata_rt.schedule.planners.dense_schedule import DenseSchedule
+from strata_rt.schedule.planners.planner import plan_decode
+from strata_rt.schedule.vram.residency import Residency
 
 SPEC = Qwen3Spec(n_layers=2, hidden=256, n_heads=4, n_kv_heads=2, head_dim=32, vocab=300,
                  ffn=256, n_experts=32, top_k=4, context=512)

@@ -27,8 +27,8 @@ from strata_rt.models.qwen3.whole_memory import (
     tensor_bytes,
     whole_fixed_regions,
 )
-from strata_rt.schedule.dense_schedule import DENSE_RING_SLOTS
-from strata_rt.schedule.memory_plan import plan_memory
+from strata_rt.schedule.planners.dense_schedule import DENSE_RING_SLOTS
+from strata_rt.schedule.vram.memory_plan import plan_memory
 
 SPEC = Qwen3Spec(n_layers=3, hidden=256, n_heads=4, n_kv_heads=2, head_dim=64, vocab=300,
                  ffn=128, n_experts=4, top_k=2, context=256)

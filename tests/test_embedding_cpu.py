@@ -38,7 +38,6 @@ from strata_rt.models.qwen3.whole_memory import (
     whole_fixed_regions,
 )
 from strata_rt.runtime.compile import compile_cubin, kernel_jobs, nvcc_available
-from strata_rt.schedule.dense_schedule import DenseSchedule
 from strata_rt.schedule.hazards import check
 from strata_rt.schedule.plan import (
     Attention,
@@ -48,9 +47,10 @@ from strata_rt.schedule.plan import (
     LayerEnd,
     LayerPlan,
 )
-from strata_rt.schedule.planner import StagingPlanner, plan_decode, plan_routed, plan_walk
-from strata_rt.schedule.residency import Residency
+from strata_rt.schedule.planners.dense_schedule import DenseSchedule
+from strata_rt.schedule.planners.planner import StagingPlanner, plan_decode, plan_routed, plan_walk
 from strata_rt.schedule.split import LayerSplit
+from strata_rt.schedule.vram.residency import Residency
 from strata_rt.weights.model import SMALL_SPEC
 
 needs_nvcc = pytest.mark.skipif(not nvcc_available(), reason="nvcc not found (PATH or "
@@ -278,7 +278,7 @@ def test_auto_keeps_a_plain_float_embedding_on_the_host_unless_the_head_holds_it
 def test_a_run_configs_sizing_follows_the_embedding_switch(monkeypatch):
     """What a run config's checks size before the engine opens: the embedding on the GPU
     unless STRATA_EMBEDDING=host (the engine's own rule, EngineConfig.embedding)."""
-    from strata_rt.config.whole import whole_sizing
+    from strata_rt.config.run.whole import whole_sizing
 
     types = DenseTypes.uniform(TINY.n_layers, "Q8_0")
     monkeypatch.delenv("STRATA_EMBEDDING", raising=False)

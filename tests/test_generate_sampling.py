@@ -14,7 +14,7 @@ import yaml
 from _generate_cases import SMALL, TINY_CONFIG
 
 from strata_rt.cli import main
-from strata_rt.config.run_config import validate
+from strata_rt.config.run.run_config import validate
 from strata_rt.errors import ConfigError
 from strata_rt.models.qwen3 import Qwen3Model
 from strata_rt.text.generate import (

@@ -296,7 +296,7 @@ def test_the_dense_host_store_follows_store_memory(context, driver, whole, monke
 
 
 def test_store_memory_is_an_engine_switch_resolved_once(monkeypatch):
-    from strata_rt.config.engine_config import EngineConfig
+    from strata_rt.config.settings.engine_config import EngineConfig
     from strata_rt.errors import ConfigError
 
     model = {"synthetic": {"n_layers": 1, "hidden": 64, "ffn": 64, "n_experts": 4,

@@ -20,11 +20,11 @@ from _cli import ROOT, strata
 
 from strata_rt.cli import main
 from strata_rt.cli.common import parse_prompts
-from strata_rt.config import input_files
-from strata_rt.config.engine_config import EngineConfig
-from strata_rt.config.prompts import check_token_ids, integer_ids, read_token_file
+from strata_rt.config.files import input_files
+from strata_rt.config.run.prompts import check_token_ids, integer_ids, read_token_file
+from strata_rt.config.settings.engine_config import EngineConfig
 from strata_rt.errors import ConfigError
-from strata_rt.schedule.residency import RoutingProfile
+from strata_rt.schedule.vram.residency import RoutingProfile
 from strata_rt.weights.model import SMALL_SPEC
 
 TINY = {"model": {"synthetic": {"n_layers": 2, "hidden": 256, "ffn": 256, "n_experts": 8,
@@ -95,7 +95,7 @@ def symlink_loop(tmp_path: Path) -> Path:
 def test_a_config_that_is_not_a_readable_text_file(tmp_path, capsys, monkeypatch, kind,
                                                    words) -> None:
     monkeypatch.setattr(input_files, "CONFIG_LIMIT", 1_000)
-    from strata_rt.config import run_config as config
+    from strata_rt.config.run import run_config as config
 
     monkeypatch.setattr(config, "CONFIG_LIMIT", 1_000)
     path = {"fifo": lambda: fifo(tmp_path), "device": lambda: Path("/dev/zero"),

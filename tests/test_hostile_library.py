@@ -12,7 +12,7 @@ import pytest
 import yaml
 from test_hostile_inputs import refused, write
 
-from strata_rt.config.engine_config import EngineConfig
+from strata_rt.config.settings.engine_config import EngineConfig
 from strata_rt.engine import Engine
 from strata_rt.errors import ConfigError
 from strata_rt.models.qwen3 import Qwen3Spec

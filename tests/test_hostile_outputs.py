@@ -16,13 +16,13 @@ import pytest
 import yaml
 
 from strata_rt.cli import common, main, run
-from strata_rt.config.engine_config import EngineConfig
-from strata_rt.config.paths import (
+from strata_rt.config.files.paths import (
     output_collisions,
     output_file_problem,
     results_file_problem,
     write_text_atomic,
 )
+from strata_rt.config.settings.engine_config import EngineConfig
 from strata_rt.engine import Engine
 from strata_rt.errors import ConfigError
 from strata_rt.weights.model import MoESpec
@@ -355,8 +355,8 @@ def test_a_full_disk_keeps_what_is_out(tmp_path, capsys, monkeypatch) -> None:
 
 
 def test_a_profile_is_written_whole(tmp_path, monkeypatch) -> None:
-    from strata_rt.config import paths
-    from strata_rt.schedule.residency import RoutingProfile
+    from strata_rt.config.files import paths
+    from strata_rt.schedule.vram.residency import RoutingProfile
 
     out = tmp_path / "p.json"
     RoutingProfile(np.ones((2, 8), np.int64)).save(out)

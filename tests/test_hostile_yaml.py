@@ -12,8 +12,8 @@ import pytest
 import yaml
 
 from strata_rt.cli import main
-from strata_rt.config.run_config import load_config
-from strata_rt.config.yaml_input import MAX_DEPTH, YamlProblem, load_yaml
+from strata_rt.config.files.yaml_input import MAX_DEPTH, YamlProblem, load_yaml
+from strata_rt.config.run.run_config import load_config
 from strata_rt.errors import ConfigError
 
 TINY = {"model": {"synthetic": {"n_layers": 2, "hidden": 256, "ffn": 256, "n_experts": 8,
@@ -85,7 +85,7 @@ def test_alias_bomb_is_refused_at_once(tmp_path, capsys) -> None:
 
 
 def test_a_long_flat_list_is_refused_while_it_is_read(tmp_path, capsys, monkeypatch) -> None:
-    from strata_rt.config import yaml_input
+    from strata_rt.config.files import yaml_input
 
     monkeypatch.setattr(yaml_input, "MAX_NODES", 1_000)  # the rule, at a size tested quickly
     path = write(tmp_path, "prompts: [" + "1, " * 2_000 + "1]\n")

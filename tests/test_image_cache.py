@@ -1,6 +1,6 @@
-"""The image cache (strata_rt.schedule.image_cache): its sizing and choice, the walk plans that read
-it, the hazard checker's rules for it, its config keys, and the promise that it changes no byte of
-an output (the reference backend here, the CUDA backend on a GPU)."""
+"""The image cache (strata_rt.schedule.vram.image_cache): its sizing and choice, the walk plans
+that read it, the hazard checker's rules for it, its config keys, and the promise that it changes
+no byte of an output (the reference backend here, the CUDA backend on a GPU)."""
 
 from __future__ import annotations
 
@@ -10,13 +10,15 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from strata_rt.config.run_config import validate
+from strata_rt.config.run.run_config import validate
 from strata_rt.engine import Engine, EngineConfig
 from strata_rt.errors import ConfigError, PlanHazardError
 from strata_rt.formats.contract import MMQ_GROUP
 from strata_rt.formats.registry import registry
 from strata_rt.schedule import hazards
-from strata_rt.schedule.image_cache import (
+from strata_rt.schedule.plan import Gather, GatherBatch, Products
+from strata_rt.schedule.planners.planner import plan_walk
+from strata_rt.schedule.vram.image_cache import (
     ALL,
     ImageCache,
     block_bytes,
@@ -24,10 +26,8 @@ from strata_rt.schedule.image_cache import (
     check_setting,
     parse_setting,
 )
-from strata_rt.schedule.memory_plan import fixed_regions
-from strata_rt.schedule.plan import Gather, GatherBatch, Products
-from strata_rt.schedule.planner import plan_walk
-from strata_rt.schedule.residency import Residency
+from strata_rt.schedule.vram.memory_plan import fixed_regions
+from strata_rt.schedule.vram.residency import Residency
 from strata_rt.weights.model import SMALL_SPEC, Model
 
 SPEC = SMALL_SPEC  # 4 layers x 32 experts: two groups per layer
@@ -81,7 +81,7 @@ def test_environment_setting(monkeypatch):
     monkeypatch.setenv("STRATA_IMAGE_CACHE_MIB", "all")
     assert EngineConfig(model={}).resolve().image_cache_mib == ALL
     assert EngineConfig(model={}, image_cache_mib=64).resolve().image_cache_mib == 64
-    from strata_rt.config import env
+    from strata_rt.config.settings import env
 
     monkeypatch.setenv("STRATA_IMAGE_CACHE_MIB", "-3")
     with pytest.raises(ConfigError, match="STRATA_IMAGE_CACHE_MIB"):
@@ -106,7 +106,7 @@ def test_choice_takes_fully_resident_groups_layer_by_layer():
 
 def test_report_warns_when_room_stays_unused(caplog):
     res = _residency(_group(0, 0))
-    with caplog.at_level("INFO", logger="strata_rt.schedule.image_cache"):
+    with caplog.at_level("INFO", logger="strata_rt.schedule.vram.image_cache"):
         ImageCache.choose(SPEC, res, 1).report(SPEC, LAYOUT)
         ImageCache.choose(SPEC, res, 4).report(SPEC, LAYOUT)
         ImageCache.choose(SPEC, res, 0).report(SPEC, LAYOUT)

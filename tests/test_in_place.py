@@ -1,4 +1,5 @@
-"""Products that read resident experts in place (plan.Products.slots; strata_rt.schedule.in_place).
+"""Products that read resident experts in place (plan.Products.slots;
+strata_rt.schedule.vram.in_place).
 
 CPU: the setting and the rule; the planners (walk, staging, decode) skip exactly the gathers of
 groups whose experts are all resident; the hazard checker refuses slots that do not hold the
@@ -25,13 +26,6 @@ from strata_rt.quants.fp16 import FP16
 from strata_rt.quants.iq3_xxs import IQ3XXS
 from strata_rt.quants.q2_blob import Q2Blob
 from strata_rt.schedule import hazards
-from strata_rt.schedule.dense_schedule import DenseSchedule
-from strata_rt.schedule.in_place import (
-    check_in_place,
-    chunk_in_place,
-    parse_in_place,
-    resident_parts,
-)
 from strata_rt.schedule.plan import (
     ChunkPlan,
     Gather,
@@ -41,8 +35,15 @@ from strata_rt.schedule.plan import (
     LayerProducts,
     Products,
 )
-from strata_rt.schedule.planner import StagingPlanner, plan_decode, plan_walk
-from strata_rt.schedule.residency import Residency
+from strata_rt.schedule.planners.dense_schedule import DenseSchedule
+from strata_rt.schedule.planners.planner import StagingPlanner, plan_decode, plan_walk
+from strata_rt.schedule.vram.in_place import (
+    check_in_place,
+    chunk_in_place,
+    parse_in_place,
+    resident_parts,
+)
+from strata_rt.schedule.vram.residency import Residency
 from strata_rt.weights.model import QWEN3_30B_SPEC, SMALL_SPEC, Model
 
 IQ3_GEMM = IQ3XXS().for_variant(None)

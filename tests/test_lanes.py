@@ -1,5 +1,5 @@
-"""Compute lanes (strata_rt.schedule.lanes, plan.LANES) on the CPU: the rule, the memory they take,
-the settings, the reference backend's bytes with one and two lanes, and where the CUDA backend
+"""Compute lanes (strata_rt.schedule.vram.lanes, plan.LANES) on the CPU: the rule, the memory they
+take, the settings, the reference backend's bytes with one and two lanes, and where the CUDA backend
 puts a lane's launches (through the recording fake runtime). The GPU side:
 tests/test_cuda_engine.py::test_two_lanes_give_the_same_bytes."""
 
@@ -13,15 +13,15 @@ from strata_rt.engine import Engine, EngineConfig
 from strata_rt.errors import BudgetError, ConfigError
 from strata_rt.formats.activations import Q8_1
 from strata_rt.formats.contract import MMQ_GROUP
-from strata_rt.schedule.lanes import (
+from strata_rt.schedule.plan import LANES, Products, Wait, lane_fork
+from strata_rt.schedule.vram.lanes import (
     LANES_MAX_ROWS,
     allocated_lanes,
     chunk_lanes,
     parse_lanes,
     walk_rows_hint,
 )
-from strata_rt.schedule.memory_plan import fixed_regions, lane_buffers, plan_lanes, plan_memory
-from strata_rt.schedule.plan import LANES, Products, Wait, lane_fork
+from strata_rt.schedule.vram.memory_plan import fixed_regions, lane_buffers, plan_lanes, plan_memory
 from strata_rt.weights.model import QWEN3_30B_SPEC, SMALL_SPEC, Model
 
 GIB = 1 << 30

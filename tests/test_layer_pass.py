@@ -1,5 +1,5 @@
-"""The layer pass (schedule.layer_pass): a prompt of several chunks run layer by layer, each
-layer's streamed experts copied once per prompt.
+"""The layer pass (schedule.planners.layer_pass): a prompt of several chunks run layer by layer,
+each layer's streamed experts copied once per prompt.
 
 CPU: plans on random residencies, rings, lanes, gather modes, image caches and dense rings pass
 the hazard checker, copy each streamed expert once, give every chunk of every layer its rows,
@@ -24,11 +24,7 @@ from test_routed_walk import MOE, SPEC, _random_scenario
 from strata_rt.engine import Engine
 from strata_rt.errors import ConfigError, PlanHazardError, StrataError
 from strata_rt.models.qwen3 import Qwen3Model
-from strata_rt.schedule import ring_builder
-from strata_rt.schedule.dense_schedule import DenseSchedule
 from strata_rt.schedule.hazards import check
-from strata_rt.schedule.image_cache import ImageCache
-from strata_rt.schedule.layer_pass import plan_layer_pass, ring_need, windows
 from strata_rt.schedule.plan import (
     Attention,
     ChunkInput,
@@ -44,7 +40,11 @@ from strata_rt.schedule.plan import (
     PromptRows,
     Record,
 )
-from strata_rt.schedule.residency import Residency
+from strata_rt.schedule.planners import ring_builder
+from strata_rt.schedule.planners.dense_schedule import DenseSchedule
+from strata_rt.schedule.planners.layer_pass import plan_layer_pass, ring_need, windows
+from strata_rt.schedule.vram.image_cache import ImageCache
+from strata_rt.schedule.vram.residency import Residency
 
 START = 40  # the prompt's first position (a KV cache before it)
 
@@ -287,7 +287,7 @@ def test_a_budget_holds_the_pass_residual_under_layers_or_auto(monkeypatch) -> N
     resident experts (the 235B shape under 16 GiB; arithmetic only, nothing allocated)."""
     from pathlib import Path
 
-    from strata_rt.config.run_config import load_config
+    from strata_rt.config.run.run_config import load_config
 
     monkeypatch.setenv("STRATA_HOST_MEMORY_CHECK", "0")
     path = Path(__file__).resolve().parents[1] / "configs" / "qwen3-235b-a22b-whole-16g.yaml"
@@ -335,8 +335,8 @@ def test_the_final_norms_refusal_names_the_prompts_last_position(model, monkeypa
 def test_a_whole_resident_layer_merges_its_products_per_chunk(model) -> None:
     """Table products in a pass: each chunk of a layer whose experts are all resident (read in
     place) gets its own LayerProducts; layers that stream keep their groups."""
-    from strata_rt.schedule.layer_products import merge_layer_products
     from strata_rt.schedule.plan import LayerProducts, Products
+    from strata_rt.schedule.planners.layer_products import merge_layer_products
 
     pairs = [(0, e) for e in range(SPEC.n_experts)] + [(1, 3)]
     res = Residency(SPEC.n_layers, SPEC.n_experts, pairs, 256)

@@ -1,6 +1,6 @@
 """The CUDA executor's side of a layer pass (strata_rt.backends.cuda.prompt_pass), without a GPU:
-a pass plan (schedule.layer_pass) executed on the recording fake runtime launches each chunk's
-kernels on that chunk's rows of the prompt residual, with its row count; each chunk's
+a pass plan (schedule.planners.layer_pass) executed on the recording fake runtime launches each
+chunk's kernels on that chunk's rows of the prompt residual, with its row count; each chunk's
 ChunkInput brings its own slice of the prompt (ids looked up, or hidden rows uploaded) behind
 one wait at the input gate; the routing of every chunk is counted; a flagged row is reported
 as a row of the prompt; a captured pass replays its windows; the ordinary chunk's state comes
@@ -23,10 +23,10 @@ from strata_rt.formats.registry import registry
 from strata_rt.models.qwen3 import Qwen3Model, Qwen3Spec
 from strata_rt.report.stats import Stats
 from strata_rt.schedule import hazards
-from strata_rt.schedule.dense_schedule import DenseSchedule
-from strata_rt.schedule.layer_pass import plan_layer_pass, windows
-from strata_rt.schedule.memory_plan import pass_chunks, pass_regions, plan_memory
 from strata_rt.schedule.plan import Logits, PromptRows
+from strata_rt.schedule.planners.dense_schedule import DenseSchedule
+from strata_rt.schedule.planners.layer_pass import plan_layer_pass, windows
+from strata_rt.schedule.vram.memory_plan import pass_chunks, pass_regions, plan_memory
 from strata_rt.weights.model import QWEN3_30B_SPEC, SMALL_SPEC, Model
 
 #: a whole model on the fake runtime's MoE shape

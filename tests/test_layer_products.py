@@ -1,4 +1,4 @@
-"""Table products (plan.LayerProducts; strata_rt.schedule.layer_products), on the CPU.
+"""Table products (plan.LayerProducts; strata_rt.schedule.planners.layer_products), on the CPU.
 
 The transform on hand-built and planned plans: a layer whose in-place Products cover every
 expert becomes one LayerProducts where its parts stood, anything else stays as it was (partial
@@ -21,21 +21,14 @@ from _settings import check_engine_setting, run_reference
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from strata_rt.config.run_config import load_config
+from strata_rt.config.run.run_config import load_config
 from strata_rt.engine import Engine, EngineConfig
 from strata_rt.errors import ConfigError, PlanHazardError
 from strata_rt.formats.contract import MMQ_GROUP
 from strata_rt.quants.iq3_xxs import IQ3XXS
 from strata_rt.report.stats import Stats
 from strata_rt.schedule import hazards
-from strata_rt.schedule.dense_schedule import DenseSchedule
 from strata_rt.schedule.hazards.messages import describe
-from strata_rt.schedule.image_cache import ImageCache
-from strata_rt.schedule.layer_products import (
-    merge_layer,
-    merge_layer_products,
-    table_layers,
-)
 from strata_rt.schedule.plan import (
     ChunkPlan,
     Gather,
@@ -48,8 +41,15 @@ from strata_rt.schedule.plan import (
     RoutedExperts,
 )
 from strata_rt.schedule.plan_counts import add_counts, op_counts
-from strata_rt.schedule.planner import StagingPlanner, plan_decode, plan_routed, plan_walk
-from strata_rt.schedule.residency import Residency
+from strata_rt.schedule.planners.dense_schedule import DenseSchedule
+from strata_rt.schedule.planners.layer_products import (
+    merge_layer,
+    merge_layer_products,
+    table_layers,
+)
+from strata_rt.schedule.planners.planner import StagingPlanner, plan_decode, plan_routed, plan_walk
+from strata_rt.schedule.vram.image_cache import ImageCache
+from strata_rt.schedule.vram.residency import Residency
 from strata_rt.weights.model import SMALL_SPEC, Model, MoESpec
 
 SPEC = SMALL_SPEC  # 4 layers of 32 experts: two groups per layer

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from strata_rt.errors import ConfigError
-from strata_rt.schedule.residency import Residency, RoutingProfile
+from strata_rt.schedule.vram.residency import Residency, RoutingProfile
 from strata_rt.weights.model import (
     QWEN3_30B_SPEC,
     SMALL_SPEC,

@@ -190,7 +190,7 @@ def test_perplexity_command_matches_the_library(capsys, tmp_path) -> None:
                          "--file", str(text), "--ctx", "32", "--json", str(out_json))
     assert code == 0, err
     doc = json.loads(out_json.read_text())
-    from strata_rt.config.run_config import load_config
+    from strata_rt.config.run.run_config import load_config
     from strata_rt.text.tokenizer import Tokenizer
 
     ids = Tokenizer.synthetic(512).encode(text.read_text(), parse_special=False)

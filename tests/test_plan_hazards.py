@@ -15,7 +15,6 @@ from hypothesis import strategies as st
 from strata_rt.errors import PlanHazardError
 from strata_rt.formats.contract import MMQ_GROUP
 from strata_rt.schedule.hazards import check
-from strata_rt.schedule.image_cache import ImageCache
 from strata_rt.schedule.plan import (
     COPIED,
     LANE_FORK,
@@ -39,13 +38,14 @@ from strata_rt.schedule.plan import (
     lane_join,
     used,
 )
-from strata_rt.schedule.planner import (
+from strata_rt.schedule.planners.planner import (
     STAGING_RING_SLOTS,
     StagingPlanner,
     plan_walk,
     walk_ring_slots,
 )
-from strata_rt.schedule.residency import Residency
+from strata_rt.schedule.vram.image_cache import ImageCache
+from strata_rt.schedule.vram.residency import Residency
 from strata_rt.weights.model import QWEN3_30B_SPEC, MoESpec
 
 #: the tests pick the planner by the original fixed rule (the engine uses planner.takes_walk)

@@ -15,10 +15,10 @@ from strata_rt.engine import DUMP_STRIDE, Engine, EngineConfig, read_dump
 from strata_rt.errors import ConfigError, PlanHazardError
 from strata_rt.formats.numerics import nmse
 from strata_rt.schedule import driver as driver_mod
-from strata_rt.schedule import planner as planner_mod
 from strata_rt.schedule.plan import ChunkPlan, LayerPlan, Wait
-from strata_rt.schedule.planner import AUTO_CHUNK_MAX
-from strata_rt.schedule.residency import RoutingProfile
+from strata_rt.schedule.planners import planner as planner_mod
+from strata_rt.schedule.planners.planner import AUTO_CHUNK_MAX
+from strata_rt.schedule.vram.residency import RoutingProfile
 from strata_rt.weights.model import SMALL_SPEC, Model, reference_moe_f64, rms_norm, route
 
 NMSE_MAX = 5e-4

@@ -8,16 +8,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from strata_rt.config import env
+from strata_rt.config.settings import env
 from strata_rt.engine import Engine
 from strata_rt.errors import ConfigError
 from strata_rt.models.qwen3 import Qwen3Model, Qwen3Spec
-from strata_rt.schedule.dense_schedule import DenseSchedule
 from strata_rt.schedule.hazards import check
 from strata_rt.schedule.plan import HOST, RESIDENT, Copy, GatherRouted, Products
-from strata_rt.schedule.planner import plan_routed
+from strata_rt.schedule.planners.dense_schedule import DenseSchedule
+from strata_rt.schedule.planners.planner import plan_routed
 from strata_rt.schedule.prefill_stream import StreamChooser
-from strata_rt.schedule.residency import Residency
+from strata_rt.schedule.vram.residency import Residency
 
 SPEC = Qwen3Spec(n_layers=2, hidden=256, n_heads=4, n_kv_heads=2, head_dim=32, vocab=300,
                  ffn=256, n_experts=32, top_k=4, context=512)

@@ -19,9 +19,7 @@ from strata_rt.engine import Engine
 from strata_rt.errors import PlanHazardError, StrataError
 from strata_rt.formats.contract import MMQ_GROUP
 from strata_rt.models.qwen3 import Qwen3Model, Qwen3Spec
-from strata_rt.schedule.dense_schedule import DenseSchedule
 from strata_rt.schedule.hazards import check
-from strata_rt.schedule.image_cache import ImageCache
 from strata_rt.schedule.plan import (
     COPY_CHAINS,
     LANES,
@@ -36,8 +34,10 @@ from strata_rt.schedule.plan import (
     Wait,
     copies_routed,
 )
-from strata_rt.schedule.planner import plan_walk
-from strata_rt.schedule.residency import Residency
+from strata_rt.schedule.planners.dense_schedule import DenseSchedule
+from strata_rt.schedule.planners.planner import plan_walk
+from strata_rt.schedule.vram.image_cache import ImageCache
+from strata_rt.schedule.vram.residency import Residency
 
 SPEC = Qwen3Spec(n_layers=2, hidden=256, n_heads=4, n_kv_heads=2, head_dim=32, vocab=300,
                  ffn=256, n_experts=32, top_k=4, context=512)
@@ -302,7 +302,7 @@ def test_cuda_executor_switches_routed_copies_only_inside_a_capture(fake, monkey
     into one route_copies launch on the compute stream over its layer's consecutive entries;
     the table is uploaded and held by the graph, which the third run replays."""
     from strata_rt.backends.cuda.experts import routed_walk
-    from strata_rt.config.engine_config import EngineConfig
+    from strata_rt.config.settings.engine_config import EngineConfig
     from strata_rt.weights.model import SMALL_SPEC, Model
 
     made: list[_RecordedSwitches] = []

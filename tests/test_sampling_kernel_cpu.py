@@ -81,7 +81,7 @@ def test_check_kernels_compiles_the_sampling_kernel() -> None:
 
 def test_sampling_needs_no_cuda() -> None:
     code = ("import sys; import strata_rt.text.sampling, strata_rt.cli.generate, "
-            "strata_rt.config.sampling, strata_rt.backends.cuda.sampling_kernels; "
+            "strata_rt.config.run.sampling, strata_rt.backends.cuda.sampling_kernels; "
             "assert 'pycuda' not in sys.modules")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           cwd=Path(__file__).resolve().parent.parent)

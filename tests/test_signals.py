@@ -78,7 +78,7 @@ def test_sigterm_during_bench_and_profile(tmp_path, capsys, monkeypatch) -> None
     out_path = tmp_path / "p.json"
     code, out, err = cli(capsys, "profile", str(config(tmp_path)), "--out", str(out_path))
     assert code == 143 and "terminated by SIGTERM after 1 of 3 prompts" in err
-    from strata_rt.schedule.residency import RoutingProfile
+    from strata_rt.schedule.vram.residency import RoutingProfile
 
     assert (RoutingProfile.load(out_path).counts.sum(axis=1) == 16 * 2).all()
     monkeypatch.undo()

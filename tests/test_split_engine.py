@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from strata_rt.config.run_config import validate
+from strata_rt.config.run.run_config import validate
 from strata_rt.engine import Engine, EngineConfig
 from strata_rt.errors import ConfigError
 from strata_rt.models.qwen3 import Qwen3Model, Qwen3Spec

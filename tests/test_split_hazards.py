@@ -11,7 +11,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from strata_rt.errors import ConfigError, PlanHazardError
-from strata_rt.schedule.dense_schedule import DenseSchedule
 from strata_rt.schedule.hazards import check
 from strata_rt.schedule.plan import (
     HANDOFF_READY,
@@ -25,10 +24,11 @@ from strata_rt.schedule.plan import (
     Wait,
     handoff_ready,
 )
-from strata_rt.schedule.planner import StagingPlanner, plan_decode, plan_walk
-from strata_rt.schedule.residency import Residency
+from strata_rt.schedule.planners.dense_schedule import DenseSchedule
+from strata_rt.schedule.planners.planner import StagingPlanner, plan_decode, plan_walk
 from strata_rt.schedule.split import LayerSplit, Part, choose_split, parse_devices
 from strata_rt.schedule.split.hazards import check_split
+from strata_rt.schedule.vram.residency import Residency
 from strata_rt.weights.model import MoESpec
 
 

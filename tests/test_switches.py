@@ -1,6 +1,6 @@
-"""Where environment switches are read: engine switches once, in EngineConfig (a field the
-caller sets beats its switch), process switches where config/env.py's docstring says; an AST scan of
-strata_rt/ and quants/ holds every module to it. Then the fields themselves: how each engine
+"""Where environment switches are read: engine switches once, in EngineConfig (a field the caller
+sets beats its switch), process switches where config/settings/env.py's docstring says; an AST scan
+of strata_rt/ and quants/ holds every module to it. Then the fields themselves: how each engine
 switch resolves, and that the CUDA backend takes them from the config, not the environment."""
 
 from __future__ import annotations
@@ -14,14 +14,15 @@ import numpy as np
 import pytest
 from _settings import check_engine_setting
 
-from strata_rt.config import env
+from strata_rt.config.settings import env
 from strata_rt.engine import Engine, EngineConfig
 from strata_rt.errors import ConfigError
 from strata_rt.weights.model import SMALL_SPEC, Model
 
 ROOT = Path(__file__).resolve().parent.parent
 
-#: the process switches and the one module that reads each (config/env.py's docstring says the same)
+#: the process switches and the one module that reads each (config/settings/env.py's docstring
+#: says the same)
 PROCESS_SWITCHES = {
     "STRATA_KERNEL_CACHE": "strata_rt/runtime/compile.py",
     "STRATA_NVCC": "strata_rt/runtime/compile.py",
@@ -33,12 +34,13 @@ PROCESS_SWITCHES = {
     "STRATA_OVERLAP_LAUNCH": "strata_rt/runtime/device.py",
 }
 ENGINE_SWITCHES = frozenset(env.SWITCHES) - frozenset(PROCESS_SWITCHES)
-#: what may be read outside config/engine_config.py and the process switches' modules, and why
+#: what may be read outside config/settings/engine_config.py and the process switches' modules,
+#: and why
 OTHER_READS = {
     # the CLI checks every switch at startup and sets STRATA_PLUGINS from --plugins
     "strata_rt/cli/__init__.py": {"every switch", "STRATA_PLUGINS"},
     # a run config's memory check sizes the router's buffers before an engine exists
-    "strata_rt/config/schema.py": {"STRATA_ROUTING"},
+    "strata_rt/config/run/schema.py": {"STRATA_ROUTING"},
     # where the CUDA toolkit's libcublas lies (CUDA_HOME, CUDA_PATH; no strata_rt switch)
     "strata_rt/gemm/cublas.py": {"os.environ[?]"},
 }
@@ -82,8 +84,8 @@ def environment_reads(source: str) -> set[str]:
             module = node.module or ""
             for alias in node.names:
                 bound = alias.asname or alias.name
-                if alias.name == "env" and module in ("", "config",
-                                                      "strata_rt", "strata_rt.config"):
+                if alias.name == "env" and module in ("", "settings", "config.settings",
+                                                      "strata_rt.config.settings"):
                     env_names.add(bound)
                 elif module.endswith("env") and alias.name in ENV_READERS:
                     readers.add(bound)
@@ -91,7 +93,7 @@ def environment_reads(source: str) -> set[str]:
                     os_names.add(bound)
         elif isinstance(node, ast.Import):
             env_names.update(a.asname for a in node.names
-                             if a.name == "strata_rt.config.env" and a.asname)
+                             if a.name == "strata_rt.config.settings.env" and a.asname)
     found: set[str] = set()
     parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
     for node in ast.walk(tree):
@@ -149,8 +151,8 @@ def test_the_scan_finds_every_kind_of_read() -> None:
     source = '''
 import os
 from os import getenv
-from strata_rt.config import env
-from strata_rt.config.env import flag as on
+from strata_rt.config.settings import env
+from strata_rt.config.settings.env import flag as on
 from . import env as switches
 NAME = "STRATA_DECODE"
 a = os.environ.get("HOME")
@@ -171,17 +173,18 @@ for v in ("CUDA_HOME",):
 
 
 def test_nothing_below_the_engine_config_reads_the_environment() -> None:
-    allowed: dict[str, set[str]] = {"strata_rt/config/engine_config.py": set(ENGINE_SWITCHES)}
+    allowed: dict[str, set[str]] = {
+        "strata_rt/config/settings/engine_config.py": set(ENGINE_SWITCHES)}
     for name, module in PROCESS_SWITCHES.items():
         allowed.setdefault(module, set()).add(name)
     for module, names in OTHER_READS.items():
         allowed.setdefault(module, set()).update(names)
     offenders, engine_config_reads = [], set()
     for path, source in _modules():
-        if path == "strata_rt/config/env.py":  # the readers themselves
+        if path == "strata_rt/config/settings/env.py":  # the readers themselves
             continue
         reads = environment_reads(source)
-        if path == "strata_rt/config/engine_config.py":
+        if path == "strata_rt/config/settings/engine_config.py":
             engine_config_reads = reads
         extra = reads - allowed.get(path, set())
         if extra:

@@ -181,8 +181,8 @@ def test_checker_rejects_a_dense_slot_overwritten_too_early():
     so is an Attention that does not wait for its copy."""
     from strata_rt.errors import PlanHazardError
     from strata_rt.schedule import hazards
-    from strata_rt.schedule.dense_schedule import DenseSchedule
     from strata_rt.schedule.plan import LayerPlan, Wait
+    from strata_rt.schedule.planners.dense_schedule import DenseSchedule
 
     sched = DenseSchedule(n_layers=4, start=0, ring=2)
     ops = sched.chunk_ops() + [op for layer in range(4) for op in sched.layer_ops(layer)]

@@ -52,7 +52,7 @@ def resident_for(regime: str, n_layers: int, n_experts: int) -> int | str:
 def regime_doc(base_config: Path, gguf: Path, regime: str, prompts: list[int],
                backend: str | None, n_layers: int, n_experts: int) -> dict[str, Any]:
     """The run config (as a parsed YAML document) of one regime on one file."""
-    from strata_rt.config.yaml_input import load_yaml
+    from strata_rt.config.files.yaml_input import load_yaml
 
     base = load_yaml(base_config.read_text())
     doc = {k: v for k, v in base.items() if k not in _REPLACED}
@@ -92,8 +92,8 @@ def _run(job: dict[str, Any], res: dict[str, Any], out: Path) -> None:
     from bench_whole import h2d_ceiling, time_prefill
 
     from strata_rt.cli.common import open_engine
-    from strata_rt.config.prompts import Prompt
-    from strata_rt.config.run_config import validate
+    from strata_rt.config.run.prompts import Prompt
+    from strata_rt.config.run.run_config import validate
 
     gguf = Path(job["file"])
     n_layers, n_experts = expert_total(gguf)

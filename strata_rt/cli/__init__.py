@@ -11,7 +11,7 @@ import os
 import sys
 
 from .. import __version__
-from ..config import env
+from ..config.settings import env
 from ..errors import ConfigError, StrataError
 from ..report import interrupts, log
 from . import generate, inspect, perplexity, plugins, run

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from ..backends.nonfinite import NonFiniteError
-from ..config.input_files import InputFileError, user_path
-from ..config.numbers import MAX_INT_DIGITS, significant_digits, to_int
-from ..config.paths import (
+from ..config.files.input_files import InputFileError, user_path
+from ..config.files.numbers import MAX_INT_DIGITS, significant_digits, to_int
+from ..config.files.paths import (
     dump_file_problem,
     output_collisions,
     output_file_problem,
@@ -27,8 +27,8 @@ from ..config.paths import (
     same_file,
     write_text_atomic,
 )
-from ..config.run_config import Config, load_config
-from ..config.schema import shown_value
+from ..config.run.run_config import Config, load_config
+from ..config.run.schema import shown_value
 from ..errors import ConfigError
 from ..report.progress import Progress
 
@@ -175,7 +175,7 @@ def check_outputs(cfg: Config, outputs: dict[str, Path | None],
     another output of the run also writes: writing it would destroy that file; then a JSON
     output over an existing file that is not a JSON document (results_file_problem), or a
     residual dump over one that is no earlier dump (dump_file_problem)."""
-    from ..config.engine_config import output_switches
+    from ..config.settings.engine_config import output_switches
 
     outs = {label: path for label, path in outputs.items() if path is not None}
     for key in ("json", "dump_r"):

@@ -15,14 +15,14 @@ import sys
 from dataclasses import replace
 from typing import Any
 
-from ..config.input_files import (
+from ..config.files.input_files import (
     DATA_LIMIT,
     TEXT_LIMIT,
     InputFileError,
     check_utf8,
     user_path,
 )
-from ..config.input_files import read_text as input_text
+from ..config.files.input_files import read_text as input_text
 from ..errors import ConfigError, GGUFChangedError, GGUFError
 from ..report import interrupts
 from ..runtime.memory import MIB

@@ -98,8 +98,8 @@ def _whole_model(path: Path, tensors: dict, budget_gib: float | None
     budget holds for them before any expert, and those bytes. None for MoE layers alone."""
     if "token_embd.weight" not in tensors:
         return None
-    from ..config.engine_config import embedding_switch
     from ..config.hostmem import format_bytes
+    from ..config.settings.engine_config import embedding_switch
     from ..models.qwen3.gguf_full import read_qwen3_spec
     from ..models.qwen3.whole_memory import DenseTypes, WholeSizing, whole_fixed_regions
     from ..weights.gguf_io import problems_error

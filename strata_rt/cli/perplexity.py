@@ -7,7 +7,7 @@ import argparse
 import sys
 from typing import Any
 
-from ..config.input_files import user_path
+from ..config.files.input_files import user_path
 from ..errors import ConfigError
 from ..report import interrupts
 from .common import (

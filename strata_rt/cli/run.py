@@ -275,7 +275,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from ..schedule.residency import RoutingProfile
+    from ..schedule.vram.residency import RoutingProfile
 
     cfg = load(args)
     out = output_arg("--out", args.out)

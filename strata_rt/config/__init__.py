@@ -1,2 +1,4 @@
-"""Run configs and their checks, the engine's configuration, the environment switches, input and
-output paths."""
+"""What a run and an engine are given, checked before anything is built: run configs (`run/`),
+the engine's settings and the environment switches (`settings/`), the user's files read and
+written safely (`files/`), and the host-memory check that a run config's validation and
+Engine.open both make (`hostmem`)."""

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import HostMemoryError
-from . import env
+from .settings import env
 
 #: larger than any array numpy can allocate (its sizes are signed 64-bit)
 MAX_ADDRESSABLE = (1 << 63) - 1

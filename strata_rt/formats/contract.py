@@ -123,11 +123,11 @@ class QuantFormat:
 
     @property
     def in_place_max_rows(self) -> int:
-        """Rows per expert (the walk's rows hint, strata_rt.schedule.lanes.walk_rows_hint) up to
-        which a chunk's products read resident experts in place (FormatKernels.mmq_in_place)
+        """Rows per expert (the walk's rows hint, strata_rt.schedule.vram.lanes.walk_rows_hint)
+        up to which a chunk's products read resident experts in place (FormatKernels.mmq_in_place)
         instead of gathering them first; 0: never (the kernels have no mmq_in_place). Reading
         in place must give the gathered path's bytes, so the engine may choose per chunk
-        (strata_rt.schedule.in_place)."""
+        (strata_rt.schedule.vram.in_place)."""
         return 0
 
     @property

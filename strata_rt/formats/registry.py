@@ -27,9 +27,9 @@ from pathlib import Path
 
 import pluggy
 
-from ..config import env
-from ..config.input_files import CONFIG_LIMIT, InputFileError, read_text
-from ..config.yaml_input import YamlProblem, load_yaml, shown_value
+from ..config.files.input_files import CONFIG_LIMIT, InputFileError, read_text
+from ..config.files.yaml_input import YamlProblem, load_yaml, shown_value
+from ..config.settings import env
 from ..errors import PluginError
 from ..resources import BUILTIN_PLUGINS_YAML
 from . import hookspecs

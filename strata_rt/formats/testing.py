@@ -273,7 +273,7 @@ def run_gpu_mmq(s: Subject, c: GroupCase, rows_hint: int, in_place: bool = False
     """Gathers the case's blobs to positions 0..n-1 with the format's gather, encodes the
     activations on the device, runs the MMQ into a NaN-poisoned output; returns it raw
     (uint8 [rows, m*4]). in_place: no gather; mmq_in_place reads each blob in its slot."""
-    from ..schedule.in_place import resident_parts
+    from ..schedule.vram.in_place import resident_parts
 
     rt, lay = s.require_gpu(), c.fmt.layout(c.hidden, c.ffn)
     k = s.kernels_for(lay)

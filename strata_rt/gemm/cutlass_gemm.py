@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..config import env
+from ..config.settings import env
 from ..errors import FormatError, KernelBuildError
 from ..formats.contract import MMQ_GROUP, ids16
 from ..formats.launchers import check_aligned, pick_by_rows

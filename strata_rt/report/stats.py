@@ -26,7 +26,7 @@ class Stats:
     mmq_launches: int = 0
     host_syncs: int = 0
     #: how the prompt's chunks ran: "chunks" (each through every layer in turn) or "layers"
-    #: (the layer pass, schedule.layer_pass)
+    #: (the layer pass, schedule.planners.layer_pass)
     prefill_order: str = "chunks"
     #: wall time of the prefill call and the host time spent issuing work, seconds
     wall_s: float = 0.0

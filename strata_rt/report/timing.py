@@ -125,7 +125,9 @@ def write_trace(path: str, prompts: list[tuple[str, list[dict[str, Any]]]]) -> N
                            "args": {"name": f"{name} stream"}})
         for ev in trace:
             events.append({**ev, "pid": pid, "tid": 1 if ev["tid"] == "compute" else 2})
-    from ..config.paths import write_text_atomic  # never renames over what is not a regular file
+    from ..config.files.paths import (
+        write_text_atomic,  # never renames over what is not a regular file
+    )
 
     write_text_atomic(Path(path), json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
 

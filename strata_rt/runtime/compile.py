@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from ..config import env
+from ..config.settings import env
 from ..errors import KernelBuildError
 from ..resources import KERNELS_ROOT
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import env
+from ..config.settings import env
 from ..errors import CudaUnavailableError, StrataError
 from .compile import Defines, compile_cubin
 from .gate import HostGate

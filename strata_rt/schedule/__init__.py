@@ -1,3 +1,7 @@
-"""One chunk's schedule: the Plan, its planners and their ring builder, the chunk driver and its
-streaming choice, the hazard checker, residency, the image cache, lanes and the device memory
-plan."""
+"""One chunk's schedule. Here, what every part reads: the Plan, one chunk's ops as plain data
+(`plan`), the keys the driver caches plans by (`plan_keys`) and what their ops add to the
+counters (`plan_counts`); what a backend is to the driver (`executor`); the chunk driver
+(`driver`) and its choice of how a chunk streams (`prefill_stream`). Below, a folder per step:
+`planners/` make plans, `vram/` says what the device holds and how a budget sizes it,
+`hazards/` checks a plan against CUDA's stream and event rules, `split/` cuts the layers over
+several devices."""

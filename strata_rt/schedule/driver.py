@@ -4,8 +4,8 @@ A backend is an executor: it routes a layer, runs plan ops, and (if it can) capt
 sequence of ops for replay. Everything else about a chunk is decided here, once:
 
 - the order of a whole model's prompt of several chunks: chunk by chunk (the engine's loop), or
-  the layer pass (schedule.layer_pass: each layer over every chunk, its streamed experts crossing
-  PCIe once), as `prefill_order` asks and `layer_pass` decides;
+  the layer pass (schedule.planners.layer_pass: each layer over every chunk, its streamed
+  experts crossing PCIe once), as `prefill_order` asks and `layer_pass` decides;
 - the streaming path: the staging ring (routed experts only, planned layer by layer after the
   routed set comes back to the host), the streamed walk (every non-resident expert, planned
   before the chunk starts) - `planner.takes_walk` - or the routed plan (the gathers read only
@@ -38,12 +38,9 @@ import numpy as np
 from ..errors import StrataError
 from ..report.stats import Stats
 from . import hazards
-from .dense_schedule import DenseSchedule
 from .executor import Executor, Replay
-from .layer_pass import pass_key, pass_of, plan_layer_pass, takes_layer_pass, windows
-from .layer_products import merge_layer, merge_layer_products, table_layers
 from .plan import ChunkPlan, LayerBegin, LayerPlan, LogitRows, Logits, Op
-from .plan_counts import add_counts, copy_bytes, op_counts
+from .plan_counts import add_counts, copy_bytes, op_counts, with_routing
 from .plan_keys import (
     DECODE_KEYS,
     GEMV_DECODE_KEY,
@@ -54,7 +51,10 @@ from .plan_keys import (
     decodes_planned,
     resolve_decode,
 )
-from .planner import (
+from .planners.dense_schedule import DenseSchedule
+from .planners.layer_pass import pass_key, pass_of, plan_layer_pass, takes_layer_pass, windows
+from .planners.layer_products import merge_layer, merge_layer_products, table_layers
+from .planners.planner import (
     STAGING_RING_SLOTS,
     StagingPlanner,
     gathers_one_by_one,
@@ -63,12 +63,12 @@ from .planner import (
     plan_walk,
     takes_walk,
 )
+from .planners.ring_builder import group_ring_entries
 from .prefill_stream import StreamChooser
-from .residency import Residency
-from .ring_builder import group_ring_entries
+from .vram.residency import Residency
 
 if TYPE_CHECKING:
-    from ..config.engine_config import EngineConfig
+    from ..config.settings.engine_config import EngineConfig
     from ..weights.layer_formats import LayerFormats
     from ..weights.model import MoESpec
     from .split import Part
@@ -271,29 +271,8 @@ class ChunkDriver:
             if key not in DECODE_KEYS:
                 self.streams.observe(T, nbytes)
 
-        self._with_routing(stats, lambda: self._run_planned(T, stats, key, tail), count)
-
-    def _with_routing(self, stats: Stats, run: Callable[[], None],
-                      then: Callable[[int, int], None]) -> None:
-        """Runs `run()` with stats.routing_counts kept (made for the call where the caller
-        did not ask for it); after the chunk's end (the executor adds its routing once it has
-        waited for the chunk), `then` takes the routed non-resident experts of the chunk and
-        their bytes: what its gathers read over PCIe."""
-        own = stats.routing_counts is None
-        if own:
-            stats.routing_counts = np.zeros((self.spec.n_layers, self.spec.n_experts), np.int64)
-        counts = stats.routing_counts
-        assert counts is not None
-        before = counts.copy()
-        run()
-
-        def read() -> None:
-            if own:
-                stats.routing_counts = None
-            per_layer = (((counts - before) > 0) & ~self.residency.mask()).sum(axis=1)
-            then(int(per_layer.sum()), int(np.dot(per_layer, self.executor.layer_blob_bytes)))
-
-        self._after_chunk.append(read)
+        self._after_chunk.append(with_routing(
+            stats, self.executor, self.spec, lambda: self._run_planned(T, stats, key, tail), count))
 
     def _run_staging(self, T: int, stats: Stats, start: int | None) -> None:
         ex = self.executor
@@ -390,8 +369,9 @@ class ChunkDriver:
                 and self.streams.wants_routing(T)):
             self._run_planned(T, stats, key, tail)
             return
-        self._with_routing(stats, lambda: self._run_planned(T, stats, key, tail),
-                           lambda _, nbytes: self.streams.observe(T, nbytes))
+        self._after_chunk.append(with_routing(
+            stats, self.executor, self.spec, lambda: self._run_planned(T, stats, key, tail),
+            lambda _, nbytes: self.streams.observe(T, nbytes)))
 
     def _run_planned(self, T: int, stats: Stats, key: WalkKey, tail: list[Op]) -> None:
         """A plan made before the chunk runs (the walk, or the decode plan): plain launches

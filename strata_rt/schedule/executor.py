@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from ..report.stats import Stats
-from .image_cache import ImageCache
 from .plan import InputKind, Op
-from .residency import Residency
+from .vram.image_cache import ImageCache
+from .vram.residency import Residency
 
 if TYPE_CHECKING:
     from ..runtime import Stream
@@ -52,16 +52,16 @@ class Executor(Protocol):
     #: ChunkInput: "tokens" where the executor looks the embedding rows up itself, else
     #: "hidden" (MoE layers alone always)
     input_kind: InputKind
-    #: prompt rows a layer pass (schedule.layer_pass) may hold on this executor; 0: it
+    #: prompt rows a layer pass (schedule.planners.layer_pass) may hold on this executor; 0: it
     #: cannot run one (the CUDA executor keeps the prompt's residual only when asked for)
     pass_tokens: int
 
     def lanes_for(self, tokens: int) -> int:
-        """Compute lanes a chunk of `tokens` is planned with (strata_rt.schedule.lanes)."""
+        """Compute lanes a chunk of `tokens` is planned with (strata_rt.schedule.vram.lanes)."""
 
     def in_place_for(self, tokens: int) -> bool:
         """Whether a chunk of `tokens` reads resident groups in place
-        (strata_rt.schedule.in_place)."""
+        (strata_rt.schedule.vram.in_place)."""
 
     @property
     def routed_gathers(self) -> bool:

@@ -45,9 +45,9 @@ its switch turned off then costs its chain alone a node's time, and a group's co
 by side; each chain waits for the layer's copies_routed and records each slot's copied itself.
 
 Table products: where every expert of a layer is read in place, the driver merges the layer's
-in-place Products into one LayerProducts right after planning (schedule.layer_products), which
-multiplies the whole layer with one launch per product through a device table of slot
-addresses; the planners themselves never emit it.
+in-place Products into one LayerProducts right after planning
+(schedule.planners.layer_products), which multiplies the whole layer with one launch per
+product through a device table of slot addresses; the planners themselves never emit it.
 """
 
 from __future__ import annotations
@@ -217,8 +217,8 @@ class GatherRouted:
 class Products:
     """MMQ gate/up, SwiGLU + quantize, MMQ down over the group buffers of its lane
     (`stream`, one of LANES); position p holds expert_ids[p]. `cached`: the image-cache block
-    holding these experts' images (strata_rt.schedule.image_cache), which the products read in place
-    of the group buffers (no gather precedes them); None: the group buffers. `slots`: the
+    holding these experts' images (strata_rt.schedule.vram.image_cache), which the products read in
+    place of the group buffers (no gather precedes them); None: the group buffers. `slots`: the
     resident slot of each position's expert, whose blob the products read where it lies
     (FormatKernels.mmq_in_place; no gather precedes them either, and the lane's group buffers
     are left alone); None: the group buffers or the image cache."""
@@ -240,7 +240,7 @@ class LayerProducts:
     its slots), which would cost three launches per group: with 128 experts, 24 launches of
     16 experts each, where a short chunk's few rows per expert leave most of every launch's
     last wave idle. The same experts, slots and rows as its parts, so the same bytes
-    (schedule.layer_products makes it where the layer's format offers the table kernel)."""
+    (schedule.planners.layer_products makes it where the layer's format offers the table kernel)."""
 
     layer: int
     parts: tuple[Products, ...]

@@ -41,7 +41,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from ..config.prompts import integer_ids
+from ..config.run.prompts import integer_ids
 from ..errors import ConfigError, StrataError
 from ..report.stats import Stats
 from .sampling import SamplingParams, sample

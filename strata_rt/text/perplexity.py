@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from ..config.prompts import integer_ids
+from ..config.run.prompts import integer_ids
 from ..errors import ConfigError, StrataError
 from ..report.progress import Progress
 from .generate import LogitsSession

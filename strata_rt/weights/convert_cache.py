@@ -29,8 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from ..config import env
-from ..config.input_files import user_path
+from ..config.files.input_files import user_path
+from ..config.settings import env
 from ..errors import GGUFError
 from .gguf_format import expert_types
 from .gguf_header import Header

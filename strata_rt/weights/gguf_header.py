@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from ..config.file_kinds import not_a_file, open_regular
+from ..config.files.file_kinds import not_a_file, open_regular
 from ..errors import GGUFError
 from .gguf_problems import Problems
 from .gguf_strings import StringArray

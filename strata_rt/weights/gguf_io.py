@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from ..config.file_kinds import open_regular
+from ..config.files.file_kinds import open_regular
 from ..errors import GGUFError
 from . import gguf_checks
 from .gguf_header import Header, parse

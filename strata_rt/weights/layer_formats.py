@@ -86,7 +86,8 @@ class LayerFormats:
 
     def offers_mmq_table(self, layer: int) -> bool:
         """Whether the layer's format runs a whole resident layer's products over a table of
-        slot addresses (QuantFormat.offers_mmq_table; strata_rt.schedule.layer_products)."""
+        slot addresses (QuantFormat.offers_mmq_table;
+        strata_rt.schedule.planners.layer_products)."""
         return self.formats[layer].offers_mmq_table()
 
     @property

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from ...config.prompts import check_token_ids
+from ...config.run.prompts import check_token_ids
 from ...errors import ConfigError
 from ...host.host_copy import stage
 

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ...config.engine_config import STORE_MEMORIES
 from ...config.hostmem import format_bytes
+from ...config.settings.engine_config import STORE_MEMORIES
 from ...errors import StrataError
 
 if TYPE_CHECKING:

@@ -17,30 +17,30 @@ import numpy as np
 from ...errors import BudgetError
 from ...models.qwen3.whole_memory import DenseTypes, WholeSizing, gpu_decodes
 from ...runtime.memory import MIB
-from ...schedule.dense_schedule import DENSE_RING_SLOTS
-from ...schedule.image_cache import ImageCache, capacity_blocks
-from ...schedule.in_place import check_in_place
-from ...schedule.memory_plan import (
+from ...schedule.planners.dense_schedule import DENSE_RING_SLOTS
+from ...schedule.planners.planner import ring_sizes
+from ...schedule.vram.image_cache import ImageCache, capacity_blocks
+from ...schedule.vram.in_place import check_in_place
+from ...schedule.vram.memory_plan import (
     DEFAULT_RESERVE_MIB,
     PASS_ORDERS,
     MemoryPlan,
     plan_lanes,
     plan_memory,
 )
-from ...schedule.planner import ring_sizes
-from ...schedule.residency import Residency
+from ...schedule.vram.residency import Residency
 from .device_state import DeviceState
 from .layer_kernels import LayerKernels
 from .split_part import part_moe_spec, part_whole
 
 if TYPE_CHECKING:
-    from ...config.engine_config import EngineConfig
+    from ...config.settings.engine_config import EngineConfig
     from ...formats.contract import FormatKernels
     from ...models.qwen3.weights import Qwen3Model
     from ...runtime.device import Runtime
-    from ...schedule.in_place import InPlaceSetting
     from ...schedule.plan import InputKind
     from ...schedule.split import Part
+    from ...schedule.vram.in_place import InPlaceSetting
     from ...weights.model import Model
     from ...weights.store import ExpertStore
     from .dense.host_store import HostMemory

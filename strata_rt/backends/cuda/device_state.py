@@ -11,16 +11,16 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ...schedule.memory_plan import lane_buffers
 from ...schedule.plan import COPY_CHAINS, LANES
+from ...schedule.vram.memory_plan import lane_buffers
 from .chunk_input import InputPass
 from .experts.table_rows import TableRows
 
 if TYPE_CHECKING:
     from ...formats.contract import ExpertLayout, FormatKernels
     from ...runtime import Event, Runtime, Stream
-    from ...schedule.image_cache import ImageCache
-    from ...schedule.residency import Residency
+    from ...schedule.vram.image_cache import ImageCache
+    from ...schedule.vram.residency import Residency
     from ...weights.model import MoESpec
 
 
@@ -33,7 +33,7 @@ class DeviceState:
         #: routed-set read-backs go on their own stream, never behind the copies of blobs
         self.readback = rt.stream("readback")
         self.streams: dict[str, Stream] = {"compute": self.compute, "copy": self.copy}
-        for lane in LANES[1:lanes]:  # the other compute lanes (strata_rt.schedule.lanes)
+        for lane in LANES[1:lanes]:  # the other compute lanes (strata_rt.schedule.vram.lanes)
             self.streams[lane] = rt.stream(lane)
         for chain in COPY_CHAINS[1:copy_chains]:  # a routed walk's other copy streams
             self.streams[chain] = rt.stream(chain)
@@ -112,7 +112,7 @@ class DeviceState:
                     fks: list[FormatKernels], lay: ExpertLayout) -> None:
         """Each cached group's images, written by its layer's own gather from the resident
         slots into the group's block (the bytes a per-chunk gather would write)."""
-        from ...schedule.image_cache import block_bytes
+        from ...schedule.vram.image_cache import block_bytes
 
         gu, dn = block_bytes(lay)
         for b, pos, slot in images.fills(spec, residency):

@@ -10,8 +10,8 @@ reads each layer's row bounds back on a stream of their own; the walk's kernels 
 the device, so the driver can capture the whole walk as a CUDA graph (`capture`; a routed
 walk's copies switched inside it: routed_walk). The chunk's input passes a gate its host pass
 opens (chunk_input): hidden states, or token ids whose embedding rows the GPU decodes. A
-second compute lane (schedule.lanes) has its own stream and group buffers. Short chunks read
-resident groups in place (schedule.in_place; a whole layer at once: products); a decode step's
+second compute lane (schedule.vram.lanes) has its own stream and group buffers. Short chunks read
+resident groups in place (schedule.vram.in_place; a whole layer at once: products); a decode step's
 RoutedExperts reads experts where they lie (routed_experts); split parts hand off (split_part).
 Copies, events and gathers: ring_ops. A layer pass holds a whole prompt's residual and moves
 the chunk's rows over it (prompt_pass)."""
@@ -28,9 +28,6 @@ from ...formats.contract import FormatKernels
 from ...report.stats import Stats
 from ...report.timing import PhaseTimer
 from ...runtime.hostmap import host_device_pointer
-from ...schedule.image_cache import ImageCache
-from ...schedule.in_place import chunk_in_place
-from ...schedule.lanes import chunk_lanes, walk_rows_hint
 from ...schedule.plan import (
     Attention,
     ChunkInput,
@@ -49,8 +46,11 @@ from ...schedule.plan import (
     RouteCopies,
     RoutedExperts,
 )
-from ...schedule.residency import Residency
 from ...schedule.split import whole_part
+from ...schedule.vram.image_cache import ImageCache
+from ...schedule.vram.in_place import chunk_in_place
+from ...schedule.vram.lanes import chunk_lanes, walk_rows_hint
+from ...schedule.vram.residency import Residency
 from .chunk_input import chunk_token_ids
 from .context import CudaContext
 from .device_open import open_device
@@ -66,14 +66,14 @@ from .split_part import PartLink, PartReplay, capture_plan
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager
 
-    from ...config.engine_config import EngineConfig
+    from ...config.settings.engine_config import EngineConfig
     from ...models.qwen3.weights import Qwen3Model
     from ...runtime import Graph, Stream
     from ...schedule.executor import HostContext, Replay
-    from ...schedule.in_place import InPlaceSetting
-    from ...schedule.memory_plan import MemoryPlan
     from ...schedule.plan import InputKind
     from ...schedule.split import Part
+    from ...schedule.vram.in_place import InPlaceSetting
+    from ...schedule.vram.memory_plan import MemoryPlan
     from ...weights.model import Model
     from ...weights.store import ExpertStore
     from .whole import CudaWhole

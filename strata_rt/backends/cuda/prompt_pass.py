@@ -1,7 +1,7 @@
-"""The CUDA executor's side of a layer pass (strata_rt.schedule.layer_pass): the residual of
-every row of a prompt, the window of it that the ops act on, and what a pass keeps per chunk.
-Its own module so the executor keeps to dispatch: a pass changes the chunk's state in a few
-places only, all of them here.
+"""The CUDA executor's side of a layer pass (strata_rt.schedule.planners.layer_pass): the residual
+of every row of a prompt, the window of it that the ops act on, and what a pass keeps per chunk. Its
+own module so the executor keeps to dispatch: a pass changes the chunk's state in a few places only,
+all of them here.
 
 Window. Every kernel that reads or writes the residual (LayerKernels' routing and combine,
 CudaWhole's attention, head and embedding lookup, the input upload) takes it from ptr["x"] of
@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ...errors import StrataError
-from ...schedule.memory_plan import pass_chunks
+from ...schedule.vram.memory_plan import pass_chunks
 from ..nonfinite import NonFiniteError
 from .chunk_input import InputPass
 

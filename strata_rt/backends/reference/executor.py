@@ -33,10 +33,6 @@ from ...host.host_copy import all_finite
 from ...models.qwen3.whole_memory import DenseTypes, embeds_on_gpu
 from ...report.stats import Stats
 from ...report.timing import format_table
-from ...schedule.dense_schedule import DENSE_RING_SLOTS
-from ...schedule.image_cache import ImageCache, capacity_blocks
-from ...schedule.in_place import check_in_place, chunk_in_place
-from ...schedule.lanes import allocated_lanes, chunk_lanes
 from ...schedule.plan import (
     HOST,
     RESIDENT,
@@ -63,8 +59,12 @@ from ...schedule.plan import (
     Wait,
     lane_index,
 )
-from ...schedule.planner import ring_sizes
-from ...schedule.residency import Residency
+from ...schedule.planners.dense_schedule import DENSE_RING_SLOTS
+from ...schedule.planners.planner import ring_sizes
+from ...schedule.vram.image_cache import ImageCache, capacity_blocks
+from ...schedule.vram.in_place import check_in_place, chunk_in_place
+from ...schedule.vram.lanes import allocated_lanes, chunk_lanes
+from ...schedule.vram.residency import Residency
 from ...weights.model import rms_norm
 from ...weights.store import ExpertStore
 from ..cuda.chunk_input import chunk_token_ids, input_not_finite
@@ -75,7 +75,7 @@ from .context import NumpyContext
 from .layer_state import LayerState
 
 if TYPE_CHECKING:
-    from ...config.engine_config import EngineConfig
+    from ...config.settings.engine_config import EngineConfig
     from ...models.qwen3.weights import Qwen3Model
     from ...schedule.executor import HostContext, Replay
     from ...schedule.split import Part

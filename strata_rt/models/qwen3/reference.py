@@ -30,7 +30,7 @@ import numpy.typing as npt
 
 from ...backends.cuda.routing.exact import route_exact
 from ...backends.nonfinite import NonFiniteError, check_rms_input
-from ...config.prompts import check_token_ids
+from ...config.run.prompts import check_token_ids
 from ...errors import BudgetError, ConfigError
 from ...weights.model import Model, rms_norm, route, silu
 from .spec import Qwen3Spec

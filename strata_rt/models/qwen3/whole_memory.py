@@ -42,7 +42,7 @@ from ...backends.cuda.dense.kernels import workspace_bytes
 from ...backends.cuda.sampling_kernels import ARGMAX_RESULT, sampler_bytes
 from ...formats.ggml_types import NAMES
 from ...runtime.memory import align_up
-from ...schedule.dense_schedule import DENSE_RING_SLOTS
+from ...schedule.planners.dense_schedule import DENSE_RING_SLOTS
 from .spec import Qwen3Spec
 from .weights import tensor_name
 

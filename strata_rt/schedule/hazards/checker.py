@@ -79,8 +79,8 @@ from .rows import PromptWindows
 from .sources import Multiplied, elsewhere_hint, products_problem
 
 if TYPE_CHECKING:
-    from ..image_cache import ImageCache
-    from ..residency import Residency
+    from ..vram.image_cache import ImageCache
+    from ..vram.residency import Residency
 
 #: the streams a clock has a component for: the copy streams, then the compute lanes
 _STREAMS: tuple[str, ...] = (*COPY_CHAINS, *LANES)

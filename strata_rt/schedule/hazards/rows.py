@@ -1,5 +1,5 @@
 """What the hazard checker asks of a layer pass's chunks (plan.PromptRows,
-schedule.layer_pass): the order of the rows, which no ring event shows.
+schedule.planners.layer_pass): the order of the rows, which no ring event shows.
 
 - A PromptRows may switch chunks only between layers: with no layer of the current chunk routed
   and not yet combined (its routing and product rows would be the next chunk's).

@@ -24,8 +24,8 @@ from ..plan import HOST, RESIDENT, LayerProducts, Products, RoutedExperts
 from .messages import describe
 
 if TYPE_CHECKING:
-    from ..image_cache import ImageCache
-    from ..residency import Residency
+    from ..vram.image_cache import ImageCache
+    from ..vram.residency import Residency
     from .messages import Clock
 
 #: a layer's products the checker saw before its combine: (clock, op index, op)

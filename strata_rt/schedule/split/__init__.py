@@ -36,7 +36,7 @@ from ..plan import (
     handoff_ready,
     handoff_taken,
 )
-from ..residency import Residency, RoutingProfile
+from ..vram.residency import Residency, RoutingProfile
 
 if TYPE_CHECKING:
     from ...weights.model import Model

@@ -29,12 +29,12 @@ import numpy as np
 
 from ...errors import ConfigError
 from ..driver import ChunkDriver
-from ..residency import Residency
+from ..vram.residency import Residency
 from . import LayerSplit, model_split, part_residency
 from .hazards import SplitChecker
 
 if TYPE_CHECKING:
-    from ...config.engine_config import EngineConfig
+    from ...config.settings.engine_config import EngineConfig
     from ...models.qwen3.weights import Qwen3Model
     from ...report.stats import Stats
     from ...weights.layer_formats import LayerFormats

@@ -39,8 +39,8 @@ from ..plan import (
 )
 
 if TYPE_CHECKING:
-    from ..image_cache import ImageCache
-    from ..residency import Residency
+    from ..vram.image_cache import ImageCache
+    from ..vram.residency import Residency
     from . import LayerSplit
 
 _MAIN = LANES[0]

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ....config import env
+from ....config.settings import env
 from ....errors import ConfigError
 from ....models.qwen3.reference import apply_rope, rope_tables
 from ....resources import KERNELS_ROOT

@@ -13,11 +13,11 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ....errors import StrataError
-from ....schedule.image_cache import block_bytes
-from ....schedule.in_place import resident_parts
-from ....schedule.lanes import walk_rows_hint
-from ....schedule.memory_plan import EXPERT_TABLE_ENTRY
 from ....schedule.plan import LayerProducts, Products
+from ....schedule.vram.image_cache import block_bytes
+from ....schedule.vram.in_place import resident_parts
+from ....schedule.vram.lanes import walk_rows_hint
+from ....schedule.vram.memory_plan import EXPERT_TABLE_ENTRY
 from ..backend_view import ExpertsView
 
 if TYPE_CHECKING:

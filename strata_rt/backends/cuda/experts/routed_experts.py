@@ -16,8 +16,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 from ....errors import StrataError
-from ....schedule.memory_plan import EXPERT_TABLE_ENTRY
 from ....schedule.plan import HOST, RESIDENT, RoutedExperts, Source
+from ....schedule.vram.memory_plan import EXPERT_TABLE_ENTRY
 from ..backend_view import ExpertsView
 from .table_rows import TableRows
 

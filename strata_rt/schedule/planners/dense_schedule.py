@@ -11,7 +11,7 @@ checker verifies both).
 
 from __future__ import annotations
 
-from .plan import Attention, DenseCopy, InputKind, Op, Record, Wait, dense_copied, dense_used
+from ..plan import Attention, DenseCopy, InputKind, Op, Record, Wait, dense_copied, dense_used
 
 #: dense ring slots when the dense weights stream (one computing, one arriving)
 DENSE_RING_SLOTS = 2

@@ -15,16 +15,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ConfigError
-from ..models.qwen3.gguf_full import read_dense_types, read_qwen3_spec
-from ..models.qwen3.spec import Qwen3Spec
-from ..models.qwen3.whole_memory import DenseLayout, DenseTypes, WholeSizing
-from ..weights.whole_model import WHOLE_MODEL_TENSOR, is_whole_gguf
-from .engine_config import DENSE_POLICIES, dense_gemm_switch, embedding_switch
+from ...errors import ConfigError
+from ...models.qwen3.gguf_full import read_dense_types, read_qwen3_spec
+from ...models.qwen3.spec import Qwen3Spec
+from ...models.qwen3.whole_memory import DenseLayout, DenseTypes, WholeSizing
+from ...weights.whole_model import WHOLE_MODEL_TENSOR, is_whole_gguf
+from ..settings.engine_config import DENSE_POLICIES, dense_gemm_switch, embedding_switch
 from .problem_sink import Problems
 
 if TYPE_CHECKING:
-    from ..weights.model import MoESpec
+    from ...weights.model import MoESpec
     from .prompts import Prompt
 
 

@@ -22,9 +22,9 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ConfigError
-from .input_files import DATA_LIMIT, InputFileError, read_text, regular_file_problem
-from .numbers import MAX_INT_DIGITS, significant_digits, to_int
+from ...errors import ConfigError
+from ..files.input_files import DATA_LIMIT, InputFileError, read_text, regular_file_problem
+from ..files.numbers import MAX_INT_DIGITS, significant_digits, to_int
 
 INT64_MAX = (1 << 63) - 1
 #: a token id as a token file writes it: ASCII digits, an optional sign (int() would also take

@@ -31,17 +31,17 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..errors import StrataError
-from .plan import ChunkInput, ChunkPlan, LayerPlan, LogitRows, Op, PromptRows
-from .plan_keys import WalkKey
+from ...errors import StrataError
+from ..plan import ChunkInput, ChunkPlan, LayerPlan, LogitRows, Op, PromptRows
+from ..plan_keys import WalkKey
 from .ring_builder import RingBuilder, groups_of
 
 if TYPE_CHECKING:
-    from ..weights.model import MoESpec
+    from ...weights.model import MoESpec
+    from ..executor import Executor
+    from ..vram.image_cache import ImageCache
+    from ..vram.residency import Residency
     from .dense_schedule import DenseSchedule
-    from .executor import Executor
-    from .image_cache import ImageCache
-    from .residency import Residency
 
 #: the gather-mode field of a layer pass's plan key (pass_key)
 LAYER_PASS = "layer_pass"

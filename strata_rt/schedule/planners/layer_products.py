@@ -18,8 +18,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 
-from ..errors import ConfigError
-from .plan import (
+from ...errors import ConfigError
+from ..plan import (
     LANES,
     ChunkPlan,
     Gather,
@@ -53,7 +53,7 @@ def merge_layer(lp: LayerPlan, n_experts: int) -> LayerPlan:
     """The layer with its in-place Products replaced by one LayerProducts on the main lane, at
     the position of the first of them (every other op where it was), when they cover experts
     0..n_experts-1 exactly once and the layer gathers or multiplies nothing else; otherwise
-    the layer itself. A layer pass's layer (schedule.layer_pass) is merged chunk by chunk:
+    the layer itself. A layer pass's layer (schedule.planners.layer_pass) is merged chunk by chunk:
     each PromptRows opens a part judged on its own."""
     cuts = [i for i, op in enumerate(lp.ops) if isinstance(op, PromptRows)]
     bounds = sorted({0, *cuts, len(lp.ops)})

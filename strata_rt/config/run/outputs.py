@@ -1,5 +1,5 @@
 """The outputs of a run config (`output: {dir, json, dump_r}`), checked before the run: each
-can be written (strata_rt.config.paths), and none is a file the run reads.
+can be written (strata_rt.config.files.paths), and none is a file the run reads.
 
 `output.json` and `output.dump_r` are relative to `output.dir` when that is set, else to the
 config file's directory. An output that names the config itself, the model, a prompt or
@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from .paths import output_collisions, output_dir_problem, output_file_problem
+from ..files.paths import output_collisions, output_dir_problem, output_file_problem
 from .prompts import Prompt
 from .schema import Problems, file_path
 
@@ -26,13 +26,13 @@ def input_paths(source: Path | None, gguf: Path | None, prompts: Sequence[Prompt
                 profile: Path | None) -> dict[str, Path]:
     """What a run reads, by what it is: the config, the model, the prompt and profile files
     and the plugin list in use."""
-    from ..formats.registry import plugin_list_path
+    from ...formats.registry import plugin_list_path
 
     found = {"the config file": source, "the model's GGUF file": gguf,
              "the routing profile": profile, "the plugin list": plugin_list_path()}
     if gguf is not None:  # a split GGUF's later shards are read too
-        from ..errors import GGUFError
-        from ..weights.gguf_io import open_reader
+        from ...errors import GGUFError
+        from ...weights.gguf_io import open_reader
 
         try:
             shards = open_reader(gguf).shards

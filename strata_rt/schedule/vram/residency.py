@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..config.input_files import DATA_LIMIT, InputFileError, read_text
-from ..errors import ConfigError
-from ..runtime.memory import mib
-from .plan import HOST, RESIDENT, Source
+from ...config.files.input_files import DATA_LIMIT, InputFileError, read_text
+from ...errors import ConfigError
+from ...runtime.memory import mib
+from ..plan import HOST, RESIDENT, Source
 
 if TYPE_CHECKING:
-    from ..weights.model import Model
+    from ...weights.model import Model
 
 
 @dataclass
@@ -42,8 +42,8 @@ class RoutingProfile:
 
     def save(self, path: str | Path) -> None:
         """Writes the profile atomically (a reader never sees half of one); the path was
-        checked as an output before the run (strata_rt.config.paths)."""
-        from ..config.paths import write_text_atomic
+        checked as an output before the run (strata_rt.config.files.paths)."""
+        from ...config.files.paths import write_text_atomic
 
         doc = {"kind": "strata_rt routing profile", "n_layers": int(self.counts.shape[0]),
                "n_experts": int(self.counts.shape[1]), "counts": self.counts.tolist()}

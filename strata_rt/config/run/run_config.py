@@ -7,8 +7,8 @@ what is allowed) so a user fixes a file in one pass instead of one error per run
 
 Validation also checks what would otherwise fail after the run had started: the prompt files'
 contents (token id ranges, NaN and Inf in hidden states), the output paths, the host memory the
-run will allocate and the STRATA_MMQ_KERNEL variant. The checks live in config/schema.py and
-the prompts in config/prompts.py; this module holds the validated objects and what derives from
+run will allocate and the STRATA_MMQ_KERNEL variant. The checks live in config/run/schema.py and
+the prompts in config/run/prompts.py; this module holds the validated objects and what derives from
 them.
 """
 
@@ -18,17 +18,18 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ConfigError
-from ..runtime.memory import MIB
-from ..schedule.image_cache import ImageCacheSetting, check_setting
-from ..schedule.in_place import InPlaceSetting, parse_in_place
-from ..schedule.lanes import LanesSetting, parse_lanes
-from ..schedule.memory_plan import MemoryPlan
-from ..schedule.residency import RoutingProfile
-from ..schedule.split import parse_devices
-from ..weights.model import MoESpec
-from .engine_config import BACKENDS, EngineConfig
-from .input_files import CONFIG_LIMIT, InputFileError, read_text
+from ...errors import ConfigError
+from ...runtime.memory import MIB
+from ...schedule.split import parse_devices
+from ...schedule.vram.image_cache import ImageCacheSetting, check_setting
+from ...schedule.vram.in_place import InPlaceSetting, parse_in_place
+from ...schedule.vram.lanes import LanesSetting, parse_lanes
+from ...schedule.vram.memory_plan import MemoryPlan
+from ...schedule.vram.residency import RoutingProfile
+from ...weights.model import MoESpec
+from ..files.input_files import CONFIG_LIMIT, InputFileError, read_text
+from ..files.yaml_input import YamlProblem, load_yaml
+from ..settings.engine_config import BACKENDS, EngineConfig
 from .outputs import check_output, input_paths, output_collisions
 from .prompts import Prompt, read_token_file
 from .sampling import check_sampling
@@ -60,14 +61,13 @@ from .whole import (
     whole_host_parts,
     whole_sizing,
 )
-from .yaml_input import YamlProblem, load_yaml
 
 if TYPE_CHECKING:
-    from ..formats.contract import QuantFormat
-    from ..formats.registry import QuantRegistry
-    from ..models.qwen3.spec import Qwen3Spec
-    from ..models.qwen3.whole_memory import DenseTypes, WholeSizing
-    from ..text.sampling import SamplingParams
+    from ...formats.contract import QuantFormat
+    from ...formats.registry import QuantRegistry
+    from ...models.qwen3.spec import Qwen3Spec
+    from ...models.qwen3.whole_memory import DenseTypes, WholeSizing
+    from ...text.sampling import SamplingParams
 
 __all__ = ["BUDGET_KEYS", "Config", "Output", "Prompt", "auto_chunk", "device_memory_plan",
            "load_config", "read_token_file", "validate"]
@@ -95,11 +95,11 @@ class Config:
     vram_reserve_mib: float | None = None
     vram_budget_mib: float | None = None
     ring_mib: float | None = None
-    #: room for group images of resident experts (strata_rt.schedule.image_cache): MiB or "all"
+    #: room for group images of resident experts (strata_rt.schedule.vram.image_cache): MiB or "all"
     image_cache_mib: ImageCacheSetting = None
-    #: compute lanes (strata_rt.schedule.lanes); None: STRATA_COMPUTE_LANES, else auto
+    #: compute lanes (strata_rt.schedule.vram.lanes); None: STRATA_COMPUTE_LANES, else auto
     compute_lanes: LanesSetting | None = None
-    #: products of resident experts read in place (strata_rt.schedule.in_place); None:
+    #: products of resident experts read in place (strata_rt.schedule.vram.in_place); None:
     #: STRATA_IN_PLACE, else auto
     in_place: InPlaceSetting | None = None
     profile: Path | None = None
@@ -187,7 +187,7 @@ class Config:
         """The experts' format object (for a file run as stored, its largest layer's)."""
         if self.stored_format is not None:
             return self.stored_format
-        from ..formats.registry import registry as default_registry
+        from ...formats.registry import registry as default_registry
 
         return (registry or default_registry())[self.spec.format]
 
@@ -257,7 +257,7 @@ MAX_REPEATS = 1_000_000
 def validate(doc: Any, base_dir: Path, source: Path | None = None,
              registry: QuantRegistry | None = None) -> Config:
     """A parsed YAML document -> Config, or ConfigError listing every problem."""
-    from ..formats.registry import registry as default_registry
+    from ...formats.registry import registry as default_registry
 
     where = str(source) if source else "config"
     if not isinstance(doc, dict):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from ..text.sampling import NAMES, SamplingParams, sampling_problems
+from ...text.sampling import NAMES, SamplingParams, sampling_problems
 from .problem_sink import Problems
 
 #: config key -> SamplingParams field

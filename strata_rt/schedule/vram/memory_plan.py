@@ -12,19 +12,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..backends.cuda.routing.kernels import ROUTER_BYTES, workspace_bytes
-from ..errors import BudgetError
-from ..formats.activations import Activation
-from ..formats.contract import MMQ_GROUP, ExpertLayout
-from ..models.qwen3.whole_memory import WholeSizing, whole_chunk_regions, whole_fixed_regions
-from ..runtime.memory import mib, plan_regions, regions_total
+from ...backends.cuda.routing.kernels import ROUTER_BYTES, workspace_bytes
+from ...errors import BudgetError
+from ...formats.activations import Activation
+from ...formats.contract import MMQ_GROUP, ExpertLayout
+from ...models.qwen3.whole_memory import WholeSizing, whole_chunk_regions, whole_fixed_regions
+from ...runtime.memory import mib, plan_regions, regions_total
+from ..plan import LANES, StreamName, lane_index
+from ..planners.planner import AUTO_CHUNK_MAX, RESERVE_AUTO_CHUNK_MAX
 from .image_cache import block_bytes
 from .lanes import LanesSetting, allocated_lanes
-from .plan import LANES, StreamName, lane_index
-from .planner import AUTO_CHUNK_MAX, RESERVE_AUTO_CHUNK_MAX
 
 if TYPE_CHECKING:
-    from ..weights.model import MoESpec
+    from ...weights.model import MoESpec
 
 #: `prefill: auto` tries chunk sizes in steps of this many tokens below the maximum
 AUTO_CHUNK_STEP = 64
@@ -67,8 +67,8 @@ def pass_chunks(pass_tokens: int, tokens: int) -> int:
 
 
 def pass_regions(hidden: int, tokens: int, pass_tokens: int) -> dict[str, int]:
-    """Device bytes a layer pass (schedule.layer_pass) of up to `pass_tokens` prompt rows adds
-    to a whole model's arena: the residual of every row of the prompt (float32, `pass_x`),
+    """Device bytes a layer pass (schedule.planners.layer_pass) of up to `pass_tokens` prompt
+    rows adds to a whole model's arena: the residual of every row of the prompt (float32, `pass_x`),
     and one RMSNorm flag word per chunk of `tokens` rows (`pass_flags`: each chunk's rows
     are numbered from its own first row). Empty without a pass."""
     if pass_tokens <= 0:
@@ -88,7 +88,7 @@ def fixed_regions(spec: MoESpec, layout: ExpertLayout, ring_slots: int,
                   lanes: int = 1) -> dict[str, int]:
     """Device bytes that do not depend on the chunk or the residency (the router weights take
     routing.kernels.ROUTER_BYTES[routing] bytes each; image_blocks: room of the
-    image cache, strata_rt.schedule.image_cache; lanes: compute lanes, each with its group
+    image cache, strata_rt.schedule.vram.image_cache; lanes: compute lanes, each with its group
     buffers)."""
     L, H, E = spec.n_layers, spec.hidden, spec.n_experts
     images = {}
@@ -172,7 +172,7 @@ def plan_memory_for(spec: MoESpec, layout: ExpertLayout, activation: Activation,
     whole: a whole model's sizing adds its dense weights, head, RoPE tables, KV cache and
     per-chunk attention buffers (strata_rt.models.qwen3.whole_memory). image_blocks: room of the
     image cache, a fixed region placed before the chunk and the resident experts. lanes: compute
-    lanes, each holding its own group buffers (strata_rt.schedule.lanes). pass_tokens: a
+    lanes, each holding its own group buffers (strata_rt.schedule.vram.lanes). pass_tokens: a
     layer pass's prompt rows (pass_regions, beside the chunk): placed before the resident
     experts, so under the reserve policy they take room from them (the backend plans them at
     the chunk size already chosen, so `prefill: auto` is not shrunk for them)."""
@@ -233,8 +233,8 @@ def plan_lanes(setting: LanesSetting, n_resident: int | None, total_experts: int
     plan_memory for that many lanes, n_resident the fixed residency (None: the plan derives
     it). "1" and "2" are taken as given (a second lane that does not fit is a BudgetError).
     Under auto the second lane's buffers are kept only where they cost nothing else: every
-    expert resides with one lane (strata_rt.schedule.lanes.allocated_lanes), and the plan with two
-    lanes still fits, with the same chunk and every expert resident."""
+    expert resides with one lane (strata_rt.schedule.vram.lanes.allocated_lanes), and the plan
+    with two lanes still fits, with the same chunk and every expert resident."""
     if setting != "auto":
         lanes = int(setting)
         return lanes, plan(lanes)

@@ -8,7 +8,7 @@ import difflib
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 
 def settings(config: object) -> dict[str, Any]:

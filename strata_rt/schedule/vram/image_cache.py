@@ -23,12 +23,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ..config import env
-from ..errors import ConfigError
-from ..formats.contract import MMQ_GROUP, ExpertLayout
+from ...config.settings import env
+from ...errors import ConfigError
+from ...formats.contract import MMQ_GROUP, ExpertLayout
 
 if TYPE_CHECKING:
-    from ..weights.model import MoESpec
+    from ...weights.model import MoESpec
     from .residency import Residency
 
 log = logging.getLogger(__name__)

@@ -1,5 +1,5 @@
 """The ring builder the planners share: the issuer/consumer rules of the streaming design, in
-one place (strata_rt.schedule.planner says what they are), and the op emission of a layer's
+one place (strata_rt.schedule.planners.planner says what they are), and the op emission of a layer's
 routing, gathers, products and combine around them."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from ..formats.contract import MMQ_GROUP
-from .plan import (
+from ...formats.contract import MMQ_GROUP
+from ..plan import (
     COPY_CHAINS,
     LANES,
     RESIDENT,
@@ -34,7 +34,7 @@ from .plan import (
 )
 
 if TYPE_CHECKING:
-    from .residency import Residency
+    from ..vram.residency import Residency
 
 
 class RingBuilder:

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Literal
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 from .lanes import walk_rows_hint
 
 if TYPE_CHECKING:
-    from ..formats.contract import ExpertLayout, QuantFormat
-    from ..weights.model import MoESpec
+    from ...formats.contract import ExpertLayout, QuantFormat
+    from ...weights.model import MoESpec
 
 InPlaceSetting = Literal["auto", "on", "off"]
 IN_PLACE_SETTINGS: tuple[str, ...] = ("auto", "on", "off")

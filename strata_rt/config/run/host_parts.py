@@ -6,12 +6,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from ..weights.model import SYNTHETIC_POOL_BYTES, MoESpec
-from .hostmem import format_bytes, shortfall
+from ...weights.model import SYNTHETIC_POOL_BYTES, MoESpec
+from ..hostmem import format_bytes, shortfall
 from .prompts import Prompt
 
 if TYPE_CHECKING:
-    from ..formats.contract import QuantFormat
+    from ...formats.contract import QuantFormat
 
 #: layers of GGUF expert bytes held in host memory while the store is filled: the loader copies
 #: from the file's memory map a tensor at a time (measured: store + less than one layer)

@@ -8,7 +8,7 @@ switch at all, naming the closest one.
 Where each is read (tests/test_switches.py holds every module to it):
 
 - engine switches, everything that changes what an engine does, are resolved once when an
-  engine opens, in strata_rt/config/engine_config.py (EngineConfig.resolve; a field the caller set
+  engine opens, in config/settings/engine_config.py (EngineConfig.resolve; a field the caller set
   beats its switch), and passed down as plain fields: the driver, the executors, the kernel
   launchers, the GEMMs and the formats never read the environment. They are
   STRATA_PREFILL_GATHER_ONE, STRATA_PREFILL_TIMING, STRATA_PREFILL_DUMP_R,
@@ -18,10 +18,10 @@ Where each is read (tests/test_switches.py holds every module to it):
   STRATA_IMAGE_CACHE_MIB, STRATA_TABLE_PRODUCTS, STRATA_COPY_CHAINS, STRATA_PREFILL_ORDER,
   STRATA_COMPUTE_LANES, STRATA_IN_PLACE, STRATA_CUDA_GRAPH, STRATA_ROUTING, STRATA_DENSE_GEMM,
   STRATA_EMBEDDING, STRATA_F16_GEMM and STRATA_STORE_MEMORY.
-  A run config's checks (config/schema.py, config/whole.py) size the engine before it exists:
+  A run config's checks (config/run/schema.py, run/whole.py) size the engine before it exists:
   they take STRATA_MMQ_KERNEL, STRATA_DENSE_GEMM, STRATA_EMBEDDING and STRATA_PREFILL_ORDER
   through engine_config's readers, and
-  config/schema.py reads STRATA_ROUTING for the router's buffers.
+  config/run/schema.py reads STRATA_ROUTING for the router's buffers.
 - process switches, which say where the process finds its tools and plugins or which checks
   it runs rather than what an engine computes, stay where they are used: STRATA_KERNEL_CACHE
   and STRATA_NVCC in runtime/compile.py, STRATA_CONVERT_CACHE in weights/convert_cache.py, STRATA_PLUGINS and STRATA_DISABLE_PLUGINS in
@@ -41,10 +41,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import ConfigError
-from .input_files import InputFileError, user_path
-from .numbers import significant_digits, to_int
-from .paths import output_dir_problem, output_file_problem
+from ...errors import ConfigError
+from ..files.input_files import InputFileError, user_path
+from ..files.numbers import significant_digits, to_int
+from ..files.paths import output_dir_problem, output_file_problem
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from .plan import (
+from ..plan import (
     ChunkInput,
     ChunkPlan,
     InputKind,
@@ -42,13 +42,13 @@ from .plan import (
 from .ring_builder import RingBuilder, group_ring_entries, groups_of, resident_slots
 
 if TYPE_CHECKING:
-    from ..formats.contract import QuantFormat
-    from ..weights.layer_formats import LayerFormats
-    from ..weights.model import MoESpec
+    from ...formats.contract import QuantFormat
+    from ...weights.layer_formats import LayerFormats
+    from ...weights.model import MoESpec
+    from ..split import Part
+    from ..vram.image_cache import ImageCache
+    from ..vram.residency import Residency
     from .dense_schedule import DenseSchedule
-    from .image_cache import ImageCache
-    from .residency import Residency
-    from .split import Part
 
 #: slots of the staging ring (chunks for which takes_walk is false)
 STAGING_RING_SLOTS = 8
@@ -91,7 +91,7 @@ def gathers_one_by_one(fmt: QuantFormat | LayerFormats, requested: bool | None) 
 def walk_ring_slots(ring_bytes: int | None, slot_bytes: int, n_entries: int) -> int:
     """Ring slots of the streamed walk: ring_bytes // slot_bytes, no more than the chunk
     streams (a larger ring would only hold unused memory), at least one."""
-    from ..errors import BudgetError
+    from ...errors import BudgetError
 
     nbytes = DEFAULT_RING_BYTES if ring_bytes is None else int(ring_bytes)
     slots = nbytes // slot_bytes
@@ -131,7 +131,7 @@ def plan_walk(spec: MoESpec, residency: Residency, ring_slots: int, gather_one: 
     images: the engine's image cache; a group it holds is multiplied from its block, with no
     gather (its experts are resident, so no ring entry is involved). lanes: compute lanes the
     groups alternate over (1 or 2). in_place: a group of resident experts is multiplied from
-    their slots, with no gather (strata_rt.schedule.in_place decides per chunk). part: the
+    their slots, with no gather (strata_rt.schedule.vram.in_place decides per chunk). part: the
     layers of one device of a layer split (None: every layer), whose plan opens with the
     part's prologue and ends with its epilogue (strata_rt.schedule.split). routed_copies: a
     routed walk (plan.py), whose copies and gathers the layer's routing switches on the device,

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Literal
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 if TYPE_CHECKING:
-    from ..weights.model import MoESpec
+    from ...weights.model import MoESpec
 
 LanesSetting = Literal["auto", "1", "2"]
 LANE_SETTINGS: tuple[str, ...] = ("auto", "1", "2")

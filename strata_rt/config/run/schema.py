@@ -7,7 +7,7 @@ prompts had run: the prompt files' contents, the output paths, the host memory t
 allocate and the STRATA_MMQ_KERNEL variant against the chosen format.
 
 Paths in a config are relative to the config file's directory (the outputs' checks:
-config/outputs.py).
+config/run/outputs.py).
 """
 
 from __future__ import annotations
@@ -19,28 +19,28 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ..backends.cuda.routing.kernels import ROUTINGS
-from ..errors import ConfigError, FormatError
-from ..runtime.memory import MIB
-from ..schedule.memory_plan import DEFAULT_RESERVE_MIB, PASS_ORDERS, MemoryPlan, plan_memory
-from ..schedule.planner import AUTO_CHUNK_MAX, ring_sizes
-from ..weights.gguf_format import file_layer_formats
-from ..weights.gguf_io import open_reader, read_header
-from ..weights.model import MoESpec
-from . import env
-from .engine_config import mmq_kernel_switch, prefill_order_switch
+from ...backends.cuda.routing.kernels import ROUTINGS
+from ...errors import ConfigError, FormatError
+from ...runtime.memory import MIB
+from ...schedule.planners.planner import AUTO_CHUNK_MAX, ring_sizes
+from ...schedule.vram.memory_plan import DEFAULT_RESERVE_MIB, PASS_ORDERS, MemoryPlan, plan_memory
+from ...weights.gguf_format import file_layer_formats
+from ...weights.gguf_io import open_reader, read_header
+from ...weights.model import MoESpec
+from ..files.input_files import InputFileError, path_text_problem, regular_file_problem, user_path
+from ..files.yaml_input import shown_value
+from ..hostmem import MAX_MACHINE
+from ..settings import env
+from ..settings.engine_config import mmq_kernel_switch, prefill_order_switch
 from .host_parts import GGUF_STAGED_LAYERS, host_memory_parts, host_memory_problem
-from .hostmem import MAX_MACHINE
-from .input_files import InputFileError, path_text_problem, regular_file_problem, user_path
 from .prompts import Prompt, hidden_file_problem, read_token_file
 from .sampling import SAMPLING_KEYS
 from .whole import WHOLE_KEYS
-from .yaml_input import shown_value
 
 if TYPE_CHECKING:
-    from ..formats.contract import QuantFormat
-    from ..formats.registry import QuantRegistry
-    from ..models.qwen3.whole_memory import WholeSizing
+    from ...formats.contract import QuantFormat
+    from ...formats.registry import QuantRegistry
+    from ...models.qwen3.whole_memory import WholeSizing
 
 __all__ = ["GGUF_STAGED_LAYERS", "host_memory_parts", "host_memory_problem", "shown_value"]
 
@@ -60,7 +60,7 @@ _SYNTHETIC_KEYS = ("n_layers", "hidden", "ffn", "n_experts", "top_k", "seed", "r
                    *WHOLE_KEYS)
 _SYNTHETIC_REQUIRED = ("n_layers", "hidden", "ffn", "n_experts", "top_k")
 _PROMPT_KEYS = ("file", "hidden_file")
-_GENERATE_KEYS = ("tokens", *SAMPLING_KEYS)  # the sampling keys: config/sampling.py
+_GENERATE_KEYS = ("tokens", *SAMPLING_KEYS)  # the sampling keys: config/run/sampling.py
 
 
 

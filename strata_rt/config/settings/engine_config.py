@@ -6,7 +6,7 @@ the engine, the chunk driver, the executors, the kernel launchers and the GEMMs 
 resolved fields as plain values, so one EngineConfig says everything a run depends on, and
 a field the driver reads on every chunk (gather_one, walk_min_tokens, decode) can change
 between prompts of an open engine without touching the environment. A field set by the
-caller beats its switch. (config/env.py lists the process switches read elsewhere.)
+caller beats its switch. (config/settings/env.py lists the process switches read elsewhere.)
 
 Its own module because the engine, the chunk driver and both backends read it: here it depends
 on none of them, so none of them depends on another through it.
@@ -20,24 +20,24 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..backends.cuda.routing.kernels import ROUTINGS
-from ..errors import ConfigError
-from ..schedule.image_cache import ImageCacheSetting, check_setting, parse_setting
-from ..schedule.in_place import InPlaceSetting, parse_in_place
-from ..schedule.lanes import LanesSetting, parse_lanes
-from ..schedule.layer_pass import order_refusal
-from ..schedule.residency import RoutingProfile
-from ..schedule.split import parse_devices
+from ...backends.cuda.routing.kernels import ROUTINGS
+from ...errors import ConfigError
+from ...schedule.planners.layer_pass import order_refusal
+from ...schedule.split import parse_devices
+from ...schedule.vram.image_cache import ImageCacheSetting, check_setting, parse_setting
+from ...schedule.vram.in_place import InPlaceSetting, parse_in_place
+from ...schedule.vram.lanes import LanesSetting, parse_lanes
+from ...schedule.vram.residency import RoutingProfile
 from . import env
 from .settings_keys import check_keys
 
 if TYPE_CHECKING:
-    from ..models.qwen3.weights import Qwen3Model
-    from ..weights.model import Model, MoESpec
+    from ...models.qwen3.weights import Qwen3Model
+    from ...weights.model import Model, MoESpec
 
 BACKENDS = ("auto", "cuda", "reference")
 DENSE_POLICIES = ("auto", "resident", "stream")
-#: the choices of the switches resolved into fields of the same meaning (config/env.py lists them)
+#: the choices of the switches resolved into fields of the same meaning (settings/env.py lists them)
 DECODES = env.choices("STRATA_DECODE")
 DECODE_ATTENTIONS = env.choices("STRATA_DECODE_ATTENTION")
 DECODE_DENSES = env.choices("STRATA_DECODE_DENSE")
@@ -114,16 +114,16 @@ class EngineConfig:
     prefill: str | int = "auto"
     ring_bytes: int | None = None
     #: device memory for group images of resident experts kept across chunks
-    #: (strata_rt.schedule.image_cache): MiB, "all" (room for every group), or None
+    #: (strata_rt.schedule.vram.image_cache): MiB, "all" (room for every group), or None
     #: (STRATA_IMAGE_CACHE_MIB, else none)
     image_cache_mib: ImageCacheSetting = None
-    #: compute lanes (strata_rt.schedule.lanes): "auto", "1" or "2"; None: STRATA_COMPUTE_LANES,
+    #: compute lanes (schedule.vram.lanes): "auto", "1" or "2"; None: STRATA_COMPUTE_LANES,
     #: else auto (two when every expert is resident)
     compute_lanes: LanesSetting | None = None
-    #: products of resident experts read in place (strata_rt.schedule.in_place): "auto", "on" or
+    #: products of resident experts read in place (schedule.vram.in_place): "auto", "on" or
     #: "off"; None: STRATA_IN_PLACE, else auto
     in_place: InPlaceSetting | None = None
-    #: a layer whose every expert is read in place (strata_rt.schedule.layer_products):
+    #: a layer whose every expert is read in place (strata_rt.schedule.planners.layer_products):
     #: "auto" (one launch per product where the format offers it) or "off" (one per group of
     #: 16); None: STRATA_TABLE_PRODUCTS, else auto
     table_products: str | None = None
@@ -135,7 +135,7 @@ class EngineConfig:
     #: "mma" (attention.cu); None: STRATA_PREFILL_ATTENTION, else auto
     prefill_attention: str | None = None
     #: a whole model's prompt of several chunks (PREFILL_ORDERS): "chunks", "layers" (the
-    #: layer pass, schedule.layer_pass) or "auto"; None: STRATA_PREFILL_ORDER, else chunks. A
+    #: layer pass, planners/layer_pass.py) or "auto"; None: STRATA_PREFILL_ORDER, else chunks. A
     #: CUDA backend holds a layer pass's residual of the whole context only under the last two
     prefill_order: str | None = None
     profile: str | None = None
@@ -242,7 +242,7 @@ class EngineConfig:
     def _output_problems(self) -> list[str]:
         """The dump and trace paths (given, or from the environment), checked before the
         engine opens: regular files or new names only, none of them the model's GGUF."""
-        from .paths import output_collisions, output_file_problem, results_file_problem
+        from ..files.paths import output_collisions, output_file_problem, results_file_problem
 
         outputs = {}
         from_env = output_switches()
@@ -276,7 +276,7 @@ class EngineConfig:
         written, when it exists and is no earlier dump of a model `hidden` wide (nor empty):
         the engine empties it when it opens. The rule `strata_rt run` checks its outputs by
         (paths.dump_file_problem); called once the model, so its hidden size, is known."""
-        from .paths import dump_file_problem
+        from ..files.paths import dump_file_problem
 
         if not self.dump_r:
             return

@@ -1,5 +1,5 @@
-"""The interface a key check reports its problems through: what the checks of config/whole.py
-and config/sampling.py need of schema.Problems, which imports their keys (so they cannot
+"""The interface a key check reports its problems through: what the checks of config/run/whole.py
+and config/run/sampling.py need of schema.Problems, which imports their keys (so they cannot
 import it back)."""
 
 from __future__ import annotations
