@@ -13,9 +13,8 @@ namespace ggml {
 // the nibble of value j (0..31) in 16 packed bytes
 GGML_HD uint32_t nibble32(const uint8_t* qs, int j) { return (qs[j & 15] >> ((j >> 4) << 2)) & 15u; }
 
-// raw float32 words (f32_words: the gather reads them from its stage as words, gather_run.cuh)
+// raw float32 words
 template <> struct Decode<Type::F32> : Traits<Type::F32> {
-    static constexpr bool f32_words = true;
     GGML_HD static Pair pair(const uint8_t* b, int) {
         return {bits_to_f32(load_u32(b)), bits_to_f32(load_u32(b + 4))};
     }

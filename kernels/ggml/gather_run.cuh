@@ -15,19 +15,9 @@
 // copy starts at the 16-byte boundary below the step's first byte, keeping the source's
 // alignment within 16, and the 16-byte words the step's bytes only partly cover are read a
 // byte at a time, so nothing outside [source, source + bytes) is read.
-//
-// F32 (a decoder that declares f32_words, below) reads its stage as words instead: through
-// pair() each value's four bytes would be four byte reads, a warp's at a 32-byte stride and so
-// on four of the 32 shared memory banks, and those reads, not global memory, would set the
-// gather's pace. Lane l takes the pairs at values 2l + 64k (k = 0..3) of each group: aligned
-// 4-byte stage words (three joined by funnel shifts where the source is not 4-byte aligned;
-// the stage keeps the source's alignment, so every lane takes the same branch), one fp16x2
-// store each, 128 consecutive image bytes per store of the warp.
 #pragma once
 
 #include <stdint.h>
-
-#include <type_traits>
 
 #include "decoder.cuh"
 
@@ -45,15 +35,6 @@ template <class D> struct GatherStep {
     static constexpr int GROUPS = GROUPS_RAW < 1 ? 1 : (GROUPS_RAW > 8 ? 8 : GROUPS_RAW);
     // the staged words: a step's bytes plus up to 15 before them (the alignment kept)
     static constexpr int WORDS = (GROUPS * SPAN + 15) / 16 + 1;
-};
-
-// A decoder may declare `static constexpr bool f32_words = true`: each of its blocks is one
-// value, the little-endian float32 word as stored (Decode<Type::F32>), so the gather reads
-// its stage a word at a time rather than through pair().
-template <class D, class = void> struct F32Words : std::false_type {};
-template <class D>
-struct F32Words<D, std::enable_if_t<D::f32_words>> : std::true_type {
-    static_assert(D::block_values == 1 && D::block_bytes == 4, "f32_words: 4-byte 1-value blocks");
 };
 
 // Bytes [lo, hi) of global memory into the warp's stage (16-byte words, stage word k holding
@@ -74,40 +55,6 @@ __device__ __forceinline__ const uint8_t* gather_stage(const uint8_t* lo, const 
         }
     }
     return reinterpret_cast<const uint8_t*>(stage) + ((uintptr_t)lo - a0);
-}
-
-// The F32 step (f32_words): groups g0 .. g0 + S::GROUPS - 1, staged with their first byte at
-// `base`, as fp16x2 words into `out` (the member's image; word v / 2 holds values v, v + 1).
-// A lane reads only pairs below `values`, whose bytes the stage holds; a pair's third word
-// (unaligned sources) holds at least its last byte, and what else the words hold is shifted
-// out.
-template <class S>
-__device__ __forceinline__ void gather_f32_step(const uint8_t* base, const uint4* stage,
-                                                unsigned* out, long long g0, long long values,
-                                                int lane) {
-    const int first = (int)(base - reinterpret_cast<const uint8_t*>(stage));  // 0..15
-    // the last word read: (first >> 2) + 256 * (GROUPS - 1) + 254 + 2
-    static_assert(4 * S::WORDS >= 256 * S::GROUPS + 4, "the F32 reads stay in the stage");
-    const uint32_t* words = reinterpret_cast<const uint32_t*>(stage) + (first >> 2);
-    const int shift = 8 * (first & 3);  // the same for every lane: no divergence
-#pragma unroll
-    for (int u = 0; u < S::GROUPS; ++u) {
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            const int j = 256 * u + 64 * k + 2 * lane;  // the pair's first value in the step
-            const long long v = g0 * 256 + j;
-            if (v < values) {
-                uint32_t lo = words[j], hi = words[j + 1];
-                if (shift != 0) {
-                    const uint32_t next = words[j + 2];
-                    lo = __funnelshift_r(lo, hi, shift);
-                    hi = __funnelshift_r(hi, next, shift);
-                }
-                const __half2 h = __floats2half2_rn(__uint_as_float(lo), __uint_as_float(hi));
-                out[v / 2] = *reinterpret_cast<const unsigned*>(&h);
-            }
-        }
-    }
 }
 
 template <class D>
@@ -142,17 +89,13 @@ __device__ __forceinline__ void gather_run(const GgmlSrcs16& srcs, uint8_t* dst,
         const uint8_t* base = gather_stage(src + first, src + (last < src_bytes ? last : src_bytes),
                                            stage, S::WORDS, lane);
         __syncwarp();
-        if constexpr (F32Words<D>::value) {
-            gather_f32_step<S>(base, stage, reinterpret_cast<unsigned*>(out), g0, values, lane);
-        } else {
 #pragma unroll
-            for (int u = 0; u < S::GROUPS; ++u) {
-                const long long c = (g0 + u) * 32 + lane;
-                if (c < chunks) {
-                    unsigned w[4];
-                    chunk8_f16_float<D>(base + u * S::SPAN, lane, w);
-                    out[c] = make_uint4(w[0], w[1], w[2], w[3]);
-                }
+        for (int u = 0; u < S::GROUPS; ++u) {
+            const long long c = (g0 + u) * 32 + lane;
+            if (c < chunks) {
+                unsigned w[4];
+                chunk8_f16_float<D>(base + u * S::SPAN, lane, w);
+                out[c] = make_uint4(w[0], w[1], w[2], w[3]);
             }
         }
         __syncwarp();  // every lane's reads of the stage done before the next step fills it

@@ -22,7 +22,7 @@
 // bounds / first_expert as gather_batch in kernels/common/gather.cu (a member whose expert has
 // no rows is skipped; null: none is); a member whose source is 0 is skipped too. A warp stages
 // a few 256-value groups' bytes in shared memory, then each lane writes 8 values (one 16-byte
-// store) per group, or, for a decoder of float32 words, four pairs (gather_run.cuh).
+// store) per group (gather_run.cuh).
 //
 // Fused GEMM (generalised from kernels/iq3_xxs/fused.cu; the MMQ ABI of kernels/common/
 // gemm_f16.cu: arguments (Ids16, weights, acts, bounds, out, m, k), grid (m / BN, group
