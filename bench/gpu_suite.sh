@@ -3,7 +3,8 @@
 # under $BENCH_OUT (default ./out). Stages run in order; pick them with arguments:
 #   bash bench/gpu_suite.sh tests digests gemm routing formats ggml mmq prefill-quick prefill \
 #        stream-235b attention dense whole-30b whole-235b whole-235b-16g acceptance decode \
-#        peers ncu-gemm decode-ab stream-ab decode-ncu short-timing chains-ab short-ncu pass-ab pass-ring (ncu-gemm, decode-ncu:
+#        peers ncu-gemm decode-ab stream-ab decode-ncu short-timing chains-ab short-ncu pass-ab pass-ring
+#        attention-ab (ncu-gemm, decode-ncu:
 #        Nsight Compute, $NCU or ncu on PATH; decode-ncu: each kernel of a gemv decode step,
 #        bench/ncu_table.py's table; short-timing: STRATA_PREFILL_TIMING's phase table of a
 #        254-token prompt, all resident and a quarter;
@@ -15,7 +16,8 @@
 #        sections of the table products of a 254-token prefill, every expert resident;
 #        pass-ab: the layer pass's GPU tests, then long prompts under prefill_order chunks and
 #        layers, the 30B shape a quarter resident and the 235B shape under 16 GiB; pass-ring:
-#        the 235B pass again with a 2 GiB ring)
+#        the 235B pass again with a 2 GiB ring; attention-ab: the wgmma attend's probe and GPU
+#        tests, both attend kernels alone, then long prompts of the 30B shape under each)
 # A failing stage is reported and the next one still runs; the exit code counts failures.
 set -uo pipefail
 out=${BENCH_OUT:-out}
@@ -59,6 +61,15 @@ for what in "${@:-tests}"; do
                    --section LaunchStats python3 bench/bench_gemm.py --models 30b --tokens 8192 \
                    --reps 3 --tiles none --no-torch ;;
         attention) stage bench-attention python3 bench/bench_attention.py --json "$out/attention.json" ;;
+        attention-ab) stage attention-probe python3 bench/probe_attention_sm90.py
+                   stage attention-tests python3 -m pytest -m gpu -q -ra -p no:cacheprovider \
+                       tests/test_attention_gpu.py
+                   stage bench-attention python3 bench/bench_attention.py --json "$out/attention.json"
+                   for k in mma wgmma; do
+                       stage "attention-whole-$k" env STRATA_PREFILL_ATTENTION=$k python3 \
+                           bench/bench_whole.py --prompts 8179,30118 --warmups 2 --reps 2 \
+                           --out "$out/whole-attention-$k"
+                   done ;;
         dense) stage bench-dense python3 bench/bench_dense.py --json "$out/dense.json" ;;
         whole-30b) stage whole-30b python3 bench/bench_whole.py --out "$out" ;;
         whole-235b) stage whole-235b env STRATA_HOST_MEMORY_CHECK=0 python3 bench/bench_whole.py \

@@ -40,7 +40,7 @@ from strata_rt.formats.numerics import nmse
 from strata_rt.formats.testing_abi import Recorder
 from strata_rt.models.qwen3.spec import Qwen3Spec
 from strata_rt.resources import KERNELS_ROOT
-from strata_rt.runtime.compile import kernel_jobs
+from strata_rt.runtime.compile import ARCH_SPECIFIC, compile_cubin, kernel_jobs, nvcc_available
 
 gpu = pytest.mark.gpu
 
@@ -155,8 +155,10 @@ def test_wgmma_launch_matches_the_source_and_the_choice():
     for stages, name in ak.WGMMA_NAMES.items():
         assert f"ATTEND_SM90_KERNEL({name.format(hd=128)}, {stages})" in src
     name = ak.WGMMA_NAMES[ak.WGMMA_STAGES].format(hd=128)
+    # the default is mma, on sm_90 too (wgmma is asked for)
+    assert AttentionKernels(Recorder(arch="sm_90"), 64, 4, 128).kernel == "mma"
     rt = Recorder(arch="sm_90")
-    kern = AttentionKernels(rt, 64, 4, 128, context=40000)
+    kern = AttentionKernels(rt, 64, 4, 128, context=40000, kernel="auto")
     assert kern.kernel == "wgmma" and rt.kernels[name] == "".join(types)
     kern.attend(None, 0x6000, 0x7000, 0x8000, 300, 8192, 0x9000)
     got, grid, block, shared, args = rt.calls[-1]
@@ -173,8 +175,21 @@ def test_wgmma_launch_matches_the_source_and_the_choice():
     with pytest.raises(ConfigError, match="wgmma runs on sm_90 devices with head dim 128; "
                                           "this is sm_89 with head dim 128"):
         AttentionKernels(Recorder(arch="sm_89"), 32, 4, 128, kernel="wgmma")
-    with pytest.raises(ConfigError, match="allowed auto, wgmma, mma"):
+    with pytest.raises(ConfigError, match="allowed mma, auto, wgmma"):
         pick_attention("fast", "sm_90", 128)
+
+
+@pytest.mark.skipif(not nvcc_available(), reason="nvcc not on PATH")
+@pytest.mark.parametrize("defines", [{"ATTN_V_DESC_SWAP": 1}, {"ATTN_PV_N64": 1},
+                                     {"ATTN_PV_N64": 1, "ATTN_V_DESC_SWAP": 1}])
+def test_the_probe_builds_of_the_wgmma_attend_compile(defines):
+    """bench/probe_attention_sm90.py settles the p.v descriptor on the first sm_90 device by
+    building the kernel with these switches: each must compile for sm_90a (the source as
+    written is compiled by check-kernels)."""
+    src = ATTENTION_SM90_SOURCE.read_text()
+    for name in defines:
+        assert f"defined({name})" in src, name
+    assert compile_cubin(ATTENTION_SM90_SOURCE, ARCH_SPECIFIC, defines).stat().st_size > 0
 
 
 def test_attention_reference_by_definition(rng):

@@ -211,7 +211,7 @@ def test_env_docstring_says_where_each_switch_is_read() -> None:
     ("decode_argmax", "STRATA_DECODE_ARGMAX", "device", "device", "host", "gpu"),
     ("embedding", "STRATA_EMBEDDING", "auto", "device", "host", "gpu"),
     ("f16_gemm", "STRATA_F16_GEMM", "auto", "cutlass", "own", "fast"),
-    ("prefill_attention", "STRATA_PREFILL_ATTENTION", "auto", "mma", "wgmma", "flash"),
+    ("prefill_attention", "STRATA_PREFILL_ATTENTION", "mma", "auto", "wgmma", "flash"),
     ("decode_attention", "STRATA_DECODE_ATTENTION", "split", "split", "tiled", "flash"),
     ("prefill_stream", "STRATA_PREFILL_STREAM", "auto", "walk", "routed", "stream"),
 ])

@@ -31,9 +31,14 @@
 // The bytes are this kernel's own, not attend_hd128's: the tensor cores' order of the adds
 // inside a step differs between the two instruction families.
 //
-// Dynamic shared memory: Q (32 KiB) + 2 stages x (K + V) (128 KiB) + 1024 bytes for the
+// Dynamic shared memory: Q (32 KiB) + STAGES x (K + V) (64 KiB each) + 1024 bytes for the
 // swizzle atoms' 1024-byte alignment. Compiled for sm_90a only (the launcher asks for it);
 // other targets compile an empty file.
+//
+// Two build switches give p.v's other readings of the MN-major V descriptor, for
+// bench/probe_attention_sm90.py to settle on an sm_90 device which one is right:
+// ATTN_V_DESC_SWAP exchanges its two byte offsets, ATTN_PV_N64 issues one 64-wide instruction
+// per head-dim panel (whose leading offset is then unused). The source as written uses neither.
 #include <cuda_fp16.h>
 #include <stdint.h>
 

@@ -89,7 +89,7 @@ class CudaWhole:
     def __init__(self, rt: Runtime, whole: Qwen3Model, ptr: dict[str, int], ws_bytes: int,
                  sizing: WholeSizing, stream: Stream, host: HostMemory, first: int,
                  decode_attention: str, decode_dense: str, decode_argmax: str,
-                 prefill_attention: str = "auto"):
+                 prefill_attention: str):
         self.rt, self.whole, self.spec, self.ptr = rt, whole, whole.spec, ptr
         self.first, self.n_layers, self.has_head = first, sizing.spec.n_layers, sizing.head
         self.context = sizing.context

@@ -130,9 +130,9 @@ class EngineConfig:
     #: copy streams a routed walk's switched copies go round-robin over ("1" .. "4"); None:
     #: STRATA_COPY_CHAINS, else 1
     copy_chains: str | None = None
-    #: a whole model's prefill attention on the CUDA backend (PREFILL_ATTENTIONS): "auto"
-    #: (wgmma where the device runs it), "wgmma" (attention_sm90.cu: sm_90, head dim 128) or
-    #: "mma" (attention.cu); None: STRATA_PREFILL_ATTENTION, else auto
+    #: a whole model's prefill attention on the CUDA backend (PREFILL_ATTENTIONS): "mma"
+    #: (attention.cu), "wgmma" (attention_sm90.cu: sm_90, head dim 128) or "auto" (wgmma where
+    #: the device runs it); None: STRATA_PREFILL_ATTENTION, else mma
     prefill_attention: str | None = None
     #: a whole model's prompt of several chunks (PREFILL_ORDERS): "chunks", "layers" (the
     #: layer pass, planners/layer_pass.py) or "auto"; None: STRATA_PREFILL_ORDER, else chunks. A

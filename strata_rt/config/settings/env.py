@@ -103,13 +103,12 @@ SWITCHES: dict[str, Switch] = {
                "merged, float32 probabilities; within NMSE 1e-4 of tiled, not its bytes) or "
                "tiled (the prefill's attention kernel, one block per KV head: a one-token "
                "chunk's bytes are those of the same row inside a longer chunk)."),
-        Switch("STRATA_PREFILL_ATTENTION", "choice:auto,wgmma,mma",
-               "a whole model's attention over prompt chunks on the CUDA backend: auto (the "
-               "default: wgmma where it runs, else mma), wgmma (Hopper's warpgroup tensor-core "
-               "kernel: sm_90 devices, head dim 128) or mma (the mma.sync kernel, sm_80 on). "
-               "Each gives a query the same bytes whatever chunk it comes in; the two differ "
-               "from each other within NMSE 1e-5 (`prefill_attention` in Engine.open's "
-               "settings)."),
+        Switch("STRATA_PREFILL_ATTENTION", "choice:mma,auto,wgmma",
+               "a whole model's attention over prompt chunks on the CUDA backend: mma (the "
+               "default: the mma.sync kernel, sm_80 on), wgmma (Hopper's warpgroup tensor-core "
+               "kernel: sm_90 devices, head dim 128; opt-in until its GPU tests have run) or "
+               "auto (wgmma where it runs, else mma). Each gives a query the same bytes "
+               "whatever chunk it comes in (`prefill_attention` in Engine.open's settings)."),
         Switch("STRATA_DECODE_DENSE", "choice:gemv,gemm",
                "a whole model's dense projections and output head in one-token chunks (decode "
                "steps) on the CUDA backend: gemv (the default: matrix-vector kernels that read "

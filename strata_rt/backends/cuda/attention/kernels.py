@@ -11,9 +11,10 @@ not depend on how a prompt is chunked. Two launches per layer and chunk:
    start.. (K and V [context, n_kv_heads, head_dim] each, separate base pointers);
 2. `attend`: causal grouped-query flash attention of the chunk's queries over cache rows
    0..start+t, scale head_dim^-0.5 -> fp16 [T, n_heads * head_dim]. Two kernels serve it
-   (PREFILL_ATTENTIONS): attention.cu's mma.sync tiles (sm_80 on, head dims 64 and 128) and
-   attention_sm90.cu's wgmma tiles (sm_90 devices, head dim 128), the same contract, grid and
-   block rows; "auto" takes wgmma where it runs. Their bytes differ from each other (the
+   (PREFILL_ATTENTIONS): attention.cu's mma.sync tiles (sm_80 on, head dims 64 and 128; the
+   default) and attention_sm90.cu's wgmma tiles (sm_90 devices, head dim 128), the same
+   contract, grid and block rows; "auto" takes wgmma where it runs. wgmma is opt-in until its
+   GPU tests (tests/test_attention_gpu.py) have run. Their bytes differ from each other (the
    tensor cores' order of adds inside a step), each is chunk invariant on its own.
 
 Both kernels give the same bytes on every run, and `attend` gives a query the same bytes
@@ -169,7 +170,7 @@ class AttentionKernels:
     `kernel`: a PREFILL_ATTENTIONS setting for `attend` (`self.kernel` says which runs)."""
 
     def __init__(self, rt: Runtime, n_heads: int, n_kv_heads: int, head_dim: int,
-                 context: int | None = None, kernel: str = "auto"):
+                 context: int | None = None, kernel: str = PREFILL_ATTENTIONS[0]):
         check_attention_shape(n_heads, n_kv_heads, head_dim, context=context)
         #: the kernel `attend` launches: "wgmma" or "mma"
         self.kernel = pick_attention(kernel, rt.arch, head_dim)
