@@ -256,3 +256,37 @@ def test_generate_exits_1(tmp_path, gguf, when):
     assert err.startswith(f"strata generate: {gguf}: the file changed after it was opened: "
                           "it shrank from"), err
     assert ("its tokenizer" if when == "open" else "tensor token_embd.weight") in err, err
+
+
+# ---------------------------------------------------------------------------- the path
+def other_vocab_keys() -> dict:
+    """The tokenizer keys with two byte tokens swapped: a valid vocabulary that encodes
+    "a" and "b" to each other's ids."""
+    keys = synthetic_vocab(SPEC.vocab).gguf_keys()
+    tokens = keys["tokenizer.ggml.tokens"]
+    a, b = tokens.index("a"), tokens.index("b")
+    tokens[a], tokens[b] = tokens[b], tokens[a]
+    return keys
+
+
+@pytest.mark.parametrize("how", ["renamed over", "symlink", "deleted"])
+def test_the_tokenizer_is_not_read_from_another_file_at_the_path(tmp_path, gguf, model, how):
+    """The engine reads its file through the descriptor kept from the open, but a tokenizer
+    built later reads the keys by path: another GGUF renamed over it (a model updated in
+    place) gave a tokenizer of that file's vocabulary beside the opened file's weights, a
+    prompt encoded to the wrong ids with no error. Now the path is held to the opened file."""
+    pytest.importorskip("tokenizers")
+    other = write_qwen3_gguf(tmp_path / "other.gguf", model, keys=other_vocab_keys())
+    with Engine.open(reference(gguf, "host")) as eng:
+        eng.prefill(np.array([1, 2], np.int64))
+        if how == "renamed over":
+            os.replace(other, gguf)
+        elif how == "symlink":
+            gguf.unlink()
+            gguf.symlink_to(other)
+        else:
+            gguf.unlink()
+        eng.prefill(np.array([3], np.int64))  # the kept descriptor still reads the weights
+        with pytest.raises(GGUFChangedError, match=f"^{re.escape(str(gguf))}: the file changed "
+                           "after it was opened: its path now names another file or none"):
+            eng.tokenizer()

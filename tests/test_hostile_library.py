@@ -38,6 +38,21 @@ def test_engine_open_takes_settings_keyed_by_name(settings) -> None:
         Engine.open(settings)
 
 
+@pytest.mark.parametrize("key, value", [("_profile", 1), ("_mmq_kernel_from", 5),
+                                        ("_dump_r_from", None)])
+def test_a_private_field_is_no_setting(key, value) -> None:
+    """EngineConfig's private fields (what the engine fills in itself) were taken as settings
+    keys: `_profile: 1` ended in an AttributeError while the engine opened."""
+    settings = {"model": MOE, "backend": "reference", "expert_cache": 1,
+                "mmq_kernel": "nope", "dump_r": "/nonexistent/dump", key: value}
+    known = {"_profile": "profile", "_mmq_kernel_from": "mmq_kernel", "_dump_r_from": "dump_r"}
+    with pytest.raises(ConfigError, match=f"{key}: unknown key; did you mean `{known[key]}`") as e:
+        Engine.open(settings)
+    assert "known keys: " in str(e.value) and ", _" not in str(e.value)
+    with pytest.raises(ConfigError, match=f"{key}: unknown key"):
+        EngineConfig(model=MOE, **{key: value})
+
+
 def test_copy_chains_takes_a_count_as_a_number() -> None:
     """copy_chains=3 was refused as "got 3; allowed: 1, 2, 3, 4"."""
     assert EngineConfig(model=MOE, copy_chains=3).resolve().copy_chains == "3"

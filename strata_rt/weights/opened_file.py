@@ -14,7 +14,10 @@ Each read first compares the file's size and modification time with those it had
 (one fstat): a file rewritten in place, same size or not, is refused rather than read as a mix
 of the checked bytes and new ones. A rewrite that lands between that comparison and the read
 is not seen; a cut is, by the short read, whenever it lands. The descriptor keeps the file
-that was opened, so a new file renamed over the path is never read in its place.
+that was opened, so a new file renamed over the path is never read in its place; what is
+read by path after open (a tokenizer's keys) is read only while the path still names that
+file (check_path), so another GGUF put there since gives no tokenizer of its vocabulary beside
+the opened file's weights.
 
 Reads while the engine opens (the NaN checks, the expert store's fill, the CUDA backend's
 uploads) still go through the map, right after the size was checked, and copy what the run
@@ -72,6 +75,21 @@ class OpenedFile:
             return f"it was rewritten in place (still {self.size:,} bytes, modified again)"
         return None
 
+    def moved(self) -> str | None:
+        """How the file's path differs from when it was opened; None: it still names the file
+        held open. The reads here go through the descriptor and need no path, but what is
+        read later by path (a tokenizer's keys) must come from the same file."""
+        try:
+            held = os.fstat(self.fd)
+            now = os.stat(self.path)
+        except FileNotFoundError:
+            return "its path now names another file or none (it was deleted or moved)"
+        except OSError as e:
+            return f"its path can no longer be examined ({e.strerror or e})"
+        if (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):
+            return "its path now names another file or none (another file was put there)"
+        return None
+
     def changed(self, why: str, what: str) -> GGUFChangedError:
         return GGUFChangedError(
             f"{self.path}: the file changed after it was opened: {why}, so {what} can no "
@@ -82,6 +100,13 @@ class OpenedFile:
         """GGUFChangedError when the file is not as it was opened (`what` names what was about
         to be read)."""
         why = self.change()
+        if why is not None:
+            raise self.changed(why, what)
+
+    def check_path(self, what: str) -> None:
+        """GGUFChangedError when the file changed (`check`) or its path no longer names it
+        (`moved`): before `what` is read again by path."""
+        why = self.change() or self.moved()
         if why is not None:
             raise self.changed(why, what)
 

@@ -23,15 +23,16 @@ def settings(config: object) -> dict[str, Any]:
 
 def check_keys(kwargs: dict[str, Any], n_positional: int, fields: tuple[str, ...]) -> None:
     """EngineConfig(**settings) with a key that is not one of its `fields` is a ConfigError
-    naming the key and the closest field (private fields, "_...", are neither offered nor
-    listed), as in a run config."""
+    naming the key and the closest field, as in a run config. Private fields ("_...") are
+    what the engine fills in itself: no setting, so neither taken, offered nor listed (a
+    caller's `_profile: 1` ended in an AttributeError while the engine opened)."""
     known = tuple(name for name in fields if not name.startswith("_"))
     problems = []
     if n_positional > 1:
         problems.append(f"got {n_positional} positional arguments; give the model, then "
                         "keywords")
     for key in kwargs:
-        if key not in fields:
+        if key not in known:
             close = difflib.get_close_matches(str(key), known, n=1)
             hint = f"did you mean `{close[0]}`? " if close else ""
             problems.append(f"{key}: unknown key; {hint}known keys: {', '.join(known)}")

@@ -256,11 +256,13 @@ class Qwen3Model:
                 yield f.name, getattr(lw, f.name)
 
     def check_file(self, what: str) -> None:
-        """GGUFChangedError when the GGUF the model was read from changed after it opened
-        (`what` names what was about to be read from it); nothing for a model in memory."""
-        source = self.dense.token_embd.source
-        if source is not None:
-            source.file.check(what)
+        """GGUFChangedError when the GGUF the model was read from (each shard holding a dense
+        weight) changed after it opened, or its path names another file now (`what` names
+        what was about to be read from it by path); nothing for a model in memory."""
+        files = {id(t.source.file): t.source.file for _, t in self.named_roles()
+                 if t.source is not None}
+        for file in files.values():
+            file.check_path(what)
 
     def dense_bytes(self) -> int:
         """Bytes of the dense weights as stored (router and norms of the MoE part excluded)."""
