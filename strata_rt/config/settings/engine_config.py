@@ -192,11 +192,11 @@ class EngineConfig:
     store_memory: str | None = None
     #: called as progress(chunk, n_chunks, layer, n_layers) after each layer
     progress: Callable[[int, int, int, int], None] | None = None
-    _profile: RoutingProfile | None = field(default=None, repr=False)
+    _profile: RoutingProfile | None = field(default=None, repr=False, init=False)
     #: how dump_r was given, for its problems: the field, or its switch
-    _dump_r_from: str = field(default="dump_r", repr=False)
+    _dump_r_from: str = field(default="dump_r", repr=False, init=False)
     #: how mmq_kernel was given, for its refusal (engine.check_mmq_kernel)
-    _mmq_kernel_from: str = field(default="mmq_kernel", repr=False)
+    _mmq_kernel_from: str = field(default="mmq_kernel", repr=False, init=False)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:  # noqa: D107 (see settings_keys.check_keys)
         check_keys(kwargs, len(args), _FIELDS)
