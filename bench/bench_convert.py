@@ -48,7 +48,7 @@ from gguf.quants import quantize as gguf_quantize  # noqa: E402
 
 from strata_rt.report.eta import format_seconds  # noqa: E402
 from strata_rt.weights.convert import default_workers  # noqa: E402
-from strata_rt.weights.gguf_io import tensor_names, write_moe_gguf  # noqa: E402
+from strata_rt.weights.gguf_file.gguf_io import tensor_names, write_moe_gguf  # noqa: E402
 from strata_rt.weights.model import QWEN3_30B_SPEC, Model, MoESpec  # noqa: E402
 
 Q = GGMLQuantizationType

@@ -61,7 +61,7 @@ def measure(path: Path, gguf_reader: bool) -> dict[str, float]:
     from strata_rt.models.qwen3 import read_qwen3_gguf
     from strata_rt.text.tokenizer import Tokenizer
     from strata_rt.text.tokenizer_vocab import TokenizerVocab
-    from strata_rt.weights import gguf_io
+    from strata_rt.weights.gguf_file import gguf_io
 
     out: dict[str, float] = {}
 

@@ -28,7 +28,6 @@ runs compare with `cmp`. A prefill writes it as `<path>.partial`, renamed when i
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 import time
@@ -45,7 +44,6 @@ from .config.run.prompts import check_hidden_states, check_token_ids
 from .config.settings.engine_config import EngineConfig
 from .config.settings.settings_keys import settings
 from .errors import ConfigError
-from .formats.contract import QuantFormat
 from .host.host_copy import all_finite, copy_into, prefault
 from .report.stats import Stats
 from .report.timing import write_trace
@@ -55,7 +53,7 @@ from .schedule.plan import LogitRows
 from .schedule.planners.planner import AUTO_CHUNK_MAX
 from .schedule.split.driver import SplitBackend, SplitDriver, open_split
 from .schedule.vram.residency import Residency
-from .weights.layer_formats import LayerFormats
+from .weights.mmq_variant import check_mmq_kernel, with_variant
 from .weights.model import Model
 from .weights.store import ExpertStore
 from .weights.whole_model import load_model
@@ -70,41 +68,6 @@ if TYPE_CHECKING:
 __all__ = ["Engine", "load_model", "read_dump"]
 
 log = logging.getLogger(__name__)
-
-
-def check_mmq_kernel(fmt: QuantFormat, kernel: str | None,
-                     where: str = "STRATA_MMQ_KERNEL") -> None:
-    """Refuses an MMQ variant (EngineConfig.mmq_kernel, STRATA_MMQ_KERNEL: `where` says which
-    gave it) the format does not offer. Only the CUDA kernels of a format with variants run it,
-    so without this check a typo would be ignored silently on the reference backend and for
-    every other format."""
-    variants = fmt.mmq_variants()
-    if kernel is not None and kernel not in variants:
-        raise ConfigError(f"{where}={kernel!r}: format {fmt.name} offers {', '.join(variants)}",
-                          source="environment" if where.isupper() else "engine config")
-
-
-def with_variant(model: Model, name: str | None) -> Model:
-    """The model as the engine runs it: each layer's format replaced by the object of MMQ
-    variant `name` (None: the format's default). A variant may change the group-buffer images,
-    the activation encoding and the numpy reference, never the blob bytes, so the view shares
-    the model's weights and expert source and both backends read everything from its formats."""
-    chosen: dict[int, QuantFormat] = {}
-    for fmt, _ in model.formats.distinct():
-        chosen[id(fmt)] = fmt.for_variant(name)
-    if all(chosen[id(f)] is f for f, _ in model.formats.distinct()):
-        return model
-    spec = model.spec
-    formats = LayerFormats.of([chosen[id(f)] for f in model.formats.formats], spec.hidden,
-                              spec.ffn)
-    for layer, (old, new) in enumerate(zip(model.formats.layouts, formats.layouts)):
-        if (old.blob_bytes, old.slot_bytes) != (new.blob_bytes, new.slot_bytes):
-            raise ConfigError(f"format {formats.format(layer).name}: variant {name!r} changes "
-                              "the blob layout; a variant may change images and kernels only",
-                              source="plugin")
-    view = copy.copy(model)
-    view.fmt, view.formats, view.layout = formats.format(0), formats, formats.slot_layout
-    return view
 
 
 def backend_class(name: str) -> tuple[str, type[CudaBackend] | type[ReferenceBackend]]:

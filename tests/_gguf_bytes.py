@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from strata_rt.weights.gguf_header import ARRAY, SCALARS, STRING, parse
+from strata_rt.weights.gguf_file.gguf_header import ARRAY, SCALARS, STRING, parse
 
 U8, I32, U32, F32, BOOL, U64, F64 = 0, 5, 4, 6, 7, 10, 12
 

@@ -17,8 +17,8 @@ from gguf.quants import quantize as gguf_quantize
 
 from strata_rt.cli import main
 from strata_rt.errors import GGUFError
-from strata_rt.weights.gguf_checks import F16_SCALES, bad_counts, dequantizable
-from strata_rt.weights.gguf_io import scan_moe, tensor_names, write_moe_gguf
+from strata_rt.weights.gguf_file.gguf_checks import F16_SCALES, bad_counts, dequantizable
+from strata_rt.weights.gguf_file.gguf_io import scan_moe, tensor_names, write_moe_gguf
 from strata_rt.weights.model import Model, MoESpec
 from strata_rt.weights.store import ExpertStore
 

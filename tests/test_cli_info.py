@@ -73,7 +73,7 @@ def test_cuda_version_is_not_the_driver_version() -> None:
 
 
 def test_inspect_a_small_gguf(tmp_path: Path, capsys) -> None:
-    from strata_rt.weights.gguf_io import write_moe_gguf
+    from strata_rt.weights.gguf_file.gguf_io import write_moe_gguf
     from strata_rt.weights.model import Model, MoESpec
 
     path = write_moe_gguf(tmp_path / "tiny.gguf",
@@ -90,7 +90,7 @@ def test_inspect_a_small_gguf(tmp_path: Path, capsys) -> None:
 
 
 def test_inspect_names_types_with_gguf_io(tmp_path: Path, capsys, monkeypatch) -> None:
-    from strata_rt.weights import gguf_io
+    from strata_rt.weights.gguf_file import gguf_io
     from strata_rt.weights.model import Model, MoESpec
 
     path = gguf_io.write_moe_gguf(tmp_path / "tiny.gguf",
@@ -228,7 +228,7 @@ def test_inspect_a_whole_model_file_shows_dense_weights_and_kv_cache(tmp_path, c
 
 
 def test_inspect_of_moe_layers_only_has_no_whole_model_lines(tmp_path, capsys):
-    from strata_rt.weights.gguf_io import write_moe_gguf
+    from strata_rt.weights.gguf_file.gguf_io import write_moe_gguf
     from strata_rt.weights.model import Model, MoESpec
 
     path = tmp_path / "moe.gguf"

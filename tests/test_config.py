@@ -286,7 +286,7 @@ def test_every_problem_at_once(tmp_path: Path) -> None:
 
 
 def test_gguf_model(tmp_path: Path) -> None:
-    from strata_rt.weights.gguf_io import write_moe_gguf
+    from strata_rt.weights.gguf_file.gguf_io import write_moe_gguf
     from strata_rt.weights.model import Model, MoESpec
 
     write_moe_gguf(tmp_path / "tiny.gguf", Model.synthetic(MoESpec(2, 256, 256, 4, 2), 0))

@@ -20,7 +20,7 @@ from strata_rt.errors import ConfigError
 from strata_rt.formats.registry import registry
 from strata_rt.models.qwen3 import TINY_SPEC, Qwen3Model, write_qwen3_gguf
 from strata_rt.text.tokenizer_vocab import synthetic_vocab
-from strata_rt.weights.gguf_io import write_moe_gguf
+from strata_rt.weights.gguf_file.gguf_io import write_moe_gguf
 from strata_rt.weights.model import Model, MoESpec
 
 MOE = MoESpec(n_layers=2, hidden=256, ffn=256, n_experts=4, top_k=2)

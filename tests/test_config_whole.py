@@ -72,7 +72,7 @@ def test_whole_keys_on_a_moe_only_gguf_name_the_file(tmp_path: Path) -> None:
     """A whole model's keys on a GGUF of MoE layers alone (a whole model's file whose
     embedding name was damaged, or the wrong file): one line names the file and what it
     lacks, beside each key's own line."""
-    from strata_rt.weights.gguf_io import write_moe_gguf
+    from strata_rt.weights.gguf_file.gguf_io import write_moe_gguf
     from strata_rt.weights.model import Model, MoESpec
 
     write_moe_gguf(tmp_path / "m.gguf", Model.synthetic(MoESpec(2, 256, 256, 8, 2), 3,

@@ -16,7 +16,7 @@ from strata_rt.engine import Engine
 from strata_rt.models.qwen3 import Qwen3Model, Qwen3Spec, write_qwen3_gguf
 from strata_rt.text.tokenizer_vocab import TokenizerVocab, synthetic_vocab
 from strata_rt.weights import convert_cache
-from strata_rt.weights.gguf_io import open_reader
+from strata_rt.weights.gguf_file.gguf_io import open_reader
 
 SPEC = Qwen3Spec(n_layers=2, hidden=256, n_heads=4, n_kv_heads=2, head_dim=64, vocab=300,
                  ffn=256, n_experts=4, top_k=2, context=256)

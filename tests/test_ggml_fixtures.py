@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from strata_rt.weights import gguf_io
+from strata_rt.weights.gguf_file import gguf_io
 
 FIXTURES = Path(__file__).parent / "fixtures" / "ggml_mixes"
 MANIFEST = json.loads((FIXTURES / "manifest.json").read_text())

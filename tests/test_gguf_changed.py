@@ -27,7 +27,7 @@ from strata_rt.engine import Engine
 from strata_rt.errors import GGUFChangedError, GGUFError
 from strata_rt.models.qwen3 import Qwen3Model, Qwen3Spec, write_qwen3_gguf
 from strata_rt.text.tokenizer_vocab import synthetic_vocab
-from strata_rt.weights.opened_file import OpenedFile, TensorBytes
+from strata_rt.weights.gguf_file.opened_file import OpenedFile, TensorBytes
 
 SPEC = Qwen3Spec(n_layers=2, hidden=256, n_heads=2, n_kv_heads=1, head_dim=32, vocab=300,
                  ffn=256, n_experts=4, top_k=2, context=64)
@@ -46,7 +46,7 @@ def gguf(tmp_path: Path, model: Qwen3Model) -> Path:
 
 def header_end(path: Path) -> int:
     """The first byte of the data section: a cut there leaves the header whole."""
-    from strata_rt.weights.gguf_header import parse
+    from strata_rt.weights.gguf_file.gguf_header import parse
 
     return parse(path).data_start
 
@@ -59,7 +59,7 @@ CHILD = textwrap.dedent("""
     import numpy as np
     from strata_rt.engine import Engine
     from strata_rt.errors import StrataError
-    from strata_rt.weights.opened_file import OpenedFile
+    from strata_rt.weights.gguf_file.opened_file import OpenedFile
     args = json.loads(sys.argv[1])
     if args.get("unchecked"):
         OpenedFile.check = lambda self, what: None

@@ -18,7 +18,7 @@ from gguf.quants import quantize as gguf_quantize
 from strata_rt.errors import GGUFError
 from strata_rt.formats.registry import registry
 from strata_rt.report.eta import Eta, format_seconds
-from strata_rt.weights.gguf_io import tensor_names, write_moe_gguf
+from strata_rt.weights.gguf_file.gguf_io import tensor_names, write_moe_gguf
 from strata_rt.weights.model import Model, MoESpec
 from strata_rt.weights.store import ExpertStore
 

@@ -18,8 +18,8 @@ import pytest
 from strata_rt.engine import Engine
 from strata_rt.errors import GGUFError
 from strata_rt.models.qwen3 import Qwen3Model, Qwen3Spec, write_qwen3_gguf
-from strata_rt.weights.gguf_header import parse
-from strata_rt.weights.gguf_io import open_reader, scan_moe
+from strata_rt.weights.gguf_file.gguf_header import parse
+from strata_rt.weights.gguf_file.gguf_io import open_reader, scan_moe
 from tests._gguf_bytes import Doc
 from tests.test_hostile_gguf import cli
 

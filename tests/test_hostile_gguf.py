@@ -17,8 +17,13 @@ import yaml
 
 from strata_rt.cli import main
 from strata_rt.errors import GGUFError
-from strata_rt.weights.gguf_header import ARRAY, STRING
-from strata_rt.weights.gguf_io import MAX_PROBLEMS, problems_error, scan_moe, write_moe_gguf
+from strata_rt.weights.gguf_file.gguf_header import ARRAY, STRING
+from strata_rt.weights.gguf_file.gguf_io import (
+    MAX_PROBLEMS,
+    problems_error,
+    scan_moe,
+    write_moe_gguf,
+)
 from strata_rt.weights.model import Model, MoESpec
 from tests._cli import strata
 from tests._gguf_bytes import BOOL, F32, I32, U8, U32, U64, Doc

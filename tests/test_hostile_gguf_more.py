@@ -14,16 +14,16 @@ from pathlib import Path
 import pytest
 
 from strata_rt.errors import GGUFError
-from strata_rt.weights.gguf_header import parse
-from strata_rt.weights.gguf_io import (
+from strata_rt.weights.gguf_file.gguf_header import parse
+from strata_rt.weights.gguf_file.gguf_io import (
     MAX_PROBLEMS,
     problems_error,
     read_header,
     scan_moe,
     write_moe_gguf,
 )
-from strata_rt.weights.gguf_keys import check_keys
-from strata_rt.weights.gguf_problems import Problems
+from strata_rt.weights.gguf_file.gguf_keys import check_keys
+from strata_rt.weights.gguf_file.gguf_problems import Problems
 from strata_rt.weights.model import Model
 from tests._gguf_bytes import F32, F64, U32, Doc
 from tests.test_hostile_gguf import EPS, SPEC, cli, run_config

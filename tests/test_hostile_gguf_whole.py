@@ -23,7 +23,7 @@ from strata_rt.models.qwen3 import (
     write_qwen3_gguf,
 )
 from strata_rt.text.tokenizer_vocab import TokenizerVocab, synthetic_vocab
-from strata_rt.weights.gguf_header import ARRAY, STRING
+from strata_rt.weights.gguf_file.gguf_header import ARRAY, STRING
 from tests._gguf_bytes import BOOL, F32, I32, U8, U32, Doc
 
 A = "qwen3moe."

@@ -151,7 +151,7 @@ def test_json_over_the_config_is_refused(tmp_path, capsys) -> None:
 
 
 def test_outputs_that_are_the_model_or_a_prompt_file(tmp_path, capsys, monkeypatch) -> None:
-    from strata_rt.weights.gguf_io import write_moe_gguf
+    from strata_rt.weights.gguf_file.gguf_io import write_moe_gguf
     from strata_rt.weights.model import Model
 
     gguf = write_moe_gguf(tmp_path / "m.gguf", Model.synthetic(MoESpec(2, 256, 256, 8, 2), 3,

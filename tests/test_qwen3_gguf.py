@@ -23,7 +23,7 @@ from strata_rt.models.qwen3 import (
     write_qwen3_gguf,
 )
 from strata_rt.models.qwen3.weights import DenseWeights
-from strata_rt.weights.gguf_io import write_moe_gguf
+from strata_rt.weights.gguf_file.gguf_io import write_moe_gguf
 
 SPEC = Qwen3Spec(n_layers=2, hidden=256, n_heads=8, n_kv_heads=2, head_dim=64, vocab=300,
                  ffn=256, n_experts=4, top_k=2, rope_theta=500_000.0, rms_eps=1e-5,

@@ -114,7 +114,7 @@ def test_a_gguf_store_is_the_serial_store(monkeypatch, threads, name):
 
 def test_a_bad_gguf_layer_fails_as_it_does_in_order(monkeypatch, threads, tmp_path):
     """NaN in the scales of layers 1 and 2: the threaded fill names layer 1, as a loop does."""
-    from strata_rt.weights.gguf_io import write_moe_gguf
+    from strata_rt.weights.gguf_file.gguf_io import write_moe_gguf
 
     spec = MoESpec(n_layers=3, hidden=256, ffn=256, n_experts=4, top_k=2)
     model = Model.synthetic(spec, 2, "q8_0")

@@ -28,7 +28,7 @@ from strata_rt.text.tokenizer_vocab import (  # noqa: E402
     synthetic_vocab,
     write_tokenizer_gguf,
 )
-from strata_rt.weights.gguf_io import add_keys
+from strata_rt.weights.gguf_file.gguf_io import add_keys
 
 FIX = Path(__file__).parent / "fixtures" / "tokenizer"
 EXPECTED = json.loads((FIX / "expected.json").read_text(encoding="utf-8"))

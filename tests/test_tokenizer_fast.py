@@ -15,8 +15,8 @@ from strata_rt.errors import GGUFError
 from strata_rt.text.large_vocab import QWEN3_MERGES, QWEN3_TOKENS, large_vocab
 from strata_rt.text.tokenizer import Tokenizer
 from strata_rt.text.tokenizer_vocab import TokenizerVocab, synthetic_vocab, write_tokenizer_gguf
-from strata_rt.weights import gguf_header, gguf_io
-from strata_rt.weights.gguf_strings import StringArray
+from strata_rt.weights.gguf_file import gguf_header, gguf_io
+from strata_rt.weights.gguf_file.gguf_strings import StringArray
 
 TEXTS = ["", "Hello world", "The experts stream while the others compute.\n\n",
          "def f(x):\n\treturn x * 30118  # 12% off, $3.50\r\n",

@@ -3,7 +3,7 @@ the cache folder that keeps them between runs.
 
 The writer is the project's file format: the keys of strata_rt.models.qwen3.write_qwen3_gguf
 (the MoE dims, `spec_keys`, the tokenizer keys of a TokenizerVocab, which llama.cpp needs to load
-a file) through strata_rt.weights.gguf_io.add_keys, llama.cpp's tensor names, the same tensor
+a file) through strata_rt.weights.gguf_file.gguf_io.add_keys, llama.cpp's tensor names, the same tensor
 order and alignment; but where write_qwen3_gguf takes every array first, this one writes the
 tensor list from the plan's shapes and then makes and writes each tensor in turn, so it holds
 one tensor at a time (the largest: one expert tensor of a layer, 165 MB at the 30B shape).
@@ -27,7 +27,7 @@ import numpy as np
 
 from strata_rt.models.qwen3.gguf_full import ARCH, spec_keys
 from strata_rt.models.qwen3.spec import Qwen3Spec
-from strata_rt.weights.gguf_io import DIM_KEYS, EPS_KEY, add_keys
+from strata_rt.weights.gguf_file.gguf_io import DIM_KEYS, EPS_KEY, add_keys
 
 from .mixes import MIXES, PlannedTensor, plan_for
 
@@ -131,7 +131,7 @@ def stale_reason(path: Path, plan: list[PlannedTensor]) -> str | None:
     from gguf import GGMLQuantizationType
 
     from strata_rt.errors import GGUFError
-    from strata_rt.weights.gguf_io import open_reader
+    from strata_rt.weights.gguf_file.gguf_io import open_reader
 
     try:
         header = open_reader(path)

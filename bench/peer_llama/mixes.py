@@ -36,7 +36,7 @@ from strata_rt.formats.ggml_blocks import random_matrix
 from strata_rt.formats.ggml_types import BY_NAME
 from strata_rt.models.qwen3.spec import Qwen3Spec
 from strata_rt.models.qwen3.weights import LAYER_ROLES, expected_shapes, tensor_name
-from strata_rt.weights.gguf_io import tensor_names
+from strata_rt.weights.gguf_file.gguf_io import tensor_names
 
 MIXES = ("iq3", "q4km")
 #: distinct expert matrices per (part, type) in the q4km file, at most (64 MiB of blobs in all,
@@ -202,7 +202,7 @@ def iq3_plan(spec: Qwen3Spec, options: dict[str, Any], seed: int) -> list[Planne
     order. Needs the model's memory (the 30B shape: 3 GB of F16 dense weights and a 64 MiB
     pool of expert blobs) plus one layer's expert tensors."""
     from strata_rt.models.qwen3.gguf_full import _as_writer_tensor
-    from strata_rt.weights.gguf_io import _expert_tensors
+    from strata_rt.weights.gguf_file.gguf_io import _expert_tensors
     from strata_rt.weights.whole_model import load_model
 
     held: dict[str, Any] = {}

@@ -35,7 +35,7 @@ _REPLACED = ("model", "format", "expert_cache", "vram_reserve_mib", "vram_budget
 
 def expert_total(path: Path) -> tuple[int, int]:
     """(layers, experts per layer) of a GGUF, from its keys."""
-    from strata_rt.weights.gguf_io import read_header
+    from strata_rt.weights.gguf_file.gguf_io import read_header
 
     _, dims = read_header(path)
     return int(dims["n_layers"]), int(dims["n_experts"])

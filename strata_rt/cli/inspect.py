@@ -17,8 +17,8 @@ MAX_BUDGET_GIB = 1 << 20
 def cmd_inspect(args: argparse.Namespace) -> int:
     from ..formats.registry import registry
     from ..report.eta import Eta
-    from ..weights import gguf_io
-    from ..weights.gguf_checks import check_experts
+    from ..weights.gguf_file import gguf_io
+    from ..weights.gguf_file.gguf_checks import check_experts
     from ..weights.model import MoESpec
 
     if args.budget_gib is not None and not (math.isfinite(args.budget_gib)
@@ -102,7 +102,7 @@ def _whole_model(path: Path, tensors: dict, budget_gib: float | None
     from ..config.settings.engine_config import embedding_switch
     from ..models.qwen3.gguf_full import read_qwen3_spec
     from ..models.qwen3.whole_memory import DenseTypes, WholeSizing, whole_fixed_regions
-    from ..weights.gguf_io import problems_error
+    from ..weights.gguf_file.gguf_io import problems_error
 
     spec, tied = read_qwen3_spec(path)
     by_type: dict[str, list[int]] = {}
@@ -164,7 +164,7 @@ def _tokenizer(path: Path) -> tuple[str, list[str]]:
 
     from ..text.tokenizer import Tokenizer, TokenizerError
     from ..text.tokenizer_vocab import ADDED_TYPES, KEY, TokenizerVocab
-    from ..weights import gguf_io
+    from ..weights.gguf_file import gguf_io
 
     def problem(e: Exception) -> list[str]:
         msg = str(e)
@@ -190,7 +190,7 @@ def _tokenizer(path: Path) -> tuple[str, list[str]]:
 def _unreadable_types(moe, reg) -> list[str]:
     """Expert tensors no loaded format can use: not its own GGUF type, and not a type the
     gguf package dequantizes (run refuses them at load, naming the format)."""
-    from ..weights.gguf_checks import dequantizable
+    from ..weights.gguf_file.gguf_checks import dequantizable
 
     raw = {loaded.format.ggml_type for loaded in reg.formats.values()}
     return [f"tensor {ref.name} has type {ref.type_name}: no loaded format takes it raw and "
@@ -203,8 +203,8 @@ def _as_stored(path: Path, g, budget_gib: float | None, reserved: int = 0) -> st
     """How the experts run with no `format` named: each run of layers with the format of its
     tensors' types (the mix), the slot every layer's expert takes, and what a budget holds."""
     from ..formats.registry import registry
-    from ..weights import gguf_io
-    from ..weights.gguf_format import file_layer_formats
+    from ..weights.gguf_file import gguf_io
+    from ..weights.gguf_file.gguf_format import file_layer_formats
 
     formats, why = file_layer_formats(gguf_io.open_reader(path), registry(), g.hidden, g.ffn)
     if formats is None:

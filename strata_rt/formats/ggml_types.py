@@ -31,7 +31,7 @@ NAMES: tuple[str, ...] = (
 #: GGML type id -> byte offsets, within one block, of its fp16 scale fields. Every other field
 #: of these blocks is an integer code, and every code is valid, so random bytes with finite fp16
 #: scales are valid blocks (strata_rt.formats.ggml_blocks) and a NaN/Inf check of a tensor reads
-#: only these fields (strata_rt.weights.gguf_checks). IQ1_M spreads its fp16 scale over the top
+#: only these fields (strata_rt.weights.gguf_file.gguf_checks). IQ1_M spreads its fp16 scale over the top
 #: nibbles of four u16 words at 48..55 and MXFP4 scales by a power-of-two exponent byte: neither
 #: has an entry. Keyed by id, not name: the checks also read types no decoder handles (Q8_1, TQ*).
 F16_SCALES: dict[int, tuple[int, ...]] = {

@@ -168,7 +168,7 @@ class TokenizerVocab:
         key (and what is allowed). The header is the one the model opened (gguf_io keeps
         it), and the arrays are decoded from one buffer each (gguf_strings): a Qwen3
         vocabulary of 151,936 tokens and 151,387 merges reads in a fraction of a second."""
-        from ..weights.gguf_io import open_reader
+        from ..weights.gguf_file.gguf_io import open_reader
 
         path = Path(path)
         return cls.from_header(open_reader(path))  # every key type- and count-checked
@@ -248,7 +248,7 @@ def write_tokenizer_gguf(path: str | Path, vocab: TokenizerVocab, arch: str = "q
     what a tokenizer test or fixture needs, without weights."""
     from gguf import GGUFWriter
 
-    from ..weights.gguf_io import add_keys
+    from ..weights.gguf_file.gguf_io import add_keys
 
     path = Path(path)
     w = GGUFWriter(str(path), arch)

@@ -1,1 +1,2 @@
-"""The MoE model and its expert store, GGUF reading and checks, conversion."""
+"""The MoE model and its expert store, per-layer formats and conversion; reading a GGUF file
+is gguf_file/."""

@@ -38,8 +38,8 @@ from ..errors import GGUFError, StrataError
 from ..formats.contract import ExpertLayout, QuantFormat
 from ..host import host_copy
 from ..report.eta import Eta
-from .gguf_checks import check_expert_bytes, dequantizable, typed
-from .gguf_io import EXPERT_PARTS, FileMap, MoEFile, TensorRef
+from .gguf_file.gguf_checks import check_expert_bytes, dequantizable, typed
+from .gguf_file.gguf_io import EXPERT_PARTS, FileMap, MoEFile, TensorRef
 from .layer_formats import LayerFormats
 
 log = logging.getLogger(__name__)
@@ -215,7 +215,7 @@ class GGUFExperts:
                                     "cannot dequantize it")
             sources.append(LayerSource(layer, parts, raw))  # type: ignore[arg-type]
         if problems:
-            from .gguf_io import problems_error
+            from .gguf_file.gguf_io import problems_error
 
             raise problems_error(moe.path, problems)
         return cls(FileMap(moe.path), formats, moe.dims["n_experts"], sources, workers)
@@ -250,7 +250,7 @@ class GGUFExperts:
                 col += per
             self.fm.release_range(ref.offset + start, raw.size, ref.file)
         if problems:
-            from .gguf_io import problems_error
+            from .gguf_file.gguf_io import problems_error
 
             raise problems_error(self.fm.path, problems)
 

@@ -32,9 +32,9 @@ import numpy as np
 from ..config.files.input_files import user_path
 from ..config.settings import env
 from ..errors import GGUFError
-from .gguf_format import expert_types
-from .gguf_header import Header
-from .gguf_io import (
+from .gguf_file.gguf_format import expert_types
+from .gguf_file.gguf_header import Header
+from .gguf_file.gguf_io import (
     EXPERT_PARTS,
     add_keys,
     open_moe,

@@ -257,19 +257,19 @@ class Model:
         keys) and checks it: every problem is a GGUFError, NaN/Inf in router and norm
         included. Router and norm are read now; the experts stay in the file until the store
         is built (`write_layers`). `fmt` None: each layer runs the format of its tensors' types
-        as stored (weights.gguf_format; a ConfigError says why a file cannot); a format:
+        as stored (weights.gguf_file.gguf_format; a ConfigError says why a file cannot); a format:
         every expert copied raw where the type is the format's own, else converted on
         `workers` processes (default: every core for a large conversion), checked for NaN/Inf
         either way."""
         from .convert import GGUFExperts
-        from .gguf_io import open_moe
+        from .gguf_file.gguf_io import open_moe
 
         moe = open_moe(Path(path))
         formats: LayerFormats | None = None
         if fmt is None:
             from ..formats.registry import registry
-            from .gguf_format import file_layer_formats
-            from .gguf_io import open_reader
+            from .gguf_file.gguf_format import file_layer_formats
+            from .gguf_file.gguf_io import open_reader
 
             formats, why = file_layer_formats(open_reader(Path(path)), registry(),
                                               moe.dims["hidden"], moe.dims["ffn"])

@@ -26,7 +26,7 @@ from ..formats.contract import QuantFormat
 from ..models.qwen3.gguf_full import read_qwen3_gguf
 from ..models.qwen3.spec import TINY_SPEC, Qwen3Spec
 from ..models.qwen3.weights import Qwen3Model
-from .gguf_io import open_reader
+from .gguf_file.gguf_io import open_reader
 from .model import Model, MoESpec
 
 log = logging.getLogger(__name__)

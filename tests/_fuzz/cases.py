@@ -50,7 +50,7 @@ def seeds() -> Seeds:
     from pathlib import Path
 
     from strata_rt.models.qwen3 import Qwen3Model, Qwen3Spec, write_qwen3_gguf
-    from strata_rt.weights.gguf_io import write_moe_gguf
+    from strata_rt.weights.gguf_file.gguf_io import write_moe_gguf
     from strata_rt.weights.model import Model, MoESpec
 
     with tempfile.TemporaryDirectory() as tmp:

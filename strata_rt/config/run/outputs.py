@@ -32,7 +32,7 @@ def input_paths(source: Path | None, gguf: Path | None, prompts: Sequence[Prompt
              "the routing profile": profile, "the plugin list": plugin_list_path()}
     if gguf is not None:  # a split GGUF's later shards are read too
         from ...errors import GGUFError
-        from ...weights.gguf_io import open_reader
+        from ...weights.gguf_file.gguf_io import open_reader
 
         try:
             shards = open_reader(gguf).shards

@@ -112,7 +112,7 @@ class Config:
     #: the GGML types of the whole model's dense matrices (what sizes them on the device)
     whole_types: DenseTypes | None = None
     #: with a GGUF and no `format`: the format of its largest layer (what sizes the slots);
-    #: every layer then runs its experts as the file stores them (weights.gguf_format)
+    #: every layer then runs its experts as the file stores them (weights.gguf_file.gguf_format)
     stored_format: QuantFormat | None = None
     #: KV-cache positions (None: the whole model's context length)
     context: int | None = None

@@ -24,8 +24,8 @@ from ...errors import ConfigError, FormatError
 from ...runtime.memory import MIB
 from ...schedule.planners.planner import AUTO_CHUNK_MAX, ring_sizes
 from ...schedule.vram.memory_plan import DEFAULT_RESERVE_MIB, PASS_ORDERS, MemoryPlan, plan_memory
-from ...weights.gguf_format import file_layer_formats
-from ...weights.gguf_io import open_reader, read_header
+from ...weights.gguf_file.gguf_format import file_layer_formats
+from ...weights.gguf_file.gguf_io import open_reader, read_header
 from ...weights.model import MoESpec
 from ..files.input_files import InputFileError, path_text_problem, regular_file_problem, user_path
 from ..files.yaml_input import shown_value
@@ -245,7 +245,7 @@ def check_model(p: Problems, doc: dict, base: Path) -> tuple[MoESpec | None, Pat
 def check_format(p: Problems, doc: dict, geom: MoESpec | None,
                  reg: QuantRegistry, gguf: Path | None = None) -> QuantFormat | None:
     """The `format` key; absent with a GGUF model, the loaded format of the file's expert
-    tensors' type (weights.gguf_format: the file's bytes run as they are)."""
+    tensors' type (weights.gguf_file.gguf_format: the file's bytes run as they are)."""
     name = doc.get("format", MISSING)
     loaded = ", ".join(reg.names()) or "none"
     if name is MISSING and gguf is not None:

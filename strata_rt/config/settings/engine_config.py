@@ -195,7 +195,7 @@ class EngineConfig:
     _profile: RoutingProfile | None = field(default=None, repr=False, init=False)
     #: how dump_r was given, for its problems: the field, or its switch
     _dump_r_from: str = field(default="dump_r", repr=False, init=False)
-    #: how mmq_kernel was given, for its refusal (engine.check_mmq_kernel)
+    #: how mmq_kernel was given, for its refusal (weights.mmq_variant.check_mmq_kernel)
     _mmq_kernel_from: str = field(default="mmq_kernel", repr=False, init=False)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:  # noqa: D107 (see settings_keys.check_keys)

@@ -4,10 +4,10 @@ Names and keys are llama.cpp's (the gguf package's tables for MODEL_ARCH.QWEN3MO
 token_embd, output_norm, output (absent = tied to token_embd); per layer blk.N.attn_norm,
 attn_q, attn_k, attn_v, attn_output, attn_q_norm, attn_k_norm, ffn_norm, ffn_gate_inp and the
 three expert tensors. The MoE part (ffn_norm, ffn_gate_inp, experts and their conversion to the
-run's format) goes through strata_rt.weights.gguf_io, so both loaders report a broken file alike.
+run's format) goes through strata_rt.weights.gguf_file.gguf_io, so both loaders report a broken file alike.
 Dense tensors may be of any type the gguf package dequantizes (F32, F16, BF16, Q8_0, the
 K-quants, IQ4_XS, ...); they are kept as stored (DenseTensor) and dequantized where used,
-read from the file's descriptor once the model is open (weights.opened_file).
+read from the file's descriptor once the model is open (weights.gguf_file.opened_file).
 """
 
 from __future__ import annotations
@@ -21,18 +21,18 @@ import numpy as np
 
 from ...errors import ConfigError, GGUFError
 from ...formats.contract import QuantFormat
-from ...weights.gguf_checks import check_dense
-from ...weights.gguf_header import Header
-from ...weights.gguf_io import (
+from ...weights.gguf_file.gguf_checks import check_dense
+from ...weights.gguf_file.gguf_header import Header
+from ...weights.gguf_file.gguf_io import (
     open_reader,
     problems_error,
     read_header,
     typed_keys,
     write_moe_gguf,
 )
-from ...weights.gguf_keys import TOKENIZER, number
+from ...weights.gguf_file.gguf_keys import TOKENIZER, number
+from ...weights.gguf_file.opened_file import TensorBytes
 from ...weights.model import Model
-from ...weights.opened_file import TensorBytes
 from .spec import Qwen3Spec
 from .weights import (
     GLOBAL_ROLES,

@@ -30,7 +30,7 @@ from ...weights.model import Model
 from .spec import Qwen3Spec
 
 if TYPE_CHECKING:
-    from ...weights.opened_file import TensorBytes
+    from ...weights.gguf_file.opened_file import TensorBytes
 
 log = logging.getLogger(__name__)
 

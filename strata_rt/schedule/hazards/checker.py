@@ -52,7 +52,6 @@ from ..plan import (
     RING,
     Attention,
     ChunkInput,
-    ChunkPlan,
     Consume,
     Copy,
     DenseCopy,
@@ -62,7 +61,6 @@ from ..plan import (
     HandOff,
     LayerBegin,
     LayerEnd,
-    LayerPlan,
     LayerProducts,
     Op,
     Products,
@@ -433,19 +431,3 @@ class Checker:
                            f"not-yet-launched gather at op #{r} still reads")
         self.consumed = max(self.consumed, op.entry + 1)
         self.consume_op = i
-
-
-def check(plan: ChunkPlan | LayerPlan, residency: Residency | None = None,
-          ring_slots: int | None = None, images: ImageCache | None = None) -> None:
-    """Raises PlanHazardError on the first hazard of `plan` (a chunk, or one layer checked on
-    its own, which then needs `ring_slots` and is taken to follow the chunk's ChunkInput);
-    images: the engine's image cache, which cached Products are checked against."""
-    if isinstance(plan, ChunkPlan):
-        checker = Checker(plan.ring_slots, residency, images)
-        for lp in plan.layers:
-            checker.feed(lp.ops)
-        checker._check(checker.rows.finish(plan))  # a pass's chunks: the prompt, every layer
-    else:
-        if ring_slots is None:
-            raise ValueError("checking a LayerPlan alone needs ring_slots")
-        Checker(ring_slots, residency, images, input_arrived=True).feed(plan.ops)

@@ -16,7 +16,7 @@ float32 values are compared in their shortest decimal form, so 1e-12 stored as f
 
 A shard of a split GGUF (`split.count` > 1, as llama.cpp's gguf-split writes them) holds a
 part of a model's tensors; `split_of` reads its split keys, before any other key is looked at
-(the later shards carry no architecture), and strata_rt.weights.gguf_split merges the shards.
+(the later shards carry no architecture), and strata_rt.weights.gguf_file.gguf_split merges the shards.
 """
 
 from __future__ import annotations

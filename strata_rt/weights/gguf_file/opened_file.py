@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import GGUFChangedError, GGUFError
+from ...errors import GGUFChangedError, GGUFError
 
 _PREADV = getattr(os, "preadv", None)
 

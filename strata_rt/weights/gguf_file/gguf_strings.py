@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import GGUFError
+from ...errors import GGUFError
 
 
 @dataclass(frozen=True)

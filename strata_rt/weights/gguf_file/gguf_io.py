@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from ..config.files.file_kinds import open_regular
-from ..errors import GGUFError
+from ...config.files.file_kinds import open_regular
+from ...errors import GGUFError
 from . import gguf_checks
 from .gguf_header import Header, parse
 from .gguf_keys import check_keys, number, unsupported

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..layer_formats import LayerFormats
 from .gguf_header import Header
-from .layer_formats import LayerFormats
 
 #: tensors named per type in a message; the rest are counted
 MAX_NAMED = 6
@@ -51,8 +51,8 @@ def file_layer_formats(header: Header, registry: Any, hidden: int, ffn: int
     """(each layer's format as the file stores its experts, None) or (None, why not). A
     layer's format is the loaded format of its one type (the registry's object, default
     variant), or down_typed(gate/up type, down type) where only the down tensor differs."""
-    from ..formats.ggml_format import down_typed
-    from ..formats.ggml_types import BY_ID
+    from ...formats.ggml_format import down_typed
+    from ...formats.ggml_types import BY_ID
 
     types = expert_types(header)
     if not types:

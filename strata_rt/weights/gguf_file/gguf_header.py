@@ -19,7 +19,7 @@ records where each string lies, and are read back from one buffer (gguf_strings)
 Python call per string.
 
 The result (Header) holds typed values: the GGUF type of each key is kept, so the key checks
-(strata_rt.weights.gguf_keys) can refuse a float where a count belongs. Structural damage that stops
+(strata_rt.weights.gguf_file.gguf_keys) can refuse a float where a count belongs. Structural damage that stops
 the walk is a GGUFError at once; problems of individual tensors are collected in
 `Header.problems` so one message lists them all.
 """
@@ -36,8 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from ..config.files.file_kinds import not_a_file, open_regular
-from ..errors import GGUFError
+from ...config.files.file_kinds import not_a_file, open_regular
+from ...errors import GGUFError
 from .gguf_problems import Problems
 from .gguf_strings import StringArray
 from .gguf_tensors import data_end_problem, tensor_problems

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from ..formats.ggml_types import F16_SCALES
+from ...formats.ggml_types import F16_SCALES
 
 #: float types: GGML type id -> (unsigned view, exponent mask); all exponent bits set = NaN/Inf
 FLOAT_BITS = {0: (np.uint32, 0x7F800000), 1: (np.uint16, 0x7C00), 30: (np.uint16, 0x7F80),

@@ -23,8 +23,8 @@ import re
 from dataclasses import replace
 from pathlib import Path
 
-from ..config.files.file_kinds import not_a_file
-from ..errors import GGUFError
+from ...config.files.file_kinds import not_a_file
+from ...errors import GGUFError
 from .gguf_header import ARRAY, Header, KeyValue, parse
 from .gguf_keys import SHARD_NAME, SPLIT_COUNT, SPLIT_NO, SPLIT_TENSORS, split_of
 from .gguf_problems import Problems
