@@ -280,7 +280,9 @@ __device__ __forceinline__ void attend_sm90(const __half* __restrict__ q,
         }
     } else {
         // tile j+1 is copied while tile j's q.k and tile j-1's p.v run: three stages in use
-        const int my_tiles = w_max < 0 ? 0 : min(n_tiles, w_max / KT + 1);
+        // both warpgroups take every tile of the block: a warpgroup's tiles past its rows are
+        // exact no-ops (as above), and a branch on the warpgroup would put the wgmma in a
+        // divergent path, where ptxas serializes them and the overlap is lost
         load_tile(0);
         cp_async_commit();  // group: Q and tile 0
         for (int tile = 0; tile <= n_tiles; ++tile) {
@@ -293,7 +295,7 @@ __device__ __forceinline__ void attend_sm90(const __half* __restrict__ q,
                 load_tile(tile + 1);
                 cp_async_commit();
             }
-            const bool scores = tile < my_tiles, pv = tile >= 1 && tile - 1 < my_tiles;
+            const bool scores = tile < n_tiles, pv = tile >= 1;
             float s[64];
             if (scores) issue_scores(s, dq, stage_of(tile));
             if (pv) issue_pv(o, pf, stage_of(tile - 1) + KV_BYTES);
