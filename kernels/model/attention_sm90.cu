@@ -20,8 +20,8 @@
 //   3. o (64 x 128, float32) += p v: eight m64n128k16 steps whose A operand is p in registers
 //      (the accumulator fragment of step 1 is the A fragment here) and whose B is the V tile
 //      read MN-major (head dim contiguous) from the same swizzled layout as K.
-// A warpgroup whose rows all precede a tile skips it (exactly what attend's per-row no-op
-// gives); the block's barriers stay uniform.
+// A tile past all of a warpgroup's rows is an exact no-op for them (as attend's per-row no-op):
+// the two-stage schedule skips it, the pipelined one runs it (no wgmma in a divergent path).
 //
 // Determinism and chunk invariance, as attend's: a row's result is a fixed function of its q,
 // its position and cache rows 0..position. Its tiles are the same absolute tiles whatever
